@@ -1,0 +1,127 @@
+"""Write checkpoints in the published layouts: random DFlash drafters for any target,
+and tiny random targets with a small tokenizer (for tests, demos and timing shapes)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from treeflash.config import ModelConfig, default_target_layer_ids, read_config_json
+
+
+def _normal(gen: torch.Generator, *shape, std: float = 0.02) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen) * std
+
+
+def _layer_weights(gen, prefix: str, hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int,
+                   qk_norm: bool, std: float) -> dict[str, torch.Tensor]:
+    w = {
+        f"{prefix}self_attn.q_proj.weight": _normal(gen, heads * head_dim, hidden, std=std),
+        f"{prefix}self_attn.k_proj.weight": _normal(gen, kv_heads * head_dim, hidden, std=std),
+        f"{prefix}self_attn.v_proj.weight": _normal(gen, kv_heads * head_dim, hidden, std=std),
+        f"{prefix}self_attn.o_proj.weight": _normal(gen, hidden, heads * head_dim, std=std),
+        f"{prefix}mlp.gate_proj.weight": _normal(gen, inter, hidden, std=std),
+        f"{prefix}mlp.up_proj.weight": _normal(gen, inter, hidden, std=std),
+        f"{prefix}mlp.down_proj.weight": _normal(gen, hidden, inter, std=std),
+        f"{prefix}input_layernorm.weight": 1 + _normal(gen, hidden, std=0.1),
+        f"{prefix}post_attention_layernorm.weight": 1 + _normal(gen, hidden, std=0.1),
+    }
+    if qk_norm:
+        w[f"{prefix}self_attn.q_norm.weight"] = 1 + _normal(gen, head_dim, std=0.1)
+        w[f"{prefix}self_attn.k_norm.weight"] = 1 + _normal(gen, head_dim, std=0.1)
+    return w
+
+
+def write_random_drafter(target_dir: str | Path, out_dir: str | Path, num_layers: int = 2,
+                         block_size: int = 16, mask_token_id: int | None = None,
+                         target_layer_ids: list[int] | None = None, seed: int = 0,
+                         std: float = 0.02, dtype: torch.dtype = torch.float32) -> Path:
+    """A random DFlash drafter for the target in `target_dir`, in the published layout."""
+    t = ModelConfig.from_dict(read_config_json(target_dir), str(target_dir))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    ids = target_layer_ids or default_target_layer_ids(t.num_layers, num_layers)
+    ids = [min(max(i, 0), t.num_layers - 1) for i in ids]
+    mask = t.vocab_size - 1 if mask_token_id is None else mask_token_id
+    H = t.hidden_size
+    w = {}
+    for i in range(num_layers):
+        w.update(_layer_weights(gen, f"layers.{i}.", H, t.intermediate_size, t.num_heads, t.num_kv_heads,
+                                t.head_dim, True, std))
+    w["fc.weight"] = _normal(gen, H, len(ids) * H, std=std)
+    w["hidden_norm.weight"] = 1 + _normal(gen, H, std=0.1)
+    w["norm.weight"] = 1 + _normal(gen, H, std=0.1)
+    save_file({k: v.to(dtype).contiguous() for k, v in w.items()}, str(out / "model.safetensors"))
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": H, "intermediate_size": t.intermediate_size, "num_hidden_layers": num_layers,
+        "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim,
+        "vocab_size": t.vocab_size, "rms_norm_eps": t.rms_norm_eps, "rope_theta": t.rope_theta,
+        "max_position_embeddings": t.max_position_embeddings, "tie_word_embeddings": False,
+        "block_size": block_size, "num_target_layers": t.num_layers,
+        "dflash_config": {"mask_token_id": mask, "target_layer_ids": ids},
+        "torch_dtype": str(dtype).replace("torch.", ""),
+    }
+    if t.rope_scaling:
+        config["rope_scaling"] = t.rope_scaling
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def write_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 256) -> int:
+    """A byte-level BPE tokenizer trained on a few lines of Python; returns its size.
+
+    Special tokens: <|endoftext|> (EOS), <|pad|>, <|mask|> (the drafter's MASK)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|pad|>", "<|mask|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    text = ["def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
+            "import os\nimport sys\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n",
+            "for i in range(10):\n    print(i, i * i)\n", "the quick brown fox jumps over the lazy dog\n"] * 4
+    tok.train_from_iterator(text, trainer)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "pad_token": "<|pad|>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return tok.get_vocab_size()
+
+
+def write_random_target(out_dir: str | Path, arch: str = "qwen3", hidden_size: int = 64, num_layers: int = 4,
+                        num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16, intermediate_size: int = 128,
+                        vocab_size: int | None = None, tie_word_embeddings: bool = False, seed: int = 0,
+                        std: float = 0.02, rope_scaling: dict | None = None, max_position_embeddings: int = 2048,
+                        dtype: torch.dtype = torch.float32, eos_token_id: int | None = 0) -> Path:
+    """A random Qwen3/Llama checkpoint (with a tiny tokenizer unless vocab_size is given)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if vocab_size is None:
+        vocab_size = write_tiny_tokenizer(out)
+    gen = torch.Generator().manual_seed(seed)
+    H = hidden_size
+    w = {"model.embed_tokens.weight": _normal(gen, vocab_size, H, std=1.0),
+         "model.norm.weight": 1 + _normal(gen, H, std=0.1)}
+    for i in range(num_layers):
+        w.update(_layer_weights(gen, f"model.layers.{i}.", H, intermediate_size, num_heads, num_kv_heads,
+                                head_dim, arch == "qwen3", std))
+    if not tie_word_embeddings:
+        w["lm_head.weight"] = _normal(gen, vocab_size, H, std=std * 4)
+    save_file({k: v.to(dtype).contiguous() for k, v in w.items()}, str(out / "model.safetensors"))
+    config = {
+        "architectures": ["Qwen3ForCausalLM" if arch == "qwen3" else "LlamaForCausalLM"], "model_type": arch,
+        "hidden_size": H, "intermediate_size": intermediate_size, "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads, "head_dim": head_dim,
+        "vocab_size": vocab_size, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": max_position_embeddings, "tie_word_embeddings": tie_word_embeddings,
+        "torch_dtype": str(dtype).replace("torch.", ""), "eos_token_id": eos_token_id,
+    }
+    if rope_scaling:
+        config["rope_scaling"] = rope_scaling
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

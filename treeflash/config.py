@@ -1,0 +1,214 @@
+"""Model configurations read from Hugging Face `config.json` files.
+
+One dataclass per kind of checkpoint: `ModelConfig` for dense targets (Qwen3, Llama)
+and `DraftConfig` for DFlash drafters (a Qwen3-style stack plus the DFlash keys).
+Both refuse what they cannot run with a one-line `TreeflashError`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from treeflash.errors import TreeflashError
+
+TARGET_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama"}
+
+DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "float64": torch.float64, "double": torch.float64, "fp64": torch.float64,
+}
+
+
+def read_config_json(path: str | Path) -> dict:
+    """Read `<dir>/config.json`, with a clear error for every way it can be wrong."""
+    folder = Path(path)
+    if not folder.exists():
+        raise TreeflashError(f"model folder not found: {folder}")
+    if not folder.is_dir():
+        raise TreeflashError(f"model path is not a folder: {folder}")
+    cfg = folder / "config.json"
+    if not cfg.exists():
+        raise TreeflashError(f"config.json not found in {folder}")
+    try:
+        data = json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TreeflashError(f"malformed config.json in {folder}: {e}") from None
+    if not isinstance(data, dict):
+        raise TreeflashError(f"malformed config.json in {folder}: expected a JSON object")
+    return data
+
+
+def _require(data: dict, key: str, where: str, kind=int):
+    if key not in data or data[key] is None:
+        raise TreeflashError(f"config.json in {where} lacks required key '{key}'")
+    value = data[key]
+    if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise TreeflashError(f"config.json in {where}: '{key}' must be a positive integer, got {value!r}")
+    if kind is float and not isinstance(value, (int, float)):
+        raise TreeflashError(f"config.json in {where}: '{key}' must be a number, got {value!r}")
+    return value
+
+
+def _rope(data: dict) -> tuple[float, dict | None]:
+    """RoPE theta and scaling, from transformers 4 (`rope_theta`, `rope_scaling`) or 5
+    (`rope_parameters`) style configs."""
+    params = data.get("rope_parameters") or {}
+    scaling = data.get("rope_scaling") or None
+    theta = float(params.get("rope_theta", data.get("rope_theta", 10000.0)))
+    if scaling is None and params.get("rope_type", "default") != "default":
+        scaling = params
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind == "default":
+            scaling = None
+        elif kind != "llama3":
+            raise TreeflashError(f"unsupported rope scaling type '{kind}' (supported: llama3)")
+    return theta, scaling
+
+
+def _eos_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, list) else [value])]
+
+
+@dataclass
+class ModelConfig:
+    """A dense decoder-only target: Qwen3 (q/k norms) or Llama."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    torch_dtype: str | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.arch == "qwen3"
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "config") -> "ModelConfig":
+        archs = data.get("architectures") or []
+        arch = None
+        for a in archs:
+            if a in TARGET_ARCHITECTURES:
+                arch = TARGET_ARCHITECTURES[a]
+        if arch is None and not archs:
+            arch = MODEL_TYPES.get(data.get("model_type", ""))
+        if arch is None:
+            name = archs[0] if archs else data.get("model_type", "<none>")
+            raise TreeflashError(
+                f"unsupported architecture '{name}' in {where} "
+                f"(supported: {', '.join(TARGET_ARCHITECTURES)})")
+        hidden = _require(data, "hidden_size", where)
+        heads = _require(data, "num_attention_heads", where)
+        kv_heads = data.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise TreeflashError(f"config.json in {where}: num_attention_heads ({heads}) "
+                                 f"is not a multiple of num_key_value_heads ({kv_heads})")
+        theta, scaling = _rope(data)
+        return cls(
+            arch=arch,
+            vocab_size=_require(data, "vocab_size", where),
+            hidden_size=hidden,
+            intermediate_size=_require(data, "intermediate_size", where),
+            num_layers=_require(data, "num_hidden_layers", where),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=data.get("head_dim") or hidden // heads,
+            rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(data.get("max_position_embeddings") or 4096),
+            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
+            attention_bias=bool(data.get("attention_bias", False)),
+            mlp_bias=bool(data.get("mlp_bias", False)),
+            torch_dtype=data.get("torch_dtype") or data.get("dtype"),
+            eos_token_ids=_eos_ids(data.get("eos_token_id")),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "ModelConfig":
+        return cls.from_dict(read_config_json(path), where=str(path))
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's default taps: evenly spaced from layer 1 to layer L-3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DraftConfig:
+    """A DFlash drafter: a Qwen3-style layer stack reading the target's hidden states."""
+
+    layers: ModelConfig
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int | None
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "config") -> "DraftConfig":
+        archs = data.get("architectures") or []
+        if archs and "DFlashDraftModel" not in archs:
+            raise TreeflashError(f"{where} is not a DFlash drafter (architectures: {archs})")
+        dflash = data.get("dflash_config") or {}
+        layers = ModelConfig.from_dict({**data, "architectures": ["Qwen3ForCausalLM"]}, where)
+        block = dflash.get("block_size", data.get("block_size", 16))
+        if not isinstance(block, int) or block < 2:
+            raise TreeflashError(f"drafter {where}: block_size must be an integer >= 2, got {block!r}")
+        mask = dflash.get("mask_token_id", data.get("mask_token_id"))
+        if not isinstance(mask, int) or isinstance(mask, bool):
+            raise TreeflashError(f"drafter {where} lacks dflash_config.mask_token_id")
+        num_target = data.get("num_target_layers")
+        ids = dflash.get("target_layer_ids", data.get("target_layer_ids"))
+        if ids is None:
+            if num_target is None:
+                raise TreeflashError(f"drafter {where} has neither target_layer_ids nor num_target_layers")
+            ids = default_target_layer_ids(num_target, layers.num_layers)
+        return cls(layers=layers, block_size=block, mask_token_id=mask,
+                   target_layer_ids=[int(i) for i in ids], num_target_layers=num_target)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "DraftConfig":
+        return cls.from_dict(read_config_json(path), where=str(path))
+
+    def check_fits(self, target: ModelConfig) -> None:
+        """Refuse a drafter that was not made for this target."""
+        if self.layers.hidden_size != target.hidden_size:
+            raise TreeflashError(f"drafter hidden_size {self.layers.hidden_size} does not match "
+                                 f"the target's {target.hidden_size}")
+        if self.layers.vocab_size != target.vocab_size:
+            raise TreeflashError(f"drafter vocab_size {self.layers.vocab_size} does not match "
+                                 f"the target's {target.vocab_size}")
+        if self.num_target_layers is not None and self.num_target_layers != target.num_layers:
+            raise TreeflashError(f"drafter was made for a target of {self.num_target_layers} layers, "
+                                 f"this target has {target.num_layers}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            raise TreeflashError(f"drafter taps target layers {bad}, but the target has "
+                                 f"layers 0..{target.num_layers - 1}")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise TreeflashError(f"drafter mask_token_id {self.mask_token_id} is outside the "
+                                 f"target's vocabulary of {target.vocab_size}")

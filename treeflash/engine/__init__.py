@@ -1,0 +1,1 @@
+"""Running models: caches, trees, sampling, the speculative round and the `LLM` API."""

@@ -1,0 +1,48 @@
+"""Static KV caches.
+
+`KVCache` holds one [B, Hkv, S, D] tensor pair per layer. A round writes its block
+(tree nodes, drafter block) right after each request's committed prefix, then
+`compact` moves the accepted path to the front of that free space: the prefix
+itself is never copied or duplicated.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (num_layers, batch, kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def compact(self, prefix_lens: torch.Tensor, src: torch.Tensor) -> None:
+        """Slot `prefix_lens + i` <- slot `prefix_lens + src[:, i]` for i in 0..P-1, all layers.
+
+        Static shapes: rows past a request's accepted path are moved too, into free
+        space that the next round overwrites.
+        """
+        L, B, H, S, D = self.k.shape
+        P = src.shape[1]
+        base = prefix_lens[:, None]
+        gather = (base + src)[None, :, None, :, None].expand(L, B, H, P, D)
+        scatter = (base + torch.arange(P, device=src.device))[None, :, None, :, None].expand(L, B, H, P, D)
+        for t in (self.k, self.v):
+            t.scatter_(3, scatter, t.gather(3, gather))
+
+
+class DraftContextCache(KVCache):
+    """The drafter's per-layer K/V of committed positions' target features.
+
+    `projected[b]` counts the positions projected into it for request b: each
+    committed position is projected exactly once ("load contexts once").
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.projected = torch.zeros(self.k.shape[1], dtype=torch.long, device=self.k.device)

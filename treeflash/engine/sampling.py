@@ -1,0 +1,137 @@
+"""Exact, position-keyed sampling.
+
+The token at absolute position `p` of a request is
+
+    argmax(filter(logits / T) + g(seed, p))        (plain argmax when T == 0)
+
+where `filter` applies top-k and top-p (masked to -inf) and `g(seed, p)` is a Gumbel
+vector that depends only on the request's seed and `p` (a counter-based hash, the
+same on every device and for every batch). Gumbel-max makes this an exact sample of
+softmax(filter(logits / T)); keying the noise by position makes a speculative round
+produce exactly the tokens that autoregressive decoding produces.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from treeflash.errors import UsageError
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> "SamplingParams":
+        def bad(msg):
+            raise UsageError(f"invalid sampling parameters: {msg}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            bad(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            bad(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2 ** 63):
+            bad(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop must be a list of non-empty strings")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class SamplingBatch:
+    """Per-request sampling parameters of a batch, as device tensors."""
+
+    temperature: torch.Tensor  # [B] float, 0 = greedy
+    top_k: torch.Tensor        # [B] long, 0 = off
+    top_p: torch.Tensor        # [B] float
+    seed: torch.Tensor         # [B] long
+    any_sampled: bool
+    any_filtered: bool
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], device) -> "SamplingBatch":
+        seeds = [p.seed if p.seed is not None else random.getrandbits(63) for p in params]
+        return cls(
+            temperature=torch.tensor([float(p.temperature) for p in params], device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            top_p=torch.tensor([float(p.top_p) for p in params], device=device),
+            seed=torch.tensor(seeds, dtype=torch.long, device=device),
+            any_sampled=any(not p.greedy for p in params),
+            any_filtered=any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params),
+        )
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finalizer (bijective avalanche mix) on int64 tensors holding uint32."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seed: torch.Tensor, positions: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
+    """g(seed, p) for vocabulary ids vocab_start..+vocab_size: [B, T, V] float32.
+
+    seed [B] long, positions [B, T] long. Only (seed, position, token id) enter the
+    hash, so a vocabulary shard computes its own slice of the same vector.
+    """
+    s = _mix32(seed & _M32) ^ _mix32((seed >> 32) ^ 0x5BD1E995)
+    key = _mix32((s[:, None] + positions * 0x9E3779B9) & _M32)                       # [B, T]
+    ids = torch.arange(vocab_start, vocab_start + vocab_size, device=seed.device)
+    h = _mix32(key[..., None] ^ _mix32((ids * 0x85EBCA6B + 0x27D4EB2F) & _M32))       # [B, T, V]
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(-torch.log(u))
+
+
+def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf what top-k ([B], 0 = off) and top-p ([B]) remove from scaled logits [B, T, V]."""
+    V = scaled.shape[-1]
+    sorted_vals, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(V, device=scaled.device)
+    k = torch.where(top_k > 0, top_k, V)[:, None, None]
+    keep = rank < k
+    probs = torch.softmax(sorted_vals.masked_fill(~keep, float("-inf")), dim=-1)
+    before = probs.cumsum(-1) - probs
+    p = top_p[:, None, None].to(probs.dtype)
+    keep &= (before < p) | (p >= 1)
+    keep[..., 0] = True
+    mask = torch.zeros_like(keep).scatter(-1, order, keep)
+    return scaled.masked_fill(~mask, float("-inf"))
+
+
+def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Tokens [B, T] for logits [B, T, V], the sampled tokens sitting at `positions` [B, T]."""
+    greedy = logits.argmax(-1)
+    if not sb.any_sampled:
+        return greedy
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    temp = sb.temperature.to(dtype)
+    scaled = logits.to(dtype) / temp.clamp_min(1e-6)[:, None, None]
+    if sb.any_filtered:
+        scaled = filter_logits(scaled, sb.top_k, sb.top_p)
+    noisy = scaled + gumbel_noise(sb.seed, positions, 0, logits.shape[-1]).to(dtype)
+    return torch.where(temp[:, None] > 0, noisy.argmax(-1), greedy)

@@ -1,0 +1,162 @@
+"""Draft trees: what the target verifies in one forward pass.
+
+A tree has a root (the anchor token, index 0) and N nodes; node i holds a draft
+token at depth `depths[i]` below the root, and its parent comes before it. AR is
+the empty tree, DFlash-linear a chain of the top-1 tokens, DDTree the N most
+probable prefixes under the drafter's per-depth distributions. All builders work on
+a whole batch, on the device, with static shapes.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor     # [B, N+1] long, tokens[:, 0] = anchor
+    parents: torch.Tensor    # [B, N+1] long, index of the parent (root: 0)
+    depths: torch.Tensor     # [B, N+1] long, root: 0
+    ancestors: torch.Tensor  # [B, N+1, N+1] bool, ancestors[b, i, j]: j is i or an ancestor of i
+    valid: torch.Tensor      # [B, N+1] bool: False for padding nodes that must never be accepted
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1] - 1
+
+
+def _ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    B, M = parents.shape
+    anc = torch.eye(M, dtype=torch.bool, device=parents.device).expand(B, M, M).clone()
+    cur = parents
+    rows = torch.arange(M, device=parents.device).expand(B, M)
+    for _ in range(max_depth):
+        anc[torch.arange(B, device=parents.device)[:, None], rows, cur] = True
+        cur = parents.gather(1, cur)
+    return anc
+
+
+def empty_tree(anchor: torch.Tensor) -> DraftTree:
+    """Autoregressive decoding: the root alone."""
+    B = anchor.shape[0]
+    zeros = torch.zeros(B, 1, dtype=torch.long, device=anchor.device)
+    return DraftTree(anchor[:, None], zeros, zeros.clone(),
+                     torch.ones(B, 1, 1, dtype=torch.bool, device=anchor.device),
+                     torch.ones(B, 1, dtype=torch.bool, device=anchor.device))
+
+
+def build_chain(scores: torch.Tensor, anchor: torch.Tensor) -> DraftTree:
+    """DFlash-linear: the top-1 token at every depth, each the child of the previous one.
+
+    scores [B, D, V]: draft scores (log-probabilities or perturbed logits) for depths 1..D.
+    """
+    B, D, _ = scores.shape
+    dev = anchor.device
+    tokens = torch.cat([anchor[:, None], scores.argmax(-1)], dim=1)
+    idx = torch.arange(D + 1, device=dev)
+    parents = (idx - 1).clamp_min(0).expand(B, D + 1)
+    depths = idx.expand(B, D + 1)
+    anc = torch.ones(D + 1, D + 1, dtype=torch.bool, device=dev).tril().expand(B, D + 1, D + 1)
+    return DraftTree(tokens, parents.clone(), depths.clone(), anc.clone(),
+                     torch.ones(B, D + 1, dtype=torch.bool, device=dev))
+
+
+def build_tree(logprobs: torch.Tensor, anchor: torch.Tensor, budget: int) -> DraftTree:
+    """DDTree: the `budget` most probable prefixes (depth <= D) of the per-depth draft
+    distributions logprobs [B, D, V], exactly, as a tree below the anchor.
+
+    Beam per depth: the top-N prefixes of depth d are among (top-N prefixes of depth
+    d-1) x (top-N tokens at depth d), so one top-k over an N x K score matrix per
+    depth gives each depth's beam with its parents. The tree is the top N of the
+    union of the beams; a stable sort over depth-major candidates breaks ties toward
+    shallower nodes, so a parent always precedes its children.
+    """
+    B, D, V = logprobs.shape
+    N = budget
+    K = min(N, V)
+    dev = logprobs.device
+    top_vals, top_ids = logprobs.float().topk(K, dim=-1)                      # [B, D, K]
+    neg = torch.full((B, N), float("-inf"), device=dev)
+    beam = neg.clone()
+    beam[:, :K] = top_vals[:, 0]
+    beam_tok = torch.zeros(B, N, dtype=torch.long, device=dev)
+    beam_tok[:, :K] = top_ids[:, 0]
+    beam_par = torch.full((B, N), -1, dtype=torch.long, device=dev)
+    scores, toks, pars = [beam], [beam_tok], [beam_par]
+    for d in range(1, D):
+        cand = (beam[:, :, None] + top_vals[:, d, None, :]).reshape(B, N * K)
+        beam, flat = cand.topk(N, dim=-1)
+        parent, j = flat // K, flat % K
+        beam_tok = top_ids[:, d].gather(1, j)
+        scores.append(beam)
+        toks.append(beam_tok)
+        pars.append(parent)
+    all_scores = torch.stack(scores, 1).reshape(B, D * N)                    # depth-major
+    order = all_scores.sort(dim=-1, descending=True, stable=True).indices[:, :N]
+    # node index (1..N) of every candidate, 0 when not selected
+    node_of = torch.zeros(B, D * N, dtype=torch.long, device=dev)
+    node_of.scatter_(1, order, torch.arange(1, N + 1, device=dev).expand(B, N))
+    depth = order // N                                                       # 0-based depth - 1
+    cand_par = torch.stack(pars, 1).reshape(B, D * N).gather(1, order)        # index in beam d-1
+    parent_flat = ((depth - 1).clamp_min(0) * N + cand_par.clamp_min(0))
+    parents = torch.where(depth == 0, torch.zeros_like(depth), node_of.gather(1, parent_flat))
+    tokens = torch.stack(toks, 1).reshape(B, D * N).gather(1, order)
+    valid = all_scores.gather(1, order) > float("-inf")
+    zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
+    parents = torch.cat([zero, parents], 1)
+    depths = torch.cat([zero, depth + 1], 1)
+    tokens = torch.cat([anchor[:, None], tokens], 1)
+    valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=dev), valid], 1)
+    return DraftTree(tokens, parents, depths, _ancestor_matrix(parents, D), valid)
+
+
+def best_prefixes_heap(logprobs, budget: int) -> list[tuple[int, ...]]:
+    """Host reference for tests: best-first search over (depth, rank-at-depth) for the
+    `budget` most probable prefixes of per-depth distributions logprobs [D, V]."""
+    import numpy as np
+    lp = np.asarray(logprobs, dtype=np.float64)
+    D = lp.shape[0]
+    order = np.argsort(-lp, axis=1, kind="stable")
+    sorted_lp = np.take_along_axis(lp, order, axis=1)
+    # heap item: (-score, prefix of ranks)
+    heap = [(-sorted_lp[0, 0], (0,))]
+    out = []
+    while heap and len(out) < budget:
+        neg, ranks = heapq.heappop(heap)
+        d = len(ranks) - 1
+        out.append(tuple(int(order[i, r]) for i, r in enumerate(ranks)))
+        if ranks[-1] + 1 < lp.shape[1]:  # next sibling
+            sib = ranks[:-1] + (ranks[-1] + 1,)
+            heapq.heappush(heap, (neg + sorted_lp[d, ranks[-1]] - sorted_lp[d, ranks[-1] + 1], sib))
+        if d + 1 < D:  # first child
+            heapq.heappush(heap, (neg - sorted_lp[d + 1, 0], ranks + (0,)))
+    return out
+
+
+@dataclass
+class WalkResult:
+    best: torch.Tensor         # [B] index of the deepest accepted node
+    accepted: torch.Tensor     # [B] its depth a (a draft tokens accepted)
+    path: torch.Tensor         # [B, D+1] node index at depth 0..D on the path to `best` (past a: repeats)
+    bonus: torch.Tensor        # [B] the target's token at `best`
+
+
+def walk(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int) -> WalkResult:
+    """Accept every node whose edges from the root all match the target's tokens;
+    keep the deepest. Static shapes: `accepted = (ancestors @ mismatch) == 0`."""
+    parent_token = target_tokens.gather(1, tree.parents)
+    mismatch = (tree.tokens != parent_token) | ~tree.valid
+    mismatch[:, 0] = False
+    accepted = ~(tree.ancestors & mismatch[:, None, :]).any(-1)              # [B, M]
+    score = torch.where(accepted, tree.depths, torch.full_like(tree.depths, -1))
+    best = score.argmax(-1)
+    depth = tree.depths.gather(1, best[:, None])[:, 0]
+    # path: for each depth d, the ancestor of `best` at depth d (or best itself past its depth)
+    on_path = tree.ancestors.gather(1, best[:, None, None].expand(-1, 1, tree.tokens.shape[1]))[:, 0]
+    d = torch.arange(max_depth + 1, device=best.device)
+    hit = on_path[:, None, :] & (tree.depths[:, None, :] == d[None, :, None])    # [B, D+1, M]
+    path = torch.where(hit.any(-1), hit.float().argmax(-1), best[:, None])
+    bonus = target_tokens.gather(1, best[:, None])[:, 0]
+    return WalkResult(best, depth, path, bonus)

@@ -1,0 +1,1 @@
+"""Reusable, tensor-parallel-aware building blocks shared by targets and drafters."""

@@ -1,0 +1,49 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of
+the vocabulary rows."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treeflash.distributed import TPGroup
+
+
+class VocabParallelEmbedding(nn.Module):
+    shard_dim = 0
+
+    def __init__(self, vocab_size: int, dim: int, tp: TPGroup = TPGroup()):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows = tp.shard(vocab_size, "vocab_size")
+        self.start = tp.rank * self.rows
+        self.parts = [vocab_size]
+        self.weight = nn.Parameter(torch.empty(self.rows, dim), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.rows)
+        out = F.embedding(local.clamp(0, self.rows - 1), self.weight) * inside[..., None]
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Logits for this rank's vocabulary slice; `gather=True` returns the full vocabulary."""
+
+    shard_dim = 0
+
+    def __init__(self, vocab_size: int, dim: int, tp: TPGroup = TPGroup()):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows = tp.shard(vocab_size, "vocab_size")
+        self.start = tp.rank * self.rows
+        self.parts = [vocab_size]
+        self.weight = nn.Parameter(torch.empty(self.rows, dim), requires_grad=False)
+
+    def forward(self, h: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        logits = F.linear(h, self.weight)
+        return self.tp.all_gather(logits, dim=-1) if gather else logits

@@ -1,0 +1,54 @@
+"""Linear layers sharded over a `TPGroup`.
+
+Each layer knows how its weight is cut from the full checkpoint tensors
+(`shard_dim`): column-parallel layers keep a slice of the output features,
+row-parallel layers a slice of the input features and all-reduce their output.
+Merged layers (QKV, gate/up) hold several checkpoint tensors side by side.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treeflash.distributed import TPGroup
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T for this rank's slice of every part's output features.
+
+    `parts` lists the output sizes of the checkpoint tensors stored side by side
+    (one part for a plain layer, [q, k, v] for QKV, [gate, up] for the MLP).
+    """
+
+    shard_dim = 0
+
+    def __init__(self, in_features: int, parts: list[int], bias: bool = False,
+                 tp: TPGroup = TPGroup(), what: str = "output features"):
+        super().__init__()
+        self.tp = tp
+        self.parts = [tp.shard(p, what) for p in parts]
+        self.weight = nn.Parameter(torch.empty(sum(self.parts), in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(sum(self.parts)), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r W_r^T (+ bias once): the input is already sharded."""
+
+    shard_dim = 1
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp: TPGroup = TPGroup(), what: str = "input features"):
+        super().__init__()
+        self.tp = tp
+        self.parts = [out_features]
+        self.weight = nn.Parameter(torch.empty(out_features, tp.shard(in_features, what)),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

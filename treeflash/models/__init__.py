@@ -1,0 +1,1 @@
+"""Architectures: dense targets (Qwen3, Llama) and the DFlash drafter."""

@@ -1,0 +1,85 @@
+"""The DFlash block-diffusion drafter, in the published checkpoint layout.
+
+A few Qwen3-style layers with no embedding or LM head of their own. The target's
+tapped hidden states of each committed position are projected once (`fc`,
+`hidden_norm`, then every layer's k/v projection) into a `DraftContextCache`; a
+draft is one forward of the block `[anchor, MASK...]` whose queries see that
+context and the whole block (non-causal).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from treeflash.config import DraftConfig
+from treeflash.distributed import TPGroup
+from treeflash.engine.kv_cache import DraftContextCache
+from treeflash.layers.attention import AttentionInputs, write_block
+from treeflash.layers.linear import ColumnParallelLinear
+from treeflash.layers.norm import RMSNorm
+from treeflash.layers.rotary import RotaryEmbedding, apply_rotary
+from treeflash.models.transformer import DecoderLayer
+
+
+class DFlashDraftModel(nn.Module):
+    merged_weights = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+    def __init__(self, cfg: DraftConfig, tp: TPGroup = TPGroup()):
+        super().__init__()
+        self.config = cfg
+        c = cfg.layers
+        self.block_size = cfg.block_size
+        self.mask_token_id = cfg.mask_token_id
+        self.target_layer_ids = list(cfg.target_layer_ids)
+        self.layers = nn.ModuleList([DecoderLayer(c, tp) for _ in range(c.num_layers)])
+        self.fc = ColumnParallelLinear(len(self.target_layer_ids) * c.hidden_size, [c.hidden_size], tp=TPGroup())
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling)
+
+    def checkpoint_key(self, name: str) -> str:
+        return name
+
+    def new_cache(self, batch: int, max_len: int, device=None) -> DraftContextCache:
+        attn = self.layers[0].self_attn
+        p = self.fc.weight
+        return DraftContextCache(len(self.layers), batch, attn.num_kv_heads, max_len, attn.head_dim,
+                                 p.dtype, device or p.device)
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor):
+        """Per-layer (k, v) [B, P, Hkv, D] of target features [B, P, taps*H] at positions [B, P]."""
+        ctx = self.hidden_norm(self.fc(features))
+        cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
+        out = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            B, P, _ = ctx.shape
+            _, k, v = attn.qkv_proj(ctx).split(attn.qkv_proj.parts, dim=-1)
+            k = k.view(B, P, attn.num_kv_heads, attn.head_dim)
+            v = v.view(B, P, attn.num_kv_heads, attn.head_dim)
+            if attn.k_norm is not None:
+                k = attn.k_norm(k)
+            out.append((apply_rotary(k, cos, sin), v))
+        return out
+
+    def commit_context(self, cache: DraftContextCache, features: torch.Tensor, positions: torch.Tensor,
+                       start: torch.Tensor, counts: torch.Tensor) -> None:
+        """Project features of positions [B, P] into cache slots start + 0..P-1.
+
+        Only the first `counts[b]` rows are committed positions; the rest land in
+        free space past the prefix (static shapes) and are overwritten later.
+        """
+        slots = start[:, None] + torch.arange(features.shape[1], device=start.device)
+        for i, (k, v) in enumerate(self.context_kv(features, positions)):
+            write_block(cache.k[i], k, slots)
+            write_block(cache.v[i], v, slots)
+        cache.projected += counts
+
+    def forward(self, block_embeds: torch.Tensor, inputs: AttentionInputs,
+                cache: DraftContextCache) -> torch.Tensor:
+        """Hidden states [B, b, H] (after the final norm) of the draft block."""
+        h = block_embeds
+        cos, sin = self.rotary.cos_sin(inputs.positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, inputs, (cache.k[i], cache.v[i]))
+        return self.norm(h)

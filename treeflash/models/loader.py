@@ -1,0 +1,120 @@
+"""Load Hugging Face safetensors checkpoints (single file or sharded with an index).
+
+Each parameter names the checkpoint tensors it is made of (merged QKV and gate/up
+hold several); each rank reads only its own slice of each tensor, so memory per
+rank is about 1/N of the weights.
+"""
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from treeflash.errors import TreeflashError
+
+
+def checkpoint_files(folder: str | Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file that holds it."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise TreeflashError(f"malformed {index}: {e}") from None
+        files = {name: folder / f for name, f in weight_map.items()}
+        for f in set(files.values()):
+            if not f.exists():
+                raise TreeflashError(f"checkpoint shard {f.name} listed in {index.name} is missing from {folder}")
+        return files
+    candidates = sorted(folder.glob("*.safetensors"))
+    if not candidates:
+        raise TreeflashError(f"no safetensors weights (model.safetensors) found in {folder}")
+    files = {}
+    for f in candidates:
+        with _open(f) as st:
+            for name in st.keys():
+                files[name] = f
+    return files
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # safetensors raises several error types for bad headers
+        raise TreeflashError(f"cannot read {path}: {e}") from None
+
+
+def _parts_of(model: nn.Module, name: str) -> tuple[list[str], nn.Module | None]:
+    """Checkpoint keys making up parameter `name`, and the module that owns it."""
+    module_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(module_name) if module_name else model
+    prefix, _, local = module_name.rpartition(".")
+    merged = getattr(model, "merged_weights", {}).get(local)
+    if merged:
+        keys = [f"{prefix}.{m}.{leaf}" if prefix else f"{m}.{leaf}" for m in merged]
+    else:
+        keys = [name]
+    return [model.checkpoint_key(k) for k in keys], owner
+
+
+def _read_slice(st, key: str, full_shape: tuple, shard_dim: int | None, rank: int, size: int) -> torch.Tensor:
+    sl = st.get_slice(key)
+    shape = tuple(sl.get_shape())
+    if shape != full_shape:
+        raise TreeflashError(f"weight {key} has shape {list(shape)}, expected {list(full_shape)}")
+    if shard_dim is None or size == 1:
+        return sl[:]
+    n = full_shape[shard_dim] // size
+    lo, hi = rank * n, (rank + 1) * n
+    return sl[lo:hi] if shard_dim == 0 else sl[:, lo:hi]
+
+
+def load_weights(model: nn.Module, folder: str | Path) -> None:
+    """Fill every parameter of `model` from the checkpoint in `folder`."""
+    files = checkpoint_files(folder)
+    handles: dict[Path, object] = {}
+    try:
+        for name, param in model.named_parameters():
+            keys, owner = _parts_of(model, name)
+            is_bias = name.endswith(".bias")
+            shard_dim = getattr(owner, "shard_dim", None)
+            tp = getattr(owner, "tp", None)
+            rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
+            if is_bias and shard_dim == 1:
+                shard_dim = None  # a row-parallel bias is added once, after the all-reduce
+            if len(param.shape) == 1 and shard_dim == 1:
+                shard_dim = None
+            parts = getattr(owner, "parts", None) or [param.shape[0]]
+            pieces = []
+            for key, local_rows in zip(keys, parts if len(keys) > 1 else [param.shape[0]]):
+                if key not in files:
+                    raise TreeflashError(f"weight {key} is missing from the checkpoint in {folder}")
+                f = files[key]
+                if f not in handles:
+                    handles[f] = _open(f)
+                full = list(param.shape)
+                full[0] = local_rows
+                if shard_dim is not None and size > 1:
+                    full[shard_dim] *= size
+                pieces.append(_read_slice(handles[f], key, tuple(full), shard_dim, rank, size))
+            with torch.no_grad():
+                param.copy_(torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0])
+    finally:
+        handles.clear()
+
+
+@contextmanager
+def build_on(device: torch.device | str, dtype: torch.dtype):
+    """Create modules directly on `device` in `dtype` (no float32 copy on the host)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(old)

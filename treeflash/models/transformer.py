@@ -1,0 +1,147 @@
+"""Dense decoder-only targets: Qwen3 and Llama are one module (Qwen3 adds q/k norms).
+
+`forward` runs a block of tokens against the KV cache (see `layers.attention`) and
+returns the final hidden states plus the residual stream after the tapped layers,
+which the DFlash drafter reads. `logits` applies the LM head separately, so a verify
+pass computes logits for every tree node and a prefill only for its last token.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from treeflash.config import ModelConfig
+from treeflash.distributed import TPGroup
+from treeflash.engine.kv_cache import KVCache
+from treeflash.layers.attention import AttentionInputs, dense_attention, sdpa_attention, write_block
+from treeflash.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from treeflash.layers.linear import ColumnParallelLinear, RowParallelLinear
+from treeflash.layers.norm import RMSNorm
+from treeflash.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.num_heads = tp.shard(cfg.num_heads, "num_attention_heads")
+        self.num_kv_heads = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
+        self.scale = cfg.head_dim ** -0.5
+        D = cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [cfg.num_heads * D, cfg.num_kv_heads * D, cfg.num_kv_heads * D],
+            bias=cfg.attention_bias, tp=tp, what="attention heads")
+        self.o_proj = RowParallelLinear(cfg.num_heads * D, cfg.hidden_size, bias=cfg.attention_bias, tp=tp)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def project_qkv(self, x: torch.Tensor, cos, sin):
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.parts, dim=-1)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(self, x, cos, sin, inputs: AttentionInputs, kv: tuple | None):
+        B, T, _ = x.shape
+        q, k, v = self.project_qkv(x, cos, sin)
+        if kv is None:
+            out = dense_attention(q, k, v, inputs.block_mask, self.scale)
+        else:
+            k_cache, v_cache = kv
+            slots = inputs.block_slots()
+            write_block(k_cache, k, slots)
+            write_block(v_cache, v, slots)
+            out = sdpa_attention(q, k_cache, v_cache, inputs, self.scale)
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        I = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [I, I], bias=cfg.mlp_bias, tp=tp,
+                                                 what="intermediate_size")
+        self.down_proj = RowParallelLinear(I, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        self.self_attn = Attention(cfg, tp)
+        self.mlp = MLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, cos, sin, inputs, kv):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, inputs, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderStack(nn.Module):
+    """HF's `model.*` module: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, tp) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """A Qwen3ForCausalLM / LlamaForCausalLM target."""
+
+    # Checkpoint tensors stored side by side in one of our parameters.
+    merged_weights = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup()):
+        super().__init__()
+        self.config = cfg
+        self.tp = tp
+        self.model = DecoderStack(cfg, tp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    def checkpoint_key(self, name: str) -> str:
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return "model.embed_tokens.weight"
+        return name
+
+    def new_cache(self, batch: int, max_len: int, device=None) -> KVCache:
+        attn = self.model.layers[0].self_attn
+        p = self.lm_head.weight
+        return KVCache(len(self.model.layers), batch, attn.num_kv_heads, max_len, attn.head_dim,
+                       p.dtype, device or p.device)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
+
+    def forward(self, ids: torch.Tensor, inputs: AttentionInputs, cache: KVCache | None = None,
+                taps: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns final hidden states [B, T, H] and tapped states [B, T, len(taps) * H]
+        (the residual stream after each tapped layer, as HF `hidden_states[id + 1]`)."""
+        h = self.embed(ids)
+        cos, sin = self.rotary.cos_sin(inputs.positions, h.dtype)
+        tapped = {}
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            h = layer(h, cos, sin, inputs, kv)
+            if i in taps and i != last:
+                tapped[i] = h
+        h = self.model.norm(h)
+        if last in taps:
+            tapped[last] = h  # HF's last hidden state is taken after the final norm
+        features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
+        return h, features
+
+    def logits(self, h: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        return self.lm_head(h, gather=gather)
