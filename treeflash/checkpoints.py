@@ -97,8 +97,13 @@ def write_random_target(out_dir: str | Path, arch: str = "qwen3", hidden_size: i
                         num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16, intermediate_size: int = 128,
                         vocab_size: int | None = None, tie_word_embeddings: bool = False, seed: int = 0,
                         std: float = 0.02, rope_scaling: dict | None = None, max_position_embeddings: int = 2048,
-                        dtype: torch.dtype = torch.float32, eos_token_id: int | None = 0) -> Path:
-    """A random Qwen3/Llama checkpoint (with a tiny tokenizer unless vocab_size is given)."""
+                        dtype: torch.dtype = torch.float32, eos_token_id: int | None = 0,
+                        peaked_tokens: int = 0) -> Path:
+    """A random Qwen3/Llama checkpoint (with a tiny tokenizer unless vocab_size is given).
+
+    `peaked_tokens` > 0 boosts that many LM-head rows (token ids 3, 4, ...), so the model
+    mostly picks among them, by context: a random drafter sharing the head then gets
+    real acceptances, which exercises the accept/commit paths of speculative rounds."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if vocab_size is None:
@@ -112,6 +117,9 @@ def write_random_target(out_dir: str | Path, arch: str = "qwen3", hidden_size: i
                                 head_dim, arch == "qwen3", std))
     if not tie_word_embeddings:
         w["lm_head.weight"] = _normal(gen, vocab_size, H, std=std * 4)
+    if peaked_tokens:
+        head = "model.embed_tokens.weight" if tie_word_embeddings else "lm_head.weight"
+        w[head][3:3 + peaked_tokens] *= 25.0
     save_file({k: v.to(dtype).contiguous() for k, v in w.items()}, str(out / "model.safetensors"))
     config = {
         "architectures": ["Qwen3ForCausalLM" if arch == "qwen3" else "LlamaForCausalLM"], "model_type": arch,
