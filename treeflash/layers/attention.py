@@ -22,7 +22,8 @@ class AttentionInputs:
 
     positions: torch.Tensor     # [B, T] RoPE positions of the block tokens
     prefix_lens: torch.Tensor   # [B] committed (cached) tokens before the block
-    block_mask: torch.Tensor    # [B, T, T] bool: block query i may see block key j
+    block_mask: torch.Tensor | None  # [B, T, T] bool: block query i may see block key j
+                                     # (dense/training path: [B, T, S] or None for causal)
     kv_len: int | None = None   # cache slots a reference kernel needs to read (None: all)
 
     @classmethod
@@ -69,9 +70,10 @@ def sdpa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """No cache (training): q [B, T, H, D], k/v [B, S, Hkv, D], mask [B, T, S]."""
+                    mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """No cache (training): q [B, T, H, D], k/v [B, S, Hkv, D], mask [B, T, S] (None: causal)."""
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None],
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=None if mask is None else mask[:, None], is_causal=mask is None,
         scale=scale, enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)

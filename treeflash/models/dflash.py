@@ -83,3 +83,16 @@ class DFlashDraftModel(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, inputs, (cache.k[i], cache.v[i]))
         return self.norm(h)
+
+    def forward_dense(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
+                      features: torch.Tensor, feature_positions: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor:
+        """Cache-free forward for training: blocks [B, M, H] at block_positions [B, M]
+        attend to target features [B, P, taps*H] at feature_positions [B, P] and to the
+        blocks themselves, as `mask` [B, M, P + M] allows. Returns normed hidden [B, M, H]."""
+        h = block_embeds
+        cos, sin = self.rotary.cos_sin(block_positions, h.dtype)
+        inputs = AttentionInputs(block_positions, None, mask)
+        for layer, ctx in zip(self.layers, self.context_kv(features, feature_positions)):
+            h = layer(h, cos, sin, inputs, None, prefix_kv=ctx)
+        return self.norm(h)

@@ -46,10 +46,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def forward(self, x, cos, sin, inputs: AttentionInputs, kv: tuple | None):
+    def forward(self, x, cos, sin, inputs: AttentionInputs, kv: tuple | None, prefix_kv: tuple | None = None):
+        """kv: this layer's (k_cache, v_cache), or None for the cache-free (training) path,
+        where `prefix_kv` optionally holds K/V [B, P, Hkv, D] placed before the block."""
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x, cos, sin)
         if kv is None:
+            if prefix_kv is not None:
+                k, v = torch.cat([prefix_kv[0], k], 1), torch.cat([prefix_kv[1], v], 1)
             out = dense_attention(q, k, v, inputs.block_mask, self.scale)
         else:
             k_cache, v_cache = kv
@@ -81,8 +85,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, cos, sin, inputs, kv):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, inputs, kv)
+    def forward(self, h, cos, sin, inputs, kv, prefix_kv=None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, inputs, kv, prefix_kv)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
