@@ -1,0 +1,5 @@
+import sys
+
+from treeflash.cli import main
+
+sys.exit(main())

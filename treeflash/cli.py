@@ -1,0 +1,164 @@
+"""The `treeflash` command line: generate, bench, train."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from treeflash.errors import TreeflashError, UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit code 2
+        raise UsageError(message)
+
+
+def read_prompts(args) -> list[str]:
+    if args.prompt is not None and args.prompt_file:
+        raise UsageError("give a PROMPT or --prompt-file, not both")
+    if args.prompt is not None:
+        return [args.prompt]
+    if not args.prompt_file:
+        raise UsageError("no prompt: give a PROMPT or --prompt-file FILE")
+    try:
+        lines = open(args.prompt_file, encoding="utf-8").read().splitlines()
+    except OSError as e:
+        raise TreeflashError(f"cannot read prompt file {args.prompt_file}: {e.strerror}") from None
+    prompts = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{args.prompt_file}:{i}: malformed JSON line: {e}") from None
+            if not isinstance(obj.get("prompt"), str):
+                raise UsageError(f"{args.prompt_file}:{i}: JSON line has no string 'prompt' field")
+            prompts.append(obj["prompt"])
+        else:
+            prompts.append(line.replace("\\n", "\n"))
+    if not prompts:
+        raise UsageError(f"prompt file {args.prompt_file} holds no prompt")
+    return prompts
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="target checkpoint folder (default: the built-in model)")
+    p.add_argument("--draft-model", help="DFlash drafter checkpoint folder (default with the built-in model: its drafter)")
+    p.add_argument("--method", choices=["ar", "dflash", "ddtree"],
+                   help="decoding method (default: ddtree with a drafter, else ar)")
+    p.add_argument("--budget", type=int, help="DDTree nodes per round (default 64)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, float64")
+    p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, help="per-request seed (same seed, same tokens)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def make_llm(args):
+    from treeflash import LLM
+    return LLM(args.model, draft_model=args.draft_model, method=args.method, budget=args.budget,
+               device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+
+
+def sampling_from(args):
+    from treeflash import SamplingParams
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                          ignore_eos=args.ignore_eos).validate()
+
+
+def cmd_generate(args) -> int:
+    prompts = read_prompts(args)
+    params = sampling_from(args)
+    llm = make_llm(args)
+    if args.json:
+        for out in llm.generate(prompts, params):
+            print(json.dumps({"text": out.text, "token_ids": out.token_ids,
+                              "finish_reason": out.finish_reason, "stats": out.stats}), flush=True)
+        return 0
+    stream = len(prompts) == 1 and not params.stop
+    shown = {"ids": [], "text": ""}
+
+    def on_tokens(_, ids):
+        shown["ids"] += ids
+        text = llm.tokenizer.decode(shown["ids"])
+        if not text.endswith("\ufffd"):  # wait for a whole UTF-8 character
+            sys.stdout.write(text[len(shown["text"]):])
+            sys.stdout.flush()
+            shown["text"] = text
+
+    outs = llm.generate(prompts, params, on_tokens=on_tokens if stream else None)
+    for i, out in enumerate(outs):
+        if stream:
+            sys.stdout.write(out.text[len(shown["text"]):] + "\n")
+        else:
+            print(("\n" if i else "") + out.text)
+        s = out.stats
+        print(f"[{s['method']}: {s['new_tokens']} tokens, {s['rounds']} rounds, tau {s['tau']:.2f}, "
+              f"{s['tokens_per_s']} tok/s]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="treeflash", description="Lossless speculative decoding with DFlash drafters "
+                                                   "and DDTree verification.")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    g = sub.add_parser("generate", help="generate text for one prompt or a file of prompts")
+    g.add_argument("prompt", nargs="?", help="the prompt text")
+    g.add_argument("--prompt-file", help="one prompt per line, or JSONL with a 'prompt' field")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    add_model_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+    try:
+        from treeflash.train.cli import add_train_parser
+    except ImportError:
+        pass
+    else:
+        add_train_parser(sub)
+    try:
+        from treeflash.bench import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    debug = bool(os.environ.get("TREEFLASH_DEBUG"))
+    try:
+        args = build_parser().parse_args(argv)
+        if not getattr(args, "func", None):
+            raise UsageError("no command given (try: treeflash generate --help)")
+        return args.func(args)
+    except UsageError as e:
+        print(f"treeflash: error: {e}", file=sys.stderr)
+        return 2
+    except TreeflashError as e:
+        print(f"treeflash: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("treeflash: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # an engine bug: still one line, unless debugging
+        if debug:
+            raise
+        print(f"treeflash: internal error: {type(e).__name__}: {e} (set TREEFLASH_DEBUG=1 for a traceback)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
