@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from treeflash.config import DTYPES, DraftConfig, ModelConfig
-from treeflash.engine.round import METHODS, SpeculativeDecoder
+from treeflash.engine.round import METHODS, GraphedRound, SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
 from treeflash.errors import TreeflashError, UsageError
 from treeflash.models.dflash import DFlashDraftModel
@@ -53,6 +53,14 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device
     return chosen
 
 
+def triton_available() -> bool:
+    try:
+        import treeflash.kernels.tree_attention  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
 def builtin_paths() -> tuple[Path, Path]:
     target, drafter = BUILTIN_DIR / "target", BUILTIN_DIR / "drafter"
     if not (target / "config.json").exists():
@@ -71,7 +79,7 @@ class LLM:
     def __init__(self, model: str | Path | None = None, draft_model: str | Path | None = None,
                  method: str | None = None, budget: int | None = None, device: str = "auto",
                  dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
-                 max_budget: int = 512, tp: int = 1):
+                 max_budget: int = 512, tp: int = 1, cuda_graphs: bool = True, draft_mode: str = "scaled"):
         if model is None:
             model, builtin_draft = builtin_paths()
             if draft_model is None and (builtin_draft / "config.json").exists():
@@ -106,8 +114,12 @@ class LLM:
                 raise UsageError(f"ddtree budget {budget} exceeds the {max_budget} tree nodes reserved "
                                  f"(raise max_budget)")
         self.max_model_len = max_model_len or self.config.max_position_embeddings
-        self.decoder = SpeculativeDecoder(self.target, self.drafter, method, budget or 0)
+        backend = "triton" if self.device.type == "cuda" and triton_available() else "sdpa"
+        self.decoder = SpeculativeDecoder(self.target, self.drafter, method, budget or 0,
+                                          draft_mode=draft_mode, attention_backend=backend)
         self.method = method
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self._graphed = None  # (key, state, GraphedRound) of the last graph captured
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -148,7 +160,8 @@ class LLM:
         max_len = max(len(i) + m for i, m in zip(ids, limits)) + 2 * self.decoder.tree_slots + 2
         start = time.perf_counter()
         dec = self.decoder
-        st = dec.prefill(ids, SamplingBatch.from_params(params, self.device), max_len)
+        st, run_round = self._runner(len(ids), max_len, SamplingBatch.from_params(params, self.device))
+        dec.prefill(st, ids)
         outs = [[] for _ in ids]
         rounds = [1] * len(ids)
         done = [False] * len(ids)
@@ -174,9 +187,11 @@ class LLM:
                     done[b], reasons[b] = True, stop
             if all(done):
                 break
-            st.active = torch.tensor([not d for d in done], device=self.device)
-            st.max_n = max(len(i) + len(o) for i, o in zip(ids, outs))
-            new_t, counts_t = dec.round(st)
+            if any(done):
+                st.active.copy_(torch.tensor([not d for d in done]))
+            if st.max_n is not None:
+                st.max_n = max(len(i) + len(o) for i, o in zip(ids, outs))
+            new_t, counts_t = run_round(st)
             new, counts = new_t.tolist(), counts_t.tolist()
             for b in range(len(ids)):
                 rounds[b] += not done[b]
@@ -192,6 +207,26 @@ class LLM:
                 **({"nodes_per_round": dec.budget} if self.method == "ddtree" else {}),
             }))
         return results
+
+    def _runner(self, batch: int, max_len: int, sampling: SamplingBatch):
+        """A batch state and the function that runs one round on it.
+
+        With CUDA graphs, states are bucketed (cache length rounded up) and the captured
+        round is kept for the next call with the same batch size, bucket and sampling
+        mode; the sampling values are copied into the captured buffers.
+        """
+        if not self.cuda_graphs:
+            return self.decoder.new_state(batch, max_len, sampling), self.decoder.round
+        bucket = 1 << max(10, (max_len - 1).bit_length())
+        key = (batch, bucket, sampling.any_sampled, sampling.any_filtered)
+        if self._graphed is None or self._graphed[0] != key:
+            self._graphed = None
+            torch.cuda.empty_cache()
+            st = self.decoder.new_state(batch, bucket, sampling)
+            self._graphed = (key, st, GraphedRound(self.decoder, st))
+        _, st, graph = self._graphed
+        st.sampling.copy_(sampling)
+        return st, graph
 
     def _accept(self, got: list[int], out: list[int], p: SamplingParams, limit: int):
         """Append committed tokens up to EOS / the token limit; return (taken, stop reason)."""

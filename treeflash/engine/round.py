@@ -7,6 +7,10 @@ AR is the empty tree, DFlash-linear the chain of top-1 draft tokens, DDTree the 
 most probable prefixes. A request has `n` committed tokens (target KV and drafter
 context at slots 0..n-1) and an anchor token at position n; a round commits the
 anchor plus the accepted path and makes the target's bonus token the next anchor.
+
+Every tensor of a round has a static shape for a given (batch, budget), and the
+round updates its `BatchState` in place, so the whole round can be captured in one
+CUDA graph (`GraphedRound`); the host only reads back the committed tokens.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from treeflash.engine.kv_cache import DraftContextCache, KVCache
-from treeflash.engine.sampling import SamplingBatch, filter_logits, sample
+from treeflash.engine.sampling import SamplingBatch, filter_logits, gumbel_noise, sample
 from treeflash.engine.tree import DraftTree, build_chain, build_tree, empty_tree, walk
 from treeflash.errors import UsageError
 from treeflash.layers.attention import AttentionInputs
@@ -23,11 +27,12 @@ from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.transformer import CausalLM
 
 METHODS = ("ar", "dflash", "ddtree")
+DRAFT_MODES = ("scaled", "coupled")
 
 
 @dataclass
 class BatchState:
-    """Everything a batch of requests carries from one round to the next."""
+    """Everything a batch of requests carries from one round to the next (static buffers)."""
 
     n: torch.Tensor            # [B] committed tokens
     anchor: torch.Tensor       # [B] next token to run through the target, at position n
@@ -35,21 +40,36 @@ class BatchState:
     sampling: SamplingBatch
     cache: KVCache
     draft_cache: DraftContextCache | None
-    max_n: int                 # host's max of n (updated from the counts it reads back)
+    max_n: int | None = None   # host's max of n, bounds reference attention reads (None: whole cache)
+
+    @property
+    def batch_size(self) -> int:
+        return self.n.shape[0]
 
 
 class SpeculativeDecoder:
-    """Runs rounds of `method` ('ar', 'dflash' or 'ddtree' with `budget` nodes)."""
+    """Runs rounds of `method` ('ar', 'dflash' or 'ddtree' with `budget` nodes).
 
-    def __init__(self, target: CausalLM, drafter: DFlashDraftModel | None, method: str, budget: int = 0):
+    draft_mode (sampling only): 'scaled' builds trees from temperature-scaled,
+    filtered draft distributions; 'coupled' also adds the target's own Gumbel noise
+    g(seed, p) to the draft logits, so the drafter guesses the very sample the target
+    will draw. Either way the output is the AR stream: the tree only sets the speed.
+    """
+
+    def __init__(self, target: CausalLM, drafter: DFlashDraftModel | None, method: str, budget: int = 0,
+                 draft_mode: str = "scaled", attention_backend: str = "sdpa"):
         if method not in METHODS:
             raise UsageError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
         if method != "ar" and drafter is None:
             raise UsageError(f"method '{method}' needs a draft model")
-        self.target, self.drafter, self.method = target, drafter, method
+        if draft_mode not in DRAFT_MODES:
+            raise UsageError(f"unknown draft mode '{draft_mode}' (choose from {', '.join(DRAFT_MODES)})")
+        self.target, self.method, self.draft_mode = target, method, draft_mode
+        self.drafter = drafter if method != "ar" else None
         self.depth = drafter.block_size - 1 if method != "ar" else 0
         self.budget = {"ar": 0, "dflash": self.depth, "ddtree": budget}[method]
         self.taps = drafter.target_layer_ids if method != "ar" else []
+        self.backend = attention_backend
         self.target_forwards = 0  # counted for tests: one per round, whatever the budget
 
     @property
@@ -61,37 +81,46 @@ class SpeculativeDecoder:
         self.target_forwards += 1
         return self.target(ids, inputs, cache, self.taps)
 
-    @torch.inference_mode()
-    def prefill(self, prompts: list[list[int]], sampling: SamplingBatch, max_len: int) -> BatchState:
-        """Run the prompts (padded into one batch), sample each request's first token."""
+    def new_state(self, batch: int, max_len: int, sampling: SamplingBatch) -> BatchState:
         dev = self.target.lm_head.weight.device
+        zeros = torch.zeros(batch, dtype=torch.long, device=dev)
+        return BatchState(zeros, zeros.clone(), torch.ones(batch, dtype=torch.bool, device=dev), sampling,
+                          self.target.new_cache(batch, max_len, dev),
+                          self.drafter.new_cache(batch, max_len, dev) if self.drafter is not None else None)
+
+    @torch.inference_mode()
+    def prefill(self, st: BatchState, prompts: list[list[int]]) -> None:
+        """Run the prompts (padded into one batch) into the caches and sample each
+        request's first token into `st.anchor` (eager; written in place)."""
+        dev = st.n.device
         B, T = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros(B, T, dtype=torch.long, device=dev)
         for b, p in enumerate(prompts):
             ids[b, :len(p)] = torch.tensor(p, dtype=torch.long)
         lens = torch.tensor([len(p) for p in prompts], device=dev)
-        cache = self.target.new_cache(B, max_len, dev)
         positions = torch.arange(T, device=dev).expand(B, T)
-        h, feats = self._target(ids, AttentionInputs.causal(positions, kv_len=T), cache)
+        inputs = AttentionInputs.causal(positions, kv_len=T)
+        h, feats = self._target(ids, inputs, st.cache)
         last = h[torch.arange(B, device=dev), lens - 1]
-        first = sample(self.target.logits(last[:, None]), lens[:, None], sampling)[:, 0]
-        draft_cache = None
-        if self.drafter is not None and self.method != "ar":
-            draft_cache = self.drafter.new_cache(B, max_len, dev)
-            self.drafter.commit_context(draft_cache, feats, positions, torch.zeros_like(lens), lens)
-        return BatchState(lens, first, torch.ones(B, dtype=torch.bool, device=dev), sampling,
-                          cache, draft_cache, max(len(p) for p in prompts))
+        st.anchor.copy_(sample(self.target.logits(last[:, None]), lens[:, None], st.sampling)[:, 0])
+        st.n.copy_(lens)
+        st.active.fill_(True)
+        if st.draft_cache is not None:
+            st.draft_cache.projected.zero_()
+            self.drafter.commit_context(st.draft_cache, feats, positions, torch.zeros_like(lens), lens)
+        st.max_n = T
 
     def draft_scores(self, st: BatchState) -> torch.Tensor:
         """Per-depth draft scores [B, D, V] for depths 1..D: one drafter forward over
         [anchor, MASK...], log-probabilities at each request's temperature and filters."""
         d = self.drafter
-        B, b = st.anchor.shape[0], d.block_size
-        block = torch.full((B, b), d.mask_token_id, dtype=torch.long, device=st.anchor.device)
+        B, b = st.batch_size, d.block_size
+        block = torch.full((B, b), d.mask_token_id, dtype=torch.long, device=st.n.device)
         block[:, 0] = st.anchor
         positions = st.n[:, None] + torch.arange(b, device=st.n.device)
         full = torch.ones(B, b, b, dtype=torch.bool, device=st.n.device)
-        inputs = AttentionInputs(positions, st.n, full, kv_len=st.max_n + b)
+        kv_len = None if st.max_n is None else st.max_n + b
+        inputs = AttentionInputs(positions, st.n, full, kv_len=kv_len, backend=self.backend)
         h = d(self.target.embed(block), inputs, st.draft_cache)
         logits = self.target.logits(h[:, 1:]).float()
         sb = st.sampling
@@ -100,6 +129,9 @@ class SpeculativeDecoder:
             logits = logits / t[:, None, None]
             if sb.any_filtered:
                 logits = filter_logits(logits, sb.top_k, sb.top_p)
+            if self.draft_mode == "coupled":
+                noise = gumbel_noise(sb.seed, positions[:, 1:], 0, logits.shape[-1])
+                logits = logits + torch.where(sb.temperature[:, None, None] > 0, noise, 0.0)
         return torch.log_softmax(logits, dim=-1)
 
     def build(self, st: BatchState) -> DraftTree:
@@ -112,12 +144,13 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def round(self, st: BatchState) -> tuple[torch.Tensor, torch.Tensor]:
-        """One round for the whole batch. Returns the new tokens [B, D+1] and how many
-        of them each request committed ([B]; 0 for inactive requests)."""
+        """One round for the whole batch, updating `st` in place. Returns the new tokens
+        [B, D+1] and how many of them each request committed ([B]; 0 if inactive)."""
         tree = self.build(st)
         T = tree.size + 1
         positions = st.n[:, None] + tree.depths
-        inputs = AttentionInputs(positions, st.n, tree.ancestors, kv_len=st.max_n + T)
+        kv_len = None if st.max_n is None else st.max_n + T
+        inputs = AttentionInputs(positions, st.n, tree.ancestors, kv_len=kv_len, backend=self.backend)
         h, feats = self._target(tree.tokens, inputs, st.cache)
         target_tokens = sample(self.target.logits(h), positions + 1, st.sampling)
         w = walk(tree, target_tokens, self.depth)
@@ -131,6 +164,33 @@ class SpeculativeDecoder:
         path_tokens = tree.tokens.gather(1, w.path)
         new = torch.cat([path_tokens[:, 1:], w.bonus[:, None]], dim=1)
         new.scatter_(1, w.accepted[:, None], w.bonus[:, None])
-        st.n = st.n + counts
-        st.anchor = torch.where(st.active, w.bonus, st.anchor)
+        st.n += counts
+        st.anchor.copy_(torch.where(st.active, w.bonus, st.anchor))
         return new, counts
+
+
+class GraphedRound:
+    """`decoder.round(st)` captured once as a CUDA graph over the static buffers of `st`,
+    then replayed: the only host work per round is the replay and reading the tokens.
+
+    Capture it on a fresh state, before `prefill`: the warm-up rounds only scribble on
+    cache slots and counters that the prefill then rewrites.
+    """
+
+    def __init__(self, decoder: SpeculativeDecoder, st: BatchState, warmup: int = 2):
+        self.decoder, self.st = decoder, st
+        st.max_n = None  # graphs read the whole cache: no data-dependent shapes
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                decoder.round(st)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.new, self.counts = decoder.round(st)
+
+    def __call__(self, st: BatchState) -> tuple[torch.Tensor, torch.Tensor]:
+        assert st is self.st, "a graph replays on the buffers it was captured with"
+        self.graph.replay()
+        return self.new, self.counts

@@ -84,6 +84,13 @@ class SamplingBatch:
         )
 
 
+    def copy_(self, other: "SamplingBatch") -> None:
+        """Take `other`'s values into these (captured) buffers; the mode must match."""
+        assert (self.any_sampled, self.any_filtered) == (other.any_sampled, other.any_filtered)
+        for name in ("temperature", "top_k", "top_p", "seed"):
+            getattr(self, name).copy_(getattr(other, name))
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer finalizer (bijective avalanche mix) on int64 tensors holding uint32."""
     x = x ^ (x >> 16)
@@ -113,7 +120,7 @@ def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     sorted_vals, order = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(V, device=scaled.device)
     k = torch.where(top_k > 0, top_k, V)[:, None, None]
-    keep = rank < k
+    keep = (rank < k).expand(sorted_vals.shape).clone()
     probs = torch.softmax(sorted_vals.masked_fill(~keep, float("-inf")), dim=-1)
     before = probs.cumsum(-1) - probs
     p = top_p[:, None, None].to(probs.dtype)

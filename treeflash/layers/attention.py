@@ -25,15 +25,18 @@ class AttentionInputs:
     block_mask: torch.Tensor | None  # [B, T, T] bool: block query i may see block key j
                                      # (dense/training path: [B, T, S] or None for causal)
     kv_len: int | None = None   # cache slots a reference kernel needs to read (None: all)
+    backend: str = "sdpa"       # "sdpa" (reference) or "triton" (GPU kernel)
+    is_prefill: bool = False    # empty prefix, causal block: plain causal attention suffices
 
     @classmethod
     def causal(cls, positions: torch.Tensor, prefix_lens: torch.Tensor | None = None,
                kv_len: int | None = None) -> "AttentionInputs":
         B, T = positions.shape
         mask = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()
-        if prefix_lens is None:
+        prefill = prefix_lens is None
+        if prefill:
             prefix_lens = torch.zeros(B, dtype=torch.long, device=positions.device)
-        return cls(positions, prefix_lens, mask.expand(B, T, T), kv_len)
+        return cls(positions, prefix_lens, mask.expand(B, T, T), kv_len, is_prefill=prefill)
 
     def block_slots(self) -> torch.Tensor:
         """[B, T] cache slots of the block tokens."""
@@ -77,3 +80,11 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         attn_mask=None if mask is None else mask[:, None], is_causal=mask is None,
         scale=scale, enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)
+
+
+def attention_kernel(backend: str):
+    """The cached-attention implementation for `backend`: 'sdpa' or 'triton'."""
+    if backend == "triton":
+        from treeflash.kernels.tree_attention import tree_attention
+        return tree_attention
+    return sdpa_attention

@@ -14,7 +14,7 @@ from torch import nn
 from treeflash.config import ModelConfig
 from treeflash.distributed import TPGroup
 from treeflash.engine.kv_cache import KVCache
-from treeflash.layers.attention import AttentionInputs, dense_attention, sdpa_attention, write_block
+from treeflash.layers.attention import AttentionInputs, attention_kernel, dense_attention, write_block
 from treeflash.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from treeflash.layers.linear import ColumnParallelLinear, RowParallelLinear
 from treeflash.layers.norm import RMSNorm
@@ -60,7 +60,10 @@ class Attention(nn.Module):
             slots = inputs.block_slots()
             write_block(k_cache, k, slots)
             write_block(v_cache, v, slots)
-            out = sdpa_attention(q, k_cache, v_cache, inputs, self.scale)
+            if inputs.is_prefill:
+                out = dense_attention(q, k, v, None, self.scale)
+            else:
+                out = attention_kernel(inputs.backend)(q, k_cache, v_cache, inputs, self.scale)
         return self.o_proj(out.reshape(B, T, -1))
 
 
