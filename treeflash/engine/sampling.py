@@ -130,11 +130,22 @@ def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return scaled.masked_fill(~mask, float("-inf"))
 
 
+def _fused_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
 def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """Tokens [B, T] for logits [B, T, V], the sampled tokens sitting at `positions` [B, T]."""
-    greedy = logits.argmax(-1)
     if not sb.any_sampled:
-        return greedy
+        return logits.argmax(-1)
+    if logits.is_cuda and not sb.any_filtered and logits.dtype != torch.float64 and _fused_available():
+        from treeflash.ops.gumbel_argmax import gumbel_argmax
+        return gumbel_argmax(logits, sb.seed, positions, sb.temperature)
+    greedy = logits.argmax(-1)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     temp = sb.temperature.to(dtype)
     scaled = logits.to(dtype) / temp.clamp_min(1e-6)[:, None, None]

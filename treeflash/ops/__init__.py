@@ -1,0 +1,1 @@
+"""Fused GPU versions (Triton) of engine steps whose torch reference lives elsewhere."""

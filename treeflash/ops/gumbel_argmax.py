@@ -1,0 +1,75 @@
+"""Fused position-keyed sampling: argmax(logits / T + g(seed, p)) in one pass over the
+vocabulary, without materializing the [rows, V] noise tensor.
+
+This is what keeps sampling nearly free: the torch reference in
+`treeflash.engine.sampling` builds the Gumbel vector with a dozen int64 passes over
+[B, N+1, V]; here each program streams its row once. The hash is the same integer
+function, so the noise matches the reference bit for bit (up to the last ulp of log).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_M32 = 0xFFFFFFFF
+
+
+@triton.jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _gumbel_argmax_kernel(logits_ptr, row_stride, key_ptr, temp_ptr, out_ptr, V: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    key = tl.load(key_ptr + row)                     # int64 per-row hash of (seed, position)
+    t = tl.load(temp_ptr + row)                      # float32, 0 = greedy
+    greedy = t == 0
+    t_safe = tl.where(greedy, 1.0, t)
+    best_val = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.full([BLOCK], 0, tl.int64)
+    for i in range(0, tl.cdiv(V, BLOCK)):
+        ids = i * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        inside = ids < V
+        x = tl.load(logits_ptr + row * row_stride + ids, mask=inside, other=float("-inf")).to(tl.float32)
+        h = _mix32(key ^ _mix32((ids * 0x85EBCA6B + 0x27D4EB2F) & 0xFFFFFFFF))
+        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        g = -tl.log(-tl.log(u))
+        val = tl.where(greedy, x, x / t_safe + g)
+        val = tl.where(inside, val, float("-inf"))
+        better = val > best_val  # strict: the first index wins ties, as torch.argmax
+        best_val = tl.where(better, val, best_val)
+        best_idx = tl.where(better, ids, best_idx)
+    m = tl.max(best_val, axis=0)
+    cand = tl.where(best_val == m, best_idx, V)
+    tl.store(out_ptr + row, tl.min(cand, axis=0))
+
+
+def _mix32_torch(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def gumbel_argmax(logits: torch.Tensor, seed: torch.Tensor, positions: torch.Tensor,
+                  temperature: torch.Tensor) -> torch.Tensor:
+    """Tokens [B, T] = argmax(logits / T_b + g(seed_b, p)) (plain argmax where T_b == 0)
+    for logits [B, T, V] on CUDA, positions [B, T], seed/temperature [B]."""
+    B, T, V = logits.shape
+    rows = logits.reshape(B * T, V)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    s = _mix32_torch(seed & _M32) ^ _mix32_torch((seed >> 32) ^ 0x5BD1E995)
+    key = _mix32_torch((s[:, None] + positions * 0x9E3779B9) & _M32).reshape(-1)
+    temp = temperature.float()[:, None].expand(B, T).reshape(-1).contiguous()
+    out = torch.empty(B * T, dtype=torch.long, device=logits.device)
+    _gumbel_argmax_kernel[(B * T,)](rows, rows.stride(0), key.contiguous(), temp, out, V, BLOCK=1024)
+    return out.view(B, T)
