@@ -1,0 +1,760 @@
+"""`treeflash bench`: how fast is a round, and how close is it to the hardware?
+
+Two modes, one command:
+
+* **Model pair** (default): a real target + drafter generate a set of prompts with
+  every (method, budget, batch size, CUDA graphs, temperature). Reports tokens/s,
+  tau (mean tokens committed per round), time per round and the speedup over AR on
+  the same engine. This is the number a user sees.
+
+* **Shape** (`--shape qwen3-8b`): random weights of a published model shape, built
+  directly on the device, with a KV cache that holds C tokens. Times the pieces of
+  a round (AR step, verify of N+1 tokens, draft step, tree build, whole round) as
+  CUDA graphs and compares each to its *memory floor*: the bytes it must read
+  (weights + KV of the prefix) over the measured copy bandwidth. This is the number
+  that says whether the engine or the hardware is the limit (design.md section 8).
+
+Both print an aligned table and can write one JSON object per row (`--out`) and a
+PNG plot (`--plot`, when matplotlib is importable).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from treeflash.cli import read_prompts
+from treeflash.config import DraftConfig, ModelConfig, default_target_layer_ids
+from treeflash.engine.llm import LLM, resolve_device, resolve_dtype, triton_available
+from treeflash.engine.round import SpeculativeDecoder
+from treeflash.engine.sampling import SamplingBatch, SamplingParams
+from treeflash.engine.tree import build_tree, empty_tree
+from treeflash.errors import TreeflashError, UsageError
+from treeflash.layers.attention import AttentionInputs
+from treeflash.models.dflash import DFlashDraftModel
+from treeflash.models.loader import build_on
+from treeflash.models.transformer import CausalLM
+
+PAIR_BUDGETS = "16,32,64,128,256"
+SHAPE_BUDGETS = "0,15,31,63,127,255"
+BLOCK_SIZE = 16          # drafter block of the shape mode (the published DFlash drafters)
+WARMUP = 3               # eager calls (or side-stream calls before a capture) before timing
+
+# A few Python-code prompts: the built-in model is a Python-code model, and code is
+# where block drafters shine, so this is the honest default workload.
+PYTHON_PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class Stack:\n    \"\"\"A simple LIFO stack.\"\"\"\n\n    def __init__(self):\n",
+    "def read_json(path):\n    with open(path) as f:\n",
+    "def quicksort(items):\n    if len(items) <= 1:\n        return items\n",
+    "for i in range(10):\n    if i % 2 == 0:\n",
+    "def is_prime(n):\n    if n < 2:\n        return False\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def __repr__(self):\n",
+    "def merge(a, b):\n    \"\"\"Merge two sorted lists.\"\"\"\n    result = []\n",
+    "import argparse\n\nparser = argparse.ArgumentParser()\n",
+    "def count_words(text):\n    counts = {}\n    for word in text.split():\n",
+    "def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n",
+]
+
+
+# ---------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "bench", help="benchmark a model pair (tokens/s, tau, speedup) or a model shape (round costs vs memory floor)",
+        description="Model-pair mode (default) times generation with a real target + drafter; "
+                    "--shape times the pieces of a round on random weights of a model shape.")
+    p.add_argument("--model", help="target checkpoint folder (default: the built-in model)")
+    p.add_argument("--draft-model", help="DFlash drafter folder (default with the built-in model: its drafter)")
+    p.add_argument("--prompt-file", help="one prompt per line, or JSONL with a 'prompt' field")
+    p.add_argument("--corpus", help="tokenized corpus folder (treeflash train corpus): prompts from its held-out split")
+    p.add_argument("--num-prompts", type=int, help="how many prompts to use (default: all of the file, else 8)")
+    p.add_argument("--methods", default="ar,dflash,ddtree", help="comma list of ar, dflash, ddtree")
+    p.add_argument("--budgets", help=f"DDTree budgets N (default {PAIR_BUDGETS}; --shape: {SHAPE_BUDGETS})")
+    p.add_argument("--batch-sizes", help="comma list (default 1,2,4; --shape: 1)")
+    p.add_argument("--graphs", help="on, off or on,off: CUDA graphs (default on,off; --shape: on on CUDA)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperatures", help="comma list, 0 = greedy (default 0,0.7,1.0; --shape: 0)")
+    p.add_argument("--seed", type=int, default=0, help="request i samples with seed S + i")
+    p.add_argument("--eos", action="store_true", help="stop requests at EOS (default: always generate "
+                                                      "--max-new-tokens, so every method does the same work)")
+    p.add_argument("--draft-mode", default="scaled", choices=["scaled", "coupled"])
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype; --shape: bfloat16 on CUDA, "
+                                                   "float32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--out", help="write one JSON object per row to this file")
+    p.add_argument("--plot", help="write a PNG plot to this file (needs matplotlib)")
+    s = p.add_argument_group("shape mode")
+    s.add_argument("--shape", help=f"random-weight model shape: {', '.join(SHAPES)}")
+    s.add_argument("--contexts", default="1024,4096,16384", help="committed tokens C per request")
+    s.add_argument("--draft-layers", type=int, default=5)
+    s.add_argument("--iters", type=int, default=50, help="timed calls per op (median)")
+    s.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"],
+                   help="attention backend (auto: triton on CUDA when installed)")
+    s.add_argument("--copy-mib", type=int, help="size of the bandwidth copy (default 2048 on CUDA, 256 on CPU)")
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def cmd_bench(args) -> int:
+    return bench_shape(args) if args.shape else bench_pairs(args)
+
+
+def parse_list(text: str, kind, what: str, minimum=None) -> list:
+    """'1,2,4' -> [1, 2, 4], with a one-line UsageError for anything else."""
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise UsageError(f"empty {what} list")
+    out = []
+    for t in items:
+        try:
+            v = kind(t)
+        except ValueError:
+            raise UsageError(f"bad {what} '{t}' (expected a comma-separated list of "
+                             f"{'integers' if kind is int else 'numbers'})") from None
+        if minimum is not None and v < minimum:
+            raise UsageError(f"{what} must be >= {minimum}, got {t}")
+        out.append(v)
+    return list(dict.fromkeys(out))
+
+
+def parse_graphs(text: str) -> list[bool]:
+    words = parse_list(text, str, "graphs")
+    bad = [w for w in words if w not in ("on", "off")]
+    if bad:
+        raise UsageError(f"--graphs takes on, off or on,off, got '{bad[0]}'")
+    return [w == "on" for w in words]
+
+
+def usable_graphs(graphs: list[bool], device: torch.device) -> list[bool]:
+    """CUDA graphs need CUDA: drop 'on' elsewhere, with a note (an error if nothing is left)."""
+    if device.type == "cuda" or True not in graphs:
+        return graphs
+    if False not in graphs:
+        raise UsageError("--graphs on needs a CUDA device (use --graphs off)")
+    print(f"note: graphs 'on' skipped: CUDA graphs need a CUDA device (running on {device.type})",
+          file=sys.stderr)
+    return [False]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------
+# Model-pair mode
+# ---------------------------------------------------------------------------
+
+def corpus_prompts(folder: str, k: int) -> list[list[int]]:
+    """k token-id prompts from the held-out split of a tokenized training corpus: code
+    the drafter never trained on, so tau is not flattered."""
+    try:
+        from treeflash.train.corpus import load_corpus
+        from treeflash.train.drafter import held_prompts
+    except ImportError:
+        raise UsageError("--corpus needs the training module (treeflash.train)") from None
+    return held_prompts(load_corpus(folder).heldout, k)
+
+
+def load_prompts(args) -> list:
+    """--prompt-file, else --corpus (held-out split), else the built-in Python prompts
+    (cycled up to --num-prompts)."""
+    k = args.num_prompts
+    if k is not None and k < 1:
+        raise UsageError(f"--num-prompts must be >= 1, got {k}")
+    if args.prompt_file and args.corpus:
+        raise UsageError("give --prompt-file or --corpus, not both")
+    if args.prompt_file:
+        prompts = read_prompts(argparse.Namespace(prompt=None, prompt_file=args.prompt_file))
+        return prompts[:k] if k else prompts
+    if args.corpus:
+        return corpus_prompts(args.corpus, k or 8)
+    return [PYTHON_PROMPTS[i % len(PYTHON_PROMPTS)] for i in range(k or 8)]
+
+
+def pair_configs(methods: list[str], budgets: list[int]) -> list[tuple[str, int | None]]:
+    """(method, budget) in run order: AR first, so every later row knows its speedup."""
+    order = {"ar": 0, "dflash": 1, "ddtree": 2}
+    out = []
+    for m in sorted(methods, key=order.__getitem__):
+        out += [(m, n) for n in budgets] if m == "ddtree" else [(m, None)]
+    return out
+
+
+def engine_for(base, method: str, budget: int | None, graphs: bool, draft_mode: str):
+    """An LLM that shares `base`'s weights but decodes with `method`.
+
+    Loading an 8B checkpoint once per (method, budget, graphs) would cost minutes; this
+    mirrors the tail of `LLM.__init__` instead (engine API wish: `LLM.variant(...)`).
+    """
+    llm = copy.copy(base)
+    llm.decoder = SpeculativeDecoder(base.target, base.drafter, method, budget or 0,
+                                     draft_mode=draft_mode, attention_backend=base.decoder.backend)
+    llm.method = method
+    llm.cuda_graphs = graphs and base.device.type == "cuda"
+    llm._graphed = None
+    return llm
+
+
+def batch_indices(n: int, bs: int) -> list[list[int]]:
+    """Prompt indices in batches of exactly `bs` (the last one wraps around): a short
+    last batch would be a new graph shape, captured inside the timed region."""
+    batches = -(-n // bs)
+    return [[(b * bs + i) % n for i in range(bs)] for b in range(batches)]
+
+
+def measure_pair(llm, prompts: list[str], bs: int, temperature: float, args) -> dict:
+    """Warm up on one full batch (a CUDA graph is captured there), then time all batches."""
+    def params(i):
+        return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature,
+                              seed=args.seed + i, ignore_eos=not args.eos)
+
+    def generate(batch):
+        return llm.generate([prompts[i] for i in batch], [params(i) for i in batch])
+
+    batches = batch_indices(len(prompts), bs)
+    generate(batches[0])
+    captured, recaptures = llm._graphed, 0
+    outs, steps = [], 0
+    sync(llm.device)
+    start = time.perf_counter()
+    for batch in batches:
+        got = generate(batch)
+        outs += got
+        steps += max(o.stats["rounds"] for o in got)  # rounds the batch ran (prefill counts as one)
+        if llm._graphed is not captured:  # prompts of another length bucket: captured while timed
+            captured, recaptures = llm._graphed, recaptures + 1
+    sync(llm.device)
+    seconds = time.perf_counter() - start
+    tokens = sum(o.stats["new_tokens"] for o in outs)
+    request_rounds = sum(o.stats["rounds"] for o in outs)
+    return {"requests": len(outs), "new_tokens": tokens, "rounds": steps, "seconds": round(seconds, 4),
+            "tokens_per_s": round(tokens / seconds, 2), "tau": round(tokens / request_rounds, 4),
+            "ms_per_round": round(1e3 * seconds / steps, 4), "recaptures": recaptures,
+            "token_ids": [o.token_ids for o in outs]}
+
+
+def bench_pairs(args) -> int:
+    methods = parse_list(args.methods, str, "method")
+    bad = [m for m in methods if m not in ("ar", "dflash", "ddtree")]
+    if bad:
+        raise UsageError(f"unknown method '{bad[0]}' (choose from ar, dflash, ddtree)")
+    budgets = parse_list(args.budgets or PAIR_BUDGETS, int, "budget")
+    if "ddtree" in methods and min(budgets) < 1:
+        raise UsageError(f"ddtree budget must be >= 1, got {min(budgets)}")
+    batch_sizes = parse_list(args.batch_sizes or "1,2,4", int, "batch size", minimum=1)
+    temperatures = parse_list(args.temperatures or "0,0.7,1.0", float, "temperature", minimum=0.0)
+    if args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    graphs = parse_graphs(args.graphs or "on,off")
+    prompts = load_prompts(args)
+    graphs_list = usable_graphs(graphs, resolve_device(args.device))
+    out = open_out(args.out)
+
+    base = LLM(args.model, draft_model=args.draft_model, method="ar", device=args.device, dtype=args.dtype,
+               max_budget=max([512] + budgets), cuda_graphs=False)
+    if base.drafter is None and set(methods) - {"ar"}:
+        raise UsageError(f"methods {', '.join(m for m in methods if m != 'ar')} need a drafter (--draft-model)")
+    print(f"bench: {len(prompts)} prompts, {args.max_new_tokens} new tokens each, on {base.device} "
+          f"({str(base.dtype).replace('torch.', '')})")
+
+    rows, ar = [], {}  # ar: (batch size, temperature, graphs) -> (tokens/s, token ids)
+    for method, budget in pair_configs(methods, budgets):
+        for graphs in graphs_list:
+            llm = engine_for(base, method, budget, graphs, args.draft_mode)
+            for bs in batch_sizes:
+                for temperature in temperatures:
+                    m = measure_pair(llm, prompts, bs, temperature, args)
+                    key = (bs, temperature, graphs)
+                    if method == "ar":
+                        ar[key] = (m["tokens_per_s"], m["token_ids"])
+                    row = pair_row(llm, budget, key, m, ar.get(key), args)
+                    rows.append(row)
+                    emit(out, row)
+                    print(f"  {row['label']:<12} graphs {'on ' if graphs else 'off'} bs {bs} T {temperature:g}: "
+                          f"{row['tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}", file=sys.stderr)
+            llm._graphed = None  # free the captured graph and its state before the next config
+            del llm
+            if base.device.type == "cuda":
+                torch.cuda.empty_cache()
+    close_out(out, args.out)
+    print(format_table(rows, PAIR_COLUMNS))
+    if any(r["recaptures"] for r in rows):
+        print("note: some rows recaptured a CUDA graph while timed (prompts in several length buckets)")
+    if args.plot:
+        plot_pairs(rows, args.plot)
+    return 0
+
+
+def pair_row(llm, budget: int | None, key: tuple, m: dict, ar: tuple | None, args) -> dict:
+    """One JSONL row. speedup: tokens/s over AR's at the same (batch size, temperature,
+    graphs); same_as_ar: fraction of requests whose tokens equal AR's (lossless: 1.0, up
+    to floating-point near-ties between batched and single-token logits)."""
+    bs, temperature, graphs = key
+    m = dict(m)
+    ids = m.pop("token_ids")
+    return {"mode": "pair", "method": llm.method, "budget": llm.decoder.budget,
+            "label": llm.method + (f"-{budget}" if llm.method == "ddtree" else ""),
+            "batch_size": bs, "graphs": graphs, "temperature": temperature, **m,
+            "speedup": round(m["tokens_per_s"] / ar[0], 3) if ar else None,
+            "same_as_ar": (round(sum(a == b for a, b in zip(ids, ar[1])) / len(ids), 3)
+                           if ar and llm.method != "ar" else None),
+            "device": str(llm.device), "dtype": str(llm.dtype).replace("torch.", ""),
+            "model": str(args.model or "built-in"), "draft_model": args.draft_model}
+
+
+PAIR_COLUMNS = [("method", "label", "{}"), ("graphs", "graphs", "onoff"), ("bs", "batch_size", "{}"),
+                ("T", "temperature", "{:g}"), ("tok/s", "tokens_per_s", "{:.1f}"), ("tau", "tau", "{:.2f}"),
+                ("ms/round", "ms_per_round", "{:.2f}"), ("speedup", "speedup", "{:.2f}x"),
+                ("same as AR", "same_as_ar", "{:.2f}")]
+
+
+# ---------------------------------------------------------------------------
+# Shape mode
+# ---------------------------------------------------------------------------
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+# Published dense shapes (random weights: only the shapes matter), and one for CPU tests.
+SHAPES = {
+    "qwen3-8b": ModelConfig("qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                            num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                            rope_theta=1e6, max_position_embeddings=40960),
+    "llama3-8b": ModelConfig("llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                             num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                             rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, max_position_embeddings=131072),
+    "qwen3-32b": ModelConfig("qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+                             num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128,
+                             rope_theta=1e6, max_position_embeddings=40960),
+    "tiny": ModelConfig("qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4,
+                        num_heads=4, num_kv_heads=2, head_dim=16),
+}
+
+
+def draft_config(target, layers: int):
+    """A DFlash drafter for `target` as published: Qwen3 layers of the target's width,
+    block 16, default taps, mask token = last vocabulary id."""
+    return DraftConfig(layers=dataclasses.replace(target, arch="qwen3", num_layers=layers),
+                       block_size=BLOCK_SIZE, mask_token_id=target.vocab_size - 1,
+                       target_layer_ids=default_target_layer_ids(target.num_layers, layers),
+                       num_target_layers=target.num_layers)
+
+
+@torch.no_grad()
+def init_random_(model: torch.nn.Module) -> None:
+    """normal(0, 0.02) weights, unit norms: no checkpoint needed, and the values keep
+    activations finite (the cost of a kernel does not depend on them)."""
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02)
+
+
+def random_models(cfg, dcfg, device: torch.device, dtype: torch.dtype):
+    """Target and drafter created on the device (no host copy of 16+ GB of weights)."""
+    with build_on(device, dtype):
+        target, drafter = CausalLM(cfg), DFlashDraftModel(dcfg)
+    for m in (target, drafter):
+        init_random_(m)
+        m.eval()
+    return target, drafter
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
+
+
+def _bytes(model, skip=()) -> int:
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name not in skip)
+
+
+def op_bytes(kind: str, target, drafter, context: int, batch: int) -> int | None:
+    """Bytes an op must read from memory at least: the weights it multiplies by and
+    the KV of the C committed tokens of every request. Embedding rows, activations and
+    the few KV slots written are negligible. A round reads the LM head twice (draft,
+    then verify: dependent, so they cannot share one read). None: no memory floor."""
+    t = target.config
+    elem = target.lm_head.weight.element_size()
+    head = _bytes(target.lm_head)
+    body = _bytes(target, skip={"model.embed_tokens.weight", "lm_head.weight"})
+    kv_t = batch * context * t.num_layers * 2 * t.num_kv_heads * t.head_dim * elem
+    dl = drafter.config.layers
+    draft = _bytes(drafter, skip={"fc.weight"})
+    kv_d = batch * context * dl.num_layers * 2 * dl.num_kv_heads * dl.head_dim * elem
+    return {"ar": body + head + kv_t, "verify": body + head + kv_t, "draft": draft + head + kv_d,
+            "round": body + 2 * head + kv_t + draft + _bytes(drafter.fc) + kv_d}.get(kind)
+
+
+def capture(fn, reset, warmup: int = WARMUP):
+    """`fn` as a CUDA graph (and its captured outputs). Warm-up runs on a side stream
+    first, as `GraphedRound` does: lazy inits, Triton compiles and allocator growth must
+    not happen inside the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            reset()
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # synchronizes first: the reset above has run
+        out = fn()
+    return graph, out
+
+
+def time_device(run, reset, iters: int, device: torch.device) -> float:
+    """Median µs of `run()`. On CUDA, events around each call, all queued before one
+    sync, so the host runs ahead and the events time the GPU work alone (a sync per
+    call would add the launch latency). On CPU, perf_counter."""
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(iters)]
+        for start, end in events:
+            reset()
+            start.record()
+            run()
+            end.record()
+        torch.cuda.synchronize()
+        times = [1e3 * start.elapsed_time(end) for start, end in events]
+    else:
+        times = []
+        for _ in range(iters):
+            reset()
+            t0 = time.perf_counter()
+            run()
+            times.append(1e6 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def time_wall(run, reset, iters: int) -> float:
+    """Mean µs of a round as the engine runs it: launch, then read the committed tokens
+    back to the host (`.tolist()`, which waits for the GPU), starting from an idle GPU."""
+    walls = []
+    for _ in range(iters):
+        reset()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        new, counts = run()
+        new.tolist(), counts.tolist()
+        walls.append(1e6 * (time.perf_counter() - t0))
+    return statistics.fmean(walls)
+
+
+def measure_op(fn, reset, iters: int, graphs: bool, device: torch.device, is_round: bool):
+    """(median device µs, mean wall µs with read-back or None) of one op."""
+    if graphs:
+        graph, out = capture(fn, reset)
+
+        def run():
+            graph.replay()
+            return out
+    else:
+        for _ in range(WARMUP):
+            reset()
+            fn()
+        run = fn
+    us = time_device(run, reset, iters, device)
+    wall = time_wall(run, reset, iters) if is_round and device.type == "cuda" else None
+    return us, wall
+
+
+def copy_bandwidth(device: torch.device, mib: int) -> float:
+    """Bytes/s of a large device-to-device copy, counting read + write: the practical
+    peak that a memory-bound op can hope for."""
+    n = mib * 2 ** 20
+    src = torch.ones(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    us = time_device(lambda: dst.copy_(src), lambda: None, 10 if device.type == "cuda" else 5, device)
+    del src, dst
+    return 2 * n / (us * 1e-6)
+
+
+def round_ops(target, drafter, st, context: int, budgets: list[int], backend: str):
+    """[(op, N, kind, fn, is_round)] for one state: the pieces of a round and whole rounds.
+
+    kind names the memory floor (`op_bytes`); every fn reads `st`, whose `n` the
+    caller resets to C before each call (rounds advance it)."""
+    def decoder(method, budget=0):
+        return SpeculativeDecoder(target, drafter if method != "ar" else None, method, budget,
+                                  attention_backend=backend)
+
+    ar, dflash = decoder("ar"), decoder("dflash")
+    ar_state = dataclasses.replace(st, draft_cache=None)  # same buffers, no drafter context
+    taps = drafter.target_layer_ids
+    scores = dflash.draft_scores(st)  # a fixed draft: trees for verify and tree-build ops
+
+    def verify(tree):
+        """Target forward over root + N nodes with the tree mask, and the LM head."""
+        def fn():
+            positions = st.n[:, None] + tree.depths
+            kv_len = None if st.max_n is None else st.max_n + tree.size + 1
+            inputs = AttentionInputs(positions, st.n, tree.ancestors, kv_len=kv_len, backend=backend)
+            h, _ = target(tree.tokens, inputs, st.cache, taps)
+            return target.logits(h)
+        return fn
+
+    def tree_for(n):
+        return build_tree(scores, st.anchor, n) if n else empty_tree(st.anchor)
+
+    D = drafter.block_size - 1
+    ops = [("ar", 0, "ar", lambda: ar.round(ar_state), True)]
+    ops += [("verify", n, "verify", verify(tree_for(n)), False) for n in budgets]
+    ops += [("draft", D, "draft", lambda: dflash.draft_scores(st), False)]
+    ops += [("tree", n, None, (lambda n=n: build_tree(scores, st.anchor, n)), False) for n in budgets if n]
+    ops += [("round-dflash", D, "round", lambda: dflash.round(st), True)]
+    ops += [("round", n, "round", (lambda d=decoder("ddtree", n): d.round(st)), True) for n in budgets if n]
+    return ops
+
+
+def new_shape_state(target, drafter, context: int, batch: int, temperature: float, budgets: list[int],
+                    graphs: bool, seed: int):
+    """A batch state as if every request had committed `context` tokens. The caches
+    hold zeros: attention reads them all the same."""
+    dev = target.lm_head.weight.device
+    dec = SpeculativeDecoder(target, drafter, "dflash")
+    slots = max(max(budgets) + 1, drafter.block_size)
+    capacity = -(-(context + slots) // 256) * 256  # tight: graph kernels size their work by capacity
+    params = [SamplingParams(temperature=temperature, seed=seed + i) for i in range(batch)]
+    st = dec.new_state(batch, capacity, SamplingBatch.from_params(params, dev))
+    st.n.fill_(context)
+    st.anchor.random_(0, target.config.vocab_size - 1)
+    st.draft_cache.projected.fill_(context)
+    st.max_n = None if graphs else context  # as the engine: graphs read the whole cache
+    return st
+
+
+def bench_shape(args) -> int:
+    if args.model or args.draft_model or args.prompt_file or args.corpus:
+        raise UsageError("--shape uses random weights: it takes no --model, --draft-model, --prompt-file or --corpus")
+    if args.shape not in SHAPES:
+        raise UsageError(f"unknown shape '{args.shape}' (choose from {', '.join(SHAPES)})")
+    contexts = parse_list(args.contexts, int, "context", minimum=1)
+    budgets = parse_list(args.budgets or SHAPE_BUDGETS, int, "budget", minimum=0)
+    batch_sizes = parse_list(args.batch_sizes or "1", int, "batch size", minimum=1)
+    temperatures = parse_list(args.temperatures or "0", float, "temperature", minimum=0.0)
+    if args.draft_layers < 1:
+        raise UsageError(f"--draft-layers must be >= 1, got {args.draft_layers}")
+    if args.iters < 1:
+        raise UsageError(f"--iters must be >= 1, got {args.iters}")
+    device = resolve_device(args.device)
+    graphs_list = usable_graphs(parse_graphs(args.graphs or ("on" if device.type == "cuda" else "off")), device)
+    dtype = resolve_dtype(args.dtype, "bfloat16", device)  # auto: bf16 on CUDA, float32 on CPU
+    backend = args.attention
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" and triton_available() else "sdpa"
+    if backend == "triton" and not (device.type == "cuda" and triton_available()):
+        raise UsageError("--attention triton needs a CUDA device and the triton package")
+    out = open_out(args.out)
+
+    cfg = dataclasses.replace(SHAPES[args.shape])
+    target, drafter = random_models(cfg, draft_config(cfg, args.draft_layers), device, dtype)
+    mib = args.copy_mib or (2048 if device.type == "cuda" else 256)
+    bandwidth = copy_bandwidth(device, mib)
+    print(f"bench: shape {args.shape} ({_size(_bytes(target))} target, {_size(_bytes(drafter))} "
+          f"drafter of {args.draft_layers} layers), {str(dtype).replace('torch.', '')} on {device}, "
+          f"attention {backend}; copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write, {mib} MiB)")
+
+    rows = []
+    with torch.inference_mode():
+        for context in contexts:
+            for bs in batch_sizes:
+                for temperature in temperatures:
+                    for graphs in graphs_list:
+                        rows += shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets,
+                                           backend, bandwidth, device, dtype, out)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+    close_out(out, args.out)
+    print(format_table(rows, SHAPE_COLUMNS))
+    print_ratios(rows)
+    if args.plot:
+        plot_shape(rows, args.plot)
+    return 0
+
+
+def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets, backend, bandwidth,
+               device, dtype, out) -> list[dict]:
+    """Time every op of `round_ops` on one state; one row each."""
+    st = new_shape_state(target, drafter, context, bs, temperature, budgets, graphs, args.seed)
+    n0 = st.n.clone()
+
+    def reset():
+        st.n.copy_(n0)
+
+    rows, ar_us = [], None
+    for op, n, kind, fn, is_round in round_ops(target, drafter, st, context, budgets, backend):
+        us, wall = measure_op(fn, reset, args.iters, graphs, device, is_round)
+        ar_us = us if op == "ar" else ar_us
+        need = op_bytes(kind, target, drafter, context, bs) if kind else None
+        floor = 1e6 * need / bandwidth if need else None
+        row = {"mode": "shape", "shape": args.shape, "context": context, "batch_size": bs,
+               "temperature": temperature, "graphs": graphs, "op": op, "N": n, "time_us": round(us, 2),
+               "floor_us": round(floor, 2) if floor else None,
+               "ratio": round(us / floor, 3) if floor else None, "vs_ar": round(us / ar_us, 3),
+               "wall_us": round(wall, 2) if wall is not None else None,
+               "host_us": round(wall - us, 2) if wall is not None else None,
+               "bytes": need, "bandwidth_gbs": round(bandwidth / 1e9, 1), "attention": backend,
+               "device": str(device), "dtype": str(dtype).replace("torch.", ""), "draft_layers": args.draft_layers}
+        rows.append(row)
+        emit(out, row)
+        print(f"  C={context} bs {bs} T {temperature:g} graphs {'on ' if graphs else 'off'} {op:<12} N={n:<3}: "
+              f"{us:10.1f} us" + (f"  (floor {floor:.1f})" if floor else ""), file=sys.stderr)
+    return rows
+
+
+SHAPE_COLUMNS = [("context", "context", "{}"), ("bs", "batch_size", "{}"), ("T", "temperature", "{:g}"),
+                 ("graphs", "graphs", "onoff"), ("op", "op", "{}"), ("N", "N", "{}"),
+                 ("time us", "time_us", "{:.1f}"), ("floor us", "floor_us", "{:.1f}"),
+                 ("ratio", "ratio", "{:.2f}"), ("x AR", "vs_ar", "{:.2f}"), ("host us", "host_us", "{:.1f}")]
+
+
+def print_ratios(rows: list[dict]) -> None:
+    """verify(N)/AR and round(N)/AR per setting: the cost of verifying a bigger tree."""
+    groups = dict.fromkeys((r["context"], r["batch_size"], r["temperature"], r["graphs"]) for r in rows)
+    for c, bs, t, g in groups:
+        sel = [r for r in rows if (r["context"], r["batch_size"], r["temperature"], r["graphs"]) == (c, bs, t, g)]
+        for op in ("verify", "round"):
+            pairs = "  ".join(f"N={r['N']}: {r['vs_ar']:.2f}" for r in sel if r["op"] == op)
+            if pairs:
+                print(f"{op}(N)/AR  C={c} bs={bs} T={t:g} graphs {'on' if g else 'off'}:  {pairs}")
+
+
+# ---------------------------------------------------------------------------
+# Output: table, JSONL, plots
+# ---------------------------------------------------------------------------
+
+def _cell(value, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if fmt == "onoff":
+        return "on" if value else "off"
+    return fmt.format(value)
+
+
+def format_table(rows: list[dict], columns) -> str:
+    """Aligned text table: text columns left-aligned, numbers right-aligned, None as '-'."""
+    cells = [[_cell(r.get(key), fmt) for _, key, fmt in columns] for r in rows]
+    widths = [max([len(title)] + [len(c[i]) for c in cells]) for i, (title, _, _) in enumerate(columns)]
+    left = [fmt == "onoff" or any(isinstance(r.get(key), str) for r in rows) for _, key, fmt in columns]
+
+    def line(values):
+        return "  ".join(v.ljust(w) if lft else v.rjust(w) for v, w, lft in zip(values, widths, left)).rstrip()
+
+    return "\n".join([line([t for t, _, _ in columns]), line(["-" * w for w in widths])] + [line(c) for c in cells])
+
+
+def open_out(path: str | None):
+    """Open --out before the (long) run, so a bad path fails at once; rows are written
+    as they are measured, so an interrupted GPU run keeps what it measured."""
+    if not path:
+        return None
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as e:
+        raise TreeflashError(f"cannot write {path}: {e.strerror}") from None
+
+
+def emit(out, row: dict) -> None:
+    if out is not None:
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+
+
+def close_out(out, path: str | None) -> None:
+    if out is not None:
+        out.close()
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed: no plot written (pip install matplotlib)", file=sys.stderr)
+        return None
+    return plt
+
+
+def plot_pairs(rows: list[dict], path: str) -> bool:
+    """tokens/s per method/budget, one line per (batch size, temperature, graphs)."""
+    plt = _pyplot()
+    if plt is None or not rows:
+        return False
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.0 * len(labels) + 2), 4.5))
+    for bs, t, g in dict.fromkeys((r["batch_size"], r["temperature"], r["graphs"]) for r in rows):
+        pts = {r["label"]: r["tokens_per_s"] for r in rows
+               if (r["batch_size"], r["temperature"], r["graphs"]) == (bs, t, g)}
+        xs = [i for i, lab in enumerate(labels) if lab in pts]
+        ax.plot(xs, [pts[labels[i]] for i in xs], marker="o",
+                label=f"bs {bs}, T {t:g}, graphs {'on' if g else 'off'}")
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=30, ha="right")
+    ax.set_ylabel("tokens/s")
+    ax.set_title("treeflash bench: tokens/s by method")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(fig, plt, path)
+
+
+def plot_shape(rows: list[dict], path: str) -> bool:
+    """verify(N) and round(N) time against N, one color per setting, with the AR step
+    as a dotted line: where tree size stops being free."""
+    plt = _pyplot()
+    if plt is None or not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    keys = dict.fromkeys((r["context"], r["batch_size"], r["temperature"], r["graphs"]) for r in rows)
+    for i, key in enumerate(keys):
+        sel = [r for r in rows if (r["context"], r["batch_size"], r["temperature"], r["graphs"]) == key]
+        tag = f"C={key[0]} bs {key[1]}" + (f" T {key[2]:g}" if key[2] else "") + ("" if key[3] else " eager")
+        color = f"C{i % 10}"
+        for op, style in (("verify", "-o"), ("round", "--s")):
+            pts = [(r["N"] + 1, r["time_us"]) for r in sel if r["op"] == op]
+            if pts:
+                ax.plot(*zip(*pts), style, color=color, label=f"{op} {tag}")
+        ar = [r["time_us"] for r in sel if r["op"] == "ar"]
+        if ar:
+            ax.axhline(ar[0], ls=":", lw=1, color=color)
+    ticks = sorted({r["N"] + 1 for r in rows if r["op"] in ("verify", "round")})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(t) for t in ticks])
+    ax.set_xlabel("tokens verified per round (N + 1)")
+    ax.set_ylabel("time (us)")
+    ax.set_title(f"treeflash bench --shape {rows[0]['shape']} (dotted: AR step)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(fig, plt, path)
+
+
+def _save(fig, plt, path: str) -> bool:
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise TreeflashError(f"cannot write {path}: {e.strerror}") from None
+    finally:
+        plt.close(fig)
+    print(f"wrote {Path(path)}", file=sys.stderr)
+    return True
