@@ -137,6 +137,7 @@ def test_shape_mode_tiny(tmp_path, capsys):
     (["--methods", "ddtree", "--budgets", "0,16"], "budget must be >= 1"),
     (["--batch-sizes", "0"], "batch size must be >= 1"),
     (["--temperatures", "hot"], "bad temperature"),
+    (["--temperatures", "0,nan"], "bad temperature"),
     (["--graphs", "maybe"], "--graphs takes"),
     (["--graphs", "on", "--device", "cpu"], "needs a CUDA device"),
     (["--shape", "tiny", "--model", "x"], "takes no --model"),

@@ -23,6 +23,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -119,6 +120,8 @@ def parse_list(text: str, kind, what: str, minimum=None) -> list:
     for t in items:
         try:
             v = kind(t)
+            if kind is float and not math.isfinite(v):
+                raise ValueError(t)
         except ValueError:
             raise UsageError(f"bad {what} '{t}' (expected a comma-separated list of "
                              f"{'integers' if kind is int else 'numbers'})") from None
