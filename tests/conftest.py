@@ -104,3 +104,152 @@ def hf_model64(hf_checkpoint):
     def get(name: str):
         return copy.deepcopy(hf_checkpoint(name).model).double()
     return get
+
+
+# ---------------------------------------------------------------------------
+# Speculative decoding tests (issues 3-5): tiny random targets written by
+# treeflash.checkpoints (peaked ones, where random drafters get real acceptances,
+# and plain ones), random DFlash drafters, a "constant" target with a perfect and a
+# useless drafter, and memoized single-prompt AR references. Built once per session.
+# ---------------------------------------------------------------------------
+import random as _random
+
+
+def _spec_prompts() -> list[list[int]]:
+    """20 token-id prompts of mixed lengths (four of length 1) over the tiny vocabulary."""
+    rng = _random.Random(1234)
+    lengths = [1, 5, 12, 3, 1, 8, 21, 2, 1, 30, 4, 9, 1, 16, 6, 2, 13, 7, 40, 3]
+    return [[rng.randrange(3, 258) for _ in range(n)] for n in lengths]
+
+
+SPEC_PROMPTS = _spec_prompts()
+CONSTANT_TOKEN = 7  # the token the constant target always predicts (not EOS)
+
+
+@pytest.fixture(scope="session")
+def spec_target(tmp_path_factory):
+    """spec_target(arch, kind) -> folder of a tiny random target (hidden 64, 4 layers,
+    vocab 259, EOS 0). kind 'peaked': peaked_tokens=8, std=0.2 (random drafters get
+    acceptances; nearly deterministic even at T = 1); 'warm': the same with the boost
+    of those 8 LM-head rows cut from 25x to 5x and the head halved, so sampling at
+    T >= 0.3 changes the stream while drafters still get acceptances; 'plain': the
+    default random weights (broad distributions: top-k / top-p filters bite)."""
+    from safetensors.torch import load_file, save_file
+
+    from treeflash.checkpoints import write_random_target
+    built: dict = {}
+
+    def get(arch: str = "qwen3", kind: str = "peaked") -> Path:
+        if (arch, kind) not in built:
+            folder = tmp_path_factory.mktemp(f"spec-{arch}-{kind}")
+            kw = dict(peaked_tokens=8, std=0.2) if kind in ("peaked", "warm") else {}
+            target = write_random_target(folder, arch=arch, seed=3 if arch == "llama" else 0, **kw)
+            if kind == "warm":
+                w = load_file(str(target / "model.safetensors"))
+                w["lm_head.weight"][3:11] /= 5
+                w["lm_head.weight"] *= 0.5
+                save_file(w, str(target / "model.safetensors"))
+            built[arch, kind] = target
+        return built[arch, kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def spec_drafter(tmp_path_factory, spec_target):
+    """spec_drafter(arch, kind, block_size) -> folder of a random 2-layer DFlash drafter for spec_target(arch, kind)."""
+    from treeflash.checkpoints import write_random_drafter
+    built: dict = {}
+
+    def get(arch: str = "qwen3", kind: str = "peaked", block_size: int = 8) -> Path:
+        key = (arch, kind, block_size)
+        if key not in built:
+            folder = tmp_path_factory.mktemp(f"spec-drafter-{arch}-{kind}-{block_size}")
+            built[key] = write_random_drafter(spec_target(arch, kind), folder, block_size=block_size, seed=block_size)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def clone_checkpoint(tmp_path_factory):
+    """clone_checkpoint(src, **config_overrides) -> a new folder holding checkpoint `src`
+    (weights and tokenizer linked) with those config.json keys changed."""
+    import json
+
+    def make(src: Path, **config_overrides) -> Path:
+        dest = tmp_path_factory.mktemp(f"clone-{Path(src).name}")
+        for f in Path(src).iterdir():
+            if f.name != "config.json":
+                (dest / f.name).symlink_to(f.resolve())
+        cfg = json.loads((Path(src) / "config.json").read_text())
+        cfg.update(config_overrides)
+        (dest / "config.json").write_text(json.dumps(cfg, indent=2))
+        return dest
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def constant_pair(tmp_path_factory):
+    """constant_pair(block_size) -> (target, perfect drafter, useless drafter).
+
+    The target always predicts CONSTANT_TOKEN: every token embedding is the same vector
+    and every o_proj / down_proj is zero, so the residual stream never changes; its LM
+    head puts a margin of ~40 logits on CONSTANT_TOKEN. The perfect drafter has zero
+    o_proj / down_proj and the target's final-norm weights, so (sharing the target's
+    embedding and head) it predicts CONSTANT_TOKEN at every slot with probability ~1.
+    The useless drafter negates those norm weights: CONSTANT_TOKEN becomes its least
+    likely token."""
+    from safetensors.torch import load_file, save_file
+
+    from treeflash.checkpoints import write_random_drafter, write_random_target
+    built: dict = {}
+
+    def get(block_size: int = 8):
+        if block_size in built:
+            return built[block_size]
+        root = tmp_path_factory.mktemp(f"constant-{block_size}")
+        target = write_random_target(root / "target", num_layers=2, seed=7)
+        w = load_file(str(target / "model.safetensors"))
+        w["model.embed_tokens.weight"][:] = w["model.embed_tokens.weight"][5].clone()
+        for k in w:
+            if k.endswith(("o_proj.weight", "down_proj.weight")):
+                w[k].zero_()
+        e = w["model.embed_tokens.weight"][0]
+        final = e * torch.rsqrt(e.pow(2).mean() + 1e-6) * w["model.norm.weight"]
+        w["lm_head.weight"][CONSTANT_TOKEN] += 40 * final / final.pow(2).sum()
+        save_file(w, str(target / "model.safetensors"))
+        drafters = []
+        for name, sign in (("perfect", 1.0), ("useless", -1.0)):
+            d = write_random_drafter(target, root / name, block_size=block_size, seed=1)
+            dw = load_file(str(d / "model.safetensors"))
+            for k in dw:
+                if k.endswith(("o_proj.weight", "down_proj.weight")):
+                    dw[k].zero_()
+            dw["norm.weight"] = sign * w["model.norm.weight"].clone()
+            save_file(dw, str(d / "model.safetensors"))
+            drafters.append(d)
+        built[block_size] = (target, *drafters)
+        return built[block_size]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def ar_reference():
+    """ar_reference(target, prompt, params) -> GenerationOutput of float64 AR decoding of
+    that single prompt (memoized per target, prompt and sampling parameters)."""
+    from treeflash import LLM
+    llms: dict = {}
+    memo: dict = {}
+
+    def get(target: Path, prompt: list[int], params):
+        key = (str(target), tuple(prompt), repr(params))
+        if key not in memo:
+            if str(target) not in llms:
+                llms[str(target)] = LLM(target, method="ar", device="cpu", dtype="float64")
+            memo[key] = llms[str(target)].generate([list(prompt)], copy.deepcopy(params))[0]
+        return memo[key]
+
+    return get

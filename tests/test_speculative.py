@@ -1,0 +1,406 @@
+"""Speculative decoding end to end (issues 3 and 4): DFlash chains and DDTree trees
+give exactly the AR tokens (greedy, float64 on CPU), each committed position is
+projected into the drafter's context once, one target forward per round, a perfect
+drafter commits whole blocks, and bad drafters / budgets fail with one clear line."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import CONSTANT_TOKEN, SPEC_PROMPTS
+from treeflash import LLM, SamplingParams, TreeflashError, UsageError
+from treeflash.checkpoints import write_random_drafter, write_random_target
+from treeflash.cli import main as cli_main
+from treeflash.layers.attention import AttentionInputs
+
+GREEDY64 = SamplingParams(max_new_tokens=64)
+SINGLES, BATCHES = SPEC_PROMPTS[:5], [SPEC_PROMPTS[5:10], SPEC_PROMPTS[10:15], SPEC_PROMPTS[15:20]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls run fastest (and steadiest on a shared 2-core box) on one thread."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+class RoundLog:
+    """Wraps `llm.decoder.round` to see every round's batch state, new tokens and
+    counts, and hooks the target module to count its forward passes."""
+
+    def __init__(self, llm: LLM):
+        self.llm, self.state = llm, None
+        self.rounds: list[dict] = []
+        self.forwards = 0
+        inner = llm.decoder.round
+
+        def round_(st):
+            self.state = st
+            before = None if st.draft_cache is None else st.draft_cache.projected.clone()
+            n_before = st.n.clone()
+            new, counts = inner(st)
+            self.rounds.append(dict(new=new.clone(), counts=counts.clone(), n_before=n_before,
+                                    projected_before=before,
+                                    projected_after=None if before is None else st.draft_cache.projected.clone()))
+            return new, counts
+
+        llm.decoder.round = round_
+        llm.target.register_forward_hook(lambda *_: self._count())
+        self.projections: list[int] = []  # rows (positions) each drafter context projection handled
+        if llm.drafter is not None:
+            project = llm.drafter.context_kv
+
+            def context_kv(features, positions):
+                self.projections.append(features.shape[1])
+                return project(features, positions)
+
+            llm.drafter.context_kv = context_kv
+
+    def _count(self):
+        self.forwards += 1
+
+    def generate(self, prompts, params):
+        self.rounds, self.state, self.projections = [], None, []
+        forwards, counted = self.forwards, self.llm.decoder.target_forwards
+        outs = self.llm.generate(prompts, params)
+        # one target forward for the prefill, then exactly one per round, whatever the tree
+        assert self.forwards - forwards == 1 + len(self.rounds)
+        assert self.llm.decoder.target_forwards - counted == 1 + len(self.rounds)
+        return outs
+
+    def committed_and_rounds(self) -> tuple[int, int]:
+        """(tokens committed, request-rounds) over active requests: their ratio is τ."""
+        committed = sum(int(r["counts"].sum()) for r in self.rounds)
+        active = sum(int((r["counts"] > 0).sum()) for r in self.rounds)
+        return committed, active
+
+
+def spec_llm(target, drafter, method, budget=None, **kw):
+    return LLM(target, draft_model=drafter, method=method, budget=budget, device="cpu", dtype="float64", **kw)
+
+
+def run_lossless(llm: LLM, target, ar_reference, params=GREEDY64) -> float:
+    """20 prompts x 64 tokens: 5 alone, 15 in three mixed-length batches of 5 (with
+    prompts of length 1); every request must give the AR tokens. Returns the τ seen."""
+    log = RoundLog(llm)
+    committed = rounds = 0
+    for group in [[p] for p in SINGLES] + BATCHES:
+        outs = log.generate(group, params)
+        for prompt, out in zip(group, outs):
+            ref = ar_reference(target, prompt, params)
+            assert out.token_ids == ref.token_ids, f"prompt of length {len(prompt)} diverges from AR"
+            assert out.finish_reason == ref.finish_reason
+        c, r = log.committed_and_rounds()
+        committed, rounds = committed + c, rounds + r
+    return committed / rounds
+
+
+# ----------------------------------------------------------------------------- lossless (issue 3)
+
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+@pytest.mark.parametrize("kind", ["peaked", "plain"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_dflash_greedy_is_lossless(arch, kind, block_size, spec_target, spec_drafter, ar_reference):
+    target = spec_target(arch, kind)
+    llm = spec_llm(target, spec_drafter(arch, kind, block_size), "dflash")
+    tau = run_lossless(llm, target, ar_reference)
+    print(f"dflash {arch} {kind} b={block_size}: tau {tau:.3f}")
+    if kind == "peaked":
+        assert tau > 1.02, "no draft token accepted: the accept/commit path went untested"
+
+
+# ----------------------------------------------------------------------------- lossless (issue 4)
+
+@pytest.mark.parametrize("budget", [1, 4, 15, 64, 256])
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_ddtree_greedy_is_lossless(arch, budget, spec_target, spec_drafter, ar_reference):
+    target = spec_target(arch, "peaked")
+    block_size = {4: 8, 256: 8}.get(budget, 16)  # the widest tree on the shorter block keeps the test fast
+    llm = spec_llm(target, spec_drafter(arch, "peaked", block_size), "ddtree", budget)
+    tau = run_lossless(llm, target, ar_reference)
+    print(f"ddtree {arch} N={budget}: tau {tau:.3f}")
+    assert tau > 1.02, "no draft token accepted: the accept/commit path went untested"
+
+
+@pytest.mark.parametrize("budget", [7, 64])
+def test_ddtree_greedy_is_lossless_plain_target(budget, spec_target, spec_drafter, ar_reference):
+    target = spec_target("llama", "plain")
+    run_lossless(spec_llm(target, spec_drafter("llama", "plain", 8), "ddtree", budget), target, ar_reference)
+
+
+def test_ddtree_beats_chain_on_peaked_target(spec_target, spec_drafter, ar_reference):
+    """The point of the tree: with the same drafter, 64 nodes accept more per round than the chain."""
+    target, drafter = spec_target("qwen3", "peaked"), spec_drafter("qwen3", "peaked", 8)
+    taus = {}
+    for method, budget in (("dflash", None), ("ddtree", 64)):
+        log = RoundLog(spec_llm(target, drafter, method, budget))
+        log.generate(BATCHES[0], GREEDY64)
+        c, r = log.committed_and_rounds()
+        taus[method] = c / r
+    assert taus["ddtree"] > taus["dflash"]
+
+
+# ----------------------------------------------------------------------------- EOS / max tokens mid-block
+
+def committed_streams(log: RoundLog, outs) -> list[list[list[int]]]:
+    """Per request, the tokens of each commit: [first token], then each round's."""
+    return [[[o.token_ids[0]]] + [r["new"][b, : r["counts"][b]].tolist() for r in log.rounds if r["counts"][b] > 0]
+            for b, o in enumerate(outs)]
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 32)])
+def test_stops_at_eos_mid_block_like_ar(method, budget, spec_target, spec_drafter, clone_checkpoint,
+                                        ar_reference):
+    """With EOS = a token the target really emits, speculative requests stop exactly
+    where AR stops, even when the EOS sits inside an accepted block (the tokens
+    committed after it are dropped), and the rest of the batch carries on."""
+    base, drafter = spec_target("qwen3", "peaked"), spec_drafter("qwen3", "peaked", 8)
+    prompts = SPEC_PROMPTS[:8]
+    # probe without EOS: pick a token whose first occurrence in some request was
+    # committed with more tokens after it in the same round (EOS does not change the rounds)
+    probe = RoundLog(spec_llm(base, drafter, method, budget))
+    streams = committed_streams(probe, probe.generate(prompts, GREEDY64))
+    inside = {}
+    for chunks in streams:
+        seen = set()
+        for chunk in chunks:
+            for i, t in enumerate(chunk):
+                if t not in seen and i < len(chunk) - 1:
+                    inside[t] = inside.get(t, 0) + 1
+                seen.add(t)
+    eos = max(sorted(inside), key=lambda t: (inside[t], -t))
+    target = clone_checkpoint(base, eos_token_id=eos)
+    refs = [ar_reference(target, p, GREEDY64) for p in prompts]
+    assert any(r.finish_reason == "stop" for r in refs) and any(r.finish_reason == "length" for r in refs)
+    log = RoundLog(spec_llm(target, drafter, method, budget))
+    mid_block = 0
+    for group in ([prompts[0]], prompts[:4], prompts[4:]):
+        outs = log.generate(group, GREEDY64)
+        for prompt, out, chunks in zip(group, outs, committed_streams(log, outs)):
+            ref = ar_reference(target, prompt, GREEDY64)
+            assert (out.token_ids, out.finish_reason) == (ref.token_ids, ref.finish_reason)
+            if out.finish_reason == "stop":
+                assert out.token_ids[-1] == eos and eos not in out.token_ids[:-1]
+                mid_block += any(eos in chunk[:-1] for chunk in chunks)
+    print(f"EOS {eos} ({method}): {mid_block} requests stopped inside a block")
+    assert mid_block > 0, "EOS never landed inside a block: the mid-block stop went untested"
+
+
+def test_stops_at_max_tokens_mid_block(constant_pair, spec_target, spec_drafter, ar_reference):
+    """A token limit that falls inside an accepted block cuts the block: exactly
+    max_new_tokens tokens, finish_reason 'length', the AR tokens."""
+    target, perfect, _ = constant_pair(8)
+    llm = spec_llm(target, perfect, "dflash")
+    log = RoundLog(llm)
+    params = SamplingParams(max_new_tokens=21)  # 1 (prefill) + 8 + 8 + 4 of the third block
+    outs = log.generate([[5], [9, 10, 11]], params)
+    assert [len(r["new"][0]) for r in log.rounds] == [8, 8, 8]
+    assert all(o.token_ids == [CONSTANT_TOKEN] * 21 and o.finish_reason == "length" for o in outs)
+    target = spec_target("llama", "peaked")
+    llm = spec_llm(target, spec_drafter("llama", "peaked", 16), "ddtree", 64)
+    for limit in (1, 2, 13, 37):
+        params = SamplingParams(max_new_tokens=limit)
+        outs = llm.generate(SPEC_PROMPTS[:4], params)
+        for prompt, out in zip(SPEC_PROMPTS[:4], outs):
+            ref = ar_reference(target, prompt, GREEDY64)
+            assert out.token_ids == ref.token_ids[:limit] and out.finish_reason == "length"
+
+
+# ----------------------------------------------------------------------------- load contexts once
+
+def fresh_caches(llm: LLM, seq: list[int]):
+    """Target K/V and drafter context K/V of `seq` computed from scratch (one prefill)."""
+    ids = torch.tensor([seq])
+    positions = torch.arange(len(seq))[None]
+    cache = llm.target.new_cache(1, len(seq) + 1, torch.device("cpu"))
+    with torch.inference_mode():
+        _, feats = llm.target(ids, AttentionInputs.causal(positions, kv_len=len(seq)), cache,
+                              llm.drafter.target_layer_ids)
+        ctx = llm.drafter.context_kv(feats, positions)
+    return cache, ctx
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 48)])
+def test_contexts_are_loaded_once(method, budget, spec_target, spec_drafter, clone_checkpoint, ar_reference):
+    """Per request, the drafter's context cache projects exactly the committed
+    positions: prompt length + committed tokens, each once (a round adds exactly the
+    tokens it commits, a finished request adds none). And what sits in both caches is
+    exactly what a fresh prefill of the committed sequence gives: the tree's accepted
+    path (not the rejected branches) was moved into place and projected."""
+    base = spec_target("qwen3", "peaked")
+    drafter = spec_drafter("qwen3", "peaked", 8)
+    prompts = [SPEC_PROMPTS[0], SPEC_PROMPTS[4], SPEC_PROMPTS[6], SPEC_PROMPTS[3]]  # lengths 1, 1, 21, 3
+    # EOS: a token the first request emits after a few tokens and another request never does
+    probes = [ar_reference(base, p, GREEDY64).token_ids[:40] for p in prompts]
+    eos = next(t for t in probes[0][4:] if any(t not in other for other in probes[1:]))
+    target = clone_checkpoint(base, eos_token_id=eos)
+    llm = spec_llm(target, drafter, method, budget)
+    log = RoundLog(llm)
+    outs = log.generate(prompts, SamplingParams(max_new_tokens=40))
+    assert outs[0].finish_reason == "stop" and any(o.finish_reason == "length" for o in outs)
+    st = log.state
+    committed = sum(r["counts"] for r in log.rounds)
+    lens = torch.tensor([len(p) for p in prompts])
+    assert torch.equal(st.n, lens + committed)
+    assert torch.equal(st.draft_cache.projected, lens + committed)
+    for r in log.rounds:
+        assert torch.equal(r["projected_after"] - r["projected_before"], r["counts"])
+    # the prompt is projected once by the prefill, then each round projects only its
+    # own block of at most b positions, however long the prefix has grown
+    assert log.projections == [max(lens.tolist())] + [llm.drafter.block_size] * len(log.rounds)
+    for b, out in enumerate(outs):  # once a request has all its tokens it commits nothing more
+        have = 1
+        for r in log.rounds:
+            if have >= len(out.token_ids):
+                assert int(r["counts"][b]) == 0
+            have += int(r["counts"][b])
+    assert int(log.rounds[-1]["counts"][0]) == 0
+    c, rr = log.committed_and_rounds()
+    print(f"contexts {method}: EOS {eos}, finish {[o.finish_reason for o in outs]}, tau {c / rr:.3f}")
+    assert c / rr > 1.02, "no draft token accepted"
+    for b, prompt in enumerate(prompts):
+        seq = list(prompt) + [outs[b].token_ids[0]]
+        for r in log.rounds:
+            seq += r["new"][b, : r["counts"][b]].tolist()
+        n = int(st.n[b])
+        assert len(seq) == n + 1  # committed positions + the next anchor
+        assert seq[len(prompt): len(prompt) + len(outs[b].token_ids)] == outs[b].token_ids
+        cache, ctx = fresh_caches(llm, seq[:n])
+        torch.testing.assert_close(st.cache.k[:, b, :, :n], cache.k[:, 0, :, :n], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(st.cache.v[:, b, :, :n], cache.v[:, 0, :, :n], rtol=1e-9, atol=1e-9)
+        for i, (k, v) in enumerate(ctx):
+            torch.testing.assert_close(st.draft_cache.k[i][b, :, :n], k[0].transpose(0, 1), rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(st.draft_cache.v[i][b, :, :n], v[0].transpose(0, 1), rtol=1e-9, atol=1e-9)
+
+
+# ----------------------------------------------------------------------------- perfect / useless drafters
+
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+def test_perfect_drafter_commits_whole_blocks(block_size, constant_pair, ar_reference):
+    """A drafter that always agrees with the target: every DFlash round commits the
+    whole block (τ = block size); DDTree with N >= b-1 nodes does too, and with
+    N < b-1 nodes it commits N+1 (all nodes are spent on the one right path)."""
+    target, perfect, _ = constant_pair(block_size)
+    rounds = 3
+    params = SamplingParams(max_new_tokens=1 + rounds * block_size)
+    prompts = [[5], [9, 10, 11, 12], [3] * 9]
+    for method, budget, per_round in (("dflash", None, block_size), ("ddtree", block_size - 1, block_size),
+                                      ("ddtree", 64, block_size), ("ddtree", 2, 3)):
+        log = RoundLog(spec_llm(target, perfect, method, budget))
+        outs = log.generate(prompts, params)
+        for prompt, out in zip(prompts, outs):
+            assert out.token_ids == ar_reference(target, prompt, params).token_ids == [CONSTANT_TOKEN] * len(out.token_ids)
+        assert all(r["counts"].tolist() == [per_round] * 3 for r in log.rounds[:-1])
+        if per_round == block_size:
+            assert len(log.rounds) == rounds
+            assert outs[0].stats["tau"] == pytest.approx((1 + rounds * block_size) / (1 + rounds), abs=1e-3)
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 64)])
+def test_useless_drafter_still_lossless(method, budget, constant_pair, spec_target, spec_drafter, ar_reference):
+    """A drafter that is always wrong costs speed, never correctness: τ is exactly 1
+    against the constant target, and on a real target a drafter with no signal
+    (all-zero hidden states: uniform guesses) gives τ ≈ 1 and the AR tokens."""
+    target, _, useless = constant_pair(8)
+    log = RoundLog(spec_llm(target, useless, method, budget))
+    outs = log.generate([[5], [6, 7, 8]], GREEDY64)
+    assert all(o.token_ids == [CONSTANT_TOKEN] * 64 for o in outs)
+    assert all(int(c) == 1 for r in log.rounds for c in r["counts"])
+
+
+def test_no_signal_drafter_on_real_target(spec_target, clone_checkpoint, ar_reference, tmp_path):
+    from safetensors.torch import load_file, save_file
+    target = spec_target("qwen3", "peaked")
+    drafter = write_random_drafter(target, tmp_path / "zero", block_size=8)
+    w = load_file(str(drafter / "model.safetensors"))
+    w["norm.weight"].zero_()
+    save_file(w, str(drafter / "model.safetensors"))
+    for method, budget in (("dflash", None), ("ddtree", 16)):
+        log = RoundLog(spec_llm(target, drafter, method, budget))
+        outs = log.generate(SPEC_PROMPTS[:4], GREEDY64)
+        for prompt, out in zip(SPEC_PROMPTS[:4], outs):
+            assert out.token_ids == ar_reference(target, prompt, GREEDY64).token_ids
+        c, r = log.committed_and_rounds()
+        print(f"no-signal drafter {method}: tau {c / r:.3f}")
+        assert c / r < 1.15
+
+
+# ----------------------------------------------------------------------------- drafters that do not fit
+
+@pytest.fixture(scope="module")
+def misfit_drafters(tmp_path_factory, spec_target, spec_drafter, clone_checkpoint):
+    """Drafters that do not fit spec_target('qwen3', 'peaked') (hidden 64, 4 layers, vocab 259)."""
+    root = tmp_path_factory.mktemp("misfits")
+    good = spec_drafter("qwen3", "peaked", 8)
+    return {
+        "hidden_size": write_random_drafter(write_random_target(root / "t32", hidden_size=32, vocab_size=259),
+                                            root / "hidden"),
+        "vocab_size": write_random_drafter(write_random_target(root / "t300", vocab_size=300), root / "vocab"),
+        "6 layers": write_random_drafter(write_random_target(root / "t6", num_layers=6, vocab_size=259),
+                                         root / "layers"),
+        "[9]": clone_checkpoint(good, dflash_config={"mask_token_id": 258, "target_layer_ids": [1, 9]}),
+        "[-1]": clone_checkpoint(good, num_target_layers=None,
+                                 dflash_config={"mask_token_id": 258, "target_layer_ids": [-1, 2]}),
+        "mask_token_id": clone_checkpoint(good, dflash_config={"mask_token_id": 259, "target_layer_ids": [1, 2]}),
+    }
+
+
+@pytest.mark.parametrize("what", ["hidden_size", "vocab_size", "6 layers", "[9]", "[-1]", "mask_token_id"])
+def test_misfit_drafter_api_error(what, misfit_drafters, spec_target):
+    with pytest.raises(TreeflashError) as e:
+        spec_llm(spec_target("qwen3", "peaked"), misfit_drafters[what], "dflash")
+    assert type(e.value) is TreeflashError  # a model-files problem, not a usage error
+    msg = str(e.value)
+    assert what in msg and "\n" not in msg and "drafter" in msg
+
+
+@pytest.mark.parametrize("what", ["hidden_size", "vocab_size", "6 layers", "[9]"])
+def test_misfit_drafter_cli_error(what, misfit_drafters, spec_target, capsys):
+    code = cli_main(["generate", "--model", str(spec_target("qwen3", "peaked")),
+                     "--draft-model", str(misfit_drafters[what]), "--device", "cpu", "hello"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.count("\n") == 1 and err.startswith("treeflash: error:") and what in err
+    assert "Traceback" not in err
+
+
+def test_misfit_drafter_cli_subprocess(misfit_drafters, spec_target):
+    """The installed entry point: exit code 1, one line on stderr, nothing on stdout."""
+    proc = subprocess.run([sys.executable, "-m", "treeflash", "generate", "--model",
+                           str(spec_target("qwen3", "peaked")), "--draft-model", str(misfit_drafters["vocab_size"]),
+                           "--device", "cpu", "hello"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.count("\n") == 1 and "vocab_size" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+# ----------------------------------------------------------------------------- budgets
+
+@pytest.mark.parametrize("budget,max_budget", [(0, 512), (-1, 512), (-64, 512), (513, 512), (33, 32)])
+def test_invalid_budget_api(budget, max_budget, spec_target, spec_drafter):
+    with pytest.raises(UsageError, match="budget") as e:
+        spec_llm(spec_target("qwen3", "peaked"), spec_drafter("qwen3", "peaked", 8), "ddtree", budget,
+                 max_budget=max_budget)
+    assert "\n" not in str(e.value)
+
+
+def test_budget_at_max_budget_works(spec_target, spec_drafter, ar_reference):
+    target = spec_target("qwen3", "peaked")
+    llm = spec_llm(target, spec_drafter("qwen3", "peaked", 8), "ddtree", 32, max_budget=32)
+    out = llm.generate(SPEC_PROMPTS[1], SamplingParams(max_new_tokens=16))[0]
+    assert out.token_ids == ar_reference(target, SPEC_PROMPTS[1], GREEDY64).token_ids[:16]
+
+
+@pytest.mark.parametrize("budget", ["0", "-3", "100000"])
+def test_invalid_budget_cli(budget, spec_target, spec_drafter, capsys):
+    code = cli_main(["generate", "--model", str(spec_target("qwen3", "peaked")), "--draft-model",
+                     str(spec_drafter("qwen3", "peaked", 8)), "--method", "ddtree", "--budget", budget,
+                     "--device", "cpu", "hello"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and "budget" in err and "Traceback" not in err
