@@ -253,3 +253,40 @@ def ar_reference():
         return memo[key]
 
     return get
+
+
+# ---------------------------------------------------------------------------
+# Engine tests (issue 2), continued: a checkpoint whose EOS is the greedy choice
+# at a known step.
+# ---------------------------------------------------------------------------
+@dataclass
+class EOSCheckpoint:
+    path: Path
+    full: list[int]      # greedy tokens of ENGINE_PROMPTS[0] with EOS ignored
+    step: int            # index in `full` where EOS is the greedy token
+    eos: int
+
+
+@pytest.fixture(scope="session")
+def eos_checkpoint(hf_checkpoint, tmp_path_factory):
+    """The untied "qwen3" checkpoint with lm_head row 0 (<|endoftext|>) replaced by the
+    row of the token greedy decoding picks at step >= 5 for the first time: logits tie,
+    argmax takes the lower id, so greedy decoding emits EOS exactly there (and the
+    tokens before it are unchanged)."""
+    from safetensors.torch import load_file, save_file
+
+    from treeflash import LLM, SamplingParams
+
+    src = hf_checkpoint("qwen3")
+    base = LLM(src.path, device="cpu", dtype="float32")
+    before = base.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=48, ignore_eos=True))[0].token_ids
+    step = next(i for i in range(5, len(before)) if before[i] not in before[:i])
+    folder = src.copy_to(tmp_path_factory.mktemp("eos") / "ckpt")
+    weights = load_file(str(folder / "model.safetensors"))
+    weights["lm_head.weight"][0] = weights["lm_head.weight"][before[step]]
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    llm = LLM(folder, device="cpu", dtype="float32")
+    assert llm.eos_token_ids == [0]
+    full = llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=48, ignore_eos=True))[0].token_ids
+    assert full[:step] == before[:step] and full[step] == 0
+    return EOSCheckpoint(folder, full, step, 0)

@@ -79,7 +79,8 @@ def test_checkpoint_layouts_are_the_ones_claimed(hf_checkpoint):
 
 
 def test_tokenizer_matches_transformers(hf_checkpoint):
-    """treeflash's tokenizer encodes and decodes like transformers' AutoTokenizer."""
+    """treeflash's tokenizer encodes (as transformers does by default, with special
+    tokens) and decodes like transformers' AutoTokenizer."""
     from transformers import AutoTokenizer
 
     path = hf_checkpoint("qwen3").path
@@ -87,9 +88,38 @@ def test_tokenizer_matches_transformers(hf_checkpoint):
     llm = LLM(path, device="cpu", dtype="float32")
     for text in ENGINE_PROMPTS + ["  spaces\tand\nnewlines  ", "unicode: é ü 日本"]:
         ids = llm.tokenizer.encode(text)
-        assert ids == hf_tok(text, add_special_tokens=False)["input_ids"]
+        assert ids == hf_tok(text)["input_ids"]
         assert llm.tokenizer.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True) == text
     assert 0 in llm.eos_token_ids  # <|endoftext|>, from config.json and tokenizer_config.json
+
+
+def test_llama3_style_tokenizer_adds_bos_like_transformers(hf_checkpoint, tmp_path):
+    """Llama-3 tokenizers add <|begin_of_text|> through the tokenizer.json post-processor
+    (tokenizer_config.json says nothing about it): a text prompt must reach the model
+    with it, as it does with transformers, or every output changes."""
+    from tokenizers import Tokenizer, processors
+    from transformers import AutoTokenizer
+
+    ck = hf_checkpoint("llama3-rope")
+    folder = ck.copy_to(tmp_path / "bos")
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    bos_text = "<|pad|>"  # a special token of the tiny vocabulary, standing in for <|begin_of_text|>
+    bos = tok.token_to_id(bos_text)
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{bos_text} $A", pair=f"{bos_text} $A {bos_text} $B",
+                                      special_tokens=[(bos_text, bos)])])
+    tok.save(str(folder / "tokenizer.json"))
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "bos_token": bos_text}))
+    hf_tok = AutoTokenizer.from_pretrained(folder)
+    llm = LLM(folder, device="cpu", dtype="float32")
+    for text in ENGINE_PROMPTS:
+        ids = hf_tok(text)["input_ids"]
+        assert ids[0] == bos
+        assert llm.tokenizer.encode(text) == ids
+    out = llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(ck.model, hf_tok(ENGINE_PROMPTS[0])["input_ids"], 16)
 
 
 # --------------------------------------------------------------------------- float32 logits

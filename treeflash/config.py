@@ -7,6 +7,7 @@ Both refuse what they cannot run with a one-line `TreeflashError`.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,12 +56,23 @@ def _require(data: dict, key: str, where: str, kind=int):
     return value
 
 
-def _rope(data: dict) -> tuple[float, dict | None]:
+def _number(value, key: str, where: str, positive: bool = True) -> float:
+    """A finite number > 0 (>= 0 unless `positive`), or a one-line error."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or (positive and value == 0):
+        raise TreeflashError(f"config.json in {where}: '{key}' must be a number "
+                             f"{'> 0' if positive else '>= 0'}, got {value!r}")
+    return float(value)
+
+
+def _rope(data: dict, where: str = "config") -> tuple[float, dict | None]:
     """RoPE theta and scaling, from transformers 4 (`rope_theta`, `rope_scaling`) or 5
     (`rope_parameters`) style configs."""
     params = data.get("rope_parameters") or {}
     scaling = data.get("rope_scaling") or None
-    theta = float(params.get("rope_theta", data.get("rope_theta", 10000.0)))
+    if not isinstance(params, dict) or not isinstance(scaling, (dict, type(None))):
+        raise TreeflashError(f"config.json in {where}: rope_parameters / rope_scaling must be JSON objects")
+    theta = _number(params.get("rope_theta", data.get("rope_theta", 10000.0)), "rope_theta", where)
     if scaling is None and params.get("rope_type", "default") != "default":
         scaling = params
     if scaling is not None:
@@ -69,13 +81,23 @@ def _rope(data: dict) -> tuple[float, dict | None]:
             scaling = None
         elif kind != "llama3":
             raise TreeflashError(f"unsupported rope scaling type '{kind}' (supported: llama3)")
+        else:
+            if "factor" not in scaling:
+                raise TreeflashError(f"config.json in {where}: llama3 rope scaling lacks 'factor'")
+            for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                if key in scaling:
+                    _number(scaling[key], f"rope scaling {key}", where, positive=key != "low_freq_factor")
     return theta, scaling
 
 
-def _eos_ids(value) -> list[int]:
+def _eos_ids(value, where: str = "config") -> list[int]:
     if value is None:
         return []
-    return [int(v) for v in (value if isinstance(value, list) else [value])]
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise TreeflashError(f"config.json in {where}: 'eos_token_id' must be a token id or a list of "
+                             f"token ids, got {value!r}")
+    return list(values)
 
 
 @dataclass
@@ -107,6 +129,15 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict, where: str = "config") -> "ModelConfig":
         archs = data.get("architectures") or []
+        if isinstance(archs, str):
+            archs = [archs]
+        if not isinstance(archs, list):
+            raise TreeflashError(f"config.json in {where}: 'architectures' must be a list, got {archs!r}")
+        quant = data.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+            raise TreeflashError(f"quantized checkpoints are not supported ({where} has a "
+                                 f"quantization_config, quant_method '{method}')")
         arch = None
         for a in archs:
             if a in TARGET_ARCHITECTURES:
@@ -120,11 +151,12 @@ class ModelConfig:
                 f"(supported: {', '.join(TARGET_ARCHITECTURES)})")
         hidden = _require(data, "hidden_size", where)
         heads = _require(data, "num_attention_heads", where)
-        kv_heads = data.get("num_key_value_heads") or heads
+        kv_heads = _require(data, "num_key_value_heads", where) if data.get("num_key_value_heads") else heads
         if heads % kv_heads:
             raise TreeflashError(f"config.json in {where}: num_attention_heads ({heads}) "
                                  f"is not a multiple of num_key_value_heads ({kv_heads})")
-        theta, scaling = _rope(data)
+        theta, scaling = _rope(data, where)
+        max_pos = data.get("max_position_embeddings")
         return cls(
             arch=arch,
             vocab_size=_require(data, "vocab_size", where),
@@ -133,16 +165,16 @@ class ModelConfig:
             num_layers=_require(data, "num_hidden_layers", where),
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=data.get("head_dim") or hidden // heads,
-            rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            head_dim=_require(data, "head_dim", where) if data.get("head_dim") else hidden // heads,
+            rms_norm_eps=_number(data.get("rms_norm_eps", 1e-6), "rms_norm_eps", where, positive=False),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=int(data.get("max_position_embeddings") or 4096),
+            max_position_embeddings=4096 if max_pos is None else _require(data, "max_position_embeddings", where),
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
             attention_bias=bool(data.get("attention_bias", False)),
             mlp_bias=bool(data.get("mlp_bias", False)),
             torch_dtype=data.get("torch_dtype") or data.get("dtype"),
-            eos_token_ids=_eos_ids(data.get("eos_token_id")),
+            eos_token_ids=_eos_ids(data.get("eos_token_id"), where),
         )
 
     @classmethod

@@ -20,10 +20,13 @@ def _json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _ids(value) -> list[int]:
+def _ids(value, key: str, path: Path) -> list[int]:
     if value is None:
         return []
-    return [int(v) for v in (value if isinstance(value, list) else [value])]
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise TreeflashError(f"{path}: '{key}' must be a token id or a list of token ids, got {value!r}")
+    return list(values)
 
 
 class Tokenizer:
@@ -39,7 +42,8 @@ class Tokenizer:
         config = _json(folder / "config.json")
         gen = _json(folder / "generation_config.json")
         tok_cfg = _json(folder / "tokenizer_config.json")
-        eos = set(_ids(gen.get("eos_token_id"))) | set(_ids(config.get("eos_token_id")))
+        eos = set(_ids(gen.get("eos_token_id"), "eos_token_id", folder / "generation_config.json")) \
+            | set(_ids(config.get("eos_token_id"), "eos_token_id", folder / "config.json"))
         eos_tok = tok_cfg.get("eos_token")
         if isinstance(eos_tok, dict):
             eos_tok = eos_tok.get("content")
@@ -54,8 +58,12 @@ class Tokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
-        return [self.bos_token_id] + ids if self.add_bos else ids
+        # With special tokens, as transformers encodes by default: the tokenizer.json
+        # post-processor adds what the model expects (Llama 3's <|begin_of_text|>).
+        ids = self.tok.encode(text, add_special_tokens=True).ids
+        if self.add_bos and ids[:1] != [self.bos_token_id]:
+            ids = [self.bos_token_id] + ids
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)

@@ -62,11 +62,19 @@ def _parts_of(model: nn.Module, name: str) -> tuple[list[str], nn.Module | None]
     return [model.checkpoint_key(k) for k in keys], owner
 
 
+# safetensors dtype names of the weights we can load; integer or float8 tensors are
+# quantized data that a plain cast would silently turn into garbage.
+FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+
+
 def _read_slice(st, key: str, full_shape: tuple, shard_dim: int | None, rank: int, size: int) -> torch.Tensor:
     sl = st.get_slice(key)
     shape = tuple(sl.get_shape())
     if shape != full_shape:
         raise TreeflashError(f"weight {key} has shape {list(shape)}, expected {list(full_shape)}")
+    if sl.get_dtype() not in FLOAT_DTYPES:
+        raise TreeflashError(f"weight {key} has dtype {sl.get_dtype()}; only float16, bfloat16, float32 "
+                             f"and float64 weights are supported (quantized checkpoints are not)")
     if shard_dim is None or size == 1:
         return sl[:]
     n = full_shape[shard_dim] // size

@@ -1,0 +1,212 @@
+"""Issue 2, point 2: seeded sampling.
+
+* `sample` draws from softmax(filter(logits / T)) (chi-square goodness of fit over
+  thousands of fixed-seed draws, with transformers' logits warpers as the oracle),
+  never emits a filtered-out token, and draws independently across positions and seeds;
+* per-request parameters are honoured inside a mixed batch;
+* through the engine: the same seed gives the same tokens on every run and whatever
+  the batch around the request.
+
+The statistical tests use fixed seeds, so they are deterministic: they either pass
+forever or fail forever. Each asserts a chi-square p-value > 1e-3 (a correct sampler
+would fail one configuration with probability 1e-3 per seed choice; these seeds pass),
+and a power check shows the same test rejects a wrong distribution with p < 1e-12.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ENGINE_PROMPTS
+
+from treeflash import LLM, SamplingParams
+from treeflash.engine.sampling import SamplingBatch, gumbel_noise, sample
+
+# A fixed, unsorted logit vector: sorting and index bookkeeping matter.
+LOGITS = torch.tensor([0.3, 2.0, -0.9, 1.2, -3.0, 0.6, 1.5, -0.4, 0.0, -2.0, 1.0, -1.5], dtype=torch.float64)
+V = LOGITS.numel()
+SEEDS, POSITIONS = 40, 200            # 8000 draws per configuration
+P_MIN = 1e-3
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit over the support of `probs`."""
+    n = counts.sum()
+    support = probs > 0
+    expected = n * probs[support]
+    stat = ((counts[support] - expected) ** 2 / expected).sum()
+    df = int(support.sum()) - 1
+    return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2).item()
+
+
+def hf_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The oracle: transformers' temperature, top-k and top-p warpers, in that order."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+    scores = logits[None].clone()
+    scores = TemperatureLogitsWarper(temperature)(None, scores)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return torch.softmax(scores[0], -1)
+
+
+def draw(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+         seeds=range(SEEDS), positions: int = POSITIONS) -> torch.Tensor:
+    """Tokens [len(seeds), positions]: one request per seed, the same logits at every position."""
+    B = len(seeds)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=s) for s in seeds]
+    sb = SamplingBatch.from_params(params, "cpu")
+    pos = torch.arange(positions).expand(B, positions)
+    return sample(logits.expand(B, positions, -1).clone(), pos, sb)
+
+
+# top-k=6 then top-p=0.8 over the renormalized top 6 keeps 4 tokens at T=1, fewer than
+# either filter alone (6 and 5): the order and the renormalization are tested.
+FILTERS = [(0, 1.0), (4, 1.0), (0, 0.7), (6, 0.8)]
+
+
+@pytest.mark.parametrize("top_k,top_p", FILTERS, ids=["plain", "top-k=4", "top-p=0.7", "top-k=6+top-p=0.8"])
+@pytest.mark.parametrize("temperature", [0.5, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_samples_follow_filtered_softmax(temperature, top_k, top_p, dtype):
+    probs = hf_probs(LOGITS, temperature, top_k, top_p)
+    if top_p < 1:  # the fixed logits keep clear of the top-p boundary
+        cum = probs[probs > 0].sort(descending=True).values.cumsum(0)
+        assert (cum - top_p).abs().min() > 0.02
+    tokens = draw(LOGITS.to(dtype), temperature, top_k, top_p)
+    counts = torch.bincount(tokens.flatten(), minlength=V).double()
+    assert counts.sum() == SEEDS * POSITIONS
+    removed = probs == 0
+    assert counts[removed].sum() == 0, f"filtered-out tokens sampled: {counts[removed].tolist()}"
+    if top_k or top_p < 1:
+        assert removed.any()
+    assert chi2_pvalue(counts, probs) > P_MIN
+    # total variation, as a readable bound: E|freq_i - p_i| <= sqrt(p_i (1 - p_i) / n)
+    n = counts.sum()
+    tv = 0.5 * (counts / n - probs).abs().sum()
+    assert tv < 2 * 0.5 * (probs * (1 - probs) / n).sqrt().sum()
+
+
+def test_goodness_of_fit_test_has_power():
+    """The chi-square check above would catch a sampler that ignores the temperature
+    or the filters (so passing it means something)."""
+    hot = draw(LOGITS, 1.0)
+    counts = torch.bincount(hot.flatten(), minlength=V).double()
+    assert chi2_pvalue(counts, hf_probs(LOGITS, 0.5, 0, 1.0)) < 1e-12
+    assert chi2_pvalue(counts, hf_probs(LOGITS, 1.0, 0, 1.0)) > P_MIN
+    top4 = torch.bincount(draw(LOGITS, 1.0, top_k=4).flatten(), minlength=V).double()
+    assert chi2_pvalue(top4, hf_probs(LOGITS, 1.0, 0, 1.0)) < 1e-12
+
+
+def test_draws_are_independent_across_positions_and_seeds():
+    """Joint counts of neighbouring positions (same seed) and neighbouring seeds (same
+    position) fit the product of the marginals: the position-keyed noise does not
+    correlate the tokens of one request, nor requests with consecutive seeds."""
+    logits = torch.tensor([0.4, -0.2, 0.1, -0.5], dtype=torch.float64)  # 4 tokens, 16 joint cells
+    p = torch.softmax(logits, -1)
+    joint_p = (p[:, None] * p[None, :]).flatten()
+    tokens = draw(logits, 1.0, seeds=range(100, 160), positions=201)     # 60 x 201
+    along_positions = tokens[:, 0:-1:2] * 4 + tokens[:, 1::2]            # disjoint pairs (p, p+1)
+    across_seeds = tokens[0::2] * 4 + tokens[1::2]                       # seeds s, s+1 at each position
+    for pairs in (along_positions, across_seeds):
+        counts = torch.bincount(pairs.flatten(), minlength=16).double()
+        assert counts.sum() > 5000
+        assert chi2_pvalue(counts, joint_p) > P_MIN
+
+
+def test_gumbel_noise_depends_only_on_seed_position_and_token():
+    seed = torch.tensor([7, 7, 8])
+    pos = torch.tensor([[3, 4], [3, 9], [3, 4]])
+    g = gumbel_noise(seed, pos, 0, 50)
+    assert torch.equal(g[0, 0], g[1, 0])                  # same (seed, position): same vector
+    assert not torch.equal(g[0, 0], g[0, 1])              # another position
+    assert not torch.equal(g[0, 0], g[2, 0])              # another seed
+    # a vocabulary shard computes its slice of the same vector (tensor parallelism)
+    assert torch.equal(gumbel_noise(seed, pos, 20, 30), g[..., 20:])
+    assert torch.isfinite(g).all()
+
+
+def test_greedy_and_degenerate_filters_give_the_argmax():
+    logits = torch.randn(3, 64, V, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    argmax = logits.argmax(-1)
+    pos = torch.arange(64).expand(3, 64)
+    for params in ([SamplingParams(temperature=0.0, seed=s, top_k=5, top_p=0.5) for s in range(3)],
+                   [SamplingParams(temperature=1.0, seed=s, top_k=1) for s in range(3)],
+                   [SamplingParams(temperature=1.5, seed=s, top_p=1e-9) for s in range(3)]):
+        assert torch.equal(sample(logits, pos, SamplingBatch.from_params(params, "cpu")), argmax)
+    # while plain sampling at the same seeds does not always give it
+    sampled = sample(logits, pos, SamplingBatch.from_params(
+        [SamplingParams(temperature=1.0, seed=s) for s in range(3)], "cpu"))
+    assert not torch.equal(sampled, argmax)
+
+
+def test_mixed_batch_honours_each_requests_parameters():
+    """One batch mixing greedy, top-k, top-p and plain sampling: each row samples exactly
+    as it does alone, a row's filters do not leak into its neighbours."""
+    gen = torch.Generator().manual_seed(1)
+    P = 300
+    logits = torch.randn(4, P, V, generator=gen, dtype=torch.float64) * 1.5
+    pos = torch.arange(10, 10 + P).expand(4, P)
+    params = [SamplingParams(temperature=1.0, top_k=2, seed=5),
+              SamplingParams(temperature=1.0, seed=6),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.7, top_p=0.5, seed=7)]
+    together = sample(logits, pos, SamplingBatch.from_params(params, "cpu"))
+    for b, p in enumerate(params):
+        alone = sample(logits[b:b + 1], pos[b:b + 1], SamplingBatch.from_params([p], "cpu"))
+        assert torch.equal(together[b], alone[0]), f"row {b}"
+    top2 = logits.topk(2, dim=-1).indices
+    in_top2 = (together[..., None] == top2).any(-1)
+    assert in_top2[0].all()                   # top-k = 2 respected
+    assert not in_top2[1].all()               # the unfiltered neighbour is not cut to 2
+    assert torch.equal(together[2], logits[2].argmax(-1))
+
+
+# --------------------------------------------------------------------------- through the engine
+
+
+@pytest.fixture(scope="module")
+def llm64(hf_checkpoint):
+    return LLM(hf_checkpoint("qwen3").path, device="cpu", dtype="float64")
+
+
+def test_same_seed_same_tokens_on_every_run(hf_checkpoint, llm64):
+    p = SamplingParams(max_new_tokens=24, temperature=1.0, seed=1234, ignore_eos=True)
+    first = llm64.generate(ENGINE_PROMPTS[0], p)[0].token_ids
+    assert llm64.generate(ENGINE_PROMPTS[0], p)[0].token_ids == first
+    fresh = LLM(hf_checkpoint("qwen3").path, device="cpu", dtype="float64")
+    assert fresh.generate(ENGINE_PROMPTS[0], p)[0].token_ids == first
+    other = SamplingParams(max_new_tokens=24, temperature=1.0, seed=1235, ignore_eos=True)
+    assert llm64.generate(ENGINE_PROMPTS[0], other)[0].token_ids != first
+    greedy = llm64.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
+    assert greedy.token_ids != first  # T = 1 really samples
+
+
+def test_output_does_not_depend_on_batch_neighbours(llm64):
+    """A request's tokens are the same alone and in batches of 3 with other prompts,
+    other seeds and other sampling parameters, at any batch index."""
+    me = SamplingParams(max_new_tokens=32, temperature=0.9, top_k=40, seed=7, ignore_eos=True)
+    alone = llm64.generate(ENGINE_PROMPTS[1], me)[0].token_ids
+    assert len(alone) == 32
+    neighbours = [SamplingParams(max_new_tokens=12, ignore_eos=True),                   # greedy, shorter
+                  SamplingParams(max_new_tokens=40, temperature=1.3, top_p=0.8, seed=99, ignore_eos=True),
+                  SamplingParams(max_new_tokens=32, temperature=0.9, top_k=40, seed=8, ignore_eos=True)]
+    batches = [
+        ([ENGINE_PROMPTS[0], ENGINE_PROMPTS[1], ENGINE_PROMPTS[2]], [neighbours[0], me, neighbours[1]], 1),
+        ([ENGINE_PROMPTS[1], ENGINE_PROMPTS[2], ENGINE_PROMPTS[1]], [me, neighbours[1], neighbours[2]], 0),
+        ([ENGINE_PROMPTS[2], ENGINE_PROMPTS[0], ENGINE_PROMPTS[1]], [neighbours[2], neighbours[0], me], 2),
+    ]
+    solo = {}
+    for prompts, params, idx in batches:
+        outs = llm64.generate(prompts, params)
+        assert outs[idx].token_ids == alone
+        # and every neighbour also got what it gets alone
+        for i, (pr, pa) in enumerate(zip(prompts, params)):
+            key = (pr, repr(pa))
+            if key not in solo:
+                solo[key] = llm64.generate(pr, pa)[0].token_ids
+            assert outs[i].token_ids == solo[key]
+    # same prompt, another seed, in the same batch: a different stream
+    outs = llm64.generate(batches[1][0], batches[1][1])
+    assert outs[2].token_ids != outs[0].token_ids
