@@ -139,9 +139,6 @@ def speculative_pair(tmp_path_factory):
             LLM(target, draft_model=drafter, device="cpu", dtype="float32", method="ddtree", budget=16))
 
 
-@pytest.mark.xfail(strict=True, reason="engine/llm.py generate: when a stop string completes inside a "
-                   "round that committed several tokens, token_ids (and stats, on_tokens) keep the tokens "
-                   "after it; AR cuts at the completing token")
 def test_stop_strings_give_the_same_tokens_with_speculative_decoding(speculative_pair):
     ar, ddtree = speculative_pair
     p = SamplingParams(max_new_tokens=40, ignore_eos=True)

@@ -141,9 +141,6 @@ def test_integer_weights_are_refused(capsys, broken):
     assert_error(*run(capsys, "hi", "--model", broken, "--device", "cpu"), 1, key, "dtype")
 
 
-@pytest.mark.xfail(strict=True, reason="engine/llm.py LLM.encode checks the vocabulary range only for "
-                   "token-id prompts: a tokenizer producing ids >= the model's vocab_size ends in an "
-                   "IndexError ('internal error'; a device assert on GPU)")
 def test_tokenizer_larger_than_the_model_vocabulary(capsys, tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -223,9 +220,6 @@ def test_bad_arguments(capsys, model, args, words):
     assert_error(*run(capsys, "hi", "--model", model, "--device", "cpu", *args), 2, *words)
 
 
-@pytest.mark.xfail(strict=True, reason="LLM.__init__ (engine/llm.py) does not validate max_model_len: "
-                   "0 is silently replaced by the model's limit, -1 ends as a confusing exit-1 "
-                   "'context limit of -1 tokens'")
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_bad_max_model_len(capsys, model, value):
     assert_error(*run(capsys, "hi", "--model", model, "--device", "cpu", "--max-new-tokens", 2,

@@ -113,6 +113,9 @@ class LLM:
             if budget > max_budget:
                 raise UsageError(f"ddtree budget {budget} exceeds the {max_budget} tree nodes reserved "
                                  f"(raise max_budget)")
+        if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
+                                          or max_model_len < 2):
+            raise UsageError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         backend = "triton" if self.device.type == "cuda" and triton_available() else "sdpa"
         self.decoder = SpeculativeDecoder(self.target, self.drafter, method, budget or 0,
@@ -133,6 +136,9 @@ class LLM:
             raise UsageError("a prompt must be a string or a list of token ids")
         if not ids:
             raise UsageError("empty prompt: give at least one token")
+        if max(ids) >= self.config.vocab_size:
+            raise TreeflashError(f"the tokenizer produced token id {max(ids)}, outside the model's vocabulary "
+                                 f"of {self.config.vocab_size}: tokenizer and checkpoint do not match")
         if len(ids) >= self.max_model_len:
             raise TreeflashError(f"prompt of {len(ids)} tokens does not fit the context limit of "
                                  f"{self.max_model_len} tokens")
@@ -166,23 +172,18 @@ class LLM:
         rounds = [1] * len(ids)
         done = [False] * len(ids)
         reasons = ["length"] * len(ids)
-        texts = [""] * len(ids)
         new = st.anchor[:, None].tolist()
         counts = [1] * len(ids)
         while True:
             for b in range(len(ids)):
                 if done[b] or counts[b] == 0:
                     continue
-                got = new[b][:counts[b]]
-                take, stop = self._accept(got, outs[b], params[b], limits[b])
-                if take and on_tokens is not None:
-                    on_tokens(b, take)
-                if params[b].stop:
-                    texts[b] = self.tokenizer.decode(outs[b])
-                    hit = min((texts[b].find(s) for s in params[b].stop if s in texts[b]), default=-1)
-                    if hit >= 0:
-                        texts[b] = texts[b][:hit]
-                        stop = "stop"
+                before = len(outs[b])
+                stop = self._accept(new[b][:counts[b]], outs[b], params[b], limits[b])
+                if params[b].stop and self._cut_at_stop_string(outs[b], before, params[b].stop):
+                    stop = "stop"
+                if on_tokens is not None and len(outs[b]) > before:
+                    on_tokens(b, outs[b][before:])
                 if stop:
                     done[b], reasons[b] = True, stop
             if all(done):
@@ -198,7 +199,9 @@ class LLM:
         seconds = time.perf_counter() - start
         results = []
         for b in range(len(ids)):
-            text = texts[b] if params[b].stop else self.tokenizer.decode(outs[b])
+            text = self.tokenizer.decode(outs[b])
+            hits = [text.find(x) for x in params[b].stop if x in text]
+            text = text[:min(hits)] if hits else text
             n = len(outs[b])
             results.append(GenerationOutput(text, outs[b], reasons[b], {
                 "method": self.method, "new_tokens": n, "rounds": rounds[b],
@@ -228,14 +231,24 @@ class LLM:
         st.sampling.copy_(sampling)
         return st, graph
 
-    def _accept(self, got: list[int], out: list[int], p: SamplingParams, limit: int):
-        """Append committed tokens up to EOS / the token limit; return (taken, stop reason)."""
-        taken = []
+    def _accept(self, got: list[int], out: list[int], p: SamplingParams, limit: int) -> str | None:
+        """Append committed tokens up to EOS / the token limit; return the stop reason."""
         for t in got:
             out.append(t)
-            taken.append(t)
             if not p.ignore_eos and t in self.eos_token_ids:
-                return taken, "stop"
+                return "stop"
             if len(out) >= limit:
-                return taken, "length"
-        return taken, None
+                return "length"
+        return None
+
+    def _cut_at_stop_string(self, out: list[int], before: int, stops: list[str]) -> bool:
+        """If a stop string appeared among the tokens added after `before`, drop every
+        token after the one that completed it (as AR would have stopped there)."""
+        if not any(x in self.tokenizer.decode(out) for x in stops):
+            return False
+        for k in range(before + 1, len(out) + 1):
+            text = self.tokenizer.decode(out[:k])
+            if any(x in text for x in stops):
+                del out[k:]
+                return True
+        return False
