@@ -1,0 +1,91 @@
+"""tree_attention against the SDPA reference (needs a GPU, or TRITON_INTERPRET=1 on CPU)."""
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not (torch.cuda.is_available() or INTERPRET):
+    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+
+from treeflash.kernels import tree_attention  # noqa: E402
+from treeflash.layers.attention import AttentionInputs, sdpa_attention  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+
+
+def random_ancestors(B: int, T: int, gen: torch.Generator) -> torch.Tensor:
+    """[B, T, T] ancestor-or-self matrices of random trees (node 0 the root, parent < child)."""
+    anc = torch.zeros(B, T, T, dtype=torch.bool)
+    for b in range(B):
+        anc[b, 0, 0] = True
+        for i in range(1, T):
+            parent = int(torch.randint(0, i, (1,), generator=gen))
+            anc[b, i] = anc[b, parent]
+            anc[b, i, i] = True
+    return anc
+
+
+def make_inputs(B, T, S, mask_kind, gen):
+    # lengths: 0, full (S - T), and random in between
+    lens = torch.randint(0, S - T + 1, (B,), generator=gen)
+    lens[0] = 0
+    lens[-1] = S - T
+    if mask_kind == "tree":
+        mask = random_ancestors(B, T, gen)
+    elif mask_kind == "all":
+        mask = torch.ones(B, T, T, dtype=torch.bool)
+    else:  # causal, as an expanded (stride-0) view like AttentionInputs.causal
+        mask = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
+    positions = lens[:, None] + torch.arange(T)
+    return AttentionInputs(positions.to(DEV), lens.to(DEV), mask.to(DEV))
+
+
+def check(B, T, HKV, G, D, S, dtype, mask_kind, num_splits=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(B, T, S, mask_kind, gen)
+    q = torch.randn(B, T, HKV * G, D, generator=gen).to(DEV, dtype)
+    k = torch.randn(B, HKV, S, D, generator=gen).to(DEV, dtype)
+    v = torch.randn(B, HKV, S, D, generator=gen).to(DEV, dtype)
+    scale = D ** -0.5
+    out = tree_attention(q, k, v, inputs, scale, num_splits=num_splits)
+    ref = sdpa_attention(q.double(), k.double(), v.double(), inputs, scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).abs().max().item()
+    assert err < TOL[dtype], f"max abs err {err}"
+
+
+# The interpreter keeps bf16 as raw uint16 and its tl.dot does integer math on them.
+HALF = [torch.float16] if INTERPRET else [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("G", [1, 4, 8])
+@pytest.mark.parametrize("T", [1, 16, 37])
+@pytest.mark.parametrize("mask_kind", ["tree", "all", "causal"])
+def test_matches_sdpa(G, T, mask_kind, dtype):
+    check(B=3, T=T, HKV=2, G=G, D=128, S=400, dtype=dtype, mask_kind=mask_kind, seed=T * 10 + G)
+
+
+@pytest.mark.parametrize("dtype", HALF + [torch.float32])
+@pytest.mark.parametrize("D", [64, 128])
+def test_dtypes_and_head_dims(dtype, D):
+    check(B=2, T=16, HKV=2, G=4, D=D, S=300, dtype=dtype, mask_kind="tree", seed=D)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 64])
+def test_split_counts(num_splits):
+    """One split, a few, and more splits than tiles (most splits empty)."""
+    check(B=3, T=8, HKV=2, G=4, D=64, S=500, dtype=torch.float32, mask_kind="tree",
+          num_splits=num_splits, seed=num_splits)
+
+
+@pytest.mark.skipif(INTERPRET, reason="large shapes are slow in the interpreter")
+@pytest.mark.parametrize("T", [64, 128, 256])
+def test_large_trees(T):
+    """Many row tiles per program (T*G up to 2048 rows) and long prefixes."""
+    check(B=2, T=T, HKV=2, G=8, D=128, S=3000, dtype=torch.bfloat16, mask_kind="tree", seed=T)
+    check(B=2, T=T, HKV=4, G=4, D=128, S=5000, dtype=torch.float32, mask_kind="tree", seed=T + 1)

@@ -1,0 +1,236 @@
+"""Triton attention for a block of new tokens over a KV cache (tree verify, AR decode,
+drafter block), with exactly the semantics of `layers.attention.sdpa_attention`.
+
+Why it is split in three (design.md section 5):
+
+(a) The committed prefix has no mask, so every block query of request b sees the same
+    keys. One program takes ALL T block queries x the whole GQA group of one KV head
+    (T*G "rows") against one split of the prefix ("flash decoding"). The rows are
+    tiled inside the program and the row tiles run back to back over the same small
+    KV chunk, so the chunk comes from HBM once and the later row tiles hit L2: the
+    prefix is read once per round however large the tree. For T*G <= 128 there is a
+    single row tile and the chunk is loaded once, period.
+(b) The T x T block is one more "split" of the same launch, read at slots
+    prefix_lens[b] + j with the block mask (ancestors, causal or all-true).
+(c) A second kernel merges the partial results of all splits by log-sum-exp.
+
+Static shapes for CUDA graphs: the grid and the number of splits depend only on the
+tensor shapes (and the SM count); each split's key range is computed on the device
+from prefix_lens, so the work is spread over all splits whatever the actual length,
+and splits past the end do nothing.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from treeflash.layers.attention import AttentionInputs
+
+BLOCK_N = 64  # keys per tile
+
+
+@triton.jit
+def _split_range(L, split, num_splits, BLOCK_N: tl.constexpr):
+    """Prefix slots [start, end) of `split` when L slots are shared by num_splits splits
+    in whole tiles. Shared by both kernels so the merge knows which splits ran."""
+    chunk = tl.cdiv(tl.cdiv(L, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    return start, tl.minimum(start + chunk, L)
+
+
+@triton.jit
+def _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, first, n_keys, qk_scale,
+            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            MASKED: tl.constexpr, FP32_DOT: tl.constexpr):
+    """Online softmax of one row tile over slots first + 0..n_keys-1. MASKED: the
+    block, where row token `tok` sees key j only if block_mask[tok, j]. Returns
+    (o, lse), lse in base 2; a row that saw no key gets o = 0, lse = -inf."""
+    offs_d = tl.arange(0, D)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for j0 in range(0, n_keys, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        key_ok = j < n_keys
+        slots = first + j
+        k = tl.load(k_base + slots[:, None] * sk_s + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_base + slots[:, None] * sv_s + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        if FP32_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="tf32x3")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if MASKED:
+            ok = row_ok[:, None] & key_ok[None, :]
+            allowed = tl.load(mask_base + tok[:, None] * sm_i + j[None, :], mask=ok, other=0) != 0
+        else:
+            allowed = key_ok[None, :]
+        s = tl.where(allowed, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key so far
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m - m_ref)
+        l = l * alpha + tl.sum(p, 1)
+        if FP32_DOT:
+            pv = tl.dot(p, v, input_precision="tf32x3")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    return acc / tl.where(l > 0, l, 1.0)[:, None], m + tl.log2(l)
+
+
+@triton.jit
+def _partial_attention(
+    q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr, prefix_ptr,
+    sq_b, sq_t, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_i,
+    qk_scale, num_splits,
+    HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_N_TREE: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    """Program (b * HKV + kv head, split): all T*G rows of that KV head against one key
+    range, written as normalised partials o [rows, D] and lse [rows].
+
+    Row r is block token r // G, query head kvh * G + r % G: consecutive rows are
+    consecutive heads of one token, so q loads are contiguous. Splits
+    0..num_splits-1 are prefix chunks (no mask); split num_splits is the block.
+    """
+    ROWS: tl.constexpr = T * G
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // HKV
+    kvh = pid_bh % HKV
+    L = tl.load(prefix_ptr + b).to(tl.int32)
+
+    is_block = split == num_splits
+    if is_block:
+        start = L
+        end = L + T
+    else:
+        start, end = _split_range(L, split, num_splits, BLOCK_N)
+    n_rows = (start < end).to(tl.int32) * ROWS  # an empty split writes nothing
+
+    offs_d = tl.arange(0, D)
+    b64 = b.to(tl.int64)  # a whole cache can pass 2^31 elements
+    q_base = q_ptr + b64 * sq_b + kvh * G * sq_h
+    k_base = k_ptr + b64 * sk_b + kvh.to(tl.int64) * sk_h
+    v_base = v_ptr + b64 * sv_b + kvh.to(tl.int64) * sv_h
+    mask_base = mask_ptr + b * sm_b
+    part = pid_bh * (num_splits + 1) + split
+    # Row tiles back to back over the same key range: after the first, it is in L2.
+    for row0 in range(0, n_rows, BLOCK_M):
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < ROWS
+        tok = rows // G
+        q = tl.load(q_base + tok[:, None] * sq_t + (rows % G)[:, None] * sq_h + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        if is_block:
+            o, lse = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, L, T,
+                             qk_scale, D, BLOCK_M, BLOCK_N_TREE, True, FP32_DOT)
+        else:
+            o, lse = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, start, end - start,
+                             qk_scale, D, BLOCK_M, BLOCK_N, False, FP32_DOT)
+        tl.store(o_ptr + (part * ROWS + rows)[:, None] * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+        tl.store(lse_ptr + part * ROWS + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge(o_ptr, lse_ptr, prefix_ptr, out_ptr, num_splits,
+           HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
+           CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (b, t, h): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) over the
+    prefix splits that ran and the block split, CHUNK splits at a time (one chunk for
+    up to CHUNK - 1 splits: all loads in flight at once). out is [B, T, H, D] contiguous."""
+    ROWS: tl.constexpr = T * G
+    pid = tl.program_id(0)
+    h = pid % (HKV * G)
+    t = (pid // (HKV * G)) % T
+    b = pid // (HKV * G * T)
+    row = t * G + h % G
+    L = tl.load(prefix_ptr + b).to(tl.int32)
+    part0 = (b * HKV + h // G) * (num_splits + 1)
+
+    offs_d = tl.arange(0, D)
+    m = float("-inf")
+    den = 0.0
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, num_splits + 1, CHUNK):
+        s = s0 + tl.arange(0, CHUNK)
+        start, end = _split_range(L, s, num_splits, BLOCK_N)
+        ran = ((s < num_splits) & (start < end)) | (s == num_splits)
+        lse = tl.load(lse_ptr + (part0 + s) * ROWS + row, mask=ran, other=float("-inf"))
+        o = tl.load(o_ptr + ((part0 + s) * ROWS + row)[:, None] * D + offs_d[None, :],
+                    mask=ran[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(lse - m_ref)
+        alpha = tl.exp2(m - m_ref)
+        den = den * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        m = m_new
+    tl.store(out_ptr + pid * D + offs_d, (acc / den).to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # interpreter runs: behave like an H200
+
+
+def default_num_splits(batch: int, kv_heads: int, rows: int, capacity: int, device: torch.device) -> int:
+    """Prefix splits from shapes only. One wave: (splits + 1) programs per (b, kv head)
+    fill the SMs at most once, as the larger tiles fit one program per SM and a second
+    wave of a few programs would double the time (H200 sweep). And no split shorter
+    than 256 keys (512 past one 16-row MMA tile) on a full cache, where the fixed cost
+    of a program and of its rows x D partial outweighs its share of the prefix."""
+    one_wave = _sm_count(device) // (batch * kv_heads) - 1
+    min_chunk = 256 if rows <= 16 else 512
+    return max(1, min(one_wave, capacity // min_chunk))
+
+
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   inputs: AttentionInputs, scale: float, num_splits: int | None = None) -> torch.Tensor:
+    """q [B, T, H, D] against cache [B, Hkv, S, D] -> [B, T, H, D]; see module doc.
+
+    The block's K/V must already be at slots prefix_lens[b] + 0..T-1 (< S).
+    `inputs.kv_len` is ignored: each request reads prefix_lens[b] + T slots.
+    `num_splits` overrides the shape-based prefix split count (benchmarks).
+    """
+    B, T, H, D = q.shape
+    _, HKV, S, _ = k_cache.shape
+    G = H // HKV
+    assert H == G * HKV and D in (64, 128), "GQA group and head dim 64 / 128 (tile sizes assume these)"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    mask = inputs.block_mask
+    assert mask.shape == (B, T, T) and mask.stride(-1) == 1, "block_mask must be [B, T, T]"
+    rows = T * G
+    splits = num_splits or default_num_splits(B, HKV, rows, S, q.device)
+    # fp32 (tests, debugging) uses 3-pass tf32 dots for ~fp32 accuracy, and smaller
+    # tiles / fewer stages so that its 4-byte tiles fit in shared memory.
+    fp32 = q.dtype == torch.float32
+    block_m = max(16, min(64 if fp32 else 128, triton.next_power_of_2(rows)))
+
+    # Partial outputs in the input dtype: normalised, so bf16 costs no more accuracy than
+    # the bf16 output itself, and halves their traffic (T=16: 12% -> 6% of the prefix).
+    o_part = torch.empty(B * HKV, splits + 1, rows, D, dtype=q.dtype, device=q.device)
+    lse_part = torch.empty(B * HKV, splits + 1, rows, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
+    LOG2E = 1.4426950408889634
+    _partial_attention[(B * HKV, splits + 1)](
+        q, k_cache, v_cache, mask.view(torch.uint8), o_part, lse_part, inputs.prefix_lens,
+        q.stride(0), q.stride(1), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        mask.stride(0), mask.stride(1), scale * LOG2E, splits,
+        HKV=HKV, G=G, T=T, D=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        BLOCK_N_TREE=max(16, min(BLOCK_N, triton.next_power_of_2(T))), FP32_DOT=fp32,
+        # small row tiles are memory-bound: one more tile in flight (H200, 16K, T=1: -5%)
+        num_warps=8 if block_m >= 128 else 4, num_stages=2 if fp32 else 4 if block_m <= 64 else 3)
+    _merge[(B * T * H,)](
+        o_part, lse_part, inputs.prefix_lens, out, splits, HKV=HKV, G=G, T=T, D=D,
+        CHUNK=min(64, triton.next_power_of_2(splits + 1)), BLOCK_N=BLOCK_N,
+        num_warps=4)
+    return out
