@@ -31,21 +31,19 @@ def one_thread():
 
 class RoundLog:
     """Wraps `llm.decoder.round` to see every round's batch state, new tokens and
-    counts, and hooks the target module to count its forward passes."""
+    counts, and hooks the target and drafter modules to count their forward passes."""
 
     def __init__(self, llm: LLM):
         self.llm, self.state = llm, None
         self.rounds: list[dict] = []
-        self.forwards = 0
+        self.forwards = self.draft_forwards = 0
         inner = llm.decoder.round
 
         def round_(st):
             self.state = st
             before = None if st.draft_cache is None else st.draft_cache.projected.clone()
-            n_before = st.n.clone()
             new, counts = inner(st)
-            self.rounds.append(dict(new=new.clone(), counts=counts.clone(), n_before=n_before,
-                                    projected_before=before,
+            self.rounds.append(dict(new=new.clone(), counts=counts.clone(), projected_before=before,
                                     projected_after=None if before is None else st.draft_cache.projected.clone()))
             return new, counts
 
@@ -53,6 +51,7 @@ class RoundLog:
         llm.target.register_forward_hook(lambda *_: self._count())
         self.projections: list[int] = []  # rows (positions) each drafter context projection handled
         if llm.drafter is not None:
+            llm.drafter.register_forward_hook(lambda *_: self._count_draft())
             project = llm.drafter.context_kv
 
             def context_kv(features, positions):
@@ -64,13 +63,18 @@ class RoundLog:
     def _count(self):
         self.forwards += 1
 
+    def _count_draft(self):
+        self.draft_forwards += 1
+
     def generate(self, prompts, params):
         self.rounds, self.state, self.projections = [], None, []
-        forwards, counted = self.forwards, self.llm.decoder.target_forwards
+        forwards, counted, drafts = self.forwards, self.llm.decoder.target_forwards, self.draft_forwards
         outs = self.llm.generate(prompts, params)
-        # one target forward for the prefill, then exactly one per round, whatever the tree
+        # one target forward for the prefill, then exactly one per round, whatever the tree;
+        # and one drafter forward per round (none for AR)
         assert self.forwards - forwards == 1 + len(self.rounds)
         assert self.llm.decoder.target_forwards - counted == 1 + len(self.rounds)
+        assert self.draft_forwards - drafts == (0 if self.llm.drafter is None else len(self.rounds))
         return outs
 
     def committed_and_rounds(self) -> tuple[int, int]:
@@ -199,7 +203,7 @@ def test_stops_at_max_tokens_mid_block(constant_pair, spec_target, spec_drafter,
     log = RoundLog(llm)
     params = SamplingParams(max_new_tokens=21)  # 1 (prefill) + 8 + 8 + 4 of the third block
     outs = log.generate([[5], [9, 10, 11]], params)
-    assert [len(r["new"][0]) for r in log.rounds] == [8, 8, 8]
+    assert [r["counts"].tolist() for r in log.rounds] == [[8, 8]] * 3  # the last block commits 8, 4 are kept
     assert all(o.token_ids == [CONSTANT_TOKEN] * 21 and o.finish_reason == "length" for o in outs)
     target = spec_target("llama", "peaked")
     llm = spec_llm(target, spec_drafter("llama", "peaked", 16), "ddtree", 64)
