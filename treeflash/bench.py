@@ -33,7 +33,7 @@ import torch
 
 from treeflash.cli import read_prompts
 from treeflash.config import DraftConfig, ModelConfig, default_target_layer_ids
-from treeflash.engine.llm import LLM, resolve_device, resolve_dtype, triton_available
+from treeflash.engine.llm import LLM, attention_backend, resolve_device, resolve_dtype
 from treeflash.engine.round import SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
 from treeflash.engine.tree import build_tree, empty_tree
@@ -561,10 +561,11 @@ def bench_shape(args) -> int:
     graphs_list = usable_graphs(parse_graphs(args.graphs or ("on" if device.type == "cuda" else "off")), device)
     dtype = resolve_dtype(args.dtype, "bfloat16", device)  # auto: bf16 on CUDA, float32 on CPU
     backend = args.attention
+    available = attention_backend(device, [SHAPES[args.shape].head_dim])
     if backend == "auto":
-        backend = "triton" if device.type == "cuda" and triton_available() else "sdpa"
-    if backend == "triton" and not (device.type == "cuda" and triton_available()):
-        raise UsageError("--attention triton needs a CUDA device and the triton package")
+        backend = available
+    if backend == "triton" and available != "triton":
+        raise UsageError("--attention triton needs a CUDA device, the triton package and head_dim 64 or 128")
     out = open_out(args.out)
 
     cfg = dataclasses.replace(SHAPES[args.shape])

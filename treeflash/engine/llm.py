@@ -1,8 +1,11 @@
 """The user-facing API: `LLM(model, draft_model=..., method=...).generate(prompts, params)`."""
 from __future__ import annotations
 
+import os
+import random
 import time
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -10,6 +13,8 @@ import torch
 from treeflash.config import DTYPES, DraftConfig, ModelConfig
 from treeflash.engine.round import METHODS, GraphedRound, SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
+from treeflash.engine.tp import attach as tp_attach
+from treeflash.engine.tp import peak_rss_bytes, reset_peak_rss, rss_bytes
 from treeflash.errors import TreeflashError, UsageError
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import build_on, load_weights
@@ -53,12 +58,16 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device
     return chosen
 
 
-def triton_available() -> bool:
+def attention_backend(device: torch.device, head_dims: list[int]) -> str:
+    """'triton' (the tree-attention kernel) on CUDA when it is installed and fits the
+    head size, else the SDPA reference."""
+    if device.type != "cuda":
+        return "sdpa"
     try:
-        import treeflash.kernels.tree_attention  # noqa: F401
-        return True
+        from treeflash.kernels.tree_attention import supports
     except ImportError:
-        return False
+        return "sdpa"
+    return "triton" if all(supports(d) for d in head_dims) else "sdpa"
 
 
 def builtin_paths() -> tuple[Path, Path]:
@@ -74,6 +83,10 @@ class LLM:
     method: 'ar', 'dflash' or 'ddtree' (default: 'ddtree' with a drafter, else 'ar').
     budget: DDTree nodes per round (default 64); must fit `max_budget`, the tree room
     reserved in the KV cache.
+    tp: tensor-parallel size. With tp > 1 this process is rank 0 (the driver) and
+    starts tp - 1 worker processes (one per GPU, or gloo on CPU) that each hold a slice
+    of the weights; see `treeflash.engine.tp`. Under torchrun, every rank calls `LLM`
+    alike and only rank 0 returns. `close()` (or garbage collection, or exit) stops them.
     """
 
     def __init__(self, model: str | Path | None = None, draft_model: str | Path | None = None,
@@ -84,26 +97,18 @@ class LLM:
             model, builtin_draft = builtin_paths()
             if draft_model is None and (builtin_draft / "config.json").exists():
                 draft_model = builtin_draft
-        if tp != 1:
-            raise UsageError("tensor parallelism (tp > 1) is not available in this build")
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise UsageError(f"tp must be an integer >= 1, got {tp!r}")
         self.device = resolve_device(device)
         self.config = ModelConfig.from_pretrained(model)
         self.dtype = resolve_dtype(dtype, self.config.torch_dtype, self.device)
         self.tokenizer = Tokenizer(model)
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids))
-        with build_on(self.device, self.dtype):
-            self.target = CausalLM(self.config)
-        load_weights(self.target, model)
-        self.target.eval()
-        self.drafter = None
+        dcfg = None
         if draft_model is not None:
             dcfg = DraftConfig.from_pretrained(draft_model)
             dcfg.check_fits(self.config)
-            with build_on(self.device, self.dtype):
-                self.drafter = DFlashDraftModel(dcfg)
-            load_weights(self.drafter, draft_model)
-            self.drafter.eval()
-        method = method or ("ddtree" if self.drafter is not None else "ar")
+        method = method or ("ddtree" if dcfg is not None else "ar")
         if method not in METHODS:
             raise UsageError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
         if method == "ddtree":
@@ -117,12 +122,64 @@ class LLM:
                                           or max_model_len < 2):
             raise UsageError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
         self.max_model_len = max_model_len or self.config.max_position_embeddings
-        backend = "triton" if self.device.type == "cuda" and triton_available() else "sdpa"
-        self.decoder = SpeculativeDecoder(self.target, self.drafter, method, budget or 0,
-                                          draft_mode=draft_mode, attention_backend=backend)
-        self.method = method
-        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self._graphed = None  # (key, state, GraphedRound) of the last graph captured
+        # every rank builds the same engine from these arguments (workers get them from rank 0)
+        args = dict(model=str(model), draft_model=None if draft_model is None else str(draft_model),
+                    method=method, budget=budget, device=device, dtype=dtype, max_model_len=max_model_len,
+                    max_budget=max_budget, tp=tp, cuda_graphs=cuda_graphs, draft_mode=draft_mode)
+        self._tp = tp_attach(tp, self.device, args, self.config, dcfg)
+        self.tp_size, self.device = tp, self._tp.device
+        try:
+            rss0 = rss_bytes()
+            reset_peak_rss()
+            with build_on(self.device, self.dtype):
+                self.target = CausalLM(self.config, self._tp.group)
+            load_weights(self.target, model)
+            self.target.eval()
+            self.drafter = None
+            if dcfg is not None:
+                with build_on(self.device, self.dtype):
+                    self.drafter = DFlashDraftModel(dcfg, self._tp.group)
+                load_weights(self.drafter, draft_model)
+                self.drafter.eval()
+            peak = peak_rss_bytes()
+            models = [m for m in (self.target, self.drafter) if m is not None]
+            self.load_stats = {  # this rank's share of the weights (see rank_stats)
+                "rank": self._tp.rank,
+                "param_bytes": sum(p.numel() * p.element_size() for m in models for p in m.parameters()),
+                "rss_growth_bytes": None if rss0 is None or peak is None else peak - rss0,
+            }
+            head_dims = [self.config.head_dim] + ([self.drafter.config.layers.head_dim] if self.drafter else [])
+        backend = attention_backend(self.device, head_dims)
+            self.decoder = SpeculativeDecoder(self.target, self.drafter, method, budget or 0,
+                                              draft_mode=draft_mode, attention_backend=backend)
+            self.method = method
+            self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+            self._graphed = None  # (key, state, GraphedRound) of the last graph captured
+            self._run = None      # (state, round function) of the batch in flight
+            self._tp.built()      # the workers' slices are loaded too
+        except BaseException:
+            self._tp.close()
+            raise
+        weakref.finalize(self, self._tp.close)
+
+    def close(self) -> None:
+        """Release this engine on every rank; with tp > 1 the worker processes stop
+        once no engine uses them. Idempotent; also done on garbage collection and exit."""
+        self._tp.close()
+        self._graphed = self._run = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def rank_stats(self) -> list[dict]:
+        """Per rank: pid, parameter bytes held and RSS growth while loading."""
+        return self._tp.call(self, "_rank_stats", (), collect=True)
+
+    def _rank_stats(self) -> dict:
+        return {**self.load_stats, "pid": os.getpid()}
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -164,15 +221,16 @@ class LLM:
         ids = [self.encode(p) for p in prompts]
         limits = [min(p.max_new_tokens, self.max_model_len - len(i)) for p, i in zip(params, ids)]
         max_len = max(len(i) + m for i, m in zip(ids, limits)) + 2 * self.decoder.tree_slots + 2
+        # seeds are drawn here, so that every tensor-parallel rank samples alike
+        params = [p if p.seed is not None else replace(p, seed=random.getrandbits(63)) for p in params]
         start = time.perf_counter()
         dec = self.decoder
-        st, run_round = self._runner(len(ids), max_len, SamplingBatch.from_params(params, self.device))
-        dec.prefill(st, ids)
+        first = self._tp.call(self, "_start", (len(ids), max_len, params, ids))
         outs = [[] for _ in ids]
         rounds = [1] * len(ids)
         done = [False] * len(ids)
         reasons = ["length"] * len(ids)
-        new = st.anchor[:, None].tolist()
+        new = [[t] for t in first]
         counts = [1] * len(ids)
         while True:
             for b in range(len(ids)):
@@ -188,12 +246,9 @@ class LLM:
                     done[b], reasons[b] = True, stop
             if all(done):
                 break
-            if any(done):
-                st.active.copy_(torch.tensor([not d for d in done]))
-            if st.max_n is not None:
-                st.max_n = max(len(i) + len(o) for i, o in zip(ids, outs))
-            new_t, counts_t = run_round(st)
-            new, counts = new_t.tolist(), counts_t.tolist()
+            active = [not d for d in done] if any(done) else None
+            max_n = max(len(i) + len(o) for i, o in zip(ids, outs))
+            new, counts = self._tp.call(self, "_step", (active, max_n))
             for b in range(len(ids)):
                 rounds[b] += not done[b]
         seconds = time.perf_counter() - start
@@ -210,6 +265,25 @@ class LLM:
                 **({"nodes_per_round": dec.budget} if self.method == "ddtree" else {}),
             }))
         return results
+
+    def _start(self, batch: int, max_len: int, params: list[SamplingParams], prompts: list[list[int]]):
+        """On every rank: a batch state (or the captured graph's) and the prefill.
+        Returns each request's first token."""
+        st, run_round = self._runner(batch, max_len, SamplingBatch.from_params(params, self.device))
+        self.decoder.prefill(st, prompts)
+        self._run = (st, run_round)
+        return st.anchor.tolist()
+
+    def _step(self, active: list[bool] | None, max_n: int):
+        """On every rank: one round of the batch in flight (`active` once requests have
+        finished; `max_n` bounds eager attention reads). Returns (new tokens, counts)."""
+        st, run_round = self._run
+        if active is not None:
+            st.active.copy_(torch.tensor(active))
+        if st.max_n is not None:
+            st.max_n = max_n
+        new, counts = run_round(st)
+        return new.tolist(), counts.tolist()
 
     def _runner(self, batch: int, max_len: int, sampling: SamplingBatch):
         """A batch state and the function that runs one round on it.

@@ -193,6 +193,11 @@ def default_num_splits(batch: int, kv_heads: int, rows: int, capacity: int, devi
     return max(1, min(one_wave, capacity // min_chunk))
 
 
+def supports(head_dim: int) -> bool:
+    """Head sizes the kernel's tiles are built for; others use the SDPA reference."""
+    return head_dim in (64, 128)
+
+
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    inputs: AttentionInputs, scale: float, num_splits: int | None = None) -> torch.Tensor:
     """q [B, T, H, D] against cache [B, Hkv, S, D] -> [B, T, H, D]; see module doc.
