@@ -1,6 +1,8 @@
 import torch
 from torch import nn
 
+from treeflash.ops import fused_enabled
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, as Hugging Face Qwen3 and Llama do."""
@@ -11,6 +13,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_enabled(x):
+            from treeflash.ops.fused import add_rms_norm
+            return add_rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.to(torch.float32) if dtype != torch.float64 else x
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -19,6 +19,12 @@ from treeflash.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from treeflash.layers.linear import ColumnParallelLinear, RowParallelLinear
 from treeflash.layers.norm import RMSNorm
 from treeflash.layers.rotary import RotaryEmbedding, apply_rotary
+from treeflash.ops import fused_enabled
+
+try:  # Triton kernels, used only when `fused_enabled` (CUDA inference)
+    from treeflash.ops.fused import add_rms_norm, norm_rope, silu_mul
+except ImportError:
+    add_rms_norm = norm_rope = silu_mul = None
 
 
 class Attention(nn.Module):
@@ -42,6 +48,10 @@ class Attention(nn.Module):
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
+        if fused_enabled(x):  # one kernel per tensor for norm + RoPE
+            qw, kw = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+            eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            return norm_rope(q, qw, eps, cos, sin), norm_rope(k, kw, eps, cos, sin), v
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
@@ -76,7 +86,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(I, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if fused_enabled(x):
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -89,7 +102,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h, cos, sin, inputs, kv, prefix_kv=None):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, inputs, kv, prefix_kv)
+        a = self.self_attn(self.input_layernorm(h), cos, sin, inputs, kv, prefix_kv)
+        if fused_enabled(h):  # residual add and norm in one kernel
+            norm = self.post_attention_layernorm
+            h, x = add_rms_norm(a, norm.weight, norm.eps, residual=h)
+            return h + self.mlp(x)
+        h = h + a
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -1,1 +1,18 @@
 """Fused GPU versions (Triton) of engine steps whose torch reference lives elsewhere."""
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=None)
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def fused_enabled(x: torch.Tensor) -> bool:
+    """Use the fused kernels for this tensor: CUDA inference (they have no backward)."""
+    return x.is_cuda and not torch.is_grad_enabled() and _triton_importable()
