@@ -1,0 +1,258 @@
+"""Smoke tests of the training code on tiny shapes (CPU, well under a minute):
+tokenizer + corpus, target training / resume / export, drafter training / export,
+target-generated data, and the one-line errors for bad input."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from treeflash import LLM, SamplingParams
+from treeflash.errors import TreeflashError, UsageError
+from treeflash.train.cli import main as cli_main
+from treeflash.train.common import Trainer, TrainOptions
+from treeflash.train.corpus import collect, load_corpus, write_corpus
+from treeflash.train.drafter import DrafterShape, generate_continuations, train_drafter
+from treeflash.train.target import TargetShape, train_target
+from treeflash.train.tokenizer import train_tokenizer
+
+TINY = TargetShape(hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
+OPTS = dict(batch_size=8, seq_len=32, lr=1e-2, warmup_steps=5, log_every=5, eval_every=20, eval_tokens=256,
+            save_every=10, device="cpu")
+PROMPT = "def add(a, b):\n"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny shapes: one thread is much faster than two fighting over a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _source(i: int) -> str:
+    name = ["add", "scale", "clip", "mean", "norm", "pairs", "count", "merge"][i % 8]
+    return (f'"""Module {i}."""\nimport math\n\n\ndef {name}(a, b):\n    """Return {name} of a and b."""\n'
+            f"    if a > b:\n        return a - b + {i}\n    return math.sqrt(a * a + b * b) * {i}\n\n\n"
+            f"class Point{i}:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"
+            f"    def {name}(self, other):\n        return Point{i}(self.x + other.x, self.y + other.y)\n")
+
+
+def _corpus_files(root, n=24):
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (root / f"mod_{i}.py").write_text(_source(i))
+    return root
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    base = tmp_path_factory.mktemp("corpus")
+    src = _corpus_files(base / "src")
+    corpus = collect([src], heldout_fraction=0.25)
+    assert corpus.train and corpus.heldout
+    train_tokenizer(corpus.train, base / "tok", vocab_size=320)
+    meta = write_corpus(base / "tok", base / "data", [src], heldout_fraction=0.25, compress=True)
+    assert meta["vocab_size"] == 320 and meta["dtype"] == "uint16" and meta["train_tokens"] > 1000
+    return base / "data"
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, data_dir):
+    base = tmp_path_factory.mktemp("target")
+    summary = train_target(data_dir, base / "run", base / "model", TINY, TrainOptions(max_steps=40, **OPTS))
+    return base, summary
+
+
+def _losses(run_dir):
+    return [r["loss"] for r in map(json.loads, (run_dir / "log.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def _tensors(folder):
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            out.update({k: st.get_tensor(k) for k in st.keys()})
+    return out
+
+
+def test_corpus_dedup_split_cap(tmp_path):
+    src = _corpus_files(tmp_path / "src", 8)
+    (src / "copy.py").write_text(_source(0))                       # duplicate content
+    (src / "latin1.py").write_bytes(b"x = '\xe9'\n")               # not UTF-8
+    (src / "empty.py").write_text("\n")
+    (src / "__pycache__").mkdir()
+    (src / "__pycache__" / "cached.py").write_text("x = 1\n")
+    a = collect([src], heldout_fraction=0.3)
+    assert a.stats["duplicates"] == 1 and a.stats["skipped"] == 2 and a.stats["files_seen"] == 11
+    assert len(a.train) + len(a.heldout) == 8
+    b = collect([src], heldout_fraction=0.3)
+    assert (a.train, a.heldout) == (b.train, b.heldout)             # deterministic split
+    capped = collect([src], heldout_fraction=0.3, max_bytes=int(len(_source(0).encode()) * 3.5))
+    assert capped.stats["capped"] and len(capped.train) + len(capped.heldout) == 3
+
+
+def test_tokenizer_files(data_dir, tmp_path):
+    from treeflash.tokenizer import Tokenizer
+    tok = Tokenizer(data_dir)
+    assert [tok.tok.token_to_id(t) for t in ("<|endoftext|>", "<|pad|>", "<|mask|>")] == [0, 1, 2]
+    assert tok.eos_token_ids == [0]
+    text = "def f(x_1):\n        return 'é' + 12345\n"
+    assert tok.decode(tok.encode(text)) == text
+    data = load_corpus(data_dir)
+    assert data.train.dtype == np.uint16 and (data.train == 0).sum() == data.meta["train_files"]
+    write_corpus(data_dir, tmp_path, [data_dir.parent / "src"], heldout_fraction=0.25)  # uncompressed
+    plain = load_corpus(tmp_path)
+    assert (tmp_path / "train.npy").exists() and np.array_equal(plain.train, data.train)
+
+
+def test_target_loss_decreases_and_resume_continues(target, data_dir, monkeypatch):
+    base, summary = target
+    losses = _losses(base / "run")
+    assert all(np.isfinite(losses)) and losses[-1] < 0.7 * losses[0]
+    assert summary["steps"] == 40 and np.isfinite(summary["eval_ppl"])
+    # Through the CLI: a run that dies after its state save at step 20, resumed to step 40,
+    # sees the same batches and ends with the same weights.
+    args = ["target", "--data", str(data_dir), "--run", str(base / "half"), "--hidden-size", "32",
+            "--num-layers", "4", "--num-heads", "2", "--num-kv-heads", "1", "--head-dim", "16",
+            "--intermediate-size", "64", "--max-steps", "40"] + [f"--{k.replace('_', '-')}={v}"
+                                                                 for k, v in OPTS.items()]
+    save = Trainer._save
+
+    def save_then_die(self):
+        save(self)
+        if self.step == 20:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "_save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        cli_main(args)
+    monkeypatch.undo()
+    assert cli_main(args + ["--resume", "--max-shard-mb", "0.02"]) == 0
+    half = json.loads((base / "half" / "summary.json").read_text())
+    assert half["steps"] == 40
+    assert _losses(base / "half") == losses
+    sharded = base / "half" / "model"
+    assert (sharded / "model.safetensors.index.json").exists() and len(list(sharded.glob("*.safetensors"))) > 1
+    full, resumed = _tensors(base / "model"), _tensors(sharded)
+    assert full.keys() == resumed.keys() and all(torch.equal(full[k], resumed[k]) for k in full)
+
+
+def test_exported_target_loads_in_treeflash_and_transformers(target):
+    base, _ = target
+    folder = base / "model"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["tie_word_embeddings"]
+    names = set(_tensors(folder))
+    assert "model.layers.0.self_attn.q_proj.weight" in names and "model.layers.3.mlp.up_proj.weight" in names
+    assert "lm_head.weight" not in names and not any("qkv" in n or "gate_up" in n for n in names)
+    out = LLM(folder, device="cpu").generate(PROMPT, SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    hf = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                        eos_token_id=None, pad_token_id=tok.pad_token_id)
+    assert hf[0, ids.shape[1]:].tolist() == out.token_ids
+
+
+def test_drafter_trains_exports_and_loads(target, data_dir, tmp_path):
+    base, _ = target
+    shape = DrafterShape(num_layers=2, block_size=4)
+    opts = TrainOptions(max_steps=30, **OPTS)
+    summary = train_drafter(base / "model", data_dir, tmp_path / "run", tmp_path / "drafter", shape, opts,
+                            blocks_per_seq=6, tau_prompts=2, tau_new_tokens=16)
+    losses = _losses(tmp_path / "run")
+    assert all(np.isfinite(losses)) and losses[-1] < 0.8 * losses[0]
+    assert summary["tau_dflash"] >= 1 and summary["same_as_ar_dflash"] == summary["same_as_ar_ddtree"] == 1.0
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
+    assert config["num_target_layers"] == 4 and config["dflash_config"]["mask_token_id"] == 2
+    names = set(_tensors(tmp_path / "drafter"))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_proj.weight",
+            "layers.0.mlp.gate_proj.weight"} <= names and not any(n.startswith("model.") for n in names)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    ar = LLM(base / "model", device="cpu").generate(PROMPT, params)[0].token_ids
+    spec = LLM(base / "model", draft_model=tmp_path / "drafter", device="cpu").generate(PROMPT, params)[0]
+    assert spec.token_ids == ar
+    # resume continues the step counter
+    more = train_drafter(base / "model", data_dir, tmp_path / "run", tmp_path / "drafter",
+                         opts=TrainOptions(max_steps=35, **OPTS), resume=True, blocks_per_seq=6, tau_prompts=0)
+    assert more["steps"] == 35
+
+
+def test_training_forward_matches_cached_drafter(target, tmp_path):
+    """The dense training pass (many masked blocks) gives the logits of the engine's path:
+    context K/V committed once into the drafter cache, then one block forward."""
+    from treeflash.checkpoints import write_random_drafter
+    from treeflash.layers.attention import AttentionInputs
+    from treeflash.models.dflash import DFlashDraftModel
+    from treeflash.models.loader import load_weights
+    from treeflash.config import DraftConfig
+    from treeflash.train.drafter import draft_logits, load_frozen_target
+    base, _ = target
+    write_random_drafter(base / "model", tmp_path, num_layers=2, block_size=4, mask_token_id=2,
+                         target_layer_ids=[1, 2], std=0.1)
+    tgt = load_frozen_target(base / "model", torch.device("cpu"))
+    drafter = DFlashDraftModel(DraftConfig.from_pretrained(tmp_path))
+    load_weights(drafter, tmp_path)
+    ids = torch.randint(3, 320, (2, 24), generator=torch.Generator().manual_seed(0))
+    anchors = torch.tensor([[5, 17, 9], [1, 20, 12]])
+    with torch.no_grad():
+        dense, _ = draft_logits(tgt, drafter, ids, anchors)
+        for b in range(2):
+            for j, a in enumerate(anchors[b].tolist()):
+                cache = drafter.new_cache(1, 32)
+                pos = torch.arange(a)[None]
+                _, feats = tgt(ids[b:b + 1, :a], AttentionInputs.causal(pos), None, drafter.target_layer_ids)
+                drafter.commit_context(cache, feats, pos, torch.zeros(1, dtype=torch.long), torch.tensor([a]))
+                block = torch.tensor([[int(ids[b, a])] + [2] * 3])
+                inputs = AttentionInputs(a + torch.arange(4)[None], torch.tensor([a]),
+                                         torch.ones(1, 4, 4, dtype=torch.bool))
+                cached = tgt.logits(drafter(tgt.embed(block), inputs, cache)[:, 1:])
+                torch.testing.assert_close(dense[b, j], cached[0], atol=1e-4, rtol=1e-4)
+
+
+def test_drafter_on_generated_continuations(target, data_dir, tmp_path):
+    base, _ = target
+    meta = generate_continuations(base / "model", data_dir, tmp_path / "gen", num_prompts=6, prompt_len=8,
+                                  new_tokens=24, batch_size=4, device="cpu")
+    with np.load(meta["path"]) as f:
+        assert f["ids"].shape == (6, 32) and int(f["prompt_len"]) == 8
+    summary = train_drafter(base / "model", data_dir, tmp_path / "run", None, DrafterShape(block_size=4),
+                            TrainOptions(max_steps=5, **OPTS), generated=meta["path"], blocks_per_seq=4,
+                            tau_prompts=0)
+    assert summary["steps"] == 5 and np.isfinite(summary["eval_loss"])
+    assert (tmp_path / "run" / "model" / "config.json").exists()
+
+
+def test_bad_inputs(target, data_dir, tmp_path, capsys):
+    base, _ = target
+    opts = TrainOptions(max_steps=1, **OPTS)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TreeflashError, match="empty corpus"):
+        collect([tmp_path / "empty"])
+    with pytest.raises(UsageError, match="not a folder"):
+        collect([tmp_path / "nowhere"])
+    with pytest.raises(UsageError, match="vocab size"):
+        train_tokenizer(["x = 1\n"], tmp_path / "tok", vocab_size=100)
+    with pytest.raises(UsageError, match="no tokenized corpus"):
+        load_corpus(tmp_path / "empty")
+    with pytest.raises(UsageError, match="training budget"):
+        TrainOptions().validate()
+    with pytest.raises(UsageError, match="target checkpoint not found"):
+        train_drafter(tmp_path / "no-target", data_dir, tmp_path / "run", opts=opts)
+    with pytest.raises(UsageError, match="block size"):
+        train_drafter(base / "model", data_dir, tmp_path / "run", shape=DrafterShape(block_size=1), opts=opts)
+    with pytest.raises(UsageError, match="already holds a training run"):
+        train_target(data_dir, base / "run", shape=TINY, opts=opts)
+    with pytest.raises(UsageError, match="no training state"):
+        train_target(data_dir, tmp_path / "fresh", shape=TINY, opts=opts, resume=True)
+    with pytest.raises(UsageError, match="differs from the run"):
+        train_target(data_dir, base / "run", shape=TargetShape(hidden_size=64), opts=opts, resume=True)
+    assert cli_main(["drafter", "--target", str(tmp_path / "no-target"), "--data", str(data_dir),
+                     "--run", str(tmp_path / "r"), "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: target checkpoint not found") and "\n" not in err

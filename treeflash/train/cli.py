@@ -1,0 +1,206 @@
+"""`treeflash train tokenizer|corpus|target|generate|drafter`.
+
+`add_train_parser(subparsers)` registers `train` on the `treeflash` CLI; every leaf sets
+`args.func`, which the CLI calls with the parsed args (errors are `TreeflashError`, bad
+arguments `UsageError`). `python -m treeflash.train <command> ...` runs the same commands
+without the `train` level.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from treeflash.errors import UsageError
+from treeflash.train.common import TrainOptions
+
+DESCRIPTION = ("Train a tokenizer and a tokenized corpus of local Python code, a Qwen3-architecture "
+               "target LM, and DFlash drafters for any target (see TRAINING.md).")
+_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def _size(text: str) -> int:
+    """Bytes, with an optional K/M/G suffix (powers of 1024): `64M`."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = _SUFFIXES.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if scale > 1 else t) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 65000000 or 62M)") from None
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+
+
+def _corpus_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("corpus (Python files of the local installation)")
+    g.add_argument("--roots", nargs="+", metavar="DIR",
+                   help="folders to read .py files from, in priority order (default: the standard "
+                        "library, then site-packages)")
+    g.add_argument("--heldout-fraction", type=float, default=0.02,
+                   help="share of files held out, chosen by a hash of the path (default 0.02)")
+    g.add_argument("--max-bytes", type=_size, help="cap on the source bytes read (e.g. 64M)")
+
+
+def _train_args(p: argparse.ArgumentParser, defaults: TrainOptions) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--run", required=True, metavar="DIR",
+                   help="run folder: resumable state, log.jsonl, loss.png, summary.json")
+    g.add_argument("--out", metavar="DIR", help="where to export the checkpoint (default RUN/model)")
+    g.add_argument("--resume", action="store_true", help="continue the run in --run")
+    g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps in total")
+    g.add_argument("--max-minutes", type=float, help="stop after this much training time in total")
+    for name, kind, text in (
+            ("batch_size", int, "sequences per step"), ("seq_len", int, "tokens per sequence"),
+            ("lr", float, "peak learning rate"), ("min_lr_ratio", float, "final LR as a fraction of the peak"),
+            ("warmup_steps", int, "linear LR warmup steps"), ("weight_decay", float, "AdamW weight decay"),
+            ("grad_clip", float, "gradient norm clip (0: off)"), ("eval_every", int, "steps between evaluations"),
+            ("eval_tokens", int, "held-out tokens per evaluation"),
+            ("save_every", int, "steps between saves of the training state"),
+            ("log_every", int, "steps between log lines"), ("seed", int, "random seed")):
+        default = getattr(defaults, name)
+        g.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=f"{text} (default {default})")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
+    g.add_argument("--max-shard-mb", type=float, default=16, help="largest safetensors file written (default 16)")
+
+
+def _options(args) -> TrainOptions:
+    keys = TrainOptions.__dataclass_fields__
+    return TrainOptions(**{k: getattr(args, k) for k in keys})
+
+
+def _shape(cls, args):
+    """A shape from the explicitly given shape flags, or None (defaults / the resumed run's)."""
+    given = {k: getattr(args, k) for k in cls.__dataclass_fields__ if getattr(args, k, None) is not None}
+    return cls(**given) if given else None
+
+
+def run_tokenizer(args) -> int:
+    from treeflash.train.corpus import collect
+    from treeflash.train.tokenizer import train_tokenizer
+    corpus = collect(args.roots, args.heldout_fraction, args.max_bytes)
+    print(f"[tokenizer] training on {corpus.stats['train_files']} files, "
+          f"{corpus.stats['train_bytes'] / 1e6:.1f} MB", flush=True)
+    out = train_tokenizer(corpus.train, args.out, args.vocab_size)
+    print(f"[tokenizer] vocabulary of {args.vocab_size} written to {out}")
+    return 0
+
+
+def run_corpus(args) -> int:
+    from treeflash.train.corpus import write_corpus
+    meta = write_corpus(args.tokenizer, args.out, args.roots, args.heldout_fraction, args.max_bytes,
+                        args.compress)
+    print(json.dumps(meta, indent=2))
+    return 0
+
+
+def run_target(args) -> int:
+    from treeflash.train.target import TargetShape, train_target
+    train_target(args.data, args.run, args.out, _shape(TargetShape, args), _options(args), args.resume,
+                 args.dtype, args.max_shard_mb)
+    return 0
+
+
+def run_generate(args) -> int:
+    from treeflash.train.drafter import generate_continuations
+    generate_continuations(args.target, args.data, args.out, args.num_prompts, args.prompt_len,
+                           args.new_tokens, args.batch_size, args.seed, args.device)
+    return 0
+
+
+def run_drafter(args) -> int:
+    from treeflash.train.drafter import DrafterShape, train_drafter
+    train_drafter(args.target, args.data, args.run, args.out, _shape(DrafterShape, args), _options(args),
+                  args.resume, args.generated, args.gamma, args.blocks_per_seq, args.dtype,
+                  args.tau_prompts, args.tau_new_tokens, args.max_shard_mb)
+    return 0
+
+
+def _add_commands(sub) -> None:
+    from treeflash.train.drafter import DRAFTER_OPTIONS
+
+    p = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer on the Python corpus")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for tokenizer.json + tokenizer_config.json")
+    p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size (default 4096)")
+    _corpus_args(p)
+    p.set_defaults(func=run_tokenizer)
+
+    p = sub.add_parser("corpus", help="tokenize the Python corpus into train.npy / heldout.npy")
+    p.add_argument("--tokenizer", required=True, metavar="DIR", help="folder with tokenizer.json (any target's)")
+    p.add_argument("--out", required=True, metavar="DIR", help="corpus folder (also gets a copy of the tokenizer)")
+    p.add_argument("--compress", action="store_true",
+                   help="store the ids zlib-compressed (.npz): ~2.8x smaller for Python code")
+    _corpus_args(p)
+    p.set_defaults(func=run_corpus)
+
+    p = sub.add_parser("target", help="train a Qwen3-architecture LM; export a Hugging Face checkpoint")
+    p.add_argument("--data", required=True, metavar="DIR", help="tokenized corpus folder (`train corpus`)")
+    g = p.add_argument_group("model shape (default: 384 wide, 8 layers, 6x64 heads, 2 KV heads, MLP 1024, tied)")
+    for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+        g.add_argument("--" + name.replace("_", "-"), type=int)
+    g.add_argument("--rope-theta", type=float)
+    g.add_argument("--untied", dest="tie_word_embeddings", action="store_false", default=None,
+                   help="a separate LM head instead of tied embeddings")
+    p.add_argument("--dtype", default="bfloat16", help="export dtype: bfloat16, float16 or float32")
+    _train_args(p, TrainOptions())
+    p.set_defaults(func=run_target)
+
+    p = sub.add_parser("generate", help="greedy target continuations of corpus prompts, for drafter training")
+    p.add_argument("--target", required=True, metavar="DIR", help="target checkpoint folder")
+    p.add_argument("--data", required=True, metavar="DIR", help="tokenized corpus folder (prompts)")
+    p.add_argument("--out", required=True, metavar="FILE", help="output .npz")
+    p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=448)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=run_generate)
+
+    p = sub.add_parser("drafter", help="train a DFlash drafter for a frozen target")
+    p.add_argument("--target", required=True, metavar="DIR", help="target checkpoint folder")
+    p.add_argument("--data", required=True, metavar="DIR",
+                   help="tokenized corpus folder, in the target's tokenizer (held-out eval, default training text)")
+    p.add_argument("--generated", metavar="FILE", help="train on target-generated sequences (`train generate`)")
+    g = p.add_argument_group("drafter shape (default: 2 layers, block 16, published default taps, <|mask|>)")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--block-size", type=int)
+    g.add_argument("--target-layer-ids", type=_int_list, metavar="I,J,...", help="target layers to tap")
+    g.add_argument("--mask-token-id", type=int)
+    p.add_argument("--gamma", type=float, default=7.0, help="slot k's loss weight is exp(-(k-1)/gamma) (default 7)")
+    p.add_argument("--blocks-per-seq", type=int, default=32, help="anchors drawn per sequence (default 32)")
+    p.add_argument("--dtype", help="export dtype (default: the target's)")
+    p.add_argument("--tau-prompts", type=int, default=16,
+                   help="held-out prompts for the final engine τ measurement (0: skip)")
+    p.add_argument("--tau-new-tokens", type=int, default=128)
+    _train_args(p, TrainOptions(**DRAFTER_OPTIONS))
+    p.set_defaults(func=run_drafter)
+
+
+def add_train_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `train` and its commands on the `treeflash` CLI's subparsers."""
+    p = subparsers.add_parser("train", help="train a tokenizer, a target LM or a DFlash drafter",
+                              description=DESCRIPTION)
+    _add_commands(p.add_subparsers(dest="train_command", required=True, metavar="COMMAND"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    from treeflash.errors import TreeflashError
+    parser = argparse.ArgumentParser(prog="python -m treeflash.train", description=DESCRIPTION)
+    _add_commands(parser.add_subparsers(dest="train_command", required=True, metavar="COMMAND"))
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except TreeflashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,428 @@
+"""What the target and drafter trainers share: options, the training loop (AdamW, warmup +
+cosine LR, bf16 autocast on CUDA, clipping, periodic held-out evals, a step or time budget),
+resumable run folders, progress output, loss curves, and Hugging Face safetensors export.
+
+A *run folder* holds everything needed to resume (`state.pt`: model, optimizer, step,
+elapsed time, RNG states, loss history), the settings it was started with (`run.json`),
+the metrics log (`log.jsonl`), `summary.json` and `loss.png`. Exported checkpoints go
+elsewhere (`--out`), so a folder of results never carries optimizer state.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from treeflash.errors import TreeflashError, UsageError
+
+MiB = 1 << 20
+
+
+@dataclass
+class TrainOptions:
+    """Optimization and bookkeeping settings (the defaults suit the target; see
+    `drafter.DRAFTER_OPTIONS` for the drafter's)."""
+
+    batch_size: int = 64
+    seq_len: int = 1024
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1       # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    max_steps: int | None = None    # stop at whichever budget ends first
+    max_minutes: float | None = None
+    eval_every: int = 250
+    eval_tokens: int = 1 << 20      # held-out tokens per evaluation
+    save_every: int = 500
+    log_every: int = 50
+    seed: int = 0
+    device: str = "auto"
+
+    def validate(self) -> "TrainOptions":
+        if self.max_steps is None and self.max_minutes is None:
+            raise UsageError("give a training budget: max_steps (--max-steps) or max_minutes (--max-minutes)")
+        for key in ("batch_size", "seq_len", "eval_every", "save_every", "log_every"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"{key} must be an integer >= 1, got {value!r}")
+        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 0):
+            raise UsageError(f"max_steps must be an integer >= 0, got {self.max_steps!r}")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise UsageError(f"max_minutes must be > 0, got {self.max_minutes!r}")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise UsageError(f"need lr > 0 and 0 <= min_lr_ratio <= 1, got {self.lr}, {self.min_lr_ratio}")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0 or self.eval_tokens < 1:
+            raise UsageError("warmup_steps, weight_decay and grad_clip must be >= 0, eval_tokens >= 1")
+        return self
+
+
+def resolve_device(name: str) -> torch.device:
+    from treeflash.engine.llm import resolve_device as engine_device  # one definition of 'auto'
+    return engine_device(name)
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA (weights and optimizer stay float32); plain float32 on CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor to `device` without a sync: a plain copy from pageable memory would wait
+    for the GPU queue to drain every step."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def set_fast_math(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def init_weights(model: nn.Module, num_layers: int, std: float = 0.02) -> None:
+    """GPT-2 style: N(0, std) for matrices and embeddings, std/sqrt(2L) for the projections
+    that write into the residual stream (o_proj, down_proj), ones for norms."""
+    residual_std = std / math.sqrt(2 * num_layers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.normal_(0.0, residual_std)
+            else:
+                p.normal_(0.0, std)
+
+
+def make_optimizer(model: nn.Module, opts: TrainOptions, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not on norms or biases)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": opts.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=opts.lr, betas=(0.9, 0.95), eps=1e-8,
+                             fused=device.type == "cuda")
+
+
+class RunDir:
+    """A training run's folder. A fresh run refuses a folder that already holds state (so a
+    finished run is never overwritten by accident); `resume` requires one."""
+
+    def __init__(self, path: str | Path, resume: bool):
+        self.path = Path(path)
+        self.resume = resume
+        if resume and not self.state_path.exists():
+            raise UsageError(f"--resume: no training state in {self.path} (state.pt not found)")
+        if not resume and self.state_path.exists():
+            raise UsageError(f"{self.path} already holds a training run: pass --resume to continue it, "
+                             f"or choose another run folder")
+        self.path.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            self.log_path.unlink(missing_ok=True)  # left by a fresh run that died before its first save
+
+    state_path = property(lambda self: self.path / "state.pt")
+    spec_path = property(lambda self: self.path / "run.json")
+    log_path = property(lambda self: self.path / "log.jsonl")
+    plot_path = property(lambda self: self.path / "loss.png")
+    summary_path = property(lambda self: self.path / "summary.json")
+
+    def settle_spec(self, kind: str, spec: dict, check: list[str]) -> dict:
+        """The run's model spec. A fresh run saves `spec`; a resumed one returns the saved
+        spec after checking that the keys in `check` (what the caller set explicitly) agree."""
+        if not self.resume:
+            spec = {"kind": kind, **spec}
+            self.spec_path.write_text(json.dumps(spec, indent=2))
+            return spec
+        try:
+            saved = json.loads(self.spec_path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise TreeflashError(f"cannot read {self.spec_path}: {e}") from None
+        if saved.get("kind") != kind:
+            raise UsageError(f"{self.path} is a {saved.get('kind')} run, not a {kind} run")
+        for k in check:
+            if saved.get(k) != spec[k]:
+                raise UsageError(f"--resume: {k} = {spec[k]!r} differs from the run's {saved.get(k)!r}")
+        return saved
+
+    def save_state(self, state: dict) -> None:
+        tmp = self.state_path.with_suffix(".pt.tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.state_path)  # never leave a half-written state behind
+
+    def load_state(self) -> dict:
+        try:
+            return torch.load(self.state_path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise TreeflashError(f"cannot read training state {self.state_path}: {e}") from None
+
+    def log(self, record: dict) -> None:
+        with self.log_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class Progress:
+    """A tqdm bar on a terminal; plain log lines (every `log_every` steps) elsewhere, e.g. in
+    a remote job's captured output."""
+
+    def __init__(self, desc: str, total: int | None, initial: int):
+        self.desc = desc
+        self.bar = None
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def step(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def show(self, metrics: dict) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in metrics.items()})
+        else:
+            self.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                for k, v in metrics.items()))
+
+    def write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(f"[{self.desc}] {line}")
+        else:
+            print(f"[{self.desc}] {line}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def plot_history(history: list[dict], path: Path, title: str) -> bool:
+    """Training and held-out loss against steps, as a PNG; False when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    train = [(r["step"], r["loss"]) for r in history if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in history if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if train:
+        ax.plot(*zip(*train), label="train", linewidth=1)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="held-out", markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+class Trainer:
+    """The loop both trainers share. `batch_loss(gen)` draws a batch with the data generator
+    `gen` (saved with the state, so a resumed run continues the same sample stream) and returns
+    (loss, tokens); `evaluate()` returns held-out metrics with `eval_loss` (called in eval
+    mode, no grad). The model ends with the weights of the best evaluation: a fixed time
+    budget over a small corpus can overfit, and the held-out loss says when."""
+
+    def __init__(self, name: str, run: RunDir, model: nn.Module, opts: TrainOptions, device: torch.device):
+        self.name, self.run, self.model, self.opts, self.device = name, run, model, opts, device
+        self.optimizer = make_optimizer(model, opts, device)
+        self.gen = torch.Generator().manual_seed(opts.seed + 1)
+        self.step, self.elapsed, self.history = 0, 0.0, []
+        self.best = None  # (metrics, CPU copy of the weights) of the best evaluation
+        self._plot_note = False
+        if run.resume:
+            self._restore(run.load_state())
+
+    def _restore(self, state: dict) -> None:
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optim"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise TreeflashError(f"training state in {self.run.path} does not fit this model: "
+                                 f"{str(e).splitlines()[0]}") from None
+        self.step, self.elapsed, self.history = state["step"], state["elapsed"], state["history"]
+        self.best = (state["best_metrics"], state["best_model"]) if state.get("best_model") else None
+        self.gen.set_state(state["gen"])
+        torch.set_rng_state(state["torch_rng"])
+        if self.device.type == "cuda" and state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+
+    def _save(self) -> None:
+        self.run.save_state({
+            "step": self.step, "elapsed": self.elapsed, "history": self.history,
+            "model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
+            "gen": self.gen.get_state(), "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+            "best_metrics": self.best[0] if self.best else None, "best_model": self.best[1] if self.best else None,
+        })
+
+    def progress(self) -> float:
+        """Fraction of the budget used: steps or wall-clock time, whichever is further along."""
+        o = self.opts
+        p = 0.0
+        if o.max_steps is not None:
+            p = max(p, self.step / o.max_steps if o.max_steps else 1.0)
+        if o.max_minutes is not None:
+            p = max(p, self.elapsed / (60 * o.max_minutes))
+        return min(p, 1.0)
+
+    def lr(self) -> float:
+        o = self.opts
+        warm = min(1.0, (self.step + 1) / o.warmup_steps) if o.warmup_steps else 1.0
+        cos = 0.5 * (1 + math.cos(math.pi * self.progress()))
+        return o.lr * warm * (o.min_lr_ratio + (1 - o.min_lr_ratio) * cos)
+
+    def _record(self, record: dict, bar: Progress) -> None:
+        record = {"step": self.step, **record, "elapsed_s": round(self.elapsed, 2)}
+        self.history.append(record)
+        self.run.log(record)
+        bar.show({k: v for k, v in record.items() if k != "elapsed_s"})
+
+    def _evaluate(self, evaluate: Callable[[], dict], bar: Progress) -> dict:
+        self.model.eval()
+        with torch.no_grad(), autocast(self.device):
+            metrics = evaluate()
+        self.model.train()
+        self._record(metrics, bar)
+        if self.best is None or metrics["eval_loss"] <= self.best[0]["eval_loss"]:
+            weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+            self.best = ({**metrics, "best_step": self.step}, weights)
+        return metrics
+
+    def fit(self, batch_loss: Callable[[torch.Generator], tuple[torch.Tensor, int]],
+            evaluate: Callable[[], dict]) -> dict:
+        """Train until the budget is used; load the best evaluated weights and return their
+        metrics (with `best_step`, and `final_eval_loss` of the last step)."""
+        o = self.opts
+        bar = Progress(self.name, o.max_steps, self.step)
+        if self.run.resume:
+            bar.write(f"resuming at step {self.step} ({self.elapsed / 60:.2f} min done)")
+        self.model.train()
+        start = time.perf_counter() - self.elapsed
+        loss_sum = torch.zeros((), device=self.device)
+        n, tokens, t_log = 0, 0, time.perf_counter()
+        while self.progress() < 1.0:
+            lr = self.lr()
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            with autocast(self.device):
+                loss, ntok = batch_loss(self.gen)
+            loss.backward()
+            if o.grad_clip:
+                nn.utils.clip_grad_norm_(self.model.parameters(), o.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            self.elapsed = time.perf_counter() - start
+            loss_sum += loss.detach().float()
+            n, tokens = n + 1, tokens + ntok
+            bar.step()
+            last = self.progress() >= 1.0
+            if self.step % o.log_every == 0 or last:
+                mean = (loss_sum / n).item()
+                if not math.isfinite(mean):
+                    raise TreeflashError(f"{self.name}: loss became {mean} at step {self.step}; "
+                                         f"try a lower learning rate")
+                now = time.perf_counter()
+                self._record({"loss": round(mean, 5), "lr": float(f"{lr:.4g}"),
+                              "tok_per_s": round(tokens / max(now - t_log, 1e-9))}, bar)
+                loss_sum.zero_()
+                n, tokens, t_log = 0, 0, now
+            if self.step % o.eval_every == 0 and not last:
+                self._evaluate(evaluate, bar)
+                self._plot()
+                t_log = time.perf_counter()
+            if self.step % o.save_every == 0 and not last:
+                self._save()
+            self.elapsed = time.perf_counter() - start
+        final = self._evaluate(evaluate, bar)
+        self._save()  # the last weights: a resumed run continues from them
+        self._plot()
+        best, weights = self.best
+        if best["best_step"] != self.step:
+            self.model.load_state_dict(weights)
+            bar.write(f"keeping the weights of step {best['best_step']} (held-out loss {best['eval_loss']:.4f}, "
+                      f"last {final['eval_loss']:.4f})")
+        bar.close()
+        return {**best, "final_eval_loss": final["eval_loss"]}
+
+    def _plot(self) -> None:
+        if not plot_history(self.history, self.run.plot_path, f"{self.name} loss") and not self._plot_note:
+            print(f"[{self.name}] note: matplotlib is not installed; no loss curve PNG", flush=True)
+            self._plot_note = True
+
+
+# --- Hugging Face export -------------------------------------------------------------------
+
+def hf_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights under checkpoint names, fused qkv_proj / gate_up_proj split back
+    into q/k/v_proj and gate/up_proj. Tied (shared) parameters appear once."""
+    merged = getattr(model, "merged_weights", {})
+    out = {}
+    for name, p in model.named_parameters():
+        module_name, _, leaf = name.rpartition(".")
+        prefix, _, local = module_name.rpartition(".")
+        if local in merged:
+            owner = model.get_submodule(module_name)
+            for part, piece in zip(merged[local], p.detach().split(owner.parts, dim=0)):
+                out[f"{prefix}.{part}.{leaf}" if prefix else f"{part}.{leaf}"] = piece
+        else:
+            out[name] = p.detach()
+    return out
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], folder: Path, dtype: torch.dtype,
+                     max_shard_bytes: int = 16 * MiB) -> list[Path]:
+    """Write `model.safetensors`, or HF-style shards `model-0000i-of-0000n.safetensors` of at
+    most `max_shard_bytes` each plus `model.safetensors.index.json` when the weights are larger."""
+    for old in list(folder.glob("model*.safetensors")) + [folder / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)  # stale shards of an earlier export would confuse loaders
+    tensors = {k: v.to("cpu", dtype).contiguous().clone() for k, v in tensors.items()}
+    budget = max_shard_bytes - min(64 << 10, max_shard_bytes // 8)  # room for the JSON header
+    shards, size = [{}], 0
+    for k, v in tensors.items():
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > budget:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    names = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    paths, weight_map = [], {}
+    for name, shard in zip(names, shards):
+        path = folder / name
+        save_file(shard, str(path), metadata={"format": "pt"})
+        path.chmod(0o644)  # safetensors creates files readable by their owner only
+        paths.append(path)
+        weight_map.update({k: name for k in shard})
+    if len(shards) == 1:
+        return paths
+    total = sum(v.numel() * v.element_size() for v in tensors.values())
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return paths
+
+
+def write_summary(run: RunDir, summary: dict) -> None:
+    run.summary_path.write_text(json.dumps(summary, indent=2))

@@ -1,0 +1,342 @@
+"""Train a DFlash drafter for a frozen target (design.md section 2); export it in the
+published layout.
+
+Each training sequence runs once through the frozen target (cache-free, causal), giving
+the tapped hidden states of every position. Random anchor positions `a` are drawn per
+sequence; each makes a block [x_a, MASK x (b-1)] at positions a..a+b-1 that sees the
+target features of positions < a and itself (bidirectionally), never another block, as
+at inference. Slot k predicts x_{a+k} (same position, no shift) through the target's
+frozen LM head, with cross-entropy weighted by exp(-(k-1)/gamma): a deep slot only
+counts once every slot before it is accepted. All blocks of a batch run in one
+`DFlashDraftModel.forward_dense` pass with a [B, M, P+M] mask.
+
+Training text is the corpus (default) or target-generated continuations
+(`generate_continuations`: greedy AR from corpus prompts), which are exactly what the
+drafter must predict when verifying greedy decoding: the target's own tokens.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from treeflash.config import DTYPES, DraftConfig, ModelConfig, default_target_layer_ids
+from treeflash.errors import UsageError
+from treeflash.models.dflash import DFlashDraftModel
+from treeflash.models.loader import build_on, load_weights
+from treeflash.models.transformer import CausalLM
+from treeflash.tokenizer import Tokenizer
+from treeflash.train.common import (MiB, Progress, RunDir, Trainer, TrainOptions, hf_tensors, init_weights,
+                                    resolve_device, save_safetensors, set_fast_math, to_device, write_summary)
+from treeflash.train.corpus import TokenWindows, fixed_windows, load_corpus
+from treeflash.train.target import causal_inputs
+from treeflash.train.tokenizer import MASK
+
+DRAFTER_OPTIONS = {"batch_size": 32, "seq_len": 512, "lr": 2e-3, "eval_tokens": 1 << 18}
+
+
+@dataclass
+class DrafterShape:
+    """Default: 2 layers of the target's width (~7 MB in bf16 for the default target)."""
+
+    num_layers: int = 2
+    block_size: int = 16
+    target_layer_ids: list[int] | None = None  # None: treeflash.config.default_target_layer_ids
+    mask_token_id: int | None = None           # None: the target tokenizer's <|mask|>
+
+
+def load_frozen_target(target_dir: str | Path, device: torch.device) -> CausalLM:
+    """The target in its inference dtype (bf16 on CUDA, float32 on CPU), without grads."""
+    from treeflash.engine.llm import resolve_dtype
+    cfg = ModelConfig.from_pretrained(target_dir)
+    with build_on(device, resolve_dtype("auto", cfg.torch_dtype, device)):
+        target = CausalLM(cfg)
+    load_weights(target, target_dir)
+    return target.eval().requires_grad_(False)
+
+
+def drafter_config(shape: DrafterShape, t: ModelConfig, dtype: str) -> dict:
+    """config.json in the published DFlash layout (Qwen3 keys plus the DFlash ones)."""
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
+        "num_hidden_layers": shape.num_layers, "num_attention_heads": t.num_heads,
+        "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim, "vocab_size": t.vocab_size,
+        "rms_norm_eps": t.rms_norm_eps, "rope_theta": t.rope_theta,
+        "max_position_embeddings": t.max_position_embeddings, "tie_word_embeddings": False,
+        "block_size": shape.block_size, "num_target_layers": t.num_layers,
+        "dflash_config": {"mask_token_id": shape.mask_token_id, "target_layer_ids": shape.target_layer_ids},
+        "torch_dtype": dtype,
+    }
+    if t.rope_scaling:
+        config["rope_scaling"] = t.rope_scaling
+    return config
+
+
+def build_drafter(config: dict, target: CausalLM, device: torch.device) -> DFlashDraftModel:
+    """A trainable float32 drafter; its final norm starts as the target's, since both feed
+    the same LM head."""
+    dcfg = DraftConfig.from_dict(config, "drafter shape")
+    dcfg.check_fits(target.config)
+    with build_on(device, torch.float32):
+        drafter = DFlashDraftModel(dcfg)
+    init_weights(drafter, dcfg.layers.num_layers)
+    with torch.no_grad():
+        drafter.norm.weight.copy_(target.model.norm.weight)
+    return drafter.requires_grad_(True)
+
+
+def sample_anchors(batch: int, lo: int, hi: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """[batch, n] distinct anchor positions in lo..hi per row."""
+    return torch.rand(batch, hi - lo + 1, generator=gen).topk(n, dim=1).indices + lo
+
+
+def make_blocks(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_id: int):
+    """Blocks [B, n*b] and their positions, labels [B, n, b-1], and the attention mask
+    [B, n*b, S + n*b]: target features before the block's anchor, plus its own block."""
+    B, S = ids.shape
+    n, b, dev = anchors.shape[1], block_size, ids.device
+    pos = anchors[:, :, None] + torch.arange(b, device=dev)                    # [B, n, b]
+    block = torch.full_like(pos, mask_id)
+    block[:, :, 0] = ids.gather(1, anchors)
+    labels = ids.gather(1, pos[:, :, 1:].reshape(B, -1)).view(B, n, b - 1)
+    ctx = torch.arange(S, device=dev) < anchors[:, :, None]                     # [B, n, S]
+    ctx = ctx[:, :, None, :].expand(B, n, b, S).reshape(B, n * b, S)
+    own = torch.eye(n, dtype=torch.bool, device=dev).repeat_interleave(b, 0).repeat_interleave(b, 1)
+    mask = torch.cat([ctx, own.expand(B, -1, -1)], dim=-1)
+    return block.view(B, n * b), pos.view(B, n * b), labels, mask
+
+
+def draft_logits(target: CausalLM, drafter: DFlashDraftModel, ids: torch.Tensor, anchors: torch.Tensor):
+    """Logits [B, n, b-1, V] of the blocks anchored at `anchors` [B, n], and their labels."""
+    b = drafter.block_size
+    with torch.no_grad():
+        _, feats = target(ids, causal_inputs(ids), None, drafter.target_layer_ids)
+        block, pos, labels, mask = make_blocks(ids, anchors, b, drafter.mask_token_id)
+        embeds = target.embed(block)
+    B, S = ids.shape
+    fpos = torch.arange(S, device=ids.device).expand(B, S)
+    h = drafter.forward_dense(embeds, pos, feats, fpos, mask)
+    h = h.view(B, anchors.shape[1], b, -1)[:, :, 1:]
+    return target.logits(h).float(), labels
+
+
+def slot_weights(block_size: int, gamma: float, device) -> torch.Tensor:
+    return torch.exp(-torch.arange(block_size - 1, device=device, dtype=torch.float32) / gamma)
+
+
+def weighted_ce(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
+    return (ce * weights).sum(-1).mean() / weights.sum()
+
+
+def evaluate_drafter(target, drafter, windows: torch.Tensor, blocks: int, batch_size: int,
+                     weights: torch.Tensor, device: torch.device) -> dict:
+    """Held-out weighted loss, per-slot top-1 accuracy against the data, and `tau_est`:
+    1 + the mean run of leading correct slots (the τ of greedy chain drafting if the target
+    always agreed with the data). Fixed anchors, so evaluations are comparable."""
+    gen = torch.Generator().manual_seed(1234)
+    b = drafter.block_size
+    S = windows.shape[1]
+    n = min(blocks, S - b)
+    loss, correct, run, count = 0.0, 0.0, 0.0, 0
+    for i in range(0, windows.shape[0], batch_size):
+        ids = windows[i:i + batch_size].to(device)
+        anchors = sample_anchors(ids.shape[0], 1, S - b, n, gen).to(device)
+        logits, labels = draft_logits(target, drafter, ids, anchors)
+        hit = logits.argmax(-1) == labels                                   # [B, n, b-1]
+        k = ids.shape[0] * n
+        loss += weighted_ce(logits, labels, weights).item() * k
+        correct = correct + hit.float().sum((0, 1)).cpu()
+        run += hit.int().cumprod(-1).sum().item()
+        count += k
+    acc = correct / count
+    return {"eval_loss": round(loss / count, 5), "acc1": round(float(acc[0]), 4),
+            "acc_mean": round(float(acc.mean()), 4), "tau_est": round(1 + run / count, 3)}
+
+
+class GeneratedRows:
+    """Target-generated sequences [N, P+G] (prompt + greedy continuation); anchors start at
+    the last prompt token, so every label is a target-generated token."""
+
+    def __init__(self, path: str | Path, device: torch.device):
+        try:
+            with np.load(path) as f:
+                ids, prompt_len = f["ids"], int(f["prompt_len"])
+        except (OSError, KeyError, ValueError) as e:
+            raise UsageError(f"cannot read generated sequences {path}: {e}") from None
+        if ids.ndim != 2 or ids.shape[0] == 0:
+            raise UsageError(f"{path} holds no generated sequences")
+        self.ids = torch.from_numpy(ids.astype(np.int64)).to(device)
+        self.length, self.lo = ids.shape[1], max(prompt_len - 1, 1)
+
+    def sample(self, batch: int, gen: torch.Generator) -> torch.Tensor:
+        rows = torch.randint(0, self.ids.shape[0], (batch,), generator=gen)
+        return self.ids[to_device(rows, self.ids.device)]
+
+
+def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_path: str | Path,
+                           num_prompts: int = 512, prompt_len: int = 64, new_tokens: int = 448,
+                           batch_size: int = 128, seed: int = 0, device: str = "auto") -> dict:
+    """Greedy AR continuations of random corpus windows by the target (`treeflash.LLM`),
+    saved as `ids` [num_prompts, prompt_len + new_tokens] and `prompt_len` in an .npz file."""
+    from treeflash import LLM, SamplingParams
+    for key, value in (("num_prompts", num_prompts), ("prompt_len", prompt_len),
+                       ("new_tokens", new_tokens), ("batch_size", batch_size)):
+        if value < 1:
+            raise UsageError(f"{key} must be >= 1, got {value}")
+    _require_target(target_dir)
+    data = load_corpus(data_dir)
+    if data.train.size <= prompt_len:
+        raise UsageError(f"the corpus has {data.train.size} tokens, too few for prompts of {prompt_len}")
+    llm = LLM(target_dir, method="ar", device=device)
+    if prompt_len + new_tokens > llm.max_model_len:
+        raise UsageError(f"prompt_len + new_tokens = {prompt_len + new_tokens} exceeds the target's "
+                         f"context of {llm.max_model_len}")
+    starts = np.random.default_rng(seed).integers(0, data.train.size - prompt_len, num_prompts)
+    prompts = [data.train[s:s + prompt_len].astype(np.int64).tolist() for s in starts]
+    rows = np.zeros((num_prompts, prompt_len + new_tokens), dtype=data.train.dtype)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    bar, t0 = Progress("generate", num_prompts, 0), time.perf_counter()
+    for i in range(0, num_prompts, batch_size):
+        for j, res in enumerate(llm.generate(prompts[i:i + batch_size], params)):
+            rows[i + j] = prompts[i + j] + res.token_ids
+        bar.step(len(prompts[i:i + batch_size]))
+    bar.close()
+    seconds = time.perf_counter() - t0
+    out = Path(out_path)
+    out = out if out.suffix == ".npz" else out.with_name(out.name + ".npz")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(out, ids=rows, prompt_len=np.int64(prompt_len))
+    meta = {"path": str(out), "sequences": num_prompts, "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "generated_tokens": num_prompts * new_tokens, "seconds": round(seconds, 2),
+            "tokens_per_s": round(num_prompts * new_tokens / seconds)}
+    print(f"[generate] {json.dumps(meta)}", flush=True)
+    return meta
+
+
+def measure_tau(target_dir: str | Path, drafter_dir: str | Path, prompts: list[list[int]],
+                new_tokens: int, device: str = "auto") -> dict:
+    """τ (mean tokens committed per round) of DFlash chains and DDTree through the engine,
+    greedy, and the fraction of outputs identical to plain AR decoding (lossless check)."""
+    from treeflash import LLM, SamplingParams
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    ref = [r.token_ids for r in LLM(target_dir, method="ar", device=device).generate(prompts, params)]
+    out = {}
+    for method in ("dflash", "ddtree"):
+        res = LLM(target_dir, draft_model=drafter_dir, method=method, device=device).generate(prompts, params)
+        out[f"tau_{method}"] = round(sum(len(r.token_ids) for r in res) / sum(r.stats["rounds"] for r in res), 3)
+        out[f"same_as_ar_{method}"] = round(sum(r.token_ids == a for r, a in zip(res, ref)) / len(ref), 3)
+    return out
+
+
+def _require_target(target_dir: str | Path) -> None:
+    if not (Path(target_dir) / "config.json").exists():
+        raise UsageError(f"target checkpoint not found: {target_dir} (no config.json; train or "
+                         f"download the target first)")
+
+
+def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | Path,
+                  out_dir: str | Path | None = None, shape: DrafterShape | None = None,
+                  opts: TrainOptions | None = None, resume: bool = False, generated: str | Path | None = None,
+                  gamma: float = 7.0, blocks_per_seq: int = 32, dtype: str | None = None,
+                  tau_prompts: int = 16, tau_new_tokens: int = 128, max_shard_mb: float = 16) -> dict:
+    """Train (or resume) a drafter for the target in `target_dir` on the corpus in `data_dir`
+    (or on `generated` sequences; held-out evaluation always uses the corpus). Exports to
+    `out_dir` (default `<run_dir>/model`), then measures τ through the engine on
+    `tau_prompts` held-out prompts. Returns the summary (also in `<run_dir>/summary.json`)."""
+    opts = (opts or TrainOptions(**DRAFTER_OPTIONS)).validate()
+    _require_target(target_dir)
+    given = shape
+    shape = DrafterShape(**asdict(shape)) if shape is not None else DrafterShape()
+    if isinstance(shape.block_size, bool) or not isinstance(shape.block_size, int) or shape.block_size < 2:
+        raise UsageError(f"block size must be an integer >= 2, got {shape.block_size!r}")
+    if not gamma > 0 or blocks_per_seq < 1:
+        raise UsageError(f"need gamma > 0 and blocks_per_seq >= 1, got {gamma}, {blocks_per_seq}")
+    if opts.seq_len < shape.block_size + 1:
+        raise UsageError(f"seq_len {opts.seq_len} is too short for blocks of {shape.block_size}")
+    tcfg = ModelConfig.from_pretrained(target_dir)
+    plen = min(64, tcfg.max_position_embeddings - tau_new_tokens)  # τ prompts
+    if tau_prompts and plen < 1:
+        raise UsageError(f"{tau_new_tokens} new tokens leave no room for a prompt in the target's "
+                         f"context of {tcfg.max_position_embeddings}")
+    data = load_corpus(data_dir)
+    if int(data.meta["vocab_size"]) > tcfg.vocab_size:
+        raise UsageError(f"the corpus in {data_dir} was tokenized with a vocabulary of {data.meta['vocab_size']}, "
+                         f"larger than the target's {tcfg.vocab_size}: use the target's tokenizer")
+    if shape.target_layer_ids is None:  # the published default, kept inside shallow targets
+        ids = default_target_layer_ids(tcfg.num_layers, shape.num_layers)
+        shape.target_layer_ids = sorted({min(max(i, 0), tcfg.num_layers - 1) for i in ids})
+    if shape.mask_token_id is None:
+        shape.mask_token_id = Tokenizer(target_dir).tok.token_to_id(MASK)
+        if shape.mask_token_id is None:
+            raise UsageError(f"the target's tokenizer has no {MASK} token: give the drafter's mask token id")
+    run = RunDir(run_dir, resume)
+    signature = {"target_layers": tcfg.num_layers, "target_hidden": tcfg.hidden_size,
+                 "target_vocab": tcfg.vocab_size}
+    check = (list(asdict(shape)) if given is not None else []) + list(signature)
+    spec = run.settle_spec("drafter", {**asdict(shape), **signature}, check)
+    shape = DrafterShape(**{k: v for k, v in spec.items() if k in DrafterShape.__dataclass_fields__})
+    config = drafter_config(shape, tcfg, dtype or tcfg.torch_dtype or "bfloat16")
+    if config["torch_dtype"] not in ("bfloat16", "float16", "float32"):
+        raise UsageError(f"export dtype must be bfloat16, float16 or float32, got {config['torch_dtype']!r}")
+
+    device = resolve_device(opts.device)
+    set_fast_math(device)
+    torch.manual_seed(opts.seed)
+    target = load_frozen_target(target_dir, device)
+    drafter = build_drafter(config, target, device)
+    b = shape.block_size
+    source = GeneratedRows(generated, device) if generated else TokenWindows(data.train, opts.seq_len, device)
+    lo = source.lo if generated else 1  # a corpus window's first anchor needs one position of context
+    if source.length - b < lo:
+        raise UsageError(f"training sequences of {source.length} tokens are too short for blocks of {b}")
+    held = fixed_windows(data.heldout, opts.seq_len, opts.eval_tokens)
+    if held.shape[1] < b + 2:
+        raise UsageError(f"the held-out split ({data.heldout.size} tokens) is too short for blocks of {b}")
+    n = min(blocks_per_seq, source.length - b - lo + 1)
+    weights = slot_weights(b, gamma, device)
+    n_params = sum(p.numel() for p in drafter.parameters())
+    print(f"[drafter] {n_params:,} parameters, taps {shape.target_layer_ids}, block {b}, "
+          f"{n} blocks/sequence, data: {'generated ' + str(generated) if generated else 'corpus'}, "
+          f"device {device}", flush=True)
+
+    def batch_loss(gen):
+        ids = source.sample(opts.batch_size, gen)
+        anchors = to_device(sample_anchors(ids.shape[0], lo, source.length - b, n, gen), device)
+        logits, labels = draft_logits(target, drafter, ids, anchors)
+        return weighted_ce(logits, labels, weights), ids.numel()
+
+    trainer = Trainer("drafter", run, drafter, opts, device)
+    final = trainer.fit(batch_loss, lambda: evaluate_drafter(target, drafter, held, blocks_per_seq,
+                                                             opts.batch_size, weights, device))
+    out = Path(out_dir) if out_dir is not None else run.path / "model"
+    out.mkdir(parents=True, exist_ok=True)
+    save_safetensors(hf_tensors(drafter), out, DTYPES[config["torch_dtype"]], int(max_shard_mb * MiB))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    summary = {"kind": "drafter", "steps": trainer.step, "minutes": round(trainer.elapsed / 60, 2),
+               "parameters": n_params, "data": str(generated) if generated else "corpus", **final,
+               "export": str(out), "export_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
+    if tau_prompts:
+        try:
+            summary.update(measure_tau(target_dir, out, held_prompts(data.heldout, tau_prompts, plen),
+                                       tau_new_tokens, opts.device))
+        except Exception as e:  # a measurement, not the product: never lose a trained drafter to it
+            summary["tau_error"] = f"{type(e).__name__}: {e}"
+            print(f"[drafter] warning: τ measurement failed: {summary['tau_error']}", flush=True)
+    write_summary(run, summary)
+    print(f"[drafter] {json.dumps(summary)}", flush=True)
+    return summary
+
+
+def held_prompts(heldout: np.ndarray, count: int, length: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens spread evenly over the held-out split."""
+    length = min(length, max(heldout.size // 2, 1))
+    starts = np.linspace(0, heldout.size - length, count).astype(np.int64)
+    return [heldout[s:s + length].astype(np.int64).tolist() for s in starts]
+

@@ -1,0 +1,155 @@
+"""Train a Qwen3-architecture target LM on a tokenized corpus; export a Hugging Face checkpoint.
+
+The model is treeflash's own `CausalLM` run through its cache-free path (causal SDPA,
+flash attention on CUDA), on random windows of the corpus. The export splits the fused
+qkv / gate_up weights back into HF names and writes what `transformers` and
+`treeflash.LLM` both load: config.json (Qwen3ForCausalLM), generation_config.json,
+safetensors (sharded when large) and the tokenizer files.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from treeflash.config import DTYPES, ModelConfig
+from treeflash.errors import UsageError
+from treeflash.layers.attention import AttentionInputs
+from treeflash.models.loader import build_on
+from treeflash.models.transformer import CausalLM
+from treeflash.tokenizer import Tokenizer
+from treeflash.train.common import (MiB, RunDir, Trainer, TrainOptions, hf_tensors, init_weights,
+                                    resolve_device, save_safetensors, set_fast_math, write_summary)
+from treeflash.train.corpus import TOKENIZER_FILES, TokenWindows, fixed_windows, load_corpus
+from treeflash.train.tokenizer import PAD
+
+
+@dataclass
+class TargetShape:
+    """Default: ~14M parameters, ~28 MB in bf16 with vocab 4096 and tied embeddings."""
+
+    hidden_size: int = 384
+    num_layers: int = 8
+    num_heads: int = 6
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 1024
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+
+
+def hf_config(shape: TargetShape, vocab_size: int, max_len: int, eos_id: int, pad_id: int | None,
+              dtype: str) -> dict:
+    """A Qwen3ForCausalLM config.json."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "vocab_size": vocab_size, "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size, "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads, "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim, "hidden_act": "silu", "max_position_embeddings": max_len,
+        "rms_norm_eps": 1e-6, "rope_theta": shape.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": shape.rope_theta},
+        "tie_word_embeddings": shape.tie_word_embeddings, "attention_bias": False,
+        "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
+        "max_window_layers": shape.num_layers, "initializer_range": 0.02, "use_cache": True,
+        "bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": pad_id, "torch_dtype": dtype,
+    }
+
+
+def build_target(cfg: ModelConfig, device: torch.device) -> CausalLM:
+    """A trainable float32 CausalLM (inference builds parameters without grad)."""
+    with build_on(device, torch.float32):
+        model = CausalLM(cfg)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    init_weights(model, cfg.num_layers)
+    return model.requires_grad_(True)
+
+
+def causal_inputs(ids: torch.Tensor) -> AttentionInputs:
+    """Cache-free causal attention; no explicit mask, so CUDA runs flash attention."""
+    B, T = ids.shape
+    return AttentionInputs(torch.arange(T, device=ids.device).expand(B, T), None, None)
+
+
+def lm_loss(model: CausalLM, window: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over a batch of windows [B, S+1]."""
+    x, y = window[:, :-1], window[:, 1:]
+    h, _ = model(x, causal_inputs(x))
+    logits = model.logits(h).float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def evaluate_lm(model: CausalLM, windows: torch.Tensor, batch_size: int, device: torch.device) -> dict:
+    """Held-out loss (nats/token) and perplexity over fixed windows [N, S+1]."""
+    total, count = 0.0, 0
+    for i in range(0, windows.shape[0], batch_size):
+        w = windows[i:i + batch_size].to(device)
+        n = w[:, 1:].numel()
+        total += lm_loss(model, w).item() * n
+        count += n
+    loss = total / count
+    return {"eval_loss": round(loss, 5), "eval_ppl": round(math.exp(min(loss, 50.0)), 3)}
+
+
+def export_target(model: CausalLM, config: dict, tokenizer_dir: Path, out_dir: str | Path,
+                  max_shard_bytes: int = 16 * MiB) -> Path:
+    """Write the HF checkpoint folder (weights in config['torch_dtype'])."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_safetensors(hf_tensors(model), out, DTYPES[config["torch_dtype"]], max_shard_bytes)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+           "pad_token_id": config["pad_token_id"], "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+def train_target(data_dir: str | Path, run_dir: str | Path, out_dir: str | Path | None = None,
+                 shape: TargetShape | None = None, opts: TrainOptions | None = None, resume: bool = False,
+                 dtype: str = "bfloat16", max_shard_mb: float = 16) -> dict:
+    """Train (or resume) a target on the corpus in `data_dir`; export it to `out_dir`
+    (default `<run_dir>/model`). Returns the summary (also in `<run_dir>/summary.json`)."""
+    opts = (opts or TrainOptions()).validate()
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise UsageError(f"export dtype must be bfloat16, float16 or float32, got {dtype!r}")
+    data = load_corpus(data_dir)
+    vocab = int(data.meta["vocab_size"])
+    run = RunDir(run_dir, resume)
+    check = (list(asdict(shape)) if shape is not None else []) + ["vocab_size"]
+    spec = run.settle_spec("target", {**asdict(shape or TargetShape()), "vocab_size": vocab}, check)
+    shape = TargetShape(**{k: v for k, v in spec.items() if k in TargetShape.__dataclass_fields__})
+    pad = Tokenizer(data.path).tok.token_to_id(PAD)
+    config = hf_config(shape, vocab, opts.seq_len, int(data.meta["eos_token_id"]), pad, dtype)
+    device = resolve_device(opts.device)
+    set_fast_math(device)
+    torch.manual_seed(opts.seed)
+    model = build_target(ModelConfig.from_dict(config, "target shape"), device)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"[target] {n_params:,} parameters, {data.train.size:,} train tokens, "
+          f"device {device}", flush=True)
+    windows = TokenWindows(data.train, opts.seq_len + 1, device)
+    held = fixed_windows(data.heldout, opts.seq_len + 1, opts.eval_tokens)
+    trainer = Trainer("target", run, model, opts, device)
+    final = trainer.fit(lambda gen: (lm_loss(model, windows.sample(opts.batch_size, gen)),
+                                     opts.batch_size * opts.seq_len),
+                        lambda: evaluate_lm(model, held, opts.batch_size, device))
+    out = Path(out_dir) if out_dir is not None else run.path / "model"
+    export_target(model, config, data.path, out, int(max_shard_mb * MiB))
+    summary = {"kind": "target", "steps": trainer.step, "minutes": round(trainer.elapsed / 60, 2),
+               "parameters": n_params, "tokens_seen": trainer.step * opts.batch_size * opts.seq_len,
+               "train_tokens": int(data.train.size), "heldout_tokens_evaluated": int(held[:, 1:].numel()),
+               **final, "export": str(out),
+               "export_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
+    write_summary(run, summary)
+    print(f"[target] held-out loss {final['eval_loss']:.4f} (perplexity {final['eval_ppl']:.2f}) at step "
+          f"{final['best_step']} of {trainer.step}; exported to {out}", flush=True)
+    return summary
