@@ -4,7 +4,7 @@
 # TARGET_MINUTES, then a DFlash drafter per training source for DRAFTER_MINUTES each; every
 # trainer reports held-out loss, the drafter also τ through the engine. Run from the repo root.
 #
-#   OUT=/path/out scripts/train_builtin.sh                  # the real run: ~1.5 min over the budgets
+#   OUT=/path/out scripts/train_builtin.sh     # the real run: 4.5 + 2.5 min budgets, ~9 min in all
 #   TARGET=treeflash/builtin/target SOURCES="corpus generated" OUT=... scripts/train_builtin.sh
 #                                   # drafters only, for an existing target: corpus vs generated text
 #   CPU smoke run with tiny shapes: see TRAINING.md.
@@ -22,7 +22,7 @@ WORK=${WORK:-/tmp/treeflash-train}
 PY=${PYTHON:-python3}
 TARGET=${TARGET:-}                       # an existing target checkpoint: skip target training
 TARGET_MINUTES=${TARGET_MINUTES:-4.5}
-DRAFTER_MINUTES=${DRAFTER_MINUTES:-3}
+DRAFTER_MINUTES=${DRAFTER_MINUTES:-2.5}
 SOURCES=${SOURCES:-corpus}               # drafter training text: corpus and/or generated
 GEN_PROMPTS=${GEN_PROMPTS:-4096}         # target-generated sequences (64-token prompt + 448 greedy tokens)
 TARGET_ARGS=${TARGET_ARGS:-}
