@@ -187,7 +187,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     span = num_target_layers - 4
-    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    ids = [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    return sorted({min(max(i, 0), num_target_layers - 1) for i in ids})  # shallow targets: clamp
 
 
 @dataclass

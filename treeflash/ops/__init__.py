@@ -14,5 +14,7 @@ def _triton_importable() -> bool:
 
 
 def fused_enabled(x: torch.Tensor) -> bool:
-    """Use the fused kernels for this tensor: CUDA inference (they have no backward)."""
-    return x.is_cuda and not torch.is_grad_enabled() and _triton_importable()
+    """Use the fused kernels for this tensor: CUDA inference (they have no backward, and
+    under autocast the torch path keeps the training numerics)."""
+    return (x.is_cuda and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cuda")
+            and _triton_importable())
