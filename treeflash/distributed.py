@@ -2,13 +2,23 @@
 
 `TPGroup()` is the single-process group (rank 0 of 1): every collective is a no-op.
 Layers take the group explicitly, so a sharded model and a whole one run the same code.
+
+`group` is a c10d process group (or backend) object: `ProcessGroupGloo` on CPU,
+`ProcessGroupNCCL` on GPUs (see `treeflash.engine.tp`, which creates them without a
+default process group). Collectives are called on it directly, so NCCL ones can be
+captured in a CUDA graph.
+
+Decisions over a vocabulary sharded in contiguous, equal slices (rank r holds ids
+r*V/N ..) are made so that every rank gets bit-identical results: `argmax` and
+`topk` all-gather each rank's candidates (values and global ids) and reduce them in
+rank order, which also resolves ties toward the lowest global id exactly as
+`torch.argmax` over the whole vocabulary does.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -18,17 +28,21 @@ class TPGroup:
     group: object = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place (x must be contiguous)."""
         if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+            self.group.allreduce([x]).wait()
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's `x` along `dim`, in rank order."""
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        x = x.contiguous()
+        out = torch.empty((self.size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        self.group._allgather_base(out, x).wait()
+        parts = out.view((self.size,) + tuple(x.shape))                  # [size, *x.shape]
+        dim = dim % x.dim()
+        return parts.movedim(0, dim).reshape(x.shape[:dim] + (-1,) + x.shape[dim + 1:])
 
     def shard(self, n: int, what: str) -> int:
         """Size of this rank's slice of `n` items; they must divide evenly."""
@@ -36,3 +50,49 @@ class TPGroup:
             from treeflash.errors import TreeflashError
             raise TreeflashError(f"{what} ({n}) is not divisible by the tensor-parallel size {self.size}")
         return n // self.size
+
+    # ----------------------------------------------------------------- vocabulary-sharded decisions
+    def pick_max(self, value: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Global ids of the best candidates: each rank offers (value, global id) [...];
+        the largest value wins, ties (and NaNs, as torch.argmax) go to the lowest rank."""
+        if self.size == 1:
+            return index
+        packed = torch.stack([value.double(), index.double()], dim=-1)[None]   # exact for ids < 2^53
+        cand = self.all_gather(packed, dim=0)                                  # [size, ..., 2]
+        best = cand[..., 0].argmax(0, keepdim=True)
+        return cand[..., 1].gather(0, best)[0].long()
+
+    def argmax(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Global argmax over the last dim of `x`, this rank's vocabulary slice starting at
+        id `start`: the same ids as `torch.argmax` over the whole (gathered) vocabulary."""
+        idx = x.argmax(-1)
+        if self.size == 1:
+            return idx + start if start else idx
+        return self.pick_max(x.gather(-1, idx[..., None])[..., 0], idx + start)
+
+    def topk(self, x: torch.Tensor, k: int, start: int = 0, log_softmax: bool = False):
+        """Top-k over the last dim of `x` (this rank's vocabulary slice from id `start`):
+        (values, global ids) [..., k], values descending, identical on every rank.
+
+        Local top-k, one all-gather of every rank's candidates, top-k. With
+        `log_softmax`, values are log-probabilities over the whole vocabulary: each rank
+        also sends the log-sum-exp of its slice (max, then sum of exp), and the ranks'
+        are combined the same way, in rank order.
+        """
+        vals, ids = x.topk(min(k, x.shape[-1]), dim=-1)
+        ids = ids + start if start else ids
+        if log_softmax:
+            lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        if self.size > 1:
+            parts = [vals.double(), ids.double()] + ([lse.double()] if log_softmax else [])
+            cand = self.all_gather(torch.cat(parts, dim=-1)[None], dim=0)      # [size, ..., 2k(+1)]
+            kl = vals.shape[-1]
+            all_vals = cand[..., :kl].movedim(0, -2).flatten(-2).to(vals.dtype)
+            all_ids = cand[..., kl:2 * kl].movedim(0, -2).flatten(-2).long()
+            vals, j = all_vals.topk(min(k, all_vals.shape[-1]), dim=-1)
+            ids = all_ids.gather(-1, j)
+            if log_softmax:
+                lse = torch.logsumexp(cand[..., 2 * kl:].to(x.dtype), dim=0)   # [..., 1]
+        if log_softmax:
+            vals = vals - lse
+        return vals, ids

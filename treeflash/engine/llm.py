@@ -149,7 +149,7 @@ class LLM:
                 "rss_growth_bytes": None if rss0 is None or peak is None else peak - rss0,
             }
             head_dims = [self.config.head_dim] + ([self.drafter.config.layers.head_dim] if self.drafter else [])
-        backend = attention_backend(self.device, head_dims)
+            backend = attention_backend(self.device, head_dims)
             self.decoder = SpeculativeDecoder(self.target, self.drafter, method, budget or 0,
                                               draft_mode=draft_mode, attention_backend=backend)
             self.method = method

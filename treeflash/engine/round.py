@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from treeflash.distributed import TPGroup
 from treeflash.engine.kv_cache import DraftContextCache, KVCache
 from treeflash.engine.sampling import SamplingBatch, filter_logits, gumbel_noise, sample
-from treeflash.engine.tree import DraftTree, build_chain, build_tree, empty_tree, walk
+from treeflash.engine.tree import DraftTree, build_chain_from_tokens, build_tree_from_topk, empty_tree, walk
 from treeflash.errors import UsageError
 from treeflash.layers.attention import AttentionInputs
 from treeflash.models.dflash import DFlashDraftModel
@@ -65,6 +66,7 @@ class SpeculativeDecoder:
         if draft_mode not in DRAFT_MODES:
             raise UsageError(f"unknown draft mode '{draft_mode}' (choose from {', '.join(DRAFT_MODES)})")
         self.target, self.method, self.draft_mode = target, method, draft_mode
+        self.tp = target.tp  # the LM head's logits are this rank's vocabulary slice
         self.drafter = drafter if method != "ar" else None
         self.depth = drafter.block_size - 1 if method != "ar" else 0
         self.budget = {"ar": 0, "dflash": self.depth, "ddtree": budget}[method]
@@ -102,7 +104,8 @@ class SpeculativeDecoder:
         inputs = AttentionInputs.causal(positions, kv_len=T)
         h, feats = self._target(ids, inputs, st.cache)
         last = h[torch.arange(B, device=dev), lens - 1]
-        st.anchor.copy_(sample(self.target.logits(last[:, None]), lens[:, None], st.sampling)[:, 0])
+        logits = self.target.logits(last[:, None], gather=False)
+        st.anchor.copy_(sample(logits, lens[:, None], st.sampling, self.tp)[:, 0])
         st.n.copy_(lens)
         st.active.fill_(True)
         if st.draft_cache is not None:
@@ -112,7 +115,16 @@ class SpeculativeDecoder:
 
     def draft_scores(self, st: BatchState) -> torch.Tensor:
         """Per-depth draft scores [B, D, V] for depths 1..D: one drafter forward over
-        [anchor, MASK...], log-probabilities at each request's temperature and filters."""
+        [anchor, MASK...], log-probabilities at each request's temperature and filters
+        (the whole vocabulary; rounds use `draft_logits` and never gather it)."""
+        logits, tp = self.draft_logits(st)
+        return torch.log_softmax(tp.all_gather(logits, dim=-1), dim=-1)
+
+    def draft_logits(self, st: BatchState) -> tuple[torch.Tensor, TPGroup]:
+        """This rank's vocabulary slice of the per-depth draft scores [B, D, V/N] for
+        depths 1..D (float32 logits at each request's temperature, filtered, and noised
+        in coupled mode), and the group they are sharded over: a trivial one when
+        filtering had to gather the whole vocabulary (then every rank holds it)."""
         d = self.drafter
         B, b = st.batch_size, d.block_size
         block = torch.full((B, b), d.mask_token_id, dtype=torch.long, device=st.n.device)
@@ -122,25 +134,31 @@ class SpeculativeDecoder:
         kv_len = None if st.max_n is None else st.max_n + b
         inputs = AttentionInputs(positions, st.n, full, kv_len=kv_len, backend=self.backend)
         h = d(self.target.embed(block), inputs, st.draft_cache)
-        logits = self.target.logits(h[:, 1:]).float()
-        sb = st.sampling
+        logits = self.target.logits(h[:, 1:], gather=False).float()
+        tp, sb = self.tp, st.sampling
         if sb.any_sampled:
             t = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
             logits = logits / t[:, None, None]
             if sb.any_filtered:
+                logits, tp = tp.all_gather(logits, dim=-1), TPGroup()
                 logits = filter_logits(logits, sb.top_k, sb.top_p)
             if self.draft_mode == "coupled":
-                noise = gumbel_noise(sb.seed, positions[:, 1:], 0, logits.shape[-1])
+                noise = gumbel_noise(sb.seed, positions[:, 1:], tp.rank * logits.shape[-1], logits.shape[-1])
                 logits = logits + torch.where(sb.temperature[:, None, None] > 0, noise, 0.0)
-        return torch.log_softmax(logits, dim=-1)
+        return logits, tp
 
     def build(self, st: BatchState) -> DraftTree:
+        """The round's tree. Draft decisions are made on vocabulary slices (local
+        argmax / top-k, one all-gather of the candidates): every rank builds the same tree."""
         if self.method == "ar":
             return empty_tree(st.anchor)
-        scores = self.draft_scores(st)
+        logits, tp = self.draft_logits(st)
+        start = tp.rank * logits.shape[-1]
         if self.method == "dflash":
-            return build_chain(scores, st.anchor)
-        return build_tree(scores, st.anchor, self.budget)
+            return build_chain_from_tokens(tp.argmax(logits, start), st.anchor)
+        k = min(self.budget, self.target.lm_head.vocab_size)
+        vals, ids = tp.topk(logits, k, start, log_softmax=True)
+        return build_tree_from_topk(vals, ids, st.anchor, self.budget)
 
     @torch.inference_mode()
     def round(self, st: BatchState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +170,7 @@ class SpeculativeDecoder:
         kv_len = None if st.max_n is None else st.max_n + T
         inputs = AttentionInputs(positions, st.n, tree.ancestors, kv_len=kv_len, backend=self.backend)
         h, feats = self._target(tree.tokens, inputs, st.cache)
-        target_tokens = sample(self.target.logits(h), positions + 1, st.sampling)
+        target_tokens = sample(self.target.logits(h, gather=False), positions + 1, st.sampling, self.tp)
         w = walk(tree, target_tokens, self.depth)
         counts = torch.where(st.active, w.accepted + 1, torch.zeros_like(w.accepted))
         if self.method == "ddtree":

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from treeflash.distributed import TPGroup
 from treeflash.errors import UsageError
 
 _M32 = 0xFFFFFFFF
@@ -138,18 +139,30 @@ def _fused_available() -> bool:
         return False
 
 
-def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """Tokens [B, T] for logits [B, T, V], the sampled tokens sitting at `positions` [B, T]."""
+def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp: TPGroup = TPGroup()) -> torch.Tensor:
+    """Tokens [B, T] for logits [B, T, V], the sampled tokens sitting at `positions` [B, T].
+
+    Under tensor parallelism `logits` is this rank's contiguous vocabulary slice (the
+    LM head's local output): each rank takes the argmax of its slice and one small
+    all-gather of (value, id) picks the winner, ties toward the lowest id exactly as
+    argmax over the whole vocabulary; every rank returns the same global ids. Top-k /
+    top-p filtering needs whole rows: batches with filtered requests gather the logits.
+    """
+    if sb.any_filtered:
+        logits, tp = tp.all_gather(logits, dim=-1), TPGroup()  # now whole rows on every rank
+    start = tp.rank * logits.shape[-1]
     if not sb.any_sampled:
-        return logits.argmax(-1)
+        return tp.argmax(logits, start)
     if logits.is_cuda and not sb.any_filtered and logits.dtype != torch.float64 and _fused_available():
         from treeflash.ops.gumbel_argmax import gumbel_argmax
-        return gumbel_argmax(logits, sb.seed, positions, sb.temperature)
-    greedy = logits.argmax(-1)
+        value, index = gumbel_argmax(logits, sb.seed, positions, sb.temperature, vocab_start=start,
+                                     with_values=True)
+        return tp.pick_max(value, index + start)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     temp = sb.temperature.to(dtype)
     scaled = logits.to(dtype) / temp.clamp_min(1e-6)[:, None, None]
     if sb.any_filtered:
         scaled = filter_logits(scaled, sb.top_k, sb.top_p)
-    noisy = scaled + gumbel_noise(sb.seed, positions, 0, logits.shape[-1]).to(dtype)
-    return torch.where(temp[:, None] > 0, noisy.argmax(-1), greedy)
+    noisy = scaled + gumbel_noise(sb.seed, positions, start, logits.shape[-1]).to(dtype)
+    # greedy rows (T == 0) take the plain argmax (the cast to dtype is exact and monotonic)
+    return tp.argmax(torch.where(temp[:, None, None] > 0, noisy, logits.to(dtype)), start)

@@ -36,19 +36,27 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum over ranks of x_r W_r^T (+ bias once): the input is already sharded."""
+    """y = sum over ranks of x_r W_r^T (+ bias once).
+
+    The input is this rank's slice of the features (the output of a column-parallel
+    layer), or, with `input_is_parallel=False`, the whole input, which the layer
+    slices itself (the DFlash `fc` over replicated target features).
+    """
 
     shard_dim = 1
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 tp: TPGroup = TPGroup(), what: str = "input features"):
+                 tp: TPGroup = TPGroup(), what: str = "input features", input_is_parallel: bool = True):
         super().__init__()
         self.tp = tp
         self.parts = [out_features]
-        self.weight = nn.Parameter(torch.empty(out_features, tp.shard(in_features, what)),
-                                   requires_grad=False)
+        cols = tp.shard(in_features, what)
+        self.input_slice = None if input_is_parallel else (tp.rank * cols, (tp.rank + 1) * cols)
+        self.weight = nn.Parameter(torch.empty(out_features, cols), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_slice is not None and self.tp.size > 1:
+            x = x[..., self.input_slice[0]:self.input_slice[1]]
         y = self.tp.all_reduce(F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y

@@ -15,7 +15,7 @@ from treeflash.config import DraftConfig
 from treeflash.distributed import TPGroup
 from treeflash.engine.kv_cache import DraftContextCache
 from treeflash.layers.attention import AttentionInputs, write_block
-from treeflash.layers.linear import ColumnParallelLinear
+from treeflash.layers.linear import RowParallelLinear
 from treeflash.layers.norm import RMSNorm
 from treeflash.layers.rotary import RotaryEmbedding, apply_rotary
 from treeflash.models.transformer import DecoderLayer
@@ -32,7 +32,9 @@ class DFlashDraftModel(nn.Module):
         self.mask_token_id = cfg.mask_token_id
         self.target_layer_ids = list(cfg.target_layer_ids)
         self.layers = nn.ModuleList([DecoderLayer(c, tp) for _ in range(c.num_layers)])
-        self.fc = ColumnParallelLinear(len(self.target_layer_ids) * c.hidden_size, [c.hidden_size], tp=TPGroup())
+        # row-parallel over the concatenated target features (replicated on every rank)
+        self.fc = RowParallelLinear(len(self.target_layer_ids) * c.hidden_size, c.hidden_size, tp=tp,
+                                    what="DFlash fc input features", input_is_parallel=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling)

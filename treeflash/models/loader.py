@@ -112,6 +112,10 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
                 pieces.append(_read_slice(handles[f], key, tuple(full), shard_dim, rank, size))
             with torch.no_grad():
                 param.copy_(torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0])
+            del pieces
+            # Unmap the files after every parameter: pages a read touched stay resident (and
+            # counted in RSS) while mapped, and a row-parallel slice touches the whole tensor.
+            handles.clear()
     finally:
         handles.clear()
 

@@ -25,7 +25,7 @@ def _mix32(x):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, row_stride, key_ptr, temp_ptr, out_ptr, V: tl.constexpr,
+def _gumbel_argmax_kernel(logits_ptr, row_stride, key_ptr, temp_ptr, out_ptr, val_ptr, start, V: tl.constexpr,
                           BLOCK: tl.constexpr):
     row = tl.program_id(0)
     key = tl.load(key_ptr + row)                     # int64 per-row hash of (seed, position)
@@ -38,7 +38,7 @@ def _gumbel_argmax_kernel(logits_ptr, row_stride, key_ptr, temp_ptr, out_ptr, V:
         ids = i * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         inside = ids < V
         x = tl.load(logits_ptr + row * row_stride + ids, mask=inside, other=float("-inf")).to(tl.float32)
-        h = _mix32(key ^ _mix32((ids * 0x85EBCA6B + 0x27D4EB2F) & 0xFFFFFFFF))
+        h = _mix32(key ^ _mix32(((ids + start) * 0x85EBCA6B + 0x27D4EB2F) & 0xFFFFFFFF))  # global token id
         u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         g = -tl.log(-tl.log(u))
         val = tl.where(greedy, x, x / t_safe + g)
@@ -49,6 +49,7 @@ def _gumbel_argmax_kernel(logits_ptr, row_stride, key_ptr, temp_ptr, out_ptr, V:
     m = tl.max(best_val, axis=0)
     cand = tl.where(best_val == m, best_idx, V)
     tl.store(out_ptr + row, tl.min(cand, axis=0))
+    tl.store(val_ptr + row, m)
 
 
 def _mix32_torch(x: torch.Tensor) -> torch.Tensor:
@@ -60,9 +61,13 @@ def _mix32_torch(x: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_argmax(logits: torch.Tensor, seed: torch.Tensor, positions: torch.Tensor,
-                  temperature: torch.Tensor) -> torch.Tensor:
+                  temperature: torch.Tensor, vocab_start: int = 0, with_values: bool = False):
     """Tokens [B, T] = argmax(logits / T_b + g(seed_b, p)) (plain argmax where T_b == 0)
-    for logits [B, T, V] on CUDA, positions [B, T], seed/temperature [B]."""
+    for logits [B, T, V] on CUDA, positions [B, T], seed/temperature [B].
+
+    `logits` may be a vocabulary slice starting at id `vocab_start` (tensor parallelism):
+    the noise is that of the global ids, the returned indices are local, and with
+    `with_values` the winning (float32) values come too, for the cross-rank pick."""
     B, T, V = logits.shape
     rows = logits.reshape(B * T, V)
     if rows.stride(-1) != 1:
@@ -71,5 +76,7 @@ def gumbel_argmax(logits: torch.Tensor, seed: torch.Tensor, positions: torch.Ten
     key = _mix32_torch((s[:, None] + positions * 0x9E3779B9) & _M32).reshape(-1)
     temp = temperature.float()[:, None].expand(B, T).reshape(-1).contiguous()
     out = torch.empty(B * T, dtype=torch.long, device=logits.device)
-    _gumbel_argmax_kernel[(B * T,)](rows, rows.stride(0), key.contiguous(), temp, out, V, BLOCK=1024)
-    return out.view(B, T)
+    val = torch.empty(B * T, dtype=torch.float32, device=logits.device)
+    _gumbel_argmax_kernel[(B * T,)](rows, rows.stride(0), key.contiguous(), temp, out, val, vocab_start, V,
+                                    BLOCK=1024)
+    return (val.view(B, T), out.view(B, T)) if with_values else out.view(B, T)

@@ -1,0 +1,452 @@
+"""Tensor parallelism (issue 8), CPU part, over gloo.
+
+- TP = 2 and 4 give exactly the TP = 1 tokens for ar, dflash and ddtree, greedy and
+  seeded sampling (with and without top-k / top-p), Qwen3 and Llama targets (float64),
+  single and batched requests. Worker processes are started once per TP size for the
+  module: all engines of one size share them.
+- Vocabulary-sharded decisions (argmax with ties, Gumbel sampling, filtered sampling,
+  draft top-k with the log-softmax normalizer, the tree built from it) equal the
+  whole-vocabulary ones, on ranks simulated by threads.
+- Each rank holds ~1/N of the parameter bytes.
+- A worker killed mid-generation (SIGKILL), a worker failing (fault hook, via the CLI)
+  and Ctrl-C all end the driver promptly with one line naming the rank, and leave no
+  worker behind; `--tp` in the CLI gives the TP = 1 tokens.
+- Heads / vocabulary not divisible by N, and N beyond the visible GPUs, fail clearly.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from treeflash import LLM, SamplingParams, TreeflashError, UsageError
+from treeflash.distributed import TPGroup
+from treeflash.engine.sampling import SamplingBatch, filter_logits, sample
+from treeflash.engine.tree import build_tree, build_tree_from_topk
+
+REPO = Path(__file__).resolve().parent.parent
+VOCAB = 260  # the tiny tokenizer's 259 ids, padded to a multiple of 4
+N_NEW = 20
+SINGLE = [[5, 17, 42, 9]]
+BATCH = [[7], [12, 30, 31, 40, 41, 8], [100, 3, 4, 5, 6, 7, 8, 9, 10, 11, 60]]
+
+
+def _configs() -> dict[str, list[SamplingParams]]:
+    """name -> params for BATCH (the single prompt uses the last one)."""
+    p = lambda **kw: SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, **kw)  # noqa: E731
+    return {
+        "greedy": [p(), p(), p()],
+        "sampled": [p(temperature=0.9, seed=11), p(temperature=1.0, seed=12), p(temperature=0.7, seed=13)],
+        # a mixed batch: greedy, unfiltered and filtered requests together
+        "filtered": [p(), p(temperature=0.8, seed=22), p(temperature=1.0, top_k=6, top_p=0.9, seed=23)],
+    }
+
+
+CONFIGS = _configs()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def tp_models(tmp_path_factory):
+    """arch -> (target, drafter): hidden 64, 4 heads, 4 KV heads, intermediate 128, vocab
+    260 (all divisible by 4), 2 layers; 'warm' LM head (drafts get accepted, sampling
+    at T ~ 1 changes the stream); a 1-layer drafter with block size 6 tapping both layers."""
+    from safetensors.torch import load_file, save_file
+
+    from treeflash.checkpoints import write_random_drafter, write_random_target, write_tiny_tokenizer
+    out = {}
+    for arch in ("qwen3", "llama"):
+        root = tmp_path_factory.mktemp(f"tp-{arch}")
+        write_tiny_tokenizer(root / "target")
+        target = write_random_target(root / "target", arch=arch, num_layers=2, num_heads=4, num_kv_heads=4,
+                                     vocab_size=VOCAB, peaked_tokens=8, std=0.2, seed=3 if arch == "llama" else 2)
+        w = load_file(str(target / "model.safetensors"))
+        w["lm_head.weight"][3:11] /= 5
+        w["lm_head.weight"] *= 0.5
+        save_file(w, str(target / "model.safetensors"))
+        drafter = write_random_drafter(target, root / "drafter", num_layers=1, block_size=6,
+                                       target_layer_ids=[0, 1], seed=4)
+        out[arch] = (target, drafter)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(tp_models):
+    """engines(arch, method, tp) -> LLM (float64, budget 12 for ddtree), built once."""
+    built: dict = {}
+
+    def get(arch: str, method: str, tp: int) -> LLM:
+        key = (arch, method, tp)
+        if key not in built:
+            target, drafter = tp_models[arch]
+            built[key] = LLM(target, draft_model=None if method == "ar" else drafter, method=method,
+                             budget=12 if method == "ddtree" else None, device="cpu", dtype="float64", tp=tp)
+        return built[key]
+
+    yield get
+    for llm in built.values():
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def reference(engines):
+    """reference(arch, method, config) -> (single, batch) token ids at TP = 1 (memoized)."""
+    memo: dict = {}
+
+    def get(arch: str, method: str, config: str):
+        key = (arch, method, config)
+        if key not in memo:
+            memo[key] = _run(engines(arch, method, 1), config)
+        return memo[key]
+
+    return get
+
+
+def _run(llm: LLM, config: str):
+    params = CONFIGS[config]
+    single = llm.generate(SINGLE, [params[-1]])[0].token_ids
+    batch = [o.token_ids for o in llm.generate(BATCH, params)]
+    return single, batch
+
+
+# ----------------------------------------------------------------------------- end to end
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_tp_tokens_equal_tp1(arch, method, tp, engines, reference):
+    llm = engines(arch, method, tp)
+    for config in CONFIGS:
+        want = reference(arch, method, config)
+        got = _run(llm, config)
+        assert got == want, f"{arch} {method} tp={tp} {config}: tokens differ from tp=1"
+
+
+def test_references_exercise_sampling_filters_and_drafts(engines, reference):
+    """The comparisons above are not vacuous: sampling changes the stream, the filters
+    change it again, and drafts get accepted (τ > 1) on both architectures."""
+    for arch in ("qwen3", "llama"):
+        greedy, sampled, filtered = (reference(arch, "ar", c) for c in ("greedy", "sampled", "filtered"))
+        assert sampled[1] != greedy[1]
+        assert filtered[0] != sampled[0]
+        for method in ("dflash", "ddtree"):
+            out = engines(arch, method, 2).generate(BATCH, CONFIGS["greedy"])
+            assert max(o.stats["tau"] for o in out) > 1.2, f"{arch} {method}: no draft accepted"
+
+
+def test_param_bytes_per_rank(engines):
+    for tp in (2, 4):
+        stats = engines("qwen3", "ddtree", tp).rank_stats()
+        total = engines("qwen3", "ddtree", 1).rank_stats()[0]["param_bytes"]
+        assert [s["rank"] for s in stats] == list(range(tp))
+        assert len({s["pid"] for s in stats}) == tp
+        for s in stats:
+            # everything but the (replicated) norm weights is sharded
+            assert abs(s["param_bytes"] - total / tp) < 0.02 * total / tp, (tp, s, total)
+            assert s["rss_growth_bytes"] is None or s["rss_growth_bytes"] > 0
+
+
+def test_sharding_errors(tp_models, spec_target, clone_checkpoint):
+    target, drafter = tp_models["qwen3"]
+    start = time.monotonic()
+    with pytest.raises(TreeflashError, match=r"vocab_size \(260\) is not divisible by the tensor-parallel size 3"):
+        LLM(target, device="cpu", tp=3)
+    six_heads = clone_checkpoint(target, num_attention_heads=6, num_key_value_heads=6)
+    with pytest.raises(TreeflashError, match=r"num_attention_heads \(6\) is not divisible .* size 4"):
+        LLM(six_heads, device="cpu", tp=4)
+    with pytest.raises(TreeflashError, match=r"vocab_size \(259\) is not divisible by the tensor-parallel size 2"):
+        LLM(spec_target("qwen3", "plain"), device="cpu", tp=2)   # 4 heads, 2 KV heads, vocab 259
+    two_kv_heads = clone_checkpoint(target, num_key_value_heads=2)
+    with pytest.raises(TreeflashError, match=r"num_key_value_heads \(2\) is not divisible .* size 4"):
+        LLM(two_kv_heads, device="cpu", tp=4)
+    assert time.monotonic() - start < 5  # refused before any worker is started
+    for bad in (0, -2, 1.5, "2", True):
+        with pytest.raises(UsageError, match="tp must be an integer >= 1"):
+            LLM(target, device="cpu", tp=bad)
+
+
+def test_more_ranks_than_gpus(monkeypatch):
+    from treeflash.engine import tp as tp_mod
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    with pytest.raises(TreeflashError, match="tp=4 needs 4 GPUs but 2 are visible"):
+        tp_mod.start(4, torch.device("cuda"))
+    with pytest.raises(UsageError, match="CUDA_VISIBLE_DEVICES"):
+        tp_mod.start(2, torch.device("cuda", 1))
+    assert os.environ.get("NCCL_NVLS_ENABLE") == "0"  # NVLink multicast stays off for the NCCL ranks
+
+
+# ----------------------------------------------------------------------------- decisions on threads
+
+class _Done:
+    def wait(self):
+        return None
+
+
+class _Shared:
+    def __init__(self, n: int):
+        self.n, self.slots = n, [None] * n
+        self.barrier = threading.Barrier(n, timeout=30)
+
+
+class _Rank:
+    """One rank's view of an in-process group: the ranks are threads meeting at a barrier."""
+
+    def __init__(self, shared: _Shared, rank: int):
+        self.shared, self.rank = shared, rank
+
+    def _allgather_base(self, out, x):
+        s = self.shared
+        s.slots[self.rank] = x.clone()
+        s.barrier.wait()
+        out.copy_(torch.cat(s.slots, 0))
+        s.barrier.wait()
+        return _Done()
+
+    def allreduce(self, xs):
+        s = self.shared
+        s.slots[self.rank] = xs[0].clone()
+        s.barrier.wait()
+        total = s.slots[0].clone()
+        for t in s.slots[1:]:
+            total += t
+        s.barrier.wait()
+        xs[0].copy_(total)
+        return _Done()
+
+
+def on_ranks(n: int, fn):
+    """[fn(TPGroup(r, n, ...)) for every rank r], the ranks running concurrently."""
+    shared, out, errors = _Shared(n), [None] * n, []
+
+    def run(r):
+        try:
+            out[r] = fn(TPGroup(r, n, _Rank(shared, r)))
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+            shared.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def _shard(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    v = x.shape[-1] // tp.size
+    return x[..., tp.rank * v:(tp.rank + 1) * v]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_sharded_argmax_ties_go_to_the_lowest_id(n):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 3, (5, 7, 24), generator=gen).double()   # many ties, across shards too
+    logits[0, 0] = 2.0                                                  # all tied: id 0
+    logits[0, 1, :] = 0.0
+    logits[0, 1, [7, 13, 20]] = 1.0                                    # tie across ranks: id 7
+    want = logits.argmax(-1)
+    for got in on_ranks(n, lambda tp: tp.argmax(_shard(logits, tp), tp.rank * (24 // n))):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_sharded_sampling_equals_whole_vocabulary(n):
+    gen = torch.Generator().manual_seed(1)
+    B, T, V = 4, 5, 64
+    logits = torch.randn(B, T, V, generator=gen, dtype=torch.float64) * 2
+    logits[1, 2, 40:] = logits[1, 2, :24]   # duplicated values: noise breaks those ties per id
+    positions = torch.arange(T).expand(B, T) + 17
+    for params in ([SamplingParams(temperature=t, seed=s) for t, s in ((0.0, 1), (0.7, 2), (1.0, 3), (1.6, 4))],
+                   [SamplingParams(temperature=1.0, top_k=5, seed=5), SamplingParams(temperature=0.9, seed=6),
+                    SamplingParams(), SamplingParams(temperature=1.2, top_p=0.8, seed=7)]):
+        sb = SamplingBatch.from_params(params, "cpu")
+        want = sample(logits, positions, sb)
+        for got in on_ranks(n, lambda tp: sample(_shard(logits, tp), positions, sb, tp)):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_sharded_draft_topk_and_tree(n):
+    gen = torch.Generator().manual_seed(2)
+    B, D, V, budget = 3, 5, 48, 10
+    logits = torch.randn(B, D, V, generator=gen) * 3
+    logits[2] = filter_logits(logits[2:], torch.tensor([4]), torch.tensor([1.0]))[0]  # -inf outside the top 4
+    logprobs = torch.log_softmax(logits, -1)
+    want_vals, want_ids = logprobs.topk(budget, -1)
+    anchor = torch.tensor([1, 2, 3])
+    want = build_tree(logprobs, anchor, budget)
+
+    def ranked(tp):
+        vals, ids = tp.topk(_shard(logits, tp), budget, tp.rank * (V // n), log_softmax=True)
+        return vals, ids, build_tree_from_topk(vals, ids, anchor, budget)
+
+    results = on_ranks(n, ranked)
+    for vals, ids, tree in results:
+        finite = torch.isfinite(want_vals)
+        assert torch.equal(torch.isfinite(vals), finite)
+        torch.testing.assert_close(vals[finite], want_vals[finite], rtol=0, atol=1e-5)
+        assert torch.equal(ids[finite], want_ids[finite])
+        for name in ("tokens", "parents", "depths", "valid", "ancestors"):
+            assert torch.equal(getattr(tree, name), getattr(want, name)), name
+    for vals, ids, tree in results[1:]:  # every rank: bit-identical candidates
+        assert torch.equal(vals, results[0][0]) and torch.equal(ids, results[0][1])
+
+
+def test_tp1_topk_is_the_plain_topk():
+    x = torch.randn(2, 3, 50)
+    vals, ids = TPGroup().topk(x, 7, log_softmax=True)
+    want_vals, want_ids = torch.log_softmax(x, -1).topk(7, -1)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(vals, want_vals, rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- processes
+
+DRIVER = textwrap.dedent("""
+    import json, os, signal, sys
+    from treeflash import LLM, SamplingParams, TreeflashError
+    target, drafter, mode, tp, victim = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    llm = LLM(target, draft_model=drafter, method="dflash", device="cpu", dtype="float32", tp=tp)
+    pids = [s["pid"] for s in llm.rank_stats()]
+    print(json.dumps(pids), flush=True)
+    seen = []
+    def on_tokens(i, ids):
+        seen.extend(ids)
+        if len(seen) >= 8:
+            if mode == "kill":
+                os.kill(pids[victim], signal.SIGKILL)
+            elif mode == "sigint":  # Ctrl-C: the terminal signals the whole process group
+                os.killpg(os.getpgid(0), signal.SIGINT)
+    try:
+        llm.generate([5, 6, 7], SamplingParams(max_new_tokens=400, ignore_eos=True), on_tokens=on_tokens)
+    except TreeflashError as e:
+        print(f"treeflash: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("treeflash: interrupted", file=sys.stderr)
+        sys.exit(130)
+    print("finished", flush=True)
+""")
+
+
+def _gone(pid: int, within: float = 15.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    return True  # exited, not yet reaped
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _driver(tp_models, mode: str, tp: int, victim: int = 1):
+    target, drafter = tp_models["qwen3"]
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(target), str(drafter), mode, str(tp), str(victim)],
+                          capture_output=True, text=True, timeout=180, cwd=REPO, start_new_session=True)
+    pids = json.loads(proc.stdout.splitlines()[0])
+    return proc, pids, time.monotonic() - start
+
+
+@pytest.mark.parametrize("tp,victim", [(2, 1), (4, 2)])
+def test_worker_killed_mid_generation(tp_models, tp, victim):
+    proc, pids, seconds = _driver(tp_models, "kill", tp, victim)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr
+    assert lines == [f"treeflash: error: tensor-parallel worker rank {victim} was killed by signal SIGKILL"], \
+        proc.stderr
+    assert "finished" not in proc.stdout
+    assert all(_gone(p) for p in pids), "a worker outlived the driver"
+    assert seconds < 90
+
+
+def test_ctrl_c_stops_driver_and_workers(tp_models):
+    proc, pids, _ = _driver(tp_models, "sigint", 2)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["treeflash: interrupted"], proc.stderr
+    assert all(_gone(p) for p in pids), "a worker outlived the driver"
+
+
+def test_cli_tp_equals_tp1_and_reports_a_failing_worker(tp_models, engines):
+    target, drafter = tp_models["llama"]
+    base = [sys.executable, "-m", "treeflash", "generate", "--model", str(target), "--draft-model", str(drafter),
+            "--method", "ddtree", "--budget", "12", "--device", "cpu", "--dtype", "float64", "--json",
+            "--max-new-tokens", str(N_NEW), "--ignore-eos", "--temperature", "0.9", "--seed", "11", "--tp", "2"]
+    prompt = "def fib(n):"
+    env = {k: v for k, v in os.environ.items() if k != "TREEFLASH_TP_FAULT"}
+    ok = subprocess.run(base + [prompt], capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
+    assert ok.returncode == 0, ok.stderr
+    got = json.loads(ok.stdout.strip().splitlines()[-1])["token_ids"]
+    want = engines("llama", "ddtree", 1).generate(prompt, SamplingParams(
+        max_new_tokens=N_NEW, ignore_eos=True, temperature=0.9, seed=11))[0].token_ids
+    assert got == want
+    # commands: 1 build, 2 start (prefill), 3.. rounds: rank 1 fails in its second round
+    env["TREEFLASH_TP_FAULT"] = "1:4"
+    bad = subprocess.run(base + [prompt], capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
+    assert bad.returncode == 1
+    assert bad.stderr.strip().splitlines() == [
+        "treeflash: error: tensor-parallel worker rank 1 failed: RuntimeError: fault injected by "
+        "TREEFLASH_TP_FAULT=1:4"], bad.stderr
+
+
+TORCHRUN_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    from treeflash import LLM, SamplingParams
+    llm = LLM(sys.argv[1], draft_model=sys.argv[2], method="ddtree", budget=12, device="cpu", dtype="float64", tp=2)
+    assert os.environ["RANK"] == "0"  # the other rank serves inside LLM() and exits with the driver
+    params = SamplingParams(max_new_tokens=int(sys.argv[3]), ignore_eos=True, temperature=0.9, seed=11)
+    print(json.dumps(llm.generate([[5, 17, 42, 9]], params)[0].token_ids), flush=True)
+""")
+
+
+def test_torchrun_launch(tp_models, engines, tmp_path):
+    """RANK / WORLD_SIZE / LOCAL_RANK set by torchrun: every process constructs the LLM
+    alike, rank 0 drives, the other serves; both exit cleanly."""
+    target, drafter = tp_models["qwen3"]
+    script = tmp_path / "run.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), str(target), str(drafter), str(N_NEW)],
+                          capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    want = engines("qwen3", "ddtree", 1).generate(SINGLE, SamplingParams(
+        max_new_tokens=N_NEW, ignore_eos=True, temperature=0.9, seed=11))[0].token_ids
+    assert got == want
+
+
+def test_close_stops_the_workers(engines):
+    """Last in the module: closing every engine of a size stops its workers."""
+    pids = []
+    for arch in ("qwen3", "llama"):
+        for method in ("ar", "dflash", "ddtree"):
+            llm = engines(arch, method, 2)
+            pids = pids or [s["pid"] for s in llm.rank_stats()][1:]
+            llm.close()
+    assert pids and all(_gone(p) for p in pids)
+    with pytest.raises(TreeflashError, match="shut down"):
+        engines("qwen3", "ar", 2).generate(SINGLE, SamplingParams(max_new_tokens=2))

@@ -1,0 +1,607 @@
+"""Tensor parallelism across processes: starting the ranks, the driver / worker command
+loop, failure detection and shutdown (design section 7).
+
+Processes. `LLM(..., tp=N)` makes the calling process rank 0, the *driver*. On one host
+it starts the N-1 workers itself (`python -c "...worker_main()"`, a fresh interpreter:
+user scripts need no `if __name__ == "__main__"` guard); they connect to a TCPStore the
+driver serves. Under `torchrun` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
+set; several hosts) every process calls `LLM(...)` alike: rank 0 returns as the driver,
+the other ranks serve inside the constructor and exit when the driver shuts down.
+Each rank makes its own process group object (ProcessGroupGloo on CPU, ProcessGroupNCCL
+on cuda:LOCAL_RANK, with NCCL_NVLS_ENABLE=0 unless set), not torch's default group, so
+engines of several sizes, or the user's own torch.distributed, can coexist.
+
+Commands. The ranks run the same code on the same inputs in lock step. The driver
+posts each command to the store (key cmd/<seq>, a pickled tuple of a few hundred
+bytes) and then runs it itself; each worker blocks on the next key, runs the command on
+its slice and so meets the driver in the collectives inside. Commands: `build` an
+engine (an `LLM` built from the driver's arguments), `call` one of its methods
+(`_start`: batch state + prefill; `_step`: one round), `drop` engines (piggybacked on
+the next command), `shutdown`. Per round that is one small store message; the rest is
+the collectives of the sharded model itself. Every command is one the workers must
+have read before the driver can finish it (it ends on collectives, or the driver reads
+the workers' replies), so the driver deletes cmd/<seq-1> when posting cmd/<seq>.
+
+Failures. A monitor thread in the driver polls its workers. When one dies it records
+which rank and why (killed by a signal, exit code, or the one-line error the worker
+wrote to the store before exiting), kills the other workers so that no collective
+waits on them (a gloo collective then fails at once; NCCL communicators are aborted),
+and the driver raises one `TreeflashError` naming the rank; if the driver were still
+stuck 30 s later the monitor prints that line and exits the process. Workers exit when
+their parent dies (a watcher thread) or the store goes away; collective and store
+timeouts (TREEFLASH_TP_TIMEOUT seconds, default 600) are the backstop. Workers ignore
+SIGINT: Ctrl-C interrupts the driver, which then shuts them down. Workers are shut down
+when the last engine on them is closed or garbage-collected, and at exit.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import gc
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from treeflash.distributed import TPGroup
+from treeflash.errors import TreeflashError, UsageError
+
+WORKER_ENV = "TREEFLASH_TP_WORKER"   # set by the driver for the workers it starts
+FAULT_ENV = "TREEFLASH_TP_FAULT"     # "<rank>:<command number>": that worker fails there (tests)
+GRACE_S = 30.0                        # after a worker died: how long the driver may stay stuck
+
+
+def timeout_s() -> float:
+    return float(os.environ.get("TREEFLASH_TP_TIMEOUT", "600"))
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    text = text[0] if text else ""
+    if isinstance(e, TreeflashError):
+        return text[:400]
+    return f"{type(e).__name__}: {text}"[:400] if text else type(e).__name__
+
+
+_COMM_HINTS = ("connection closed", "connection reset", "broken pipe", "gloo", "nccl", "timed out", "timeout",
+               "processgroup", "c10d", "socket")
+
+
+def is_comm_error(e: BaseException) -> bool:
+    """Did `e` come from a collective or the store (a peer died or hung)?"""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(e, RuntimeError) and any(h in str(e).lower() for h in _COMM_HINTS)
+
+
+# ----------------------------------------------------------------------------- memory
+
+def _proc_status(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def rss_bytes() -> int | None:
+    """Resident set size of this process (Linux), or None."""
+    return _proc_status("VmRSS")
+
+
+def reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
+def peak_rss_bytes() -> int | None:
+    return _proc_status("VmHWM")
+
+
+# ----------------------------------------------------------------------------- checks
+
+def check_shardable(config, draft_config, size: int) -> None:
+    """Raise the one-line error of the first head / vocabulary / feature count that does
+    not divide by `size`, before any process is started (modules built on 'meta')."""
+    from treeflash.models.dflash import DFlashDraftModel
+    from treeflash.models.transformer import CausalLM
+    group = TPGroup(0, size)
+    with torch.device("meta"):
+        CausalLM(config, group)
+        if draft_config is not None:
+            DFlashDraftModel(draft_config, group)
+
+
+# ----------------------------------------------------------------------------- handles
+
+class Single:
+    """TP = 1: this process is the whole group; commands run in place."""
+
+    rank, size, group = 0, 1, TPGroup()
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def call(self, obj, name: str, args=(), collect: bool = False):
+        out = getattr(obj, name)(*args)
+        return [out] if collect else out
+
+    def built(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class WorkerEngine:
+    """What an `LLM` built inside a worker sees: its rank's group and device."""
+
+    def __init__(self, rt: "Runtime"):
+        self.rank, self.size, self.group, self.device = rt.rank, rt.size, rt.group, rt.device
+
+    def call(self, obj, name: str, args=(), collect: bool = False):
+        raise AssertionError("commands are run by the driver")
+
+    def built(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Engine:
+    """The driver's handle on one `LLM` built on every rank of a runtime."""
+
+    def __init__(self, rt: "Runtime", eid: int, build_seq: int):
+        self.rt, self.eid, self.build_seq = rt, eid, build_seq
+        self.rank, self.size, self.group, self.device = 0, rt.size, rt.group, rt.device
+        self.pending_build = True
+
+    def call(self, obj, name: str, args=(), collect: bool = False):
+        return self.rt.call(self.eid, obj, name, args, collect)
+
+    def built(self) -> None:
+        """Wait for the workers' slices; raise the first worker's load error."""
+        self.pending_build = False
+        for r, err in enumerate(self.rt.replies(self.build_seq), 1):
+            if err is not None:
+                raise TreeflashError(f"tensor-parallel worker rank {r} could not build the model: {err}")
+
+    def close(self) -> None:
+        rt = self.rt
+        if self.pending_build and not rt.closed and rt.failure is None:
+            self.pending_build = False
+            try:
+                rt.replies(self.build_seq)  # let the workers finish building before they drop it
+            except BaseException:
+                pass
+        rt.drop(self.eid)
+
+
+# ----------------------------------------------------------------------------- the runtime
+
+_RUNTIMES: dict[tuple[int, str], "Runtime"] = {}
+_WORKER: "Runtime | None" = None  # set in a worker process while it serves
+
+
+def attach(size: int, device: torch.device, kwargs: dict, config, draft_config):
+    """The tensor-parallel handle an `LLM` is built with: rank, size, group, device, and
+    `call` to run one of its methods on every rank. Starts the workers if needed and
+    posts the build of this engine to them (they load while the driver loads)."""
+    if _WORKER is not None:  # a worker building the driver's engine
+        return WorkerEngine(_WORKER)
+    if size == 1:
+        return Single(device)
+    check_shardable(config, draft_config, size)
+    key = (size, device.type)
+    rt = _RUNTIMES.get(key)
+    if rt is None or rt.closed or rt.failure is not None:
+        rt = start(size, device)
+        _RUNTIMES[key] = rt
+    return rt.new_engine(kwargs)
+
+
+def torchrun_env() -> dict | None:
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env and int(env["WORLD_SIZE"]) > 1:
+        return {"rank": int(env["RANK"]), "world": int(env["WORLD_SIZE"]),
+                "local_rank": int(env.get("LOCAL_RANK", env["RANK"])),
+                "addr": env.get("MASTER_ADDR", "127.0.0.1"), "port": int(env.get("MASTER_PORT", "29500"))}
+    return None
+
+
+def start(size: int, device: torch.device) -> "Runtime":
+    if device.type == "cuda":
+        if device.index is not None:
+            raise UsageError(f"with tp={size} the ranks use cuda:0..{size - 1} (choose GPUs with "
+                             f"CUDA_VISIBLE_DEVICES); give device 'cuda' or 'auto', not '{device}'")
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
+    tr = torchrun_env()
+    if tr is not None:
+        return _join_torchrun(size, device, tr)
+    if device.type == "cuda" and size > torch.cuda.device_count():
+        raise TreeflashError(f"tp={size} needs {size} GPUs but {torch.cuda.device_count()} are visible")
+    return _spawn(size, device.type)
+
+
+def _spawn(size: int, device_type: str) -> "Runtime":
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=_td(timeout_s()), wait_for_workers=False)
+    env = dict(os.environ)
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # no c10d warning dumps when the driver goes away
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    if device_type == "cpu":
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // size)))
+    procs: dict[int, subprocess.Popen] = {}
+    rt = None
+    try:
+        for r in range(1, size):
+            env[WORKER_ENV] = json.dumps({"rank": r, "size": size, "port": store.port, "parent": os.getpid(),
+                                          "device": device_type})
+            procs[r] = subprocess.Popen(
+                [sys.executable, "-c", "from treeflash.engine.tp import worker_main; worker_main()"],
+                env=env, stdin=subprocess.DEVNULL)
+        rt = Runtime(size, device_type, 0, 0, store, procs)
+        rt.start_monitor()
+        rt.wait_keys([f"hello/{r}" for r in range(1, size)], "start", timeout_s())
+        rt.connect()
+    except BaseException:
+        if rt is not None:
+            rt.shutdown(graceful=False)
+        for p in procs.values():
+            p.kill()
+            p.wait()
+        raise
+    return rt
+
+
+def _join_torchrun(size: int, device: torch.device, tr: dict) -> "Runtime":
+    if tr["world"] != size:
+        raise UsageError(f"launched with WORLD_SIZE={tr['world']} processes but tp={size}")
+    if device.type == "cuda" and tr["local_rank"] >= torch.cuda.device_count():
+        raise TreeflashError(f"rank {tr['rank']} needs cuda:{tr['local_rank']} but "
+                             f"{torch.cuda.device_count()} GPUs are visible")
+    # torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT; a bare launch has rank 0 serve it
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(tr["addr"], tr["port"], None, tr["rank"] == 0 and not agent,
+                          timeout=_td(timeout_s()), wait_for_workers=False)
+    rt = Runtime(size, device.type, tr["rank"], tr["local_rank"], dist.PrefixStore("treeflash", store))
+    rt.connect()
+    if rt.rank != 0:
+        rt.store.set_timeout(_td(10 * 365 * 86400))  # idle workers wait for commands as long as it takes
+        code = rt.serve_main()
+        raise SystemExit(code)
+    return rt
+
+
+def worker_main() -> None:
+    """Entry point of a worker process started by the driver."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    info = json.loads(os.environ.pop(WORKER_ENV))
+    parent = info["parent"]
+
+    def watch_parent():
+        while True:
+            time.sleep(0.2)
+            if os.getppid() != parent:
+                os._exit(3)
+
+    threading.Thread(target=watch_parent, daemon=True, name="treeflash-parent-watch").start()
+    store = dist.TCPStore("127.0.0.1", info["port"], None, False, timeout=_td(10 * 365 * 86400),
+                          wait_for_workers=False)
+    rt = Runtime(info["size"], info["device"], info["rank"], info["rank"], store)
+    code = 1
+    try:
+        store.set(f"hello/{rt.rank}", b"1")
+        rt.connect()
+        code = rt.serve_main()
+    except BaseException as e:
+        rt.report(e)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class Runtime:
+    """The N ranks of one tensor-parallel group, seen from this process (rank `rank`)."""
+
+    def __init__(self, size: int, device_type: str, rank: int, local_rank: int, store, procs=None):
+        self.size, self.rank = size, rank
+        self.backend = "nccl" if device_type == "cuda" else "gloo"
+        self.device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+        self.store = store
+        self.procs: dict[int, subprocess.Popen] = procs or {}
+        self.group: TPGroup | None = None
+        self.seq = 0
+        self.failure: str | None = None   # one line: which rank failed and why
+        self.closed = False
+        self.stopping = False             # we are killing the workers: their exits are expected
+        self.busy = False                 # the driver is inside a command
+        self.engines: set[int] = set()
+        self.next_engine = 0
+        self.pending_drops: list[int] = []
+
+    # ---------------------------------------------------------------- group
+    def connect(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        store = dist.PrefixStore("pg", self.store)
+        if self.backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = _td(timeout_s())
+            pg = dist.ProcessGroupNCCL(store, self.rank, self.size, opts)
+        else:
+            pg = dist.ProcessGroupGloo(store, self.rank, self.size, _td(timeout_s()))
+        self.group = TPGroup(self.rank, self.size, pg)
+
+    # ---------------------------------------------------------------- driver
+    def check(self) -> None:
+        if self.failure is not None:
+            raise TreeflashError(self.failure)
+        if self.closed:
+            raise TreeflashError("the tensor-parallel workers have been shut down; create a new LLM")
+
+    def post(self, op: str, eid, payload=None, collect: bool = False) -> int:
+        self.seq += 1
+        drops, self.pending_drops = self.pending_drops, []
+        self.store.set(f"cmd/{self.seq}", pickle.dumps((op, eid, payload, collect, drops)))
+        if self.seq > 1:
+            self.store.delete_key(f"cmd/{self.seq - 1}")  # every rank has read it (module docstring)
+        return self.seq
+
+    def new_engine(self, kwargs: dict) -> Engine:
+        self.check()
+        eid, self.next_engine = self.next_engine, self.next_engine + 1
+        self.engines.add(eid)
+        return Engine(self, eid, self.post("build", eid, kwargs))
+
+    def call(self, eid: int, obj, name: str, args, collect: bool):
+        self.check()
+        seq = self.post("call", eid, (name, args), collect)
+        self.busy = True
+        try:
+            out = getattr(obj, name)(*args)
+            return [out] + self.replies(seq) if collect else out
+        except BaseException as e:
+            err = self.fail(e)
+            if err is e:
+                raise
+            raise err from None
+        finally:
+            self.busy = False
+
+    def replies(self, seq: int) -> list:
+        """The workers' answers to command `seq` (as long as they take: loading a large
+        checkpoint may; a worker that dies is reported by the monitor / its error key)."""
+        keys = [f"res/{seq}/{r}" for r in range(1, self.size)]
+        self.wait_keys(keys, "answer")
+        out = []
+        for k in keys:
+            out.append(pickle.loads(self.store.get(k)))
+            self.store.delete_key(k)
+        return out
+
+    def wait_keys(self, keys: list[str], what: str, limit_s: float | None = None) -> None:
+        deadline = time.monotonic() + limit_s if limit_s is not None else float("inf")
+        pause = 0.001
+        while not self.store.check(keys):
+            self.check()
+            if not self.procs:
+                self._failure_from_store()
+            if time.monotonic() > deadline:
+                raise TreeflashError(f"tensor-parallel workers did not {what} within {limit_s:.0f} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+    def _failure_from_store(self) -> None:
+        """torchrun: the driver cannot see the workers' processes, only their reports."""
+        for r in range(1, self.size):
+            if self.store.check([f"err/{r}"]):
+                err = json.loads(self.store.get(f"err/{r}"))
+                self.failure = f"tensor-parallel worker rank {r} failed: {err['error']}"
+                raise TreeflashError(self.failure)
+
+    def fail(self, e: BaseException) -> BaseException:
+        """The driver failed inside a command: the ranks are out of step for good. Shut
+        the workers down; return what to raise (the worker failure behind a broken
+        collective, else `e` itself)."""
+        comm = is_comm_error(e)
+        if comm:
+            deadline = time.monotonic() + 10.0
+            while self.failure is None and time.monotonic() < deadline:
+                if not self.procs:
+                    try:
+                        self._failure_from_store()
+                    except TreeflashError:
+                        break
+                time.sleep(0.05)
+        failure = self.failure
+        self.shutdown(graceful=False)
+        if comm:
+            return TreeflashError(failure or f"tensor-parallel communication failed: {one_line(e)}")
+        return e
+
+    def drop(self, eid: int) -> None:
+        """Forget engine `eid` (its slices are freed with the next command); shut the
+        workers down with the last engine. Safe to call from a finalizer."""
+        if self.closed or eid not in self.engines:
+            return
+        self.engines.discard(eid)
+        self.pending_drops.append(eid)
+        if not self.engines:
+            self.shutdown(graceful=True)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.stopping = True
+        if graceful and self.failure is None:
+            try:
+                self.post("shutdown", None)
+            except Exception:
+                pass
+        for p in self.procs.values():
+            if graceful:
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        self.abort()  # NCCL: abort rather than destroy the communicators (destroy can hang after graph capture)
+        for key, rt in list(_RUNTIMES.items()):
+            if rt is self:
+                del _RUNTIMES[key]
+
+    def abort(self) -> None:
+        """Release the NCCL communicators, unblocking kernels that wait on a dead peer
+        (gloo fails by itself once the peers' sockets close)."""
+        if self.backend == "nccl" and self.group is not None:
+            try:
+                self.group.group.abort()
+            except Exception:
+                pass
+
+    # ---------------------------------------------------------------- monitor (driver)
+    def start_monitor(self) -> None:
+        threading.Thread(target=self._monitor, daemon=True, name="treeflash-tp-monitor").start()
+
+    def _monitor(self) -> None:
+        port = self.store.port
+        client = None
+        while not self.stopping:
+            if any(p.poll() is not None for p in self.procs.values()):
+                time.sleep(0.3)  # let the other ranks' reports land, then pick the cause
+                if self.stopping:
+                    return
+                try:
+                    client = dist.TCPStore("127.0.0.1", port, None, False, timeout=_td(5),
+                                           wait_for_workers=False)
+                except Exception:
+                    client = None
+                self.failure = self._diagnose(client)
+                self.stopping = True
+                for p in self.procs.values():  # nothing may wait on a dead peer
+                    if p.poll() is None:
+                        p.kill()
+                self.abort()
+                deadline = time.monotonic() + GRACE_S
+                while self.busy and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                if self.busy:
+                    print(f"treeflash: error: {self.failure}", file=sys.stderr, flush=True)
+                    os._exit(1)
+                return
+            time.sleep(0.1)
+
+    def _diagnose(self, client) -> str:
+        """The most likely root cause among the dead workers: a signal or a worker's own
+        error before a peer's broken collective; the lowest rank first."""
+        causes = []
+        for r, p in sorted(self.procs.items()):
+            rc = p.poll()
+            if rc is None:
+                continue
+            err = None
+            try:
+                if client is not None and client.check([f"err/{r}"]):
+                    err = json.loads(client.get(f"err/{r}"))
+            except Exception:
+                err = None
+            if err is not None:
+                causes.append((err["comm"], r, f"failed: {err['error']}"))
+            elif rc < 0:
+                try:
+                    name = signal.Signals(-rc).name
+                except ValueError:
+                    name = str(-rc)
+                causes.append((False, r, f"was killed by signal {name}"))
+            else:
+                causes.append((False, r, f"exited unexpectedly with code {rc}"))
+        comm, r, why = min(causes)
+        return f"tensor-parallel worker rank {r} {why}"
+
+    # ---------------------------------------------------------------- worker
+    def serve_main(self) -> int:
+        """Serve commands until shutdown; 0 on a clean shutdown, 1 after a failure."""
+        try:
+            self.serve()
+            return 0
+        except BaseException as e:
+            self.report(e)
+            return 1
+
+    def serve(self) -> None:
+        global _WORKER
+        from treeflash.engine.llm import LLM
+        _WORKER = self
+        engines: dict[int, object] = {}
+        fault = os.environ.get(FAULT_ENV, "")
+        while True:
+            self.seq += 1
+            op, eid, payload, collect, drops = pickle.loads(self.store.get(f"cmd/{self.seq}"))
+            if fault == f"{self.rank}:{self.seq}":
+                raise RuntimeError(f"fault injected by {FAULT_ENV}={fault}")
+            if drops:
+                for d in drops:
+                    engines.pop(d, None)
+                gc.collect()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+            if op == "shutdown":
+                return
+            if op == "build":
+                try:
+                    engines[eid] = LLM(**payload)
+                    self.reply(None)
+                except Exception as e:  # the driver reports it; this worker lives on
+                    self.reply(one_line(e))
+            elif op == "call":
+                name, args = payload
+                out = getattr(engines[eid], name)(*args)
+                if collect:
+                    self.reply(out)
+
+    def reply(self, out) -> None:
+        self.store.set(f"res/{self.seq}/{self.rank}", pickle.dumps(out))
+
+    def report(self, e: BaseException) -> None:
+        """Leave the driver one line on why this worker stops."""
+        text = one_line(e)
+        try:
+            self.store.set(f"err/{self.rank}", json.dumps({"error": text, "comm": is_comm_error(e)}))
+        except Exception:
+            pass
+        if os.environ.get("TREEFLASH_DEBUG"):
+            traceback.print_exc()
+        if not self.procs and torchrun_env() is not None:  # torchrun: this rank's own log
+            print(f"treeflash: tensor-parallel rank {self.rank}: {text}", file=sys.stderr, flush=True)
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for rt in list(_RUNTIMES.values()):
+        try:
+            rt.shutdown(graceful=True)
+        except Exception:
+            pass
