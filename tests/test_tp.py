@@ -88,17 +88,19 @@ def tp_models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(tp_models):
-    """engines(arch, method, tp) -> LLM (float64, budget 12 for ddtree), built once."""
+    """engines(arch, method, tp, draft_mode) -> LLM (float64, budget 12 for ddtree), built once."""
     built: dict = {}
 
-    def get(arch: str, method: str, tp: int) -> LLM:
-        key = (arch, method, tp)
+    def get(arch: str, method: str, tp: int, draft_mode: str = "scaled") -> LLM:
+        key = (arch, method, tp, draft_mode)
         if key not in built:
             target, drafter = tp_models[arch]
             built[key] = LLM(target, draft_model=None if method == "ar" else drafter, method=method,
-                             budget=12 if method == "ddtree" else None, device="cpu", dtype="float64", tp=tp)
+                             budget=12 if method == "ddtree" else None, device="cpu", dtype="float64", tp=tp,
+                             draft_mode=draft_mode)
         return built[key]
 
+    get.built = built
     yield get
     for llm in built.values():
         llm.close()
@@ -106,23 +108,26 @@ def engines(tp_models):
 
 @pytest.fixture(scope="module")
 def reference(engines):
-    """reference(arch, method, config) -> (single, batch) token ids at TP = 1 (memoized)."""
+    """reference(arch, method, config, draft_mode) -> _run(...) at TP = 1 (memoized)."""
     memo: dict = {}
 
-    def get(arch: str, method: str, config: str):
-        key = (arch, method, config)
+    def get(arch: str, method: str, config: str, draft_mode: str = "scaled"):
+        key = (arch, method, config, draft_mode)
         if key not in memo:
-            memo[key] = _run(engines(arch, method, 1), config)
+            memo[key] = _run(engines(arch, method, 1, draft_mode), config)
         return memo[key]
 
     return get
 
 
 def _run(llm: LLM, config: str):
+    """(single, batch) token ids, and the rounds each request took: equal rounds mean the
+    ranks built the same trees as TP = 1 (acceptance decides how many tokens a round commits)."""
     params = CONFIGS[config]
-    single = llm.generate(SINGLE, [params[-1]])[0].token_ids
-    batch = [o.token_ids for o in llm.generate(BATCH, params)]
-    return single, batch
+    single = llm.generate(SINGLE, [params[-1]])
+    batch = llm.generate(BATCH, params)
+    tokens = (single[0].token_ids, [o.token_ids for o in batch])
+    return tokens, [o.stats["rounds"] for o in single + batch]
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -133,16 +138,24 @@ def _run(llm: LLM, config: str):
 def test_tp_tokens_equal_tp1(arch, method, tp, engines, reference):
     llm = engines(arch, method, tp)
     for config in CONFIGS:
-        want = reference(arch, method, config)
-        got = _run(llm, config)
+        (want, want_rounds), (got, rounds) = reference(arch, method, config), _run(llm, config)
         assert got == want, f"{arch} {method} tp={tp} {config}: tokens differ from tp=1"
+        assert rounds == want_rounds, f"{arch} {method} tp={tp} {config}: other trees than tp=1"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_coupled_drafts_equal_tp1(tp, engines, reference):
+    """Coupled draft mode: each rank noises its vocabulary slice with the global ids' noise."""
+    llm = engines("qwen3", "ddtree", tp, "coupled")
+    for config in ("sampled", "filtered"):
+        assert _run(llm, config) == reference("qwen3", "ddtree", config, "coupled"), config
 
 
 def test_references_exercise_sampling_filters_and_drafts(engines, reference):
     """The comparisons above are not vacuous: sampling changes the stream, the filters
     change it again, and drafts get accepted (τ > 1) on both architectures."""
     for arch in ("qwen3", "llama"):
-        greedy, sampled, filtered = (reference(arch, "ar", c) for c in ("greedy", "sampled", "filtered"))
+        greedy, sampled, filtered = (reference(arch, "ar", c)[0] for c in ("greedy", "sampled", "filtered"))
         assert sampled[1] != greedy[1]
         assert filtered[0] != sampled[0]
         for method in ("dflash", "ddtree"):
@@ -441,12 +454,11 @@ def test_torchrun_launch(tp_models, engines, tmp_path):
 
 def test_close_stops_the_workers(engines):
     """Last in the module: closing every engine of a size stops its workers."""
-    pids = []
-    for arch in ("qwen3", "llama"):
-        for method in ("ar", "dflash", "ddtree"):
-            llm = engines(arch, method, 2)
-            pids = pids or [s["pid"] for s in llm.rank_stats()][1:]
-            llm.close()
+    tp2 = [llm for key, llm in engines.built.items() if key[2] == 2]
+    pids = [s["pid"] for s in tp2[0].rank_stats()][1:]
+    for llm in tp2:
+        assert not _gone(pids[0], within=0.2), "workers stopped before the last engine was closed"
+        llm.close()
     assert pids and all(_gone(p) for p in pids)
     with pytest.raises(TreeflashError, match="shut down"):
-        engines("qwen3", "ar", 2).generate(SINGLE, SamplingParams(max_new_tokens=2))
+        tp2[0].generate(SINGLE, SamplingParams(max_new_tokens=2))

@@ -258,7 +258,7 @@ def _spawn(size: int, device_type: str) -> "Runtime":
                                           "device": device_type})
             procs[r] = subprocess.Popen(
                 [sys.executable, "-c", "from treeflash.engine.tp import worker_main; worker_main()"],
-                env=env, stdin=subprocess.DEVNULL)
+                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)  # stderr: crashes show
         rt = Runtime(size, device_type, 0, 0, store, procs)
         rt.start_monitor()
         rt.wait_keys([f"hello/{r}" for r in range(1, size)], "start", timeout_s())
