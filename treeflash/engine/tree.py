@@ -31,9 +31,8 @@ def _ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     B, M = parents.shape
     anc = torch.eye(M, dtype=torch.bool, device=parents.device).expand(B, M, M).clone()
     cur = parents
-    rows = torch.arange(M, device=parents.device).expand(B, M)
     for _ in range(max_depth):
-        anc[torch.arange(B, device=parents.device)[:, None], rows, cur] = True
+        anc.scatter_(2, cur[:, :, None], True)  # (a scalar, not index_put: graph-capturable)
         cur = parents.gather(1, cur)
     return anc
 
@@ -52,9 +51,14 @@ def build_chain(scores: torch.Tensor, anchor: torch.Tensor) -> DraftTree:
 
     scores [B, D, V]: draft scores (log-probabilities or perturbed logits) for depths 1..D.
     """
-    B, D, _ = scores.shape
+    return build_chain_from_tokens(scores.argmax(-1), anchor)
+
+
+def build_chain_from_tokens(draft: torch.Tensor, anchor: torch.Tensor) -> DraftTree:
+    """The chain of draft tokens [B, D] (depths 1..D) below the anchor."""
+    B, D = draft.shape
     dev = anchor.device
-    tokens = torch.cat([anchor[:, None], scores.argmax(-1)], dim=1)
+    tokens = torch.cat([anchor[:, None], draft], dim=1)
     idx = torch.arange(D + 1, device=dev)
     parents = (idx - 1).clamp_min(0).expand(B, D + 1)
     depths = idx.expand(B, D + 1)
@@ -73,11 +77,21 @@ def build_tree(logprobs: torch.Tensor, anchor: torch.Tensor, budget: int) -> Dra
     union of the beams; a stable sort over depth-major candidates breaks ties toward
     shallower nodes, so a parent always precedes its children.
     """
-    B, D, V = logprobs.shape
+    top_vals, top_ids = logprobs.float().topk(min(budget, logprobs.shape[-1]), dim=-1)
+    return build_tree_from_topk(top_vals, top_ids, anchor, budget)
+
+
+def build_tree_from_topk(top_vals: torch.Tensor, top_ids: torch.Tensor, anchor: torch.Tensor,
+                         budget: int) -> DraftTree:
+    """`build_tree` fed each depth's top-K candidates instead of whole distributions:
+    top_vals [B, D, K] log-probabilities in descending order and top_ids [B, D, K] their
+    token ids, K >= min(budget, V) (a sharded vocabulary's local top-k, all-gathered and
+    reduced: see `TPGroup.topk`). Only the first min(budget, K) columns are used."""
+    B, D, K = top_vals.shape
     N = budget
-    K = min(N, V)
-    dev = logprobs.device
-    top_vals, top_ids = logprobs.float().topk(K, dim=-1)                      # [B, D, K]
+    K = min(N, K)
+    top_vals, top_ids = top_vals[..., :K].float(), top_ids[..., :K]
+    dev = top_vals.device
     neg = torch.full((B, N), float("-inf"), device=dev)
     beam = neg.clone()
     beam[:, :K] = top_vals[:, 0]

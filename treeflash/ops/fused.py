@@ -47,12 +47,12 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, sx_tok, sx_head, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, eps,
+def _norm_rope_kernel(x_ptr, sx_b, sx_t, sx_head, T, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, eps,
                       HAS_NORM: tl.constexpr, D: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = tl.arange(0, D // 2)
-    base = x_ptr + tok * sx_tok + head * sx_head
+    base = x_ptr + (tok // T) * sx_b + (tok % T) * sx_t + head * sx_head
     a = tl.load(base + half).to(tl.float32)
     b = tl.load(base + D // 2 + half).to(tl.float32)
     if HAS_NORM:
@@ -74,10 +74,10 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     """RoPE(RMSNorm(x)) per head (norm skipped when weight is None): x [B, T, H, D]
     (any token/head strides, unit stride in D), cos/sin [B, T, D] -> contiguous [B, T, H, D]."""
     B, T, H, D = x.shape
-    assert x.stride(3) == 1 and x.stride(0) == T * x.stride(1)
+    assert x.stride(3) == 1
     out = torch.empty(B, T, H, D, dtype=x.dtype, device=x.device)
     cos, sin = cos.contiguous(), sin.contiguous()
-    _norm_rope_kernel[(B * T, H)](x, x.stride(1), x.stride(2), weight if weight is not None else x,
+    _norm_rope_kernel[(B * T, H)](x, x.stride(0), x.stride(1), x.stride(2), T, weight if weight is not None else x,
                                    cos, sin, out, H, eps, HAS_NORM=weight is not None, D=D)
     return out
 
