@@ -15,8 +15,9 @@ PROMPTS = ["def fib(n):", "import os", "x", "class A:\n    def __init__(self):"]
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu")
-    target = write_random_target(root / "t", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                                 head_dim=32, intermediate_size=256, peaked_tokens=8, std=0.2)
+    # head_dim 64: the Triton tree-attention kernel and fused ops are on the path
+    target = write_random_target(root / "t", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                                 head_dim=64, intermediate_size=512, peaked_tokens=8, std=0.2)
     return target, write_random_drafter(target, root / "d", num_layers=2, block_size=8)
 
 

@@ -89,7 +89,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="request i samples with seed S + i")
     p.add_argument("--eos", action="store_true", help="stop requests at EOS (default: always generate "
                                                       "--max-new-tokens, so every method does the same work)")
-    p.add_argument("--draft-mode", default="scaled", choices=["scaled", "coupled"])
+    p.add_argument("--draft-mode", default="coupled", choices=["scaled", "coupled"],
+                   help="how trees are drafted at T > 0 (see SpeculativeDecoder)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype; --shape: bfloat16 on CUDA, "
                                                    "float32 on CPU), float32, bfloat16, float16")
@@ -159,7 +160,7 @@ def sync(device: torch.device) -> None:
 # Model-pair mode
 # ---------------------------------------------------------------------------
 
-def corpus_prompts(folder: str, k: int) -> list[list[int]]:
+def corpus_prompts(folder: str, k: int, length: int = 64) -> list[list[int]]:
     """k token-id prompts from the held-out split of a tokenized training corpus: code
     the drafter never trained on, so tau is not flattered."""
     try:
@@ -167,7 +168,7 @@ def corpus_prompts(folder: str, k: int) -> list[list[int]]:
         from treeflash.train.drafter import held_prompts
     except ImportError:
         raise UsageError("--corpus needs the training module (treeflash.train)") from None
-    return held_prompts(load_corpus(folder).heldout, k)
+    return held_prompts(load_corpus(folder).heldout, k, length)
 
 
 def load_prompts(args) -> list:

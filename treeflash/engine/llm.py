@@ -92,7 +92,7 @@ class LLM:
     def __init__(self, model: str | Path | None = None, draft_model: str | Path | None = None,
                  method: str | None = None, budget: int | None = None, device: str = "auto",
                  dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
-                 max_budget: int = 512, tp: int = 1, cuda_graphs: bool = True, draft_mode: str = "scaled"):
+                 max_budget: int = 512, tp: int = 1, cuda_graphs: bool = True, draft_mode: str = "coupled"):
         if model is None:
             model, builtin_draft = builtin_paths()
             if draft_model is None and (builtin_draft / "config.json").exists():
