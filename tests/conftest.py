@@ -13,6 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Every model in the suite is tiny: one thread is faster (and steadier on a shared
+    2-core machine) than two fighting over small matmuls."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
 # Three prompts of different lengths (in tokens of the tiny tokenizer).
 ENGINE_PROMPTS = [
     "def fib(n):",

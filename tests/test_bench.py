@@ -4,7 +4,6 @@ import importlib.util
 import json
 
 import pytest
-import torch
 
 from treeflash.bench import batch_indices
 from treeflash.checkpoints import write_random_drafter, write_random_target
@@ -17,15 +16,6 @@ PAIR_FIELDS = {"mode", "method", "budget", "label", "batch_size", "graphs", "tem
                "same_as_ar", "recaptures", "device", "dtype"}
 SHAPE_FIELDS = {"mode", "shape", "context", "batch_size", "temperature", "graphs", "op", "N", "time_us",
                 "floor_us", "ratio", "vs_ar", "host_us", "bytes", "bandwidth_gbs"}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Timing loops of tiny models on a shared CPU: extra threads only add contention."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

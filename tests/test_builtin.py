@@ -13,7 +13,6 @@ PROMPT = "def fib(n):"
 
 @pytest.fixture(scope="module")
 def builtin():
-    torch.set_num_threads(1)
     return LLM(device="cpu", dtype="float32")
 
 

@@ -24,7 +24,6 @@ T = 1.0
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("dist")
     # a warm (not peaked) target: its next-token law is spread over many tokens
     target = write_random_target(root / "t", hidden_size=32, num_layers=2, num_heads=2,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import torch
 
 from conftest import SPEC_PROMPTS
 from treeflash import LLM, SamplingParams
@@ -15,14 +14,6 @@ from treeflash import LLM, SamplingParams
 COMBOS = list(itertools.product((0.3, 0.7, 1.0, 1.5), (0, 20), (1.0, 0.9)))
 METHODS = [("dflash", None), ("ddtree", 4), ("ddtree", 32), ("ddtree", 256)]
 PROMPTS = [SPEC_PROMPTS[0], SPEC_PROMPTS[5]]  # lengths 1 and 8
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def spec_llm(target, drafter, method, budget=None, **kw):

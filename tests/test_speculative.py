@@ -20,15 +20,6 @@ GREEDY64 = SamplingParams(max_new_tokens=64)
 SINGLES, BATCHES = SPEC_PROMPTS[:5], [SPEC_PROMPTS[5:10], SPEC_PROMPTS[10:15], SPEC_PROMPTS[15:20]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls run fastest (and steadiest on a shared 2-core box) on one thread."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 class RoundLog:
     """Wraps `llm.decoder.round` to see every round's batch state, new tokens and
     counts, and hooks the target and drafter modules to count their forward passes."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -52,14 +51,6 @@ def _configs() -> dict[str, list[SamplingParams]]:
 
 
 CONFIGS = _configs()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")
@@ -339,6 +330,9 @@ def test_tp1_topk_is_the_plain_topk():
 DRIVER = textwrap.dedent("""
     import json, os, signal, sys
     from treeflash import LLM, SamplingParams, TreeflashError
+    # as in a terminal, even when the test runner was started in the background
+    # (non-interactive shells start background jobs with SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     target, drafter, mode, tp, victim = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
     llm = LLM(target, draft_model=drafter, method="dflash", device="cpu", dtype="float32", tp=tp)
     pids = [s["pid"] for s in llm.rank_stats()]

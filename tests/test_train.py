@@ -23,15 +23,6 @@ OPTS = dict(batch_size=8, seq_len=32, lr=1e-2, warmup_steps=5, log_every=5, eval
 PROMPT = "def add(a, b):\n"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes: one thread is much faster than two fighting over a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _source(i: int) -> str:
     name = ["add", "scale", "clip", "mean", "norm", "pairs", "count", "merge"][i % 8]
     return (f'"""Module {i}."""\nimport math\n\n\ndef {name}(a, b):\n    """Return {name} of a and b."""\n'

@@ -487,7 +487,6 @@ def copy_bandwidth(device: torch.device, mib: int) -> float:
     for _ in range(2):
         dst.copy_(src)
     us = time_device(lambda: dst.copy_(src), lambda: None, 10 if device.type == "cuda" else 5, device)
-    del src, dst
     return 2 * n / (us * 1e-6)
 
 

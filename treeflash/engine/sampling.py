@@ -20,6 +20,7 @@ import torch
 
 from treeflash.distributed import TPGroup
 from treeflash.errors import UsageError
+from treeflash.ops import triton_available
 
 _M32 = 0xFFFFFFFF
 
@@ -101,14 +102,20 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def noise_key(seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The per-(request, position) half of the noise hash: [B, T] int64 holding uint32
+    (the fused kernel in `treeflash.ops.gumbel_argmax` computes the same in-kernel)."""
+    s = _mix32(seed & _M32) ^ _mix32((seed >> 32) ^ 0x5BD1E995)
+    return _mix32((s[:, None] + positions * 0x9E3779B9) & _M32)
+
+
 def gumbel_noise(seed: torch.Tensor, positions: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
     """g(seed, p) for vocabulary ids vocab_start..+vocab_size: [B, T, V] float32.
 
     seed [B] long, positions [B, T] long. Only (seed, position, token id) enter the
     hash, so a vocabulary shard computes its own slice of the same vector.
     """
-    s = _mix32(seed & _M32) ^ _mix32((seed >> 32) ^ 0x5BD1E995)
-    key = _mix32((s[:, None] + positions * 0x9E3779B9) & _M32)                       # [B, T]
+    key = noise_key(seed, positions)
     ids = torch.arange(vocab_start, vocab_start + vocab_size, device=seed.device)
     h = _mix32(key[..., None] ^ _mix32((ids * 0x85EBCA6B + 0x27D4EB2F) & _M32))       # [B, T, V]
     u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
@@ -131,14 +138,6 @@ def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return scaled.masked_fill(~mask, float("-inf"))
 
 
-def _fused_available() -> bool:
-    try:
-        import triton  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
 def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp: TPGroup = TPGroup()) -> torch.Tensor:
     """Tokens [B, T] for logits [B, T, V], the sampled tokens sitting at `positions` [B, T].
 
@@ -153,7 +152,7 @@ def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp:
     start = tp.rank * logits.shape[-1]
     if not sb.any_sampled:
         return tp.argmax(logits, start)
-    if logits.is_cuda and not sb.any_filtered and logits.dtype != torch.float64 and _fused_available():
+    if logits.is_cuda and not sb.any_filtered and logits.dtype != torch.float64 and triton_available():
         from treeflash.ops.gumbel_argmax import gumbel_argmax
         value, index = gumbel_argmax(logits, sb.seed, positions, sb.temperature, vocab_start=start,
                                      with_values=True)

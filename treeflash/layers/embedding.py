@@ -9,7 +9,9 @@ from torch import nn
 from treeflash.distributed import TPGroup
 
 
-class VocabParallelEmbedding(nn.Module):
+class _VocabShard(nn.Module):
+    """This rank's contiguous slice of the vocabulary rows of a [vocab, dim] weight."""
+
     shard_dim = 0
 
     def __init__(self, vocab_size: int, dim: int, tp: TPGroup = TPGroup()):
@@ -21,6 +23,8 @@ class VocabParallelEmbedding(nn.Module):
         self.parts = [vocab_size]
         self.weight = nn.Parameter(torch.empty(self.rows, dim), requires_grad=False)
 
+
+class VocabParallelEmbedding(_VocabShard):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
@@ -30,19 +34,8 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(_VocabShard):
     """Logits for this rank's vocabulary slice; `gather=True` returns the full vocabulary."""
-
-    shard_dim = 0
-
-    def __init__(self, vocab_size: int, dim: int, tp: TPGroup = TPGroup()):
-        super().__init__()
-        self.tp = tp
-        self.vocab_size = vocab_size
-        self.rows = tp.shard(vocab_size, "vocab_size")
-        self.start = tp.rank * self.rows
-        self.parts = [vocab_size]
-        self.weight = nn.Parameter(torch.empty(self.rows, dim), requires_grad=False)
 
     def forward(self, h: torch.Tensor, gather: bool = True) -> torch.Tensor:
         logits = F.linear(h, self.weight)

@@ -5,9 +5,9 @@ import torch
 
 
 @lru_cache(maxsize=None)
-def _triton_importable() -> bool:
+def triton_available() -> bool:
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401  (only whether it imports)
         return True
     except ImportError:
         return False
@@ -17,4 +17,4 @@ def fused_enabled(x: torch.Tensor) -> bool:
     """Use the fused kernels for this tensor: CUDA inference (they have no backward, and
     under autocast the torch path keeps the training numerics)."""
     return (x.is_cuda and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cuda")
-            and _triton_importable())
+            and triton_available())

@@ -12,8 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-_M32 = 0xFFFFFFFF
-
 
 @triton.jit
 def _mix32(x):
@@ -25,11 +23,16 @@ def _mix32(x):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, row_stride, key_ptr, temp_ptr, out_ptr, val_ptr, start, V: tl.constexpr,
-                          BLOCK: tl.constexpr):
+def _gumbel_argmax_kernel(logits_ptr, row_stride, seed_ptr, pos_ptr, temp_ptr, out_ptr, val_ptr, start, T,
+                          V: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    key = tl.load(key_ptr + row)                     # int64 per-row hash of (seed, position)
-    t = tl.load(temp_ptr + row)                      # float32, 0 = greedy
+    b = row // T
+    seed = tl.load(seed_ptr + b)                     # int64
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    # the per-(request, position) key, as `treeflash.engine.sampling.noise_key`
+    s = _mix32(seed & 0xFFFFFFFF) ^ _mix32((seed >> 32) ^ 0x5BD1E995)
+    key = _mix32((s + pos * 0x9E3779B9) & 0xFFFFFFFF)
+    t = tl.load(temp_ptr + b).to(tl.float32)         # 0 = greedy
     greedy = t == 0
     t_safe = tl.where(greedy, 1.0, t)
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -52,14 +55,6 @@ def _gumbel_argmax_kernel(logits_ptr, row_stride, key_ptr, temp_ptr, out_ptr, va
     tl.store(val_ptr + row, m)
 
 
-def _mix32_torch(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
-
-
 def gumbel_argmax(logits: torch.Tensor, seed: torch.Tensor, positions: torch.Tensor,
                   temperature: torch.Tensor, vocab_start: int = 0, with_values: bool = False):
     """Tokens [B, T] = argmax(logits / T_b + g(seed_b, p)) (plain argmax where T_b == 0)
@@ -72,11 +67,10 @@ def gumbel_argmax(logits: torch.Tensor, seed: torch.Tensor, positions: torch.Ten
     rows = logits.reshape(B * T, V)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    s = _mix32_torch(seed & _M32) ^ _mix32_torch((seed >> 32) ^ 0x5BD1E995)
-    key = _mix32_torch((s[:, None] + positions * 0x9E3779B9) & _M32).reshape(-1)
-    temp = temperature.float()[:, None].expand(B, T).reshape(-1).contiguous()
     out = torch.empty(B * T, dtype=torch.long, device=logits.device)
     val = torch.empty(B * T, dtype=torch.float32, device=logits.device)
-    _gumbel_argmax_kernel[(B * T,)](rows, rows.stride(0), key.contiguous(), temp, out, val, vocab_start, V,
-                                    BLOCK=1024)
+    # one launch in all: the noise key is hashed in the kernel (a dozen tiny torch ops
+    # cost more than the pass over the logits on small models)
+    _gumbel_argmax_kernel[(B * T,)](rows, rows.stride(0), seed.contiguous(), positions.contiguous(),
+                                    temperature.contiguous(), out, val, vocab_start, T, V, BLOCK=1024)
     return (val.view(B, T), out.view(B, T)) if with_values else out.view(B, T)
