@@ -103,8 +103,8 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def noise_key(seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The per-(request, position) half of the noise hash: [B, T] int64 holding uint32
-    (the fused kernel in `treeflash.ops.gumbel_argmax` computes the same in-kernel)."""
+    """The per-(request, position) half of the noise hash: [B, T] int64 holding uint32,
+    shared with the fused kernel (`treeflash.ops.gumbel_argmax`)."""
     s = _mix32(seed & _M32) ^ _mix32((seed >> 32) ^ 0x5BD1E995)
     return _mix32((s[:, None] + positions * 0x9E3779B9) & _M32)
 

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from treeflash.engine.sampling import noise_key
+
 
 @triton.jit
 def _mix32(x):
@@ -23,16 +25,11 @@ def _mix32(x):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, row_stride, seed_ptr, pos_ptr, temp_ptr, out_ptr, val_ptr, start, T,
-                          V: tl.constexpr, BLOCK: tl.constexpr):
+def _gumbel_argmax_kernel(logits_ptr, row_stride, key_ptr, temp_ptr, out_ptr, val_ptr, start, V: tl.constexpr,
+                          BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    b = row // T
-    seed = tl.load(seed_ptr + b)                     # int64
-    pos = tl.load(pos_ptr + row).to(tl.int64)
-    # the per-(request, position) key, as `treeflash.engine.sampling.noise_key`
-    s = _mix32(seed & 0xFFFFFFFF) ^ _mix32((seed >> 32) ^ 0x5BD1E995)
-    key = _mix32((s + pos * 0x9E3779B9) & 0xFFFFFFFF)
-    t = tl.load(temp_ptr + b).to(tl.float32)         # 0 = greedy
+    key = tl.load(key_ptr + row)                     # int64 per-row hash of (seed, position)
+    t = tl.load(temp_ptr + row)                      # float32, 0 = greedy
     greedy = t == 0
     t_safe = tl.where(greedy, 1.0, t)
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -67,10 +64,10 @@ def gumbel_argmax(logits: torch.Tensor, seed: torch.Tensor, positions: torch.Ten
     rows = logits.reshape(B * T, V)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
+    key = noise_key(seed, positions).reshape(-1)
+    temp = temperature.float()[:, None].expand(B, T).reshape(-1).contiguous()
     out = torch.empty(B * T, dtype=torch.long, device=logits.device)
     val = torch.empty(B * T, dtype=torch.float32, device=logits.device)
-    # one launch in all: the noise key is hashed in the kernel (a dozen tiny torch ops
-    # cost more than the pass over the logits on small models)
-    _gumbel_argmax_kernel[(B * T,)](rows, rows.stride(0), seed.contiguous(), positions.contiguous(),
-                                    temperature.contiguous(), out, val, vocab_start, T, V, BLOCK=1024)
+    _gumbel_argmax_kernel[(B * T,)](rows, rows.stride(0), key.contiguous(), temp, out, val, vocab_start, V,
+                                    BLOCK=1024)
     return (val.view(B, T), out.view(B, T)) if with_values else out.view(B, T)
