@@ -382,3 +382,16 @@ def test_eos_stops_generation(capsys, eos_checkpoint):
     rc, out, _ = run(capsys, ENGINE_PROMPTS[0], "--model", eos_checkpoint.path, "--device", "cpu", "--json",
                      "--max-new-tokens", 48, "--ignore-eos")
     assert json.loads(out)["token_ids"] == eos_checkpoint.full
+
+
+def test_eager_and_draft_mode_flags(capsys, model):
+    """--eager (no CUDA graphs) and --draft-mode are accepted and change no token."""
+    base = ["hi", "--model", model, "--device", "cpu", "--max-new-tokens", 6, "--json",
+            "--temperature", 0.8, "--seed", 3]
+    rc, out, err = run(capsys, *base)
+    assert rc == 0, err
+    for extra in (["--eager"], ["--draft-mode", "scaled"]):
+        rc2, out2, err2 = run(capsys, *base, *extra)
+        assert rc2 == 0, err2
+        assert json.loads(out2)["token_ids"] == json.loads(out)["token_ids"]
+    assert_error(*run(capsys, *base, "--draft-mode", "fancy"), 2, "draft-mode")

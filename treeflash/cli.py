@@ -53,6 +53,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, float64")
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (they are on by default on CUDA)")
     p.add_argument("--draft-mode", default="coupled", choices=["scaled", "coupled"],
                    help="trees at T > 0: temperature-scaled draft, or coupled to the target's noise")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: N processes, one per GPU "
@@ -73,7 +74,7 @@ def make_llm(args):
     from treeflash import LLM
     return LLM(args.model, draft_model=args.draft_model, method=args.method, budget=args.budget,
                device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, tp=getattr(args, "tp", 1),
-               draft_mode=args.draft_mode)
+               draft_mode=args.draft_mode, cuda_graphs=not args.eager)
 
 
 def sampling_from(args):
