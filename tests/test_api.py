@@ -200,3 +200,13 @@ def test_bad_constructor_arguments(hf_checkpoint):
         LLM(path, device="cpu", method="ddtree")
     with pytest.raises(TreeflashError, match="not found"):
         LLM(path / "nope", device="cpu")
+
+
+
+def test_budget_is_for_ddtree_only(tmp_path):
+    from treeflash.checkpoints import write_random_drafter, write_random_target
+    target = write_random_target(tmp_path / "t", num_layers=1)
+    drafter = write_random_drafter(target, tmp_path / "d", num_layers=1, block_size=4)
+    for method, draft in (("ar", None), ("dflash", drafter)):
+        with pytest.raises(UsageError, match="ddtree"):
+            LLM(target, draft_model=draft, method=method, budget=8, device="cpu")

@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import ENGINE_PROMPTS
 
-from treeflash import LLM, SamplingParams
+from treeflash import LLM, SamplingParams, UsageError
 from treeflash.engine.sampling import SamplingBatch, gumbel_noise, sample
 
 # A fixed, unsorted logit vector: sorting and index bookkeeping matter.
@@ -210,3 +210,28 @@ def test_output_does_not_depend_on_batch_neighbours(llm64):
     # same prompt, another seed, in the same batch: a different stream
     outs = llm64.generate(batches[1][0], batches[1][1])
     assert outs[2].token_ids != outs[0].token_ids
+
+
+def test_noise_is_finite_at_the_extremes_of_the_hash():
+    """The largest hash must not map to u = 1.0 (Gumbel noise +inf): that token would
+    win every draw, even one that top-k removed (-inf + inf = nan)."""
+    from treeflash.engine.sampling import uniform_from_hash
+    u = uniform_from_hash(torch.tensor([0, 1, 2 ** 31, 2 ** 32 - 1]))
+    assert bool(((u > 0) & (u < 1)).all())
+    assert bool(torch.isfinite(-torch.log(-torch.log(u))).all())
+
+
+def test_top_k_1_is_greedy_on_a_large_vocabulary():
+    """A case that hit the extreme hash with 24-bit uniforms (seed 0, position 13)."""
+    from treeflash.engine.sampling import SamplingBatch, sample
+    logits = torch.zeros(1, 1, 151936)
+    logits[0, 0, 5] = 50.0
+    for temperature, top_k in ((1.0, 1), (1.0, 0)):
+        sb = SamplingBatch.from_params([SamplingParams(temperature=temperature, top_k=top_k, seed=0)], "cpu")
+        assert sample(logits, torch.tensor([[13]]), sb).item() == 5
+
+
+def test_stop_none_means_no_stop_strings():
+    assert SamplingParams(stop=None).validate().stop == []
+    with pytest.raises(UsageError):
+        SamplingParams(stop=5).validate()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from conftest import SPEC_PROMPTS
 from treeflash import LLM, SamplingParams
@@ -122,3 +123,23 @@ def test_sampling_accepts_draft_tokens(method, budget, spec_target, spec_drafter
     tau = count.committed / count.rounds
     print(f"sampled T=0.3 {method} N={budget}: tau {tau:.3f}")
     assert tau > 1.02
+
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.5), (5, 1.0)])
+def test_filters_do_not_cut_the_draft_tree(top_k, top_p, spec_target, spec_drafter):
+    """top-k/top-p filter the target's law, not the draft: the tree of a filtered request
+    is the tree of the same request unfiltered (a draft cut to its own nucleus would turn
+    most of the budget into dead padding nodes, and τ towards 1)."""
+    from treeflash.engine.sampling import SamplingBatch
+    target = spec_target("llama", "warm")
+    llm = spec_llm(target, spec_drafter("llama", "warm", 8), "ddtree", 64)
+    dec, prompt = llm.decoder, SPEC_PROMPTS[10]
+    trees = []
+    for k, p in ((0, 1.0), (top_k, top_p)):
+        sb = SamplingBatch.from_params([SamplingParams(temperature=0.7, top_k=k, top_p=p, seed=1)], "cpu")
+        st = dec.new_state(1, 128, sb)
+        dec.prefill(st, [prompt])
+        trees.append(dec.build(st))
+    assert int(trees[0].valid.sum()) == 65
+    assert torch.equal(trees[1].tokens, trees[0].tokens) and torch.equal(trees[1].valid, trees[0].valid)

@@ -25,6 +25,8 @@ def read_prompts(args) -> list[str]:
         lines = open(args.prompt_file, encoding="utf-8").read().splitlines()
     except OSError as e:
         raise TreeflashError(f"cannot read prompt file {args.prompt_file}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"prompt file {args.prompt_file} is not UTF-8 text") from None
     prompts = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -50,6 +52,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", choices=["ar", "dflash", "ddtree"],
                    help="decoding method (default: ddtree with a drafter, else ar)")
     p.add_argument("--budget", type=int, help="DDTree nodes per round (default 64)")
+    p.add_argument("--max-budget", type=int, default=512, help="the largest --budget accepted (default 512)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, float64")
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
@@ -74,7 +77,7 @@ def make_llm(args):
     from treeflash import LLM
     return LLM(args.model, draft_model=args.draft_model, method=args.method, budget=args.budget,
                device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, tp=getattr(args, "tp", 1),
-               draft_mode=args.draft_mode, cuda_graphs=not args.eager)
+               draft_mode=args.draft_mode, cuda_graphs=not args.eager, max_budget=args.max_budget)
 
 
 def sampling_from(args):

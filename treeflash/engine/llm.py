@@ -81,8 +81,8 @@ class LLM:
     """A target model, optionally with a DFlash drafter, ready to generate.
 
     method: 'ar', 'dflash' or 'ddtree' (default: 'ddtree' with a drafter, else 'ar').
-    budget: DDTree nodes per round (default 64); must fit `max_budget`, the tree room
-    reserved in the KV cache.
+    budget: DDTree nodes per round (default 64), at most `max_budget` (a guard: a round
+    holds [N+1, vocab] logits and an [N+1, N+1] mask per request).
     tp: tensor-parallel size. With tp > 1 this process is rank 0 (the driver) and
     starts tp - 1 worker processes (one per GPU, or gloo on CPU) that each hold a slice
     of the weights; see `treeflash.engine.tp`. Under torchrun, every rank calls `LLM`
@@ -95,7 +95,7 @@ class LLM:
                  max_budget: int = 512, tp: int = 1, cuda_graphs: bool = True, draft_mode: str = "coupled"):
         if model is None:
             model, builtin_draft = builtin_paths()
-            if draft_model is None and (builtin_draft / "config.json").exists():
+            if draft_model is None and method != "ar" and (builtin_draft / "config.json").exists():
                 draft_model = builtin_draft
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise UsageError(f"tp must be an integer >= 1, got {tp!r}")
@@ -111,13 +111,15 @@ class LLM:
         method = method or ("ddtree" if dcfg is not None else "ar")
         if method not in METHODS:
             raise UsageError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
+        if budget is not None and method != "ddtree":
+            raise UsageError(f"a tree budget applies to method ddtree only (method is {method})")
         if method == "ddtree":
             budget = DEFAULT_BUDGET if budget is None else budget
             if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
                 raise UsageError(f"ddtree budget must be an integer >= 1, got {budget!r}")
             if budget > max_budget:
-                raise UsageError(f"ddtree budget {budget} exceeds the {max_budget} tree nodes reserved "
-                                 f"(raise max_budget)")
+                raise UsageError(f"ddtree budget {budget} exceeds max_budget {max_budget} "
+                                 f"(raise it with --max-budget / max_budget=)")
         if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
                                           or max_model_len < 2):
             raise UsageError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
@@ -252,6 +254,8 @@ class LLM:
             for b in range(len(ids)):
                 rounds[b] += not done[b]
         seconds = time.perf_counter() - start
+        if not self.cuda_graphs and self.tp_size == 1:
+            self._run = None  # free the caches (graphed states are kept for the next call)
         results = []
         for b in range(len(ids)):
             text = self.tokenizer.decode(outs[b])
@@ -269,6 +273,7 @@ class LLM:
     def _start(self, batch: int, max_len: int, params: list[SamplingParams], prompts: list[list[int]]):
         """On every rank: a batch state (or the captured graph's) and the prefill.
         Returns each request's first token."""
+        self._run = None  # the previous batch's caches go before the new ones are made
         st, run_round = self._runner(batch, max_len, SamplingBatch.from_params(params, self.device))
         self.decoder.prefill(st, prompts)
         self._run = (st, run_round)

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from treeflash.distributed import TPGroup
 from treeflash.engine.kv_cache import DraftContextCache, KVCache
-from treeflash.engine.sampling import SamplingBatch, filter_logits, gumbel_noise, sample
+from treeflash.engine.sampling import SamplingBatch, gumbel_noise, sample
 from treeflash.engine.tree import DraftTree, build_chain_from_tokens, build_tree_from_topk, empty_tree, walk
 from treeflash.errors import UsageError
 from treeflash.layers.attention import AttentionInputs
@@ -117,16 +116,13 @@ class SpeculativeDecoder:
 
     def draft_scores(self, st: BatchState) -> torch.Tensor:
         """Per-depth draft scores [B, D, V] for depths 1..D: one drafter forward over
-        [anchor, MASK...], log-probabilities at each request's temperature and filters
-        (the whole vocabulary; rounds use `draft_logits` and never gather it)."""
-        logits, tp = self.draft_logits(st)
-        return torch.log_softmax(tp.all_gather(logits, dim=-1), dim=-1)
+        [anchor, MASK...], log-probabilities at each request's temperature (the whole
+        vocabulary; rounds use `draft_logits` and never gather it)."""
+        return torch.log_softmax(self.tp.all_gather(self.draft_logits(st), dim=-1), dim=-1)
 
-    def draft_logits(self, st: BatchState) -> tuple[torch.Tensor, TPGroup]:
+    def draft_logits(self, st: BatchState) -> torch.Tensor:
         """This rank's vocabulary slice of the per-depth draft scores [B, D, V/N] for
-        depths 1..D (float32 logits at each request's temperature, filtered, and noised
-        in coupled mode), and the group they are sharded over: a trivial one when
-        filtering had to gather the whole vocabulary (then every rank holds it)."""
+        depths 1..D: float32 logits at each request's temperature, noised in coupled mode."""
         d = self.drafter
         B, b = st.batch_size, d.block_size
         block = torch.full((B, b), d.mask_token_id, dtype=torch.long, device=st.n.device)
@@ -137,24 +133,23 @@ class SpeculativeDecoder:
         inputs = AttentionInputs(positions, st.n, full, kv_len=kv_len, backend=self.backend)
         h = d(self.target.embed(block), inputs, st.draft_cache)
         logits = self.target.logits(h[:, 1:], gather=False).float()
-        tp, sb = self.tp, st.sampling
+        sb = st.sampling
         if sb.any_sampled:
             t = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
             logits = logits / t[:, None, None]
-            if sb.any_filtered:
-                logits, tp = tp.all_gather(logits, dim=-1), TPGroup()
-                logits = filter_logits(logits, sb.top_k, sb.top_p)
+            # No top-k/top-p here: the filters act on the target's law; cutting the
+            # draft to its own nucleus would only turn tree nodes into dead padding.
             if self.draft_mode == "coupled":
-                noise = gumbel_noise(sb.seed, positions[:, 1:], tp.rank * logits.shape[-1], logits.shape[-1])
+                noise = gumbel_noise(sb.seed, positions[:, 1:], self.tp.rank * logits.shape[-1], logits.shape[-1])
                 logits = logits + torch.where(sb.temperature[:, None, None] > 0, noise, 0.0)
-        return logits, tp
+        return logits
 
     def build(self, st: BatchState) -> DraftTree:
         """The round's tree. Draft decisions are made on vocabulary slices (local
         argmax / top-k, one all-gather of the candidates): every rank builds the same tree."""
         if self.method == "ar":
             return empty_tree(st.anchor)
-        logits, tp = self.draft_logits(st)
+        logits, tp = self.draft_logits(st), self.tp
         start = tp.rank * logits.shape[-1]
         if self.method == "dflash":
             return build_chain_from_tokens(tp.argmax(logits, start), st.anchor)

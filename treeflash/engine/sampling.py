@@ -51,8 +51,12 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2 ** 63):
             bad(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        if self.stop is None:
+            self.stop = []
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)):
+            bad(f"stop must be a string or a list of strings, got {self.stop!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop must be a list of non-empty strings")
         return self
@@ -118,8 +122,13 @@ def gumbel_noise(seed: torch.Tensor, positions: torch.Tensor, vocab_start: int, 
     key = noise_key(seed, positions)
     ids = torch.arange(vocab_start, vocab_start + vocab_size, device=seed.device)
     h = _mix32(key[..., None] ^ _mix32((ids * 0x85EBCA6B + 0x27D4EB2F) & _M32))       # [B, T, V]
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(-torch.log(u))
+    return -torch.log(-torch.log(uniform_from_hash(h)))
+
+
+def uniform_from_hash(h: torch.Tensor) -> torch.Tensor:
+    """uint32 hashes -> float32 in (0, 1). 23 bits: (2^23 - 0.5) / 2^23 is below 1 in
+    float32 (24 bits would round the top value to 1.0 and make the noise infinite)."""
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

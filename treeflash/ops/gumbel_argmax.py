@@ -39,7 +39,7 @@ def _gumbel_argmax_kernel(logits_ptr, row_stride, key_ptr, temp_ptr, out_ptr, va
         inside = ids < V
         x = tl.load(logits_ptr + row * row_stride + ids, mask=inside, other=float("-inf")).to(tl.float32)
         h = _mix32(key ^ _mix32(((ids + start) * 0x85EBCA6B + 0x27D4EB2F) & 0xFFFFFFFF))  # global token id
-        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # 23 bits: u < 1, finite noise
         g = -tl.log(-tl.log(u))
         val = tl.where(greedy, x, x / t_safe + g)
         val = tl.where(inside, val, float("-inf"))
