@@ -6,8 +6,6 @@ import torch
 from treeflash import LLM, SamplingParams
 from treeflash.engine.llm import BUILTIN_DIR
 
-pytestmark = pytest.mark.skipif(not (BUILTIN_DIR / "target" / "config.json").exists(),
-                                reason="built-in model not installed")
 PROMPT = "def fib(n):"
 
 
