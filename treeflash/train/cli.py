@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from treeflash.errors import UsageError
 from treeflash.train.common import TrainOptions
 
 DESCRIPTION = ("Train a tokenizer and a tokenized corpus of local Python code, a Qwen3-architecture "
@@ -189,18 +188,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m treeflash.train ...` is `treeflash train ...` (same errors, same exit codes)."""
     import sys
 
-    from treeflash.errors import TreeflashError
-    parser = argparse.ArgumentParser(prog="python -m treeflash.train", description=DESCRIPTION)
-    _add_commands(parser.add_subparsers(dest="train_command", required=True, metavar="COMMAND"))
-    args = parser.parse_args(argv)
-    try:
-        args.func(args)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except TreeflashError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    from treeflash.cli import main as treeflash_main
+    return treeflash_main(["train", *(sys.argv[1:] if argv is None else argv)])
