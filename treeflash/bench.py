@@ -163,11 +163,8 @@ def sync(device: torch.device) -> None:
 def corpus_prompts(folder: str, k: int, length: int = 64) -> list[list[int]]:
     """k token-id prompts from the held-out split of a tokenized training corpus: code
     the drafter never trained on, so tau is not flattered."""
-    try:
-        from treeflash.train.corpus import load_corpus
-        from treeflash.train.drafter import held_prompts
-    except ImportError:
-        raise UsageError("--corpus needs the training module (treeflash.train)") from None
+    from treeflash.train.corpus import load_corpus
+    from treeflash.train.drafter import held_prompts
     return held_prompts(load_corpus(folder).heldout, k, length)
 
 

@@ -130,18 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
-    try:
-        from treeflash.train.cli import add_train_parser
-    except ImportError:
-        pass
-    else:
-        add_train_parser(sub)
-    try:
-        from treeflash.bench import add_bench_parser
-    except ImportError:
-        pass
-    else:
-        add_bench_parser(sub)
+    from treeflash.bench import add_bench_parser
+    from treeflash.train.cli import add_train_parser
+    add_train_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

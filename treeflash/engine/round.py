@@ -193,7 +193,7 @@ class GraphedRound:
     """
 
     def __init__(self, decoder: SpeculativeDecoder, st: BatchState, warmup: int = 2):
-        self.decoder, self.st = decoder, st
+        self.st = st
         st.max_n = None  # graphs read the whole cache: no data-dependent shapes
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
