@@ -208,13 +208,23 @@ def test_training_forward_matches_cached_drafter(target, tmp_path):
 def test_drafter_on_generated_continuations(target, data_dir, tmp_path):
     base, _ = target
     meta = generate_continuations(base / "model", data_dir, tmp_path / "gen", num_prompts=6, prompt_len=8,
-                                  new_tokens=24, batch_size=4, device="cpu")
+                                  new_tokens=24, batch_size=4, device="cpu", heldout_prompts=3)
     with np.load(meta["path"]) as f:
-        assert f["ids"].shape == (6, 32) and int(f["prompt_len"]) == 8
+        ids, held = f["ids"], f["heldout_ids"]
+        assert ids.shape == (6, 32) and held.shape == (3, 32) and int(f["prompt_len"]) == 8
+    # every row is a prompt of its split followed by the target's greedy continuation
+    data = load_corpus(data_dir)
+    llm = LLM(base / "model", device="cpu")
+    for row, split in ((ids[0], data.train), (held[0], data.heldout)):
+        prompt = row[:8].tolist()
+        assert any(split[s:s + 8].tolist() == prompt for s in range(split.size - 7))
+        ar = llm.generate([prompt], SamplingParams(max_new_tokens=24, ignore_eos=True))[0].token_ids
+        assert row[8:].tolist() == ar
     summary = train_drafter(base / "model", data_dir, tmp_path / "run", None, DrafterShape(block_size=4),
                             TrainOptions(max_steps=5, **OPTS), generated=meta["path"], blocks_per_seq=4,
                             tau_prompts=0)
     assert summary["steps"] == 5 and np.isfinite(summary["eval_loss"])
+    assert summary["heldout_text"] == "generated"  # selected on the text it learns, not the corpus
     assert (tmp_path / "run" / "model" / "config.json").exists()
 
 

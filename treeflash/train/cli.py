@@ -106,7 +106,7 @@ def run_target(args) -> int:
 def run_generate(args) -> int:
     from treeflash.train.drafter import generate_continuations
     generate_continuations(args.target, args.data, args.out, args.num_prompts, args.prompt_len,
-                           args.new_tokens, args.batch_size, args.seed, args.device)
+                           args.new_tokens, args.batch_size, args.seed, args.device, args.heldout_prompts)
     return 0
 
 
@@ -154,6 +154,8 @@ def _add_commands(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=512)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=448)
+    p.add_argument("--heldout-prompts", type=int,
+                   help="continuations of held-out prompts, for the drafter's evaluation (default num/32, >= 16)")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")

@@ -136,18 +136,19 @@ def weighted_ce(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tenso
 
 
 def evaluate_drafter(target, drafter, windows: torch.Tensor, blocks: int, batch_size: int,
-                     weights: torch.Tensor, device: torch.device) -> dict:
+                     weights: torch.Tensor, device: torch.device, lo: int = 1) -> dict:
     """Held-out weighted loss, per-slot top-1 accuracy against the data, and `tau_est`:
     1 + the mean run of leading correct slots (the τ of greedy chain drafting if the target
-    always agreed with the data). Fixed anchors, so evaluations are comparable."""
+    always agreed with the data; on target-generated text it does). Anchors from `lo`,
+    fixed, so evaluations are comparable."""
     gen = torch.Generator().manual_seed(1234)
     b = drafter.block_size
     S = windows.shape[1]
-    n = min(blocks, S - b)
+    n = min(blocks, S - b - lo + 1)
     loss, correct, run, count = 0.0, 0.0, 0.0, 0
     for i in range(0, windows.shape[0], batch_size):
         ids = windows[i:i + batch_size].to(device)
-        anchors = sample_anchors(ids.shape[0], 1, S - b, n, gen).to(device)
+        anchors = sample_anchors(ids.shape[0], lo, S - b, n, gen).to(device)
         logits, labels = draft_logits(target, drafter, ids, anchors)
         hit = logits.argmax(-1) == labels                                   # [B, n, b-1]
         k = ids.shape[0] * n
@@ -162,17 +163,21 @@ def evaluate_drafter(target, drafter, windows: torch.Tensor, blocks: int, batch_
 
 class GeneratedRows:
     """Target-generated sequences [N, P+G] (prompt + greedy continuation); anchors start at
-    the last prompt token, so every label is a target-generated token."""
+    the last prompt token, so every label is a target-generated token. `heldout` holds the
+    continuations of held-out prompts (None in files without them): the drafter is
+    evaluated, and its best step chosen, on the text it is trained to predict."""
 
     def __init__(self, path: str | Path, device: torch.device):
         try:
             with np.load(path) as f:
                 ids, prompt_len = f["ids"], int(f["prompt_len"])
+                held = f["heldout_ids"] if "heldout_ids" in f.files else None
         except (OSError, KeyError, ValueError) as e:
             raise UsageError(f"cannot read generated sequences {path}: {e}") from None
         if ids.ndim != 2 or ids.shape[0] == 0:
             raise UsageError(f"{path} holds no generated sequences")
         self.ids = torch.from_numpy(ids.astype(np.int64)).to(device)
+        self.heldout = torch.from_numpy(held.astype(np.int64)) if held is not None and held.size else None
         self.length, self.lo = ids.shape[1], max(prompt_len - 1, 1)
 
     def sample(self, batch: int, gen: torch.Generator) -> torch.Tensor:
@@ -182,14 +187,21 @@ class GeneratedRows:
 
 def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_path: str | Path,
                            num_prompts: int = 512, prompt_len: int = 64, new_tokens: int = 448,
-                           batch_size: int = 128, seed: int = 0, device: str = "auto") -> dict:
-    """Greedy AR continuations of random corpus windows by the target (`treeflash.LLM`),
-    saved as `ids` [num_prompts, prompt_len + new_tokens] and `prompt_len` in an .npz file."""
+                           batch_size: int = 128, seed: int = 0, device: str = "auto",
+                           heldout_prompts: int | None = None) -> dict:
+    """Greedy AR continuations by the target (`treeflash.LLM`) of random windows of the
+    corpus' train split (`ids` [num_prompts, prompt_len + new_tokens]) and of its held-out
+    split (`heldout_ids`, default num_prompts / 32, at least 16), with `prompt_len`, in an
+    .npz file."""
     from treeflash import LLM, SamplingParams
+    if heldout_prompts is None:
+        heldout_prompts = max(16, num_prompts // 32)
     for key, value in (("num_prompts", num_prompts), ("prompt_len", prompt_len),
                        ("new_tokens", new_tokens), ("batch_size", batch_size)):
         if value < 1:
             raise UsageError(f"{key} must be >= 1, got {value}")
+    if heldout_prompts < 0:
+        raise UsageError(f"heldout_prompts must be >= 0, got {heldout_prompts}")
     _require_target(target_dir)
     data = load_corpus(data_dir)
     if data.train.size <= prompt_len:
@@ -198,12 +210,16 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
     if prompt_len + new_tokens > llm.max_model_len:
         raise UsageError(f"prompt_len + new_tokens = {prompt_len + new_tokens} exceeds the target's "
                          f"context of {llm.max_model_len}")
-    starts = np.random.default_rng(seed).integers(0, data.train.size - prompt_len, num_prompts)
-    prompts = [data.train[s:s + prompt_len].astype(np.int64).tolist() for s in starts]
-    rows = np.zeros((num_prompts, prompt_len + new_tokens), dtype=data.train.dtype)
+    if heldout_prompts and data.heldout.size <= prompt_len:
+        raise UsageError(f"the held-out split has {data.heldout.size} tokens, too few for prompts of {prompt_len}")
+    rng = np.random.default_rng(seed)
+    prompts = [split[s:s + prompt_len].astype(np.int64).tolist()
+               for split, n in ((data.train, num_prompts), (data.heldout, heldout_prompts))
+               for s in rng.integers(0, split.size - prompt_len, n)]
+    rows = np.zeros((len(prompts), prompt_len + new_tokens), dtype=data.train.dtype)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    bar, t0 = Progress("generate", num_prompts, 0), time.perf_counter()
-    for i in range(0, num_prompts, batch_size):
+    bar, t0 = Progress("generate", len(prompts), 0), time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
         for j, res in enumerate(llm.generate(prompts[i:i + batch_size], params)):
             rows[i + j] = prompts[i + j] + res.token_ids
         bar.step(len(prompts[i:i + batch_size]))
@@ -212,10 +228,11 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
     out = Path(out_path)
     out = out if out.suffix == ".npz" else out.with_name(out.name + ".npz")
     out.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(out, ids=rows, prompt_len=np.int64(prompt_len))
-    meta = {"path": str(out), "sequences": num_prompts, "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "generated_tokens": num_prompts * new_tokens, "seconds": round(seconds, 2),
-            "tokens_per_s": round(num_prompts * new_tokens / seconds)}
+    np.savez(out, ids=rows[:num_prompts], heldout_ids=rows[num_prompts:], prompt_len=np.int64(prompt_len))
+    meta = {"path": str(out), "sequences": num_prompts, "heldout_sequences": heldout_prompts,
+            "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "generated_tokens": len(prompts) * new_tokens, "seconds": round(seconds, 2),
+            "tokens_per_s": round(len(prompts) * new_tokens / seconds)}
     print(f"[generate] {json.dumps(meta)}", flush=True)
     return meta
 
@@ -247,7 +264,8 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
                   gamma: float = 7.0, blocks_per_seq: int = 32, dtype: str | None = None,
                   tau_prompts: int = 16, tau_new_tokens: int = 128, max_shard_mb: float = 16) -> dict:
     """Train (or resume) a drafter for the target in `target_dir` on the corpus in `data_dir`
-    (or on `generated` sequences; held-out evaluation always uses the corpus). Exports to
+    (or on `generated` sequences, evaluated on their held-out continuations when the file
+    has them, else on the corpus). Exports to
     `out_dir` (default `<run_dir>/model`), then measures τ through the engine on
     `tau_prompts` held-out prompts. Returns the summary (also in `<run_dir>/summary.json`)."""
     opts = (opts or TrainOptions(**DRAFTER_OPTIONS)).validate()
@@ -296,15 +314,18 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
     lo = source.lo if generated else 1  # a corpus window's first anchor needs one position of context
     if source.length - b < lo:
         raise UsageError(f"training sequences of {source.length} tokens are too short for blocks of {b}")
-    held = fixed_windows(data.heldout, opts.seq_len, opts.eval_tokens)
-    if held.shape[1] < b + 2:
-        raise UsageError(f"the held-out split ({data.heldout.size} tokens) is too short for blocks of {b}")
+    if generated and source.heldout is not None:  # evaluate on what it learns: the target's own text
+        held, held_lo, held_text = source.heldout[:max(1, opts.eval_tokens // source.length)], lo, "generated"
+    else:
+        held, held_lo, held_text = fixed_windows(data.heldout, opts.seq_len, opts.eval_tokens), 1, "corpus"
+        if held.shape[1] < b + 2:
+            raise UsageError(f"the held-out split ({data.heldout.size} tokens) is too short for blocks of {b}")
     n = min(blocks_per_seq, source.length - b - lo + 1)
     weights = slot_weights(b, gamma, device)
     n_params = sum(p.numel() for p in drafter.parameters())
     print(f"[drafter] {n_params:,} parameters, taps {shape.target_layer_ids}, block {b}, "
           f"{n} blocks/sequence, data: {'generated ' + str(generated) if generated else 'corpus'}, "
-          f"device {device}", flush=True)
+          f"held-out: {held.shape[0]} {held_text} sequences, device {device}", flush=True)
 
     def batch_loss(gen):
         ids = source.sample(opts.batch_size, gen)
@@ -314,13 +335,14 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
 
     trainer = Trainer("drafter", run, drafter, opts, device)
     final = trainer.fit(batch_loss, lambda: evaluate_drafter(target, drafter, held, blocks_per_seq,
-                                                             opts.batch_size, weights, device))
+                                                             opts.batch_size, weights, device, held_lo))
     out = Path(out_dir) if out_dir is not None else run.path / "model"
     out.mkdir(parents=True, exist_ok=True)
     save_safetensors(hf_tensors(drafter), out, DTYPES[config["torch_dtype"]], int(max_shard_mb * MiB))
     (out / "config.json").write_text(json.dumps(config, indent=2))
     summary = {"kind": "drafter", "steps": trainer.step, "minutes": round(trainer.elapsed / 60, 2),
-               "parameters": n_params, "data": str(generated) if generated else "corpus", **final,
+               "parameters": n_params, "data": str(generated) if generated else "corpus",
+               "heldout_text": held_text, **final,
                "export": str(out), "export_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
     if tau_prompts:
         try:
