@@ -1,13 +1,16 @@
 """`treeflash bench` on the CPU: model-pair mode on tiny random checkpoints, shape mode
-on the tiny shape, and one-line usage errors (exit code 2)."""
+on the tiny shape (also tensor-parallel: --tp 2 over gloo under torchrun), and one-line
+usage errors (exit code 2)."""
 import importlib.util
 import json
+import os
 
 import pytest
+import torch
 
-from treeflash.bench import batch_indices
+from treeflash.bench import batch_indices, bench_argv
 from treeflash.checkpoints import write_random_drafter, write_random_target
-from treeflash.cli import main
+from treeflash.cli import build_parser, main
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 
@@ -15,7 +18,8 @@ PAIR_FIELDS = {"mode", "method", "budget", "label", "batch_size", "graphs", "tem
                "new_tokens", "rounds", "seconds", "tokens_per_s", "tau", "ms_per_round", "speedup",
                "same_as_ar", "recaptures", "device", "dtype"}
 SHAPE_FIELDS = {"mode", "shape", "context", "batch_size", "temperature", "graphs", "op", "N", "time_us",
-                "floor_us", "ratio", "vs_ar", "host_us", "bytes", "bandwidth_gbs"}
+                "floor_us", "ratio", "vs_ar", "host_us", "bytes", "bandwidth_gbs", "tp", "allreduce_us",
+                "allreduces", "allreduce_share"}
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +140,80 @@ def test_bad_inputs_exit_2_with_one_line(argv, message, capsys):
     assert main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+# ----------------------------------------------------------------------------- shape mode, --tp
+
+TINY = ["bench", "--shape", "tiny", "--contexts", "32", "--budgets", "0,3", "--iters", "2", "--device", "cpu",
+        "--copy-mib", "8"]
+
+
+def test_shape_mode_tp2_over_gloo(tmp_path, capfd):
+    """--tp 2 re-runs the command under torchrun as two gloo ranks, each holding its shard;
+    rank 0 alone prints and writes the rows: per-rank floors, and the all-reduce fields."""
+    one, two = tmp_path / "tp1.jsonl", tmp_path / "tp2.jsonl"
+    assert main(TINY + ["--out", str(one)]) == 0
+    tp1_out = capfd.readouterr().out
+    assert main(TINY + ["--tp", "2", "--out", str(two)]) == 0
+    captured = capfd.readouterr()
+    rows1 = [json.loads(line) for line in one.read_text().splitlines()]
+    rows2 = [json.loads(line) for line in two.read_text().splitlines()]
+    assert [(r["op"], r["N"]) for r in rows2] == [(r["op"], r["N"]) for r in rows1]  # once, not once per rank
+    assert captured.out.count("bench: shape tiny") == 1 and "per rank of tp 2" in captured.out
+    assert captured.out.count("verify(N)/AR") == 1
+    assert "allred" in captured.out and "allred" not in tp1_out
+    assert captured.err.count("wrote ") == 1 and "Traceback" not in captured.err, captured.err
+    # 4 target layers: 2 per layer + the embedding; 5 drafter layers likewise; a round adds the fc
+    counts = {"ar": 9, "verify": 9, "draft": 11, "tree": None, "round-dflash": 21, "round": 21}
+    for r1, r2 in zip(rows1, rows2):
+        assert r1["tp"] == 1 and r1["allreduce_us"] is r1["allreduces"] is r1["allreduce_share"] is None
+        assert r2["tp"] == 2 and r2["time_us"] > 0 and r2["allreduces"] == counts[r2["op"]]
+        if r2["op"] == "tree":
+            assert r2["allreduce_us"] is None and r2["allreduce_share"] is None and r2["bytes"] is None
+        else:
+            assert r2["allreduce_us"] > 0 and r2["allreduce_share"] > 0
+            # a rank reads half the weights and KV (the replicated norm weights aside)
+            assert 0.45 < r2["bytes"] / r1["bytes"] < 0.6, (r1, r2)
+            assert r2["ratio"] == pytest.approx(r2["time_us"] / r2["floor_us"], rel=1e-2)
+
+
+def test_bench_argv_round_trip():
+    """The ranks are started with the parent's options rebuilt from its parsed arguments."""
+    args = build_parser().parse_args(["bench", "--shape", "tiny", "--contexts", "32,64", "--tp", "2", "--eos",
+                                      "--graphs", "off", "--out", "x.jsonl", "--seed", "0", "--copy-mib", "8"])
+    assert vars(build_parser().parse_args(bench_argv(args))) == vars(args)
+
+
+@pytest.mark.parametrize("argv,code,message", [
+    (["--tp", "0"], 2, "--tp must be >= 1, got 0"),
+    (["--tp", "3"], 1, "vocab_size (512) is not divisible by the tensor-parallel size 3"),
+    (["--tp", "4"], 1, "num_key_value_heads (2) is not divisible by the tensor-parallel size 4"),
+    (["--tp", "2", "--out", "/nonexistent/rows.jsonl"], 1, "cannot write /nonexistent/rows.jsonl"),
+])
+def test_shape_tp_errors_are_one_line(argv, code, message, capfd):
+    assert main(TINY + argv) == code
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"treeflash: error: {message}"), lines
+
+
+def test_tp_needs_shape_mode(capsys):
+    assert main(["bench", "--tp", "2"]) == 2
+    assert capsys.readouterr().err.strip() == "treeflash: error: --tp applies to --shape only (model-pair mode runs one process)"
+
+
+def test_shape_tp_beyond_visible_gpus(monkeypatch, capsys):
+    """More ranks than GPUs: one line before anything is started."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    argv = ["bench", "--shape", "tiny", "--device", "cuda", "--attention", "sdpa", "--tp", "2"]
+    assert main(argv) == 1
+    assert capsys.readouterr().err.strip() == "treeflash: error: tp=2 needs 2 GPUs but 1 are visible"
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0" and os.environ["NVSHMEM_DISABLE_NVLS"] == "1"
+
+
+def test_shape_under_torchrun_checks_world_size(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(TINY) == 2
+    assert capsys.readouterr().err.strip() == "treeflash: error: launched with WORLD_SIZE=2 processes but tp=1"

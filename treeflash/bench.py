@@ -13,6 +13,9 @@ Two modes, one command:
   CUDA graphs and compares each to its *memory floor*: the bytes it must read
   (weights + KV of the prefix) over the measured copy bandwidth. This is the number
   that says whether the engine or the hardware is the limit (design.md section 8).
+  With `--tp N` the command re-runs itself as N processes under torchrun (one per GPU;
+  gloo on CPU); each builds its own shard and runs the same timing loop (NCCL
+  all-reduces captured in the graphs), floors are per rank, and rank 0 reports.
 
 Both print an aligned table and can write one JSON object per row (`--out`) and a
 PNG plot (`--plot`, when matplotlib is importable).
@@ -24,7 +27,9 @@ import copy
 import dataclasses
 import json
 import math
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,10 +38,12 @@ import torch
 
 from treeflash.cli import read_prompts
 from treeflash.config import DraftConfig, ModelConfig, default_target_layer_ids
+from treeflash.distributed import TPGroup
 from treeflash.engine.llm import LLM, attention_backend, resolve_device, resolve_dtype
 from treeflash.engine.round import SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
-from treeflash.engine.tree import build_tree, empty_tree
+from treeflash.engine.tp import check_devices, check_shardable, join_group, torchrun_env
+from treeflash.engine.tree import build_tree_from_topk, empty_tree
 from treeflash.errors import TreeflashError, UsageError
 from treeflash.layers.attention import AttentionInputs
 from treeflash.models.dflash import DFlashDraftModel
@@ -47,6 +54,7 @@ PAIR_BUDGETS = "16,32,64,128,256"
 SHAPE_BUDGETS = "0,15,31,63,127,255"
 BLOCK_SIZE = 16          # drafter block of the shape mode (the published DFlash drafters)
 WARMUP = 3               # eager calls (or side-stream calls before a capture) before timing
+ALLREDUCE_RUN = 16       # all-reduces per timed call when measuring one's latency
 
 # A few Python-code prompts: the built-in model is a Python-code model, and code is
 # where block drafters shine, so this is the honest default workload.
@@ -104,6 +112,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"],
                    help="attention backend (auto: triton on CUDA when installed)")
     s.add_argument("--copy-mib", type=int, help="size of the bandwidth copy (default 2048 on CUDA, 256 on CPU)")
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel size: N ranks under torchrun, one per GPU "
+                                                     "(gloo on CPU); floors are per rank")
     p.set_defaults(func=cmd_bench)
     return p
 
@@ -247,6 +257,8 @@ def measure_pair(llm, prompts: list[str], bs: int, temperature: float, args) -> 
 
 
 def bench_pairs(args) -> int:
+    if args.tp != 1:
+        raise UsageError("--tp applies to --shape only (model-pair mode runs one process)")
     methods = parse_list(args.methods, str, "method")
     bad = [m for m in methods if m not in ("ar", "dflash", "ddtree")]
     if bad:
@@ -366,10 +378,11 @@ def init_random_(model: torch.nn.Module) -> None:
             p.normal_(0.0, 0.02)
 
 
-def random_models(cfg, dcfg, device: torch.device, dtype: torch.dtype):
-    """Target and drafter created on the device (no host copy of 16+ GB of weights)."""
+def random_models(cfg, dcfg, device: torch.device, dtype: torch.dtype, group: TPGroup = TPGroup()):
+    """Target and drafter (this rank's shards) created on the device (no host copy of
+    16+ GB of weights)."""
     with build_on(device, dtype):
-        target, drafter = CausalLM(cfg), DFlashDraftModel(dcfg)
+        target, drafter = CausalLM(cfg, group), DFlashDraftModel(dcfg, group)
     for m in (target, drafter):
         init_random_(m)
         m.eval()
@@ -385,20 +398,59 @@ def _bytes(model, skip=()) -> int:
 
 
 def op_bytes(kind: str, target, drafter, context: int, batch: int) -> int | None:
-    """Bytes an op must read from memory at least: the weights it multiplies by and
-    the KV of the C committed tokens of every request. Embedding rows, activations and
-    the few KV slots written are negligible. A round reads the LM head twice (draft,
-    then verify: dependent, so they cannot share one read). None: no memory floor."""
-    t = target.config
+    """Bytes an op must read from memory at least, on this rank: the weights it
+    multiplies by (the rank's shards) and the KV of the C committed tokens of every
+    request (the rank's KV heads). Embedding rows, activations and the few KV slots
+    written are negligible. A round reads the LM head twice (draft, then verify:
+    dependent, so they cannot share one read). None: no memory floor."""
     elem = target.lm_head.weight.element_size()
     head = _bytes(target.lm_head)
     body = _bytes(target, skip={"model.embed_tokens.weight", "lm_head.weight"})
-    kv_t = batch * context * t.num_layers * 2 * t.num_kv_heads * t.head_dim * elem
-    dl = drafter.config.layers
+    kv_t = batch * context * _kv_width(target.model.layers) * elem
     draft = _bytes(drafter, skip={"fc.weight"})
-    kv_d = batch * context * dl.num_layers * 2 * dl.num_kv_heads * dl.head_dim * elem
+    kv_d = batch * context * _kv_width(drafter.layers) * elem
     return {"ar": body + head + kv_t, "verify": body + head + kv_t, "draft": draft + head + kv_d,
             "round": body + 2 * head + kv_t + draft + _bytes(drafter.fc) + kv_d}.get(kind)
+
+
+def _kv_width(layers) -> int:
+    """K and V values per token over `layers`, for this rank's KV heads."""
+    attn = layers[0].self_attn
+    return len(layers) * 2 * attn.num_kv_heads * attn.head_dim
+
+
+def allreduce_plan(op: str, n: int, target, drafter, batch: int) -> list[tuple[int, int]]:
+    """[(count, tokens)]: the hidden-state all-reduces of an op under tensor parallelism,
+    each over a [tokens, hidden] tensor. A forward does one after the embedding and two
+    per layer (attention and MLP outputs); a round also projects the accepted path's
+    features through the drafter's row-parallel fc. The all-gathers of a few candidates
+    per row (sampling, draft top-k) are left out."""
+    target_fwd = (2 * len(target.model.layers) + 1, batch * (n + 1))
+    block = batch * drafter.block_size
+    draft_fwd = (2 * len(drafter.layers) + 1, block)
+    return {"ar": [target_fwd], "verify": [target_fwd], "draft": [draft_fwd], "tree": [],
+            "round-dflash": [target_fwd, draft_fwd, (1, block)], "round": [target_fwd, draft_fwd, (1, block)]}[op]
+
+
+def allreduce_timer(group: TPGroup, hidden: int, dtype: torch.dtype, device: torch.device, iters: int):
+    """(tokens, graphs) -> µs of one all-reduce of a [tokens, hidden] tensor: a run of
+    ALLREDUCE_RUN of them (one CUDA graph with graphs on), timed as an op, ÷ ALLREDUCE_RUN.
+    Memoized; a collective, so every rank asks for the same sizes in the same order."""
+    memo = {}
+
+    def latency(tokens: int, graphs: bool) -> float:
+        if (tokens, graphs) not in memo:
+            x = torch.zeros(tokens, hidden, dtype=dtype, device=device)
+
+            def run():
+                for _ in range(ALLREDUCE_RUN):
+                    group.all_reduce(x)
+
+            us, _ = measure_op(run, lambda: None, iters, graphs, device, False)
+            memo[tokens, graphs] = us / ALLREDUCE_RUN
+        return memo[tokens, graphs]
+
+    return latency
 
 
 def capture(fn, reset, warmup: int = WARMUP):
@@ -491,7 +543,10 @@ def round_ops(target, drafter, st, context: int, budgets: list[int], backend: st
     """[(op, N, kind, fn, is_round)] for one state: the pieces of a round and whole rounds.
 
     kind names the memory floor (`op_bytes`); every fn reads `st`, whose `n` the
-    caller resets to C before each call (rounds advance it)."""
+    caller resets to C before each call (rounds advance it). The pieces split the round
+    as `SpeculativeDecoder` runs it: draft = the drafter's logits (this rank's
+    vocabulary slice), tree = top-k over the slices + tree build, verify = target
+    forward + LM head (the slice: sampling reads it without gathering the vocabulary)."""
     def decoder(method, budget=0):
         return SpeculativeDecoder(target, drafter if method != "ar" else None, method, budget,
                                   attention_backend=backend)
@@ -499,7 +554,9 @@ def round_ops(target, drafter, st, context: int, budgets: list[int], backend: st
     ar, dflash = decoder("ar"), decoder("dflash")
     ar_state = dataclasses.replace(st, draft_cache=None)  # same buffers, no drafter context
     taps = drafter.target_layer_ids
-    scores = dflash.draft_scores(st)  # a fixed draft: trees for verify and tree-build ops
+    tp = target.tp
+    logits = dflash.draft_logits(st)  # a fixed draft: trees for verify and tree-build ops
+    start = tp.rank * logits.shape[-1]
 
     def verify(tree):
         """Target forward over root + N nodes with the tree mask, and the LM head."""
@@ -508,17 +565,21 @@ def round_ops(target, drafter, st, context: int, budgets: list[int], backend: st
             kv_len = None if st.max_n is None else st.max_n + tree.size + 1
             inputs = AttentionInputs(positions, st.n, tree.ancestors, kv_len=kv_len, backend=backend)
             h, _ = target(tree.tokens, inputs, st.cache, taps)
-            return target.logits(h)
+            return target.logits(h, gather=False)
         return fn
 
     def tree_for(n):
-        return build_tree(scores, st.anchor, n) if n else empty_tree(st.anchor)
+        """The DDTree of N nodes over the fixed draft, as `SpeculativeDecoder.build`."""
+        if not n:
+            return empty_tree(st.anchor)
+        vals, ids = tp.topk(logits, min(n, target.config.vocab_size), start, log_softmax=True)
+        return build_tree_from_topk(vals, ids, st.anchor, n)
 
     D = drafter.block_size - 1
     ops = [("ar", 0, "ar", lambda: ar.round(ar_state), True)]
     ops += [("verify", n, "verify", verify(tree_for(n)), False) for n in budgets]
-    ops += [("draft", D, "draft", lambda: dflash.draft_scores(st), False)]
-    ops += [("tree", n, None, (lambda n=n: build_tree(scores, st.anchor, n)), False) for n in budgets if n]
+    ops += [("draft", D, "draft", lambda: dflash.draft_logits(st), False)]
+    ops += [("tree", n, None, (lambda n=n: tree_for(n)), False) for n in budgets if n]
     ops += [("round-dflash", D, "round", lambda: dflash.round(st), True)]
     ops += [("round", n, "round", (lambda d=decoder("ddtree", n): d.round(st)), True) for n in budgets if n]
     return ops
@@ -554,6 +615,8 @@ def bench_shape(args) -> int:
         raise UsageError(f"--draft-layers must be >= 1, got {args.draft_layers}")
     if args.iters < 1:
         raise UsageError(f"--iters must be >= 1, got {args.iters}")
+    if args.tp < 1:
+        raise UsageError(f"--tp must be >= 1, got {args.tp}")
     device = resolve_device(args.device)
     graphs_list = usable_graphs(parse_graphs(args.graphs or ("on" if device.type == "cuda" else "off")), device)
     dtype = resolve_dtype(args.dtype, "bfloat16", device)  # auto: bf16 on CUDA, float32 on CPU
@@ -563,15 +626,31 @@ def bench_shape(args) -> int:
         backend = available
     if backend == "triton" and available != "triton":
         raise UsageError("--attention triton needs a CUDA device, the triton package and head_dim 64 or 128")
-    out = open_out(args.out)
-
     cfg = dataclasses.replace(SHAPES[args.shape])
-    target, drafter = random_models(cfg, draft_config(cfg, args.draft_layers), device, dtype)
+    dcfg = draft_config(cfg, args.draft_layers)
+
+    rt = None
+    if args.tp > 1 or torchrun_env() is not None:
+        check_shardable(cfg, dcfg, args.tp)
+        if torchrun_env() is None:
+            check_devices(args.tp, device)
+            if args.out:
+                open_out(args.out).close()  # a bad path fails here, once
+            return relaunch(args, device, graphs_list)
+        rt = join_group(args.tp, device)
+    group, device = (rt.group, rt.device) if rt is not None else (TPGroup(), device)
+    lead = group.rank == 0  # rank 0 prints and writes; every rank times
+    out = open_out(args.out) if lead else None
+
+    target, drafter = random_models(cfg, dcfg, device, dtype, group)
     mib = args.copy_mib or (2048 if device.type == "cuda" else 256)
     bandwidth = copy_bandwidth(device, mib)
-    print(f"bench: shape {args.shape} ({_size(_bytes(target))} target, {_size(_bytes(drafter))} "
-          f"drafter of {args.draft_layers} layers), {str(dtype).replace('torch.', '')} on {device}, "
-          f"attention {backend}; copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write, {mib} MiB)")
+    allreduce = allreduce_timer(group, cfg.hidden_size, dtype, device, args.iters) if group.size > 1 else None
+    if lead:
+        ranks = f" per rank of tp {group.size}" if group.size > 1 else ""
+        print(f"bench: shape {args.shape} ({_size(_bytes(target))} target, {_size(_bytes(drafter))} "
+              f"drafter of {args.draft_layers} layers{ranks}), {str(dtype).replace('torch.', '')} on {device}, "
+              f"attention {backend}; copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write, {mib} MiB)")
 
     rows = []
     with torch.inference_mode():
@@ -580,20 +659,52 @@ def bench_shape(args) -> int:
                 for temperature in temperatures:
                     for graphs in graphs_list:
                         rows += shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets,
-                                           backend, bandwidth, device, dtype, out)
+                                           backend, bandwidth, device, dtype, out, allreduce, lead)
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
-    close_out(out, args.out)
-    print(format_table(rows, SHAPE_COLUMNS))
-    print_ratios(rows)
-    if args.plot:
-        plot_shape(rows, args.plot)
+    if lead:
+        close_out(out, args.out)
+        print(format_table(rows, SHAPE_COLUMNS + (TP_COLUMNS if group.size > 1 else [])))
+        print_ratios(rows)
+        if args.plot:
+            plot_shape(rows, args.plot)
+    if rt is not None:
+        rt.leave()
     return 0
 
 
+def bench_argv(args) -> list[str]:
+    """`args` as `treeflash bench` options again (option --x-y holds args.x_y)."""
+    argv = ["bench"]
+    for key, value in vars(args).items():
+        if key in ("command", "func") or value is None or value is False:
+            continue
+        argv += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    return argv
+
+
+def relaunch(args, device: torch.device, graphs: list[bool]) -> int:
+    """Run this bench again as --tp processes under torchrun (one per GPU, gloo on CPU);
+    its exit status. The ranks get the device and graphs resolved here, so they
+    repeat no note."""
+    args = argparse.Namespace(**{**vars(args), "device": device.type,
+                                 "graphs": ",".join("on" if g else "off" for g in graphs)})
+    env = dict(os.environ)  # with NO_MULTICAST on GPUs (check_devices)
+    root = str(Path(__file__).resolve().parent.parent)  # the ranks import this checkout
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.tp)))  # else torchrun sets 1, noisily
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.tp),
+           "-m", "treeflash", *bench_argv(args)]
+    return subprocess.run(cmd, env=env).returncode
+
+
 def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets, backend, bandwidth,
-               device, dtype, out) -> list[dict]:
-    """Time every op of `round_ops` on one state; one row each."""
+               device, dtype, out, allreduce=None, lead: bool = True) -> list[dict]:
+    """Time every op of `round_ops` on one state; one row each. With tensor parallelism
+    (`allreduce`: see `allreduce_timer`) a row also has the latency of one hidden-state
+    all-reduce at the op's (first) token count and the all-reduce share of the op: an
+    estimate, count x latency / op time, from all-reduces timed alone (in the op they
+    may overlap other work, or wait for a slower rank)."""
     st = new_shape_state(target, drafter, context, bs, temperature, budgets, graphs, args.seed)
     n0 = st.n.clone()
 
@@ -606,6 +717,8 @@ def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets,
         ar_us = us if op == "ar" else ar_us
         need = op_bytes(kind, target, drafter, context, bs) if kind else None
         floor = 1e6 * need / bandwidth if need else None
+        plan = allreduce_plan(op, n, target, drafter, bs) if allreduce is not None else []
+        reduce_us = sum(count * allreduce(tokens, graphs) for count, tokens in plan)
         row = {"mode": "shape", "shape": args.shape, "context": context, "batch_size": bs,
                "temperature": temperature, "graphs": graphs, "op": op, "N": n, "time_us": round(us, 2),
                "floor_us": round(floor, 2) if floor else None,
@@ -613,11 +726,16 @@ def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets,
                "wall_us": round(wall, 2) if wall is not None else None,
                "host_us": round(wall - us, 2) if wall is not None else None,
                "bytes": need, "bandwidth_gbs": round(bandwidth / 1e9, 1), "attention": backend,
-               "device": str(device), "dtype": str(dtype).replace("torch.", ""), "draft_layers": args.draft_layers}
+               "device": str(device), "dtype": str(dtype).replace("torch.", ""), "draft_layers": args.draft_layers,
+               "tp": target.tp.size,
+               "allreduce_us": round(allreduce(plan[0][1], graphs), 2) if plan else None,
+               "allreduces": sum(count for count, _ in plan) if plan else None,
+               "allreduce_share": round(reduce_us / us, 3) if plan else None}
         rows.append(row)
         emit(out, row)
-        print(f"  C={context} bs {bs} T {temperature:g} graphs {'on ' if graphs else 'off'} {op:<12} N={n:<3}: "
-              f"{us:10.1f} us" + (f"  (floor {floor:.1f})" if floor else ""), file=sys.stderr)
+        if lead:
+            print(f"  C={context} bs {bs} T {temperature:g} graphs {'on ' if graphs else 'off'} {op:<12} N={n:<3}: "
+                  f"{us:10.1f} us" + (f"  (floor {floor:.1f})" if floor else ""), file=sys.stderr)
     return rows
 
 
@@ -625,6 +743,7 @@ SHAPE_COLUMNS = [("context", "context", "{}"), ("bs", "batch_size", "{}"), ("T",
                  ("graphs", "graphs", "onoff"), ("op", "op", "{}"), ("N", "N", "{}"),
                  ("time us", "time_us", "{:.1f}"), ("floor us", "floor_us", "{:.1f}"),
                  ("ratio", "ratio", "{:.2f}"), ("x AR", "vs_ar", "{:.2f}"), ("host us", "host_us", "{:.1f}")]
+TP_COLUMNS = [("allred us", "allreduce_us", "{:.1f}"), ("allred", "allreduce_share", "{:.0%}")]
 
 
 def print_ratios(rows: list[dict]) -> None:

@@ -8,8 +8,10 @@ driver serves. Under `torchrun` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MAST
 set; several hosts) every process calls `LLM(...)` alike: rank 0 returns as the driver,
 the other ranks serve inside the constructor and exit when the driver shuts down.
 Each rank makes its own process group object (ProcessGroupGloo on CPU, ProcessGroupNCCL
-on cuda:LOCAL_RANK, with NCCL_NVLS_ENABLE=0 unless set), not torch's default group, so
-engines of several sizes, or the user's own torch.distributed, can coexist.
+on cuda:LOCAL_RANK, with NVLink multicast off unless set: `NO_MULTICAST`), not torch's
+default group, so engines of several sizes, or the user's own torch.distributed, can
+coexist. A torchrun-launched program that runs its own lock-step code instead of engine
+commands (`treeflash bench --shape --tp`) joins such a group with `join_group`.
 
 Commands. The ranks run the same code on the same inputs in lock step. The driver
 posts each command to the store (key cmd/<seq>, a pickled tuple of a few hundred
@@ -25,13 +27,16 @@ the workers' replies), so the driver deletes cmd/<seq-1> when posting cmd/<seq>.
 Failures. A monitor thread in the driver polls its workers. When one dies it records
 which rank and why (killed by a signal, exit code, or the one-line error the worker
 wrote to the store before exiting), kills the other workers so that no collective
-waits on them (a gloo collective then fails at once; NCCL communicators are aborted),
-and the driver raises one `TreeflashError` naming the rank; if the driver were still
-stuck 30 s later the monitor prints that line and exits the process. Workers exit when
-their parent dies (a watcher thread) or the store goes away; collective and store
-timeouts (TREEFLASH_TP_TIMEOUT seconds, default 600) are the backstop. Workers ignore
-SIGINT: Ctrl-C interrupts the driver, which then shuts them down. Workers are shut down
-when the last engine on them is closed or garbage-collected, and at exit.
+waits on them (a gloo collective then fails at once; NCCL communicators are aborted, so
+that NCCL kernels waiting on the dead peer end, also inside a replayed CUDA graph),
+and the driver raises one `TreeflashError` naming the rank, also when the
+command it was in returned normally (its collectives were cut short: the results are
+garbage); if the driver were still stuck 30 s later the monitor prints that line and
+exits the process. Workers exit when their parent dies (a watcher thread) or the store
+goes away; collective and store timeouts (TREEFLASH_TP_TIMEOUT seconds, default 600)
+are the backstop. Workers ignore SIGINT: Ctrl-C interrupts the driver, which then shuts
+them down. Workers are shut down when the last engine on them is closed or
+garbage-collected, and at exit.
 """
 from __future__ import annotations
 
@@ -57,6 +62,8 @@ from treeflash.errors import TreeflashError, UsageError
 WORKER_ENV = "TREEFLASH_TP_WORKER"   # set by the driver for the workers it starts
 FAULT_ENV = "TREEFLASH_TP_FAULT"     # "<rank>:<command number>": that worker fails there (tests)
 GRACE_S = 30.0                        # after a worker died: how long the driver may stay stuck
+# NVLink multicast (NVLS) stays off: the machines these run on do not provide it
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def timeout_s() -> float:
@@ -228,17 +235,26 @@ def torchrun_env() -> dict | None:
     return None
 
 
+def check_devices(size: int, device: torch.device) -> None:
+    """One-line errors for `size` ranks on `device` before any process is started (GPUs
+    are cuda:0..size-1, as many must be visible unless torchrun placed the ranks); sets
+    `NO_MULTICAST` in this process's environment, which the ranks inherit."""
+    if device.type != "cuda":
+        return
+    if device.index is not None:
+        raise UsageError(f"with tp={size} the ranks use cuda:0..{size - 1} (choose GPUs with "
+                         f"CUDA_VISIBLE_DEVICES); give device 'cuda' or 'auto', not '{device}'")
+    for key, value in NO_MULTICAST.items():
+        os.environ.setdefault(key, value)
+    if torchrun_env() is None and size > torch.cuda.device_count():
+        raise TreeflashError(f"tp={size} needs {size} GPUs but {torch.cuda.device_count()} are visible")
+
+
 def start(size: int, device: torch.device) -> "Runtime":
-    if device.type == "cuda":
-        if device.index is not None:
-            raise UsageError(f"with tp={size} the ranks use cuda:0..{size - 1} (choose GPUs with "
-                             f"CUDA_VISIBLE_DEVICES); give device 'cuda' or 'auto', not '{device}'")
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
+    check_devices(size, device)
     tr = torchrun_env()
     if tr is not None:
         return _join_torchrun(size, device, tr)
-    if device.type == "cuda" and size > torch.cuda.device_count():
-        raise TreeflashError(f"tp={size} needs {size} GPUs but {torch.cuda.device_count()} are visible")
     return _spawn(size, device.type)
 
 
@@ -273,7 +289,7 @@ def _spawn(size: int, device_type: str) -> "Runtime":
     return rt
 
 
-def _join_torchrun(size: int, device: torch.device, tr: dict) -> "Runtime":
+def _torchrun_runtime(size: int, device: torch.device, tr: dict) -> "Runtime":
     if tr["world"] != size:
         raise UsageError(f"launched with WORLD_SIZE={tr['world']} processes but tp={size}")
     if device.type == "cuda" and tr["local_rank"] >= torch.cuda.device_count():
@@ -285,10 +301,35 @@ def _join_torchrun(size: int, device: torch.device, tr: dict) -> "Runtime":
                           timeout=_td(timeout_s()), wait_for_workers=False)
     rt = Runtime(size, device.type, tr["rank"], tr["local_rank"], dist.PrefixStore("treeflash", store))
     rt.connect()
+    return rt
+
+
+def _join_torchrun(size: int, device: torch.device, tr: dict) -> "Runtime":
+    rt = _torchrun_runtime(size, device, tr)
     if rt.rank != 0:
         rt.store.set_timeout(_td(10 * 365 * 86400))  # idle workers wait for commands as long as it takes
         code = rt.serve_main()
         raise SystemExit(code)
+    return rt
+
+
+def join_group(size: int, device: torch.device) -> "Runtime":
+    """This torchrun-launched process's rank of a `size`-rank group for a program that runs
+    the same code on every rank in lock step instead of serving engine commands
+    (`treeflash bench --shape --tp`). Use `.group` and `.device` (cuda:LOCAL_RANK on
+    GPUs); call `.leave()` at the end.
+
+    One all-reduce runs here: NCCL creates its communicator on the first collective,
+    which must not happen inside a CUDA-graph capture (and a broken NCCL setup fails here,
+    not somewhere in the program)."""
+    tr = torchrun_env()
+    if tr is None:
+        raise UsageError(f"tp={size}: not started by torchrun (RANK / WORLD_SIZE unset)")
+    check_devices(size, device)
+    rt = _torchrun_runtime(size, device, tr)
+    rt.group.all_reduce(torch.ones(1, device=rt.device))
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize(rt.device)
     return rt
 
 
@@ -333,6 +374,8 @@ class Runtime:
         self.seq = 0
         self.failure: str | None = None   # one line: which rank failed and why
         self.closed = False
+        self.aborted = False
+        self.abort_lock = threading.Lock()
         self.stopping = False             # we are killing the workers: their exits are expected
         self.busy = False                 # the driver is inside a command
         self.engines: set[int] = set()
@@ -379,6 +422,8 @@ class Runtime:
         self.busy = True
         try:
             out = getattr(obj, name)(*args)
+            if self.failure is not None:  # a worker died and the collectives were aborted under us
+                raise TreeflashError(self.failure)
             return [out] + self.replies(seq) if collect else out
         except BaseException as e:
             err = self.fail(e)
@@ -421,8 +466,8 @@ class Runtime:
 
     def fail(self, e: BaseException) -> BaseException:
         """The driver failed inside a command: the ranks are out of step for good. Shut
-        the workers down; return what to raise (the worker failure behind a broken
-        collective, else `e` itself)."""
+        the workers down; return what to raise: a worker's failure (the cause of a broken
+        collective, or of the CUDA error an aborted NCCL communicator left), else `e`."""
         comm = is_comm_error(e)
         if comm:
             deadline = time.monotonic() + 10.0
@@ -435,8 +480,10 @@ class Runtime:
                 time.sleep(0.05)
         failure = self.failure
         self.shutdown(graceful=False)
+        if failure is not None:
+            return TreeflashError(failure)
         if comm:
-            return TreeflashError(failure or f"tensor-parallel communication failed: {one_line(e)}")
+            return TreeflashError(f"tensor-parallel communication failed: {one_line(e)}")
         return e
 
     def drop(self, eid: int) -> None:
@@ -475,12 +522,20 @@ class Runtime:
 
     def abort(self) -> None:
         """Release the NCCL communicators, unblocking kernels that wait on a dead peer
-        (gloo fails by itself once the peers' sockets close)."""
-        if self.backend == "nccl" and self.group is not None:
-            try:
+        (gloo fails by itself once the peers' sockets close). Once: the monitor and a
+        shutdown may both get here; the second waits for the first, but not forever."""
+        if not self.abort_lock.acquire(timeout=GRACE_S):
+            return
+        try:
+            if self.aborted:
+                return
+            self.aborted = True
+            if self.backend == "nccl" and self.group is not None:
                 self.group.group.abort()
-            except Exception:
-                pass
+        except Exception:
+            pass
+        finally:
+            self.abort_lock.release()
 
     # ---------------------------------------------------------------- monitor (driver)
     def start_monitor(self) -> None:
@@ -504,7 +559,8 @@ class Runtime:
                 for p in self.procs.values():  # nothing may wait on a dead peer
                     if p.poll() is None:
                         p.kill()
-                self.abort()
+                # in its own thread: the grace period below runs even if the abort blocks
+                threading.Thread(target=self.abort, daemon=True, name="treeflash-tp-abort").start()
                 deadline = time.monotonic() + GRACE_S
                 while self.busy and time.monotonic() < deadline:
                     time.sleep(0.1)
@@ -540,6 +596,15 @@ class Runtime:
                 causes.append((False, r, f"exited unexpectedly with code {rc}"))
         comm, r, why = min(causes)
         return f"tensor-parallel worker rank {r} {why}"
+
+    def leave(self) -> None:
+        """End a `join_group` rank: once every rank's device work is done (no kernel of
+        a peer can still be inside a collective), release the communicators."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.store.set(f"left/{self.rank}", b"1")
+        self.store.wait([f"left/{r}" for r in range(self.size)])
+        self.abort()  # not destroy: it can hang after graph capture
 
     # ---------------------------------------------------------------- worker
     def serve_main(self) -> int:
