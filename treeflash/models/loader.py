@@ -1,8 +1,9 @@
 """Load Hugging Face safetensors checkpoints (single file or sharded with an index).
 
 Each parameter names the checkpoint tensors it is made of (merged QKV and gate/up
-hold several); each rank reads only its own slice of each tensor, so memory per
-rank is about 1/N of the weights.
+hold several, MoE experts one per expert) and copies each into its own part; each
+rank reads only its own slice of each tensor, so memory per rank is about 1/N of the
+weights.
 """
 from __future__ import annotations
 
@@ -49,17 +50,23 @@ def _open(path: Path):
         raise TreeflashError(f"cannot read {path}: {e}") from None
 
 
-def _parts_of(model: nn.Module, name: str) -> tuple[list[str], nn.Module | None]:
-    """Checkpoint keys making up parameter `name`, and the module that owns it."""
+def _pieces(model: nn.Module, name: str, param: torch.Tensor) -> tuple[list[tuple], object]:
+    """The checkpoint tensors making up parameter `name`: (key, the part of `param` it
+    fills, the dim the ranks slice it along), and the TP group of the owning module."""
     module_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(module_name) if module_name else model
+    tp = getattr(owner, "tp", None)
+    if hasattr(owner, "checkpoint_pieces"):  # e.g. MoE experts: one tensor per expert
+        return [(model.checkpoint_key(f"{module_name}.{key}"), dest, dim)
+                for key, dest, dim in owner.checkpoint_pieces(leaf)], tp
     prefix, _, local = module_name.rpartition(".")
     merged = getattr(model, "merged_weights", {}).get(local)
-    if merged:
-        keys = [f"{prefix}.{m}.{leaf}" if prefix else f"{m}.{leaf}" for m in merged]
-    else:
-        keys = [name]
-    return [model.checkpoint_key(k) for k in keys], owner
+    keys = [f"{prefix}.{m}.{leaf}" if prefix else f"{m}.{leaf}" for m in merged] if merged else [name]
+    shard_dim = getattr(owner, "shard_dim", None)
+    if shard_dim == 1 and param.dim() == 1:
+        shard_dim = None  # a row-parallel bias is added once, after the all-reduce
+    dests = param.split(owner.parts) if len(keys) > 1 else [param]
+    return [(model.checkpoint_key(k), d, shard_dim) for k, d in zip(keys, dests)], tp
 
 
 # safetensors dtype names of the weights we can load; integer or float8 tensors are
@@ -88,31 +95,19 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
     handles: dict[Path, object] = {}
     try:
         for name, param in model.named_parameters():
-            keys, owner = _parts_of(model, name)
-            is_bias = name.endswith(".bias")
-            shard_dim = getattr(owner, "shard_dim", None)
-            tp = getattr(owner, "tp", None)
+            pieces, tp = _pieces(model, name, param)
             rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
-            if is_bias and shard_dim == 1:
-                shard_dim = None  # a row-parallel bias is added once, after the all-reduce
-            if len(param.shape) == 1 and shard_dim == 1:
-                shard_dim = None
-            parts = getattr(owner, "parts", None) or [param.shape[0]]
-            pieces = []
-            for key, local_rows in zip(keys, parts if len(keys) > 1 else [param.shape[0]]):
+            for key, dest, shard_dim in pieces:
                 if key not in files:
                     raise TreeflashError(f"weight {key} is missing from the checkpoint in {folder}")
                 f = files[key]
                 if f not in handles:
                     handles[f] = _open(f)
-                full = list(param.shape)
-                full[0] = local_rows
+                full = list(dest.shape)
                 if shard_dim is not None and size > 1:
                     full[shard_dim] *= size
-                pieces.append(_read_slice(handles[f], key, tuple(full), shard_dim, rank, size))
-            with torch.no_grad():
-                param.copy_(torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0])
-            del pieces
+                with torch.no_grad():
+                    dest.copy_(_read_slice(handles[f], key, tuple(full), shard_dim, rank, size))
             # Unmap the files after every parameter: pages a read touched stay resident (and
             # counted in RSS) while mapped, and a row-parallel slice touches the whole tensor.
             handles.clear()
