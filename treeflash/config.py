@@ -1,7 +1,8 @@
 """Model configurations read from Hugging Face `config.json` files.
 
-One dataclass per kind of checkpoint: `ModelConfig` for dense targets (Qwen3, Llama)
-and `DraftConfig` for DFlash drafters (a Qwen3-style stack plus the DFlash keys).
+One dataclass per kind of checkpoint: `ModelConfig` for targets (Qwen3, Llama, and
+Qwen3-MoE, whose mixture-of-experts keys it reads too) and `DraftConfig` for DFlash
+drafters (a Qwen3-style stack plus the DFlash keys).
 Both refuse what they cannot run with a one-line `TreeflashError`.
 """
 from __future__ import annotations
@@ -15,8 +16,9 @@ import torch
 
 from treeflash.errors import TreeflashError
 
-TARGET_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
-MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama"}
+TARGET_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+                        "Qwen3MoeForCausalLM": "qwen3_moe"}
+MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe"}
 
 DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -100,9 +102,45 @@ def _eos_ids(value, where: str = "config") -> list[int]:
     return list(values)
 
 
+def _moe_fields(data: dict, num_layers: int, where: str) -> dict:
+    """The mixture-of-experts keys of a Qwen3-MoE config. The router-loss keys
+    (`router_aux_loss_coef`, `output_router_logits`) only matter in training: ignored.
+    `n_shared_experts` (DeepSeek's name; Qwen3-MoE has none) adds always-on experts."""
+    experts = data.get("num_experts")
+    if experts is None:
+        experts = data.get("num_local_experts")  # transformers 5's name
+    top_k = _require(data, "num_experts_per_tok", where)
+    fields = dict(
+        num_experts=_require({"num_experts": experts}, "num_experts", where),
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=_require(data, "moe_intermediate_size", where),
+        decoder_sparse_step=_require({"decoder_sparse_step": data.get("decoder_sparse_step", 1)},
+                                     "decoder_sparse_step", where),
+        norm_topk_prob=data.get("norm_topk_prob", False),
+        mlp_only_layers=data.get("mlp_only_layers") or [],
+        n_shared_experts=data.get("n_shared_experts") or 0,
+    )
+    if top_k > fields["num_experts"]:
+        raise TreeflashError(f"config.json in {where}: num_experts_per_tok ({top_k}) exceeds "
+                             f"num_experts ({fields['num_experts']})")
+    if not isinstance(fields["norm_topk_prob"], bool):
+        raise TreeflashError(f"config.json in {where}: 'norm_topk_prob' must be true or false, "
+                             f"got {fields['norm_topk_prob']!r}")
+    layers = fields["mlp_only_layers"]
+    if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                               and 0 <= i < num_layers for i in layers):
+        raise TreeflashError(f"config.json in {where}: 'mlp_only_layers' must list layer ids "
+                             f"0..{num_layers - 1}, got {layers!r}")
+    shared = fields["n_shared_experts"]
+    if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+        raise TreeflashError(f"config.json in {where}: 'n_shared_experts' must be an integer >= 0, got {shared!r}")
+    return fields
+
+
 @dataclass
 class ModelConfig:
-    """A dense decoder-only target: Qwen3 (q/k norms) or Llama."""
+    """A decoder-only target: Qwen3 (q/k norms), Llama, or Qwen3-MoE (Qwen3 whose MLP is
+    a sparse mixture of experts in the layers `sparse_layer` picks)."""
 
     arch: str
     vocab_size: int
@@ -121,10 +159,23 @@ class ModelConfig:
     mlp_bias: bool = False
     torch_dtype: str | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # mixture of experts (0 experts: every layer has the dense MLP of intermediate_size)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False      # renormalize the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    n_shared_experts: int = 0         # always-on experts of moe_intermediate_size each
 
     @property
     def qk_norm(self) -> bool:
-        return self.arch == "qwen3"
+        return self.arch in ("qwen3", "qwen3_moe")
+
+    def sparse_layer(self, i: int) -> bool:
+        """Whether layer i has experts (HF's rule: every `decoder_sparse_step`-th layer,
+        except those in `mlp_only_layers`)."""
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "config") -> "ModelConfig":
@@ -157,12 +208,14 @@ class ModelConfig:
                                  f"is not a multiple of num_key_value_heads ({kv_heads})")
         theta, scaling = _rope(data, where)
         max_pos = data.get("max_position_embeddings")
+        num_layers = _require(data, "num_hidden_layers", where)
+        moe = _moe_fields(data, num_layers, where) if arch == "qwen3_moe" else {}
         return cls(
             arch=arch,
             vocab_size=_require(data, "vocab_size", where),
             hidden_size=hidden,
             intermediate_size=_require(data, "intermediate_size", where),
-            num_layers=_require(data, "num_hidden_layers", where),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=_require(data, "head_dim", where) if data.get("head_dim") else hidden // heads,
@@ -175,6 +228,7 @@ class ModelConfig:
             mlp_bias=bool(data.get("mlp_bias", False)),
             torch_dtype=data.get("torch_dtype") or data.get("dtype"),
             eos_token_ids=_eos_ids(data.get("eos_token_id"), where),
+            **moe,
         )
 
     @classmethod

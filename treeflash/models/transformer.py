@@ -1,4 +1,5 @@
-"""Dense decoder-only targets: Qwen3 and Llama are one module (Qwen3 adds q/k norms).
+"""Decoder-only targets: Qwen3, Llama and Qwen3-MoE are one module (Qwen3 adds q/k
+norms; Qwen3-MoE replaces the MLP of its sparse layers by `models.moe.SparseMoE`).
 
 `forward` runs a block of tokens against the KV cache (see `layers.attention`) and
 returns the final hidden states plus the residual stream after the tapped layers,
@@ -19,6 +20,7 @@ from treeflash.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from treeflash.layers.linear import ColumnParallelLinear, RowParallelLinear
 from treeflash.layers.norm import RMSNorm
 from treeflash.layers.rotary import RotaryEmbedding, apply_rotary
+from treeflash.models.moe import SparseMoE
 from treeflash.ops import fused_enabled
 
 try:  # Triton kernels, used only when `fused_enabled` (CUDA inference)
@@ -78,26 +80,43 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
-        super().__init__()
-        I = cfg.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [I, I], bias=cfg.mlp_bias, tp=tp,
-                                                 what="intermediate_size")
-        self.down_proj = RowParallelLinear(I, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp)
+    """SwiGLU MLP; `size`/`bias` default to the dense layers' (a shared expert passes its own)."""
 
-    def forward(self, x):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, size: int | None = None, bias: bool | None = None):
+        super().__init__()
+        I = size or cfg.intermediate_size
+        bias = cfg.mlp_bias if bias is None else bias
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [I, I], bias=bias, tp=tp,
+                                                 what="intermediate_size" if size is None else "shared expert size")
+        self.down_proj = RowParallelLinear(I, cfg.hidden_size, bias=bias, tp=tp)
+
+    def gated(self, x):
         gate_up = self.gate_up_proj(x)
         if fused_enabled(x):
-            return self.down_proj(silu_mul(gate_up))
+            return silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return F.silu(gate) * up
+
+    def partial(self, x):
+        """This rank's share of the output, before the all-reduce (bias-free MLPs only)."""
+        return F.linear(self.gated(x), self.down_proj.weight)
+
+    def forward(self, x):
+        return self.down_proj(self.gated(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    """Attention and MLP; with `sparse` the MLP is a mixture of experts (DFlash drafter
+    layers never are)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, sparse: bool = False):
         super().__init__()
         self.self_attn = Attention(cfg, tp)
-        self.mlp = MLP(cfg, tp)
+        if sparse:
+            shared = cfg.n_shared_experts * cfg.moe_intermediate_size
+            self.mlp = SparseMoE(cfg, tp, MLP(cfg, tp, shared, bias=False) if shared else None)
+        else:
+            self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -117,12 +136,12 @@ class DecoderStack(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, tp) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, tp, cfg.sparse_layer(i)) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    """A Qwen3ForCausalLM / LlamaForCausalLM target."""
+    """A Qwen3ForCausalLM / LlamaForCausalLM / Qwen3MoeForCausalLM target."""
 
     # Checkpoint tensors stored side by side in one of our parameters.
     merged_weights = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -1,0 +1,433 @@
+"""Mixture-of-experts targets (Qwen3-MoE).
+
+- Tiny checkpoints written by transformers' Qwen3MoeForCausalLM (a mix of dense and
+  sparse layers, renormalized or plain top-k, one sharded with tied embeddings) load
+  and give transformers' logits (float32, 1e-5) and greedy tokens.
+- DFlash and DDTree give exactly the AR tokens (float64) on an MoE target with a shared
+  expert; TP = 2 (gloo) gives the TP = 1 tokens and holds half the expert bytes.
+- The fused Triton experts kernel equals the torch reference (in the Triton
+  interpreter on CPU, through a subprocess; on CUDA in bf16 / float32, and replayed
+  from a CUDA graph).
+- Bad MoE configs fail with one line; the Kimi-K2-like bench shape fits one H200 and
+  its memory floor counts the experts a forward picks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ENGINE_PROMPTS, HFCheckpoint
+from test_models import hf_greedy, hf_logits, padded, rel_err, tf_logits
+from test_speculative import run_lossless, spec_llm
+from test_tp import _run
+
+from treeflash import LLM, SamplingParams, TreeflashError
+from treeflash.config import ModelConfig
+from treeflash.distributed import TPGroup
+from treeflash.models.loader import build_on
+from treeflash.models.moe import (KIMI_K2_4L, Experts, Router, SparseMoE, expected_experts, experts_reference,
+                                  weight_bytes_read)
+from treeflash.models.transformer import MLP, CausalLM
+
+REPO = Path(__file__).resolve().parent.parent
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available()
+
+_TINY = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, max_position_embeddings=256,
+             bos_token_id=0, eos_token_id=0, pad_token_id=1, initializer_range=0.3)
+
+# name -> (config overrides, save_pretrained kwargs)
+VARIANTS = {
+    # dense first layer (as Kimi-K2 / DeepSeek), 8 experts, top-2 renormalized (as Qwen3-30B-A3B)
+    "moe": (dict(num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True), {}),
+    # every second layer sparse, top-3 of 4 not renormalized; tied embeddings, sharded files
+    "moe-step2": (dict(num_experts=4, num_experts_per_tok=3, decoder_sparse_step=2, norm_topk_prob=False,
+                       tie_word_embeddings=True), {"max_shard_size": "40KB"}),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    """moe_checkpoint(name) -> HFCheckpoint written by transformers (float32)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from treeflash.checkpoints import write_tiny_tokenizer
+    built: dict[str, HFCheckpoint] = {}
+
+    def get(name: str) -> HFCheckpoint:
+        if name not in built:
+            folder = tmp_path_factory.mktemp(f"hf-{name}")
+            write_tiny_tokenizer(folder)
+            overrides, save_kwargs = VARIANTS[name]
+            torch.manual_seed(list(VARIANTS).index(name))
+            model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**_TINY, **overrides)).eval()
+            model.save_pretrained(folder, **save_kwargs)
+            model.generation_config.eos_token_id = None
+            model.generation_config.pad_token_id = 1
+            built[name] = HFCheckpoint(name, folder, model)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def spec_moe(moe_checkpoint, tmp_path_factory):
+    """(target, drafter): the "moe" checkpoint with a shared expert added (DeepSeek's key
+    names) and a peaked LM head (ids 3..10 boosted: random drafts get accepted), and a
+    random 1-layer DFlash drafter of block size 8."""
+    from safetensors.torch import load_file, save_file
+
+    from treeflash.checkpoints import write_random_drafter
+    src = moe_checkpoint("moe").path
+    root = tmp_path_factory.mktemp("spec-moe")
+    target = root / "target"
+    target.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (target / f).write_bytes((src / f).read_bytes())
+    cfg = json.loads((src / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**cfg, "n_shared_experts": 1}))
+    w = load_file(str(src / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    for i in range(1, cfg["num_hidden_layers"]):
+        for name, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            w[f"model.layers.{i}.mlp.shared_experts.{name}.weight"] = torch.randn(shape, generator=gen) * 0.3
+    w["lm_head.weight"][3:11] *= 10
+    save_file(w, str(target / "model.safetensors"))
+    return target, write_random_drafter(target, root / "drafter", num_layers=1, block_size=8, seed=2)
+
+
+# ----------------------------------------------------------------------------- transformers parity
+
+def test_config_and_layer_kinds_follow_transformers(moe_checkpoint):
+    """Which layers are sparse: HF's rule (decoder_sparse_step, mlp_only_layers); the
+    expert tensors transformers writes are per expert."""
+    from safetensors import safe_open
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    for kw in (dict(decoder_sparse_step=2, mlp_only_layers=[3]), dict(decoder_sparse_step=3), dict(mlp_only_layers=[0, 4])):
+        hf_cfg = Qwen3MoeConfig(**{**_TINY, "num_hidden_layers": 6}, num_experts=4, num_experts_per_tok=2, **kw)
+        with torch.device("meta"):
+            hf = Qwen3MoeForCausalLM(hf_cfg)
+        cfg = ModelConfig.from_dict(json.loads(hf_cfg.to_json_string()))
+        want = [isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in hf.model.layers]
+        assert [cfg.sparse_layer(i) for i in range(6)] == want, kw
+        with torch.device("meta"):
+            ours = CausalLM(cfg)
+        assert [isinstance(layer.mlp, SparseMoE) for layer in ours.model.layers] == want
+    ck = moe_checkpoint("moe")
+    cfg = ModelConfig.from_pretrained(ck.path)
+    assert (cfg.arch, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == ("qwen3_moe", 8, 2, 32)
+    assert cfg.norm_topk_prob and cfg.mlp_only_layers == [0] and cfg.n_shared_experts == 0
+    with safe_open(str(ck.path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in keys and "model.layers.1.mlp.gate.weight" in keys
+    assert "model.layers.0.mlp.gate_proj.weight" in keys
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_logits_and_greedy_tokens_match_transformers(moe_checkpoint, name):
+    """A padded batch of 3 prompts, cache-free and through the KV cache, against
+    transformers per prompt; then 32 greedy tokens per prompt."""
+    ck = moe_checkpoint(name)
+    llm = LLM(ck.path, device="cpu", dtype="float32")
+    prompts = [llm.encode(p) for p in ENGINE_PROMPTS]
+    batch = padded(prompts)
+    free = tf_logits(llm, batch)
+    cached = tf_logits(llm, batch, llm.target.new_cache(3, batch.shape[1] + 4))
+    for b, ids in enumerate(prompts):
+        ref = hf_logits(ck.model, ids)
+        assert rel_err(free[b, :len(ids)], ref) < 1e-5, f"{name} prompt {b} (cache-free)"
+        assert rel_err(cached[b, :len(ids)], ref) < 1e-5, f"{name} prompt {b} (KV cache)"
+    outs = llm.generate(ENGINE_PROMPTS, SamplingParams(max_new_tokens=32, ignore_eos=True))
+    for ids, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(ck.model, ids, 32)
+    assert len(set(outs[1].token_ids)) > 5
+    # the routing is not degenerate: every sparse layer uses every expert on these prompts
+    picked = []
+    for layer in llm.target.model.layers:
+        if isinstance(layer.mlp, SparseMoE):
+            layer.mlp.gate.register_forward_hook(lambda m, args, out: picked.append(out[1]))
+    tf_logits(llm, batch)
+    assert picked and all(len(ids.unique()) == llm.config.num_experts for ids in picked)
+
+
+# ----------------------------------------------------------------------------- speculative and TP
+
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 24)])
+def test_speculative_equals_ar(spec_moe, ar_reference, method, budget):
+    target, drafter = spec_moe
+    tau = run_lossless(spec_llm(target, drafter, method, budget), target, ar_reference,
+                       SamplingParams(max_new_tokens=32))
+    assert tau > 1.05, "no draft accepted: the commit paths went untested"
+
+
+@pytest.fixture(scope="module")
+def tp_engines(spec_moe):
+    """tp -> DDTree engine (float64, budget 12) on the shared-expert MoE target."""
+    target, drafter = spec_moe
+    built = {tp: LLM(target, draft_model=drafter, method="ddtree", budget=12, device="cpu", dtype="float64", tp=tp)
+             for tp in (1, 2)}
+    yield built
+    for llm in built.values():
+        llm.close()
+
+
+def test_tp2_tokens_equal_tp1(tp_engines):
+    for config in ("greedy", "sampled"):
+        assert _run(tp_engines[2], config) == _run(tp_engines[1], config), config
+    whole = tp_engines[1].target.model.layers[1].mlp.experts
+    expert_bytes = sum(p.numel() * p.element_size() for p in whole.parameters()) * 3   # 3 sparse layers
+    stats = tp_engines[2].rank_stats()
+    total = tp_engines[1].rank_stats()[0]["param_bytes"]
+    for s in stats:  # experts, shared experts, attention, vocabulary: sharded; router and norms: not
+        assert abs(s["param_bytes"] - total / 2) < 0.02 * total / 2
+    assert expert_bytes > 0.2 * total
+
+
+# ----------------------------------------------------------------------------- errors
+
+@pytest.mark.parametrize("change,message", [
+    (dict(num_experts_per_tok=9), r"num_experts_per_tok \(9\) exceeds num_experts \(8\)"),
+    (dict(moe_intermediate_size=None), "lacks required key 'moe_intermediate_size'"),
+    (dict(num_local_experts=0), "'num_experts' must be a positive integer"),
+    (dict(mlp_only_layers=[4]), r"'mlp_only_layers' must list layer ids 0\.\.3"),
+    (dict(norm_topk_prob="yes"), "'norm_topk_prob' must be true or false"),
+    (dict(n_shared_experts=-1), "'n_shared_experts' must be an integer >= 0"),
+    (dict(decoder_sparse_step=0), "'decoder_sparse_step' must be a positive integer"),
+])
+def test_bad_moe_configs_fail_in_one_line(moe_checkpoint, clone_checkpoint, change, message):
+    folder = clone_checkpoint(moe_checkpoint("moe").path, **change)
+    with pytest.raises(TreeflashError, match=message) as e:
+        LLM(folder, device="cpu")
+    assert "\n" not in str(e.value)
+
+
+def test_published_num_experts_key(moe_checkpoint, clone_checkpoint):
+    """Published Qwen3-MoE configs say `num_experts`; transformers 5 writes `num_local_experts`."""
+    folder = clone_checkpoint(moe_checkpoint("moe").path, num_local_experts=None, num_experts=8)
+    assert ModelConfig.from_pretrained(folder).num_experts == 8
+
+
+def test_unshardable_experts_fail_before_workers_start(moe_checkpoint, clone_checkpoint):
+    folder = clone_checkpoint(moe_checkpoint("moe").path, moe_intermediate_size=31)
+    start = time.monotonic()
+    with pytest.raises(TreeflashError, match=r"moe_intermediate_size \(31\) is not divisible by the "
+                                             r"tensor-parallel size 2"):
+        LLM(folder, device="cpu", tp=2)
+    assert time.monotonic() - start < 5   # refused on 'meta' modules, before any worker starts
+
+
+def test_missing_expert_weight(moe_checkpoint, clone_checkpoint):
+    folder = clone_checkpoint(moe_checkpoint("moe").path, n_shared_experts=1)
+    with pytest.raises(TreeflashError, match=r"weight model\.layers\.1\.mlp\.shared_experts\.gate_proj\.weight "
+                                             r"is missing"):
+        LLM(folder, device="cpu")
+
+
+# ----------------------------------------------------------------------------- the block
+
+def _moe_cfg(**kw) -> ModelConfig:
+    base = dict(vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
+                head_dim=24, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32)
+    return ModelConfig("qwen3_moe", **{**base, **kw})
+
+
+def _filled(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.3)
+    return module
+
+
+def test_router_softmax_topk_and_renormalization():
+    x = torch.randn(5, 16, dtype=torch.float64)
+    for renorm in (False, True):
+        r = _filled(Router(16, 6, 3, renorm).double(), 0)
+        w, ids = r(x)
+        probs = torch.softmax(x @ r.weight.T, -1)
+        want = probs.topk(3, -1)
+        assert torch.equal(ids, want.indices)
+        expect = want.values / want.values.sum(-1, keepdim=True) if renorm else want.values
+        torch.testing.assert_close(w, expect)
+    r = Router(16, 6, 3, False).bfloat16()
+    w, _ = r(x.bfloat16())
+    assert w.dtype == torch.bfloat16   # softmax in float32, weights cast back as transformers does
+
+
+def test_shared_expert_joins_the_routed_sum():
+    cfg = _moe_cfg(n_shared_experts=2)
+    with build_on("cpu", torch.float64):
+        shared = MLP(cfg, TPGroup(), 2 * 32, bias=False)
+        moe = SparseMoE(cfg, TPGroup(), shared)
+    _filled(moe, 1)
+    x = torch.randn(2, 3, 48, dtype=torch.float64)
+    w, ids = moe.gate(x.reshape(-1, 48))
+    routed = experts_reference(x.reshape(-1, 48), w, ids, moe.experts.gate_up_proj, moe.experts.down_proj)
+    torch.testing.assert_close(moe(x), (routed + shared(x.reshape(-1, 48))).view(2, 3, 48))
+
+
+def test_reference_equals_a_plain_per_token_loop():
+    gen = torch.Generator().manual_seed(3)
+    E, k, H, I, T = 5, 2, 8, 6, 9
+    x = torch.randn(T, H, generator=gen, dtype=torch.float64)
+    gu, dn = torch.randn(E, 2 * I, H, generator=gen, dtype=torch.float64), torch.randn(E, H, I, generator=gen, dtype=torch.float64)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=gen, dtype=torch.float64)
+    want = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for j in range(k):
+            e = ids[t, j]
+            g, u = (gu[e] @ x[t]).chunk(2)
+            want[t] += w[t, j] * (dn[e] @ (torch.nn.functional.silu(g) * u))
+    torch.testing.assert_close(experts_reference(x, w, ids, gu, dn), want)
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+def _case(T, E, k, H, I, dtype, skew=False, seed=0, device="cpu"):
+    """x, routing weights, ids (distinct per token; `skew`: nearly all pairs on experts
+    0 and 1, so one expert spans several row blocks), gate_up, down."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(T, E, generator=gen)
+    if skew:
+        scores[:, :2] += 1
+    ids = scores.topk(k, -1).indices
+    w = torch.rand(T, k, generator=gen)
+    x = torch.randn(T, H, generator=gen)
+    gu = torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5
+    dn = torch.randn(E, H, I, generator=gen) / I ** 0.5
+    return [t.to(device, dtype) if t.is_floating_point() else t.to(device) for t in (x, w, ids, gu, dn)]
+
+
+def _check_kernel(case, tol):
+    from treeflash.kernels.fused_moe import fused_experts
+    x, w, ids, gu, dn = case
+    out = fused_experts(x, w, ids, gu, dn)
+    ref = experts_reference(*(t.double() if t.is_floating_point() else t for t in (x, w, ids, gu, dn)))
+    assert out.shape == x.shape and out.dtype == x.dtype
+    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < tol, f"relative error {err}"
+
+
+# T = 1 (decode), a few tokens, more pairs than experts, skewed routing, sizes that are
+# not multiples of the tiles, top-1
+KERNEL_CASES = [(1, 8, 2, 64, 32, False), (7, 16, 4, 48, 40, False), (40, 4, 2, 32, 16, True),
+                (33, 6, 1, 80, 24, False)]
+
+
+@pytest.mark.skipif(not (CUDA or INTERPRET), reason="the kernel runs on CUDA or in the Triton interpreter")
+@pytest.mark.parametrize("T,E,k,H,I,skew", KERNEL_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])   # the interpreter has no working bf16 dot
+def test_kernel_matches_reference(T, E, k, H, I, skew, dtype):
+    case = _case(T, E, k, H, I, dtype, skew, seed=T, device="cuda" if CUDA else "cpu")
+    _check_kernel(case, 1e-5 if dtype == torch.float32 else 5e-3)
+
+
+@pytest.mark.skipif(CUDA or INTERPRET, reason="runs the kernel tests itself")
+def test_kernel_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                           "-k", "kernel_matches_reference"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert f"{2 * len(KERNEL_CASES)} passed" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- bench shape
+
+def test_kimi_shape_fits_one_h200_and_counts_picked_experts():
+    cfg = KIMI_K2_4L
+    with build_on("meta", torch.bfloat16):
+        model = CausalLM(cfg)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert 100e9 < total < 112e9   # 139 GiB = 149 GB on an H200: room for a drafter, KV and activations
+    assert [isinstance(layer.mlp, SparseMoE) for layer in model.model.layers] == [False, True, True, True]
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
+    body = total - 2 * cfg.vocab_size * cfg.hidden_size * 2
+    all_experts = len(experts) * cfg.num_experts * per_expert
+    assert weight_bytes_read(model, 1) == pytest.approx(body - all_experts + len(experts) * 8 * per_expert)
+    assert expected_experts(384, 8, 1) == pytest.approx(8)
+    assert expected_experts(384, 8, 256) == pytest.approx(384 * (1 - (1 - 8 / 384) ** 256))
+    assert weight_bytes_read(model, 10 ** 6) == pytest.approx(body)
+    with torch.device("meta"):  # TP 8 shards it
+        CausalLM(cfg, TPGroup(0, 8))
+
+
+def test_weight_bytes_of_a_dense_model_are_its_body():
+    cfg = _moe_cfg(num_experts=0)
+    with build_on("meta", torch.float32):
+        model = CausalLM(cfg)
+    skip = {"model.embed_tokens.weight", "lm_head.weight"}
+    assert weight_bytes_read(model, 7) == sum(p.numel() * 4 for n, p in model.named_parameters() if n not in skip)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("T", [1, 16, 256, 1024])
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+def test_gpu_kernel_at_model_sizes(T, dtype, tol):
+    """Kimi-K2 expert sizes at TP 8 (I = 256 per rank; E = 384, k = 8), H cut to 1024."""
+    _check_kernel(_case(T, 384, 8, 1024, 256, dtype, seed=T, device="cuda"), tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_kernel_replays_from_a_cuda_graph():
+    from treeflash.kernels.fused_moe import fused_experts
+    static = _case(16, 64, 8, 512, 128, torch.bfloat16, seed=1, device="cuda")
+    x, w, ids, gu, dn = static
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):   # compile outside the capture
+        fused_experts(x, w, ids, gu, dn)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts(x, w, ids, gu, dn)
+    for seed in (2, 3):
+        new = _case(16, 64, 8, 512, 128, torch.bfloat16, skew=seed == 3, seed=seed, device="cuda")
+        for buf, value in zip(static, new):
+            buf.copy_(value)
+        graph.replay()
+        ref = experts_reference(*(t.double() if t.is_floating_point() else t for t in new))
+        assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_reference_without_host_sync_equals_cpu():
+    """The GPU torch path (float64 models) runs every expert, weighted 0 where not picked."""
+    case = _case(9, 6, 2, 32, 16, torch.float64, seed=4)
+    got = experts_reference(*(t.cuda() for t in case))
+    torch.testing.assert_close(got.cpu(), experts_reference(*case))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method,budget", [("ar", None), ("ddtree", 24)])
+def test_gpu_engine_graphs_match_eager(spec_moe, method, budget):
+    target, drafter = spec_moe
+    prompts = ["def fib(n):", "import os", "x"]
+    params = [SamplingParams(max_new_tokens=32, temperature=t, seed=i, ignore_eos=True)
+              for i, t in enumerate((0.0, 1.0, 0.0))]
+    kw = dict(draft_model=None if method == "ar" else drafter, method=method, budget=budget, device="cuda",
+              dtype="float32")
+    eager = LLM(target, cuda_graphs=False, **kw).generate(prompts, params)
+    graphed = LLM(target, cuda_graphs=True, **kw).generate(prompts, params)
+    ar = LLM(target, method="ar", device="cuda", dtype="float32", cuda_graphs=False).generate(prompts, params)
+    for e, g, a in zip(eager, graphed, ar):
+        assert g.token_ids == e.token_ids == a.token_ids

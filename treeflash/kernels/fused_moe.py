@@ -1,0 +1,138 @@
+"""Mixture-of-experts FFN for decode and verify (Triton, CUDA-graph capturable).
+
+A round runs 1 to a few hundred tokens through each MoE layer and every token picks
+k of E experts, so the cost is reading the weights of the experts that were picked.
+The (token, slot) pairs are grouped by expert with one sort and one searchsorted on
+the device (no host sync, static shapes); each program then computes one
+BLOCK_M x BLOCK_N tile for one expert, for up to BLOCK_M of the pairs routed to it.
+At small T an expert's pairs fit in one row block, so its weights are read once.
+
+Two launches: gate/up with SiLU(gate) * up fused (pairs x I), then down with the
+routing weight applied (pairs x H, float32); torch sums each token's k rows. Sizes
+are compile-time constants (one model, one compile per tile shape). The reference is
+`treeflash.models.moe.experts_reference`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row_block(bounds_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Expert of this program's row block, and the block's positions in the sorted pair
+    order (and which are real). Expert e owns sorted positions bounds[e] .. bounds[e+1]
+    and cdiv(count, BLOCK_M) row blocks, numbered in expert order; blocks past the last
+    get expert E (nothing to do)."""
+    idx = tl.arange(0, BLOCK_E)
+    ok = idx < E
+    lo = tl.load(bounds_ptr + idx, mask=ok, other=0)
+    hi = tl.load(bounds_ptr + idx + 1, mask=ok, other=0)
+    blocks = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(blocks, axis=0)
+    pid = tl.program_id(0)
+    e = tl.sum((ends <= pid).to(tl.int32), axis=0)
+    mine = idx == e
+    first_block = tl.sum(tl.where(mine, ends - blocks, 0), axis=0)
+    start = tl.sum(tl.where(mine, lo, 0), axis=0)
+    end = tl.sum(tl.where(mine, hi, 0), axis=0)
+    rows = start + (pid - first_block) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return e, rows, rows < end
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, act_ptr, order_ptr, bounds_ptr,
+                    E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_E: tl.constexpr, PRECISION: tl.constexpr):
+    e, rows, valid = _row_block(bounds_ptr, E, BLOCK_M, BLOCK_E)
+    if e >= E:
+        return
+    pair = tl.load(order_ptr + rows, mask=valid, other=0)
+    tok = pair // TOPK
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
+    w_gate = w_ptr + e.to(tl.int64) * 2 * I * H + cols[None, :] * H     # [E, 2I, H]: gate rows, then up
+    w_up = w_gate + I * H
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        a = tl.load(x_ptr + tok[:, None] * H + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        g = tl.load(w_gate + ks[:, None], mask=w_ok, other=0.0)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        u = tl.load(w_up + ks[:, None], mask=w_ok, other=0.0)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(act_ptr + pair[:, None] * I + cols[None, :], act.to(act_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, w_ptr, rw_ptr, out_ptr, order_ptr, bounds_ptr,
+                 E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_E: tl.constexpr, PRECISION: tl.constexpr):
+    e, rows, valid = _row_block(bounds_ptr, E, BLOCK_M, BLOCK_E)
+    if e >= E:
+        return
+    pair = tl.load(order_ptr + rows, mask=valid, other=0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    w = w_ptr + e.to(tl.int64) * H * I + cols[None, :] * I                # [E, H, I]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < I
+        a = tl.load(act_ptr + pair[:, None] * I + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    acc = acc * tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + pair[:, None] * H + cols[None, :], acc, mask=valid[:, None] & col_ok[None, :])
+
+
+def _tiles(pairs: int, experts: int, n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, stages) of a launch with n output columns, k inputs.
+
+    BLOCK_M: the pairs an expert gets on average, at least 16 (tensor cores). BLOCK_N:
+    the widest tile that still gives about two programs per SM of an H200 (at T = 1 only
+    k experts have work). BLOCK_K: long enough that a narrow tile still keeps ~16 KB of
+    weights in flight per stage, within shared memory."""
+    avg = pairs / experts
+    bm = 16 if avg <= 16 else 32 if avg <= 32 else 64
+    active = min(pairs, experts)
+    bn = next((b for b in (128, 64, 32) if active * triton.cdiv(n, b) >= 264), 16)
+    bk = max(16, min(8192 // bn, 8192 // bm, triton.next_power_of_2(k)))
+    return bm, bn, bk, 3 if dtype.itemsize <= 2 else 2
+
+
+def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])), e = ids[t, j].
+
+    x [T, H]; weights, ids [T, k]; gate_up [E, 2I, H] (gate rows, then up rows);
+    down [E, H, I]. Returns [T, H] in x's dtype."""
+    T, H = x.shape
+    E, I = gate_up.shape[0], gate_up.shape[1] // 2
+    k = ids.shape[1]
+    P = T * k
+    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    sorted_ids, order = ids.reshape(-1).sort(stable=True)
+    bounds = torch.searchsorted(sorted_ids, torch.arange(E + 1, device=x.device), out_int32=True)
+    BE = triton.next_power_of_2(E)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    act = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    bm, bn, bk, stages = _tiles(P, E, I, H, x.dtype)
+    blocks = P // bm + min(E, P)        # >= sum over experts of cdiv(count, bm)
+    _gate_up_kernel[(blocks, triton.cdiv(I, bn))](
+        x, gate_up, act, order, bounds, E, H, I, TOPK=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        BLOCK_E=BE, PRECISION=precision, num_warps=4, num_stages=stages)
+    out = torch.empty(P, H, dtype=torch.float32, device=x.device)
+    _, bn, bk, stages = _tiles(P, E, H, I, x.dtype)
+    _down_kernel[(blocks, triton.cdiv(H, bn))](
+        act, down, weights.reshape(-1).contiguous(), out, order, bounds, E, H, I, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, BLOCK_E=BE, PRECISION=precision, num_warps=4, num_stages=stages)
+    return out.view(T, k, H).sum(1).to(x.dtype)
