@@ -48,6 +48,7 @@ from treeflash.errors import TreeflashError, UsageError
 from treeflash.layers.attention import AttentionInputs
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import build_on
+from treeflash.models.moe import KIMI_K2_4L, weight_bytes_read
 from treeflash.models.transformer import CausalLM
 
 PAIR_BUDGETS = "16,32,64,128,256"
@@ -342,7 +343,8 @@ PAIR_COLUMNS = [("method", "label", "{}"), ("graphs", "graphs", "onoff"), ("bs",
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
 
-# Published dense shapes (random weights: only the shapes matter), and one for CPU tests.
+# Published shapes (random weights: only the shapes matter), a Kimi-K2-like MoE cut to 4 layers
+# (one dense, three of 384 experts; GQA in place of MLA: see treeflash.models.moe), and one for CPU tests.
 SHAPES = {
     "qwen3-8b": ModelConfig("qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                             num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
@@ -353,6 +355,7 @@ SHAPES = {
     "qwen3-32b": ModelConfig("qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
                              num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128,
                              rope_theta=1e6, max_position_embeddings=40960),
+    "kimi-k2-4l": KIMI_K2_4L,
     "tiny": ModelConfig("qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4,
                         num_heads=4, num_kv_heads=2, head_dim=16),
 }
@@ -397,15 +400,16 @@ def _bytes(model, skip=()) -> int:
     return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name not in skip)
 
 
-def op_bytes(kind: str, target, drafter, context: int, batch: int) -> int | None:
-    """Bytes an op must read from memory at least, on this rank: the weights it
-    multiplies by (the rank's shards) and the KV of the C committed tokens of every
-    request (the rank's KV heads). Embedding rows, activations and the few KV slots
-    written are negligible. A round reads the LM head twice (draft, then verify:
+def op_bytes(kind: str, target, drafter, context: int, batch: int, tokens: int) -> int | None:
+    """Bytes an op over `tokens` target tokens must read from memory at least, on this
+    rank: the weights it multiplies by (the rank's shards; of an MoE layer's experts, the
+    expected number of distinct ones the tokens pick) and the KV of the C committed tokens
+    of every request (the rank's KV heads). Embedding rows, activations and the few KV
+    slots written are negligible. A round reads the LM head twice (draft, then verify:
     dependent, so they cannot share one read). None: no memory floor."""
     elem = target.lm_head.weight.element_size()
     head = _bytes(target.lm_head)
-    body = _bytes(target, skip={"model.embed_tokens.weight", "lm_head.weight"})
+    body = weight_bytes_read(target, tokens)
     kv_t = batch * context * _kv_width(target.model.layers) * elem
     draft = _bytes(drafter, skip={"fc.weight"})
     kv_d = batch * context * _kv_width(drafter.layers) * elem
@@ -715,7 +719,8 @@ def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets,
     for op, n, kind, fn, is_round in round_ops(target, drafter, st, context, budgets, backend):
         us, wall = measure_op(fn, reset, args.iters, graphs, device, is_round)
         ar_us = us if op == "ar" else ar_us
-        need = op_bytes(kind, target, drafter, context, bs) if kind else None
+        tokens = bs * (1 if op == "ar" else n + 1)  # target tokens: root + N (draft: the round's D + 1)
+        need = op_bytes(kind, target, drafter, context, bs, tokens) if kind else None
         floor = 1e6 * need / bandwidth if need else None
         plan = allreduce_plan(op, n, target, drafter, bs) if allreduce is not None else []
         reduce_us = sum(count * allreduce(tokens, graphs) for count, tokens in plan)
