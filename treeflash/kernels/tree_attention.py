@@ -1,7 +1,7 @@
 """Triton attention for a block of new tokens over a KV cache (tree verify, AR decode,
 drafter block), with exactly the semantics of `layers.attention.sdpa_attention`.
 
-One launch in three parts (design.md section 5):
+Why it is split in three (design.md section 5):
 
 (a) The committed prefix has no mask, so every block query of request b sees the same
     keys. One program takes ALL T block queries x the whole GQA group of one KV head
@@ -10,20 +10,14 @@ One launch in three parts (design.md section 5):
     KV chunk, so the chunk comes from HBM once and the later row tiles hit L2: the
     prefix is read once per round however large the tree. For T*G <= 128 there is a
     single row tile and the chunk is loaded once, period.
-(b) The T x T block is one more "split" of the same grid, read at slots
+(b) The T x T block is one more "split" of the same launch, read at slots
     prefix_lens[b] + j with the block mask (ancestors, causal or all-true).
-(c) Each program writes its normalised partial (o, lse) per row tile and counts itself
-    in an arrival counter of that (b, KV head, row tile). The last to arrive merges
-    the partials of the tile by log-sum-exp, writes the output and zeroes the counter
-    for the next launch. A separate merge launch cost 3-4 us per layer (one more graph
-    node, then dependent loads): 15% of the whole op at 16K context, T = 1. Programs
-    walk their row tiles in an order rotated by their split, so that with several row
-    tiles the last arrivals, and so the merges, are spread over programs.
+(c) A second kernel merges the partial results of all splits by log-sum-exp.
 
 Static shapes for CUDA graphs: the grid and the number of splits depend only on the
 tensor shapes (and the SM count); each split's key range is computed on the device
 from prefix_lens, so the work is spread over all splits whatever the actual length,
-and splits past the end only count themselves.
+and splits past the end do nothing.
 """
 from __future__ import annotations
 
@@ -41,7 +35,7 @@ BLOCK_N = 64  # keys per tile
 @triton.jit
 def _split_range(L, split, num_splits, BLOCK_N: tl.constexpr):
     """Prefix slots [start, end) of `split` when L slots are shared by num_splits splits
-    in whole tiles. The merge calls it too, to skip the splits that did not run."""
+    in whole tiles. Shared by both kernels so the merge knows which splits ran."""
     chunk = tl.cdiv(tl.cdiv(L, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     return start, tl.minimum(start + chunk, L)
@@ -85,65 +79,26 @@ def _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, first, 
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m = m_new
-    l = tl.where(l > 0, l, 1.0)  # a row that saw no key: o = 0, lse = m = -inf
-    return acc / l[:, None], m + tl.log2(l)
+    return acc / tl.where(l > 0, l, 1.0)[:, None], m + tl.log2(l)
 
 
 @triton.jit
-def _merge_tile(o_ptr, lse_ptr, out_base, so_t, part0, row0, L, num_splits,
-                G: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, SPLITS_P2: tl.constexpr, MERGE_M: tl.constexpr):
-    """Rows row0 .. row0 + BLOCK_M - 1 of out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)
-    over the prefix splits that ran and the block split, MERGE_M rows of all splits at a
-    time. Loads go through L2 (.cg): other SMs wrote them."""
-    offs_d = tl.arange(0, D)
-    s = tl.arange(0, SPLITS_P2)
-    start, end = _split_range(L, s, num_splits, BLOCK_N)
-    ran = (s < num_splits) & (start < end)
-    # pipelined: the next chunks' loads are in flight while one is reduced
-    for r0 in tl.range(row0, tl.minimum(row0 + BLOCK_M, ROWS), MERGE_M, num_stages=3):
-        rows = r0 + tl.arange(0, MERGE_M)
-        row_ok = rows < ROWS
-        ok = ran[:, None] & row_ok[None, :]
-        idx = (part0 + s)[:, None] * ROWS + rows[None, :]  # prefix splits x rows
-        lse = tl.load(lse_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(o_ptr + idx[:, :, None] * D + offs_d[None, None, :], mask=ok[:, :, None], other=0.0,
-                    cache_modifier=".cg")
-        # The block split apart, so that 16 prefix splits take [16, ...] loads, not [32, ...].
-        blk = (part0 + num_splits) * ROWS + rows
-        lse_b = tl.load(lse_ptr + blk, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        o_b = tl.load(o_ptr + blk[:, None] * D + offs_d[None, :], mask=row_ok[:, None], other=0.0,
-                      cache_modifier=".cg")
-        m = tl.maximum(tl.max(lse, 0), lse_b)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(lse - m[None, :])
-        w_b = tl.exp2(lse_b - m)
-        den = tl.sum(w, 0) + w_b
-        num = tl.sum(o.to(tl.float32) * w[:, :, None], 0) + o_b.to(tl.float32) * w_b[:, None]
-        res = num / tl.where(den > 0, den, 1.0)[:, None]
-        dst = out_base + (rows // G)[:, None] * so_t + (rows % G)[:, None] * D + offs_d[None, :]
-        tl.store(dst, res.to(out_base.dtype.element_ty), mask=row_ok[:, None])
-
-
-@triton.jit
-def _tree_attention(
-    q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr, out_ptr, count_ptr, prefix_ptr,
+def _partial_attention(
+    q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr, prefix_ptr,
     sq_b, sq_t, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_i,
     qk_scale, num_splits,
     HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N_TREE: tl.constexpr,
-    SPLITS_P2: tl.constexpr, MERGE_M: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_N_TREE: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
     """Program (b * HKV + kv head, split): all T*G rows of that KV head against one key
-    range, as normalised partials o [rows, D] and lse [rows]; the last program of a row
-    tile to finish merges it into out [B, T, H, D] (contiguous).
+    range, written as normalised partials o [rows, D] and lse [rows].
 
     Row r is block token r // G, query head kvh * G + r % G: consecutive rows are
-    consecutive heads of one token, so q loads and out stores are contiguous. Splits
+    consecutive heads of one token, so q loads are contiguous. Splits
     0..num_splits-1 are prefix chunks (no mask); split num_splits is the block.
     """
     ROWS: tl.constexpr = T * G
-    N_TILES: tl.constexpr = (ROWS + BLOCK_M - 1) // BLOCK_M
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // HKV
@@ -156,6 +111,7 @@ def _tree_attention(
         end = L + T
     else:
         start, end = _split_range(L, split, num_splits, BLOCK_N)
+    n_rows = (start < end).to(tl.int32) * ROWS  # an empty split writes nothing
 
     offs_d = tl.arange(0, D)
     b64 = b.to(tl.int64)  # a whole cache can pass 2^31 elements
@@ -163,33 +119,60 @@ def _tree_attention(
     k_base = k_ptr + b64 * sk_b + kvh.to(tl.int64) * sk_h
     v_base = v_ptr + b64 * sv_b + kvh.to(tl.int64) * sv_h
     mask_base = mask_ptr + b * sm_b
-    part0 = pid_bh * (num_splits + 1)
-    for i in range(N_TILES):
-        tile = (i + split) % N_TILES
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    part = pid_bh * (num_splits + 1) + split
+    # Row tiles back to back over the same key range: after the first, it is in L2.
+    for row0 in range(0, n_rows, BLOCK_M):
+        rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < ROWS
-        if start < end:  # an empty split writes nothing, the merge skips it
-            tok = rows // G
-            q = tl.load(q_base + tok[:, None] * sq_t + (rows % G)[:, None] * sq_h + offs_d[None, :],
-                        mask=row_ok[:, None], other=0.0)
-            if is_block:
-                o, lse = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, L, T,
-                                 qk_scale, D, BLOCK_M, BLOCK_N_TREE, True, FP32_DOT)
-            else:
-                o, lse = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, start, end - start,
-                                 qk_scale, D, BLOCK_M, BLOCK_N, False, FP32_DOT)
-            part = (part0 + split) * ROWS + rows
-            tl.store(o_ptr + part[:, None] * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
-                     mask=row_ok[:, None])
-            tl.store(lse_ptr + part, lse, mask=row_ok)
-        # All threads' partial stores come before the one thread that releases them with
-        # the count (acq_rel: the last one also acquires all the others' partials).
-        tl.debug_barrier()
-        counter = count_ptr + pid_bh * N_TILES + tile
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits:
-            _merge_tile(o_ptr, lse_ptr, out_ptr + (b64 * T * HKV + kvh) * G * D, HKV * G * D, part0,
-                        tile * BLOCK_M, L, num_splits, G, ROWS, D, BLOCK_M, BLOCK_N, SPLITS_P2, MERGE_M)
-            tl.store(counter, 0)  # every program of this launch has counted: ready for the next
+        tok = rows // G
+        q = tl.load(q_base + tok[:, None] * sq_t + (rows % G)[:, None] * sq_h + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        if is_block:
+            o, lse = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, L, T,
+                             qk_scale, D, BLOCK_M, BLOCK_N_TREE, True, FP32_DOT)
+        else:
+            o, lse = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, start, end - start,
+                             qk_scale, D, BLOCK_M, BLOCK_N, False, FP32_DOT)
+        tl.store(o_ptr + (part * ROWS + rows)[:, None] * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+        tl.store(lse_ptr + part * ROWS + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge(o_ptr, lse_ptr, prefix_ptr, out_ptr, num_splits,
+           HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
+           CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (b, t, h): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) over the
+    prefix splits that ran and the block split, CHUNK splits at a time (one chunk for
+    up to CHUNK - 1 splits: all loads in flight at once). out is [B, T, H, D] contiguous."""
+    ROWS: tl.constexpr = T * G
+    pid = tl.program_id(0)
+    h = pid % (HKV * G)
+    t = (pid // (HKV * G)) % T
+    b = pid // (HKV * G * T)
+    row = t * G + h % G
+    L = tl.load(prefix_ptr + b).to(tl.int32)
+    part0 = (b * HKV + h // G) * (num_splits + 1)
+
+    offs_d = tl.arange(0, D)
+    m = float("-inf")
+    den = 0.0
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, num_splits + 1, CHUNK):
+        s = s0 + tl.arange(0, CHUNK)
+        start, end = _split_range(L, s, num_splits, BLOCK_N)
+        ran = ((s < num_splits) & (start < end)) | (s == num_splits)
+        lse = tl.load(lse_ptr + (part0 + s) * ROWS + row, mask=ran, other=float("-inf"))
+        o = tl.load(o_ptr + ((part0 + s) * ROWS + row)[:, None] * D + offs_d[None, :],
+                    mask=ran[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(lse - m_ref)
+        alpha = tl.exp2(m - m_ref)
+        den = den * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        m = m_new
+    tl.store(out_ptr + pid * D + offs_d, (acc / den).to(out_ptr.dtype.element_ty))
 
 
 @functools.cache
@@ -199,32 +182,13 @@ def _sm_count(device: torch.device) -> int:
     return 132  # interpreter runs: behave like an H200
 
 
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed int32 counters, allocated once per device and size and never freed: each
-    launch leaves them zero again, and CUDA graphs keep their address. Launches that
-    share them must not overlap (one stream per device)."""
-    key = (device, n)
-    if key not in _COUNTERS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("tree_attention: run each shape once before capturing it in a CUDA graph "
-                               "(its arrival counters must be zeroed outside the graph)")
-        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
-
-
 def default_num_splits(batch: int, kv_heads: int, rows: int, capacity: int, device: torch.device) -> int:
-    """Prefix splits from shapes only. One wave of prefix programs (splits x B x Hkv <=
-    SMs): the larger tiles fit one program per SM, and a second wave of a few programs
-    would double the time (H200 sweep). The block programs are short: they take the
-    SMs left over, or follow the first to finish. On an H200 with 8 KV heads that is 16
-    splits: 16K keys as 16 x 1024, not 14 x 1152 + 256 with 15. And no split shorter
+    """Prefix splits from shapes only. One wave: (splits + 1) programs per (b, kv head)
+    fill the SMs at most once, as the larger tiles fit one program per SM and a second
+    wave of a few programs would double the time (H200 sweep). And no split shorter
     than 256 keys (512 past one 16-row MMA tile) on a full cache, where the fixed cost
-    of a program and of its rows x D partial (written, then read by the merge)
-    outweighs its share of the prefix."""
-    one_wave = _sm_count(device) // (batch * kv_heads)
+    of a program and of its rows x D partial outweighs its share of the prefix."""
+    one_wave = _sm_count(device) // (batch * kv_heads) - 1
     min_chunk = 256 if rows <= 16 else 512
     return max(1, min(one_wave, capacity // min_chunk))
 
@@ -255,25 +219,23 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # tiles / fewer stages so that its 4-byte tiles fit in shared memory.
     fp32 = q.dtype == torch.float32
     block_m = max(16, min(64 if fp32 else 128, triton.next_power_of_2(rows)))
-    num_warps = 8 if block_m >= 128 else 4
-    # The merge loads [splits, MERGE_M, D] at once: up to 64 values a thread.
-    splits_p2 = triton.next_power_of_2(splits)
-    merge_m = max(1, min(triton.next_power_of_2(min(rows, block_m)), 64 * 32 * num_warps // (splits_p2 * D)))
 
     # Partial outputs in the input dtype: normalised, so bf16 costs no more accuracy than
     # the bf16 output itself, and halves their traffic (T=16: 12% -> 6% of the prefix).
     o_part = torch.empty(B * HKV, splits + 1, rows, D, dtype=q.dtype, device=q.device)
     lse_part = torch.empty(B * HKV, splits + 1, rows, dtype=torch.float32, device=q.device)
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
-    counters = _arrival_counters(q.device, B * HKV * triton.cdiv(rows, block_m))
     LOG2E = 1.4426950408889634
-    _tree_attention[(B * HKV, splits + 1)](
-        q, k_cache, v_cache, mask.view(torch.uint8), o_part, lse_part, out, counters, inputs.prefix_lens,
+    _partial_attention[(B * HKV, splits + 1)](
+        q, k_cache, v_cache, mask.view(torch.uint8), o_part, lse_part, inputs.prefix_lens,
         q.stride(0), q.stride(1), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3],
         mask.stride(0), mask.stride(1), scale * LOG2E, splits,
         HKV=HKV, G=G, T=T, D=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        BLOCK_N_TREE=max(16, min(BLOCK_N, triton.next_power_of_2(T))),
-        SPLITS_P2=splits_p2, MERGE_M=merge_m, FP32_DOT=fp32,
+        BLOCK_N_TREE=max(16, min(BLOCK_N, triton.next_power_of_2(T))), FP32_DOT=fp32,
         # small row tiles are memory-bound: one more tile in flight (H200, 16K, T=1: -5%)
-        num_warps=num_warps, num_stages=2 if fp32 else 4 if block_m <= 64 else 3)
+        num_warps=8 if block_m >= 128 else 4, num_stages=2 if fp32 else 4 if block_m <= 64 else 3)
+    _merge[(B * T * H,)](
+        o_part, lse_part, inputs.prefix_lens, out, splits, HKV=HKV, G=G, T=T, D=D,
+        CHUNK=min(64, triton.next_power_of_2(splits + 1)), BLOCK_N=BLOCK_N,
+        num_warps=4)
     return out
