@@ -4,9 +4,11 @@
 # TARGET_MINUTES, then a DFlash drafter per training source for DRAFTER_MINUTES each; every
 # trainer reports held-out loss, the drafter also τ through the engine. Run from the repo root.
 #
-#   OUT=/path/out scripts/train_builtin.sh     # the real run: 4.5 + 2.5 min budgets, ~9 min in all
-#   TARGET=treeflash/builtin/target SOURCES="corpus generated" OUT=... scripts/train_builtin.sh
-#                                   # drafters only, for an existing target: corpus vs generated text
+#   OUT=/path/out scripts/train_builtin.sh     # the real run: target 4.5 min, 1 min of generation,
+#                                              # drafter 6 min: ~12.5 min in all (two device commands)
+#   TARGET=treeflash/builtin/target OUT=... scripts/train_builtin.sh
+#                                   # the drafter only, for an existing target (how the shipped one was made)
+#   TARGET=... SOURCES="corpus generated" OUT=... scripts/train_builtin.sh   # compare training texts
 #   CPU smoke run with tiny shapes: see TRAINING.md.
 #
 # Training state stays under $WORK, never under $OUT. Each finished checkpoint goes into $OUT
@@ -22,9 +24,10 @@ WORK=${WORK:-/tmp/treeflash-train}
 PY=${PYTHON:-python3}
 TARGET=${TARGET:-}                       # an existing target checkpoint: skip target training
 TARGET_MINUTES=${TARGET_MINUTES:-4.5}
-DRAFTER_MINUTES=${DRAFTER_MINUTES:-2.5}
-SOURCES=${SOURCES:-corpus}               # drafter training text: corpus and/or generated
-GEN_PROMPTS=${GEN_PROMPTS:-4096}         # target-generated sequences (64-token prompt + 448 greedy tokens)
+DRAFTER_MINUTES=${DRAFTER_MINUTES:-6}
+DRAFTER_LAYERS=${DRAFTER_LAYERS:-3}
+SOURCES=${SOURCES:-generated}            # drafter training text: generated and/or corpus
+GEN_PROMPTS=${GEN_PROMPTS:-49152}        # target-generated sequences (64-token prompt + 448 greedy tokens)
 TARGET_ARGS=${TARGET_ARGS:-}
 DRAFTER_ARGS=${DRAFTER_ARGS:-}
 GEN_ARGS=${GEN_ARGS:-}
@@ -75,7 +78,7 @@ for source in $SOURCES; do
     stamp "generating $GEN_PROMPTS continuations with the target"
     # shellcheck disable=SC2086
     "$PY" -m treeflash.train generate --target "$TARGET" --data "$DATA" --out "$WORK/generated.npz" \
-      --num-prompts "$GEN_PROMPTS" --prompt-len 64 --new-tokens 448 --batch-size 1024 $GEN_ARGS
+      --num-prompts "$GEN_PROMPTS" --prompt-len 64 --new-tokens 448 --batch-size 4096 $GEN_ARGS
     data_args=(--generated "$WORK/generated.npz")
   elif [ "$source" != corpus ]; then
     echo "unknown source '$source' (choose corpus or generated)" >&2; exit 2
@@ -84,9 +87,9 @@ for source in $SOURCES; do
   # shellcheck disable=SC2086
   "$PY" -m treeflash.train drafter --target "$TARGET" --data "$DATA" "${data_args[@]}" \
     --run "$WORK/$name-run" --out "$PACK/$name" --max-minutes "$DRAFTER_MINUTES" \
-    --num-layers 2 --block-size 16 --target-layer-ids 1,3,5 --batch-size 64 --seq-len 512 \
-    --blocks-per-seq 32 --lr 2e-3 --warmup-steps 100 --eval-every 500 --eval-tokens 262144 \
-    --save-every 1000 --log-every 100 --tau-prompts 32 --tau-new-tokens 256 $DRAFTER_ARGS
+    --num-layers "$DRAFTER_LAYERS" --block-size 16 --target-layer-ids 1,3,5 --batch-size 64 --seq-len 512 \
+    --blocks-per-seq 32 --lr 2e-3 --warmup-steps 100 --eval-every 1000 --eval-tokens 262144 \
+    --save-every 2000 --log-every 500 --tau-prompts 32 --tau-new-tokens 256 $DRAFTER_ARGS
   finish "$name"
 done
 cat "$OUT/summary.json"
