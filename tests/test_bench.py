@@ -196,6 +196,23 @@ def test_shape_tp_errors_are_one_line(argv, code, message, capfd):
     assert len(lines) == 1 and lines[0].startswith(f"treeflash: error: {message}"), lines
 
 
+def test_shape_tp_failing_rank_is_one_line(tmp_path, monkeypatch, capfd):
+    """A rank that fails while timing: the user sees its error in one line, naming it,
+    not torchrun's report or the peer's broken collective."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import treeflash.bench as bench\n"
+        "    from treeflash.errors import TreeflashError\n"
+        "    def fail(*args, **kwargs):\n"
+        "        raise TreeflashError('no room for the shard')\n"
+        "    bench.random_models = fail\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert main(TINY + ["--tp", "2"]) == 1
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert lines == ["treeflash: error: bench --tp 2: rank 1: no room for the shard"], lines
+
+
 def test_tp_needs_shape_mode(capsys):
     assert main(["bench", "--tp", "2"]) == 2
     assert capsys.readouterr().err.strip() == "treeflash: error: --tp applies to --shape only (model-pair mode runs one process)"

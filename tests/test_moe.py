@@ -198,7 +198,7 @@ def test_tp2_tokens_equal_tp1(tp_engines):
 @pytest.mark.parametrize("change,message", [
     (dict(num_experts_per_tok=9), r"num_experts_per_tok \(9\) exceeds num_experts \(8\)"),
     (dict(moe_intermediate_size=None), "lacks required key 'moe_intermediate_size'"),
-    (dict(num_local_experts=0), "'num_experts' must be a positive integer"),
+    (dict(num_local_experts=0, num_experts=None), "'num_experts' must be a positive integer"),
     (dict(mlp_only_layers=[4]), r"'mlp_only_layers' must list layer ids 0\.\.3"),
     (dict(norm_topk_prob="yes"), "'norm_topk_prob' must be true or false"),
     (dict(n_shared_experts=-1), "'n_shared_experts' must be an integer >= 0"),

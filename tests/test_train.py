@@ -225,6 +225,8 @@ def test_drafter_on_generated_continuations(target, data_dir, tmp_path):
                             tau_prompts=0)
     assert summary["steps"] == 5 and np.isfinite(summary["eval_loss"])
     assert summary["heldout_text"] == "generated"  # selected on the text it learns, not the corpus
+    with pytest.raises(UsageError, match="heldout_prompts must be >= 0"):
+        generate_continuations(base / "model", data_dir, tmp_path / "bad", num_prompts=2, heldout_prompts=-1)
     assert (tmp_path / "run" / "model" / "config.json").exists()
 
 

@@ -23,6 +23,7 @@ PNG plot (`--plot`, when matplotlib is importable).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -42,8 +43,8 @@ from treeflash.distributed import TPGroup
 from treeflash.engine.llm import LLM, attention_backend, resolve_device, resolve_dtype
 from treeflash.engine.round import SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
-from treeflash.engine.tp import check_devices, check_shardable, join_group, torchrun_env
-from treeflash.engine.tree import build_tree_from_topk, empty_tree
+from treeflash.engine.tp import COMM_HINTS, check_devices, check_shardable, join_group, torchrun_env
+from treeflash.engine.tree import empty_tree
 from treeflash.errors import TreeflashError, UsageError
 from treeflash.layers.attention import AttentionInputs
 from treeflash.models.dflash import DFlashDraftModel
@@ -558,9 +559,8 @@ def round_ops(target, drafter, st, context: int, budgets: list[int], backend: st
     ar, dflash = decoder("ar"), decoder("dflash")
     ar_state = dataclasses.replace(st, draft_cache=None)  # same buffers, no drafter context
     taps = drafter.target_layer_ids
-    tp = target.tp
+    ddtree = {n: decoder("ddtree", n) for n in budgets if n}
     logits = dflash.draft_logits(st)  # a fixed draft: trees for verify and tree-build ops
-    start = tp.rank * logits.shape[-1]
 
     def verify(tree):
         """Target forward over root + N nodes with the tree mask, and the LM head."""
@@ -573,11 +573,8 @@ def round_ops(target, drafter, st, context: int, budgets: list[int], backend: st
         return fn
 
     def tree_for(n):
-        """The DDTree of N nodes over the fixed draft, as `SpeculativeDecoder.build`."""
-        if not n:
-            return empty_tree(st.anchor)
-        vals, ids = tp.topk(logits, min(n, target.config.vocab_size), start, log_softmax=True)
-        return build_tree_from_topk(vals, ids, st.anchor, n)
+        """The DDTree of N nodes over the fixed draft, as the round builds it."""
+        return ddtree[n].tree_from_logits(logits, st.anchor) if n else empty_tree(st.anchor)
 
     D = drafter.block_size - 1
     ops = [("ar", 0, "ar", lambda: ar.round(ar_state), True)]
@@ -585,7 +582,7 @@ def round_ops(target, drafter, st, context: int, budgets: list[int], backend: st
     ops += [("draft", D, "draft", lambda: dflash.draft_logits(st), False)]
     ops += [("tree", n, None, (lambda n=n: tree_for(n)), False) for n in budgets if n]
     ops += [("round-dflash", D, "round", lambda: dflash.round(st), True)]
-    ops += [("round", n, "round", (lambda d=decoder("ddtree", n): d.round(st)), True) for n in budgets if n]
+    ops += [("round", n, "round", (lambda d=ddtree[n]: d.round(st)), True) for n in budgets if n]
     return ops
 
 
@@ -642,39 +639,55 @@ def bench_shape(args) -> int:
                 open_out(args.out).close()  # a bad path fails here, once
             return relaunch(args, device, graphs_list)
         rt = join_group(args.tp, device)
-    group, device = (rt.group, rt.device) if rt is not None else (TPGroup(), device)
-    lead = group.rank == 0  # rank 0 prints and writes; every rank times
-    out = open_out(args.out) if lead else None
+    with one_line_errors(rt.rank if rt is not None else None):
+        group, device = (rt.group, rt.device) if rt is not None else (TPGroup(), device)
+        lead = group.rank == 0  # rank 0 prints and writes; every rank times
+        out = open_out(args.out) if lead else None
 
-    target, drafter = random_models(cfg, dcfg, device, dtype, group)
-    mib = args.copy_mib or (2048 if device.type == "cuda" else 256)
-    bandwidth = copy_bandwidth(device, mib)
-    allreduce = allreduce_timer(group, cfg.hidden_size, dtype, device, args.iters) if group.size > 1 else None
-    if lead:
-        ranks = f" per rank of tp {group.size}" if group.size > 1 else ""
-        print(f"bench: shape {args.shape} ({_size(_bytes(target))} target, {_size(_bytes(drafter))} "
-              f"drafter of {args.draft_layers} layers{ranks}), {str(dtype).replace('torch.', '')} on {device}, "
-              f"attention {backend}; copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write, {mib} MiB)")
+        target, drafter = random_models(cfg, dcfg, device, dtype, group)
+        mib = args.copy_mib or (2048 if device.type == "cuda" else 256)
+        bandwidth = copy_bandwidth(device, mib)
+        allreduce = allreduce_timer(group, cfg.hidden_size, dtype, device, args.iters) if group.size > 1 else None
+        if lead:
+            ranks = f" per rank of tp {group.size}" if group.size > 1 else ""
+            print(f"bench: shape {args.shape} ({_size(_bytes(target))} target, {_size(_bytes(drafter))} "
+                  f"drafter of {args.draft_layers} layers{ranks}), {str(dtype).replace('torch.', '')} on {device}, "
+                  f"attention {backend}; copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write, {mib} MiB)")
 
-    rows = []
-    with torch.inference_mode():
-        for context in contexts:
-            for bs in batch_sizes:
-                for temperature in temperatures:
-                    for graphs in graphs_list:
-                        rows += shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets,
-                                           backend, bandwidth, device, dtype, out, allreduce, lead)
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-    if lead:
-        close_out(out, args.out)
-        print(format_table(rows, SHAPE_COLUMNS + (TP_COLUMNS if group.size > 1 else [])))
-        print_ratios(rows)
-        if args.plot:
-            plot_shape(rows, args.plot)
-    if rt is not None:
-        rt.leave()
+        rows = []
+        with torch.inference_mode():
+            for context in contexts:
+                for bs in batch_sizes:
+                    for temperature in temperatures:
+                        for graphs in graphs_list:
+                            rows += shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets,
+                                               backend, bandwidth, device, dtype, out, allreduce, lead)
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+        if lead:
+            close_out(out, args.out)
+            print(format_table(rows, SHAPE_COLUMNS + (TP_COLUMNS if group.size > 1 else [])))
+            print_ratios(rows)
+            if args.plot:
+                plot_shape(rows, args.plot)
+        if rt is not None:
+            rt.leave()
     return 0
+
+
+@contextlib.contextmanager
+def one_line_errors(rank: int | None):
+    """A failure while timing as one line, naming the rank under --tp (`relaunch` reports
+    the first rank's line); running out of device memory included (a shape, context or
+    batch too large for the GPU is bad input, not a crash)."""
+    where = f"rank {rank}: " if rank is not None else ""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise TreeflashError(f"{where}out of device memory: use fewer or shorter --contexts, smaller "
+                             f"--batch-sizes or --budgets, or a larger --tp") from None
+    except TreeflashError as e:
+        raise type(e)(f"{where}{e}") from None
 
 
 def bench_argv(args) -> list[str]:
@@ -699,7 +712,20 @@ def relaunch(args, device: torch.device, graphs: list[bool]) -> int:
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.tp)))  # else torchrun sets 1, noisily
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.tp),
            "-m", "treeflash", *bench_argv(args)]
-    return subprocess.run(cmd, env=env).returncode
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+    errors, launcher_report = [], False
+    for line in proc.stderr:  # the ranks' progress, and their one-line errors
+        if line.startswith("treeflash: "):
+            errors.append(line.strip().removeprefix("treeflash: ").removeprefix("error: "))
+        elif line.startswith("Traceback") or "distributed.elastic" in line.replace("/", "."):
+            launcher_report = True  # torchrun's account of the failed rank: the ranks' own lines say it
+        elif not launcher_report:
+            sys.stderr.write(line)
+    if proc.wait() == 0:
+        return 0
+    # a rank's own error before the broken collectives it left its peers
+    errors.sort(key=lambda e: any(h in e.lower() for h in COMM_HINTS))
+    raise TreeflashError(f"bench --tp {args.tp}: " + (errors[0] if errors else f"a rank failed (exit {proc.returncode})"))
 
 
 def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets, backend, bandwidth,
@@ -723,7 +749,7 @@ def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets,
         need = op_bytes(kind, target, drafter, context, bs, tokens) if kind else None
         floor = 1e6 * need / bandwidth if need else None
         plan = allreduce_plan(op, n, target, drafter, bs) if allreduce is not None else []
-        reduce_us = sum(count * allreduce(tokens, graphs) for count, tokens in plan)
+        reduce_us = sum(count * allreduce(width, graphs) for count, width in plan)
         row = {"mode": "shape", "shape": args.shape, "context": context, "batch_size": bs,
                "temperature": temperature, "graphs": graphs, "op": op, "N": n, "time_us": round(us, 2),
                "floor_us": round(floor, 2) if floor else None,

@@ -114,12 +114,6 @@ class SpeculativeDecoder:
             self.drafter.commit_context(st.draft_cache, feats, positions, torch.zeros_like(lens), lens)
         st.max_n = T
 
-    def draft_scores(self, st: BatchState) -> torch.Tensor:
-        """Per-depth draft scores [B, D, V] for depths 1..D: one drafter forward over
-        [anchor, MASK...], log-probabilities at each request's temperature (the whole
-        vocabulary; rounds use `draft_logits` and never gather it)."""
-        return torch.log_softmax(self.tp.all_gather(self.draft_logits(st), dim=-1), dim=-1)
-
     def draft_logits(self, st: BatchState) -> torch.Tensor:
         """This rank's vocabulary slice of the per-depth draft scores [B, D, V/N] for
         depths 1..D: float32 logits at each request's temperature, noised in coupled mode."""
@@ -149,13 +143,18 @@ class SpeculativeDecoder:
         argmax / top-k, one all-gather of the candidates): every rank builds the same tree."""
         if self.method == "ar":
             return empty_tree(st.anchor)
-        logits, tp = self.draft_logits(st), self.tp
+        return self.tree_from_logits(self.draft_logits(st), st.anchor)
+
+    def tree_from_logits(self, logits: torch.Tensor, anchor: torch.Tensor) -> DraftTree:
+        """The chain (dflash) or the DDTree of `budget` nodes below `anchor`, from this
+        rank's slice of the draft logits [B, D, V/N]."""
+        tp = self.tp
         start = tp.rank * logits.shape[-1]
         if self.method == "dflash":
-            return build_chain_from_tokens(tp.argmax(logits, start), st.anchor)
+            return build_chain_from_tokens(tp.argmax(logits, start), anchor)
         k = min(self.budget, self.target.lm_head.vocab_size)
         vals, ids = tp.topk(logits, k, start, log_softmax=True)
-        return build_tree_from_topk(vals, ids, st.anchor, self.budget)
+        return build_tree_from_topk(vals, ids, anchor, self.budget)
 
     @torch.inference_mode()
     def round(self, st: BatchState) -> tuple[torch.Tensor, torch.Tensor]:

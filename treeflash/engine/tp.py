@@ -82,7 +82,7 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"[:400] if text else type(e).__name__
 
 
-_COMM_HINTS = ("connection closed", "connection reset", "broken pipe", "gloo", "nccl", "timed out", "timeout",
+COMM_HINTS = ("connection closed", "connection reset", "broken pipe", "gloo", "nccl", "timed out", "timeout",
                "processgroup", "c10d", "socket")
 
 
@@ -90,7 +90,7 @@ def is_comm_error(e: BaseException) -> bool:
     """Did `e` come from a collective or the store (a peer died or hung)?"""
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
-    return isinstance(e, RuntimeError) and any(h in str(e).lower() for h in _COMM_HINTS)
+    return isinstance(e, RuntimeError) and any(h in str(e).lower() for h in COMM_HINTS)
 
 
 # ----------------------------------------------------------------------------- memory

@@ -206,12 +206,13 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
     data = load_corpus(data_dir)
     if data.train.size <= prompt_len:
         raise UsageError(f"the corpus has {data.train.size} tokens, too few for prompts of {prompt_len}")
+    if heldout_prompts and data.heldout.size <= prompt_len:
+        raise UsageError(f"the held-out split has {data.heldout.size} tokens, too few for prompts of {prompt_len} "
+                         f"(pass heldout_prompts=0 / --heldout-prompts 0 to skip held-out continuations)")
     llm = LLM(target_dir, method="ar", device=device)
     if prompt_len + new_tokens > llm.max_model_len:
         raise UsageError(f"prompt_len + new_tokens = {prompt_len + new_tokens} exceeds the target's "
                          f"context of {llm.max_model_len}")
-    if heldout_prompts and data.heldout.size <= prompt_len:
-        raise UsageError(f"the held-out split has {data.heldout.size} tokens, too few for prompts of {prompt_len}")
     rng = np.random.default_rng(seed)
     prompts = [split[s:s + prompt_len].astype(np.int64).tolist()
                for split, n in ((data.train, num_prompts), (data.heldout, heldout_prompts))
