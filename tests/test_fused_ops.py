@@ -34,3 +34,36 @@ def test_fused_ops_match_torch(dtype, tol):
         gu = torch.randn(3, 2 * 1000, dtype=dtype)
         g, u = gu.chunk(2, -1)
         assert (silu_mul(gu) - F.silu(g) * u).abs().max() <= tol * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_rope_into_cache_matches_the_layer_steps(dtype, qk_norm):
+    """One launch = norm_rope(q), norm_rope(k) and the two cache writes at
+    prefix_lens + t, bit for bit (decode/verify/draft path); and the k/v-only form the
+    drafter's context projection uses."""
+    from treeflash.layers.attention import write_block
+    from treeflash.layers.rotary import RotaryEmbedding
+    from treeflash.ops.fused import norm_rope, rope_into_cache
+    torch.manual_seed(1)
+    B, T, H, HKV, D, S = 2, 7, 8, 2, 128, 64
+    with torch.device("cuda"):
+        qkv = torch.randn(B, T, (H + 2 * HKV) * D, dtype=dtype)
+        qw, kw = (torch.rand(D, dtype=dtype) + 0.5, torch.rand(D, dtype=dtype) + 0.5) if qk_norm else (None, None)
+        prefix = torch.tensor([0, 50])
+        cos, sin = RotaryEmbedding(D, 1e6).cos_sin(prefix[:, None] + torch.arange(T), dtype)
+        q, k, v = qkv.split([H * D, HKV * D, HKV * D], -1)
+        q, k, v = q.view(B, T, H, D), k.view(B, T, HKV, D), v.view(B, T, HKV, D)
+        # other slots keep their values (7)
+        k_ref, v_ref = torch.full((B, HKV, S, D), 7.0, dtype=dtype), torch.full((B, HKV, S, D), 7.0, dtype=dtype)
+        slots = prefix[:, None] + torch.arange(T)
+        write_block(k_ref, norm_rope(k, kw, 1e-6, cos, sin), slots)
+        write_block(v_ref, v, slots)
+        k_cache, v_cache = torch.full_like(k_ref, 7.0), torch.full_like(v_ref, 7.0)
+        out = rope_into_cache(qkv, H, HKV, qw, kw, 1e-6, cos, sin, k_cache, v_cache, prefix)
+        assert torch.equal(out, norm_rope(q, qw, 1e-6, cos, sin))
+        assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+        k_cache.fill_(7.0), v_cache.fill_(7.0)
+        assert rope_into_cache(qkv[..., H * D:].contiguous(), H, HKV, qw, kw, 1e-6, cos, sin,
+                               k_cache, v_cache, prefix, with_q=False) is None
+        assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)

@@ -43,14 +43,14 @@ def make_inputs(B, T, S, mask_kind, gen):
     return AttentionInputs(positions.to(DEV), lens.to(DEV), mask.to(DEV))
 
 
-def check(B, T, HKV, G, D, S, dtype, mask_kind, num_splits=None, seed=0):
+def check(B, T, HKV, G, D, S, dtype, mask_kind, num_splits=None, seed=0, row_programs=None):
     gen = torch.Generator().manual_seed(seed)
     inputs = make_inputs(B, T, S, mask_kind, gen)
     q = torch.randn(B, T, HKV * G, D, generator=gen).to(DEV, dtype)
     k = torch.randn(B, HKV, S, D, generator=gen).to(DEV, dtype)
     v = torch.randn(B, HKV, S, D, generator=gen).to(DEV, dtype)
     scale = D ** -0.5
-    out = tree_attention(q, k, v, inputs, scale, num_splits=num_splits)
+    out = tree_attention(q, k, v, inputs, scale, num_splits=num_splits, row_programs=row_programs)
     ref = sdpa_attention(q.double(), k.double(), v.double(), inputs, scale)
     assert out.shape == q.shape and out.dtype == dtype
     assert torch.isfinite(out).all()
@@ -81,6 +81,14 @@ def test_split_counts(num_splits):
     """One split, a few, and more splits than tiles (most splits empty)."""
     check(B=3, T=8, HKV=2, G=4, D=64, S=500, dtype=torch.float32, mask_kind="tree",
           num_splits=num_splits, seed=num_splits)
+
+
+@pytest.mark.parametrize("row_programs", [1, 2, 3])
+def test_row_programs(row_programs):
+    """148 rows = 3 row tiles of 64 (fp32): one program walking all three, two sharing
+    them unevenly, one per tile."""
+    check(B=2, T=37, HKV=2, G=4, D=64, S=300, dtype=torch.float32, mask_kind="tree",
+          num_splits=2, row_programs=row_programs, seed=row_programs)
 
 
 @pytest.mark.skipif(INTERPRET, reason="large shapes are slow in the interpreter")

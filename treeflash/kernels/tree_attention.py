@@ -86,13 +86,14 @@ def _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, first, 
 def _partial_attention(
     q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr, prefix_ptr,
     sq_b, sq_t, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_i,
-    qk_scale, num_splits,
+    qk_scale, num_splits, row_programs,
     HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_N_TREE: tl.constexpr, FP32_DOT: tl.constexpr,
 ):
-    """Program (b * HKV + kv head, split): all T*G rows of that KV head against one key
-    range, written as normalised partials o [rows, D] and lse [rows].
+    """Program (b * HKV + kv head, split, row program): the T*G rows of that KV head
+    (row tiles row_program, row_program + row programs, ...) against one key range,
+    written as normalised partials o [rows, D] and lse [rows].
 
     Row r is block token r // G, query head kvh * G + r % G: consecutive rows are
     consecutive heads of one token, so q loads are contiguous. Splits
@@ -101,6 +102,7 @@ def _partial_attention(
     ROWS: tl.constexpr = T * G
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
+    row_program = tl.program_id(2)
     b = pid_bh // HKV
     kvh = pid_bh % HKV
     L = tl.load(prefix_ptr + b).to(tl.int32)
@@ -121,7 +123,7 @@ def _partial_attention(
     mask_base = mask_ptr + b * sm_b
     part = pid_bh * (num_splits + 1) + split
     # Row tiles back to back over the same key range: after the first, it is in L2.
-    for row0 in range(0, n_rows, BLOCK_M):
+    for row0 in range(row_program * BLOCK_M, n_rows, row_programs * BLOCK_M):
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < ROWS
         tok = rows // G
@@ -182,15 +184,25 @@ def _sm_count(device: torch.device) -> int:
     return 132  # interpreter runs: behave like an H200
 
 
-def default_num_splits(batch: int, kv_heads: int, rows: int, capacity: int, device: torch.device) -> int:
-    """Prefix splits from shapes only. One wave: (splits + 1) programs per (b, kv head)
-    fill the SMs at most once, as the larger tiles fit one program per SM and a second
-    wave of a few programs would double the time (H200 sweep). And no split shorter
-    than 256 keys (512 past one 16-row MMA tile) on a full cache, where the fixed cost
-    of a program and of its rows x D partial outweighs its share of the prefix."""
-    one_wave = _sm_count(device) // (batch * kv_heads) - 1
+def default_num_splits(batch: int, kv_heads: int, rows: int, capacity: int, device: torch.device,
+                       row_programs: int = 1) -> int:
+    """Prefix splits from shapes only. One wave: (splits + 1) programs per (b, kv head,
+    row program) fill the SMs at most once, as the larger tiles fit one program per SM
+    and a second wave of a few programs would double the time (H200 sweep). And no split
+    shorter than 256 keys (512 past one 16-row MMA tile) on a full cache, where the fixed
+    cost of a program and of its rows x D partial outweighs its share of the prefix."""
+    one_wave = _sm_count(device) // (batch * kv_heads * row_programs) - 1
     min_chunk = 256 if rows <= 16 else 512
     return max(1, min(one_wave, capacity // min_chunk))
+
+
+def default_row_programs(rows: int, block_m: int) -> int:
+    """Programs that share a (b, kv head, split)'s row tiles. Up to 128 rows (T * G) one
+    program loads each KV tile once for all of them. Past that the kernel is
+    compute-bound (T * G FLOP per byte of K/V, see NOTES.md) and a single program per
+    split walking 8 row tiles left most SMs idle: each row tile gets its own program
+    and the KV chunk is re-read from L2, not HBM, by programs running side by side."""
+    return triton.cdiv(rows, block_m)
 
 
 def supports(head_dim: int) -> bool:
@@ -199,12 +211,13 @@ def supports(head_dim: int) -> bool:
 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   inputs: AttentionInputs, scale: float, num_splits: int | None = None) -> torch.Tensor:
+                   inputs: AttentionInputs, scale: float, num_splits: int | None = None,
+                   row_programs: int | None = None) -> torch.Tensor:
     """q [B, T, H, D] against cache [B, Hkv, S, D] -> [B, T, H, D]; see module doc.
 
     The block's K/V must already be at slots prefix_lens[b] + 0..T-1 (< S).
     `inputs.kv_len` is ignored: each request reads prefix_lens[b] + T slots.
-    `num_splits` overrides the shape-based prefix split count (benchmarks).
+    `num_splits` and `row_programs` override the shape-based choices (benchmarks).
     """
     B, T, H, D = q.shape
     _, HKV, S, _ = k_cache.shape
@@ -214,11 +227,12 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     mask = inputs.block_mask
     assert mask.shape == (B, T, T) and mask.stride(-1) == 1, "block_mask must be [B, T, T]"
     rows = T * G
-    splits = num_splits or default_num_splits(B, HKV, rows, S, q.device)
     # fp32 (tests, debugging) uses 3-pass tf32 dots for ~fp32 accuracy, and smaller
     # tiles / fewer stages so that its 4-byte tiles fit in shared memory.
     fp32 = q.dtype == torch.float32
     block_m = max(16, min(64 if fp32 else 128, triton.next_power_of_2(rows)))
+    row_programs = min(row_programs or default_row_programs(rows, block_m), triton.cdiv(rows, block_m))
+    splits = num_splits or default_num_splits(B, HKV, rows, S, q.device, row_programs)
 
     # Partial outputs in the input dtype: normalised, so bf16 costs no more accuracy than
     # the bf16 output itself, and halves their traffic (T=16: 12% -> 6% of the prefix).
@@ -226,10 +240,10 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     lse_part = torch.empty(B * HKV, splits + 1, rows, dtype=torch.float32, device=q.device)
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
     LOG2E = 1.4426950408889634
-    _partial_attention[(B * HKV, splits + 1)](
+    _partial_attention[(B * HKV, splits + 1, row_programs)](
         q, k_cache, v_cache, mask.view(torch.uint8), o_part, lse_part, inputs.prefix_lens,
         q.stride(0), q.stride(1), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        mask.stride(0), mask.stride(1), scale * LOG2E, splits,
+        mask.stride(0), mask.stride(1), scale * LOG2E, splits, row_programs,
         HKV=HKV, G=G, T=T, D=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         BLOCK_N_TREE=max(16, min(BLOCK_N, triton.next_power_of_2(T))), FP32_DOT=fp32,
         # small row tiles are memory-bound: one more tile in flight (H200, 16K, T=1: -5%)

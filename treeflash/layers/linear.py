@@ -34,6 +34,12 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def kv_only(self, x: torch.Tensor) -> torch.Tensor:
+        """The output of all parts but the first (k and v of a QKV layer), reading only
+        their rows of the weight: the drafter's context projection needs no q."""
+        q = self.parts[0]
+        return F.linear(x, self.weight[q:], None if self.bias is None else self.bias[q:])
+
 
 class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r W_r^T (+ bias once).

@@ -19,6 +19,12 @@ from treeflash.layers.linear import RowParallelLinear
 from treeflash.layers.norm import RMSNorm
 from treeflash.layers.rotary import RotaryEmbedding, apply_rotary
 from treeflash.models.transformer import DecoderLayer
+from treeflash.ops import fused_enabled
+
+try:  # Triton kernels, used only when `fused_enabled` (CUDA inference)
+    from treeflash.ops.fused import rope_into_cache
+except ImportError:
+    rope_into_cache = None
 
 
 class DFlashDraftModel(nn.Module):
@@ -71,10 +77,19 @@ class DFlashDraftModel(nn.Module):
         Only the first `counts[b]` rows are committed positions; the rest land in
         free space past the prefix (static shapes) and are overwritten later.
         """
-        slots = start[:, None] + torch.arange(features.shape[1], device=start.device)
-        for i, (k, v) in enumerate(self.context_kv(features, positions)):
-            write_block(cache.k[i], k, slots)
-            write_block(cache.v[i], v, slots)
+        if fused_enabled(features):  # k/v rows of the weights only; k norm, RoPE, cache writes in one launch
+            ctx = self.hidden_norm(self.fc(features))
+            cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
+            for i, layer in enumerate(self.layers):
+                attn = layer.self_attn
+                eps = attn.k_norm.eps if attn.k_norm is not None else 0.0
+                rope_into_cache(attn.qkv_proj.kv_only(ctx), attn.num_heads, attn.num_kv_heads, *attn.norm_weights(), eps,
+                                cos, sin, cache.k[i], cache.v[i], start, with_q=False)
+        else:
+            slots = start[:, None] + torch.arange(features.shape[1], device=start.device)
+            for i, (k, v) in enumerate(self.context_kv(features, positions)):
+                write_block(cache.k[i], k, slots)
+                write_block(cache.v[i], v, slots)
         cache.projected += counts
 
     def forward(self, block_embeds: torch.Tensor, inputs: AttentionInputs,

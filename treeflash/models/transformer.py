@@ -24,9 +24,9 @@ from treeflash.models.moe import SparseMoE
 from treeflash.ops import fused_enabled
 
 try:  # Triton kernels, used only when `fused_enabled` (CUDA inference)
-    from treeflash.ops.fused import add_rms_norm, norm_rope, silu_mul
+    from treeflash.ops.fused import add_rms_norm, norm_rope, rope_into_cache, silu_mul
 except ImportError:
-    add_rms_norm = norm_rope = silu_mul = None
+    add_rms_norm = norm_rope = rope_into_cache = silu_mul = None
 
 
 class Attention(nn.Module):
@@ -51,17 +51,28 @@ class Attention(nn.Module):
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
         if fused_enabled(x):  # one kernel per tensor for norm + RoPE
-            qw, kw = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+            qw, kw = self.norm_weights()
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
             return norm_rope(q, qw, eps, cos, sin), norm_rope(k, kw, eps, cos, sin), v
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
+    def norm_weights(self):
+        """(q_norm, k_norm) weights for the fused kernels (None, None without q/k norms)."""
+        return (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+
     def forward(self, x, cos, sin, inputs: AttentionInputs, kv: tuple | None, prefix_kv: tuple | None = None):
         """kv: this layer's (k_cache, v_cache), or None for the cache-free (training) path,
         where `prefix_kv` optionally holds K/V [B, P, Hkv, D] placed before the block."""
         B, T, _ = x.shape
+        if kv is not None and not inputs.is_prefill and fused_enabled(x):
+            # decode / verify / draft: q/k norm, RoPE and the cache writes in one launch
+            eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            q = rope_into_cache(self.qkv_proj(x), self.num_heads, self.num_kv_heads, *self.norm_weights(), eps,
+                                cos, sin, kv[0], kv[1], inputs.prefix_lens)
+            out = attention_kernel(inputs.backend)(q, kv[0], kv[1], inputs, self.scale)
+            return self.o_proj(out.reshape(B, T, -1))
         q, k, v = self.project_qkv(x, cos, sin)
         if kv is None:
             if prefix_kv is not None:

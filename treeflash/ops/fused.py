@@ -100,3 +100,71 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     BLOCK = 1024
     _silu_mul_kernel[(rows.shape[0], triton.cdiv(I2 // 2, BLOCK))](rows, out, I2 // 2, BLOCK=BLOCK)
     return out.view(*gate_up.shape[:-1], I2 // 2)
+
+
+@triton.jit
+def _rope_into_cache_kernel(x_ptr, sx_tok, T, H, HKV, head0, qw_ptr, kw_ptr, eps, cos_ptr, sin_ptr,
+                            q_ptr, k_ptr, v_ptr, sc_b, sc_h, sc_s, prefix_ptr,
+                            HAS_NORM: tl.constexpr, D: tl.constexpr):
+    """Program (token, head) of the merged [q | k | v] heads: q heads are normed, rotated
+    and stored to q; k heads normed, rotated and stored into the cache at slot
+    prefix_lens[b] + t; v heads copied into the cache there."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = head0 + tl.program_id(1)
+    b = tok // T
+    half = tl.arange(0, D // 2)
+    base = x_ptr + tok * sx_tok + (head - head0) * D
+    a = tl.load(base + half)
+    bb = tl.load(base + D // 2 + half)
+    slot = tl.load(prefix_ptr + b) + tok % T
+    if head < H + HKV:
+        af, bf = a.to(tl.float32), bb.to(tl.float32)
+        if HAS_NORM:
+            if head < H:
+                wa, wb = tl.load(qw_ptr + half), tl.load(qw_ptr + D // 2 + half)
+            else:
+                wa, wb = tl.load(kw_ptr + half), tl.load(kw_ptr + D // 2 + half)
+            inv = tl.rsqrt((tl.sum(af * af, axis=0) + tl.sum(bf * bf, axis=0)) / D + eps)
+            dt = q_ptr.dtype.element_ty
+            af = ((af * inv).to(dt) * wa).to(tl.float32)
+            bf = ((bf * inv).to(dt) * wb).to(tl.float32)
+        c1 = tl.load(cos_ptr + tok * D + half).to(tl.float32)
+        c2 = tl.load(cos_ptr + tok * D + D // 2 + half).to(tl.float32)
+        s1 = tl.load(sin_ptr + tok * D + half).to(tl.float32)
+        s2 = tl.load(sin_ptr + tok * D + D // 2 + half).to(tl.float32)
+        lo, hi = af * c1 - bf * s1, bf * c2 + af * s2
+        if head < H:
+            o = q_ptr + (tok * H + head) * D
+        else:
+            o = k_ptr + b * sc_b + (head - H) * sc_h + slot * sc_s
+        tl.store(o + half, lo.to(q_ptr.dtype.element_ty))
+        tl.store(o + D // 2 + half, hi.to(q_ptr.dtype.element_ty))
+    else:
+        o = v_ptr + b * sc_b + (head - H - HKV) * sc_h + slot * sc_s
+        tl.store(o + half, a)
+        tl.store(o + D // 2 + half, bb)
+
+
+def rope_into_cache(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: torch.Tensor | None,
+                    k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, prefix_lens: torch.Tensor,
+                    with_q: bool = True) -> torch.Tensor | None:
+    """The attention input step in one launch: qkv [B, T, (heads + 2 kv_heads) * D] (the
+    merged projection) -> RoPE(norm(q)) [B, T, heads, D] returned, RoPE(norm(k)) and v
+    written into the caches [B, kv_heads, S, D] at slots prefix_lens[b] + 0..T-1. Without
+    q (`with_q=False`: the drafter projecting context) qkv holds only [k | v] and only
+    the cache is written."""
+    B, T, W = qkv.shape
+    D = cos.shape[-1]
+    assert W == ((heads if with_q else 0) + 2 * kv_heads) * D
+    assert qkv.stride(2) == 1 and qkv.stride(0) == T * qkv.stride(1)
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    q = torch.empty(B, T, heads, D, dtype=qkv.dtype, device=qkv.device) if with_q else qkv
+    cos, sin = cos.contiguous(), sin.contiguous()
+    head0 = 0 if with_q else heads
+    has_norm = q_weight is not None
+    _rope_into_cache_kernel[(B * T, heads + 2 * kv_heads - head0)](
+        qkv, qkv.stride(1), T, heads, kv_heads, head0, q_weight if has_norm else qkv,
+        k_weight if has_norm else qkv, eps, cos, sin, q, k_cache, v_cache,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), prefix_lens, HAS_NORM=has_norm, D=D)
+    return q if with_q else None
