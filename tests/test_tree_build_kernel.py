@@ -1,0 +1,175 @@
+"""The one-launch tree builder (kernels/tree_build.py) against the torch builder and
+the heap reference: on CUDA, or on CPU in the Triton interpreter (a CPU-only test
+re-runs this file's kernel tests there, in a subprocess)."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_tree import check_structure, node_prefixes, random_logprobs
+
+from treeflash.engine.tree import best_prefixes_heap, build_tree_from_topk
+
+pytest.importorskip("triton")
+from treeflash.kernels.tree_build import MAX_BUDGET, build_tree_fused, candidate_pairs  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+kernel = pytest.mark.skipif(not (CUDA or INTERPRET), reason="the kernel runs on CUDA or in the Triton interpreter")
+FIELDS = ("tokens", "parents", "depths", "valid", "ancestors")
+
+
+def exact_logprobs(B, D, V, budget, seed):
+    """random_logprobs on a power-of-two grid coarse enough that every path sum of the
+    top-`budget` tokens is exact in float32 (the kernel, the torch builder and the
+    float64 heap then see the same scores), nudged down a step where rounding made two
+    tokens of a depth equal."""
+    lp = random_logprobs(B, D, V, seed).double()
+    worst = D * (float(lp.topk(min(budget, V), -1).values.abs().max()) + 1)
+    step = 2.0 ** (math.floor(math.log2(worst)) - 22)
+    q, order = torch.round(lp / step).sort(-1, descending=True)
+    k = torch.arange(V, dtype=q.dtype)
+    q = (q + k).cummin(-1).values - k               # strictly decreasing, at most V - 1 steps lower
+    return torch.empty_like(q).scatter_(-1, order, q * step).float()
+
+
+def path_scores(tree, lp, b):
+    """float64 score (sum of log-probs from the root) of every node of row b."""
+    toks, deps = tree.tokens[b].tolist(), tree.depths[b].tolist()
+    anc = tree.ancestors[b].cpu()
+    return [sum(float(lp[b, deps[j] - 1, toks[j]]) for j in anc[i].nonzero().flatten().tolist() if j)
+            for i in range(len(toks))]
+
+
+def both(top_vals, top_ids, anchor, budget):
+    """(fused tree on DEV, moved to the CPU; torch builder's tree on the CPU)."""
+    got = build_tree_fused(top_vals.to(DEV), top_ids.to(DEV), anchor.to(DEV), budget)
+    got = type(got)(*(getattr(got, f).cpu() for f in ("tokens", "parents", "depths", "ancestors", "valid")))
+    return got, build_tree_from_topk(top_vals, top_ids, anchor, budget)
+
+
+# (B, D, V, budget, K): K columns of each depth's sorted distribution are passed (None: min(budget, V))
+CASES = [
+    (1, 15, 4096, 16, None),
+    (2, 15, 50, 64, None),
+    (2, 15, 300, 63, None),     # budget not a power of two
+    (1, 7, 8, 200, None),       # V < budget: the first beam is padded with -inf
+    (2, 3, 3, 64, None),        # 39 prefixes in all: 25 invalid padding nodes
+    (2, 6, 40, 16, 20),         # K > budget, columns past the budget ignored (a strided view)
+    (2, 1, 10, 4, None),        # one depth
+    (1, 4, 6, 1, None),         # budget 1
+    (3, 5, 1000, 512, None),    # the largest budget
+]
+
+
+@kernel
+@pytest.mark.parametrize("B,D,V,budget,K", CASES)
+def test_fused_matches_torch_builder(B, D, V, budget, K):
+    """Distinct scores: node for node the torch builder's tree, and the heap's prefixes."""
+    lp = exact_logprobs(B, D, V, budget, seed=B * 1000 + D * 100 + budget)
+    if B > 1:
+        lp[1] = lp[0].roll(1, dims=-1)  # same probabilities, other tokens: rows must not be mixed up
+    vals, ids = lp.sort(-1, descending=True)
+    K = K or min(budget, V)
+    vals, ids = vals[..., :K], ids[..., :K]
+    anchor = torch.arange(B) + 11
+    got, ref = both(vals, ids, anchor, budget)
+    assert got.size == budget
+    check_structure(got, D)
+    for f in FIELDS:
+        assert getattr(got, f).dtype == getattr(ref, f).dtype
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+    for b in range(B):
+        best = best_prefixes_heap(lp[b].double().numpy(), budget + 1)
+        scores = [sum(float(lp[b, d, t]) for d, t in enumerate(p)) for p in best]
+        assert len(set(scores)) == len(scores), "test data: the top budget+1 scores must be distinct"
+        assert set(node_prefixes(got, b)) == set(best[:budget])
+        assert int(got.valid[b].sum()) == 1 + min(budget, len(best))
+
+
+def ties_logprobs(B, D, seed):
+    """Base-2 log-probabilities 2^-2, 2^-2, 2^-3, 2^-3, 2^-4 x 4 in shuffled token order:
+    exact sums, and ties everywhere (within a depth and across depths)."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.tensor([-2.0, -2, -3, -3, -4, -4, -4, -4])
+    return torch.stack([torch.stack([base[torch.randperm(8, generator=g)] for _ in range(D)]) for _ in range(B)])
+
+
+@kernel
+@pytest.mark.parametrize("D,budget", [(4, 16), (6, 100), (15, 64)])
+def test_fused_with_ties(D, budget):
+    """Equal scores: a (possibly other) correct top-N tree: the same score multiset as
+    the torch builder and the heap, nodes in (score, depth) order, deterministic."""
+    B = 2
+    lp = ties_logprobs(B, D, seed=D * budget)
+    vals, ids = lp.sort(-1, descending=True)
+    anchor = torch.tensor([3, 4])
+    got, ref = both(vals, ids, anchor, budget)
+    check_structure(got, D)
+    again = build_tree_fused(vals.to(DEV), ids.to(DEV), anchor.to(DEV), budget)
+    for f in FIELDS:
+        assert torch.equal(getattr(again, f).cpu(), getattr(got, f)), f"{f} not deterministic"
+    for b in range(B):
+        s_got, s_ref = path_scores(got, lp, b)[1:], path_scores(ref, lp, b)[1:]
+        heap = [sum(float(lp[b, d, t]) for d, t in enumerate(p)) for p in best_prefixes_heap(lp[b].numpy(), budget)]
+        assert sorted(s_got) == sorted(s_ref) == sorted(heap)
+        order = list(zip([-s for s in s_got], got.depths[b, 1:].tolist()))
+        assert order == sorted(order), "nodes not in (score descending, depth ascending) order"
+        assert len(set(node_prefixes(got, b))) == budget
+
+
+@kernel
+def test_fused_certain_and_filtered_drafts():
+    """-inf inside the top K (a filtered draft) and probability-1 chains (a parent ties
+    with its child): the torch builder's trees exactly."""
+    V, D = 20, 7
+    lp = torch.full((3, D, V), float("-inf"))
+    for d in range(D):
+        lp[0, d, (3 * d) % V] = 0.0
+        lp[1, d, 5] = 0.0
+    for d in range(D):   # (distinct path scores: the tie order of torch.topk is unspecified)
+        lp[2, d, 7], lp[2, d, 9] = math.log(0.7 + 0.02 * d), math.log(0.3 - 0.02 * d)
+    vals, ids = lp.topk(16, -1)
+    ids[vals == float("-inf")] = 0   # torch.topk's pick among equal -inf is unspecified
+    for budget in (D, 16):
+        got, ref = both(vals, ids, torch.tensor([1, 1, 2]), budget)
+        check_structure(got, D)
+        for f in FIELDS:
+            assert torch.equal(getattr(got, f), getattr(ref, f)), (budget, f)
+    assert node_prefixes(got, 0)[:D] == [tuple((3 * d) % V for d in range(k)) for k in range(1, D + 1)]
+
+
+def test_candidate_pairs():
+    """Every (i, j) with (i+1)(j+1) <= N, j < K, nothing else: ~N ln N of them."""
+    for n, k in [(1, 1), (7, 3), (64, 64), (200, 8), (512, 512)]:
+        got = candidate_pairs(n, k)
+        real = got[got >= 0].tolist()
+        want = [(i, j) for i in range(n) for j in range(k) if (i + 1) * (j + 1) <= n]
+        assert [(p >> 16, p & 0xFFFF) for p in real] == want
+        assert len(got) >= max(2, n) and len(got) & (len(got) - 1) == 0
+    assert len(candidate_pairs(64, 64)[candidate_pairs(64, 64) >= 0]) == 280
+
+
+def test_limits():
+    vals, ids = torch.zeros(1, 2, 4), torch.zeros(1, 2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="limits"):
+        build_tree_fused(vals, ids, torch.zeros(1, dtype=torch.long), MAX_BUDGET + 1)
+    with pytest.raises(ValueError, match="limits"):
+        build_tree_fused(torch.zeros(1, 64, 4), torch.zeros(1, 64, 4, dtype=torch.long),
+                         torch.zeros(1, dtype=torch.long), 512)
+
+
+@pytest.mark.skipif(CUDA or INTERPRET, reason="runs the kernel tests itself")
+def test_kernel_in_the_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "fused"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert f"{len(CASES) + 3 + 1} passed" in proc.stdout
