@@ -300,3 +300,28 @@ def eos_checkpoint(hf_checkpoint, tmp_path_factory):
     full = llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=48, ignore_eos=True))[0].token_ids
     assert full[:step] == before[:step] and full[step] == 0
     return EOSCheckpoint(folder, full, step, 0)
+
+
+# ---------------------------------------------------------------------------
+# Triton interpreter (TRITON_INTERPRET=1: kernels on the CPU). It turns a scalar
+# kernel argument used as a loop bound into a one-element array, which numpy >= 2.3
+# no longer converts with int(): take its one element instead.
+# ---------------------------------------------------------------------------
+def _patch_triton_interpreter() -> None:
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_index(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_index
+
+
+_patch_triton_interpreter()

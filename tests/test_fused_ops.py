@@ -1,12 +1,24 @@
-"""Fused Triton layer ops (GPU only) against the torch layers they replace."""
+"""Fused Triton layer ops against the torch layers they replace: on a GPU, or on the
+CPU in the Triton interpreter (float32 only: its bf16 is raw integers), which CI runs
+through a subprocess (`test_ops_in_the_triton_interpreter`)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cuda" if CUDA else "cpu"
+gpu_or_interpreter = pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA (or TRITON_INTERPRET=1)")
+DTYPES = [torch.float32] if INTERPRET else [torch.float32, torch.bfloat16]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_fused_ops_match_torch(dtype, tol):
     from treeflash.layers.norm import RMSNorm
@@ -36,7 +48,8 @@ def test_fused_ops_match_torch(dtype, tol):
         assert (silu_mul(gu) - F.silu(g) * u).abs().max() <= tol * 4
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@gpu_or_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_rope_into_cache_matches_the_layer_steps(dtype, qk_norm):
     """One launch = norm_rope(q), norm_rope(k) and the two cache writes at
@@ -47,7 +60,7 @@ def test_rope_into_cache_matches_the_layer_steps(dtype, qk_norm):
     from treeflash.ops.fused import norm_rope, rope_into_cache
     torch.manual_seed(1)
     B, T, H, HKV, D, S = 2, 7, 8, 2, 128, 64
-    with torch.device("cuda"):
+    with torch.device(DEV):
         qkv = torch.randn(B, T, (H + 2 * HKV) * D, dtype=dtype)
         qw, kw = (torch.rand(D, dtype=dtype) + 0.5, torch.rand(D, dtype=dtype) + 0.5) if qk_norm else (None, None)
         prefix = torch.tensor([0, 50])
@@ -67,3 +80,33 @@ def test_rope_into_cache_matches_the_layer_steps(dtype, qk_norm):
         assert rope_into_cache(qkv[..., H * D:].contiguous(), H, HKV, qw, kw, 1e-6, cos, sin,
                                k_cache, v_cache, prefix, with_q=False) is None
         assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@gpu_or_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K", [(640, 384), (100, 300), (4096, 1024), (96, 4096)])
+def test_gemv_matches_linear(dtype, N, K):
+    """The batch-1 GEMV (every tile shape: tall, wide, square-ish; sizes off the tiles),
+    with bias, and gated (silu(gate) * up applied to its input), against F.linear."""
+    from treeflash.kernels.gemv import gemv
+    torch.manual_seed(N + K)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    with torch.device(DEV):
+        x, w, b = torch.randn(1, 1, K, dtype=dtype), torch.randn(N, K, dtype=dtype) / K ** 0.5, torch.randn(N, dtype=dtype)
+        assert gemv(x, w).shape == (1, 1, N)
+        assert (gemv(x, w) - F.linear(x, w)).abs().max() <= tol
+        assert (gemv(x, w, b) - F.linear(x, w, b)).abs().max() <= tol
+        gu = torch.randn(1, 2 * K, dtype=dtype)
+        g, u = gu.chunk(2, -1)
+        assert (gemv(gu, w, gated=True) - F.linear((F.silu(g.float()) * u.float()).to(dtype), w)).abs().max() <= tol
+
+
+@pytest.mark.skipif(CUDA or INTERPRET, reason="runs the kernel tests itself")
+def test_ops_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                           "-k", "gemv_matches or rope_into_cache"], cwd=Path(__file__).resolve().parent.parent,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "6 passed" in proc.stdout

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from treeflash.kernels.tree_attention import default_num_splits, tree_attention
+from treeflash.kernels.tree_attention import default_num_splits, default_row_programs, tree_attention
 from treeflash.layers.attention import AttentionInputs, sdpa_attention
 
 HQ, HKV, D, DTYPE = 32, 8, 128, torch.bfloat16
@@ -121,7 +121,8 @@ def main() -> None:
     for ctx in CONTEXTS:
         for T in BLOCKS:
             case = Case(ctx, T, gen)
-            splits = default_num_splits(1, HKV, T * HQ // HKV, ctx + T, dev)
+            rows = T * HQ // HKV
+            splits = default_num_splits(1, HKV, rows, ctx + T, dev, default_row_programs(rows, 128))
             t_k = case.run(tree_attention)
             t_s = case.run(sdpa_attention)
             pbw = case.prefix_bytes / t_k
@@ -130,7 +131,7 @@ def main() -> None:
                   f"{case.error():>8.1e}", flush=True)
             if args.sweep and ctx >= 4096:
                 sweep.append((ctx, T, {n: case.run(tree_attention, num_splits=n) * 1e6
-                                       for n in (4, 8, 16, 24, 33, 48, 64, 96, 128)}))
+                                       for n in (1, 2, 3, 4, 8, 16, 24, 33, 64)}))
             del case
     for ctx, T, times in sweep:
         best = min(times, key=times.get)

@@ -192,6 +192,8 @@ def default_num_splits(batch: int, kv_heads: int, rows: int, capacity: int, devi
     shorter than 256 keys (512 past one 16-row MMA tile) on a full cache, where the fixed
     cost of a program and of its rows x D partial outweighs its share of the prefix."""
     one_wave = _sm_count(device) // (batch * kv_heads * row_programs) - 1
+    if row_programs > 1:  # compute-bound: two splits beat one (T=256: 4K 93 vs 98 us, 16K 222 vs 352)
+        one_wave = max(one_wave, 2)
     min_chunk = 256 if rows <= 16 else 512
     return max(1, min(one_wave, capacity // min_chunk))
 

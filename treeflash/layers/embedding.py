@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from treeflash.distributed import TPGroup
+from treeflash.ops import linear
 
 
 class _VocabShard(nn.Module):
@@ -38,5 +39,5 @@ class ParallelLMHead(_VocabShard):
     """Logits for this rank's vocabulary slice; `gather=True` returns the full vocabulary."""
 
     def forward(self, h: torch.Tensor, gather: bool = True) -> torch.Tensor:
-        logits = F.linear(h, self.weight)
+        logits = linear(h, self.weight)
         return self.tp.all_gather(logits, dim=-1) if gather else logits

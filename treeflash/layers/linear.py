@@ -8,10 +8,10 @@ Merged layers (QKV, gate/up) hold several checkpoint tensors side by side.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from treeflash.distributed import TPGroup
+from treeflash.ops import gated_linear, linear
 
 
 class ColumnParallelLinear(nn.Module):
@@ -32,13 +32,13 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(sum(self.parts)), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def kv_only(self, x: torch.Tensor) -> torch.Tensor:
         """The output of all parts but the first (k and v of a QKV layer), reading only
         their rows of the weight: the drafter's context projection needs no q."""
         q = self.parts[0]
-        return F.linear(x, self.weight[q:], None if self.bias is None else self.bias[q:])
+        return linear(x, self.weight[q:], None if self.bias is None else self.bias[q:])
 
 
 class RowParallelLinear(nn.Module):
@@ -61,8 +61,10 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, cols), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """`gated`: x is one row of [gate | up] and the input is silu(gate) * up (the
+        MLP's batch-1 fused path)."""
         if self.input_slice is not None and self.tp.size > 1:
             x = x[..., self.input_slice[0]:self.input_slice[1]]
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(gated_linear(x, self.weight) if gated else linear(x, self.weight))
         return y + self.bias if self.bias is not None else y

@@ -21,7 +21,7 @@ from treeflash.layers.linear import ColumnParallelLinear, RowParallelLinear
 from treeflash.layers.norm import RMSNorm
 from treeflash.layers.rotary import RotaryEmbedding, apply_rotary
 from treeflash.models.moe import SparseMoE
-from treeflash.ops import fused_enabled
+from treeflash.ops import fused_enabled, single_row
 
 try:  # Triton kernels, used only when `fused_enabled` (CUDA inference)
     from treeflash.ops.fused import add_rms_norm, norm_rope, rope_into_cache, silu_mul
@@ -113,6 +113,8 @@ class MLP(nn.Module):
         return F.linear(self.gated(x), self.down_proj.weight)
 
     def forward(self, x):
+        if fused_enabled(x) and single_row(x):  # batch-1 decode: the gate is applied inside the down GEMV
+            return self.down_proj(self.gate_up_proj(x), gated=True)
         return self.down_proj(self.gated(x))
 
 

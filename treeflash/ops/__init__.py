@@ -2,6 +2,7 @@
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 
 
 @lru_cache(maxsize=None)
@@ -18,3 +19,23 @@ def fused_enabled(x: torch.Tensor) -> bool:
     under autocast the torch path keeps the training numerics)."""
     return (x.is_cuda and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cuda")
             and triton_available())
+
+
+def single_row(x: torch.Tensor) -> bool:
+    """One token of one request: batch-1 decoding, where a product is a weight stream."""
+    return x.numel() == x.shape[-1]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; on the fused path a single row goes through the Triton GEMV."""
+    if fused_enabled(x) and single_row(x) and weight.is_contiguous():
+        from treeflash.kernels.gemv import gemv
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(silu(gate) * up, weight) of one row [..., 2I] = [gate | up] in one
+    launch (fused path, single row: see `treeflash.kernels.gemv`)."""
+    from treeflash.kernels.gemv import gemv
+    return gemv(gate_up, weight, gated=True)

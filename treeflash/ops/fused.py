@@ -166,5 +166,6 @@ def rope_into_cache(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: torc
     _rope_into_cache_kernel[(B * T, heads + 2 * kv_heads - head0)](
         qkv, qkv.stride(1), T, heads, kv_heads, head0, q_weight if has_norm else qkv,
         k_weight if has_norm else qkv, eps, cos, sin, q, k_cache, v_cache,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), prefix_lens, HAS_NORM=has_norm, D=D)
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), prefix_lens, HAS_NORM=has_norm, D=D,
+        num_warps=1)  # a head is 128 values: one warp (a 256-token verify has 12K such programs)
     return q if with_q else None

@@ -1,0 +1,74 @@
+"""Matrix-vector product for batch-1 decoding (Triton, CUDA only).
+
+An AR step multiplies one token's activations by every weight matrix once: it is
+a stream of weight bytes. cuBLAS picks split-K GEMM kernels for these shapes (plus
+a reduce launch) and reaches 60-77% of the copy bandwidth on the 4096-wide
+projections of an 8B model; this kernel streams each weight row block once, with
+the whole reduction in one program, at 77-100% (H200, BENCHMARKS.md). With
+`gated` it also applies the SwiGLU gate to its input on the fly, so the MLP's
+silu(gate) * up never goes through memory.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K,
+                 GATED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[rows] = W[rows, :] @ x for one block of BLOCK_N output rows; x is [K] (or
+    [gate | up] of 2K with GATED)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * K
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        if EVEN:
+            w = tl.load(w_rows + cols[None, :], eviction_policy="evict_first")
+        else:
+            w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        if GATED:
+            g = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            u = tl.load(x_ptr + K + cols, mask=col_ok, other=0.0).to(tl.float32)
+            x = (g * tl.sigmoid(g) * u).to(y_ptr.dtype.element_ty).to(tl.float32)  # as silu_mul stores it
+        else:
+            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, 1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+def _config(N: int, K: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) from an H200 sweep on Qwen3-8B shapes: tall
+    matrices (gate/up, LM head) want more rows per program, wide ones (down) longer
+    rows, the rest (QKV) small tiles."""
+    if N >= 4 * K:
+        bn, bk, warps, stages = 32, 256, 8, 3
+    elif K >= N:
+        bn, bk, warps, stages = 16, 1024, 8, 2
+    else:
+        bn, bk, warps, stages = 8, 512, 4, 3
+    return bn, min(bk, triton.next_power_of_2(K)), warps, stages
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         gated: bool = False) -> torch.Tensor:
+    """x [..., K] holding ONE row (or [..., 2K] = [gate | up] with `gated`), weight
+    [N, K] contiguous -> [..., N] = F.linear(x, weight, bias) (of silu(gate) * up)."""
+    N, K = weight.shape
+    assert x.numel() == (2 * K if gated else K) and weight.is_contiguous()
+    x = x.contiguous()
+    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    bn, bk, warps, stages = _config(N, K)
+    _gemv_kernel[(triton.cdiv(N, bn),)](
+        x, weight, bias if bias is not None else weight, y, N, K, GATED=gated, HAS_BIAS=bias is not None,
+        EVEN=N % bn == 0 and K % bk == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return y
