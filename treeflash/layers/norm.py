@@ -12,10 +12,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`, (s, norm(s)) for s = x + residual (one launch on the
+        fused path: the residual add of a decoder layer costs no kernel of its own)."""
         if fused_enabled(x):
             from treeflash.ops.fused import add_rms_norm
-            return add_rms_norm(x, self.weight, self.eps)
+            return add_rms_norm(x, self.weight, self.eps, residual=residual)
+        if residual is not None:
+            x = x + residual
+            return x, self.forward(x)
         dtype = x.dtype
         h = x.to(torch.float32) if dtype != torch.float64 else x
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -18,7 +18,7 @@ from treeflash.layers.attention import AttentionInputs, write_block
 from treeflash.layers.linear import RowParallelLinear
 from treeflash.layers.norm import RMSNorm
 from treeflash.layers.rotary import RotaryEmbedding, apply_rotary
-from treeflash.models.transformer import DecoderLayer
+from treeflash.models.transformer import DecoderLayer, run_layers
 from treeflash.ops import fused_enabled
 
 try:  # Triton kernels, used only when `fused_enabled` (CUDA inference)
@@ -95,11 +95,9 @@ class DFlashDraftModel(nn.Module):
     def forward(self, block_embeds: torch.Tensor, inputs: AttentionInputs,
                 cache: DraftContextCache) -> torch.Tensor:
         """Hidden states [B, b, H] (after the final norm) of the draft block."""
-        h = block_embeds
-        cos, sin = self.rotary.cos_sin(inputs.positions, h.dtype)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, inputs, (cache.k[i], cache.v[i]))
-        return self.norm(h)
+        cos, sin = self.rotary.cos_sin(inputs.positions, block_embeds.dtype)
+        kvs = [(cache.k[i], cache.v[i]) for i in range(len(self.layers))]
+        return run_layers(self.layers, block_embeds, cos, sin, inputs, kvs, self.norm)[0]
 
     def forward_dense(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
                       features: torch.Tensor, feature_positions: torch.Tensor,
@@ -107,9 +105,7 @@ class DFlashDraftModel(nn.Module):
         """Cache-free forward for training: blocks [B, M, H] at block_positions [B, M]
         attend to target features [B, P, taps*H] at feature_positions [B, P] and to the
         blocks themselves, as `mask` [B, M, P + M] allows. Returns normed hidden [B, M, H]."""
-        h = block_embeds
-        cos, sin = self.rotary.cos_sin(block_positions, h.dtype)
+        cos, sin = self.rotary.cos_sin(block_positions, block_embeds.dtype)
         inputs = AttentionInputs(block_positions, None, mask)
-        for layer, ctx in zip(self.layers, self.context_kv(features, feature_positions)):
-            h = layer(h, cos, sin, inputs, None, prefix_kv=ctx)
-        return self.norm(h)
+        return run_layers(self.layers, block_embeds, cos, sin, inputs, [None] * len(self.layers), self.norm,
+                          prefix_kvs=self.context_kv(features, feature_positions))[0]

@@ -24,9 +24,9 @@ from treeflash.models.moe import SparseMoE
 from treeflash.ops import fused_enabled, single_row
 
 try:  # Triton kernels, used only when `fused_enabled` (CUDA inference)
-    from treeflash.ops.fused import add_rms_norm, norm_rope, rope_into_cache, silu_mul
+    from treeflash.ops.fused import norm_rope, rope_into_cache, silu_mul
 except ImportError:
-    add_rms_norm = norm_rope = rope_into_cache = silu_mul = None
+    norm_rope = rope_into_cache = silu_mul = None
 
 
 class Attention(nn.Module):
@@ -133,14 +133,32 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, cos, sin, inputs, kv, prefix_kv=None):
-        a = self.self_attn(self.input_layernorm(h), cos, sin, inputs, kv, prefix_kv)
-        if fused_enabled(h):  # residual add and norm in one kernel
-            norm = self.post_attention_layernorm
-            h, x = add_rms_norm(a, norm.weight, norm.eps, residual=h)
-            return h + self.mlp(x)
-        h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, pending, cos, sin, inputs, kv, prefix_kv=None):
+        """The residual stream arrives as h + pending (pending: the previous layer's MLP
+        output, None for the first layer) and leaves as the pair (h, MLP output): each
+        residual add happens inside the next norm (`RMSNorm(x, residual)`)."""
+        if pending is None:
+            x = self.input_layernorm(h)
+        else:
+            h, x = self.input_layernorm(pending, residual=h)
+        a = self.self_attn(x, cos, sin, inputs, kv, prefix_kv)
+        h, x = self.post_attention_layernorm(a, residual=h)
+        return h, self.mlp(x)
+
+
+def run_layers(layers, h, cos, sin, inputs, kvs, final_norm, taps=(), prefix_kvs=None):
+    """h through `layers` (kvs[i]: layer i's cache pair or None), then `final_norm`.
+    Returns (normed output, {tap: residual stream after that layer}); the stream after
+    the last layer is taken after the final norm (as HF's last hidden state)."""
+    pending, tapped, last = None, {}, len(layers) - 1
+    for i, layer in enumerate(layers):
+        h, pending = layer(h, pending, cos, sin, inputs, kvs[i], None if prefix_kvs is None else prefix_kvs[i])
+        if i in taps and i != last:
+            tapped[i] = h + pending
+    h = final_norm(h) if pending is None else final_norm(pending, residual=h)[1]
+    if last in taps:
+        tapped[last] = h
+    return h, tapped
 
 
 class DecoderStack(nn.Module):
@@ -187,16 +205,9 @@ class CausalLM(nn.Module):
         (the residual stream after each tapped layer, as HF `hidden_states[id + 1]`)."""
         h = self.embed(ids)
         cos, sin = self.rotary.cos_sin(inputs.positions, h.dtype)
-        tapped = {}
-        last = len(self.model.layers) - 1
-        for i, layer in enumerate(self.model.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            h = layer(h, cos, sin, inputs, kv)
-            if i in taps and i != last:
-                tapped[i] = h
-        h = self.model.norm(h)
-        if last in taps:
-            tapped[last] = h  # HF's last hidden state is taken after the final norm
+        layers = self.model.layers
+        kvs = [None if cache is None else (cache.k[i], cache.v[i]) for i in range(len(layers))]
+        h, tapped = run_layers(layers, h, cos, sin, inputs, kvs, self.model.norm, taps)
         features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         return h, features
 
