@@ -78,7 +78,8 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     out = torch.empty(B, T, H, D, dtype=x.dtype, device=x.device)
     cos, sin = cos.contiguous(), sin.contiguous()
     _norm_rope_kernel[(B * T, H)](x, x.stride(0), x.stride(1), x.stride(2), T, weight if weight is not None else x,
-                                   cos, sin, out, H, eps, HAS_NORM=weight is not None, D=D)
+                                   cos, sin, out, H, eps, HAS_NORM=weight is not None, D=D,
+                                   num_warps=1)  # as rope_into_cache: the same sums, the same bits
     return out
 
 
