@@ -1,13 +1,17 @@
-"""tree_attention against the SDPA reference (needs a GPU, or TRITON_INTERPRET=1 on CPU)."""
+"""tree_attention against the SDPA reference: on a GPU, or in the Triton interpreter on
+CPU (`TRITON_INTERPRET=1`), which CI runs on a subset through a subprocess
+(`test_kernel_in_the_triton_interpreter`)."""
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not (torch.cuda.is_available() or INTERPRET):
-    pytest.skip("needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
+kernel_test = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs CUDA (or TRITON_INTERPRET=1)")
 
 from treeflash.kernels import tree_attention  # noqa: E402
 from treeflash.layers.attention import AttentionInputs, sdpa_attention  # noqa: E402
@@ -62,6 +66,7 @@ def check(B, T, HKV, G, D, S, dtype, mask_kind, num_splits=None, seed=0, row_pro
 HALF = [torch.float16] if INTERPRET else [torch.bfloat16, torch.float16]
 
 
+@kernel_test
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("G", [1, 4, 8])
 @pytest.mark.parametrize("T", [1, 16, 37])
@@ -70,12 +75,14 @@ def test_matches_sdpa(G, T, mask_kind, dtype):
     check(B=3, T=T, HKV=2, G=G, D=128, S=400, dtype=dtype, mask_kind=mask_kind, seed=T * 10 + G)
 
 
+@kernel_test
 @pytest.mark.parametrize("dtype", HALF + [torch.float32])
 @pytest.mark.parametrize("D", [64, 128])
 def test_dtypes_and_head_dims(dtype, D):
     check(B=2, T=16, HKV=2, G=4, D=D, S=300, dtype=dtype, mask_kind="tree", seed=D)
 
 
+@kernel_test
 @pytest.mark.parametrize("num_splits", [1, 3, 64])
 def test_split_counts(num_splits):
     """One split, a few, and more splits than tiles (most splits empty)."""
@@ -83,6 +90,7 @@ def test_split_counts(num_splits):
           num_splits=num_splits, seed=num_splits)
 
 
+@kernel_test
 @pytest.mark.parametrize("row_programs", [1, 2, 3])
 def test_row_programs(row_programs):
     """148 rows = 3 row tiles of 64 (fp32): one program walking all three, two sharing
@@ -91,9 +99,24 @@ def test_row_programs(row_programs):
           num_splits=2, row_programs=row_programs, seed=row_programs)
 
 
+@kernel_test
 @pytest.mark.skipif(INTERPRET, reason="large shapes are slow in the interpreter")
 @pytest.mark.parametrize("T", [64, 128, 256])
 def test_large_trees(T):
     """Many row tiles per program (T*G up to 2048 rows) and long prefixes."""
     check(B=2, T=T, HKV=2, G=8, D=128, S=3000, dtype=torch.bfloat16, mask_kind="tree", seed=T)
     check(B=2, T=T, HKV=4, G=4, D=128, S=5000, dtype=torch.float32, mask_kind="tree", seed=T + 1)
+
+
+def test_kernel_in_the_triton_interpreter():
+    """CPU CI: splits, row programs, head sizes and dtypes in the interpreter (fp16 and
+    fp32: its bf16 is raw integers)."""
+    if torch.cuda.is_available() or INTERPRET:
+        pytest.skip("runs the kernel tests itself")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                           "-k", "split_counts or row_programs or dtypes_and_head_dims"],
+                          cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "10 passed" in proc.stdout
