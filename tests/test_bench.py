@@ -234,3 +234,36 @@ def test_shape_under_torchrun_checks_world_size(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(TINY) == 2
     assert capsys.readouterr().err.strip() == "treeflash: error: launched with WORLD_SIZE=2 processes but tp=1"
+
+
+def test_time_wall_runs_rounds_back_to_back_one_behind(monkeypatch):
+    """The shape bench's wall time per round: `iters` rounds pipelined as the engine
+    runs them (each round's tokens read while the next one runs), `reset` queued before
+    each round and no synchronization in between (traced on CPU tensors)."""
+    from treeflash import bench
+    log = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: log.append("sync"))
+    new, counts = torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, dtype=torch.long)
+
+    class Traced(bench.RoundPipeline):
+        def push(self, n, c):
+            got = super().push(n, c)
+            log.append(("read", None if got is None else got[1][0]))
+            return got
+
+        def finish(self):
+            got = super().finish()
+            log.append(("finish", got[1][0]))
+            return got
+
+    def run():
+        counts.add_(1)
+        log.append(("round", int(counts[0])))
+        return new, counts
+
+    monkeypatch.setattr(bench, "RoundPipeline", Traced)
+    us = bench.time_wall(run, lambda: log.append("reset"), 3)
+    assert us > 0
+    assert log == ["reset", ("round", 1), ("read", None), ("finish", 1),  # warm-up: buffers made
+                   "sync", "reset", ("round", 2), ("read", None), "reset", ("round", 3), ("read", 2),
+                   "reset", ("round", 4), ("read", 3), ("finish", 4)]

@@ -40,7 +40,7 @@ import torch
 from treeflash.cli import read_prompts
 from treeflash.config import DraftConfig, ModelConfig, default_target_layer_ids
 from treeflash.distributed import TPGroup
-from treeflash.engine.llm import LLM, attention_backend, resolve_device, resolve_dtype
+from treeflash.engine.llm import LLM, RoundPipeline, attention_backend, resolve_device, resolve_dtype
 from treeflash.engine.round import SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
 from treeflash.engine.tp import COMM_HINTS, check_devices, check_shardable, join_group, torchrun_env
@@ -501,21 +501,30 @@ def time_device(run, reset, iters: int, device: torch.device) -> float:
 
 
 def time_wall(run, reset, iters: int) -> float:
-    """Mean µs of a round as the engine runs it: launch, then read the committed tokens
-    back to the host (`.tolist()`, which waits for the GPU), starting from an idle GPU."""
-    walls = []
+    """Mean wall µs per round of `iters` back-to-back rounds run as the pipelined engine
+    runs them (`LLM._step` with `RoundPipeline`): launch round r, queue the non-blocking
+    copy of its tokens to pinned host buffers, then wait for round r-1's copy only and
+    read its tokens (`.tolist()`); the host reads round r-1 while round r runs. `reset()`
+    (a device copy of n, queued between rounds without a sync) keeps every round at
+    context C. Wall per round minus device time per round is the time per round that
+    the GPU waits for the host (about 0 when the host keeps up; noise can make it
+    slightly negative)."""
+    pipe = RoundPipeline()
+    reset()
+    pipe.push(*run())  # the host buffers are allocated here, not while timed
+    pipe.finish()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
     for _ in range(iters):
         reset()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        new, counts = run()
-        new.tolist(), counts.tolist()
-        walls.append(1e6 * (time.perf_counter() - t0))
-    return statistics.fmean(walls)
+        pipe.push(*run())
+    pipe.finish()
+    return 1e6 * (time.perf_counter() - t0) / iters
 
 
 def measure_op(fn, reset, iters: int, graphs: bool, device: torch.device, is_round: bool):
-    """(median device µs, mean wall µs with read-back or None) of one op."""
+    """(median device µs, mean wall µs per round of back-to-back pipelined rounds, or
+    None) of one op: see `time_device` and `time_wall`."""
     if graphs:
         graph, out = capture(fn, reset)
 
@@ -730,7 +739,10 @@ def relaunch(args, device: torch.device, graphs: list[bool]) -> int:
 
 def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets, backend, bandwidth,
                device, dtype, out, allreduce=None, lead: bool = True) -> list[dict]:
-    """Time every op of `round_ops` on one state; one row each. With tensor parallelism
+    """Time every op of `round_ops` on one state; one row each. Whole rounds on CUDA
+    also get wall_us, the wall time per round of back-to-back rounds pipelined as the
+    engine runs them (`time_wall`), and host_us = wall_us - time_us: the host time per
+    round that the GPU waits for. With tensor parallelism
     (`allreduce`: see `allreduce_timer`) a row also has the latency of one hidden-state
     all-reduce at the op's (first) token count and the all-reduce share of the op: an
     estimate, count x latency / op time, from all-reduces timed alone (in the op they

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from treeflash.config import DTYPES, DraftConfig, ModelConfig
-from treeflash.engine.round import METHODS, GraphedRound, SpeculativeDecoder
+from treeflash.engine.round import METHODS, BatchState, GraphedRound, SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
 from treeflash.engine.tp import attach as tp_attach
 from treeflash.engine.tp import peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -75,6 +75,57 @@ def builtin_paths() -> tuple[Path, Path]:
     if not (target / "config.json").exists():
         raise TreeflashError("no --model given and the built-in model is not installed")
     return target, drafter
+
+
+class RoundPipeline:
+    """Round results on their way to the host, one round behind the device.
+
+    `push(new, counts)` right after launching round r queues a non-blocking copy of its
+    outputs into one of two host buffers (pinned on CUDA) and records an event, then
+    waits for round r-1's event only and returns its tokens as lists (None after the
+    first push): the host reads round r-1 while round r runs. Two buffers: the copy of
+    round r never lands in the one the host is reading, and round r+1's copy into that
+    one is queued only after the host has read it. On CPU the copy is a plain copy
+    and there are no events. `finish()` waits for and returns the last round pushed.
+    """
+
+    def __init__(self):
+        self.slots = None    # 2 x (new, counts, event), made at the first push (shapes known)
+        self.pending = None  # the slot of the last round pushed, not read yet
+
+    def push(self, new: torch.Tensor, counts: torch.Tensor):
+        if self.slots is None:
+            cuda = new.is_cuda
+            self.slots = [(torch.empty(new.shape, dtype=new.dtype, pin_memory=cuda),
+                           torch.empty(counts.shape, dtype=counts.dtype, pin_memory=cuda),
+                           torch.cuda.Event() if cuda else None) for _ in range(2)]
+        slot = 0 if self.pending is None else 1 - self.pending
+        host_new, host_counts, event = self.slots[slot]
+        host_new.copy_(new, non_blocking=True)
+        host_counts.copy_(counts, non_blocking=True)
+        if event is not None:
+            event.record(torch.cuda.current_stream(new.device))
+        previous, self.pending = self.pending, slot
+        return None if previous is None else self._read(previous)
+
+    def finish(self):
+        previous, self.pending = self.pending, None
+        return None if previous is None else self._read(previous)
+
+    def _read(self, slot: int):
+        host_new, host_counts, event = self.slots[slot]
+        if event is not None:
+            event.synchronize()
+        return host_new.tolist(), host_counts.tolist()
+
+
+@dataclass
+class _Batch:
+    """The batch in flight on this rank."""
+    st: BatchState
+    run_round: object      # st -> (new, counts): `decoder.round` or a `GraphedRound`
+    pipe: RoundPipeline
+    active: list[bool]     # what st.active holds (as queued)
 
 
 class LLM:
@@ -157,7 +208,7 @@ class LLM:
             self.method = method
             self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
             self._graphed = None  # (key, state, GraphedRound) of the last graph captured
-            self._run = None      # (state, round function) of the batch in flight
+            self._run = None      # `_Batch`: state, round and result pipeline of the batch in flight
             self._tp.built()      # the workers' slices are loaded too
         except BaseException:
             self._tp.close()
@@ -208,6 +259,8 @@ class LLM:
         """Generate for a batch of prompts (strings or token-id lists).
 
         `on_tokens(i, new_ids)` is called as request i commits tokens (for streaming).
+        Rounds are pipelined: the host reads and processes round r-1's tokens while
+        round r runs on the device (see `_step`, `RoundPipeline`).
         """
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                                and isinstance(prompts[0], int))
@@ -222,11 +275,22 @@ class LLM:
             p.validate()
         ids = [self.encode(p) for p in prompts]
         limits = [min(p.max_new_tokens, self.max_model_len - len(i)) for p, i in zip(params, ids)]
-        max_len = max(len(i) + m for i, m in zip(ids, limits)) + 2 * self.decoder.tree_slots + 2
+        dec = self.decoder
+        per_round = dec.depth + 1  # the most tokens a round commits per request
+        # Cache headroom past a request's last token (L + limit). The host is one round
+        # behind the device: a request still short of its limit after round r-2 has
+        # n <= L + limit - 2; round r-1 (its last useful one) commits <= depth + 1, and
+        # round r, launched before the host read r-1, still runs it as active: another
+        # depth + 1. From round r + 1 on it is inactive, n stays put, and every later
+        # round (while others go on) writes its tree / drafter block at slots
+        # n .. n + tree_slots - 1, n <= L + limit + 2 * depth; eager rounds read
+        # kv_len = max_n + T slots, max_n (below) <= max(L + limit) + 2 * depth too. All
+        # stay below max(L + limit) + 2 * depth + tree_slots < max_len.
+        headroom = dec.tree_slots + 2 * per_round
+        max_len = max(len(i) + m for i, m in zip(ids, limits)) + headroom
         # seeds are drawn here, so that every tensor-parallel rank samples alike
         params = [p if p.seed is not None else replace(p, seed=random.getrandbits(63)) for p in params]
         start = time.perf_counter()
-        dec = self.decoder
         first = self._tp.call(self, "_start", (len(ids), max_len, params, ids))
         outs = [[] for _ in ids]
         rounds = [1] * len(ids)
@@ -234,6 +298,13 @@ class LLM:
         reasons = ["length"] * len(ids)
         new = [[t] for t in first]
         counts = [1] * len(ids)
+        committed = [len(i) for i in ids]  # n on the device after the rounds read so far
+        in_flight = None                   # `active` of the round launched but not read yet
+        # Pipelined: `_step` launches round r and returns round r-1's tokens, which the
+        # host processes while round r runs. A request that finishes at round r-1 is
+        # still active in round r (its commits there are ignored below) and inactive
+        # from round r+1 on; when all are done, the round in flight is discarded (the
+        # next `_start` waits for it).
         while True:
             for b in range(len(ids)):
                 if done[b] or counts[b] == 0:
@@ -248,11 +319,20 @@ class LLM:
                     done[b], reasons[b] = True, stop
             if all(done):
                 break
-            active = [not d for d in done] if any(done) else None
-            max_n = max(len(i) + len(o) for i, o in zip(ids, outs))
-            new, counts = self._tp.call(self, "_step", (active, max_n))
+            active = [not d for d in done]
+            # bounds eager attention reads of this round: n before it is at most what
+            # the host has read plus the commits of the round in flight
+            flight = in_flight or [False] * len(ids)
+            max_n = max(c + per_round * f for c, f in zip(committed, flight))
+            got = self._tp.call(self, "_step", (active if any(done) else None, max_n))
+            in_flight = active
+            if got is None:  # the first round: nothing to read yet
+                new, counts = [[] for _ in ids], [0] * len(ids)
+                continue
+            new, counts = got
             for b in range(len(ids)):
-                rounds[b] += not done[b]
+                committed[b] += counts[b]
+                rounds[b] += not done[b]  # a round whose tokens b uses (done: ignored)
         seconds = time.perf_counter() - start
         if not self.cuda_graphs and self.tp_size == 1:
             self._run = None  # free the caches (graphed states are kept for the next call)
@@ -273,22 +353,30 @@ class LLM:
     def _start(self, batch: int, max_len: int, params: list[SamplingParams], prompts: list[list[int]]):
         """On every rank: a batch state (or the captured graph's) and the prefill.
         Returns each request's first token."""
+        if self._run is not None:  # the previous batch's last round, still in flight: wait
+            self._run.pipe.finish()  # for it before its state or graph may be dropped
         self._run = None  # the previous batch's caches go before the new ones are made
         st, run_round = self._runner(batch, max_len, SamplingBatch.from_params(params, self.device))
         self.decoder.prefill(st, prompts)
-        self._run = (st, run_round)
+        self._run = _Batch(st, run_round, RoundPipeline(), [True] * batch)
         return st.anchor.tolist()
 
     def _step(self, active: list[bool] | None, max_n: int):
-        """On every rank: one round of the batch in flight (`active` once requests have
-        finished; `max_n` bounds eager attention reads). Returns (new tokens, counts)."""
-        st, run_round = self._run
-        if active is not None:
-            st.active.copy_(torch.tensor(active))
+        """On every rank: launch the next round of the batch in flight and queue the copy
+        of its tokens to the host; return the previous round's (new tokens, counts), or
+        None after the first round. `active` (once requests have finished) is copied to
+        the device when it changed, without waiting for the round in flight; `max_n`
+        bounds eager attention reads (at least every request's n before this round)."""
+        run = self._run
+        st = run.st
+        if active is not None and active != run.active:
+            src = torch.tensor(active, dtype=torch.bool, pin_memory=st.active.is_cuda)
+            st.active.copy_(src, non_blocking=True)  # pinned: queued, the host goes on
+            run.active = list(active)
         if st.max_n is not None:
             st.max_n = max_n
-        new, counts = run_round(st)
-        return new.tolist(), counts.tolist()
+        new, counts = run.run_round(st)
+        return run.pipe.push(new, counts)
 
     def _runner(self, batch: int, max_len: int, sampling: SamplingBatch):
         """A batch state and the function that runs one round on it.
