@@ -144,6 +144,7 @@ class SpeculativeDecoder:
                 logits = logits + torch.where(sb.temperature[:, None, None] > 0, noise, 0.0)
         return logits
 
+    @torch.inference_mode()
     def build(self, st: BatchState) -> DraftTree:
         """The round's tree. Draft decisions are made on vocabulary slices (local
         argmax / top-k, one all-gather of the candidates): every rank builds the same tree."""
