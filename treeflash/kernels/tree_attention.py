@@ -143,44 +143,38 @@ def _partial_attention(
 @triton.jit
 def _merge(o_ptr, lse_ptr, prefix_ptr, out_ptr, num_splits,
            HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
-           GP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program (b, t, kv head): for its G query heads at once, out = sum_s 2^(lse_s - M) o_s
-    / sum_s 2^(lse_s - M) over the prefix splits that ran and the block split, CHUNK
-    splits at a time (one chunk for up to CHUNK - 1 splits: all loads in flight at once).
-    A split's G rows are adjacent in the partials, so each load is one contiguous
-    G x D run. out is [B, T, H, D] contiguous."""
+           CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (b, t, h): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) over the
+    prefix splits that ran and the block split, CHUNK splits at a time (one chunk for
+    up to CHUNK - 1 splits: all loads in flight at once). out is [B, T, H, D] contiguous."""
     ROWS: tl.constexpr = T * G
     pid = tl.program_id(0)
-    kvh = pid % HKV
-    t = (pid // HKV) % T
-    b = pid // (HKV * T)
+    h = pid % (HKV * G)
+    t = (pid // (HKV * G)) % T
+    b = pid // (HKV * G * T)
+    row = t * G + h % G
     L = tl.load(prefix_ptr + b).to(tl.int32)
-    part0 = (b * HKV + kvh) * (num_splits + 1)
-    g = tl.arange(0, GP)
-    g_ok = g < G
-    row = t * G + g
+    part0 = (b * HKV + h // G) * (num_splits + 1)
+
     offs_d = tl.arange(0, D)
-    m = tl.full([GP], float("-inf"), tl.float32)
-    den = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
+    m = float("-inf")
+    den = 0.0
+    acc = tl.zeros([D], tl.float32)
     for s0 in range(0, num_splits + 1, CHUNK):
         s = s0 + tl.arange(0, CHUNK)
         start, end = _split_range(L, s, num_splits, BLOCK_N)
         ran = ((s < num_splits) & (start < end)) | (s == num_splits)
-        ok = ran[:, None] & g_ok[None, :]
-        idx = (part0 + s)[:, None] * ROWS + row[None, :]                           # [CHUNK, GP]
-        lse = tl.load(lse_ptr + idx, mask=ok, other=float("-inf"))
-        o = tl.load(o_ptr + idx[:, :, None] * D + offs_d[None, None, :], mask=ok[:, :, None], other=0.0)
+        lse = tl.load(lse_ptr + (part0 + s) * ROWS + row, mask=ran, other=float("-inf"))
+        o = tl.load(o_ptr + ((part0 + s) * ROWS + row)[:, None] * D + offs_d[None, :],
+                    mask=ran[:, None], other=0.0)
         m_new = tl.maximum(m, tl.max(lse, 0))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.exp2(lse - m_ref[None, :])
+        w = tl.exp2(lse - m_ref)
         alpha = tl.exp2(m - m_ref)
         den = den * alpha + tl.sum(w, 0)
-        acc = acc * alpha[:, None] + tl.sum(o.to(tl.float32) * w[:, :, None], 0)
+        acc = acc * alpha + tl.sum(o * w[:, None], 0)
         m = m_new
-    head = kvh * G + g
-    out = out_ptr + ((b * T + t) * (HKV * G) + head)[:, None] * D + offs_d[None, :]
-    tl.store(out, (acc / den[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+    tl.store(out_ptr + pid * D + offs_d, (acc / den).to(out_ptr.dtype.element_ty))
 
 
 @functools.cache
@@ -256,9 +250,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         BLOCK_N_TREE=max(16, min(BLOCK_N, triton.next_power_of_2(T))), FP32_DOT=fp32,
         # small row tiles are memory-bound: one more tile in flight (H200, 16K, T=1: -5%)
         num_warps=8 if block_m >= 128 else 4, num_stages=2 if fp32 else 4 if block_m <= 64 else 3)
-    GP = triton.next_power_of_2(G)
-    _merge[(B * T * HKV,)](
-        o_part, lse_part, inputs.prefix_lens, out, splits, HKV=HKV, G=G, T=T, D=D, GP=GP,
-        CHUNK=max(1, min(64 // GP, triton.next_power_of_2(splits + 1))), BLOCK_N=BLOCK_N,
+    _merge[(B * T * H,)](
+        o_part, lse_part, inputs.prefix_lens, out, splits, HKV=HKV, G=G, T=T, D=D,
+        CHUNK=min(64, triton.next_power_of_2(splits + 1)), BLOCK_N=BLOCK_N,
         num_warps=4)
     return out
