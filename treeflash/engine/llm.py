@@ -260,7 +260,8 @@ class LLM:
 
         `on_tokens(i, new_ids)` is called as request i commits tokens (for streaming).
         Rounds are pipelined: the host reads and processes round r-1's tokens while
-        round r runs on the device (see `_step`, `RoundPipeline`).
+        round r runs on the device (see `_step`, `RoundPipeline`); under tensor
+        parallelism each round is read as it ends.
         """
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                                and isinstance(prompts[0], int))
@@ -364,7 +365,7 @@ class LLM:
     def _step(self, active: list[bool] | None, max_n: int):
         """On every rank: launch the next round of the batch in flight and queue the copy
         of its tokens to the host; return the previous round's (new tokens, counts), or
-        None after the first round. `active` (once requests have finished) is copied to
+        None after the first round (with tp > 1: this round's, read synchronously). `active` (once requests have finished) is copied to
         the device when it changed, without waiting for the round in flight; `max_n`
         bounds eager attention reads (at least every request's n before this round)."""
         run = self._run

@@ -82,8 +82,7 @@ class DFlashDraftModel(nn.Module):
             cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
             for i, layer in enumerate(self.layers):
                 attn = layer.self_attn
-                eps = attn.k_norm.eps if attn.k_norm is not None else 0.0
-                rope_into_cache(attn.qkv_proj.kv_only(ctx), attn.num_heads, attn.num_kv_heads, *attn.norm_weights(), eps,
+                rope_into_cache(attn.qkv_proj.kv_only(ctx), attn.num_heads, attn.num_kv_heads, *attn.qk_norms(),
                                 cos, sin, cache.k[i], cache.v[i], start, with_q=False)
         else:
             slots = start[:, None] + torch.arange(features.shape[1], device=start.device)

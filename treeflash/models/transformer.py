@@ -51,16 +51,18 @@ class Attention(nn.Module):
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
         if fused_enabled(x):  # one kernel per tensor for norm + RoPE
-            qw, kw = self.norm_weights()
-            eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            qw, kw, eps = self.qk_norms()
             return norm_rope(q, qw, eps, cos, sin), norm_rope(k, kw, eps, cos, sin), v
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def norm_weights(self):
-        """(q_norm, k_norm) weights for the fused kernels (None, None without q/k norms)."""
-        return (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+    def qk_norms(self):
+        """(q_norm weight, k_norm weight, eps) for the fused kernels; (None, None, 0.0)
+        without q/k norms (Llama)."""
+        if self.q_norm is None:
+            return None, None, 0.0
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
 
     def forward(self, x, cos, sin, inputs: AttentionInputs, kv: tuple | None, prefix_kv: tuple | None = None):
         """kv: this layer's (k_cache, v_cache), or None for the cache-free (training) path,
@@ -68,8 +70,7 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         if kv is not None and not inputs.is_prefill and fused_enabled(x):
             # decode / verify / draft: q/k norm, RoPE and the cache writes in one launch
-            eps = self.q_norm.eps if self.q_norm is not None else 0.0
-            q = rope_into_cache(self.qkv_proj(x), self.num_heads, self.num_kv_heads, *self.norm_weights(), eps,
+            q = rope_into_cache(self.qkv_proj(x), self.num_heads, self.num_kv_heads, *self.qk_norms(),
                                 cos, sin, kv[0], kv[1], inputs.prefix_lens)
             out = attention_kernel(inputs.backend)(q, kv[0], kv[1], inputs, self.scale)
             return self.o_proj(out.reshape(B, T, -1))
