@@ -10,8 +10,12 @@ Why it is split in three (design.md section 5):
     KV chunk, so the chunk comes from HBM once and the later row tiles hit L2: the
     prefix is read once per round however large the tree. For T*G <= 128 there is a
     single row tile and the chunk is loaded once, period.
-(b) The T x T block is one more "split" of the same launch, read at slots
-    prefix_lens[b] + j with the block mask (ancestors, causal or all-true).
+(b) The T x T block, read at slots prefix_lens[b] + j with the block mask (ancestors,
+    causal or all-true), has programs of its own for small T * G, which run beside the
+    prefix programs (the last prefix chunk would otherwise wait for it: T = 1 at 4K
+    11.1 vs 11.9 us). Past 128 rows the kernel is compute-bound and fills the SMs in
+    whole waves, so the last prefix split (the shortest: chunks are whole tiles) takes
+    the block after its chunk (T = 256 at 4K: 192 -> 128 programs, 72.6 -> 52.9 us).
 (c) A second kernel merges the partial results of all splits by log-sum-exp.
 
 Static shapes for CUDA graphs: the grid and the number of splits depend only on the
@@ -86,7 +90,7 @@ def _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, first, 
 def _partial_attention(
     q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr, prefix_ptr,
     sq_b, sq_t, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_i,
-    qk_scale, num_splits, row_programs,
+    qk_scale, num_splits, block_split, row_programs,
     HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_N_TREE: tl.constexpr, FP32_DOT: tl.constexpr,
@@ -96,8 +100,9 @@ def _partial_attention(
     written as normalised partials o [rows, D] and lse [rows].
 
     Row r is block token r // G, query head kvh * G + r % G: consecutive rows are
-    consecutive heads of one token, so q loads are contiguous. Splits
-    0..num_splits-1 are prefix chunks (no mask); split num_splits is the block.
+    consecutive heads of one token, so q loads are contiguous. Splits 0..num_splits-1
+    are prefix chunks (no mask); split `block_split` (num_splits: a block-only program,
+    or num_splits - 1) also attends the block with its mask, one partial for both.
     """
     ROWS: tl.constexpr = T * G
     pid_bh = tl.program_id(0)
@@ -107,13 +112,9 @@ def _partial_attention(
     kvh = pid_bh % HKV
     L = tl.load(prefix_ptr + b).to(tl.int32)
 
-    is_block = split == num_splits
-    if is_block:
-        start = L
-        end = L + T
-    else:
-        start, end = _split_range(L, split, num_splits, BLOCK_N)
-    n_rows = (start < end).to(tl.int32) * ROWS  # an empty split writes nothing
+    start, end = _split_range(L, split, num_splits, BLOCK_N)
+    with_block = split == block_split  # split num_splits has no prefix: start >= L
+    n_rows = ((start < end) | with_block).to(tl.int32) * ROWS  # an empty split writes nothing
 
     offs_d = tl.arange(0, D)
     b64 = b.to(tl.int64)  # a whole cache can pass 2^31 elements
@@ -121,7 +122,7 @@ def _partial_attention(
     k_base = k_ptr + b64 * sk_b + kvh.to(tl.int64) * sk_h
     v_base = v_ptr + b64 * sv_b + kvh.to(tl.int64) * sv_h
     mask_base = mask_ptr + b * sm_b
-    part = pid_bh * (num_splits + 1) + split
+    part = pid_bh * tl.num_programs(1) + split
     # Row tiles back to back over the same key range: after the first, it is in L2.
     for row0 in range(row_program * BLOCK_M, n_rows, row_programs * BLOCK_M):
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -129,52 +130,64 @@ def _partial_attention(
         tok = rows // G
         q = tl.load(q_base + tok[:, None] * sq_t + (rows % G)[:, None] * sq_h + offs_d[None, :],
                     mask=row_ok[:, None], other=0.0)
-        if is_block:
-            o, lse = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, L, T,
-                             qk_scale, D, BLOCK_M, BLOCK_N_TREE, True, FP32_DOT)
-        else:
-            o, lse = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, start, end - start,
-                             qk_scale, D, BLOCK_M, BLOCK_N, False, FP32_DOT)
+        o, lse = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, start, end - start,
+                         qk_scale, D, BLOCK_M, BLOCK_N, False, FP32_DOT)
+        if with_block:
+            o_blk, lse_blk = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, L, T,
+                                     qk_scale, D, BLOCK_M, BLOCK_N_TREE, True, FP32_DOT)
+            m = tl.maximum(lse, lse_blk)
+            m = tl.where(m == float("-inf"), 0.0, m)
+            w, w_blk = tl.exp2(lse - m), tl.exp2(lse_blk - m)
+            o = (o * w[:, None] + o_blk * w_blk[:, None]) / tl.where(w + w_blk > 0, w + w_blk, 1.0)[:, None]
+            lse = m + tl.log2(w + w_blk)
         tl.store(o_ptr + (part * ROWS + rows)[:, None] * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=row_ok[:, None])
         tl.store(lse_ptr + part * ROWS + rows, lse, mask=row_ok)
 
 
 @triton.jit
-def _merge(o_ptr, lse_ptr, prefix_ptr, out_ptr, num_splits,
+def _merge(o_ptr, lse_ptr, prefix_ptr, out_ptr, num_splits, block_split,
            HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
-           CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program (b, t, h): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) over the
-    prefix splits that ran and the block split, CHUNK splits at a time (one chunk for
-    up to CHUNK - 1 splits: all loads in flight at once). out is [B, T, H, D] contiguous."""
+           R: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (b * HKV + kv head, block of R rows): out = sum_s 2^(lse_s - M) o_s /
+    sum_s 2^(lse_s - M) over the splits that ran (block_split always does), CHUNK splits
+    at a time (one chunk for up to CHUNK - 1 splits: all loads in flight at once).
+    out is [B, T, H, D] contiguous."""
     ROWS: tl.constexpr = T * G
+    BLOCKS: tl.constexpr = (ROWS + R - 1) // R
     pid = tl.program_id(0)
-    h = pid % (HKV * G)
-    t = (pid // (HKV * G)) % T
-    b = pid // (HKV * G * T)
-    row = t * G + h % G
+    bh = pid // BLOCKS
+    b = bh // HKV
+    kvh = bh % HKV
+    rows = (pid % BLOCKS) * R + tl.arange(0, R)
+    row_ok = rows < ROWS
     L = tl.load(prefix_ptr + b).to(tl.int32)
-    part0 = (b * HKV + h // G) * (num_splits + 1)
+    parts = block_split + 1
+    part0 = bh * parts
 
     offs_d = tl.arange(0, D)
-    m = float("-inf")
-    den = 0.0
-    acc = tl.zeros([D], tl.float32)
-    for s0 in range(0, num_splits + 1, CHUNK):
+    m = tl.full([R], float("-inf"), tl.float32)
+    den = tl.zeros([R], tl.float32)
+    acc = tl.zeros([R, D], tl.float32)
+    for s0 in range(0, parts, CHUNK):
         s = s0 + tl.arange(0, CHUNK)
         start, end = _split_range(L, s, num_splits, BLOCK_N)
-        ran = ((s < num_splits) & (start < end)) | (s == num_splits)
-        lse = tl.load(lse_ptr + (part0 + s) * ROWS + row, mask=ran, other=float("-inf"))
-        o = tl.load(o_ptr + ((part0 + s) * ROWS + row)[:, None] * D + offs_d[None, :],
-                    mask=ran[:, None], other=0.0)
+        ran = (s < parts) & ((start < end) | (s == block_split))
+        ok = ran[:, None] & row_ok[None, :]
+        part_rows = (part0 + s)[:, None] * ROWS + rows[None, :]  # [CHUNK, R]
+        lse = tl.load(lse_ptr + part_rows, mask=ok, other=float("-inf"))
+        o = tl.load(o_ptr + part_rows[:, :, None] * D + offs_d[None, None, :], mask=ok[:, :, None], other=0.0)
         m_new = tl.maximum(m, tl.max(lse, 0))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.exp2(lse - m_ref)
+        w = tl.exp2(lse - m_ref[None, :])
         alpha = tl.exp2(m - m_ref)
         den = den * alpha + tl.sum(w, 0)
-        acc = acc * alpha + tl.sum(o * w[:, None], 0)
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 0)
         m = m_new
-    tl.store(out_ptr + pid * D + offs_d, (acc / den).to(out_ptr.dtype.element_ty))
+    head = kvh * G + rows % G
+    out_rows = (b * T + rows // G) * (HKV * G) + head
+    tl.store(out_ptr + out_rows[:, None] * D + offs_d[None, :], (acc / den[:, None]).to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
 
 
 @functools.cache
@@ -186,15 +199,17 @@ def _sm_count(device: torch.device) -> int:
 
 def default_num_splits(batch: int, kv_heads: int, rows: int, capacity: int, device: torch.device,
                        row_programs: int = 1) -> int:
-    """Prefix splits from shapes only. One wave: (splits + 1) programs per (b, kv head,
-    row program) fill the SMs at most once, as the larger tiles fit one program per SM
+    """Prefix splits from shapes only. One wave: the programs per (b, kv head, row
+    program), splits and the block's own (row_programs == 1, see module doc), fill the
+    SMs at most once, as the larger tiles fit one program per SM
     and a second wave of a few programs would double the time (H200 sweep). And no split
-    shorter than 256 keys (512 past one 16-row MMA tile) on a full cache, where the fixed
-    cost of a program and of its rows x D partial outweighs its share of the prefix."""
-    one_wave = _sm_count(device) // (batch * kv_heads * row_programs) - 1
+    shorter than 256 keys (512 past one 64-row tile) on a full cache, where the fixed
+    cost of a program and of its rows x D partial outweighs its share of the prefix
+    (4K, T = 16: 15 splits 11.8 us, 8 splits 13.5 us)."""
+    one_wave = _sm_count(device) // (batch * kv_heads * row_programs) - (row_programs == 1)
     if row_programs > 1:  # compute-bound: two splits beat one (T=256: 4K 93 vs 98 us, 16K 222 vs 352)
         one_wave = max(one_wave, 2)
-    min_chunk = 256 if rows <= 16 else 512
+    min_chunk = 256 if rows <= 64 else 512
     return max(1, min(one_wave, capacity // min_chunk))
 
 
@@ -238,20 +253,26 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
     # Partial outputs in the input dtype: normalised, so bf16 costs no more accuracy than
     # the bf16 output itself, and halves their traffic (T=16: 12% -> 6% of the prefix).
-    o_part = torch.empty(B * HKV, splits + 1, rows, D, dtype=q.dtype, device=q.device)
-    lse_part = torch.empty(B * HKV, splits + 1, rows, dtype=torch.float32, device=q.device)
+    block_split = splits if row_programs == 1 else splits - 1
+    o_part = torch.empty(B * HKV, block_split + 1, rows, D, dtype=q.dtype, device=q.device)
+    lse_part = torch.empty(B * HKV, block_split + 1, rows, dtype=torch.float32, device=q.device)
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
     LOG2E = 1.4426950408889634
-    _partial_attention[(B * HKV, splits + 1, row_programs)](
+    _partial_attention[(B * HKV, block_split + 1, row_programs)](
         q, k_cache, v_cache, mask.view(torch.uint8), o_part, lse_part, inputs.prefix_lens,
         q.stride(0), q.stride(1), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        mask.stride(0), mask.stride(1), scale * LOG2E, splits, row_programs,
+        mask.stride(0), mask.stride(1), scale * LOG2E, splits, block_split, row_programs,
         HKV=HKV, G=G, T=T, D=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         BLOCK_N_TREE=max(16, min(BLOCK_N, triton.next_power_of_2(T))), FP32_DOT=fp32,
         # small row tiles are memory-bound: one more tile in flight (H200, 16K, T=1: -5%)
         num_warps=8 if block_m >= 128 else 4, num_stages=2 if fp32 else 4 if block_m <= 64 else 3)
-    _merge[(B * T * H,)](
-        o_part, lse_part, inputs.prefix_lens, out, splits, HKV=HKV, G=G, T=T, D=D,
-        CHUNK=min(64, triton.next_power_of_2(splits + 1)), BLOCK_N=BLOCK_N,
-        num_warps=4)
+    # One warp per merge program and a few rows each: the merge is a latency chain of
+    # small loads, and 4 warps reducing one row's splits cost 12.6 us per layer at T = 64
+    # (2048 programs) against 2.6 us this way (H200, NOTES.md).
+    # A chunk of splits x rows x D stays within 128 fp32 registers per thread.
+    merge_rows = 4 if rows >= 256 else 2
+    chunk = min(triton.next_power_of_2(block_split + 1), max(2, 4096 // (merge_rows * D)))
+    _merge[(B * HKV * triton.cdiv(rows, merge_rows),)](
+        o_part, lse_part, inputs.prefix_lens, out, splits, block_split, HKV=HKV, G=G, T=T, D=D, R=merge_rows,
+        CHUNK=chunk, BLOCK_N=BLOCK_N, num_warps=1)
     return out
