@@ -446,6 +446,35 @@ def test_torchrun_launch(tp_models, engines, tmp_path):
     assert got == want
 
 
+@pytest.mark.parametrize("size", [2, 3])
+def test_driver_may_run_commands_ahead_of_the_workers(size):
+    """Pipelined rounds return before the workers have read their command, so the driver
+    can post several commands while a worker is still busy: none may be gone when a slow
+    worker gets to it (a worker then waited on the store while the driver's collectives
+    waited on the worker: the TP = 2 hang on two H200s), and each is deleted once every
+    worker has read it and moved on."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from treeflash.engine.tp import Runtime
+
+    wait = timedelta(seconds=3)
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=wait, wait_for_workers=False)
+    driver = Runtime(size, "cpu", 0, 0, store)
+    workers = [Runtime(size, "cpu", r, 0, TCPStore("127.0.0.1", store.port, is_master=False, timeout=wait))
+               for r in range(1, size)]
+    sent = [("_step", (i,)) for i in range(3)]
+    for payload in sent:
+        driver.post("call", 0, payload)
+    for i, w in enumerate(workers):
+        assert [w.next_command()[2] for _ in sent] == sent
+        last_reader = i == len(workers) - 1
+        assert store.check(["cmd/1"]) != last_reader and store.check(["cmd/2"]) != last_reader
+        assert store.check(["cmd/3"])  # still running on the workers
+
+
+
 def test_close_stops_the_workers(engines):
     """Last in the module: closing every engine of a size stops its workers."""
     tp2 = [llm for key, llm in engines.built.items() if key[2] == 2]

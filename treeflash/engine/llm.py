@@ -365,9 +365,10 @@ class LLM:
     def _step(self, active: list[bool] | None, max_n: int):
         """On every rank: launch the next round of the batch in flight and queue the copy
         of its tokens to the host; return the previous round's (new tokens, counts), or
-        None after the first round (with tp > 1: this round's, read synchronously). `active` (once requests have finished) is copied to
-        the device when it changed, without waiting for the round in flight; `max_n`
-        bounds eager attention reads (at least every request's n before this round)."""
+        None after the first round (with tp > 1: this round's, read synchronously).
+        `active` (once requests have finished) is copied to the device when it changed,
+        without waiting for the round in flight; `max_n` bounds eager attention reads (at
+        least every request's n before this round)."""
         run = self._run
         st = run.st
         if active is not None and active != run.active:
@@ -379,9 +380,11 @@ class LLM:
         new, counts = run.run_round(st)
         if self.tp_size > 1:
             # Under tensor parallelism the rounds are read synchronously, as before the
-            # pipeline: pipelined, the driver hung on two H200s waiting for round r-1's
-            # event (tests/test_tp_gpu.py), not yet understood. The loop in `generate`
-            # takes a round's own tokens just as well (nothing is then in flight).
+            # pipeline. Pipelined, the driver hung on two H200s waiting for round r-1's
+            # event: running ahead, it deleted a command the worker had not read yet,
+            # leaving the worker waiting on the store (fixed: `tp.Runtime.next_command`;
+            # pipelining under TP comes back once tests/test_tp_gpu.py passes with it).
+            # The loop in `generate` takes a round's own tokens just as well.
             return new.tolist(), counts.tolist()
         return run.pipe.push(new, counts)
 

@@ -20,9 +20,11 @@ its slice and so meets the driver in the collectives inside. Commands: `build` a
 engine (an `LLM` built from the driver's arguments), `call` one of its methods
 (`_start`: batch state + prefill; `_step`: one round), `drop` engines (piggybacked on
 the next command), `shutdown`. Per round that is one small store message; the rest is
-the collectives of the sharded model itself. Every command is one the workers must
-have read before the driver can finish it (it ends on collectives, or the driver reads
-the workers' replies), so the driver deletes cmd/<seq-1> when posting cmd/<seq>.
+the collectives of the sharded model itself. The driver may be several commands ahead
+of a worker (a pipelined round returns before the workers have read its command), so
+the driver never deletes a command: the workers do, once all of them have read it
+(`Runtime.next_command`). A command deleted early would leave its reader waiting on the
+store while the driver's collectives wait for it: a silent hang, not an error.
 
 Failures. A monitor thread in the driver polls its workers. When one dies it records
 which rank and why (killed by a signal, exit code, or the one-line error the worker
@@ -406,8 +408,6 @@ class Runtime:
         self.seq += 1
         drops, self.pending_drops = self.pending_drops, []
         self.store.set(f"cmd/{self.seq}", pickle.dumps((op, eid, payload, collect, drops)))
-        if self.seq > 1:
-            self.store.delete_key(f"cmd/{self.seq - 1}")  # every rank has read it (module docstring)
         return self.seq
 
     def new_engine(self, kwargs: dict) -> Engine:
@@ -623,8 +623,7 @@ class Runtime:
         engines: dict[int, object] = {}
         fault = os.environ.get(FAULT_ENV, "")
         while True:
-            self.seq += 1
-            op, eid, payload, collect, drops = pickle.loads(self.store.get(f"cmd/{self.seq}"))
+            op, eid, payload, collect, drops = self.next_command()
             if fault == f"{self.rank}:{self.seq}":
                 raise RuntimeError(f"fault injected by {FAULT_ENV}={fault}")
             if drops:
@@ -646,6 +645,18 @@ class Runtime:
                 out = getattr(engines[eid], name)(*args)
                 if collect:
                     self.reply(out)
+
+    def next_command(self) -> tuple:
+        """The driver's next command (op, engine id, payload, collect, drops), once the
+        previous one has run. The previous one is deleted from the store here, by the
+        last worker to get to this point, as no rank reads it again."""
+        if self.seq:
+            if self.size == 2 or self.store.add(f"read/{self.seq}", 1) == self.size - 1:
+                self.store.delete_key(f"cmd/{self.seq}")
+                if self.size > 2:
+                    self.store.delete_key(f"read/{self.seq}")
+        self.seq += 1
+        return pickle.loads(self.store.get(f"cmd/{self.seq}"))
 
     def reply(self, out) -> None:
         self.store.set(f"res/{self.seq}/{self.rank}", pickle.dumps(out))
