@@ -92,12 +92,13 @@ def test_split_counts(num_splits):
 
 
 @kernel_test
-@pytest.mark.parametrize("row_programs", [1, 2, 3])
-def test_row_programs(row_programs):
-    """148 rows = 3 row tiles of 64 (fp32): one program walking all three, two sharing
-    them unevenly, one per tile."""
+@pytest.mark.parametrize("row_programs, num_splits", [(1, 2), (2, 2), (3, 2), (2, 1)])
+def test_row_programs(row_programs, num_splits):
+    """148 rows = 3 row tiles of 64 (fp32): one program walking all three (the block has
+    programs of its own), two sharing them unevenly, one per tile (the last prefix split
+    takes the block, also when it is the only split)."""
     check(B=2, T=37, HKV=2, G=4, D=64, S=300, dtype=torch.float32, mask_kind="tree",
-          num_splits=2, row_programs=row_programs, seed=row_programs)
+          num_splits=num_splits, row_programs=row_programs, seed=row_programs + 10 * num_splits)
 
 
 @kernel_test
@@ -120,4 +121,4 @@ def test_kernel_in_the_triton_interpreter():
                           cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "10 passed" in proc.stdout
+    assert "11 passed" in proc.stdout
