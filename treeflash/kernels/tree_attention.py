@@ -11,10 +11,10 @@ Why it is split in three (design.md section 5):
     prefix is read once per round however large the tree. For T*G <= 128 there is a
     single row tile and the chunk is loaded once, period.
 (b) The T x T block, read at slots prefix_lens[b] + j with the block mask (ancestors,
-    causal or all-true), has programs of its own for small T * G, which run beside the
-    prefix programs (the last prefix chunk would otherwise wait for it: T = 1 at 4K
-    11.1 vs 11.9 us). Past 128 rows the kernel is compute-bound and fills the SMs in
-    whole waves, so the last prefix split (the shortest: chunks are whole tiles) takes
+    causal or all-true), has programs of its own while T * G fits one row tile (128
+    rows; 64 in fp32), which run beside the prefix programs (the last prefix chunk would
+    otherwise wait for it: T = 1 at 4K 11.1 vs 11.9 us). Past that the kernel is
+    compute-bound and fills the SMs in whole waves, so the last prefix split (the shortest: chunks are whole tiles) takes
     the block after its chunk (T = 256 at 4K: 192 -> 128 programs, 72.6 -> 52.9 us).
 (c) A second kernel merges the partial results of all splits by log-sum-exp.
 
@@ -151,7 +151,7 @@ def _merge(o_ptr, lse_ptr, prefix_ptr, out_ptr, num_splits, block_split,
            R: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (b * HKV + kv head, block of R rows): out = sum_s 2^(lse_s - M) o_s /
     sum_s 2^(lse_s - M) over the splits that ran (block_split always does), CHUNK splits
-    at a time (one chunk for up to CHUNK - 1 splits: all loads in flight at once).
+    at a time (one chunk for up to CHUNK parts: all loads in flight at once).
     out is [B, T, H, D] contiguous."""
     ROWS: tl.constexpr = T * G
     BLOCKS: tl.constexpr = (ROWS + R - 1) // R
@@ -271,7 +271,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # (2048 programs) against 2.6 us this way (H200, NOTES.md).
     # A chunk of splits x rows x D stays within 128 fp32 registers per thread.
     merge_rows = 4 if rows >= 256 else 2
-    chunk = min(triton.next_power_of_2(block_split + 1), max(2, 4096 // (merge_rows * D)))
+    chunk = min(triton.next_power_of_2(block_split + 1), 4096 // (merge_rows * D))
     _merge[(B * HKV * triton.cdiv(rows, merge_rows),)](
         o_part, lse_part, inputs.prefix_lens, out, splits, block_split, HKV=HKV, G=G, T=T, D=D, R=merge_rows,
         CHUNK=chunk, BLOCK_N=BLOCK_N, num_warps=1)
