@@ -477,6 +477,7 @@ def test_driver_may_run_commands_ahead_of_the_workers(size):
 
 def test_close_stops_the_workers(engines):
     """Last in the module: closing every engine of a size stops its workers."""
+    engines("qwen3", "ar", 2)  # at least one, also when run alone
     tp2 = [llm for key, llm in engines.built.items() if key[2] == 2]
     pids = [s["pid"] for s in tp2[0].rank_stats()][1:]
     for llm in tp2:
