@@ -39,6 +39,25 @@ def test_graphs_match_eager(pair, method, budget, temperature):
         assert e.token_ids == r.token_ids  # and speculative == autoregressive on the GPU too
 
 
+def test_prefills_are_graphed_per_padded_length(pair):
+    """With graphs on, a prompt's prefill is captured once per padded length (a multiple
+    of 32) and replayed when that length comes back; past 512 padded tokens it runs
+    eagerly. Every output equals the eager engine's."""
+    target, drafter = pair
+    kw = dict(draft_model=drafter, method="ddtree", budget=16, device="cuda", dtype="float32")
+    prompts = [[5, 9, 3], list(range(3, 60)), [7, 8] * 300, [4] * 20, list(range(10, 50))]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    eager = LLM(target, cuda_graphs=False, **kw)
+    llm = LLM(target, cuda_graphs=True, **kw)
+    captures = []
+    for p in prompts:
+        assert llm.generate(p, params)[0].token_ids == eager.generate(p, params)[0].token_ids
+        captures.append(llm.graph_captures)
+    shapes = sorted(k[1] for k in llm._graphed[3])
+    # round + prefill(32), prefill(64), the 600-token prompt eager, 32 and 64 again replayed
+    assert captures == [2, 3, 3, 3, 3] and shapes == [32, 64]
+
+
 def test_fused_sampling_matches_reference():
     from treeflash.engine.sampling import gumbel_noise
     from treeflash.ops.gumbel_argmax import gumbel_argmax

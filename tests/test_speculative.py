@@ -14,6 +14,7 @@ from conftest import CONSTANT_TOKEN, SPEC_PROMPTS
 from treeflash import LLM, SamplingParams, TreeflashError, UsageError
 from treeflash.checkpoints import write_random_drafter, write_random_target
 from treeflash.cli import main as cli_main
+from treeflash.engine.round import PREFILL_ALIGN
 from treeflash.layers.attention import AttentionInputs
 
 GREEDY64 = SamplingParams(max_new_tokens=64)
@@ -247,9 +248,11 @@ def test_contexts_are_loaded_once(method, budget, spec_target, spec_drafter, clo
     assert torch.equal(st.draft_cache.projected, lens + committed)
     for r in log.rounds:
         assert torch.equal(r["projected_after"] - r["projected_before"], r["counts"])
-    # the prompt is projected once by the prefill, then each round projects only its
-    # own block of at most b positions, however long the prefix has grown
-    assert log.projections == [max(lens.tolist())] + [llm.drafter.block_size] * len(log.rounds)
+    # the prompt is projected once by the prefill (the batch padded to a multiple of
+    # PREFILL_ALIGN), then each round projects only its own block of at most b
+    # positions, however long the prefix has grown
+    padded = -(-max(lens.tolist()) // PREFILL_ALIGN) * PREFILL_ALIGN
+    assert log.projections == [padded] + [llm.drafter.block_size] * len(log.rounds)
     # once a request has all its tokens it commits nothing more, after the one round
     # that was in flight (pipelined) when the host saw it finish
     for b, out in enumerate(outs):

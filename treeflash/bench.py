@@ -238,7 +238,7 @@ def measure_pair(llm, prompts: list[str], bs: int, temperature: float, args) -> 
 
     batches = batch_indices(len(prompts), bs)
     generate(batches[0])
-    captured, recaptures = llm._graphed, 0
+    captures = llm.graph_captures
     outs, steps = [], 0
     sync(llm.device)
     start = time.perf_counter()
@@ -246,9 +246,8 @@ def measure_pair(llm, prompts: list[str], bs: int, temperature: float, args) -> 
         got = generate(batch)
         outs += got
         steps += max(o.stats["rounds"] for o in got)  # rounds the batch ran (prefill counts as one)
-        if llm._graphed is not captured:  # prompts of another length bucket: captured while timed
-            captured, recaptures = llm._graphed, recaptures + 1
     sync(llm.device)
+    recaptures = llm.graph_captures - captures  # prompts of another length bucket: captured while timed
     seconds = time.perf_counter() - start
     tokens = sum(o.stats["new_tokens"] for o in outs)
     request_rounds = sum(o.stats["rounds"] for o in outs)
@@ -308,7 +307,7 @@ def bench_pairs(args) -> int:
     close_out(out, args.out)
     print(format_table(rows, PAIR_COLUMNS))
     if any(r["recaptures"] for r in rows):
-        print("note: some rows recaptured a CUDA graph while timed (prompts in several length buckets)")
+        print("note: some rows captured a CUDA graph while timed (prompts of several padded lengths)")
     if args.plot:
         plot_pairs(rows, args.plot)
     return 0

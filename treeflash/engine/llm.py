@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from treeflash.config import DTYPES, DraftConfig, ModelConfig
-from treeflash.engine.round import METHODS, BatchState, GraphedRound, SpeculativeDecoder
+from treeflash.engine.round import METHODS, BatchState, GraphedPrefill, GraphedRound, SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
 from treeflash.engine.tp import attach as tp_attach
 from treeflash.engine.tp import peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -22,6 +22,7 @@ from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
 
 DEFAULT_BUDGET = 64
+GRAPHED_PREFILL_MAX = 512  # padded prompt tokens up to which prefills are CUDA graphs (past it compute dominates)
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
 
 
@@ -207,7 +208,8 @@ class LLM:
                                               draft_mode=draft_mode, attention_backend=backend)
             self.method = method
             self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-            self._graphed = None  # (key, state, GraphedRound) of the last graph captured
+            self._graphed = None  # (key, state, GraphedRound, {shape: GraphedPrefill}) last captured
+            self.graph_captures = 0  # rounds and prefills captured so far (a benchmark sees recaptures)
             self._run = None      # `_Batch`: state, round and result pipeline of the batch in flight
             self._tp.built()      # the workers' slices are loaded too
         except BaseException:
@@ -357,8 +359,15 @@ class LLM:
         if self._run is not None:  # the previous batch's last round, still in flight: wait
             self._run.pipe.finish()  # for it before its state or graph may be dropped
         self._run = None  # the previous batch's caches go before the new ones are made
-        st, run_round = self._runner(batch, max_len, SamplingBatch.from_params(params, self.device))
-        self.decoder.prefill(st, prompts)
+        st, run_round, prefills = self._runner(batch, max_len, SamplingBatch.from_params(params, self.device))
+        ids, lens = self.decoder.prefill_inputs(st, prompts)
+        if prefills is None or ids.shape[1] > GRAPHED_PREFILL_MAX:
+            self.decoder.prefill_tokens(st, ids, lens)
+        elif ids.shape in prefills:
+            prefills[ids.shape](st, ids, lens)
+        else:  # capturing also prefills
+            prefills[ids.shape] = GraphedPrefill(self.decoder, st, ids, lens)
+            self.graph_captures += 1
         self._run = _Batch(st, run_round, RoundPipeline(), [True] * batch)
         return st.anchor.tolist()
 
@@ -389,24 +398,26 @@ class LLM:
         return run.pipe.push(new, counts)
 
     def _runner(self, batch: int, max_len: int, sampling: SamplingBatch):
-        """A batch state and the function that runs one round on it.
+        """A batch state, the function that runs one round on it, and the state's
+        captured prefills by padded prompt shape (None: eager prefill).
 
         With CUDA graphs, states are bucketed (cache length rounded up) and the captured
-        round is kept for the next call with the same batch size, bucket and sampling
-        mode; the sampling values are copied into the captured buffers.
+        round and prefills are kept for the next call with the same batch size, bucket
+        and sampling mode; the sampling values are copied into the captured buffers.
         """
         if not self.cuda_graphs:
-            return self.decoder.new_state(batch, max_len, sampling), self.decoder.round
+            return self.decoder.new_state(batch, max_len, sampling), self.decoder.round, None
         bucket = 1 << max(10, (max_len - 1).bit_length())
         key = (batch, bucket, sampling.any_sampled, sampling.any_filtered)
         if self._graphed is None or self._graphed[0] != key:
             self._graphed = None
             torch.cuda.empty_cache()
             st = self.decoder.new_state(batch, bucket, sampling)
-            self._graphed = (key, st, GraphedRound(self.decoder, st))
-        _, st, graph = self._graphed
+            self._graphed = (key, st, GraphedRound(self.decoder, st), {})
+            self.graph_captures += 1
+        _, st, graph, prefills = self._graphed
         st.sampling.copy_(sampling)
-        return st, graph
+        return st, graph, prefills
 
     def _accept(self, got: list[int], out: list[int], p: SamplingParams, limit: int) -> str | None:
         """Append committed tokens up to EOS / the token limit; return the stop reason."""

@@ -33,6 +33,7 @@ except ImportError:
     build_tree_fused = None
 
 METHODS = ("ar", "dflash", "ddtree")
+PREFILL_ALIGN = 32  # prompts are padded to a multiple of this: a few prefill shapes (and graphs)
 DRAFT_MODES = ("scaled", "coupled")
 
 
@@ -97,16 +98,30 @@ class SpeculativeDecoder:
                           self.target.new_cache(batch, max_len, dev),
                           self.drafter.new_cache(batch, max_len, dev) if self.drafter is not None else None)
 
-    @torch.inference_mode()
-    def prefill(self, st: BatchState, prompts: list[list[int]]) -> None:
-        """Run the prompts (padded into one batch) into the caches and sample each
-        request's first token into `st.anchor` (eager; written in place)."""
+    def prefill_inputs(self, st: BatchState, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts as one padded batch: ids [B, T] on the device, T the longest prompt
+        rounded up to a multiple of PREFILL_ALIGN (within the cache), and lens [B]."""
         dev = st.n.device
-        B, T = len(prompts), max(len(p) for p in prompts)
-        ids = torch.zeros(B, T, dtype=torch.long, device=dev)
+        longest = max(len(p) for p in prompts)
+        T = min(-(-longest // PREFILL_ALIGN) * PREFILL_ALIGN, st.cache.max_len)
+        ids = torch.zeros(len(prompts), T, dtype=torch.long)
         for b, p in enumerate(prompts):
             ids[b, :len(p)] = torch.tensor(p, dtype=torch.long)
-        lens = torch.tensor([len(p) for p in prompts], device=dev)
+        return ids.to(dev), torch.tensor([len(p) for p in prompts], device=dev)
+
+    @torch.inference_mode()
+    def prefill(self, st: BatchState, prompts: list[list[int]]) -> None:
+        """Run the prompts into the caches and sample each request's first token into
+        `st.anchor` (eager; written in place)."""
+        self.prefill_tokens(st, *self.prefill_inputs(st, prompts))
+
+    @torch.inference_mode()
+    def prefill_tokens(self, st: BatchState, ids: torch.Tensor, lens: torch.Tensor) -> None:
+        """`prefill` of padded ids [B, T] with lengths lens [B]: device work only, static
+        shapes, so `GraphedPrefill` can capture it. Causal attention keeps the padding
+        out of every real token; its K/V land past the prompt, where the rounds write."""
+        B, T = ids.shape
+        dev = ids.device
         positions = torch.arange(T, device=dev).expand(B, T)
         inputs = AttentionInputs.causal(positions, kv_len=T)
         h, feats = self._target(ids, inputs, st.cache)
@@ -217,3 +232,27 @@ class GraphedRound:
         assert st is self.st, "a graph replays on the buffers it was captured with"
         self.graph.replay()
         return self.new, self.counts
+
+
+class GraphedPrefill:
+    """`decoder.prefill_tokens` for one padded shape [B, T], captured as a CUDA graph
+    over static (ids, lens) buffers of `st`: a short prompt's eager prefill is ~150
+    launches, host-bound (built-in pair on an H200: ~5 ms for ~0.3 ms of kernels).
+    Capturing runs the prefill once (the warm-up), so the state is prefilled as well."""
+
+    def __init__(self, decoder: SpeculativeDecoder, st: BatchState, ids: torch.Tensor, lens: torch.Tensor):
+        self.st, self.ids, self.lens = st, ids.clone(), lens.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            decoder.prefill_tokens(st, self.ids, self.lens)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            decoder.prefill_tokens(st, self.ids, self.lens)
+
+    def __call__(self, st: BatchState, ids: torch.Tensor, lens: torch.Tensor) -> None:
+        assert st is self.st and ids.shape == self.ids.shape, "a graph replays on the buffers it was captured with"
+        self.ids.copy_(ids)
+        self.lens.copy_(lens)
+        self.graph.replay()
