@@ -101,12 +101,23 @@ def test_gemv_matches_linear(dtype, N, K):
         assert (gemv(gu, w, gated=True) - F.linear((F.silu(g.float()) * u.float()).to(dtype), w)).abs().max() <= tol
 
 
+@gpu_or_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 65, 4096), (3, 1000), (1, 1, 7)])
+def test_row_argmax_matches_argmax(dtype, shape):
+    """Greedy picks in one launch: torch.argmax's index, the first among equal maxima."""
+    from treeflash.ops.gumbel_argmax import row_argmax
+    x = torch.randint(-40, 40, shape, generator=torch.Generator().manual_seed(shape[-1])).to(dtype)
+    x[..., -1] = x.amax(-1)  # a tie for the maximum, at the last index
+    assert torch.equal(row_argmax(x.to(DEV)).cpu(), x.argmax(-1))
+
+
 @pytest.mark.skipif(CUDA or INTERPRET, reason="runs the kernel tests itself")
 def test_ops_in_the_triton_interpreter():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "gemv_matches or rope_into_cache"], cwd=Path(__file__).resolve().parent.parent,
+                           "-k", "gemv_matches or rope_into_cache or row_argmax"], cwd=Path(__file__).resolve().parent.parent,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "6 passed" in proc.stdout
+    assert "9 passed" in proc.stdout

@@ -166,10 +166,36 @@ def test_limits():
                          torch.zeros(1, dtype=torch.long), 512)
 
 
+VOCAB_CASES = [((1, 15, 4096), 64), ((2, 3, 300), 16), ((1, 2, 5000), 64), ((1, 3, 4096), 256), ((2, 7), 7)]
+
+
+@kernel
+@pytest.mark.parametrize("shape,k", VOCAB_CASES)
+def test_fused_vocab_topk_matches_torch(shape, k):
+    """The drafter's per-depth candidates in one launch (one chunk, and several chunks
+    merged by a second launch): torch's top-k values, the ids of a stable descending
+    sort (equal values: lower id first), and the log-sum-exp."""
+    from treeflash.kernels.vocab_topk import fits, topk_logsumexp
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(shape, generator=gen) * 3
+    x[..., 1::4] = x[..., ::4][..., :x[..., 1::4].shape[-1]]  # ties
+    assert fits(shape[-1], k)
+    vals, ids, lse = (t.cpu() for t in topk_logsumexp(x.to(DEV), k))
+    ref = x.sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(vals, ref.values[..., :k]) and torch.equal(ids, ref.indices[..., :k])
+    assert torch.allclose(lse, x.logsumexp(-1, keepdim=True), atol=1e-5)
+
+
+def test_vocab_topk_limits():
+    """Past one 4096-candidate merge (a 152K vocabulary at k = 64) the engine keeps torch's top-k."""
+    from treeflash.kernels.vocab_topk import fits
+    assert fits(4096, 512) and fits(32768, 64) and not fits(151936, 64) and not fits(10, 11)
+
+
 @pytest.mark.skipif(CUDA or INTERPRET, reason="runs the kernel tests itself")
 def test_kernel_in_the_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "fused"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert f"{len(CASES) + 3 + 1} passed" in proc.stdout
+    assert f"{len(CASES) + 3 + 1 + len(VOCAB_CASES)} passed" in proc.stdout

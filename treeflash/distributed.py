@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from treeflash.ops import argmax, topk_logsumexp
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -65,7 +67,7 @@ class TPGroup:
     def argmax(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Global argmax over the last dim of `x`, this rank's vocabulary slice starting at
         id `start`: the same ids as `torch.argmax` over the whole (gathered) vocabulary."""
-        idx = x.argmax(-1)
+        idx = argmax(x)
         if self.size == 1:
             return idx + start if start else idx
         return self.pick_max(x.gather(-1, idx[..., None])[..., 0], idx + start)
@@ -79,10 +81,11 @@ class TPGroup:
         also sends the log-sum-exp of its slice (max, then sum of exp), and the ranks'
         are combined the same way, in rank order.
         """
-        vals, ids = x.topk(min(k, x.shape[-1]), dim=-1)
-        ids = ids + start if start else ids
         if log_softmax:
-            lse = torch.logsumexp(x, dim=-1, keepdim=True)
+            vals, ids, lse = topk_logsumexp(x, min(k, x.shape[-1]))
+        else:
+            vals, ids = x.topk(min(k, x.shape[-1]), dim=-1)
+        ids = ids + start if start else ids
         if self.size > 1:
             parts = [vals.double(), ids.double()] + ([lse.double()] if log_softmax else [])
             cand = self.all_gather(torch.cat(parts, dim=-1)[None], dim=0)      # [size, ..., 2k(+1)]

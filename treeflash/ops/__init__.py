@@ -39,3 +39,23 @@ def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     launch (fused path, single row: see `treeflash.kernels.gemv`)."""
     from treeflash.kernels.gemv import gemv
     return gemv(gate_up, weight, gated=True)
+
+
+def topk_logsumexp(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values, ids) of `x.topk(k)` over the last dim and `x.logsumexp(-1, keepdim=True)`:
+    the drafter's per-depth candidates. One launch on the fused path (torch: ~6)."""
+    if fused_enabled(x):
+        from treeflash.kernels.vocab_topk import fits, topk_logsumexp as fused
+        if fits(x.shape[-1], k):
+            return fused(x, k)
+    vals, ids = x.topk(k, dim=-1)
+    return vals, ids, torch.logsumexp(x, dim=-1, keepdim=True)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)` (first index among equal maxima); one Triton launch on the fused
+    path, where torch's reduction took 14 us for 65 rows of 4096 (H200)."""
+    if fused_enabled(x) and x.dtype != torch.float64:
+        from treeflash.ops.gumbel_argmax import row_argmax
+        return row_argmax(x)
+    return x.argmax(-1)

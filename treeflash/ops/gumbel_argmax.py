@@ -26,23 +26,26 @@ def _mix32(x):
 
 @triton.jit
 def _gumbel_argmax_kernel(logits_ptr, row_stride, key_ptr, temp_ptr, out_ptr, val_ptr, start, V: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    key = tl.load(key_ptr + row)                     # int64 per-row hash of (seed, position)
-    t = tl.load(temp_ptr + row)                      # float32, 0 = greedy
-    greedy = t == 0
-    t_safe = tl.where(greedy, 1.0, t)
+                          BLOCK: tl.constexpr, SAMPLED: tl.constexpr):
+    """Program row: its argmax; SAMPLED: of logits / T + noise where T > 0."""
+    row = tl.program_id(0).to(tl.int64)
+    if SAMPLED:
+        key = tl.load(key_ptr + row)                 # int64 per-row hash of (seed, position)
+        t = tl.load(temp_ptr + row)                  # float32, 0 = greedy
+        greedy = t == 0
+        t_safe = tl.where(greedy, 1.0, t)
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.full([BLOCK], 0, tl.int64)
     for i in range(0, tl.cdiv(V, BLOCK)):
         ids = i * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         inside = ids < V
-        x = tl.load(logits_ptr + row * row_stride + ids, mask=inside, other=float("-inf")).to(tl.float32)
-        h = _mix32(key ^ _mix32(((ids + start) * 0x85EBCA6B + 0x27D4EB2F) & 0xFFFFFFFF))  # global token id
-        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # 23 bits: u < 1, finite noise
-        g = -tl.log(-tl.log(u))
-        val = tl.where(greedy, x, x / t_safe + g)
-        val = tl.where(inside, val, float("-inf"))
+        val = tl.load(logits_ptr + row * row_stride + ids, mask=inside, other=float("-inf")).to(tl.float32)
+        if SAMPLED:
+            h = _mix32(key ^ _mix32(((ids + start) * 0x85EBCA6B + 0x27D4EB2F) & 0xFFFFFFFF))  # global token id
+            u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # 23 bits: u < 1, finite noise
+            g = -tl.log(-tl.log(u))
+            val = tl.where(greedy, val, val / t_safe + g)
+            val = tl.where(inside, val, float("-inf"))
         better = val > best_val  # strict: the first index wins ties, as torch.argmax
         best_val = tl.where(better, val, best_val)
         best_idx = tl.where(better, ids, best_idx)
@@ -69,5 +72,19 @@ def gumbel_argmax(logits: torch.Tensor, seed: torch.Tensor, positions: torch.Ten
     out = torch.empty(B * T, dtype=torch.long, device=logits.device)
     val = torch.empty(B * T, dtype=torch.float32, device=logits.device)
     _gumbel_argmax_kernel[(B * T,)](rows, rows.stride(0), key.contiguous(), temp, out, val, vocab_start, V,
-                                    BLOCK=1024)
+                                    BLOCK=1024, SAMPLED=True)
     return (val.view(B, T), out.view(B, T)) if with_values else out.view(B, T)
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) of a CUDA tensor [..., V] (first index among equal maxima), one
+    program per row. NaN never wins here (torch.argmax would pick it)."""
+    *lead, V = x.shape
+    rows = x.reshape(-1, V)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.long, device=x.device)
+    val = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    _gumbel_argmax_kernel[(rows.shape[0],)](rows, rows.stride(0), out, val, out, val, 0, V,
+                                            BLOCK=min(1024, triton.next_power_of_2(V)), SAMPLED=False)
+    return out.view(lead)
