@@ -262,8 +262,8 @@ class LLM:
 
         `on_tokens(i, new_ids)` is called as request i commits tokens (for streaming).
         Rounds are pipelined: the host reads and processes round r-1's tokens while
-        round r runs on the device (see `_step`, `RoundPipeline`); under tensor
-        parallelism each round is read as it ends.
+        round r runs on the device (see `_step`, `RoundPipeline`), with tensor
+        parallelism too (every rank runs ahead alike).
         """
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                                and isinstance(prompts[0], int))
@@ -374,7 +374,7 @@ class LLM:
     def _step(self, active: list[bool] | None, max_n: int):
         """On every rank: launch the next round of the batch in flight and queue the copy
         of its tokens to the host; return the previous round's (new tokens, counts), or
-        None after the first round (with tp > 1: this round's, read synchronously).
+        None after the first round.
         `active` (once requests have finished) is copied to the device when it changed,
         without waiting for the round in flight; `max_n` bounds eager attention reads (at
         least every request's n before this round)."""
@@ -387,14 +387,6 @@ class LLM:
         if st.max_n is not None:
             st.max_n = max_n
         new, counts = run.run_round(st)
-        if self.tp_size > 1:
-            # Under tensor parallelism the rounds are read synchronously, as before the
-            # pipeline. Pipelined, the driver hung on two H200s waiting for round r-1's
-            # event: running ahead, it deleted a command the worker had not read yet,
-            # leaving the worker waiting on the store (fixed: `tp.Runtime.next_command`;
-            # pipelining under TP comes back once tests/test_tp_gpu.py passes with it).
-            # The loop in `generate` takes a round's own tokens just as well.
-            return new.tolist(), counts.tolist()
         return run.pipe.push(new, counts)
 
     def _runner(self, batch: int, max_len: int, sampling: SamplingBatch):
