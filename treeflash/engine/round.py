@@ -33,8 +33,8 @@ except ImportError:
     build_tree_fused = None
 
 METHODS = ("ar", "dflash", "ddtree")
-PREFILL_ALIGN = 32  # prompts are padded to a multiple of this: a few prefill shapes (and graphs)
 DRAFT_MODES = ("scaled", "coupled")
+PREFILL_ALIGN = 32  # prompts are padded to a multiple of this: a few prefill shapes (and graphs)
 
 
 @dataclass
@@ -207,6 +207,22 @@ class SpeculativeDecoder:
         return new, counts
 
 
+def capture(fn, warmup: int):
+    """(CUDA graph of fn(), what the captured call returned). fn runs `warmup` times on a
+    side stream first, so lazy set-up (Triton compiles, cuBLAS workspaces, one-time
+    device copies) happens outside the graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 class GraphedRound:
     """`decoder.round(st)` captured once as a CUDA graph over the static buffers of `st`,
     then replayed: the only host work per round is the replay and reading the tokens.
@@ -218,15 +234,7 @@ class GraphedRound:
     def __init__(self, decoder: SpeculativeDecoder, st: BatchState, warmup: int = 2):
         self.st = st
         st.max_n = None  # graphs read the whole cache: no data-dependent shapes
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):
-                decoder.round(st)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.new, self.counts = decoder.round(st)
+        self.graph, (self.new, self.counts) = capture(lambda: decoder.round(st), warmup)
 
     def __call__(self, st: BatchState) -> tuple[torch.Tensor, torch.Tensor]:
         assert st is self.st, "a graph replays on the buffers it was captured with"
@@ -242,14 +250,7 @@ class GraphedPrefill:
 
     def __init__(self, decoder: SpeculativeDecoder, st: BatchState, ids: torch.Tensor, lens: torch.Tensor):
         self.st, self.ids, self.lens = st, ids.clone(), lens.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            decoder.prefill_tokens(st, self.ids, self.lens)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            decoder.prefill_tokens(st, self.ids, self.lens)
+        self.graph, _ = capture(lambda: decoder.prefill_tokens(st, self.ids, self.lens), warmup=1)
 
     def __call__(self, st: BatchState, ids: torch.Tensor, lens: torch.Tensor) -> None:
         assert st is self.st and ids.shape == self.ids.shape, "a graph replays on the buffers it was captured with"
