@@ -41,8 +41,8 @@ def test_graphs_match_eager(pair, method, budget, temperature):
 
 def test_prefills_are_graphed_per_padded_length(pair):
     """With graphs on, a prompt's prefill is captured once per padded length (a multiple
-    of 32) and replayed when that length comes back; past 512 padded tokens it runs
-    eagerly. Every output equals the eager engine's."""
+    of 32) and replayed when that length comes back; past 512 padded tokens in the batch
+    it runs eagerly. Every output equals the eager engine's."""
     target, drafter = pair
     kw = dict(draft_model=drafter, method="ddtree", budget=16, device="cuda", dtype="float32")
     prompts = [[5, 9, 3], list(range(3, 60)), [7, 8] * 300, [4] * 20, list(range(10, 50))]

@@ -22,7 +22,8 @@ from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
 
 DEFAULT_BUDGET = 64
-GRAPHED_PREFILL_MAX = 512  # padded prompt tokens up to which prefills are CUDA graphs (past it compute dominates)
+GRAPHED_PREFILL_MAX = 512  # padded prompt tokens of a batch up to which prefills are CUDA graphs:
+                           # past it compute dominates, and each shape's graph keeps its own memory
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
 
 
@@ -361,7 +362,7 @@ class LLM:
         self._run = None  # the previous batch's caches go before the new ones are made
         st, run_round, prefills = self._runner(batch, max_len, SamplingBatch.from_params(params, self.device))
         ids, lens = self.decoder.prefill_inputs(st, prompts)
-        if prefills is None or ids.shape[1] > GRAPHED_PREFILL_MAX:
+        if prefills is None or ids.numel() > GRAPHED_PREFILL_MAX:
             self.decoder.prefill_tokens(st, ids, lens)
         elif ids.shape in prefills:
             prefills[ids.shape](st, ids, lens)
