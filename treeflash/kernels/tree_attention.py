@@ -16,7 +16,9 @@ Why it is split in three (design.md section 5):
     otherwise wait for it: T = 1 at 4K 11.1 vs 11.9 us). Past that the kernel is
     compute-bound and fills the SMs in whole waves, so the last prefix split (the shortest: chunks are whole tiles) takes
     the block after its chunk (T = 256 at 4K: 192 -> 128 programs, 72.6 -> 52.9 us).
-(c) A second kernel merges the partial results of all splits by log-sum-exp.
+(c) A second kernel merges the partial results of all splits by log-sum-exp. A split
+    with no keys writes lse = -inf (and no o), so the merge needs no prefix length:
+    its loads issue as soon as it starts, not after a dependent load of prefix_lens.
 
 Static shapes for CUDA graphs: the grid and the number of splits depend only on the
 tensor shapes (and the SM count); each split's key range is computed on the device
@@ -39,7 +41,7 @@ BLOCK_N = 64  # keys per tile
 @triton.jit
 def _split_range(L, split, num_splits, BLOCK_N: tl.constexpr):
     """Prefix slots [start, end) of `split` when L slots are shared by num_splits splits
-    in whole tiles. Shared by both kernels so the merge knows which splits ran."""
+    in whole tiles; an empty range when the split lies past L."""
     chunk = tl.cdiv(tl.cdiv(L, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     return start, tl.minimum(start + chunk, L)
@@ -114,7 +116,7 @@ def _partial_attention(
 
     start, end = _split_range(L, split, num_splits, BLOCK_N)
     with_block = split == block_split  # split num_splits has no prefix: start >= L
-    n_rows = ((start < end) | with_block).to(tl.int32) * ROWS  # an empty split writes nothing
+    ran = (start < end) | with_block
 
     offs_d = tl.arange(0, D)
     b64 = b.to(tl.int64)  # a whole cache can pass 2^31 elements
@@ -124,34 +126,38 @@ def _partial_attention(
     mask_base = mask_ptr + b * sm_b
     part = pid_bh * tl.num_programs(1) + split
     # Row tiles back to back over the same key range: after the first, it is in L2.
-    for row0 in range(row_program * BLOCK_M, n_rows, row_programs * BLOCK_M):
+    for row0 in range(row_program * BLOCK_M, ROWS, row_programs * BLOCK_M):
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < ROWS
-        tok = rows // G
-        q = tl.load(q_base + tok[:, None] * sq_t + (rows % G)[:, None] * sq_h + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        o, lse = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, start, end - start,
-                         qk_scale, D, BLOCK_M, BLOCK_N, False, FP32_DOT)
-        if with_block:
-            o_blk, lse_blk = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, L, T,
-                                     qk_scale, D, BLOCK_M, BLOCK_N_TREE, True, FP32_DOT)
-            m = tl.maximum(lse, lse_blk)
-            m = tl.where(m == float("-inf"), 0.0, m)
-            w, w_blk = tl.exp2(lse - m), tl.exp2(lse_blk - m)
-            o = (o * w[:, None] + o_blk * w_blk[:, None]) / tl.where(w + w_blk > 0, w + w_blk, 1.0)[:, None]
-            lse = m + tl.log2(w + w_blk)
-        tl.store(o_ptr + (part * ROWS + rows)[:, None] * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
+        if ran:
+            tok = rows // G
+            q = tl.load(q_base + tok[:, None] * sq_t + (rows % G)[:, None] * sq_h + offs_d[None, :],
+                        mask=row_ok[:, None], other=0.0)
+            o, lse = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, start, end - start,
+                             qk_scale, D, BLOCK_M, BLOCK_N, False, FP32_DOT)
+            if with_block:
+                o_blk, lse_blk = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, L, T,
+                                         qk_scale, D, BLOCK_M, BLOCK_N_TREE, True, FP32_DOT)
+                m = tl.maximum(lse, lse_blk)
+                m = tl.where(m == float("-inf"), 0.0, m)
+                w, w_blk = tl.exp2(lse - m), tl.exp2(lse_blk - m)
+                o = (o * w[:, None] + o_blk * w_blk[:, None]) / tl.where(w + w_blk > 0, w + w_blk, 1.0)[:, None]
+                lse = m + tl.log2(w + w_blk)
+            tl.store(o_ptr + (part * ROWS + rows)[:, None] * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+                     mask=row_ok[:, None])
+        else:  # an empty split: lse = -inf tells the merge to skip its (unwritten) o
+            lse = tl.full([BLOCK_M], float("-inf"), tl.float32)
         tl.store(lse_ptr + part * ROWS + rows, lse, mask=row_ok)
 
 
 @triton.jit
-def _merge(o_ptr, lse_ptr, prefix_ptr, out_ptr, num_splits, block_split,
+def _merge(o_ptr, lse_ptr, out_ptr, parts,
            HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
-           R: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+           R: tl.constexpr, CHUNK: tl.constexpr):
     """Program (b * HKV + kv head, block of R rows): out = sum_s 2^(lse_s - M) o_s /
-    sum_s 2^(lse_s - M) over the splits that ran (block_split always does), CHUNK splits
-    at a time (one chunk for up to CHUNK parts: all loads in flight at once).
+    sum_s 2^(lse_s - M) over the parts, CHUNK at a time (one chunk for up to CHUNK
+    parts: all loads in flight at once). A part with lse = -inf did not run and its o
+    is whatever the buffer held (NaN included): it gets weight 0 and is never added.
     out is [B, T, H, D] contiguous."""
     ROWS: tl.constexpr = T * G
     BLOCKS: tl.constexpr = (ROWS + R - 1) // R
@@ -161,9 +167,6 @@ def _merge(o_ptr, lse_ptr, prefix_ptr, out_ptr, num_splits, block_split,
     kvh = bh % HKV
     rows = (pid % BLOCKS) * R + tl.arange(0, R)
     row_ok = rows < ROWS
-    L = tl.load(prefix_ptr + b).to(tl.int32)
-    parts = block_split + 1
-    part0 = bh * parts
 
     offs_d = tl.arange(0, D)
     m = tl.full([R], float("-inf"), tl.float32)
@@ -171,10 +174,8 @@ def _merge(o_ptr, lse_ptr, prefix_ptr, out_ptr, num_splits, block_split,
     acc = tl.zeros([R, D], tl.float32)
     for s0 in range(0, parts, CHUNK):
         s = s0 + tl.arange(0, CHUNK)
-        start, end = _split_range(L, s, num_splits, BLOCK_N)
-        ran = (s < parts) & ((start < end) | (s == block_split))
-        ok = ran[:, None] & row_ok[None, :]
-        part_rows = (part0 + s)[:, None] * ROWS + rows[None, :]  # [CHUNK, R]
+        ok = (s < parts)[:, None] & row_ok[None, :]
+        part_rows = (bh * parts + s)[:, None] * ROWS + rows[None, :]  # [CHUNK, R]
         lse = tl.load(lse_ptr + part_rows, mask=ok, other=float("-inf"))
         o = tl.load(o_ptr + part_rows[:, :, None] * D + offs_d[None, None, :], mask=ok[:, :, None], other=0.0)
         m_new = tl.maximum(m, tl.max(lse, 0))
@@ -182,7 +183,7 @@ def _merge(o_ptr, lse_ptr, prefix_ptr, out_ptr, num_splits, block_split,
         w = tl.exp2(lse - m_ref[None, :])
         alpha = tl.exp2(m - m_ref)
         den = den * alpha + tl.sum(w, 0)
-        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 0)
+        acc = acc * alpha[:, None] + tl.sum(tl.where(w[:, :, None] > 0, o * w[:, :, None], 0.0), 0)
         m = m_new
     head = kvh * G + rows % G
     out_rows = (b * T + rows // G) * (HKV * G) + head
@@ -200,13 +201,18 @@ def _sm_count(device: torch.device) -> int:
 def default_num_splits(batch: int, kv_heads: int, rows: int, capacity: int, device: torch.device,
                        row_programs: int = 1) -> int:
     """Prefix splits from shapes only. One wave: the programs per (b, kv head, row
-    program), splits and the block's own (row_programs == 1, see module doc), fill the
-    SMs at most once, as the larger tiles fit one program per SM
-    and a second wave of a few programs would double the time (H200 sweep). And no split
+    program) fill the SMs at most once, as the larger tiles fit one program per SM
+    and a second wave of a few programs would double the time (H200 sweep). The block's
+    own programs (row_programs == 1, see module doc) take places in that wave, unless
+    the splits are long (>= 1024 keys): then the few that find no SM start when the
+    first block programs end, long before the prefix programs do (16K, T = 1: 16
+    splits 23.3 us, 15 splits 24.4 us; 4K, T = 1: 11.3 vs 10.8 us). And no split
     shorter than 256 keys (512 past one 64-row tile) on a full cache, where the fixed
     cost of a program and of its rows x D partial outweighs its share of the prefix
     (4K, T = 16: 15 splits 11.8 us, 8 splits 13.5 us)."""
-    one_wave = _sm_count(device) // (batch * kv_heads * row_programs) - (row_programs == 1)
+    one_wave = _sm_count(device) // (batch * kv_heads * row_programs)
+    if row_programs == 1 and capacity // max(one_wave, 1) < 1024:
+        one_wave -= 1
     if row_programs > 1:  # compute-bound: two splits beat one (T=256: 4K 93 vs 98 us, 16K 222 vs 352)
         one_wave = max(one_wave, 2)
     min_chunk = 256 if rows <= 64 else 512
@@ -266,13 +272,16 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         BLOCK_N_TREE=max(16, min(BLOCK_N, triton.next_power_of_2(T))), FP32_DOT=fp32,
         # small row tiles are memory-bound: one more tile in flight (H200, 16K, T=1: -5%)
         num_warps=8 if block_m >= 128 else 4, num_stages=2 if fp32 else 4 if block_m <= 64 else 3)
-    # One warp per merge program and a few rows each: the merge is a latency chain of
-    # small loads, and 4 warps reducing one row's splits cost 12.6 us per layer at T = 64
-    # (2048 programs) against 2.6 us this way (H200, NOTES.md).
-    # A chunk of splits x rows x D stays within 128 fp32 registers per thread.
-    merge_rows = 4 if rows >= 256 else 2
-    chunk = min(triton.next_power_of_2(block_split + 1), 4096 // (merge_rows * D))
+    # One or two warps per merge program and few rows each: the merge is a latency
+    # chain of small loads, and 4 warps reducing one row's splits cost 12.6 us per layer
+    # at T = 64 (2048 programs) against 2.6 us with one (H200, NOTES.md). One row per
+    # program below 256 rows, so that all parts load in one chunk (16K, T = 1: 24.0 ->
+    # 23.3 us with 16 splits). A chunk of parts x rows x D stays within 128 fp32
+    # registers per thread.
+    merge_rows = 4 if rows >= 256 else 1
+    merge_warps = 2 if rows <= 16 else 1
+    parts = block_split + 1
+    chunk = min(triton.next_power_of_2(parts), 4096 * merge_warps // (merge_rows * D))
     _merge[(B * HKV * triton.cdiv(rows, merge_rows),)](
-        o_part, lse_part, inputs.prefix_lens, out, splits, block_split, HKV=HKV, G=G, T=T, D=D, R=merge_rows,
-        CHUNK=chunk, BLOCK_N=BLOCK_N, num_warps=1)
+        o_part, lse_part, out, parts, HKV=HKV, G=G, T=T, D=D, R=merge_rows, CHUNK=chunk, num_warps=merge_warps)
     return out
