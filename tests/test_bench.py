@@ -262,8 +262,8 @@ def test_time_wall_runs_rounds_back_to_back_one_behind(monkeypatch):
         return new, counts
 
     monkeypatch.setattr(bench, "RoundPipeline", Traced)
-    us = bench.time_wall(run, lambda: log.append("reset"), 3)
-    assert us > 0
+    wall, busy = bench.time_wall(run, lambda: log.append("reset"), 3)
+    assert wall > 0 and (busy is None) == (not torch.cuda.is_available())
     assert log == ["reset", ("round", 1), ("read", None), ("finish", 1),  # warm-up: buffers made
                    "sync", "reset", ("round", 2), ("read", None), "reset", ("round", 3), ("read", 2),
                    "reset", ("round", 4), ("read", 3), ("finish", 4)]

@@ -499,31 +499,42 @@ def time_device(run, reset, iters: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def time_wall(run, reset, iters: int) -> float:
-    """Mean wall µs per round of `iters` back-to-back rounds run as the pipelined engine
-    runs them (`LLM._step` with `RoundPipeline`): launch round r, queue the non-blocking
-    copy of its tokens to pinned host buffers, then wait for round r-1's copy only and
-    read its tokens (`.tolist()`); the host reads round r-1 while round r runs. `reset()`
-    (a device copy of n, queued between rounds without a sync) keeps every round at
-    context C. Wall per round minus device time per round is the time per round that
-    the GPU waits for the host (about 0 when the host keeps up; noise can make it
-    slightly negative)."""
+def time_wall(run, reset, iters: int) -> tuple[float, float | None]:
+    """(mean wall µs, mean GPU-busy µs) per round of `iters` back-to-back rounds run as
+    the pipelined engine runs them (`LLM._step` with `RoundPipeline`): launch round r,
+    queue the non-blocking copy of its tokens to pinned host buffers, then wait for round
+    r-1's copy only and read its tokens (`.tolist()`); the host reads round r-1 while
+    round r runs. `reset()` (a device copy of n, queued between rounds without a sync)
+    keeps every round at context C. Events around each round (with CUDA) time the GPU
+    work of these same rounds, so wall minus busy is the time per round that the GPU
+    sat waiting for the host, free of the spread between separate runs."""
     pipe = RoundPipeline()
     reset()
     pipe.push(*run())  # the host buffers are allocated here, not while timed
     pipe.finish()
     torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(iters)] if torch.cuda.is_available() else []
     t0 = time.perf_counter()
-    for _ in range(iters):
+    for i in range(iters):
+        if events:
+            events[i][0].record()
         reset()
-        pipe.push(*run())
+        out = run()
+        if events:
+            events[i][1].record()
+        pipe.push(*out)
     pipe.finish()
-    return 1e6 * (time.perf_counter() - t0) / iters
+    wall = 1e6 * (time.perf_counter() - t0) / iters
+    if not events:
+        return wall, None
+    events[-1][1].synchronize()
+    return wall, sum(1e3 * start.elapsed_time(end) for start, end in events) / iters
 
 
 def measure_op(fn, reset, iters: int, graphs: bool, device: torch.device, is_round: bool):
-    """(median device µs, mean wall µs per round of back-to-back pipelined rounds, or
-    None) of one op: see `time_device` and `time_wall`."""
+    """(median device µs, (wall µs, GPU-busy µs) per round of back-to-back pipelined
+    rounds, or None) of one op: see `time_device` and `time_wall`."""
     if graphs:
         graph, out = capture(fn, reset)
 
@@ -740,8 +751,8 @@ def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets,
                device, dtype, out, allreduce=None, lead: bool = True) -> list[dict]:
     """Time every op of `round_ops` on one state; one row each. Whole rounds on CUDA
     also get wall_us, the wall time per round of back-to-back rounds pipelined as the
-    engine runs them (`time_wall`), and host_us = wall_us - time_us: the host time per
-    round that the GPU waits for. With tensor parallelism
+    engine runs them (`time_wall`), and host_us = wall_us - the GPU-busy time of those
+    same rounds: the host time per round that the GPU waits for. With tensor parallelism
     (`allreduce`: see `allreduce_timer`) a row also has the latency of one hidden-state
     all-reduce at the op's (first) token count and the all-reduce share of the op: an
     estimate, count x latency / op time, from all-reduces timed alone (in the op they
@@ -765,8 +776,8 @@ def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets,
                "temperature": temperature, "graphs": graphs, "op": op, "N": n, "time_us": round(us, 2),
                "floor_us": round(floor, 2) if floor else None,
                "ratio": round(us / floor, 3) if floor else None, "vs_ar": round(us / ar_us, 3),
-               "wall_us": round(wall, 2) if wall is not None else None,
-               "host_us": round(wall - us, 2) if wall is not None else None,
+               "wall_us": round(wall[0], 2) if wall is not None else None,
+               "host_us": round(wall[0] - wall[1], 2) if wall is not None else None,
                "bytes": need, "bandwidth_gbs": round(bandwidth / 1e9, 1), "attention": backend,
                "device": str(device), "dtype": str(dtype).replace("torch.", ""), "draft_layers": args.draft_layers,
                "tp": target.tp.size,
