@@ -507,7 +507,8 @@ def time_wall(run, reset, iters: int) -> tuple[float, float | None]:
     round r runs. `reset()` (a device copy of n, queued between rounds without a sync)
     keeps every round at context C. Events around each round (with CUDA) time the GPU
     work of these same rounds, so wall minus busy is the time per round that the GPU
-    sat waiting for the host, free of the spread between separate runs."""
+    sat waiting for the host, free of the spread between separate runs; the two small
+    token copies after each round fall outside the events and count as host time."""
     pipe = RoundPipeline()
     reset()
     pipe.push(*run())  # the host buffers are allocated here, not while timed

@@ -124,7 +124,7 @@ def _partial_attention(
     k_base = k_ptr + b64 * sk_b + kvh.to(tl.int64) * sk_h
     v_base = v_ptr + b64 * sv_b + kvh.to(tl.int64) * sv_h
     mask_base = mask_ptr + b * sm_b
-    part = pid_bh * tl.num_programs(1) + split
+    part = (pid_bh * tl.num_programs(1) + split).to(tl.int64)  # parts x rows x D can pass 2^31
     # Row tiles back to back over the same key range: after the first, it is in L2.
     for row0 in range(row_program * BLOCK_M, ROWS, row_programs * BLOCK_M):
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -175,7 +175,7 @@ def _merge(o_ptr, lse_ptr, out_ptr, parts,
     for s0 in range(0, parts, CHUNK):
         s = s0 + tl.arange(0, CHUNK)
         ok = (s < parts)[:, None] & row_ok[None, :]
-        part_rows = (bh * parts + s)[:, None] * ROWS + rows[None, :]  # [CHUNK, R]
+        part_rows = (bh * parts + s).to(tl.int64)[:, None] * ROWS + rows[None, :]  # [CHUNK, R]
         lse = tl.load(lse_ptr + part_rows, mask=ok, other=float("-inf"))
         o = tl.load(o_ptr + part_rows[:, :, None] * D + offs_d[None, None, :], mask=ok[:, :, None], other=0.0)
         m_new = tl.maximum(m, tl.max(lse, 0))
@@ -186,7 +186,7 @@ def _merge(o_ptr, lse_ptr, out_ptr, parts,
         acc = acc * alpha[:, None] + tl.sum(tl.where(w[:, :, None] > 0, o * w[:, :, None], 0.0), 0)
         m = m_new
     head = kvh * G + rows % G
-    out_rows = (b * T + rows // G) * (HKV * G) + head
+    out_rows = (b * T + rows // G).to(tl.int64) * (HKV * G) + head
     tl.store(out_ptr + out_rows[:, None] * D + offs_d[None, :], (acc / den[:, None]).to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None])
 
@@ -204,14 +204,17 @@ def default_num_splits(batch: int, kv_heads: int, rows: int, capacity: int, devi
     program) fill the SMs at most once, as the larger tiles fit one program per SM
     and a second wave of a few programs would double the time (H200 sweep). The block's
     own programs (row_programs == 1, see module doc) take places in that wave, unless
-    the splits are long (>= 1024 keys): then the few that find no SM start when the
-    first block programs end, long before the prefix programs do (16K, T = 1: 16
-    splits 23.3 us, 15 splits 24.4 us; 4K, T = 1: 11.3 vs 10.8 us). And no split
+    the splits are long (>= 1024 keys) and at most half the block programs find no SM:
+    those start when the first block programs end, long before the prefix programs do
+    (16K, T = 1, 8 KV heads: 16 splits 23.3 us, 15 splits 24.4 us; 4K, T = 1: 11.3 vs
+    10.8 us). And no split
     shorter than 256 keys (512 past one 64-row tile) on a full cache, where the fixed
     cost of a program and of its rows x D partial outweighs its share of the prefix
     (4K, T = 16: 15 splits 11.8 us, 8 splits 13.5 us)."""
-    one_wave = _sm_count(device) // (batch * kv_heads * row_programs)
-    if row_programs == 1 and capacity // max(one_wave, 1) < 1024:
+    sms, heads = _sm_count(device), batch * kv_heads
+    one_wave = sms // (heads * row_programs)
+    overflow = heads * (one_wave + 1) - sms  # block programs past the wave if it has no place for them
+    if row_programs == 1 and (capacity // max(one_wave, 1) < 1024 or 2 * overflow > heads):
         one_wave -= 1
     if row_programs > 1:  # compute-bound: two splits beat one (T=256: 4K 93 vs 98 us, 16K 222 vs 352)
         one_wave = max(one_wave, 2)
