@@ -169,6 +169,37 @@ def test_weight_of_the_wrong_shape(capsys, broken, key):
     assert_error(*run(capsys, "hi", "--model", broken, "--device", "cpu"), 1, key, "shape")
 
 
+def test_config_with_fewer_layers_than_the_weights(capsys, broken):
+    """A config.json that disagrees with its weights would run a different model (the
+    last layer silently dropped): refused, naming a tensor left over."""
+    edit_config(broken, lambda c: c.update(num_hidden_layers=c["num_hidden_layers"] - 1))
+    assert_error(*run(capsys, "hi", "--model", broken, "--device", "cpu"), 1, "no place for", "model.layers.")
+
+
+@pytest.mark.parametrize("key", ["tie_word_embeddings", "attention_bias", "mlp_bias"])
+def test_flags_must_be_true_or_false(capsys, broken, key):
+    edit_config(broken, lambda c: c.update({key: "false"}))  # bool("false") is True
+    assert_error(*run(capsys, "hi", "--model", broken, "--device", "cpu"), 1, key, "true or false")
+
+
+def test_tied_config_with_a_different_stored_lm_head(capsys, broken):
+    edit_config(broken, lambda c: c.update(tie_word_embeddings=True))
+    assert_error(*run(capsys, "hi", "--model", broken, "--device", "cpu"), 1, "tie_word_embeddings",
+                 "lm_head.weight")
+
+
+def test_tied_config_with_an_equal_stored_lm_head_loads(capsys, broken):
+    """Checkpoints of tied models that also store the LM head (equal to the embeddings)
+    load; the output is the untied model's, whose head is that same matrix."""
+    rewrite_weights(broken, lambda w: w.update({"lm_head.weight": w["model.embed_tokens.weight"].clone()}))
+    rc, untied, _ = run(capsys, "hi", "--model", broken, "--device", "cpu", "--max-new-tokens", 4)
+    assert rc == 0
+    edit_config(broken, lambda c: c.update(tie_word_embeddings=True))
+    rc, tied, err = run(capsys, "hi", "--model", broken, "--device", "cpu", "--max-new-tokens", 4)
+    assert rc == 0, err
+    assert tied == untied
+
+
 def test_missing_shard_of_a_sharded_checkpoint(capsys, hf_checkpoint, tmp_path):
     folder = hf_checkpoint("qwen3-tied-sharded").copy_to(tmp_path / "sharded")
     index = json.loads((folder / "model.safetensors.index.json").read_text())
@@ -273,6 +304,44 @@ def test_python_m_treeflash_errors(model, args, code):
     assert r.stdout == ""
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     assert r.stderr.startswith("treeflash: error: ")
+
+
+def test_reader_closing_the_pipe_stops_quietly(model):
+    """`treeflash generate ... | head -c 1`: no traceback, no 'internal error'."""
+    proc = subprocess.Popen([sys.executable, "-m", "treeflash", "generate", ENGINE_PROMPTS[0], "--model", str(model),
+                             "--device", "cpu", "--max-new-tokens", "200", "--ignore-eos"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert len(proc.stdout.read(1)) == 1
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode in (0, 141) and err == b""
+
+
+def test_output_folder_that_is_a_file(capsys, tmp_path):
+    """Refused before any training: a file in the way of --out."""
+    (tmp_path / "file").write_text("x")
+    rc = main(["train", "tokenizer", "--out", str(tmp_path / "file" / "tok"), "--roots", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "not a folder" in err and len(err.splitlines()) == 1 and "[tokenizer]" not in out
+
+
+@pytest.mark.parametrize("weight_map", [[1, 2], None, {"model.norm.weight": 5}])
+def test_malformed_index_weight_map(capsys, hf_checkpoint, tmp_path, weight_map):
+    folder = hf_checkpoint("qwen3-tied-sharded").copy_to(tmp_path / "sharded")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"] = weight_map
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_error(*run(capsys, "hi", "--model", folder, "--device", "cpu"), 1, "malformed", "index")
+
+
+def test_index_naming_the_wrong_shard(capsys, hf_checkpoint, tmp_path):
+    folder = hf_checkpoint("qwen3-tied-sharded").copy_to(tmp_path / "sharded")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    key = next(k for k, f in index["weight_map"].items() if f == shards[0])
+    index["weight_map"][key] = shards[1]
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_error(*run(capsys, "hi", "--model", folder, "--device", "cpu"), 1, key)
 
 
 def test_python_m_treeflash_json(model):

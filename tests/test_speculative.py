@@ -362,6 +362,30 @@ def test_misfit_drafter_api_error(what, misfit_drafters, spec_target):
     assert what in msg and "\n" not in msg and "drafter" in msg
 
 
+def test_drafter_checkpoint_tensors(spec_target, spec_drafter, tmp_path):
+    """A drafter checkpoint may carry a copy of its target's embeddings and LM head
+    (training code saves them): skipped, the drafter uses the target's. A layer that
+    the drafter's config.json does not have is refused."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    target = spec_target("qwen3", "peaked")
+    folder = shutil.copytree(spec_drafter("qwen3", "peaked", 8), tmp_path / "drafter")
+    path = next(folder.glob("*.safetensors"))
+    w = load_file(str(path))
+    w["model.embed_tokens.weight"] = torch.zeros(259, 64)
+    w["lm_head.weight"] = torch.zeros(259, 64)
+    save_file(w, str(path), metadata={"format": "pt"})
+    want = spec_llm(target, spec_drafter("qwen3", "peaked", 8), "dflash").generate(SPEC_PROMPTS[:1], GREEDY64)
+    assert spec_llm(target, folder, "dflash").generate(SPEC_PROMPTS[:1], GREEDY64)[0].token_ids == want[0].token_ids
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["num_hidden_layers"] -= 1
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TreeflashError, match="no place for: layers"):
+        spec_llm(target, folder, "dflash")
+
+
 @pytest.mark.parametrize("what", ["hidden_size", "vocab_size", "6 layers", "[9]"])
 def test_misfit_drafter_cli_error(what, misfit_drafters, spec_target, capsys):
     code = cli_main(["generate", "--model", str(spec_target("qwen3", "peaked")),

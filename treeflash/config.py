@@ -47,6 +47,16 @@ def read_config_json(path: str | Path) -> dict:
     return data
 
 
+def _flag(data: dict, key: str, where: str) -> bool:
+    """A true/false key (absent or null: false). Not bool(): "false" would read as true."""
+    value = data.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise TreeflashError(f"config.json in {where}: '{key}' must be true or false, got {value!r}")
+    return value
+
+
 def _require(data: dict, key: str, where: str, kind=int):
     if key not in data or data[key] is None:
         raise TreeflashError(f"config.json in {where} lacks required key '{key}'")
@@ -223,9 +233,9 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=4096 if max_pos is None else _require(data, "max_position_embeddings", where),
-            tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
-            attention_bias=bool(data.get("attention_bias", False)),
-            mlp_bias=bool(data.get("mlp_bias", False)),
+            tie_word_embeddings=_flag(data, "tie_word_embeddings", where),
+            attention_bias=_flag(data, "attention_bias", where),
+            mlp_bias=_flag(data, "mlp_bias", where),
             torch_dtype=data.get("torch_dtype") or data.get("dtype"),
             eos_token_ids=_eos_ids(data.get("eos_token_id"), where),
             **moe,
@@ -261,6 +271,8 @@ class DraftConfig:
         if archs and "DFlashDraftModel" not in archs:
             raise TreeflashError(f"{where} is not a DFlash drafter (architectures: {archs})")
         dflash = data.get("dflash_config") or {}
+        if not isinstance(dflash, dict):
+            raise TreeflashError(f"drafter {where}: dflash_config must be a JSON object, got {dflash!r}")
         layers = ModelConfig.from_dict({**data, "architectures": ["Qwen3ForCausalLM"]}, where)
         block = dflash.get("block_size", data.get("block_size", 16))
         if not isinstance(block, int) or block < 2:
@@ -269,13 +281,17 @@ class DraftConfig:
         if not isinstance(mask, int) or isinstance(mask, bool):
             raise TreeflashError(f"drafter {where} lacks dflash_config.mask_token_id")
         num_target = data.get("num_target_layers")
+        if num_target is not None:
+            num_target = _require(data, "num_target_layers", where)
         ids = dflash.get("target_layer_ids", data.get("target_layer_ids"))
         if ids is None:
             if num_target is None:
                 raise TreeflashError(f"drafter {where} has neither target_layer_ids nor num_target_layers")
             ids = default_target_layer_ids(num_target, layers.num_layers)
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise TreeflashError(f"drafter {where}: target_layer_ids must be a non-empty list of integers, got {ids!r}")
         return cls(layers=layers, block_size=block, mask_token_id=mask,
-                   target_layer_ids=[int(i) for i in ids], num_target_layers=num_target)
+                   target_layer_ids=list(ids), num_target_layers=num_target)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "DraftConfig":

@@ -45,6 +45,10 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling)
 
+    # A drafter checkpoint may carry a copy of its target's embeddings / LM head (some
+    # training code saves them): the drafter uses the target's own, so they are not read.
+    foreign_checkpoint_keys = ("embed_tokens", "lm_head")
+
     def checkpoint_key(self, name: str) -> str:
         return name
 

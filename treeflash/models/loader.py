@@ -25,8 +25,10 @@ def checkpoint_files(folder: str | Path) -> dict[str, Path]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise TreeflashError(f"malformed {index}: {e}") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise TreeflashError(f"malformed {index}: weight_map must map tensor names to file names")
         files = {name: folder / f for name, f in weight_map.items()}
         for f in set(files.values()):
             if not f.exists():
@@ -75,7 +77,10 @@ FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 
 
 def _read_slice(st, key: str, full_shape: tuple, shard_dim: int | None, rank: int, size: int) -> torch.Tensor:
-    sl = st.get_slice(key)
+    try:
+        sl = st.get_slice(key)
+    except Exception as e:  # e.g. an index naming the wrong shard for this tensor
+        raise TreeflashError(f"cannot read weight {key}: {e}") from None
     shape = tuple(sl.get_shape())
     if shape != full_shape:
         raise TreeflashError(f"weight {key} has shape {list(shape)}, expected {list(full_shape)}")
@@ -90,8 +95,11 @@ def _read_slice(st, key: str, full_shape: tuple, shard_dim: int | None, rank: in
 
 
 def load_weights(model: nn.Module, folder: str | Path) -> None:
-    """Fill every parameter of `model` from the checkpoint in `folder`."""
+    """Fill every parameter of `model` from the checkpoint in `folder`, and refuse a
+    checkpoint with tensors the model has no place for: a config.json that says fewer
+    layers than the weights hold would otherwise run a different model."""
     files = checkpoint_files(folder)
+    used: set[str] = set()
     handles: dict[Path, object] = {}
     try:
         for name, param in model.named_parameters():
@@ -100,6 +108,7 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
             for key, dest, shard_dim in pieces:
                 if key not in files:
                     raise TreeflashError(f"weight {key} is missing from the checkpoint in {folder}")
+                used.add(key)
                 f = files[key]
                 if f not in handles:
                     handles[f] = _open(f)
@@ -111,8 +120,38 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
             # Unmap the files after every parameter: pages a read touched stay resident (and
             # counted in RSS) while mapped, and a row-parallel slice touches the whole tensor.
             handles.clear()
+        _check_unused(model, folder, files, used)
     finally:
         handles.clear()
+
+
+def _check_unused(model: nn.Module, folder, files: dict[str, Path], used: set[str]) -> None:
+    """Tensors of the checkpoint that no parameter read. Rotary inverse frequencies (old
+    checkpoints store them) are recomputed; tensors the model says belong to another
+    (a drafter's copy of its target's embeddings) are skipped; a stored LM head beside
+    tied embeddings must equal them."""
+    skip = getattr(model, "foreign_checkpoint_keys", ())
+    unused = sorted(k for k in files if k not in used and not k.endswith("rotary_emb.inv_freq")
+                    and not any(part in k for part in skip))
+    if "lm_head.weight" in unused and "lm_head.weight" in dict(model.named_parameters()):
+        pieces, tp = _pieces(model, "lm_head.weight", model.lm_head.weight)
+        (key, dest, shard_dim), = pieces
+        if key != "lm_head.weight":  # tied: the parameter came from the embeddings
+            rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
+            full = list(dest.shape)
+            if shard_dim is not None and size > 1:
+                full[shard_dim] *= size
+            with _open(files["lm_head.weight"]) as st:
+                stored = _read_slice(st, "lm_head.weight", tuple(full), shard_dim, rank, size)
+            if not torch.equal(stored.to(dest.dtype), dest.detach()):
+                raise TreeflashError(f"config.json in {folder} ties the LM head to the embeddings "
+                                     f"(tie_word_embeddings), but the checkpoint's lm_head.weight differs "
+                                     f"from them: set tie_word_embeddings to false")
+            unused.remove("lm_head.weight")
+    if unused:
+        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+        raise TreeflashError(f"the checkpoint in {folder} has tensors this config.json has no place for: "
+                             f"{', '.join(unused[:3])}{more} (does config.json match the weights?)")
 
 
 @contextmanager
