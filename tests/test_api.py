@@ -174,6 +174,9 @@ def test_generation_stops_at_the_context_limit(hf_checkpoint):
     ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"seed": -3}, "seed"),
     ({"stop": [""]}, "stop"),
+    ({"temperature": True}, "temperature"),
+    ({"top_p": True}, "top_p"),
+    ({"ignore_eos": "no"}, "ignore_eos"),
 ])
 def test_bad_sampling_params_raise_usage_error(llm, kwargs, what):
     with pytest.raises(UsageError, match=what):
@@ -184,10 +187,31 @@ def test_bad_sampling_params_raise_usage_error(llm, kwargs, what):
                                           ([5, 10_000], "outside the vocabulary"),
                                           ([[5, -1]], "outside the vocabulary"),
                                           ([3.5], "string or a list of token ids"),
-                                          ([[1, "a"]], "string or a list of token ids")])
+                                          ([[1, "a"]], "string or a list of token ids"),
+                                          ([[True, False]], "string or a list of token ids"),
+                                          (None, "prompts must be"), (5, "prompts must be"),
+                                          ({"prompt": "a"}, "prompts must be"),
+                                          (["a\udcff"], "valid Unicode")])
 def test_bad_prompts_raise_usage_error(llm, prompts, what):
     with pytest.raises(UsageError, match=what):
         llm.generate(prompts, SamplingParams(max_new_tokens=2))
+
+
+@pytest.mark.parametrize("params", ["greedy", [None], {"temperature": 0}])
+def test_sampling_parameters_of_the_wrong_type(llm, params):
+    with pytest.raises(UsageError, match="must be SamplingParams"):
+        llm.generate(["a"], params)
+
+
+def test_a_cache_larger_than_free_memory_is_refused(llm, monkeypatch):
+    """The KV cache is checked against free memory before it is allocated: a clear
+    error, not an allocation failure or the OS killing the process."""
+    from treeflash.engine import kv_cache
+    monkeypatch.setattr(kv_cache, "available_bytes", lambda device: 1000)
+    with pytest.raises(TreeflashError, match="not enough cpu memory for a KVCache"):
+        llm.generate(["a"], SamplingParams(max_new_tokens=2))
+    monkeypatch.undo()
+    assert llm.generate(["a"], SamplingParams(max_new_tokens=2))[0].token_ids  # still serves
 
 
 def test_bad_constructor_arguments(hf_checkpoint):
@@ -200,6 +224,12 @@ def test_bad_constructor_arguments(hf_checkpoint):
         LLM(path, device="cpu", method="ddtree")
     with pytest.raises(TreeflashError, match="not found"):
         LLM(path / "nope", device="cpu")
+    with pytest.raises(UsageError, match="max_position_embeddings"):
+        LLM(path, device="cpu", max_model_len=10 ** 9)
+    for kwargs, what in ((dict(device=None), "device"), (dict(device=0), "device"), (dict(max_budget="x"), "max_budget"),
+                         (dict(dtype=torch.int8), "dtype"), (dict(draft_model=5), "draft_model")):
+        with pytest.raises(UsageError, match=what):
+            LLM(path, **{"device": "cpu", **kwargs})
 
 
 

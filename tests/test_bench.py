@@ -79,6 +79,17 @@ def test_pair_mode_builtin_prompts_fill_batches(pair, tmp_path, capsys):
     assert batch_indices(3, 2) == [[0, 1], [2, 0]]
 
 
+def test_pair_mode_builtin_model_brings_its_drafter(tmp_path, capsys):
+    """No --model: the built-in pair, drafter included, for the default methods."""
+    out = tmp_path / "rows.jsonl"
+    rc = main(["bench", "--num-prompts", "1", "--batch-sizes", "1", "--budgets", "4", "--temperatures", "0",
+               "--max-new-tokens", "4", "--device", "cpu", "--graphs", "off", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["label"] for r in rows] == ["ar", "dflash", "ddtree-4"]
+    assert all(r["same_as_ar"] == 1.0 for r in rows[1:])  # float32 on CPU: lossless
+
+
 def test_pair_mode_corpus_prompts(pair, tmp_path, capsys):
     """--corpus: token-id prompts from the held-out split of a tokenized training corpus."""
     import numpy as np

@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from treeflash import LLM, SamplingParams
 from treeflash.errors import TreeflashError, UsageError
+from treeflash.checkpoints import write_random_target
 from treeflash.train.cli import main as cli_main
 from treeflash.train.common import Trainer, TrainOptions
 from treeflash.train.corpus import collect, load_corpus, write_corpus
@@ -254,6 +255,14 @@ def test_bad_inputs(target, data_dir, tmp_path, capsys):
         train_target(data_dir, tmp_path / "fresh", shape=TINY, opts=opts, resume=True)
     with pytest.raises(UsageError, match="differs from the run"):
         train_target(data_dir, base / "run", shape=TargetShape(hidden_size=64), opts=opts, resume=True)
+    other = write_random_target(tmp_path / "other-tokenizer", vocab_size=None)
+    with pytest.raises(UsageError, match="another tokenizer"):
+        train_drafter(other, data_dir, tmp_path / "run-other", opts=opts)
+    with pytest.raises(UsageError, match="another tokenizer"):
+        generate_continuations(other, data_dir, tmp_path / "gen.npz", num_prompts=1, prompt_len=8, new_tokens=4)
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(UsageError, match="not a folder"):
+        train_target(data_dir, tmp_path / "run-file", tmp_path / "a-file", TINY, opts)
     assert cli_main(["drafter", "--target", str(tmp_path / "no-target"), "--data", str(data_dir),
                      "--run", str(tmp_path / "r"), "--max-steps", "1"]) == 2
     err = capsys.readouterr().err.strip()

@@ -278,8 +278,9 @@ def bench_pairs(args) -> int:
     graphs_list = usable_graphs(graphs, resolve_device(args.device))
     out = open_out(args.out)
 
-    base = LLM(args.model, draft_model=args.draft_model, method="ar", device=args.device, dtype=args.dtype,
-               max_budget=max([512] + budgets), cuda_graphs=False)
+    # A speculative method, if any is asked for, so that the built-in model brings its drafter.
+    base = LLM(args.model, draft_model=args.draft_model, method=next((m for m in methods if m != "ar"), "ar"),
+               device=args.device, dtype=args.dtype, max_budget=max([512] + budgets), cuda_graphs=False)
     if base.drafter is None and set(methods) - {"ar"}:
         raise UsageError(f"methods {', '.join(m for m in methods if m != 'ar')} need a drafter (--draft-model)")
     print(f"bench: {len(prompts)} prompts, {args.max_new_tokens} new tokens each, on {base.device} "

@@ -153,9 +153,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("treeflash: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`treeflash generate ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141
+    except OSError as e:  # files and folders the command was pointed at (permissions, a file for a folder)
+        if debug:
+            raise
+        print(f"treeflash: error: {e}", file=sys.stderr)
+        return 1
     except Exception as e:  # an engine bug: still one line, unless debugging
         if debug:
             raise
+        if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":  # torch's, on CUDA
+            print(f"treeflash: error: out of memory ({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
+                  f"lower --max-model-len, the batch or the prompt lengths", file=sys.stderr)
+            return 1
         print(f"treeflash: internal error: {type(e).__name__}: {e} (set TREEFLASH_DEBUG=1 for a traceback)",
               file=sys.stderr)
         return 1

@@ -7,13 +7,40 @@ itself is never copied or duplicated.
 """
 from __future__ import annotations
 
+import math
+
 import torch
+
+from treeflash.errors import TreeflashError
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory a new tensor can still take on `device` (None: unknown). On CUDA the
+    free memory plus what torch's allocator holds unused; on CPU Linux's MemAvailable."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 class KVCache:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
         shape = (num_layers, batch, kv_heads, max_len, head_dim)
+        device = torch.device(device)
+        need = 2 * math.prod(shape) * dtype.itemsize
+        have = available_bytes(device)
+        if have is not None and need > have:  # refuse, rather than be killed by the OS mid-allocation
+            raise TreeflashError(f"not enough {device.type} memory for a {type(self).__name__} of "
+                                 f"{need / 2**30:.1f} GiB ({batch} requests x {max_len} tokens x {num_layers} "
+                                 f"layers; {have / 2**30:.1f} GiB free): lower max_model_len or the batch size")
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 

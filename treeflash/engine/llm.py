@@ -36,6 +36,10 @@ class GenerationOutput:
 
 
 def resolve_device(device: str) -> torch.device:
+    if isinstance(device, torch.device):
+        device = str(device)
+    if not isinstance(device, str):
+        raise UsageError(f"device must be a string (auto, cpu, cuda or cuda:N), got {device!r}")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
@@ -49,7 +53,11 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device
     """`auto` = the checkpoint's dtype, except float32 on CPU for bf16/fp16 checkpoints
     (CPU half-precision matmuls are slow and not what a user testing on a laptop wants)."""
     if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise UsageError(f"dtype {dtype} is not supported (choose float32, bfloat16, float16 or float64)")
         return dtype
+    if not isinstance(dtype, str):
+        raise UsageError(f"dtype must be a string or a torch dtype, got {dtype!r}")
     if dtype != "auto":
         if dtype not in DTYPES:
             raise UsageError(f"unknown dtype '{dtype}' (choose auto, {', '.join(sorted(set(DTYPES)))})")
@@ -146,6 +154,11 @@ class LLM:
                  method: str | None = None, budget: int | None = None, device: str = "auto",
                  dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
                  max_budget: int = 512, tp: int = 1, cuda_graphs: bool = True, draft_mode: str = "coupled"):
+        for name, path in (("model", model), ("draft_model", draft_model)):
+            if path is not None and not isinstance(path, (str, Path)):
+                raise UsageError(f"{name} must be a folder path, got {path!r}")
+        if isinstance(max_budget, bool) or not isinstance(max_budget, int) or max_budget < 1:
+            raise UsageError(f"max_budget must be an integer >= 1, got {max_budget!r}")
         if model is None:
             model, builtin_draft = builtin_paths()
             if draft_model is None and method != "ar" and (builtin_draft / "config.json").exists():
@@ -176,6 +189,9 @@ class LLM:
         if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
                                           or max_model_len < 2):
             raise UsageError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        if max_model_len is not None and max_model_len > self.config.max_position_embeddings:
+            raise UsageError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                             f"({self.config.max_position_embeddings}): positions past it were never trained")
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         # every rank builds the same engine from these arguments (workers get them from rank 0)
         args = dict(model=str(model), draft_model=None if draft_model is None else str(draft_model),
@@ -239,8 +255,12 @@ class LLM:
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:  # lone surrogates, e.g. from undecodable command-line bytes
+                raise UsageError("a prompt must be valid Unicode text (it holds undecodable characters)") from None
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
             if bad:
@@ -266,8 +286,10 @@ class LLM:
         round r runs on the device (see `_step`, `RoundPipeline`), with tensor
         parallelism too (every rank runs ahead alike).
         """
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                               and isinstance(prompts[0], int))
+        if not isinstance(prompts, (str, list, tuple)):
+            raise UsageError(f"prompts must be a string, a list of token ids, or a list of those, "
+                             f"got {type(prompts).__name__}")
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
         if not prompts:
             return []
@@ -276,6 +298,8 @@ class LLM:
         if len(params) != len(prompts):
             raise UsageError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
         for p in params:
+            if not isinstance(p, SamplingParams):
+                raise UsageError(f"sampling parameters must be SamplingParams, got {type(p).__name__}")
             p.validate()
         ids = [self.encode(p) for p in prompts]
         limits = [min(p.max_new_tokens, self.max_model_len - len(i)) for p, i in zip(params, ids)]

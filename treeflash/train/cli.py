@@ -78,18 +78,26 @@ def _shape(cls, args):
 
 
 def run_tokenizer(args) -> int:
+    from tokenizers import Tokenizer
+
+    from treeflash.train.common import check_out_dir
     from treeflash.train.corpus import collect
     from treeflash.train.tokenizer import train_tokenizer
+    check_out_dir(args.out)
     corpus = collect(args.roots, args.heldout_fraction, args.max_bytes)
     print(f"[tokenizer] training on {corpus.stats['train_files']} files, "
           f"{corpus.stats['train_bytes'] / 1e6:.1f} MB", flush=True)
     out = train_tokenizer(corpus.train, args.out, args.vocab_size)
-    print(f"[tokenizer] vocabulary of {args.vocab_size} written to {out}")
+    size = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
+    short = f" (asked for {args.vocab_size}: the corpus has fewer merges)" if size < args.vocab_size else ""
+    print(f"[tokenizer] vocabulary of {size} written to {out}{short}")
     return 0
 
 
 def run_corpus(args) -> int:
+    from treeflash.train.common import check_out_dir
     from treeflash.train.corpus import write_corpus
+    check_out_dir(args.out)
     meta = write_corpus(args.tokenizer, args.out, args.roots, args.heldout_fraction, args.max_bytes,
                         args.compress)
     print(json.dumps(meta, indent=2))

@@ -118,6 +118,17 @@ def make_optimizer(model: nn.Module, opts: TrainOptions, device: torch.device) -
                              fused=device.type == "cuda")
 
 
+def check_out_dir(path: str | Path | None) -> None:
+    """Refuse an export folder that cannot be made, before training rather than after."""
+    if path is None:
+        return
+    for p in [Path(path), *Path(path).parents]:
+        if p.exists():
+            if not p.is_dir():
+                raise UsageError(f"output folder {path}: {p} exists and is not a folder")
+            return
+
+
 class RunDir:
     """A training run's folder. A fresh run refuses a folder that already holds state (so a
     finished run is never overwritten by accident); `resume` requires one."""

@@ -31,7 +31,7 @@ from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import build_on, load_weights
 from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
-from treeflash.train.common import (MiB, Progress, RunDir, Trainer, TrainOptions, hf_tensors, init_weights,
+from treeflash.train.common import (MiB, check_out_dir, Progress, RunDir, Trainer, TrainOptions, hf_tensors, init_weights,
                                     resolve_device, save_safetensors, set_fast_math, to_device, write_summary)
 from treeflash.train.corpus import TokenWindows, fixed_windows, load_corpus
 from treeflash.train.target import causal_inputs
@@ -204,6 +204,7 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
         raise UsageError(f"heldout_prompts must be >= 0, got {heldout_prompts}")
     _require_target(target_dir)
     data = load_corpus(data_dir)
+    _require_same_tokenizer(data, target_dir)
     if data.train.size <= prompt_len:
         raise UsageError(f"the corpus has {data.train.size} tokens, too few for prompts of {prompt_len}")
     if heldout_prompts and data.heldout.size <= prompt_len:
@@ -259,6 +260,16 @@ def _require_target(target_dir: str | Path) -> None:
                          f"download the target first)")
 
 
+def _require_same_tokenizer(data, target_dir: str | Path) -> None:
+    """The corpus keeps the tokenizer it was made with: another one than the target's
+    would train on token ids that mean other text to it."""
+    mine, theirs = Path(data.path) / "tokenizer.json", Path(target_dir) / "tokenizer.json"
+    if mine.exists() and theirs.exists() and \
+            Tokenizer(data.path).tok.get_vocab() != Tokenizer(target_dir).tok.get_vocab():
+        raise UsageError(f"the corpus in {data.path} was tokenized with another tokenizer than the target's "
+                         f"in {target_dir}: re-tokenize it with the target's (treeflash train corpus)")
+
+
 def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | Path,
                   out_dir: str | Path | None = None, shape: DrafterShape | None = None,
                   opts: TrainOptions | None = None, resume: bool = False, generated: str | Path | None = None,
@@ -270,6 +281,7 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
     `out_dir` (default `<run_dir>/model`), then measures τ through the engine on
     `tau_prompts` held-out prompts. Returns the summary (also in `<run_dir>/summary.json`)."""
     opts = (opts or TrainOptions(**DRAFTER_OPTIONS)).validate()
+    check_out_dir(out_dir)
     _require_target(target_dir)
     given = shape
     shape = DrafterShape(**asdict(shape)) if shape is not None else DrafterShape()
@@ -285,6 +297,7 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
         raise UsageError(f"{tau_new_tokens} new tokens leave no room for a prompt in the target's "
                          f"context of {tcfg.max_position_embeddings}")
     data = load_corpus(data_dir)
+    _require_same_tokenizer(data, target_dir)
     if int(data.meta["vocab_size"]) > tcfg.vocab_size:
         raise UsageError(f"the corpus in {data_dir} was tokenized with a vocabulary of {data.meta['vocab_size']}, "
                          f"larger than the target's {tcfg.vocab_size}: use the target's tokenizer")

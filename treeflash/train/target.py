@@ -23,7 +23,7 @@ from treeflash.layers.attention import AttentionInputs
 from treeflash.models.loader import build_on
 from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
-from treeflash.train.common import (MiB, RunDir, Trainer, TrainOptions, hf_tensors, init_weights,
+from treeflash.train.common import (MiB, check_out_dir, RunDir, Trainer, TrainOptions, hf_tensors, init_weights,
                                     resolve_device, save_safetensors, set_fast_math, write_summary)
 from treeflash.train.corpus import TOKENIZER_FILES, TokenWindows, fixed_windows, load_corpus
 from treeflash.train.tokenizer import PAD
@@ -119,6 +119,7 @@ def train_target(data_dir: str | Path, run_dir: str | Path, out_dir: str | Path 
     """Train (or resume) a target on the corpus in `data_dir`; export it to `out_dir`
     (default `<run_dir>/model`). Returns the summary (also in `<run_dir>/summary.json`)."""
     opts = (opts or TrainOptions()).validate()
+    check_out_dir(out_dir)
     if dtype not in ("bfloat16", "float16", "float32"):
         raise UsageError(f"export dtype must be bfloat16, float16 or float32, got {dtype!r}")
     data = load_corpus(data_dir)
