@@ -1,5 +1,3 @@
-import sys
+from treeflash.cli import entry
 
-from treeflash.cli import main
-
-sys.exit(main())
+entry()

@@ -173,5 +173,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def entry() -> None:
+    """The `treeflash` command. After tensor-parallel workers ran (now shut down), the
+    process leaves with os._exit: torch's process groups and stores, torn down in
+    interpreter finalization in no set order, now and then aborted a finished run
+    ("terminate called without an active exception", exit -6, CI on CPU)."""
+    code = main()
+    tp = sys.modules.get("treeflash.engine.tp")
+    if tp is not None and tp.shutdown_runtimes():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -675,9 +675,12 @@ class Runtime:
 
 
 @atexit.register
-def _shutdown_all() -> None:
-    for rt in list(_RUNTIMES.values()):
+def shutdown_runtimes() -> bool:
+    """Shut down every runtime still open; True if there was one."""
+    runtimes = list(_RUNTIMES.values())
+    for rt in runtimes:
         try:
             rt.shutdown(graceful=True)
         except Exception:
             pass
+    return bool(runtimes)
