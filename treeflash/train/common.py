@@ -178,7 +178,9 @@ class RunDir:
         try:
             return torch.load(self.state_path, map_location="cpu", weights_only=True)
         except Exception as e:
-            raise TreeflashError(f"cannot read training state {self.state_path}: {e}") from None
+            # not torch's message: it is several lines and suggests weights_only=False
+            raise TreeflashError(f"cannot read training state {self.state_path}: damaged, or not a treeflash "
+                                 f"training state ({type(e).__name__})") from None
 
     def log(self, record: dict) -> None:
         with self.log_path.open("a") as f:
