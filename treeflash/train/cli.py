@@ -95,9 +95,7 @@ def run_tokenizer(args) -> int:
 
 
 def run_corpus(args) -> int:
-    from treeflash.train.common import check_out_dir
     from treeflash.train.corpus import write_corpus
-    check_out_dir(args.out)
     meta = write_corpus(args.tokenizer, args.out, args.roots, args.heldout_fraction, args.max_bytes,
                         args.compress)
     print(json.dumps(meta, indent=2))

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from treeflash.errors import TreeflashError, UsageError
-from treeflash.train.common import Progress, to_device
+from treeflash.train.common import Progress, check_out_dir, to_device
 
 HELDOUT_FRACTION = 0.02
 MAX_FILE_BYTES = 512 * 1024    # larger .py files are mostly generated tables
@@ -147,6 +147,7 @@ def write_corpus(tokenizer_dir: str | Path, out_dir: str | Path, roots: list[str
     """Tokenize the corpus with the tokenizer in `tokenizer_dir` into `out_dir`
     (train.npy / heldout.npy, or .npz when `compress`; corpus.json; the tokenizer files)."""
     from treeflash.tokenizer import Tokenizer
+    check_out_dir(out_dir)
     tok = Tokenizer(tokenizer_dir)
     if not tok.eos_token_ids:
         raise TreeflashError(f"the tokenizer in {tokenizer_dir} defines no EOS token")

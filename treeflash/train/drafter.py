@@ -32,8 +32,9 @@ from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import build_on, load_weights
 from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
-from treeflash.train.common import (MiB, check_out_dir, Progress, RunDir, Trainer, TrainOptions, hf_tensors, init_weights,
-                                    resolve_device, save_safetensors, set_fast_math, to_device, write_summary)
+from treeflash.train.common import (MiB, Progress, RunDir, TrainOptions, Trainer, check_out_dir, hf_tensors,
+                                    init_weights, resolve_device, save_safetensors, set_fast_math, to_device,
+                                    write_summary)
 from treeflash.train.corpus import TokenWindows, fixed_windows, load_corpus
 from treeflash.train.target import causal_inputs
 from treeflash.train.tokenizer import MASK

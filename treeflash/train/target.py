@@ -23,8 +23,9 @@ from treeflash.layers.attention import AttentionInputs
 from treeflash.models.loader import build_on
 from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
-from treeflash.train.common import (MiB, check_out_dir, RunDir, Trainer, TrainOptions, hf_tensors, init_weights,
-                                    resolve_device, save_safetensors, set_fast_math, write_summary)
+from treeflash.train.common import (MiB, RunDir, TrainOptions, Trainer, check_out_dir, hf_tensors,
+                                    init_weights, resolve_device, save_safetensors, set_fast_math,
+                                    write_summary)
 from treeflash.train.corpus import TOKENIZER_FILES, TokenWindows, fixed_windows, load_corpus
 from treeflash.train.tokenizer import PAD
 
