@@ -94,6 +94,15 @@ def _read_slice(st, key: str, full_shape: tuple, shard_dim: int | None, rank: in
     return sl[lo:hi] if shard_dim == 0 else sl[:, lo:hi]
 
 
+def _read_piece(st, key: str, dest: torch.Tensor, shard_dim: int | None, tp) -> torch.Tensor:
+    """This rank's slice of checkpoint tensor `key`, the shape of `dest`."""
+    rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
+    full = list(dest.shape)
+    if shard_dim is not None and size > 1:
+        full[shard_dim] *= size
+    return _read_slice(st, key, tuple(full), shard_dim, rank, size)
+
+
 def load_weights(model: nn.Module, folder: str | Path) -> None:
     """Fill every parameter of `model` from the checkpoint in `folder`, and refuse a
     checkpoint with tensors the model has no place for: a config.json that says fewer
@@ -104,7 +113,6 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
     try:
         for name, param in model.named_parameters():
             pieces, tp = _pieces(model, name, param)
-            rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
             for key, dest, shard_dim in pieces:
                 if key not in files:
                     raise TreeflashError(f"weight {key} is missing from the checkpoint in {folder}")
@@ -112,11 +120,8 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
                 f = files[key]
                 if f not in handles:
                     handles[f] = _open(f)
-                full = list(dest.shape)
-                if shard_dim is not None and size > 1:
-                    full[shard_dim] *= size
                 with torch.no_grad():
-                    dest.copy_(_read_slice(handles[f], key, tuple(full), shard_dim, rank, size))
+                    dest.copy_(_read_piece(handles[f], key, dest, shard_dim, tp))
             # Unmap the files after every parameter: pages a read touched stay resident (and
             # counted in RSS) while mapped, and a row-parallel slice touches the whole tensor.
             handles.clear()
@@ -128,26 +133,22 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
 def _check_unused(model: nn.Module, folder, files: dict[str, Path], used: set[str]) -> None:
     """Tensors of the checkpoint that no parameter read. Rotary inverse frequencies (old
     checkpoints store them) are recomputed; tensors the model says belong to another
-    (a drafter's copy of its target's embeddings) are skipped; a stored LM head beside
-    tied embeddings must equal them."""
+    (a drafter's copy of its target's embeddings) are skipped; a parameter loaded from
+    another key (tied: the LM head from the embeddings) may also be stored under its own
+    name, if equal."""
     skip = getattr(model, "foreign_checkpoint_keys", ())
     unused = sorted(k for k in files if k not in used and not k.endswith("rotary_emb.inv_freq")
                     and not any(part in k for part in skip))
-    if "lm_head.weight" in unused and "lm_head.weight" in dict(model.named_parameters()):
-        pieces, tp = _pieces(model, "lm_head.weight", model.lm_head.weight)
-        (key, dest, shard_dim), = pieces
-        if key != "lm_head.weight":  # tied: the parameter came from the embeddings
-            rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
-            full = list(dest.shape)
-            if shard_dim is not None and size > 1:
-                full[shard_dim] *= size
-            with _open(files["lm_head.weight"]) as st:
-                stored = _read_slice(st, "lm_head.weight", tuple(full), shard_dim, rank, size)
-            if not torch.equal(stored.to(dest.dtype), dest.detach()):
-                raise TreeflashError(f"config.json in {folder} ties the LM head to the embeddings "
-                                     f"(tie_word_embeddings), but the checkpoint's lm_head.weight differs "
-                                     f"from them: set tie_word_embeddings to false")
-            unused.remove("lm_head.weight")
+    params = dict(model.named_parameters())
+    for name in [k for k in unused if k in params]:
+        pieces, tp = _pieces(model, name, params[name])
+        (key, dest, shard_dim), = pieces  # a parameter named as a checkpoint key has one piece
+        with _open(files[name]) as st:
+            stored = _read_piece(st, name, dest, shard_dim, tp)
+        if not torch.equal(stored.to(dest.dtype), dest.detach()):
+            raise TreeflashError(f"config.json in {folder} ties {name} to {key} (tie_word_embeddings), but "
+                                 f"the checkpoint's {name} differs from it: set tie_word_embeddings to false")
+        unused.remove(name)
     if unused:
         more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
         raise TreeflashError(f"the checkpoint in {folder} has tensors this config.json has no place for: "
