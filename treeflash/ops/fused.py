@@ -46,27 +46,47 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return (total.view(x.shape), out) if residual is not None else out
 
 
+def heads_per_program(tokens: int) -> tuple[int, int]:
+    """(heads, warps) per program of both RoPE kernels, from the number of tokens only, so
+    that the two make the same tiles (the same sums, the same bits) for the same tokens.
+    Up to 16 tokens one warp per head (AR on the 8B shape: 48 programs, 1.2 us a layer;
+    1.6 us with 8 heads a program); past that 8 heads per program (a 256-token verify:
+    12K programs, 9.3 us a layer -> 1.5K programs, 3.3 us; 64 tokens: 3.4 -> 2.4 us)."""
+    return (1, 1) if tokens <= 16 else (8, 2)
+
+
+@triton.jit
+def _norm_rotate(a, b, wa, wb, c1, c2, s1, s2, eps, HAS_NORM: tl.constexpr, D: tl.constexpr, dt: tl.constexpr):
+    """RoPE(RMSNorm(x)) of a tile of heads given as halves a, b [heads, D/2] (fp32),
+    norm weights wa, wb and cos/sin halves broadcast to them. Both RoPE kernels call it
+    on the same tile shape and warps, so they sum in the same order: the same bits."""
+    if HAS_NORM:
+        inv = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / D + eps)
+        a = ((a * inv[:, None]).to(dt) * wa).to(tl.float32)
+        b = ((b * inv[:, None]).to(dt) * wb).to(tl.float32)
+    return a * c1 - b * s1, b * c2 + a * s2
+
+
 @triton.jit
 def _norm_rope_kernel(x_ptr, sx_b, sx_t, sx_head, T, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, eps,
-                      HAS_NORM: tl.constexpr, D: tl.constexpr):
+                      HAS_NORM: tl.constexpr, D: tl.constexpr, HB: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    half = tl.arange(0, D // 2)
-    base = x_ptr + (tok // T) * sx_b + (tok % T) * sx_t + head * sx_head
-    a = tl.load(base + half).to(tl.float32)
-    b = tl.load(base + D // 2 + half).to(tl.float32)
+    head = tl.program_id(1) * HB + tl.arange(0, HB)
+    ok = (head < heads)[:, None]
+    half = tl.arange(0, D // 2)[None, :]
+    base = x_ptr + (tok // T) * sx_b + (tok % T) * sx_t + head[:, None] * sx_head
+    a = tl.load(base + half, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(base + D // 2 + half, mask=ok, other=0.0).to(tl.float32)
+    wa, wb = a, b
     if HAS_NORM:
-        inv = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / D + eps)
-        dt = out_ptr.dtype.element_ty
-        a = ((a * inv).to(dt) * tl.load(w_ptr + half)).to(tl.float32)
-        b = ((b * inv).to(dt) * tl.load(w_ptr + D // 2 + half)).to(tl.float32)
-    c1 = tl.load(cos_ptr + tok * D + half).to(tl.float32)
-    c2 = tl.load(cos_ptr + tok * D + D // 2 + half).to(tl.float32)
-    s1 = tl.load(sin_ptr + tok * D + half).to(tl.float32)
-    s2 = tl.load(sin_ptr + tok * D + D // 2 + half).to(tl.float32)
-    o = out_ptr + (tok * heads + head) * D
-    tl.store(o + half, a * c1 - b * s1)
-    tl.store(o + D // 2 + half, b * c2 + a * s2)
+        wa, wb = tl.load(w_ptr + half), tl.load(w_ptr + D // 2 + half)
+    c1, c2 = tl.load(cos_ptr + tok * D + half), tl.load(cos_ptr + tok * D + D // 2 + half)
+    s1, s2 = tl.load(sin_ptr + tok * D + half), tl.load(sin_ptr + tok * D + D // 2 + half)
+    lo, hi = _norm_rotate(a, b, wa, wb, c1.to(tl.float32), c2.to(tl.float32), s1.to(tl.float32),
+                          s2.to(tl.float32), eps, HAS_NORM, D, out_ptr.dtype.element_ty)
+    o = out_ptr + (tok * heads + head[:, None]) * D
+    tl.store(o + half, lo.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(o + D // 2 + half, hi.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
@@ -77,9 +97,10 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     assert x.stride(3) == 1
     out = torch.empty(B, T, H, D, dtype=x.dtype, device=x.device)
     cos, sin = cos.contiguous(), sin.contiguous()
-    _norm_rope_kernel[(B * T, H)](x, x.stride(0), x.stride(1), x.stride(2), T, weight if weight is not None else x,
-                                   cos, sin, out, H, eps, HAS_NORM=weight is not None, D=D,
-                                   num_warps=1)  # as rope_into_cache: the same sums, the same bits
+    HB, warps = heads_per_program(B * T)
+    _norm_rope_kernel[(B * T, triton.cdiv(H, HB))](
+        x, x.stride(0), x.stride(1), x.stride(2), T, weight if weight is not None else x, cos, sin, out, H, eps,
+        HAS_NORM=weight is not None, D=D, HB=HB, num_warps=warps)
     return out
 
 
@@ -106,44 +127,40 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rope_into_cache_kernel(x_ptr, sx_tok, T, H, HKV, head0, qw_ptr, kw_ptr, eps, cos_ptr, sin_ptr,
                             q_ptr, k_ptr, v_ptr, sc_b, sc_h, sc_s, prefix_ptr,
-                            HAS_NORM: tl.constexpr, D: tl.constexpr):
-    """Program (token, head) of the merged [q | k | v] heads: q heads are normed, rotated
-    and stored to q; k heads normed, rotated and stored into the cache at slot
-    prefix_lens[b] + t; v heads copied into the cache there."""
+                            HAS_NORM: tl.constexpr, D: tl.constexpr, HB: tl.constexpr):
+    """Program (token, block of HB heads) of the merged [q | k | v] heads: q heads are
+    normed, rotated and stored to q; k heads normed, rotated and stored into the cache
+    at slot prefix_lens[b] + t; v heads copied into the cache there."""
     tok = tl.program_id(0).to(tl.int64)
-    head = head0 + tl.program_id(1)
+    head = head0 + tl.program_id(1) * HB + tl.arange(0, HB)
     b = tok // T
-    half = tl.arange(0, D // 2)
-    base = x_ptr + tok * sx_tok + (head - head0) * D
-    a = tl.load(base + half)
-    bb = tl.load(base + D // 2 + half)
+    ok = head < H + 2 * HKV
+    is_q, is_k = head < H, (head >= H) & (head < H + HKV)
+    is_v = ok & (head >= H + HKV)
+    half = tl.arange(0, D // 2)[None, :]
+    base = x_ptr + tok * sx_tok + (head - head0)[:, None] * D
+    a = tl.load(base + half, mask=ok[:, None], other=0.0)
+    bb = tl.load(base + D // 2 + half, mask=ok[:, None], other=0.0)
     slot = tl.load(prefix_ptr + b) + tok % T
-    if head < H + HKV:
-        af, bf = a.to(tl.float32), bb.to(tl.float32)
-        if HAS_NORM:
-            if head < H:
-                wa, wb = tl.load(qw_ptr + half), tl.load(qw_ptr + D // 2 + half)
-            else:
-                wa, wb = tl.load(kw_ptr + half), tl.load(kw_ptr + D // 2 + half)
-            inv = tl.rsqrt((tl.sum(af * af, axis=0) + tl.sum(bf * bf, axis=0)) / D + eps)
-            dt = q_ptr.dtype.element_ty
-            af = ((af * inv).to(dt) * wa).to(tl.float32)
-            bf = ((bf * inv).to(dt) * wb).to(tl.float32)
-        c1 = tl.load(cos_ptr + tok * D + half).to(tl.float32)
-        c2 = tl.load(cos_ptr + tok * D + D // 2 + half).to(tl.float32)
-        s1 = tl.load(sin_ptr + tok * D + half).to(tl.float32)
-        s2 = tl.load(sin_ptr + tok * D + D // 2 + half).to(tl.float32)
-        lo, hi = af * c1 - bf * s1, bf * c2 + af * s2
-        if head < H:
-            o = q_ptr + (tok * H + head) * D
-        else:
-            o = k_ptr + b * sc_b + (head - H) * sc_h + slot * sc_s
-        tl.store(o + half, lo.to(q_ptr.dtype.element_ty))
-        tl.store(o + D // 2 + half, hi.to(q_ptr.dtype.element_ty))
-    else:
-        o = v_ptr + b * sc_b + (head - H - HKV) * sc_h + slot * sc_s
-        tl.store(o + half, a)
-        tl.store(o + D // 2 + half, bb)
+    wa, wb = a, bb
+    if HAS_NORM:
+        wa = tl.where(is_q[:, None], tl.load(qw_ptr + half), tl.load(kw_ptr + half))
+        wb = tl.where(is_q[:, None], tl.load(qw_ptr + D // 2 + half), tl.load(kw_ptr + D // 2 + half))
+    c1, c2 = tl.load(cos_ptr + tok * D + half), tl.load(cos_ptr + tok * D + D // 2 + half)
+    s1, s2 = tl.load(sin_ptr + tok * D + half), tl.load(sin_ptr + tok * D + D // 2 + half)
+    lo, hi = _norm_rotate(a.to(tl.float32), bb.to(tl.float32), wa, wb, c1.to(tl.float32), c2.to(tl.float32),
+                          s1.to(tl.float32), s2.to(tl.float32), eps, HAS_NORM, D, q_ptr.dtype.element_ty)
+    lo, hi = lo.to(q_ptr.dtype.element_ty), hi.to(q_ptr.dtype.element_ty)
+    q_out = q_ptr + (tok * H + head[:, None]) * D
+    tl.store(q_out + half, lo, mask=is_q[:, None])
+    tl.store(q_out + D // 2 + half, hi, mask=is_q[:, None])
+    cache = b * sc_b + slot * sc_s
+    k_out = k_ptr + cache + (head - H)[:, None] * sc_h
+    tl.store(k_out + half, lo, mask=is_k[:, None])
+    tl.store(k_out + D // 2 + half, hi, mask=is_k[:, None])
+    v_out = v_ptr + cache + (head - H - HKV)[:, None] * sc_h
+    tl.store(v_out + half, a, mask=is_v[:, None])
+    tl.store(v_out + D // 2 + half, bb, mask=is_v[:, None])
 
 
 def rope_into_cache(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: torch.Tensor | None,
@@ -164,9 +181,10 @@ def rope_into_cache(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: torc
     cos, sin = cos.contiguous(), sin.contiguous()
     head0 = 0 if with_q else heads
     has_norm = q_weight is not None
-    _rope_into_cache_kernel[(B * T, heads + 2 * kv_heads - head0)](
+    HB, warps = heads_per_program(B * T)
+    _rope_into_cache_kernel[(B * T, triton.cdiv(heads + 2 * kv_heads - head0, HB))](
         qkv, qkv.stride(1), T, heads, kv_heads, head0, q_weight if has_norm else qkv,
         k_weight if has_norm else qkv, eps, cos, sin, q, k_cache, v_cache,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), prefix_lens, HAS_NORM=has_norm, D=D,
-        num_warps=1)  # a head is 128 values: one warp (a 256-token verify has 12K such programs)
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), prefix_lens, HAS_NORM=has_norm, D=D, HB=HB,
+        num_warps=warps)
     return q if with_q else None
