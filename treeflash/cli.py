@@ -1,4 +1,4 @@
-"""The `treeflash` command line: generate, bench, train."""
+"""The `treeflash` command line: generate, serve, bench, train."""
 from __future__ import annotations
 
 import argparse
@@ -131,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
     from treeflash.bench import add_bench_parser
+    from treeflash.server.cli import add_serve_parser
     from treeflash.train.cli import add_train_parser
+    add_serve_parser(sub, add_model_args)
     add_train_parser(sub)
     add_bench_parser(sub)
     return parser

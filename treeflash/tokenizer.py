@@ -57,11 +57,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        # With special tokens, as transformers encodes by default: the tokenizer.json
-        # post-processor adds what the model expects (Llama 3's <|begin_of_text|>).
-        ids = self.tok.encode(text, add_special_tokens=True).ids
-        if self.add_bos and ids[:1] != [self.bos_token_id]:
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """With special tokens, as transformers encodes by default: the tokenizer.json
+        post-processor adds what the model expects (Llama 3's <|begin_of_text|>).
+        `special=False` for text that already holds them (a rendered chat template)."""
+        ids = self.tok.encode(text, add_special_tokens=special).ids
+        if special and self.add_bos and ids[:1] != [self.bos_token_id]:
             ids = [self.bos_token_id] + ids
         return ids
 

@@ -253,13 +253,15 @@ class LLM:
     def _rank_stats(self) -> dict:
         return {**self.load_stats, "pid": os.getpid()}
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | list[int], special: bool = True) -> list[int]:
+        """Checked token ids of a prompt; `special`: let the tokenizer add its special
+        tokens (BOS), as for plain text (not for a rendered chat template)."""
         if isinstance(prompt, str):
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError:  # lone surrogates, e.g. from undecodable command-line bytes
                 raise UsageError("a prompt must be valid Unicode text (it holds undecodable characters)") from None
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, special)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < self.config.vocab_size]

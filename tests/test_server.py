@@ -1,0 +1,292 @@
+"""`treeflash serve`: the OpenAI-compatible server over the built-in pair (CPU, float32).
+
+What a client relies on: the server answers exactly what `LLM.generate` gives for the
+same parameters (whole or streamed, completions or chat through the model's chat
+template); streamed deltas add up to the whole text, stop strings included; every bad
+request gets an OpenAI error body with the right status and the server keeps serving,
+also after the engine itself fails; and `treeflash serve` runs as a real HTTP server.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("httpx")
+from starlette.testclient import TestClient  # noqa: E402
+
+from treeflash import LLM, SamplingParams  # noqa: E402
+from treeflash.engine.llm import builtin_paths  # noqa: E402
+from treeflash.server.app import TextStream, build_app  # noqa: E402
+from treeflash.server.chat import ChatTemplate  # noqa: E402
+
+PROMPT = "def fib(n):"
+TEMPLATE = ("{% for m in messages %}### {{ m.role }}:\n{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}### assistant:\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> Path:
+    """The built-in target with a chat template in its tokenizer_config.json."""
+    folder = tmp_path_factory.mktemp("chat") / "target"
+    shutil.copytree(builtin_paths()[0], folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llm(chat_model):
+    return LLM(chat_model, draft_model=builtin_paths()[1], device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def client(llm, chat_model):
+    with TestClient(build_app(llm, "tiny", ChatTemplate.from_folder(chat_model))) as c:
+        yield c
+
+
+def events(resp) -> list:
+    """The data of a server-sent-event stream: JSON objects, then '[DONE]'."""
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+    out = []
+    for line in resp.text.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_completion_is_what_generate_gives(llm, client):
+    for body, params in [({"temperature": 0}, SamplingParams(max_new_tokens=24)),
+                         ({"temperature": 0.8, "top_p": 0.9, "seed": 3},
+                          SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=3))]:
+        want = llm.generate(PROMPT, params)[0]
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 24, **body})
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["object"] == "text_completion" and got["model"] == "tiny"
+        assert got["choices"][0]["text"] == want.text
+        assert got["choices"][0]["finish_reason"] == want.finish_reason == "length"
+        n = len(llm.encode(PROMPT))
+        assert got["usage"] == {"prompt_tokens": n, "completion_tokens": 24, "total_tokens": n + 24}
+    # token-id prompts and several prompts in one request: one choice each, in order
+    ids = llm.encode(PROMPT)
+    r = client.post("/v1/completions", json={"prompt": [ids, "import os"], "max_tokens": 8, "temperature": 0})
+    texts = [c["text"] for c in r.json()["choices"]]
+    assert texts == [o.text for o in llm.generate([ids, "import os"], SamplingParams(max_new_tokens=8))]
+
+
+@pytest.mark.parametrize("stop", [None, ["\n"], ["is_", "assert"], ["(n).is_p"]])  # the last spans deltas
+def test_streamed_deltas_add_up_to_the_whole_text(client, stop):
+    body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stop": stop}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]
+    got = events(client.post("/v1/completions", json={**body, "stream": True,
+                                                       "stream_options": {"include_usage": True}}))
+    assert got[-1] == "[DONE]" and got[-2]["choices"] == [] and got[-2]["usage"]["completion_tokens"] > 0
+    text = "".join(e["choices"][0]["text"] for e in got[:-2])
+    assert text == whole["text"]
+    assert got[-3]["choices"][0]["finish_reason"] == whole["finish_reason"]
+    if stop:
+        assert whole["finish_reason"] == "stop" and not any(s in text for s in stop)
+    else:
+        assert len(got) > 4  # streamed in several deltas, not one at the end
+
+
+def test_chat_renders_the_template(llm, client):
+    messages = [{"role": "system", "content": "Write Python."},
+                {"role": "user", "content": [{"type": "text", "text": "fib"}]}]
+    ids = llm.encode("### system:\nWrite Python.\n### user:\nfib\n### assistant:\n", special=False)
+    want = llm.generate(ids, SamplingParams(max_new_tokens=20))[0]
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 20, "temperature": 0})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["object"] == "chat.completion"
+    assert got["choices"][0]["message"] == {"role": "assistant", "content": want.text}
+    assert got["usage"]["prompt_tokens"] == len(ids)
+    chunks = events(client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 20,
+                                                               "temperature": 0, "stream": True}))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks[:-1])
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == want.text
+
+
+BAD = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [5, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [5] * 2000}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": 3}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1024}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": ["a", "b"], "stream": True}, 400, "prompt"),
+    ("/v1/chat/completions", {"prompt": "x"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(client, path, body, status, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = client.post(path, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error" and err["param"] == param
+    ok = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_routes_and_errors_outside_the_api(client, llm):
+    assert client.get("/health").json() == {"status": "ok"}
+    models = client.get("/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["tiny"] and models[0]["max_model_len"] == llm.max_model_len
+    r = client.get("/v1/nope")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert client.get("/v1/completions").status_code == 405
+
+
+def test_a_model_without_chat_template_refuses_chat(llm):
+    with TestClient(build_app(llm, "tiny", None)) as c:
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+
+
+def test_an_engine_failure_fails_that_request_only(client, llm, monkeypatch):
+    real = llm.generate
+    calls = []
+
+    def fail_once(*args, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("device lost")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(llm, "generate", fail_once)
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+    assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
+    calls.clear()
+    got = events(client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "stream": True}))
+    assert "device lost" in got[0]["error"]["message"] and got[-1] == "[DONE]"
+    assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}).status_code == 200
+
+
+def test_text_stream_never_splits_a_character(llm):
+    text = "naïve café ✓ 漢字 done"
+    ids = llm.tokenizer.encode(text, special=False)
+    stream = TextStream(llm.tokenizer, [])
+    deltas = [stream.push([t]) for t in ids]
+    assert "".join(deltas) + stream.finish(llm.tokenizer.decode(ids)) == llm.tokenizer.decode(ids)
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_treeflash_serve_answers_concurrent_clients(llm):
+    """The real command: uvicorn on a port, requests from several threads at once
+    (batched by --max-batch), each answered as generate answers it alone."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "treeflash", "serve", "--port", str(port), "--device", "cpu",
+                             "--dtype", "float32", "--max-batch", "2"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(base + "/health", timeout=1)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert proc.poll() is None, proc.stderr.read()
+                time.sleep(0.1)
+        prompts = [PROMPT, "import os\n", "class Point:"]
+        want = [o.text for o in llm.generate(prompts, SamplingParams(max_new_tokens=16))]
+        got = [None] * len(prompts)
+
+        def ask(i):
+            got[i] = _post(base + "/v1/completions", {"prompt": prompts[i], "max_tokens": 16,
+                                                      "temperature": 0})["choices"][0]["text"]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert got == want
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _post(base + "/v1/completions", {"prompt": "x", "temperature": -1})
+        assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "temperature"
+        # a second server on the same port: one line before loading anything, exit 2
+        second = subprocess.run([sys.executable, "-m", "treeflash", "serve", "--port", str(port)],
+                                capture_output=True, text=True, timeout=60, env=env)
+        assert second.returncode == 2 and second.stderr.count("\n") == 1
+        assert second.stderr.startswith("treeflash: error: cannot listen on 127.0.0.1:")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_chat_template_sources_and_failures(tmp_path, llm):
+    from treeflash.errors import TreeflashError
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": {"content": "<E>"}, "chat_template": [{"name": "tool_use", "template": "T"},
+                                                           {"name": "default", "template": "{{ eos_token }}D"}]}))
+    assert ChatTemplate.from_folder(tmp_path).render([]) == "<E>D"  # the named default, with its tokens
+    (tmp_path / "chat_template.jinja").write_text("J{{ messages[0].content }}")
+    assert ChatTemplate.from_folder(tmp_path).render([{"role": "user", "content": "x"}]) == "Jx"  # the file wins
+    (tmp_path / "chat_template.jinja").write_text("{% for %}")
+    with pytest.raises(TreeflashError, match="malformed chat template"):
+        ChatTemplate.from_folder(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": None}))
+    assert ChatTemplate.from_folder(tmp_path) is None
+    # a template that refuses the conversation (raise_exception) is the client's error
+    refusing = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}x")
+    with TestClient(build_app(llm, "t", refusing)) as c:
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": "s"}]})
+        assert r.status_code == 400 and r.json()["error"]["message"].endswith("user first")
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "s"}], "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(llm.encode("x", special=False))
+
+
+@pytest.mark.parametrize("args,words", [(["--max-batch", "0"], "--max-batch"), (["--port", "0"], "--port"),
+                                         (["--tp", "2"], "--tp 1")])
+def test_serve_refuses_bad_options_in_one_line(capsys, args, words):
+    from treeflash.cli import main
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("treeflash: error:") and words in err

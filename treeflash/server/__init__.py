@@ -1,0 +1,1 @@
+"""`treeflash serve`: an OpenAI-compatible HTTP server over one `LLM` (needs the `serve` extra)."""

@@ -1,0 +1,228 @@
+"""The OpenAI-compatible HTTP server (ASGI, Starlette): /v1/completions,
+/v1/chat/completions (streamed as server-sent events or whole), /v1/models, /health.
+
+The engine is not thread-safe and a request is a tight loop of GPU rounds, so one
+`EngineWorker` thread owns the `LLM` and runs the queued requests a batch at a time
+(`max_batch` prompts; 1 by default: the lowest latency per request), while the event
+loop keeps accepting, validating and streaming. Every failure is answered with an
+OpenAI error body and the server keeps serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import queue
+import threading
+from concurrent.futures import Future
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from treeflash.errors import TreeflashError
+from treeflash.server.protocol import APIError, Request, chunk, parse_chat, parse_completion, response, usage
+
+_DONE = object()  # end of a streamed job's deltas
+
+
+class TextStream:
+    """A request's committed tokens as text deltas that are final: never half a UTF-8
+    character, and never text that a stop string may still cut off."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = 0  # characters sent
+
+    def push(self, ids: list[int]) -> str:
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids)
+        hits = [text.find(s) for s in self.stop if s in text]
+        end = min(hits) if hits else len(text.rstrip("\ufffd")) - self.hold
+        delta = text[self.sent:end] if end > self.sent else ""
+        self.sent += len(delta)
+        return delta
+
+    def finish(self, text: str) -> str:
+        """The rest of the final text (the engine's, stop strings cut)."""
+        return text[self.sent:]
+
+
+class Job:
+    """A request on its way through the worker: a future for its outputs and, when
+    streamed, a queue of text deltas filled from the worker thread."""
+
+    def __init__(self, req: Request, loop: asyncio.AbstractEventLoop, tokenizer):
+        self.req, self.loop = req, loop
+        self.future: Future = Future()
+        self.deltas: asyncio.Queue | None = asyncio.Queue() if req.stream else None
+        self.text = TextStream(tokenizer, req.params.stop) if req.stream else None
+
+    def on_tokens(self, ids: list[int]) -> None:  # worker thread
+        delta = self.text.push(ids) if self.text else ""
+        if delta:
+            self.loop.call_soon_threadsafe(self.deltas.put_nowait, delta)
+
+    def settle(self, outputs=None, error: BaseException | None = None) -> None:  # worker thread
+        if error is None:
+            self.future.set_result(outputs)
+        else:
+            self.future.set_exception(error)
+        if self.deltas is not None:
+            self.loop.call_soon_threadsafe(self.deltas.put_nowait, _DONE)
+
+
+class EngineWorker:
+    def __init__(self, llm, max_batch: int = 1):
+        self.llm, self.max_batch = llm, max_batch
+        self.jobs: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._serve, name="treeflash-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, req: Request) -> Job:
+        job = Job(req, asyncio.get_running_loop(), self.llm.tokenizer)
+        self.jobs.put(job)
+        return job
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+    def _next_batch(self) -> list[Job] | None:
+        """The oldest job and, up to max_batch prompts, those queued behind it."""
+        job = self.jobs.get()
+        if job is None:
+            return None
+        batch, prompts = [job], len(job.req.prompts)
+        while prompts < self.max_batch:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                self.jobs.put(None)
+                break
+            batch.append(job)
+            prompts += len(job.req.prompts)
+        return batch
+
+    def _serve(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            owners = [(job, i) for job in batch for i in range(len(job.req.prompts))]
+            try:
+                outs = self.llm.generate([job.req.prompts[i] for job, i in owners],
+                                         [job.req.params for job, _ in owners],
+                                         on_tokens=lambda k, ids: owners[k][0].on_tokens(ids))
+            except BaseException as e:  # this batch fails; the worker goes on with the next
+                for job in batch:
+                    job.settle(error=e)
+                continue
+            for job in batch:
+                job.settle([out for out, (owner, _) in zip(outs, owners) if owner is job])
+
+
+def api_error(e: BaseException) -> APIError:
+    """The answer to an engine failure: a known one is the request's (400), anything else ours (500)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, TreeflashError):
+        return APIError(str(e))
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return APIError("out of memory while generating: retry with a shorter prompt or fewer tokens",
+                        status=503, type="server_error")
+    return APIError(f"internal error: {type(e).__name__}: {e}", status=500, type="server_error")
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def _sse(data) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _read_json(request: HTTPRequest) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError):
+        raise APIError("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    return body
+
+
+def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1) -> Starlette:
+    """The ASGI app serving `llm` as `model_name`; its worker starts with the app's lifespan."""
+    state = {}
+
+    def worker() -> EngineWorker:
+        if "worker" not in state:  # apps driven without a lifespan (some test clients) start it here
+            state["worker"] = EngineWorker(llm, max_batch)
+        return state["worker"]
+
+    async def stream(job: Job):
+        req = job.req
+        if req.kind == "chat":
+            yield _sse(chunk(req, model_name, first=True))
+        while (delta := await job.deltas.get()) is not _DONE:
+            yield _sse(chunk(req, model_name, text=delta))
+        try:
+            (out,) = job.future.result()
+        except BaseException as e:
+            yield _sse(api_error(e).body())
+        else:
+            yield _sse(chunk(req, model_name, text=job.text.finish(out.text), finish_reason=out.finish_reason))
+            if req.include_usage:
+                yield _sse(chunk(req, model_name, usage_=usage(len(req.prompts[0]), len(out.token_ids))))
+        yield "data: [DONE]\n\n"
+
+    async def serve(request: HTTPRequest, parse) -> JSONResponse | StreamingResponse:
+        try:
+            req = parse(await _read_json(request))
+        except APIError as e:
+            return error_response(e)
+        job = worker().submit(req)
+        if req.stream:
+            return StreamingResponse(stream(job), media_type="text/event-stream")
+        try:
+            outs = await asyncio.wrap_future(job.future)
+        except BaseException as e:
+            return error_response(api_error(e))
+        return JSONResponse(response(req, model_name, outs))
+
+    async def completions(request: HTTPRequest):
+        return await serve(request, lambda body: parse_completion(body, model_name, llm.encode, llm.max_model_len))
+
+    async def chat(request: HTTPRequest):
+        return await serve(request, lambda body: parse_chat(body, model_name, chat_template, llm.encode,
+                                                            llm.max_model_len))
+
+    async def models(_):
+        return JSONResponse({"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": 0, "owned_by": "treeflash",
+            "max_model_len": llm.max_model_len}]})
+
+    async def health(_):
+        return JSONResponse({"status": "ok"})
+
+    async def http_error(_, exc: HTTPException):  # unknown paths, wrong methods: OpenAI bodies too
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(str(exc.detail), status=exc.status_code, type=kind))
+
+    async def internal_error(_, exc: Exception):
+        return error_response(api_error(exc))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        worker()
+        yield
+        state.pop("worker").stop()
+
+    routes = [Route("/health", health), Route("/v1/models", models),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat, methods=["POST"])]
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={HTTPException: http_error, Exception: internal_error})

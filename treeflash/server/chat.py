@@ -1,0 +1,68 @@
+"""A checkpoint's chat template (Jinja, as Hugging Face tokenizers ship it), rendered in a
+sandbox: messages in, the prompt text the model was trained on out."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from treeflash.errors import TreeflashError
+
+
+def _token_text(value) -> str:
+    if isinstance(value, dict):  # {"content": "<|im_end|>", ...}
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def _refuse(message: str):
+    raise TreeflashError(message)
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = _refuse
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise TreeflashError(f"malformed chat template: {e}") from None
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "ChatTemplate | None":
+        """The template of a checkpoint folder (chat_template.jinja, or tokenizer_config.json's
+        'chat_template': a string, or a list of named ones of which 'default'); None without one."""
+        folder = Path(folder)
+        try:
+            config = json.loads((folder / "tokenizer_config.json").read_text())
+        except FileNotFoundError:
+            config = {}
+        except (OSError, ValueError) as e:
+            raise TreeflashError(f"cannot read {folder / 'tokenizer_config.json'}: {e}") from None
+        config = config if isinstance(config, dict) else {}
+        source = config.get("chat_template")
+        if (folder / "chat_template.jinja").exists():
+            source = (folder / "chat_template.jinja").read_text()
+        if isinstance(source, list):
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        if source is None:
+            return None
+        if not isinstance(source, str):
+            raise TreeflashError(f"{folder}: 'chat_template' must be a string or a list of named templates")
+        return cls(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+
+    def render(self, messages: list[dict]) -> str:
+        """The prompt for `messages`, ending where the assistant's answer starts."""
+        import jinja2
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True,
+                                        bos_token=self.bos_token, eos_token=self.eos_token)
+        except jinja2.TemplateError as e:
+            raise TreeflashError(str(e)) from None

@@ -1,0 +1,62 @@
+"""`treeflash serve`: load the model pair once, then answer OpenAI API requests."""
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+from treeflash.errors import UsageError
+
+
+def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
+    s = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, "
+                                            "/v1/chat/completions, /v1/models)")
+    add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    s.add_argument("--served-model-name", help="the model name clients send (default: the model folder's name)")
+    s.add_argument("--max-batch", type=int, default=1,
+                   help="prompts generated together when requests queue up (default 1: lowest latency)")
+    s.set_defaults(func=cmd_serve)
+    return s
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Fail before the model loads, not after, when the address cannot be used."""
+    if not 1 <= port <= 65535:
+        raise UsageError(f"--port must be in 1..65535, got {port}")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def cmd_serve(args) -> int:
+    try:
+        import uvicorn
+
+        from treeflash.server.app import build_app
+        from treeflash.server.chat import ChatTemplate
+    except ImportError as e:
+        raise UsageError(f"treeflash serve needs the server packages ({e.name} is missing): "
+                         f"pip install 'treeflash[serve]'") from None
+    from treeflash.cli import make_llm
+    from treeflash.engine.llm import builtin_paths
+    if args.max_batch < 1:
+        raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.tp > 1:
+        raise UsageError("treeflash serve runs on one device for now (--tp 1)")
+    _check_listen(args.host, args.port)
+    folder = Path(args.model) if args.model else builtin_paths()[0]
+    template = ChatTemplate.from_folder(folder)  # a broken template fails here, before the load
+    name = args.served_model_name or (folder.name if args.model else "treeflash-builtin")
+    llm = make_llm(args)
+    print(f"treeflash: serving '{name}' ({llm.method}) on http://{args.host}:{args.port}/v1"
+          f"{'' if template else ' (no chat template: /v1/completions only)'}", file=sys.stderr, flush=True)
+    uvicorn.run(build_app(llm, name, template, args.max_batch), host=args.host, port=args.port,
+                log_level="warning")
+    return 0
