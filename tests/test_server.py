@@ -290,3 +290,22 @@ def test_serve_refuses_bad_options_in_one_line(capsys, args, words):
     assert main(["serve", *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("treeflash: error:") and words in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_serving_on_the_gpu_with_cuda_graphs():
+    """The worker thread captures and replays the rounds' CUDA graphs: answers, whole and
+    streamed, hold generate's tokens (the same engine called from the test's thread)."""
+    gpu = LLM(device="cuda", dtype="bfloat16")
+    assert gpu.cuda_graphs
+    with TestClient(build_app(gpu, "tiny")) as c:
+        for body, params in [({"temperature": 0}, SamplingParams(max_new_tokens=64)),
+                             ({"temperature": 0.7, "seed": 5}, SamplingParams(max_new_tokens=64, temperature=0.7, seed=5))]:
+            got = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 64, **body}).json()
+            streamed = events(c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 64, "stream": True,
+                                                              **body}))
+            want = gpu.generate(PROMPT, params)[0].text
+            assert got["choices"][0]["text"] == want
+            assert "".join(e["choices"][0]["text"] for e in streamed[:-1]) == want
+    assert gpu.graph_captures > 0
