@@ -75,6 +75,14 @@ def test_one_sampling_params_per_prompt(llm):
         llm.generate(ENGINE_PROMPTS, params[:2])
 
 
+def test_a_top_k_past_the_vocabulary_keeps_every_token(llm):
+    """top_k >= vocabulary = no top-k at all, also for integers past 64 bits."""
+    plain = SamplingParams(max_new_tokens=6, temperature=1.0, seed=2, ignore_eos=True)
+    want = llm.generate(ENGINE_PROMPTS[0], plain)[0].token_ids
+    for k in (llm.config.vocab_size, 10 ** 30):
+        assert llm.generate(ENGINE_PROMPTS[0], SamplingParams(**{**plain.__dict__, "top_k": k}))[0].token_ids == want
+
+
 def test_streaming_callback_sees_every_token_once(llm):
     seen: dict[int, list[int]] = {0: [], 1: []}
     outs = llm.generate(ENGINE_PROMPTS[:2], SamplingParams(max_new_tokens=8, ignore_eos=True),

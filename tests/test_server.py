@@ -147,18 +147,53 @@ BAD = [
     ("/v1/chat/completions", {"prompt": "x"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "", "content": "x"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages"),
+    ("/v1/completions", {"model": 7, "prompt": "x"}, 400, "model"),
+    ("/v1/completions", {"model": "\ud800", "prompt": "x"}, 404, "model"),  # quoted back: still valid JSON
+    ("/v1/completions", b'{"prompt": "x", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "min_p": 0.5}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [1]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "include_stop_str_in_output": True}, 400, "include_stop_str_in_output"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": "no"}}, 400,
+     "stream_options"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a"] * 65}, 400, "stop"),
+    ("/v1/completions", {"prompt": ["x"] * 1025}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False}, 400,
+     "add_generation_prompt"),
 ]
 
 
 @pytest.mark.parametrize("path,body,status,param", BAD)
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(client, path, body, status, param):
-    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    kw = {"content": body} if isinstance(body, bytes) else {"content": json.dumps(body)}
     r = client.post(path, **kw)
     assert r.status_code == status, r.text
+    assert len(r.content) < 1000  # the message does not echo the input back
     err = r.json()["error"]
     assert err["message"] and err["type"] == "invalid_request_error" and err["param"] == param
     ok = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_values_that_ask_for_nothing_are_accepted(client, llm):
+    """Defaults sent explicitly (null, "", the OpenAI default) change nothing; a request
+    without max_tokens gets at most what fits the context."""
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+    want = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    extra = {"suffix": "", "response_format": {"type": "text"}, "tool_choice": "none", "stream": None, "n": 1,
+             "logprobs": None, "stop": "", "presence_penalty": 0, "top_k": -1, "ignore_eos": None, "user": "me"}
+    r = client.post("/v1/completions", json={**body, **extra})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
+    ids = [5] * (llm.max_model_len - 4)
+    r = client.post("/v1/completions", json={"prompt": ids, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4  # not 16: 4 fit
+    r = client.post("/v1/completions", content=b'{"prompt": "' + b"a" * (33 << 20) + b'"}')
+    assert r.status_code == 413
 
 
 def test_routes_and_errors_outside_the_api(client, llm):
@@ -193,6 +228,90 @@ def test_an_engine_failure_fails_that_request_only(client, llm, monkeypatch):
     got = events(client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "stream": True}))
     assert "device lost" in got[0]["error"]["message"] and got[-1] == "[DONE]"
     assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}).status_code == 200
+
+
+class FakeLLM:
+    """generate() echoes each prompt's first id as its text, raises for prompt [666],
+    and feeds tokens one by one (so that cancelling can be seen); calls are recorded."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls, self.gate = tokenizer, [], threading.Event()
+
+    def generate(self, prompts, params, on_tokens=None):
+        from treeflash import GenerationOutput
+        self.calls.append([p[0] for p in prompts])
+        self.gate.wait(30)
+        if [666] in prompts:
+            raise RuntimeError("poisoned")
+        for step in range(params[0].max_new_tokens):
+            for k in range(len(prompts)):
+                on_tokens(k, [7])
+            time.sleep(0.001)
+        return [GenerationOutput(str(p[0]), [7] * params[0].max_new_tokens, "length") for p in prompts]
+
+
+def _job(tokenizer, *prompts, tokens=2):
+    from treeflash.server.app import Job
+    from treeflash.server.protocol import Request
+    return Job(Request("completion", [list(p) for p in prompts], SamplingParams(max_new_tokens=tokens)), None,
+               tokenizer)
+
+
+def test_worker_batches_isolates_failures_and_drops_gone_clients(llm):
+    from treeflash.server.app import Cancelled, EngineWorker
+    fake = FakeLLM(llm.tokenizer)
+    worker = EngineWorker(fake, max_batch=4)
+    try:
+        plug = _job(llm.tokenizer, [1])
+        worker.jobs.put(plug)
+        while not fake.calls:  # the worker is inside generate, held by the gate
+            time.sleep(0.01)
+        ok, poison, gone, pair = (_job(llm.tokenizer, [2]), _job(llm.tokenizer, [666]), _job(llm.tokenizer, [3]),
+                                  _job(llm.tokenizer, [4], [5]))
+        gone.cancelled = True  # its client left while it was queued
+        for job in (ok, poison, gone, pair):
+            worker.jobs.put(job)
+        fake.gate.set()
+        assert [o.text for o in plug.future.result(30)] == ["1"]
+        assert [o.text for o in ok.future.result(30)] == ["2"]
+        assert [o.text for o in pair.future.result(30)] == ["4", "5"]
+        with pytest.raises(RuntimeError, match="poisoned"):
+            poison.future.result(30)
+        with pytest.raises(Cancelled):
+            gone.future.result(30)
+        # one batch of 4 prompts failed; each job then ran alone (the cancelled one never)
+        assert fake.calls == [[1], [2, 666, 4, 5], [2], [666], [4, 5]]
+        # a long request whose client goes away stops early
+        long = _job(llm.tokenizer, [9], tokens=5000)
+        worker.jobs.put(long)
+        while not long.started:
+            time.sleep(0.01)
+        long.cancelled = True
+        with pytest.raises(Cancelled):
+            long.future.result(30)
+    finally:
+        worker.stop()
+
+
+def test_the_engine_goes_on_after_a_cancelled_generation(llm):
+    """Cancelling raises out of LLM.generate mid-round; the next request is exact."""
+    from treeflash.server.app import Cancelled, EngineWorker
+    worker = EngineWorker(llm)
+    try:
+        ids = llm.encode(PROMPT)
+        gone = _job(llm.tokenizer, ids, tokens=400)
+        gone.req.params.ignore_eos = True
+        worker.jobs.put(gone)
+        while not gone.started:
+            time.sleep(0.005)
+        gone.cancelled = True
+        with pytest.raises(Cancelled):
+            gone.future.result(60)
+        after = _job(llm.tokenizer, ids, tokens=30)
+        worker.jobs.put(after)
+        assert after.future.result(60)[0].token_ids == llm.generate(ids, SamplingParams(max_new_tokens=30))[0].token_ids
+    finally:
+        worker.stop()
 
 
 def test_text_stream_never_splits_a_character(llm):

@@ -84,7 +84,8 @@ class SamplingBatch:
         seeds = [p.seed if p.seed is not None else random.getrandbits(63) for p in params]
         return cls(
             temperature=torch.tensor([float(p.temperature) for p in params], device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            # a top_k past the vocabulary keeps every token, as 2^31 - 1 does (and fits the tensor)
+            top_k=torch.tensor([min(p.top_k, 2 ** 31 - 1) for p in params], dtype=torch.long, device=device),
             top_p=torch.tensor([float(p.top_p) for p in params], device=device),
             seed=torch.tensor(seeds, dtype=torch.long, device=device),
             any_sampled=any(not p.greedy for p in params),

@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import queue
 import threading
 from concurrent.futures import Future
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
@@ -26,6 +28,20 @@ from treeflash.errors import TreeflashError
 from treeflash.server.protocol import APIError, Request, chunk, parse_chat, parse_completion, response, usage
 
 _DONE = object()  # end of a streamed job's deltas
+MAX_BODY_BYTES = 32 << 20
+log = logging.getLogger("treeflash.server")
+
+
+class Cancelled(Exception):
+    """Every request of the running batch has lost its client: generation stops."""
+
+
+class AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error that quotes a client's lone surrogate
+    (valid JSON, not UTF-8) still encodes."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 class TextStream:
@@ -58,16 +74,21 @@ class Job:
 
     def __init__(self, req: Request, loop: asyncio.AbstractEventLoop, tokenizer):
         self.req, self.loop = req, loop
+        self.cancelled = False  # set by the event loop when the client goes away
+        self.started = False    # tokens have been handed to it (a retry would repeat them)
         self.future: Future = Future()
         self.deltas: asyncio.Queue | None = asyncio.Queue() if req.stream else None
         self.text = TextStream(tokenizer, req.params.stop) if req.stream else None
 
     def on_tokens(self, ids: list[int]) -> None:  # worker thread
+        self.started = True
         delta = self.text.push(ids) if self.text else ""
         if delta:
             self.loop.call_soon_threadsafe(self.deltas.put_nowait, delta)
 
     def settle(self, outputs=None, error: BaseException | None = None) -> None:  # worker thread
+        if self.future.done():
+            return
         if error is None:
             self.future.set_result(outputs)
         else:
@@ -92,42 +113,66 @@ class EngineWorker:
         self.jobs.put(None)
 
     def _next_batch(self) -> list[Job] | None:
-        """The oldest job and, up to max_batch prompts, those queued behind it."""
-        job = self.jobs.get()
-        if job is None:
-            return None
-        batch, prompts = [job], len(job.req.prompts)
-        while prompts < self.max_batch:
+        """The oldest live job and, up to max_batch prompts, those queued behind it
+        (jobs whose client went away while queued are dropped)."""
+        batch, prompts = [], 0
+        while not batch or prompts < self.max_batch:
             try:
-                job = self.jobs.get_nowait()
+                job = self.jobs.get() if not batch else self.jobs.get_nowait()
             except queue.Empty:
                 break
             if job is None:
-                self.jobs.put(None)
-                break
+                if batch:
+                    self.jobs.put(None)  # stop after this batch
+                    break
+                return None
+            if job.cancelled:
+                job.settle(error=Cancelled())
+                continue
             batch.append(job)
             prompts += len(job.req.prompts)
         return batch
 
     def _serve(self) -> None:
         while (batch := self._next_batch()) is not None:
-            owners = [(job, i) for job in batch for i in range(len(job.req.prompts))]
-            try:
-                outs = self.llm.generate([job.req.prompts[i] for job, i in owners],
-                                         [job.req.params for job, _ in owners],
-                                         on_tokens=lambda k, ids: owners[k][0].on_tokens(ids))
-            except BaseException as e:  # this batch fails; the worker goes on with the next
-                for job in batch:
-                    job.settle(error=e)
-                continue
+            self._run(batch)
+
+    def _run(self, batch: list[Job]) -> None:
+        """Generate for `batch`, max_batch prompts at a time. If that fails, each job that
+        has not received tokens yet runs again alone, so that a failure is its own request's."""
+        owners = [(job, i) for job in batch for i in range(len(job.req.prompts))]
+        outs = []
+        try:
+            for start in range(0, len(owners), self.max_batch):
+                part = owners[start:start + self.max_batch]
+
+                def on_tokens(k, ids, part=part):
+                    if all(job.cancelled for job in batch):
+                        raise Cancelled()
+                    part[k][0].on_tokens(ids)
+
+                outs += self.llm.generate([job.req.prompts[i] for job, i in part],
+                                          [job.req.params for job, _ in part], on_tokens=on_tokens)
+        except BaseException as e:
+            if not isinstance(e, Cancelled):
+                log.error("generation failed", exc_info=e)
+            retry = [job for job in batch if not job.started] if len(batch) > 1 and not isinstance(e, Cancelled) else []
             for job in batch:
-                job.settle([out for out, (owner, _) in zip(outs, owners) if owner is job])
+                if job in retry:
+                    self._run([job])
+                else:
+                    job.settle(error=e)
+            return
+        for job in batch:
+            job.settle([out for out, (owner, _) in zip(outs, owners) if owner is job])
 
 
 def api_error(e: BaseException) -> APIError:
     """The answer to an engine failure: a known one is the request's (400), anything else ours (500)."""
     if isinstance(e, APIError):
         return e
+    if isinstance(e, Cancelled):
+        return APIError("the request was cancelled: its client went away", status=499)
     if isinstance(e, TreeflashError):
         return APIError(str(e))
     if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
@@ -137,21 +182,38 @@ def api_error(e: BaseException) -> APIError:
 
 
 def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return AsciiJSONResponse(e.body(), status_code=e.status)
 
 
 def _sse(data) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(data, ensure_ascii=True)}\n\n"
 
 
 async def _read_json(request: HTTPRequest) -> dict:
+    chunks, size = [], 0
     try:
-        body = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError):
+        async for part in request.stream():
+            size += len(part)
+            if size > MAX_BODY_BYTES:
+                raise APIError(f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB", status=413)
+            chunks.append(part)
+    except ClientDisconnect:
+        raise APIError("the client went away while sending the request") from None
+    try:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise APIError("the request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     return body
+
+
+async def _watch_disconnect(request: HTTPRequest, job: Job) -> None:
+    """Mark `job` cancelled when its client disconnects (the body is read already, so
+    the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancelled = True
 
 
 def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1) -> Starlette:
@@ -165,33 +227,41 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1) -> S
 
     async def stream(job: Job):
         req = job.req
-        if req.kind == "chat":
-            yield _sse(chunk(req, model_name, first=True))
-        while (delta := await job.deltas.get()) is not _DONE:
-            yield _sse(chunk(req, model_name, text=delta))
         try:
-            (out,) = job.future.result()
-        except BaseException as e:
-            yield _sse(api_error(e).body())
-        else:
-            yield _sse(chunk(req, model_name, text=job.text.finish(out.text), finish_reason=out.finish_reason))
-            if req.include_usage:
-                yield _sse(chunk(req, model_name, usage_=usage(len(req.prompts[0]), len(out.token_ids))))
-        yield "data: [DONE]\n\n"
+            if req.kind == "chat":
+                yield _sse(chunk(req, model_name, first=True))
+            while (delta := await job.deltas.get()) is not _DONE:
+                yield _sse(chunk(req, model_name, text=delta))
+            try:
+                (out,) = job.future.result()
+            except BaseException as e:
+                yield _sse(api_error(e).body())
+            else:
+                yield _sse(chunk(req, model_name, text=job.text.finish(out.text), finish_reason=out.finish_reason))
+                if req.include_usage:
+                    yield _sse(chunk(req, model_name, usage_=usage(len(req.prompts[0]), len(out.token_ids))))
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client went away and the response stopped iterating
+            job.cancelled = True
 
     async def serve(request: HTTPRequest, parse) -> JSONResponse | StreamingResponse:
         try:
-            req = parse(await _read_json(request))
+            body = await _read_json(request)
+            # tokenizing a long prompt takes a while: not on the loop that serves the others
+            req = await asyncio.get_running_loop().run_in_executor(None, parse, body)
         except APIError as e:
             return error_response(e)
         job = worker().submit(req)
         if req.stream:
             return StreamingResponse(stream(job), media_type="text/event-stream")
+        watcher = asyncio.ensure_future(_watch_disconnect(request, job))
         try:
             outs = await asyncio.wrap_future(job.future)
         except BaseException as e:
             return error_response(api_error(e))
-        return JSONResponse(response(req, model_name, outs))
+        finally:
+            watcher.cancel()
+        return AsciiJSONResponse(response(req, model_name, outs))
 
     async def completions(request: HTTPRequest):
         return await serve(request, lambda body: parse_completion(body, model_name, llm.encode, llm.max_model_len))
@@ -201,12 +271,12 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1) -> S
                                                             llm.max_model_len))
 
     async def models(_):
-        return JSONResponse({"object": "list", "data": [{
+        return AsciiJSONResponse({"object": "list", "data": [{
             "id": model_name, "object": "model", "created": 0, "owned_by": "treeflash",
             "max_model_len": llm.max_model_len}]})
 
     async def health(_):
-        return JSONResponse({"status": "ok"})
+        return AsciiJSONResponse({"status": "ok"})
 
     async def http_error(_, exc: HTTPException):  # unknown paths, wrong methods: OpenAI bodies too
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"

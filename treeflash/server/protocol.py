@@ -5,6 +5,7 @@ becomes an `APIError` with the status and error body OpenAI (and vLLM) use.
 """
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -14,17 +15,42 @@ from treeflash.errors import TreeflashError
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
-# Parameters of the OpenAI API this engine cannot honour: refused, never silently ignored.
+# Parameters (OpenAI's and vLLM's) this engine cannot honour, with the values that ask
+# for nothing: anything else is refused, never silently ignored.
 UNSUPPORTED = {
-    "logprobs": "logprobs are not supported",
-    "top_logprobs": "logprobs are not supported",
-    "echo": "echo is not supported",
-    "suffix": "suffix is not supported",
-    "logit_bias": "logit_bias is not supported",
-    "tools": "tool calls are not supported",
-    "functions": "function calls are not supported",
-    "response_format": "response_format is not supported",
+    "logprobs": ((None, False, 0), "logprobs are not supported"),
+    "top_logprobs": ((None, 0), "logprobs are not supported"),
+    "prompt_logprobs": ((None, 0), "logprobs are not supported"),
+    "echo": ((None, False), "echo is not supported"),
+    "suffix": ((None, ""), "suffix is not supported"),
+    "logit_bias": ((None, {}), "logit_bias is not supported"),
+    "tools": ((None, []), "tool calls are not supported"),
+    "tool_choice": ((None, "none", "auto"), "tool calls are not supported"),
+    "functions": ((None, []), "function calls are not supported"),
+    "response_format": ((None, {"type": "text"}), "response_format is not supported"),
+    "min_p": ((None, 0), "min_p is not supported"),
+    "min_tokens": ((None, 0), "min_tokens is not supported"),
+    "stop_token_ids": ((None, []), "stop_token_ids is not supported (use stop strings)"),
+    "allowed_token_ids": ((None,), "allowed_token_ids is not supported"),
+    "bad_words": ((None, []), "bad_words is not supported"),
+    "include_stop_str_in_output": ((None, False), "include_stop_str_in_output is not supported"),
+    "skip_special_tokens": ((None, True), "skip_special_tokens = false is not supported"),
+    "spaces_between_special_tokens": ((None, True), "spaces_between_special_tokens = false is not supported"),
+    "add_special_tokens": ((None,), "add_special_tokens is not supported"),
+    "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens is not supported"),
+    "use_beam_search": ((None, False), "beam search is not supported"),
+    "guided_json": ((None,), "guided decoding is not supported"),
+    "guided_regex": ((None,), "guided decoding is not supported"),
+    "guided_choice": ((None,), "guided decoding is not supported"),
+    "guided_grammar": ((None,), "guided decoding is not supported"),
+    "structured_outputs": ((None,), "structured outputs are not supported"),
+    "chat_template": ((None,), "a request's own chat_template is not supported"),
+    "chat_template_kwargs": ((None, {}), "chat_template_kwargs is not supported"),
+    "add_generation_prompt": ((None, True), "add_generation_prompt = false is not supported"),
+    "continue_final_message": ((None, False), "continue_final_message is not supported"),
 }
+MAX_STOPS = 64
+MAX_PROMPTS = 1024
 
 
 class APIError(Exception):
@@ -51,24 +77,42 @@ class Request:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+def _short(value) -> str:
+    """repr(value), cut: an error message does not echo a megabyte of input back."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _number(body: dict, key: str, default, kind, lo=None, hi=None, lo_open=False):
+    """body[key] checked (null or absent: the default)."""
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise APIError(f"'{key}' must be {'an integer' if kind is int else 'a number'}, got {value!r}", param=key)
+    if isinstance(value, bool) or not isinstance(value, kind) or (isinstance(value, float) and not math.isfinite(value)):
+        what = "an integer" if kind is int else "a finite number"
+        raise APIError(f"'{key}' must be {what}, got {_short(value)}", param=key)
     if (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi):
         bounds = f"{'>' if lo_open else '>='} {lo}" if hi is None else f"in {'(' if lo_open else '['}{lo}, {hi}]"
-        raise APIError(f"'{key}' must be {bounds}, got {value!r}", param=key)
+        raise APIError(f"'{key}' must be {bounds}, got {_short(value)}", param=key)
+    return value
+
+
+def _flag(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(f"'{key}' must be true or false, got {_short(value)}", param=key)
     return value
 
 
 def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_tokens: int | None) -> SamplingParams:
-    for key, why in UNSUPPORTED.items():
-        if body.get(key) not in (None, False, 0, {}, []):
+    for key, (harmless, why) in UNSUPPORTED.items():
+        if body.get(key) not in harmless:
             raise APIError(why, param=key)
-    if _number(body, "n", 1, int, 1) != 1 or _number(body, "best_of", 1, int, 1) != 1:
-        raise APIError("only n = 1 is supported (send several requests instead)", param="n")
+    for key in ("n", "best_of"):
+        if _number(body, key, 1, int, 1) != 1:
+            raise APIError(f"only {key} = 1 is supported (send several requests instead)", param=key)
     for key in ("presence_penalty", "frequency_penalty"):
         if _number(body, key, 0, (int, float), -2, 2) != 0:
             raise APIError(f"'{key}' is not supported: sampling stays exactly the target model's", param=key)
@@ -77,25 +121,26 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
                        param="repetition_penalty")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     room = max_model_len - max(prompt_lens)
-    max_tokens = _number(body, key, default_tokens or room, int, 1)
-    if max_tokens > room:
+    asked = _number(body, key, None, int, 1)
+    if asked is not None and asked > room:
         raise APIError(f"this model's maximum context length is {max_model_len} tokens; the prompt holds "
-                       f"{max(prompt_lens)} and {key} asks for {max_tokens} more", param=key)
+                       f"{max(prompt_lens)} and {key} asks for {asked} more", param=key)
+    max_tokens = asked if asked is not None else min(default_tokens or room, room)
     top_k = _number(body, "top_k", 0, int, -1)
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
                                                            and all(isinstance(s, str) for s in stop))):
-        raise APIError(f"'stop' must be a string or a list of strings, got {stop!r}", param="stop")
-    stop = [stop] if isinstance(stop, str) else [s for s in stop or [] if s]
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise APIError(f"'ignore_eos' must be true or false, got {ignore_eos!r}", param="ignore_eos")
+        raise APIError(f"'stop' must be a string or a list of strings, got {_short(stop)}", param="stop")
+    stop = [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]  # "" stops nothing
+    if len(stop) > MAX_STOPS:
+        raise APIError(f"at most {MAX_STOPS} stop strings, got {len(stop)}", param="stop")
     params = SamplingParams(
         max_new_tokens=max_tokens,
         temperature=float(_number(body, "temperature", 1.0, (int, float), 0, 2)),
         top_k=0 if top_k == -1 else top_k,
         top_p=float(_number(body, "top_p", 1.0, (int, float), 0, 1, lo_open=True)),
-        seed=_number(body, "seed", None, int, 0, 2 ** 63 - 1), stop=stop, ignore_eos=ignore_eos)
+        seed=_number(body, "seed", None, int, 0, 2 ** 63 - 1), stop=stop,
+        ignore_eos=_flag(body, "ignore_eos", False))
     try:
         return params.validate()
     except TreeflashError as e:
@@ -103,19 +148,23 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise APIError(f"'stream' must be true or false, got {stream!r}", param="stream")
+    stream = _flag(body, "stream", False)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError("'stream_options' must be an object", param="stream_options")
-    return stream, bool(options.get("include_usage", False)) and stream
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise APIError(f"'stream_options.include_usage' must be true or false, got {_short(include_usage)}",
+                       param="stream_options")
+    return stream, bool(include_usage) and stream
 
 
 def check_model(body: dict, served: str) -> None:
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise APIError(f"'model' must be a string, got {_short(model)}", param="model")
     if model is not None and model != served:
-        raise APIError(f"the model '{model}' does not exist (this server serves '{served}')",
+        raise APIError(f"the model {_short(model)} does not exist (this server serves '{served}')",
                        status=404, param="model", code="model_not_found")
 
 
@@ -134,7 +183,9 @@ def parse_completion(body: dict, served: str, encode, max_model_len: int) -> Req
     else:
         raise APIError("'prompt' must be a string, a list of token ids, or a non-empty list of those",
                        param="prompt")
-    ids = [_encode(encode, p) for p in prompts]
+    if len(prompts) > MAX_PROMPTS:
+        raise APIError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
+    ids = [_encode(encode, p, param="prompt") for p in prompts]
     stream, usage = _stream_flags(body)
     if stream and len(ids) > 1:
         raise APIError("streaming takes one prompt per request", param="prompt")
@@ -150,8 +201,8 @@ def parse_chat(body: dict, served: str, template, encode, max_model_len: int) ->
         raise APIError("'messages' must be a non-empty list of messages", param="messages")
     plain = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(f"messages[{i}] must be an object with a 'role'", param="messages")
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
+            raise APIError(f"messages[{i}] must be an object with a non-empty string 'role'", param="messages")
         content = m.get("content")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -168,16 +219,16 @@ def parse_chat(body: dict, served: str, template, encode, max_model_len: int) ->
         text = template.render(plain)
     except TreeflashError as e:
         raise APIError(f"the chat template refused the messages: {e}", param="messages") from None
-    ids = [_encode(encode, text, special=False)]
+    ids = [_encode(encode, text, param="messages", special=False)]
     stream, usage = _stream_flags(body)
     return Request("chat", ids, _sampling(body, [len(ids[0])], max_model_len, None), stream, usage)
 
 
-def _encode(encode, prompt, **kw) -> list[int]:
+def _encode(encode, prompt, param: str, **kw) -> list[int]:
     try:
         return encode(prompt, **kw)
     except TreeflashError as e:
-        raise APIError(str(e), param="prompt") from None
+        raise APIError(str(e), param=param) from None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
