@@ -428,3 +428,4 @@ def test_serving_on_the_gpu_with_cuda_graphs():
             assert got["choices"][0]["text"] == want
             assert "".join(e["choices"][0]["text"] for e in streamed[:-1]) == want
     assert gpu.graph_captures > 0
+    test_the_engine_goes_on_after_a_cancelled_generation(gpu)  # a graph round left in flight, then exact
