@@ -98,6 +98,9 @@ class Job:
 
 
 class EngineWorker:
+    """The thread that owns the `LLM`: takes queued jobs oldest first, up to max_batch
+    prompts per `generate` call, and settles each job's future."""
+
     def __init__(self, llm, max_batch: int = 1):
         self.llm, self.max_batch = llm, max_batch
         self.jobs: queue.Queue = queue.Queue()
