@@ -335,23 +335,42 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def test_treeflash_serve_answers_concurrent_clients(llm):
-    """The real command: uvicorn on a port, requests from several threads at once
-    (batched by --max-batch), each answered as generate answers it alone."""
+def _serve(*args):
+    """`treeflash serve` on a free port of this machine (CPU, float32), once it answers."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "treeflash", "serve", "--port", str(port), "--device", "cpu",
-                             "--dtype", "float32", "--max-batch", "2"], env=env,
+                             "--dtype", "float32", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
+    for _ in range(1200):
+        try:
+            urllib.request.urlopen(base + "/health", timeout=1)
+            return proc, port, base, env
+        except (urllib.error.URLError, ConnectionError):
+            if proc.poll() is not None:
+                pytest.fail(proc.stderr.read())
+            time.sleep(0.1)
+    proc.kill()
+    pytest.fail("treeflash serve did not start")
+
+
+def test_treeflash_serve_with_tensor_parallelism(llm):
+    """--tp 2 (gloo on CPU): the worker thread drives the tensor-parallel processes."""
+    proc, _, base, _ = _serve("--tp", "2")
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(base + "/health", timeout=1)
-                break
-            except (urllib.error.URLError, ConnectionError):
-                assert proc.poll() is None, proc.stderr.read()
-                time.sleep(0.1)
+        got = _post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 16, "temperature": 0})
+        assert got["choices"][0]["text"] == llm.generate(PROMPT, SamplingParams(max_new_tokens=16))[0].text
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_treeflash_serve_answers_concurrent_clients(llm):
+    """The real command: uvicorn on a port, requests from several threads at once
+    (batched by --max-batch), each answered as generate answers it alone."""
+    proc, port, base, env = _serve("--max-batch", "2")
+    try:
         prompts = [PROMPT, "import os\n", "class Point:"]
         want = [o.text for o in llm.generate(prompts, SamplingParams(max_new_tokens=16))]
         got = [None] * len(prompts)
@@ -402,8 +421,7 @@ def test_chat_template_sources_and_failures(tmp_path, llm):
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(llm.encode("x", special=False))
 
 
-@pytest.mark.parametrize("args,words", [(["--max-batch", "0"], "--max-batch"), (["--port", "0"], "--port"),
-                                         (["--tp", "2"], "--tp 1")])
+@pytest.mark.parametrize("args,words", [(["--max-batch", "0"], "--max-batch"), (["--port", "0"], "--port")])
 def test_serve_refuses_bad_options_in_one_line(capsys, args, words):
     from treeflash.cli import main
     assert main(["serve", *args]) == 2

@@ -48,8 +48,6 @@ def cmd_serve(args) -> int:
     from treeflash.engine.llm import builtin_paths
     if args.max_batch < 1:
         raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
-    if args.tp > 1:
-        raise UsageError("treeflash serve runs on one device for now (--tp 1)")
     _check_listen(args.host, args.port)
     folder = Path(args.model) if args.model else builtin_paths()[0]
     template = ChatTemplate.from_folder(folder)  # a broken template fails here, before the load
