@@ -186,11 +186,11 @@ def parse_completion(body: dict, served: str, encode, max_model_len: int) -> Req
     if len(prompts) > MAX_PROMPTS:
         raise APIError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
     ids = [_encode(encode, p, param="prompt") for p in prompts]
-    stream, usage = _stream_flags(body)
+    stream, include_usage = _stream_flags(body)
     if stream and len(ids) > 1:
         raise APIError("streaming takes one prompt per request", param="prompt")
     params = _sampling(body, [len(i) for i in ids], max_model_len, DEFAULT_COMPLETION_TOKENS)
-    return Request("completion", ids, params, stream, usage)
+    return Request("completion", ids, params, stream, include_usage)
 
 
 def parse_chat(body: dict, served: str, template, encode, max_model_len: int) -> Request:
@@ -220,8 +220,8 @@ def parse_chat(body: dict, served: str, template, encode, max_model_len: int) ->
     except TreeflashError as e:
         raise APIError(f"the chat template refused the messages: {e}", param="messages") from None
     ids = [_encode(encode, text, param="messages", special=False)]
-    stream, usage = _stream_flags(body)
-    return Request("chat", ids, _sampling(body, [len(ids[0])], max_model_len, None), stream, usage)
+    stream, include_usage = _stream_flags(body)
+    return Request("chat", ids, _sampling(body, [len(ids[0])], max_model_len, None), stream, include_usage)
 
 
 def _encode(encode, prompt, param: str, **kw) -> list[int]:
