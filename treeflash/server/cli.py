@@ -35,6 +35,15 @@ def _check_listen(host: str, port: int) -> None:
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
+def warm_up(llm) -> None:
+    """Compile the kernels and capture the rounds' CUDA graphs (greedy and sampled) before
+    the first client comes, not during its request (a cold Triton cache is many seconds)."""
+    from treeflash import SamplingParams
+    prompt = [llm.eos_token_ids[0] if llm.eos_token_ids else 0]
+    for temperature in (0.0, 1.0):
+        llm.generate(prompt, SamplingParams(max_new_tokens=2, temperature=temperature, seed=0, ignore_eos=True))
+
+
 def cmd_serve(args) -> int:
     try:
         import uvicorn
@@ -53,6 +62,7 @@ def cmd_serve(args) -> int:
     template = ChatTemplate.from_folder(folder)  # a broken template fails here, before the load
     name = args.served_model_name or (folder.name if args.model else "treeflash-builtin")
     llm = make_llm(args)
+    warm_up(llm)
     print(f"treeflash: serving '{name}' ({llm.method}) on http://{args.host}:{args.port}/v1"
           f"{'' if template else ' (no chat template: /v1/completions only)'}", file=sys.stderr, flush=True)
     uvicorn.run(build_app(llm, name, template, args.max_batch), host=args.host, port=args.port,
