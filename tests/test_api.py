@@ -75,6 +75,19 @@ def test_one_sampling_params_per_prompt(llm):
         llm.generate(ENGINE_PROMPTS, params[:2])
 
 
+def test_on_tokens_can_end_one_request_and_on_done_reports_each(llm):
+    """A streaming consumer can end request 1 (its client left): it finishes "abort"
+    and the others give exactly their tokens; on_done sees every output as it finishes."""
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    want = llm.generate(ENGINE_PROMPTS, params)
+    done = {}
+    outs = llm.generate(ENGINE_PROMPTS, params, on_tokens=lambda i, ids: i == 1,
+                        on_done=lambda i, out: done.setdefault(i, out))
+    assert outs[1].finish_reason == "abort" and len(outs[1].token_ids) < 12
+    assert [outs[0].token_ids, outs[2].token_ids] == [want[0].token_ids, want[2].token_ids]
+    assert all(done[i] is out for i, out in enumerate(outs))
+
+
 def test_a_top_k_past_the_vocabulary_keeps_every_token(llm):
     """top_k >= vocabulary = no top-k at all, also for integers past 64 bits."""
     plain = SamplingParams(max_new_tokens=6, temperature=1.0, seed=2, ignore_eos=True)

@@ -231,23 +231,31 @@ def test_an_engine_failure_fails_that_request_only(client, llm, monkeypatch):
 
 
 class FakeLLM:
-    """generate() echoes each prompt's first id as its text, raises for prompt [666],
-    and feeds tokens one by one (so that cancelling can be seen); calls are recorded."""
+    """LLM.generate's protocol without a model: each prompt's text is its first id, one
+    token per step until max_new_tokens (or until on_tokens says stop: "abort"), on_done
+    as each finishes; prompt [666] makes the call fail. Calls are recorded, and the
+    first waits for `gate`."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.calls, self.gate = tokenizer, [], threading.Event()
 
-    def generate(self, prompts, params, on_tokens=None):
+    def generate(self, prompts, params, on_tokens=None, on_done=None):
         from treeflash import GenerationOutput
         self.calls.append([p[0] for p in prompts])
         self.gate.wait(30)
         if [666] in prompts:
             raise RuntimeError("poisoned")
-        for step in range(params[0].max_new_tokens):
-            for k in range(len(prompts)):
-                on_tokens(k, [7])
-            time.sleep(0.001)
-        return [GenerationOutput(str(p[0]), [7] * params[0].max_new_tokens, "length") for p in prompts]
+        outs, n = [None] * len(prompts), [0] * len(prompts)
+        while None in outs:
+            for k, p in enumerate(prompts):
+                if outs[k] is None:
+                    n[k] += 1
+                    abort = on_tokens(k, [7]) is True
+                    if abort or n[k] == params[k].max_new_tokens:
+                        outs[k] = GenerationOutput(str(p[0]), [7] * n[k], "abort" if abort else "length")
+                        on_done(k, outs[k])
+            time.sleep(0.002)
+        return outs
 
 
 def _job(tokenizer, *prompts, tokens=2):
@@ -257,40 +265,89 @@ def _job(tokenizer, *prompts, tokens=2):
                tokenizer)
 
 
-def test_worker_batches_isolates_failures_and_drops_gone_clients(llm):
-    from treeflash.server.app import Cancelled, EngineWorker
+def _wait(condition, timeout=30.0):
+    end = time.time() + timeout
+    while not condition():
+        assert time.time() < end, "timed out"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def fake_worker(llm):
+    from treeflash.server.app import EngineWorker
     fake = FakeLLM(llm.tokenizer)
     worker = EngineWorker(fake, max_batch=4)
-    try:
-        plug = _job(llm.tokenizer, [1])
-        worker.jobs.put(plug)
-        while not fake.calls:  # the worker is inside generate, held by the gate
-            time.sleep(0.01)
-        ok, poison, gone, pair = (_job(llm.tokenizer, [2]), _job(llm.tokenizer, [666]), _job(llm.tokenizer, [3]),
-                                  _job(llm.tokenizer, [4], [5]))
-        gone.cancelled = True  # its client left while it was queued
-        for job in (ok, poison, gone, pair):
-            worker.jobs.put(job)
-        fake.gate.set()
-        assert [o.text for o in plug.future.result(30)] == ["1"]
-        assert [o.text for o in ok.future.result(30)] == ["2"]
-        assert [o.text for o in pair.future.result(30)] == ["4", "5"]
-        with pytest.raises(RuntimeError, match="poisoned"):
-            poison.future.result(30)
-        with pytest.raises(Cancelled):
-            gone.future.result(30)
-        # one batch of 4 prompts failed; each job then ran alone (the cancelled one never)
-        assert fake.calls == [[1], [2, 666, 4, 5], [2], [666], [4, 5]]
-        # a long request whose client goes away stops early
-        long = _job(llm.tokenizer, [9], tokens=5000)
-        worker.jobs.put(long)
-        while not long.started:
-            time.sleep(0.01)
-        long.cancelled = True
-        with pytest.raises(Cancelled):
-            long.future.result(30)
-    finally:
-        worker.stop()
+    yield fake, worker, lambda *prompts, tokens=2: _job(llm.tokenizer, *prompts, tokens=tokens)
+    worker.stop()
+
+
+def test_worker_batches_isolates_failures_and_drops_gone_clients(fake_worker):
+    from treeflash.server.app import Cancelled
+    fake, worker, job = fake_worker
+    plug = job([1])
+    worker.jobs.put(plug)
+    _wait(lambda: fake.calls)  # the worker is inside generate, held by the gate
+    ok, poison, gone, pair = job([2]), job([666]), job([3]), job([4], [5])
+    gone.cancel()  # its client left while it was queued
+    for j in (ok, poison, gone, pair):
+        worker.jobs.put(j)
+    fake.gate.set()
+    assert [o.text for o in plug.future.result(30)] == ["1"]
+    assert [o.text for o in ok.future.result(30)] == ["2"]
+    assert [o.text for o in pair.future.result(30)] == ["4", "5"]
+    with pytest.raises(RuntimeError, match="poisoned"):
+        poison.future.result(30)
+    with pytest.raises(Cancelled):
+        gone.future.result(30)
+    # one batch of 4 prompts failed; each job then ran alone (the cancelled one never)
+    assert fake.calls == [[1], [2, 666, 4, 5], [2], [666], [4, 5]]
+
+
+def test_a_gone_client_ends_only_its_request(fake_worker):
+    """In a batch, a short request is answered when its own tokens are done, and a long
+    one whose client left stops at its next step; a failing part of a batch fails only
+    its own request."""
+    from treeflash.server.app import Cancelled
+    fake, worker, job = fake_worker
+    fake.gate.set()
+    short, long = job([1], tokens=3), job([2], tokens=100000)
+    worker.jobs.put(short)
+    worker.jobs.put(long)  # may or may not join short's batch: both ways must work
+    assert short.future.result(30)[0].token_ids == [7] * 3
+    _wait(lambda: long.started)
+    assert not long.future.done()
+    long.cancel()
+    with pytest.raises(Cancelled):
+        long.future.result(30)
+    # max_batch 4 prompts a call: [a, b0, b1, b2] then [b3 (poison)]
+    a, b = job([3]), job([4], [5], [6], [666])
+    fake.gate.clear()
+    worker.jobs.put(a)
+    worker.jobs.put(b)
+    fake.gate.set()
+    assert [o.text for o in a.future.result(30)] == ["3"]
+    with pytest.raises(RuntimeError, match="poisoned"):
+        b.future.result(30)
+
+
+def test_stopping_the_worker_ends_running_and_queued_requests(fake_worker):
+    """Shutting down: the running request ends at its next step and the queued ones never
+    start, all answered "shutting down" (503); the thread is gone when stop returns."""
+    fake, worker, job = fake_worker
+    fake.gate.set()
+    running = job([1], tokens=100000)
+    worker.jobs.put(running)
+    _wait(lambda: running.started)
+    queued = [job([2]) for _ in range(3)]
+    for j in queued:
+        worker.jobs.put(j)
+    worker.stop(timeout=10)
+    assert not worker.thread.is_alive()
+    for j in [running, *queued]:
+        with pytest.raises(Exception, match="shutting down") as e:
+            j.future.result(0)
+        assert e.value.status == 503
+    assert fake.calls == [[1]]
 
 
 def test_the_engine_goes_on_after_a_cancelled_generation(llm):
@@ -304,7 +361,7 @@ def test_the_engine_goes_on_after_a_cancelled_generation(llm):
         worker.jobs.put(gone)
         while not gone.started:
             time.sleep(0.005)
-        gone.cancelled = True
+        gone.cancel()
         with pytest.raises(Cancelled):
             gone.future.result(60)
         after = _job(llm.tokenizer, ids, tokens=30)
@@ -447,3 +504,41 @@ def test_serving_on_the_gpu_with_cuda_graphs():
             assert "".join(e["choices"][0]["text"] for e in streamed[:-1]) == want
     assert gpu.graph_captures > 0
     test_the_engine_goes_on_after_a_cancelled_generation(gpu)  # a graph round left in flight, then exact
+
+
+def test_treeflash_serve_shuts_down_promptly():
+    """SIGTERM with requests running and queued: they are answered "shutting down" (a
+    streamed one gets it as its last event) within a round, and the server exits without a
+    traceback, long before the requests' max_tokens."""
+    import signal
+    proc, _, base, _ = _serve()
+    got = {}
+
+    def ask(name, stream):
+        body = {"prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "temperature": 0, "stream": stream}
+        req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode())
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                got[name] = r.read().decode()
+        except urllib.error.HTTPError as e:
+            got[name] = (e.code, json.loads(e.read())["error"]["message"])
+
+    threads = [threading.Thread(target=ask, args=(name, name == "streamed")) for name in ("streamed", "queued")]
+    try:
+        threads[0].start()
+        time.sleep(1.0)
+        threads[1].start()
+        time.sleep(0.5)
+        start = time.time()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+        assert time.time() - start < 10
+        for t in threads:
+            t.join(20)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert got["queued"] == (503, "the server is shutting down")
+    last = [line for line in got["streamed"].splitlines() if line.startswith("data: ")][-2:]
+    assert json.loads(last[0][6:])["error"]["message"] == "the server is shutting down" and last[1] == "data: [DONE]"
+    assert "Traceback" not in proc.stderr.read()

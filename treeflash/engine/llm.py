@@ -31,7 +31,7 @@ BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
 class GenerationOutput:
     text: str
     token_ids: list[int]
-    finish_reason: str           # "stop" (EOS or stop string) or "length"
+    finish_reason: str           # "stop" (EOS or stop string), "length", or "abort" (ended by on_tokens)
     stats: dict = field(default_factory=dict)
 
 
@@ -280,10 +280,13 @@ class LLM:
         return ids
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 on_tokens=None) -> list[GenerationOutput]:
+                 on_tokens=None, on_done=None) -> list[GenerationOutput]:
         """Generate for a batch of prompts (strings or token-id lists).
 
-        `on_tokens(i, new_ids)` is called as request i commits tokens (for streaming).
+        `on_tokens(i, new_ids)` is called as request i commits tokens (for streaming); if
+        it returns True, request i ends there (finish_reason "abort": say, its client went
+        away) and the others go on. `on_done(i, output)` is called as soon as request i
+        has finished, with the output `generate` returns for it at the end.
         Rounds are pipelined: the host reads and processes round r-1's tokens while
         round r runs on the device (see `_step`, `RoundPipeline`), with tensor
         parallelism too (every rank runs ahead alike).
@@ -325,7 +328,7 @@ class LLM:
         outs = [[] for _ in ids]
         rounds = [1] * len(ids)
         done = [False] * len(ids)
-        reasons = ["length"] * len(ids)
+        results: list[GenerationOutput | None] = [None] * len(ids)
         new = [[t] for t in first]
         counts = [1] * len(ids)
         committed = [len(i) for i in ids]  # n on the device after the rounds read so far
@@ -343,10 +346,13 @@ class LLM:
                 stop = self._accept(new[b][:counts[b]], outs[b], params[b], limits[b])
                 if params[b].stop and self._cut_at_stop_string(outs[b], before, params[b].stop):
                     stop = "stop"
-                if on_tokens is not None and len(outs[b]) > before:
-                    on_tokens(b, outs[b][before:])
+                if on_tokens is not None and len(outs[b]) > before and on_tokens(b, outs[b][before:]) is True:
+                    stop = stop or "abort"
                 if stop:
-                    done[b], reasons[b] = True, stop
+                    done[b] = True
+                    results[b] = self._output(outs[b], stop, params[b], rounds[b], time.perf_counter() - start)
+                    if on_done is not None:
+                        on_done(b, results[b])
             if all(done):
                 break
             active = [not d for d in done]
@@ -363,22 +369,23 @@ class LLM:
             for b in range(len(ids)):
                 committed[b] += counts[b]
                 rounds[b] += not done[b]  # a round whose tokens b uses (done: ignored)
-        seconds = time.perf_counter() - start
         if not self.cuda_graphs and self.tp_size == 1:
             self._run = None  # free the caches (graphed states are kept for the next call)
-        results = []
-        for b in range(len(ids)):
-            text = self.tokenizer.decode(outs[b])
-            hits = [text.find(x) for x in params[b].stop if x in text]
-            text = text[:min(hits)] if hits else text
-            n = len(outs[b])
-            results.append(GenerationOutput(text, outs[b], reasons[b], {
-                "method": self.method, "new_tokens": n, "rounds": rounds[b],
-                "tau": round(n / rounds[b], 4), "seconds": round(seconds, 4),
-                "tokens_per_s": round(n / seconds, 2) if seconds > 0 else None,
-                **({"nodes_per_round": dec.budget} if self.method == "ddtree" else {}),
-            }))
         return results
+
+    def _output(self, ids: list[int], reason: str, p: SamplingParams, rounds: int, seconds: float) -> GenerationOutput:
+        """A finished request's output: text cut at the first stop string, and its stats
+        (seconds from the batch's start to this request's last token)."""
+        text = self.tokenizer.decode(ids)
+        hits = [text.find(x) for x in p.stop if x in text]
+        text = text[:min(hits)] if hits else text
+        n = len(ids)
+        return GenerationOutput(text, ids, reason, {
+            "method": self.method, "new_tokens": n, "rounds": rounds,
+            "tau": round(n / rounds, 4), "seconds": round(seconds, 4),
+            "tokens_per_s": round(n / seconds, 2) if seconds > 0 else None,
+            **({"nodes_per_round": self.decoder.budget} if self.method == "ddtree" else {}),
+        })
 
     def _start(self, batch: int, max_len: int, params: list[SamplingParams], prompts: list[list[int]]):
         """On every rank: a batch state (or the captured graph's) and the prefill.

@@ -15,7 +15,7 @@ import json
 import logging
 import queue
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -33,7 +33,10 @@ log = logging.getLogger("treeflash.server")
 
 
 class Cancelled(Exception):
-    """Every request of the running batch has lost its client: generation stops."""
+    """The request's client went away: its generation was stopped, or never started."""
+
+
+SHUTTING_DOWN = APIError("the server is shutting down", status=503, type="server_error")
 
 
 class AsciiJSONResponse(JSONResponse):
@@ -74,36 +77,60 @@ class Job:
 
     def __init__(self, req: Request, loop: asyncio.AbstractEventLoop, tokenizer):
         self.req, self.loop = req, loop
-        self.cancelled = False  # set by the event loop when the client goes away
+        self.cancelled = False  # its client went away (or the server stops): end it, failing with
+        self.error: BaseException | None = None  # this
         self.started = False    # tokens have been handed to it (a retry would repeat them)
+        self.outputs = [None] * len(req.prompts)
         self.future: Future = Future()
         self.deltas: asyncio.Queue | None = asyncio.Queue() if req.stream else None
         self.text = TextStream(tokenizer, req.params.stop) if req.stream else None
 
-    def on_tokens(self, ids: list[int]) -> None:  # worker thread
+    def cancel(self, error: BaseException | None = None) -> None:
+        """End this request at its next round (any thread), answering `error`."""
+        self.error = error or Cancelled()
+        self.cancelled = True
+
+    def on_tokens(self, ids: list[int]) -> bool:  # worker thread
+        """Take new tokens; True ends this request's generation (its client is gone)."""
         self.started = True
         delta = self.text.push(ids) if self.text else ""
         if delta:
-            self.loop.call_soon_threadsafe(self.deltas.put_nowait, delta)
+            self._to_loop(delta)
+        return self.cancelled
+
+    def _to_loop(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.deltas.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: the server is gone, and its client
+            self.cancel()
+
+    def on_done(self, i: int, output) -> None:  # worker thread
+        self.outputs[i] = output
+        if all(o is not None for o in self.outputs):
+            self.settle(error=self.error) if self.cancelled else self.settle(self.outputs)
 
     def settle(self, outputs=None, error: BaseException | None = None) -> None:  # worker thread
-        if self.future.done():
+        try:
+            if error is None:
+                self.future.set_result(outputs)
+            else:
+                self.future.set_exception(error)
+        except InvalidStateError:  # settled already, or its waiter cancelled it
             return
-        if error is None:
-            self.future.set_result(outputs)
-        else:
-            self.future.set_exception(error)
         if self.deltas is not None:
-            self.loop.call_soon_threadsafe(self.deltas.put_nowait, _DONE)
+            self._to_loop(_DONE)
 
 
 class EngineWorker:
     """The thread that owns the `LLM`: takes queued jobs oldest first, up to max_batch
-    prompts per `generate` call, and settles each job's future."""
+    prompts per `generate` call, and settles each job's future as soon as its prompts
+    are done."""
 
     def __init__(self, llm, max_batch: int = 1):
         self.llm, self.max_batch = llm, max_batch
         self.jobs: queue.Queue = queue.Queue()
+        self.running: list[Job] = []
+        self.stopping = False
         self.thread = threading.Thread(target=self._serve, name="treeflash-engine", daemon=True)
         self.thread.start()
 
@@ -112,8 +139,20 @@ class EngineWorker:
         self.jobs.put(job)
         return job
 
-    def stop(self) -> None:
+    def drain(self) -> None:
+        """Shutting down (any thread): fail the queued jobs and end the running ones at
+        their next round, all answered 503."""
+        self.stopping = True
+        for job in list(self.running):
+            job.cancel(SHUTTING_DOWN)
+        self._fail_queued()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Drain, then wait for the thread: the process must not exit while it is inside
+        the engine (a thread in torch at exit aborts the process)."""
+        self.drain()
         self.jobs.put(None)
+        self.thread.join(timeout)
 
     def _next_batch(self) -> list[Job] | None:
         """The oldest live job and, up to max_batch prompts, those queued behind it
@@ -125,49 +164,57 @@ class EngineWorker:
             except queue.Empty:
                 break
             if job is None:
-                if batch:
-                    self.jobs.put(None)  # stop after this batch
-                    break
-                return None
-            if job.cancelled:
-                job.settle(error=Cancelled())
+                if self.stopping:
+                    self._fail_queued()
+                    for job in batch:
+                        job.settle(error=SHUTTING_DOWN)
+                    return None
+                continue
+            if job.cancelled or self.stopping:
+                job.settle(error=job.error if job.cancelled else SHUTTING_DOWN)
                 continue
             batch.append(job)
             prompts += len(job.req.prompts)
         return batch
 
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.settle(error=SHUTTING_DOWN)
+
     def _serve(self) -> None:
         while (batch := self._next_batch()) is not None:
+            self.running = batch
             self._run(batch)
+            self.running = []
 
     def _run(self, batch: list[Job]) -> None:
-        """Generate for `batch`, max_batch prompts at a time. If that fails, each job that
-        has not received tokens yet runs again alone, so that a failure is its own request's."""
+        """Generate for `batch`, max_batch prompts at a time (a request whose client left
+        ends at its next round; the others go on). If that fails, each job that has not
+        received tokens yet runs again alone, so that a failure is its own request's."""
         owners = [(job, i) for job in batch for i in range(len(job.req.prompts))]
-        outs = []
         try:
             for start in range(0, len(owners), self.max_batch):
-                part = owners[start:start + self.max_batch]
-
-                def on_tokens(k, ids, part=part):
-                    if all(job.cancelled for job in batch):
-                        raise Cancelled()
-                    part[k][0].on_tokens(ids)
-
-                outs += self.llm.generate([job.req.prompts[i] for job, i in part],
-                                          [job.req.params for job, _ in part], on_tokens=on_tokens)
+                part = [(job, i) for job, i in owners[start:start + self.max_batch] if not job.cancelled]
+                if part:
+                    self.llm.generate([job.req.prompts[i] for job, i in part], [job.req.params for job, _ in part],
+                                      on_tokens=lambda k, ids, part=part: part[k][0].on_tokens(ids),
+                                      on_done=lambda k, out, part=part: part[k][0].on_done(part[k][1], out))
         except BaseException as e:
-            if not isinstance(e, Cancelled):
-                log.error("generation failed", exc_info=e)
-            retry = [job for job in batch if not job.started] if len(batch) > 1 and not isinstance(e, Cancelled) else []
+            log.error("generation failed", exc_info=e)
+            retry = len(batch) > 1
             for job in batch:
-                if job in retry:
+                if retry and not (job.started or job.cancelled or job.future.done()):
                     self._run([job])
                 else:
-                    job.settle(error=e)
+                    job.settle(error=job.error if job.cancelled else e)
             return
-        for job in batch:
-            job.settle([out for out, (owner, _) in zip(outs, owners) if owner is job])
+        for job in batch:  # those whose prompts were skipped: cancelled before their turn
+            job.settle(error=job.error)
 
 
 def api_error(e: BaseException) -> APIError:
@@ -175,7 +222,7 @@ def api_error(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, Cancelled):
-        return APIError("the request was cancelled: its client went away", status=499)
+        return APIError("the request was cancelled: its client went away", status=499, type="server_error")
     if isinstance(e, TreeflashError):
         return APIError(str(e))
     if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
@@ -216,7 +263,7 @@ async def _watch_disconnect(request: HTTPRequest, job: Job) -> None:
     the next ASGI message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    job.cancelled = True
+    job.cancel()
 
 
 def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1) -> Starlette:
@@ -244,8 +291,10 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1) -> S
                 if req.include_usage:
                     yield _sse(chunk(req, model_name, usage_=usage(len(req.prompts[0]), len(out.token_ids))))
             yield "data: [DONE]\n\n"
-        finally:  # also when the client went away and the response stopped iterating
-            job.cancelled = True
+        except asyncio.CancelledError:  # the client went away, or the server is shutting down
+            pass
+        finally:  # also when the response stopped iterating
+            job.cancel()
 
     async def serve(request: HTTPRequest, parse) -> JSONResponse | StreamingResponse:
         try:
@@ -260,7 +309,10 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1) -> S
         watcher = asyncio.ensure_future(_watch_disconnect(request, job))
         try:
             outs = await asyncio.wrap_future(job.future)
-        except BaseException as e:
+        except asyncio.CancelledError:  # the server is shutting down and stops this request's task
+            job.cancel(SHUTTING_DOWN)
+            return error_response(SHUTTING_DOWN)
+        except Exception as e:
             return error_response(api_error(e))
         finally:
             watcher.cancel()
@@ -288,14 +340,25 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1) -> S
     async def internal_error(_, exc: Exception):
         return error_response(api_error(exc))
 
+    def shutdown() -> None:
+        if "worker" in state:
+            state.pop("worker").stop()
+
+    def drain() -> None:
+        if "worker" in state:
+            state["worker"].drain()
+
     @contextlib.asynccontextmanager
     async def lifespan(_):
         worker()
         yield
-        state.pop("worker").stop()
+        shutdown()
 
     routes = [Route("/health", health), Route("/v1/models", models),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat, methods=["POST"])]
-    return Starlette(routes=routes, lifespan=lifespan,
-                     exception_handlers={HTTPException: http_error, Exception: internal_error})
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: http_error, Exception: internal_error})
+    app.state.shutdown = shutdown  # for a server that ends without its lifespan's end (a forced exit)
+    app.state.drain = drain        # for the signal that starts a shutdown
+    return app

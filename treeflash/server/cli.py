@@ -65,6 +65,16 @@ def cmd_serve(args) -> int:
     warm_up(llm)
     print(f"treeflash: serving '{name}' ({llm.method}) on http://{args.host}:{args.port}/v1"
           f"{'' if template else ' (no chat template: /v1/completions only)'}", file=sys.stderr, flush=True)
-    uvicorn.run(build_app(llm, name, template, args.max_batch), host=args.host, port=args.port,
-                log_level="warning")
+    app = build_app(llm, name, template, args.max_batch)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGTERM / Ctrl-C: running and queued requests end now (503)
+            app.state.drain()
+            super().handle_exit(sig, frame)
+
+    try:
+        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                              timeout_graceful_shutdown=5)).run()
+    finally:
+        app.state.shutdown()
     return 0
