@@ -445,6 +445,15 @@ def test_treeflash_serve_answers_concurrent_clients(llm):
         with pytest.raises(urllib.error.HTTPError) as e:
             _post(base + "/v1/completions", {"prompt": "x", "temperature": -1})
         assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "temperature"
+        # clients that give up on long requests: theirs end, and the next client is not kept waiting
+        for _ in range(2):
+            req = urllib.request.Request(base + "/v1/completions", json.dumps(
+                {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True}).encode())
+            with pytest.raises(OSError):  # a timeout
+                urllib.request.urlopen(req, timeout=0.3)
+        start = time.time()
+        assert _post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})["usage"]["completion_tokens"] == 4
+        assert time.time() - start < 5  # two 1000-token requests would take far longer on this CPU
         # a second server on the same port: one line before loading anything, exit 2
         second = subprocess.run([sys.executable, "-m", "treeflash", "serve", "--port", str(port)],
                                 capture_output=True, text=True, timeout=60, env=env)
