@@ -77,18 +77,21 @@ class Job:
 
     def __init__(self, req: Request, loop: asyncio.AbstractEventLoop, tokenizer):
         self.req, self.loop = req, loop
-        self.cancelled = False  # its client went away (or the server stops): end it, failing with
-        self.error: BaseException | None = None  # this
+        self.error: BaseException | None = None  # set when cancelled: what the request is answered
         self.started = False    # tokens have been handed to it (a retry would repeat them)
         self.outputs = [None] * len(req.prompts)
         self.future: Future = Future()
         self.deltas: asyncio.Queue | None = asyncio.Queue() if req.stream else None
         self.text = TextStream(tokenizer, req.params.stop) if req.stream else None
 
+    @property
+    def cancelled(self) -> bool:
+        """Its client went away (or the server stops): end it."""
+        return self.error is not None
+
     def cancel(self, error: BaseException | None = None) -> None:
         """End this request at its next round (any thread), answering `error`."""
         self.error = error or Cancelled()
-        self.cancelled = True
 
     def on_tokens(self, ids: list[int]) -> bool:  # worker thread
         """Take new tokens; True ends this request's generation (its client is gone)."""
@@ -107,7 +110,10 @@ class Job:
     def on_done(self, i: int, output) -> None:  # worker thread
         self.outputs[i] = output
         if all(o is not None for o in self.outputs):
-            self.settle(error=self.error) if self.cancelled else self.settle(self.outputs)
+            if self.cancelled:
+                self.settle(error=self.error)
+            else:
+                self.settle(self.outputs)
 
     def settle(self, outputs=None, error: BaseException | None = None) -> None:  # worker thread
         try:
