@@ -28,8 +28,9 @@ from starlette.testclient import TestClient  # noqa: E402
 
 from treeflash import LLM, SamplingParams  # noqa: E402
 from treeflash.engine.llm import builtin_paths  # noqa: E402
-from treeflash.server.app import TextStream, build_app  # noqa: E402
+from treeflash.server.app import build_app  # noqa: E402
 from treeflash.server.chat import ChatTemplate  # noqa: E402
+from treeflash.tokenizer import TextStream  # noqa: E402
 
 PROMPT = "def fib(n):"
 TEMPLATE = ("{% for m in messages %}### {{ m.role }}:\n{{ m.content }}\n{% endfor %}"

@@ -88,6 +88,7 @@ def sampling_from(args):
 
 
 def cmd_generate(args) -> int:
+    from treeflash.tokenizer import TextStream
     prompts = read_prompts(args)
     params = sampling_from(args)
     llm = make_llm(args)
@@ -97,20 +98,16 @@ def cmd_generate(args) -> int:
                               "finish_reason": out.finish_reason, "stats": out.stats}), flush=True)
         return 0
     stream = len(prompts) == 1 and not params.stop
-    shown = {"ids": [], "text": ""}
+    shown = TextStream(llm.tokenizer)
 
     def on_tokens(_, ids):
-        shown["ids"] += ids
-        text = llm.tokenizer.decode(shown["ids"])
-        if not text.endswith("\ufffd"):  # wait for a whole UTF-8 character
-            sys.stdout.write(text[len(shown["text"]):])
-            sys.stdout.flush()
-            shown["text"] = text
+        sys.stdout.write(shown.push(ids))
+        sys.stdout.flush()
 
     outs = llm.generate(prompts, params, on_tokens=on_tokens if stream else None)
     for i, out in enumerate(outs):
         if stream:
-            sys.stdout.write(out.text[len(shown["text"]):] + "\n")
+            sys.stdout.write(shown.finish(out.text) + "\n")
         else:
             print(("\n" if i else "") + out.text)
         s = out.stats

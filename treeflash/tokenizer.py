@@ -68,3 +68,36 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+
+class TextStream:
+    """Committed tokens as text deltas that are final: never half a UTF-8 character,
+    never text that a stop string may still cut off. Decoding is incremental (a window
+    of the last tokens, as the text's start depends on where decoding starts), so a
+    long output is not decoded again at every round."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] = ()):
+        self.tokenizer, self.stop = tokenizer, list(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.prefix = self.read = 0  # ids[prefix:read] decode to the end of self.text
+        self.text = ""               # the text of ids[:read]
+        self.sent = 0                # characters handed out
+
+    def push(self, ids: list[int]) -> str:
+        self.ids += ids
+        window = self.tokenizer.decode(self.ids[self.prefix:])
+        known = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        if len(window) > len(known) and not window.endswith("\ufffd"):  # a whole character more
+            self.text += window[len(known):]
+            self.prefix, self.read = self.read, len(self.ids)
+        # a stop string can only start at or after `sent` (text before it was checked)
+        hits = [h for h in (self.text.find(s, self.sent) for s in self.stop) if h >= 0]
+        end = min(hits) if hits else len(self.text) - self.hold
+        delta = self.text[self.sent:end] if end > self.sent else ""
+        self.sent += len(delta)
+        return delta
+
+    def finish(self, text: str) -> str:
+        """The rest of the final text (the engine's, stop strings cut)."""
+        return text[self.sent:]

@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from treeflash.errors import TreeflashError
 from treeflash.server.protocol import APIError, Request, chunk, parse_chat, parse_completion, response, usage
+from treeflash.tokenizer import TextStream
 
 _DONE = object()  # end of a streamed job's deltas
 MAX_BODY_BYTES = 32 << 20
@@ -45,30 +46,6 @@ class AsciiJSONResponse(JSONResponse):
 
     def render(self, content) -> bytes:
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
-
-
-class TextStream:
-    """A request's committed tokens as text deltas that are final: never half a UTF-8
-    character, and never text that a stop string may still cut off."""
-
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.ids: list[int] = []
-        self.sent = 0  # characters sent
-
-    def push(self, ids: list[int]) -> str:
-        self.ids += ids
-        text = self.tokenizer.decode(self.ids)
-        hits = [text.find(s) for s in self.stop if s in text]
-        end = min(hits) if hits else len(text.rstrip("\ufffd")) - self.hold
-        delta = text[self.sent:end] if end > self.sent else ""
-        self.sent += len(delta)
-        return delta
-
-    def finish(self, text: str) -> str:
-        """The rest of the final text (the engine's, stop strings cut)."""
-        return text[self.sent:]
 
 
 class Job:
