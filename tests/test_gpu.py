@@ -53,7 +53,7 @@ def test_prefills_are_graphed_per_padded_length(pair):
     for p in prompts:
         assert llm.generate(p, params)[0].token_ids == eager.generate(p, params)[0].token_ids
         captures.append(llm.graph_captures)
-    shapes = sorted(k[1] for k in llm._graphed[3])
+    shapes = sorted(k[-1] for k in llm._graphed.prefills)
     # round + prefill(32), prefill(64), the 600-token prompt eager, 32 and 64 again replayed
     assert captures == [2, 3, 3, 3, 3] and shapes == [32, 64]
 
@@ -73,3 +73,26 @@ def test_fused_sampling_matches_reference():
     # tl.log and torch.log may differ in the last ulp: allow a rare near-tie to flip
     assert (out == ref).float().mean() > 0.99
     assert (out[0] == logits[0].argmax(-1)).all()
+
+
+def test_sampling_modes_keep_their_graphs(pair):
+    """Requests that alternate between greedy, sampled and top-p sampling (a server's
+    traffic) capture each mode's round and prefill once, on one batch state, and replay
+    them after; a mode first met after a long request (its state left near the end of
+    its cache) is captured safely. Every output equals the eager engine's."""
+    target, drafter = pair
+    kw = dict(draft_model=drafter, method="ddtree", budget=16, device="cuda", dtype="float32")
+    eager = LLM(target, cuda_graphs=False, **kw)
+    llm = LLM(target, cuda_graphs=True, **kw)
+    long_prompt = list(range(3, 40))
+    first = SamplingParams(max_new_tokens=1024 - 33 - len(long_prompt), ignore_eos=True)  # max_len fills bucket 1024
+    assert llm.generate(long_prompt, first)[0].token_ids == eager.generate(long_prompt, first)[0].token_ids
+    assert llm.graph_captures == 2  # greedy round + prefill(64)
+    modes = [SamplingParams(max_new_tokens=24, ignore_eos=True, seed=3, temperature=0.8),
+             SamplingParams(max_new_tokens=24, ignore_eos=True, seed=3, temperature=0.8, top_p=0.9),
+             SamplingParams(max_new_tokens=24, ignore_eos=True, seed=3)]
+    captures = []
+    for p in modes * 3:
+        assert llm.generate(long_prompt, p)[0].token_ids == eager.generate(long_prompt, p)[0].token_ids
+        captures.append(llm.graph_captures)
+    assert captures == [4, 6] + [6] * 7  # greedy's were kept from the first request

@@ -301,7 +301,7 @@ def bench_pairs(args) -> int:
                     emit(out, row)
                     print(f"  {row['label']:<12} graphs {'on ' if graphs else 'off'} bs {bs} T {temperature:g}: "
                           f"{row['tokens_per_s']:.1f} tok/s, tau {row['tau']:.2f}", file=sys.stderr)
-            llm._graphed = None  # free the captured graph and its state before the next config
+            llm.drop_graphs()  # free the captured graphs and their state before the next config
             del llm
             if base.device.type == "cuda":
                 torch.cuda.empty_cache()

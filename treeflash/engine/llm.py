@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from treeflash.config import DTYPES, DraftConfig, ModelConfig
-from treeflash.engine.round import METHODS, BatchState, GraphedPrefill, GraphedRound, SpeculativeDecoder
+from treeflash.engine.round import METHODS, BatchState, GraphedState, SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
 from treeflash.engine.tp import attach as tp_attach
 from treeflash.engine.tp import peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -225,8 +225,8 @@ class LLM:
                                               draft_mode=draft_mode, attention_backend=backend)
             self.method = method
             self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-            self._graphed = None  # (key, state, GraphedRound, {shape: GraphedPrefill}) last captured
-            self.graph_captures = 0  # rounds and prefills captured so far (a benchmark sees recaptures)
+            self._graphed: GraphedState | None = None  # the state of the last batch and its graphs
+            self._dropped_captures = 0  # captures of the states dropped before it
             self._run = None      # `_Batch`: state, round and result pipeline of the batch in flight
             self._tp.built()      # the workers' slices are loaded too
         except BaseException:
@@ -238,7 +238,8 @@ class LLM:
         """Release this engine on every rank; with tp > 1 the worker processes stop
         once no engine uses them. Idempotent; also done on garbage collection and exit."""
         self._tp.close()
-        self._graphed = self._run = None
+        self.drop_graphs()
+        self._run = None
 
     def __enter__(self) -> "LLM":
         return self
@@ -393,15 +394,12 @@ class LLM:
         if self._run is not None:  # the previous batch's last round, still in flight: wait
             self._run.pipe.finish()  # for it before its state or graph may be dropped
         self._run = None  # the previous batch's caches go before the new ones are made
-        st, run_round, prefills = self._runner(batch, max_len, SamplingBatch.from_params(params, self.device))
+        st, run_round, graphed = self._runner(batch, max_len, SamplingBatch.from_params(params, self.device))
         ids, lens = self.decoder.prefill_inputs(st, prompts)
-        if prefills is None or ids.numel() > GRAPHED_PREFILL_MAX:
+        if graphed is None or ids.numel() > GRAPHED_PREFILL_MAX:
             self.decoder.prefill_tokens(st, ids, lens)
-        elif ids.shape in prefills:
-            prefills[ids.shape](st, ids, lens)
-        else:  # capturing also prefills
-            prefills[ids.shape] = GraphedPrefill(self.decoder, st, ids, lens)
-            self.graph_captures += 1
+        else:
+            graphed.prefill(ids, lens)
         self._run = _Batch(st, run_round, RoundPipeline(), [True] * batch)
         return st.anchor.tolist()
 
@@ -423,27 +421,34 @@ class LLM:
         new, counts = run.run_round(st)
         return run.pipe.push(new, counts)
 
-    def _runner(self, batch: int, max_len: int, sampling: SamplingBatch):
-        """A batch state, the function that runs one round on it, and the state's
-        captured prefills by padded prompt shape (None: eager prefill).
+    @property
+    def graph_captures(self) -> int:
+        """Rounds and prefills captured so far (a benchmark sees recaptures)."""
+        return self._dropped_captures + (self._graphed.captures if self._graphed is not None else 0)
 
-        With CUDA graphs, states are bucketed (cache length rounded up) and the captured
-        round and prefills are kept for the next call with the same batch size, bucket
-        and sampling mode; the sampling values are copied into the captured buffers.
+    def drop_graphs(self) -> None:
+        """Free the captured graphs and their batch state (the next batch captures anew)."""
+        if self._graphed is not None:
+            self._dropped_captures += self._graphed.captures
+            self._graphed = None
+
+    def _runner(self, batch: int, max_len: int, sampling: SamplingBatch):
+        """A batch state, the function that runs one round on it, and its `GraphedState`
+        (None without CUDA graphs: eager rounds and prefill).
+
+        With CUDA graphs, states are bucketed (cache length rounded up) and kept, with
+        every round and prefill captured on them, for the next call with the same batch
+        size and bucket; the sampling values are copied into the captured buffers.
         """
         if not self.cuda_graphs:
             return self.decoder.new_state(batch, max_len, sampling), self.decoder.round, None
         bucket = 1 << max(10, (max_len - 1).bit_length())
-        key = (batch, bucket, sampling.any_sampled, sampling.any_filtered)
-        if self._graphed is None or self._graphed[0] != key:
-            self._graphed = None
+        if self._graphed is None or self._graphed.key != (batch, bucket):
+            self.drop_graphs()
             torch.cuda.empty_cache()
-            st = self.decoder.new_state(batch, bucket, sampling)
-            self._graphed = (key, st, GraphedRound(self.decoder, st), {})
-            self.graph_captures += 1
-        _, st, graph, prefills = self._graphed
-        st.sampling.copy_(sampling)
-        return st, graph, prefills
+            self._graphed = GraphedState(self.decoder, batch, bucket, sampling)
+        round_graph = self._graphed.use(sampling)
+        return self._graphed.st, round_graph, self._graphed
 
     def _accept(self, got: list[int], out: list[int], p: SamplingParams, limit: int) -> str | None:
         """Append committed tokens up to EOS / the token limit; return the stop reason."""

@@ -207,10 +207,11 @@ class SpeculativeDecoder:
         return new, counts
 
 
-def capture(fn, warmup: int):
+def capture(fn, warmup: int, pool=None):
     """(CUDA graph of fn(), what the captured call returned). fn runs `warmup` times on a
     side stream first, so lazy set-up (Triton compiles, cuBLAS workspaces, one-time
-    device copies) happens outside the graph."""
+    device copies) happens outside the graph. `pool`: a memory pool shared with other
+    graphs (see `GraphedState`)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -218,7 +219,7 @@ def capture(fn, warmup: int):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         out = fn()
     return graph, out
 
@@ -227,14 +228,16 @@ class GraphedRound:
     """`decoder.round(st)` captured once as a CUDA graph over the static buffers of `st`,
     then replayed: the only host work per round is the replay and reading the tokens.
 
-    Capture it on a fresh state, before `prefill`: the warm-up rounds only scribble on
-    cache slots and counters that the prefill then rewrites.
+    Capture it before `prefill`: the warm-up rounds only scribble on cache slots and
+    counters that the prefill then rewrites (they start from n = 0, so that a state
+    left at its end by an earlier batch stays within its cache).
     """
 
-    def __init__(self, decoder: SpeculativeDecoder, st: BatchState, warmup: int = 2):
+    def __init__(self, decoder: SpeculativeDecoder, st: BatchState, warmup: int = 2, pool=None):
         self.st = st
         st.max_n = None  # graphs read the whole cache: no data-dependent shapes
-        self.graph, (self.new, self.counts) = capture(lambda: decoder.round(st), warmup)
+        st.n.zero_()
+        self.graph, (self.new, self.counts) = capture(lambda: decoder.round(st), warmup, pool)
 
     def __call__(self, st: BatchState) -> tuple[torch.Tensor, torch.Tensor]:
         assert st is self.st, "a graph replays on the buffers it was captured with"
@@ -248,12 +251,54 @@ class GraphedPrefill:
     launches, host-bound (built-in pair on an H200: ~5 ms for ~0.3 ms of kernels).
     Capturing runs the prefill once (the warm-up), so the state is prefilled as well."""
 
-    def __init__(self, decoder: SpeculativeDecoder, st: BatchState, ids: torch.Tensor, lens: torch.Tensor):
+    def __init__(self, decoder: SpeculativeDecoder, st: BatchState, ids: torch.Tensor, lens: torch.Tensor,
+                 pool=None):
         self.st, self.ids, self.lens = st, ids.clone(), lens.clone()
-        self.graph, _ = capture(lambda: decoder.prefill_tokens(st, self.ids, self.lens), warmup=1)
+        self.graph, _ = capture(lambda: decoder.prefill_tokens(st, self.ids, self.lens), 1, pool)
 
     def __call__(self, st: BatchState, ids: torch.Tensor, lens: torch.Tensor) -> None:
         assert st is self.st and ids.shape == self.ids.shape, "a graph replays on the buffers it was captured with"
         self.ids.copy_(ids)
         self.lens.copy_(lens)
         self.graph.replay()
+
+
+class GraphedState:
+    """One bucketed batch state and every graph captured over its buffers: per sampling
+    mode (greedy, sampled, sampled with top-k/top-p) a round and the prefills by padded
+    prompt shape. A server whose requests alternate between modes replays them instead
+    of recapturing (a capture runs the round three times and re-records it).
+
+    The graphs share one memory pool. That is safe here because replays never overlap
+    and each graph's outputs are consumed (queued to the host, or written into the
+    state's own buffers, which live outside the pool) before another graph of the state
+    replays: what one replay leaves in the pool is dead by the next.
+    """
+
+    def __init__(self, decoder: SpeculativeDecoder, batch: int, bucket: int, sampling: SamplingBatch):
+        self.decoder, self.key = decoder, (batch, bucket)
+        self.st = decoder.new_state(batch, bucket, sampling)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.rounds: dict[tuple[bool, bool], GraphedRound] = {}
+        self.prefills: dict[tuple, GraphedPrefill] = {}
+        self.captures = 0  # graphs captured so far
+
+    def use(self, sampling: SamplingBatch) -> GraphedRound:
+        """Take the batch's sampling values and mode; the mode's round (captured now if new)."""
+        self.st.sampling.copy_(sampling)
+        mode = (sampling.any_sampled, sampling.any_filtered)
+        if mode not in self.rounds:
+            self.rounds[mode] = GraphedRound(self.decoder, self.st, pool=self.pool)
+            self.captures += 1
+        return self.rounds[mode]
+
+    def prefill(self, ids: torch.Tensor, lens: torch.Tensor) -> None:
+        """The prefill of padded ids [B, T] in the current mode: replayed, or captured now
+        (capturing also prefills)."""
+        sb = self.st.sampling
+        key = (sb.any_sampled, sb.any_filtered, *ids.shape)
+        if key in self.prefills:
+            self.prefills[key](self.st, ids, lens)
+        else:
+            self.prefills[key] = GraphedPrefill(self.decoder, self.st, ids, lens, pool=self.pool)
+            self.captures += 1

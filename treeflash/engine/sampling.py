@@ -92,10 +92,10 @@ class SamplingBatch:
             any_filtered=any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params),
         )
 
-
     def copy_(self, other: "SamplingBatch") -> None:
-        """Take `other`'s values into these (captured) buffers; the mode must match."""
-        assert (self.any_sampled, self.any_filtered) == (other.any_sampled, other.any_filtered)
+        """Take `other`'s values into these (captured) buffers, and its mode (the host-side
+        flags that choose which code, or which captured graph, runs)."""
+        self.any_sampled, self.any_filtered = other.any_sampled, other.any_filtered
         for name in ("temperature", "top_k", "top_p", "seed"):
             getattr(self, name).copy_(getattr(other, name))
 

@@ -36,12 +36,14 @@ def _check_listen(host: str, port: int) -> None:
 
 
 def warm_up(llm) -> None:
-    """Compile the kernels and capture the rounds' CUDA graphs (greedy and sampled) before
-    the first client comes, not during its request (a cold Triton cache is many seconds)."""
+    """Compile the kernels and capture the rounds' CUDA graphs (greedy, sampled, and sampled
+    with top-p; the engine keeps all three) before the first client comes, not during its
+    request (a cold Triton cache is many seconds)."""
     from treeflash import SamplingParams
     prompt = [llm.eos_token_ids[0] if llm.eos_token_ids else 0]
-    for temperature in (0.0, 1.0):
-        llm.generate(prompt, SamplingParams(max_new_tokens=2, temperature=temperature, seed=0, ignore_eos=True))
+    for temperature, top_p in ((0.0, 1.0), (1.0, 1.0), (1.0, 0.9)):
+        llm.generate(prompt, SamplingParams(max_new_tokens=2, temperature=temperature, top_p=top_p, seed=0,
+                                            ignore_eos=True))
 
 
 def cmd_serve(args) -> int:
