@@ -488,7 +488,34 @@ def test_chat_template_sources_and_failures(tmp_path, llm):
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(llm.encode("x", special=False))
 
 
-@pytest.mark.parametrize("args,words", [(["--max-batch", "0"], "--max-batch"), (["--port", "0"], "--port")])
+def test_sampling_defaults_come_from_generation_config(tmp_path, llm):
+    """A request that leaves temperature / top_p / top_k out gets the model's
+    generation_config.json values (as with vLLM), or OpenAI's without the file; values
+    it sends win. A broken file is refused in one line naming it."""
+    from treeflash.errors import UsageError
+    from treeflash.server.protocol import SamplingDefaults
+    assert SamplingDefaults.from_folder(tmp_path) == SamplingDefaults(1.0, 1.0, 0)
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}))
+    qwen = SamplingDefaults.from_folder(tmp_path)
+    assert (qwen.temperature, qwen.top_p, qwen.top_k, qwen.ignored) == (0.6, 0.95, 20, ("repetition_penalty 1.05",))
+    for bad in ('{"temperature": -1}', '{"top_p": 0}', '{"top_k": 2.5}', '[1]', '{'):
+        (tmp_path / "generation_config.json").write_text(bad)
+        with pytest.raises(UsageError, match="generation_config.json") as e:
+            SamplingDefaults.from_folder(tmp_path)
+        assert "\n" not in str(e.value)
+    greedy = SamplingDefaults(temperature=0.0)
+    want = llm.generate(PROMPT, SamplingParams(max_new_tokens=12))[0].text
+    with TestClient(build_app(llm, "t", defaults=greedy)) as c:
+        body = {"prompt": PROMPT, "max_tokens": 12}
+        assert c.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
+        sampled = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=5)
+        got = c.post("/v1/completions", json={**body, "temperature": 1.0, "top_p": 0.9, "seed": 5}).json()
+        assert got["choices"][0]["text"] == llm.generate(PROMPT, sampled)[0].text
+
+
+@pytest.mark.parametrize("args,words", [(["--max-batch", "0"], "--max-batch"), (["--port", "0"], "--port"),
+                                       (["--generation-config", "x"], "--generation-config")])
 def test_serve_refuses_bad_options_in_one_line(capsys, args, words):
     from treeflash.cli import main
     assert main(["serve", *args]) == 2

@@ -25,7 +25,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from treeflash.errors import TreeflashError
-from treeflash.server.protocol import APIError, Request, chunk, parse_chat, parse_completion, response, usage
+from treeflash.server.protocol import (APIError, Request, SamplingDefaults, chunk, parse_chat, parse_completion,
+                                      response, usage)
 from treeflash.tokenizer import TextStream
 
 _DONE = object()  # end of a streamed job's deltas
@@ -249,8 +250,10 @@ async def _watch_disconnect(request: HTTPRequest, job: Job) -> None:
     job.cancel()
 
 
-def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1) -> Starlette:
-    """The ASGI app serving `llm` as `model_name`; its worker starts with the app's lifespan."""
+def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
+              defaults: SamplingDefaults = SamplingDefaults()) -> Starlette:
+    """The ASGI app serving `llm` as `model_name`, with `defaults` for the sampling
+    parameters a request leaves out; its worker starts with the app's lifespan."""
     state = {}
 
     def worker() -> EngineWorker:
@@ -302,11 +305,12 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1) -> S
         return AsciiJSONResponse(response(req, model_name, outs))
 
     async def completions(request: HTTPRequest):
-        return await serve(request, lambda body: parse_completion(body, model_name, llm.encode, llm.max_model_len))
+        return await serve(request, lambda body: parse_completion(body, model_name, llm.encode, llm.max_model_len,
+                                                                  defaults))
 
     async def chat(request: HTTPRequest):
         return await serve(request, lambda body: parse_chat(body, model_name, chat_template, llm.encode,
-                                                            llm.max_model_len))
+                                                            llm.max_model_len, defaults))
 
     async def models(_):
         return AsciiJSONResponse({"object": "list", "data": [{

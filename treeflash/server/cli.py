@@ -18,6 +18,10 @@ def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", help="the model name clients send (default: the model folder's name)")
     s.add_argument("--max-batch", type=int, default=1,
                    help="prompts generated together when requests queue up (default 1: lowest latency)")
+    s.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+                   help="sampling defaults (temperature, top_p, top_k) for requests that leave them out: "
+                        "auto takes the model's generation_config.json, as vLLM does; none: OpenAI's "
+                        "(temperature 1, top_p 1)")
     s.set_defaults(func=cmd_serve)
     return s
 
@@ -52,6 +56,7 @@ def cmd_serve(args) -> int:
 
         from treeflash.server.app import build_app
         from treeflash.server.chat import ChatTemplate
+        from treeflash.server.protocol import SamplingDefaults
     except ImportError as e:
         raise UsageError(f"treeflash serve needs the server packages ({e.name} is missing): "
                          f"pip install 'treeflash[serve]'") from None
@@ -62,12 +67,19 @@ def cmd_serve(args) -> int:
     _check_listen(args.host, args.port)
     folder = Path(args.model) if args.model else builtin_paths()[0]
     template = ChatTemplate.from_folder(folder)  # a broken template fails here, before the load
+    defaults = SamplingDefaults.from_folder(folder) if args.generation_config == "auto" else SamplingDefaults()
     name = args.served_model_name or (folder.name if args.model else "treeflash-builtin")
     llm = make_llm(args)
     warm_up(llm)
     print(f"treeflash: serving '{name}' ({llm.method}) on http://{args.host}:{args.port}/v1"
           f"{'' if template else ' (no chat template: /v1/completions only)'}", file=sys.stderr, flush=True)
-    app = build_app(llm, name, template, args.max_batch)
+    if defaults != SamplingDefaults():
+        print(f"treeflash: requests that leave them out get {defaults.describe()} (generation_config.json; "
+              f"--generation-config none for OpenAI's)", file=sys.stderr, flush=True)
+    for setting in defaults.ignored:
+        print(f"treeflash: generation_config.json's {setting} is not applied (not supported)",
+              file=sys.stderr, flush=True)
+    app = build_app(llm, name, template, args.max_batch, defaults)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGTERM / Ctrl-C: running and queued requests end now (503)

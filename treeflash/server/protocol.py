@@ -5,13 +5,15 @@ becomes an `APIError` with the status and error body OpenAI (and vLLM) use.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from treeflash.engine.sampling import SamplingParams
-from treeflash.errors import TreeflashError
+from treeflash.errors import TreeflashError, UsageError
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
@@ -51,6 +53,45 @@ UNSUPPORTED = {
 }
 MAX_STOPS = 64
 MAX_PROMPTS = 1024
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves temperature, top_p or top_k out gets: OpenAI's values,
+    or those of the model's generation_config.json, which vLLM and SGLang apply by
+    default (Qwen3, for one, asks for temperature 0.6, top_p 0.95, top_k 20)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0              # 0: off
+    ignored: tuple[str, ...] = ()  # the file's sampling settings this engine does not apply
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "SamplingDefaults":
+        path = Path(folder) / "generation_config.json"
+        if not path.is_file():
+            return cls()
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UsageError(f"{path}: not readable JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise UsageError(f"{path}: must hold a JSON object")
+        got = {k: config[k] for k in ("temperature", "top_p", "top_k") if config.get(k) is not None}
+        if got.get("top_k") == -1:
+            got["top_k"] = 0
+        params = SamplingParams(temperature=got.get("temperature", 1.0), top_p=got.get("top_p", 1.0),
+                                top_k=got.get("top_k", 0))
+        try:
+            params.validate()
+        except TreeflashError as e:
+            raise UsageError(f"{path}: {e}") from None
+        ignored = tuple(f"{k} {config[k]}" for k, off in (("repetition_penalty", 1), ("min_p", 0))
+                        if config.get(k) not in (None, off))
+        return cls(float(params.temperature), float(params.top_p), params.top_k, ignored)
+
+    def describe(self) -> str:
+        return f"temperature {self.temperature:g}, top_p {self.top_p:g}, top_k {self.top_k or 'off'}"
 
 
 class APIError(Exception):
@@ -106,7 +147,8 @@ def _flag(body: dict, key: str, default: bool) -> bool:
     return value
 
 
-def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_tokens: int | None) -> SamplingParams:
+def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_tokens: int | None,
+              defaults: SamplingDefaults) -> SamplingParams:
     for key, (harmless, why) in UNSUPPORTED.items():
         if body.get(key) not in harmless:
             raise APIError(why, param=key)
@@ -126,7 +168,7 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
         raise APIError(f"this model's maximum context length is {max_model_len} tokens; the prompt holds "
                        f"{max(prompt_lens)} and {key} asks for {asked} more", param=key)
     max_tokens = asked if asked is not None else min(default_tokens or room, room)
-    top_k = _number(body, "top_k", 0, int, -1)
+    top_k = _number(body, "top_k", defaults.top_k, int, -1)
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
                                                            and all(isinstance(s, str) for s in stop))):
@@ -136,9 +178,9 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
         raise APIError(f"at most {MAX_STOPS} stop strings, got {len(stop)}", param="stop")
     params = SamplingParams(
         max_new_tokens=max_tokens,
-        temperature=float(_number(body, "temperature", 1.0, (int, float), 0, 2)),
+        temperature=float(_number(body, "temperature", defaults.temperature, (int, float), 0, 2)),
         top_k=0 if top_k == -1 else top_k,
-        top_p=float(_number(body, "top_p", 1.0, (int, float), 0, 1, lo_open=True)),
+        top_p=float(_number(body, "top_p", defaults.top_p, (int, float), 0, 1, lo_open=True)),
         seed=_number(body, "seed", None, int, 0, 2 ** 63 - 1), stop=stop,
         ignore_eos=_flag(body, "ignore_eos", False))
     try:
@@ -168,7 +210,8 @@ def check_model(body: dict, served: str) -> None:
                        status=404, param="model", code="model_not_found")
 
 
-def parse_completion(body: dict, served: str, encode, max_model_len: int) -> Request:
+def parse_completion(body: dict, served: str, encode, max_model_len: int,
+                     defaults: SamplingDefaults = SamplingDefaults()) -> Request:
     """A /v1/completions body. `encode(prompt)` turns a string or token ids into checked
     token ids (the engine's own checks: vocabulary, length)."""
     check_model(body, served)
@@ -189,11 +232,12 @@ def parse_completion(body: dict, served: str, encode, max_model_len: int) -> Req
     stream, include_usage = _stream_flags(body)
     if stream and len(ids) > 1:
         raise APIError("streaming takes one prompt per request", param="prompt")
-    params = _sampling(body, [len(i) for i in ids], max_model_len, DEFAULT_COMPLETION_TOKENS)
+    params = _sampling(body, [len(i) for i in ids], max_model_len, DEFAULT_COMPLETION_TOKENS, defaults)
     return Request("completion", ids, params, stream, include_usage)
 
 
-def parse_chat(body: dict, served: str, template, encode, max_model_len: int) -> Request:
+def parse_chat(body: dict, served: str, template, encode, max_model_len: int,
+               defaults: SamplingDefaults = SamplingDefaults()) -> Request:
     """A /v1/chat/completions body: the messages rendered by the model's chat template."""
     check_model(body, served)
     messages = body.get("messages")
@@ -221,7 +265,8 @@ def parse_chat(body: dict, served: str, template, encode, max_model_len: int) ->
         raise APIError(f"the chat template refused the messages: {e}", param="messages") from None
     ids = [_encode(encode, text, param="messages", special=False)]
     stream, include_usage = _stream_flags(body)
-    return Request("chat", ids, _sampling(body, [len(ids[0])], max_model_len, None), stream, include_usage)
+    return Request("chat", ids, _sampling(body, [len(ids[0])], max_model_len, None, defaults), stream,
+                   include_usage)
 
 
 def _encode(encode, prompt, param: str, **kw) -> list[int]:
