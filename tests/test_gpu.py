@@ -53,7 +53,7 @@ def test_prefills_are_graphed_per_padded_length(pair):
     for p in prompts:
         assert llm.generate(p, params)[0].token_ids == eager.generate(p, params)[0].token_ids
         captures.append(llm.graph_captures)
-    shapes = sorted(k[-1] for k in llm._graphed.prefills)
+    shapes = sorted(k[-1] for g in llm._graphs.values() for k in g.prefills)
     # round + prefill(32), prefill(64), the 600-token prompt eager, 32 and 64 again replayed
     assert captures == [2, 3, 3, 3, 3] and shapes == [32, 64]
 
@@ -96,3 +96,33 @@ def test_sampling_modes_keep_their_graphs(pair):
         assert llm.generate(long_prompt, p)[0].token_ids == eager.generate(long_prompt, p)[0].token_ids
         captures.append(llm.graph_captures)
     assert captures == [4, 6] + [6] * 7  # greedy's were kept from the first request
+
+
+def test_batch_sizes_share_padded_graphs(pair, monkeypatch):
+    """A batch runs the graphs of its batch-size bucket (a power of two: 3 requests are
+    padded to 4 with requests that never run a round), and the states of recent buckets
+    are kept with their graphs, least recently used dropped first: a server's changing
+    batch sizes replay graphs instead of capturing. Every output equals the eager
+    engine's, and a batch returns only its own requests."""
+    import treeflash.engine.llm as llm_module
+    target, drafter = pair
+    kw = dict(draft_model=drafter, method="ddtree", budget=16, device="cuda", dtype="float32")
+    eager = LLM(target, cuda_graphs=False, **kw)
+    llm = LLM(target, cuda_graphs=True, **kw)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    captures = []
+
+    def run(batch):
+        got = llm.generate(batch, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in eager.generate(batch, params)]
+        captures.append(llm.graph_captures)
+
+    for batch in (PROMPTS[:3], PROMPTS, PROMPTS[:1], PROMPTS[1:4], PROMPTS[:2], PROMPTS[:1]):
+        run(batch)
+    # 3 (bucket 4): round + prefill; 4: replayed; 1: captured; 3: replayed; 2: captured; 1: replayed
+    assert captures == [2, 2, 4, 4, 6, 6]
+    monkeypatch.setattr(llm_module, "GRAPH_STATES", 2)
+    for batch in (PROMPTS * 2, PROMPTS[:1], PROMPTS):
+        run(batch)
+    # 8 drops all but the most recent (1); 1 is replayed; 4 was dropped: captured again
+    assert captures[6:] == [8, 8, 10]

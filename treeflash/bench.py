@@ -215,8 +215,7 @@ def engine_for(base, method: str, budget: int | None, graphs: bool, draft_mode: 
     llm.decoder = SpeculativeDecoder(base.target, base.drafter, method, budget or 0,
                                      draft_mode=draft_mode, attention_backend=base.decoder.backend)
     llm.method = method
-    llm.cuda_graphs = graphs and base.device.type == "cuda"
-    llm._graphed = None
+    llm.use_graphs(graphs)
     return llm
 
 

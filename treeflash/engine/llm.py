@@ -1,16 +1,19 @@
 """The user-facing API: `LLM(model, draft_model=..., method=...).generate(prompts, params)`."""
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from treeflash.config import DTYPES, DraftConfig, ModelConfig
+from treeflash.engine.kv_cache import available_bytes
 from treeflash.engine.round import METHODS, BatchState, GraphedState, SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
 from treeflash.engine.tp import attach as tp_attach
@@ -24,7 +27,15 @@ from treeflash.tokenizer import Tokenizer
 DEFAULT_BUDGET = 64
 GRAPHED_PREFILL_MAX = 512  # padded prompt tokens of a batch up to which prefills are CUDA graphs:
                            # past it compute dominates, and each shape's graph keeps its own memory
+GRAPH_STATES = 4           # batch states kept with their CUDA graphs (least recently used goes first),
+GRAPH_STATES_SHARE = 0.25  # while their caches take at most this share of the memory free after loading
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
+
+
+def graph_batch(batch: int) -> int:
+    """The batch-size bucket whose graphs run a batch of `batch` requests (a power of two:
+    a server's changing batch sizes replay a few graphs instead of capturing one each)."""
+    return 1 << (batch - 1).bit_length()
 
 
 @dataclass
@@ -224,9 +235,7 @@ class LLM:
             self.decoder = SpeculativeDecoder(self.target, self.drafter, method, budget or 0,
                                               draft_mode=draft_mode, attention_backend=backend)
             self.method = method
-            self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-            self._graphed: GraphedState | None = None  # the state of the last batch and its graphs
-            self._dropped_captures = 0  # captures of the states dropped before it
+            self.use_graphs(cuda_graphs)
             self._run = None      # `_Batch`: state, round and result pipeline of the batch in flight
             self._tp.built()      # the workers' slices are loaded too
         except BaseException:
@@ -324,11 +333,15 @@ class LLM:
         max_len = max(len(i) + m for i, m in zip(ids, limits)) + headroom
         # seeds are drawn here, so that every tensor-parallel rank samples alike
         params = [p if p.seed is not None else replace(p, seed=random.getrandbits(63)) for p in params]
+        real = len(ids)
+        if self.cuda_graphs:  # pad to the batch-size bucket with requests that are done before their first round
+            pad = graph_batch(real) - real
+            ids, params = ids + [ids[0][:1]] * pad, params + [SamplingParams(max_new_tokens=1, seed=0)] * pad
         start = time.perf_counter()
         first = self._tp.call(self, "_start", (len(ids), max_len, params, ids))
         outs = [[] for _ in ids]
         rounds = [1] * len(ids)
-        done = [False] * len(ids)
+        done = [b >= real for b in range(len(ids))]
         results: list[GenerationOutput | None] = [None] * len(ids)
         new = [[t] for t in first]
         counts = [1] * len(ids)
@@ -372,7 +385,7 @@ class LLM:
                 rounds[b] += not done[b]  # a round whose tokens b uses (done: ignored)
         if not self.cuda_graphs and self.tp_size == 1:
             self._run = None  # free the caches (graphed states are kept for the next call)
-        return results
+        return results[:real]
 
     def _output(self, ids: list[int], reason: str, p: SamplingParams, rounds: int, seconds: float) -> GenerationOutput:
         """A finished request's output: text cut at the first stop string, and its stats
@@ -421,16 +434,24 @@ class LLM:
         new, counts = run.run_round(st)
         return run.pipe.push(new, counts)
 
+    def use_graphs(self, on: bool) -> None:
+        """Run rounds as CUDA graphs (on CUDA) or eagerly, with no states or graphs kept yet."""
+        self.cuda_graphs = on and self.device.type == "cuda"
+        self._graphs: OrderedDict[tuple[int, int], GraphedState] = OrderedDict()  # by (batch, bucket),
+        self._dropped_captures = 0  # most recently used last; captures of the states dropped so far
+        self._states_budget = GRAPH_STATES_SHARE * (available_bytes(self.device) or 0) if self.cuda_graphs else 0
+
     @property
     def graph_captures(self) -> int:
         """Rounds and prefills captured so far (a benchmark sees recaptures)."""
-        return self._dropped_captures + (self._graphed.captures if self._graphed is not None else 0)
+        return self._dropped_captures + sum(g.captures for g in self._graphs.values())
 
-    def drop_graphs(self) -> None:
-        """Free the captured graphs and their batch state (the next batch captures anew)."""
-        if self._graphed is not None:
-            self._dropped_captures += self._graphed.captures
-            self._graphed = None
+    def drop_graphs(self, keep: int = 0) -> None:
+        """Free the captured graphs and batch states but the `keep` most recently used
+        (the next batch of a dropped shape captures anew)."""
+        while len(self._graphs) > keep:
+            _, g = self._graphs.popitem(last=False)
+            self._dropped_captures += g.captures
 
     def _runner(self, batch: int, max_len: int, sampling: SamplingBatch):
         """A batch state, the function that runs one round on it, and its `GraphedState`
@@ -443,12 +464,19 @@ class LLM:
         if not self.cuda_graphs:
             return self.decoder.new_state(batch, max_len, sampling), self.decoder.round, None
         bucket = 1 << max(10, (max_len - 1).bit_length())
-        if self._graphed is None or self._graphed.key != (batch, bucket):
-            self.drop_graphs()
-            torch.cuda.empty_cache()
-            self._graphed = GraphedState(self.decoder, batch, bucket, sampling)
-        round_graph = self._graphed.use(sampling)
-        return self._graphed.st, round_graph, self._graphed
+        key = (batch, bucket)
+        g = self._graphs.pop(key, None)
+        if g is None:
+            kept = list(self._graphs.values())
+            need = kept[-1].st.nbytes // math.prod(kept[-1].key) * batch * bucket if kept else 0
+            while self._graphs and (len(self._graphs) >= GRAPH_STATES or sum(
+                    s.st.nbytes for s in self._graphs.values()) + need > max(self._states_budget, need)):
+                self.drop_graphs(keep=len(self._graphs) - 1)
+            if len(kept) > len(self._graphs):
+                torch.cuda.empty_cache()
+            g = GraphedState(self.decoder, batch, bucket, sampling)
+        self._graphs[key] = g  # now the most recently used
+        return g.st, g.use(sampling), g
 
     def _accept(self, got: list[int], out: list[int], p: SamplingParams, limit: int) -> str | None:
         """Append committed tokens up to EOS / the token limit; return the stop reason."""

@@ -53,6 +53,12 @@ class BatchState:
     def batch_size(self) -> int:
         return self.n.shape[0]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its caches (target and drafter K/V)."""
+        caches = [c for c in (self.cache, self.draft_cache) if c is not None]
+        return sum(t.numel() * t.element_size() for c in caches for t in (c.k, c.v))
+
 
 class SpeculativeDecoder:
     """Runs rounds of `method` ('ar', 'dflash' or 'ddtree' with `budget` nodes).
