@@ -198,6 +198,9 @@ def test_generation_stops_at_the_context_limit(hf_checkpoint):
     ({"temperature": True}, "temperature"),
     ({"top_p": True}, "top_p"),
     ({"ignore_eos": "no"}, "ignore_eos"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": 7}, "stop_token_ids"),
+    ({"stop_token_ids": [10_000]}, "outside the vocabulary"),
 ])
 def test_bad_sampling_params_raise_usage_error(llm, kwargs, what):
     with pytest.raises(UsageError, match=what):

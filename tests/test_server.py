@@ -156,7 +156,9 @@ BAD = [
     ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "min_p": 0.5}, 400, "min_p"),
-    ("/v1/completions", {"prompt": "x", "stop_token_ids": [1]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": 1}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [99999]}, 400, None),  # the engine's check: vocabulary
     ("/v1/completions", {"prompt": "x", "include_stop_str_in_output": True}, 400, "include_stop_str_in_output"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": "no"}}, 400,
@@ -178,6 +180,21 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(client, pat
     assert err["message"] and err["type"] == "invalid_request_error" and err["param"] == param
     ok = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_stop_token_ids_end_like_eos(client, llm):
+    """A stop token id ends the request where greedy decoding first produces it, kept in
+    the tokens (as vLLM does), with finish_reason "stop"; whole and streamed alike."""
+    full = llm.generate(PROMPT, SamplingParams(max_new_tokens=24, ignore_eos=True))[0].token_ids
+    k = next(i for i in range(3, len(full)) if full[i] not in full[:i])
+    got = llm.generate(PROMPT, SamplingParams(max_new_tokens=24, ignore_eos=True, stop_token_ids=[full[k]]))[0]
+    assert got.token_ids == full[:k + 1] and got.finish_reason == "stop"
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop_token_ids": [full[k]]}
+    whole = client.post("/v1/completions", json=body).json()
+    assert whole["choices"][0]["text"] == got.text and whole["choices"][0]["finish_reason"] == "stop"
+    assert whole["usage"]["completion_tokens"] == k + 1
+    streamed = events(client.post("/v1/completions", json={**body, "stream": True}))
+    assert "".join(e["choices"][0]["text"] for e in streamed[:-1]) == got.text
 
 
 def test_values_that_ask_for_nothing_are_accepted(client, llm):

@@ -70,6 +70,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, help="per-request seed (same seed, same tokens)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids",
+                   help="token id that ends generation as EOS does (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
 
 
@@ -84,6 +86,7 @@ def sampling_from(args):
     from treeflash import SamplingParams
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                          stop_token_ids=args.stop_token_ids,
                           ignore_eos=args.ignore_eos).validate()
 
 

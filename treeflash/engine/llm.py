@@ -315,7 +315,7 @@ class LLM:
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise UsageError(f"sampling parameters must be SamplingParams, got {type(p).__name__}")
-            p.validate()
+            p.validate(self.config.vocab_size)
         ids = [self.encode(p) for p in prompts]
         limits = [min(p.max_new_tokens, self.max_model_len - len(i)) for p, i in zip(params, ids)]
         dec = self.decoder
@@ -482,7 +482,7 @@ class LLM:
         """Append committed tokens up to EOS / the token limit; return the stop reason."""
         for t in got:
             out.append(t)
-            if not p.ignore_eos and t in self.eos_token_ids:
+            if (not p.ignore_eos and t in self.eos_token_ids) or t in p.stop_token_ids:
                 return "stop"
             if len(out) >= limit:
                 return "length"

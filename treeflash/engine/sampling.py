@@ -34,8 +34,9 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)  # end like EOS (kept in token_ids), ignore_eos or not
 
-    def validate(self) -> "SamplingParams":
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         def bad(msg):
             raise UsageError(f"invalid sampling parameters: {msg}")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
@@ -61,6 +62,13 @@ class SamplingParams:
             bad(f"stop must be a string or a list of strings, got {self.stop!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop must be a list of non-empty strings")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            bad(f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
+        if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
+            bad(f"stop token id {max(self.stop_token_ids)} is outside the vocabulary of {vocab_size}")
         return self
 
     @property

@@ -32,7 +32,6 @@ UNSUPPORTED = {
     "response_format": ((None, {"type": "text"}), "response_format is not supported"),
     "min_p": ((None, 0), "min_p is not supported"),
     "min_tokens": ((None, 0), "min_tokens is not supported"),
-    "stop_token_ids": ((None, []), "stop_token_ids is not supported (use stop strings)"),
     "allowed_token_ids": ((None,), "allowed_token_ids is not supported"),
     "bad_words": ((None, []), "bad_words is not supported"),
     "include_stop_str_in_output": ((None, False), "include_stop_str_in_output is not supported"),
@@ -176,13 +175,19 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
     stop = [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]  # "" stops nothing
     if len(stop) > MAX_STOPS:
         raise APIError(f"at most {MAX_STOPS} stop strings, got {len(stop)}", param="stop")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and not (isinstance(stop_ids, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids)):
+        raise APIError(f"'stop_token_ids' must be a list of token ids, got {_short(stop_ids)}", param="stop_token_ids")
+    if stop_ids is not None and len(stop_ids) > MAX_STOPS:
+        raise APIError(f"at most {MAX_STOPS} stop token ids, got {len(stop_ids)}", param="stop_token_ids")
     params = SamplingParams(
         max_new_tokens=max_tokens,
         temperature=float(_number(body, "temperature", defaults.temperature, (int, float), 0, 2)),
         top_k=0 if top_k == -1 else top_k,
         top_p=float(_number(body, "top_p", defaults.top_p, (int, float), 0, 1, lo_open=True)),
         seed=_number(body, "seed", None, int, 0, 2 ** 63 - 1), stop=stop,
-        ignore_eos=_flag(body, "ignore_eos", False))
+        ignore_eos=_flag(body, "ignore_eos", False), stop_token_ids=list(stop_ids or []))
     try:
         return params.validate()
     except TreeflashError as e:
