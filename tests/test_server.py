@@ -137,7 +137,9 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k"),
     ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 2, "stream": True}, 400, "n"),
+    ("/v1/completions", {"prompt": ["x"] * 600, "n": 2}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
@@ -180,6 +182,24 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(client, pat
     assert err["message"] and err["type"] == "invalid_request_error" and err["param"] == param
     ok = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_n_choices_per_prompt(client, llm):
+    """n choices per prompt, prompt-major; with a seed, choice j samples with seed + j
+    (different answers, reproducible); prompt tokens are counted once per prompt."""
+    prompts = [PROMPT, "import os"]
+    body = {"prompt": prompts, "max_tokens": 10, "temperature": 1.0, "seed": 11, "n": 3}
+    got = client.post("/v1/completions", json=body).json()
+    want = [llm.generate(p, SamplingParams(max_new_tokens=10, temperature=1.0, seed=11 + j))[0]
+            for p in prompts for j in range(3)]
+    assert [c["index"] for c in got["choices"]] == list(range(6))
+    assert [c["text"] for c in got["choices"]] == [w.text for w in want]
+    assert len({w.text for w in want[:3]}) > 1  # not three copies of one sample
+    assert got["usage"]["prompt_tokens"] == sum(len(llm.encode(p)) for p in prompts)
+    assert got["usage"]["completion_tokens"] == sum(len(w.token_ids) for w in want)
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "fib"}],
+                                                     "max_tokens": 6, "temperature": 0, "n": 2}).json()
+    assert len(chat["choices"]) == 2 and chat["choices"][0]["message"] == chat["choices"][1]["message"]
 
 
 def test_stop_token_ids_end_like_eos(client, llm):

@@ -57,7 +57,8 @@ class Job:
         self.req, self.loop = req, loop
         self.error: BaseException | None = None  # set when cancelled: what the request is answered
         self.started = False    # tokens have been handed to it (a retry would repeat them)
-        self.outputs = [None] * len(req.prompts)
+        self.runs = req.runs()  # (prompt, params) per choice
+        self.outputs = [None] * len(self.runs)
         self.future: Future = Future()
         self.deltas: asyncio.Queue | None = asyncio.Queue() if req.stream else None
         self.text = TextStream(tokenizer, req.params.stop) if req.stream else None
@@ -158,7 +159,7 @@ class EngineWorker:
                 job.settle(error=job.error if job.cancelled else SHUTTING_DOWN)
                 continue
             batch.append(job)
-            prompts += len(job.req.prompts)
+            prompts += len(job.runs)
         return batch
 
     def _fail_queued(self) -> None:
@@ -180,12 +181,12 @@ class EngineWorker:
         """Generate for `batch`, max_batch prompts at a time (a request whose client left
         ends at its next round; the others go on). If that fails, each job that has not
         received tokens yet runs again alone, so that a failure is its own request's."""
-        owners = [(job, i) for job in batch for i in range(len(job.req.prompts))]
+        owners = [(job, i) for job in batch for i in range(len(job.runs))]
         try:
             for start in range(0, len(owners), self.max_batch):
                 part = [(job, i) for job, i in owners[start:start + self.max_batch] if not job.cancelled]
                 if part:
-                    self.llm.generate([job.req.prompts[i] for job, i in part], [job.req.params for job, _ in part],
+                    self.llm.generate([job.runs[i][0] for job, i in part], [job.runs[i][1] for job, i in part],
                                       on_tokens=lambda k, ids, part=part: part[k][0].on_tokens(ids),
                                       on_done=lambda k, out, part=part: part[k][0].on_done(part[k][1], out))
         except BaseException as e:

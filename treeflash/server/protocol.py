@@ -9,7 +9,7 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from treeflash.engine.sampling import SamplingParams
@@ -51,7 +51,7 @@ UNSUPPORTED = {
     "continue_final_message": ((None, False), "continue_final_message is not supported"),
 }
 MAX_STOPS = 64
-MAX_PROMPTS = 1024
+MAX_PROMPTS = 1024  # choices per request: prompts x n
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,16 @@ class Request:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    n: int = 1                 # choices per prompt
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def runs(self) -> list[tuple[list[int], SamplingParams]]:
+        """(prompt, params) of each choice, prompt-major (choice index = prompt * n + j).
+        With a seed, choice j samples with seed + j: n different answers, reproducible."""
+        seeded = self.n > 1 and self.params.seed is not None
+        return [(p, replace(self.params, seed=(self.params.seed + j) % 2 ** 63) if seeded else self.params)
+                for p in self.prompts for j in range(self.n)]
 
 
 def _short(value) -> str:
@@ -151,9 +159,8 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
     for key, (harmless, why) in UNSUPPORTED.items():
         if body.get(key) not in harmless:
             raise APIError(why, param=key)
-    for key in ("n", "best_of"):
-        if _number(body, key, 1, int, 1) != 1:
-            raise APIError(f"only {key} = 1 is supported (send several requests instead)", param=key)
+    if _number(body, "best_of", 1, int, 1) != 1:
+        raise APIError("only best_of = 1 is supported (it ranks choices by logprobs)", param="best_of")
     for key in ("presence_penalty", "frequency_penalty"):
         if _number(body, key, 0, (int, float), -2, 2) != 0:
             raise APIError(f"'{key}' is not supported: sampling stays exactly the target model's", param=key)
@@ -238,7 +245,17 @@ def parse_completion(body: dict, served: str, encode, max_model_len: int,
     if stream and len(ids) > 1:
         raise APIError("streaming takes one prompt per request", param="prompt")
     params = _sampling(body, [len(i) for i in ids], max_model_len, DEFAULT_COMPLETION_TOKENS, defaults)
-    return Request("completion", ids, params, stream, include_usage)
+    return Request("completion", ids, params, stream, include_usage, _choices(body, len(ids), stream))
+
+
+def _choices(body: dict, prompts: int, stream: bool) -> int:
+    """`n`, the choices per prompt (1 when streamed)."""
+    n = _number(body, "n", 1, int, 1)
+    if n > 1 and stream:
+        raise APIError("streaming takes n = 1 (send several requests instead)", param="n")
+    if n * prompts > MAX_PROMPTS:
+        raise APIError(f"at most {MAX_PROMPTS} choices per request (prompts x n), got {n * prompts}", param="n")
+    return n
 
 
 def parse_chat(body: dict, served: str, template, encode, max_model_len: int,
@@ -271,7 +288,7 @@ def parse_chat(body: dict, served: str, template, encode, max_model_len: int,
     ids = [_encode(encode, text, param="messages", special=False)]
     stream, include_usage = _stream_flags(body)
     return Request("chat", ids, _sampling(body, [len(ids[0])], max_model_len, None, defaults), stream,
-                   include_usage)
+                   include_usage, _choices(body, 1, stream))
 
 
 def _encode(encode, prompt, param: str, **kw) -> list[int]:
