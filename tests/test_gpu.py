@@ -98,12 +98,10 @@ def test_sampling_modes_keep_their_graphs(pair):
     assert captures == [4, 6] + [6] * 7  # greedy's were kept from the first request
 
 
-def test_batch_sizes_share_padded_graphs(pair, monkeypatch):
-    """A batch runs the graphs of its batch-size bucket (a power of two: 3 requests are
-    padded to 4 with requests that never run a round), and the states of recent buckets
-    are kept with their graphs, least recently used dropped first: a server's changing
-    batch sizes replay graphs instead of capturing. Every output equals the eager
-    engine's, and a batch returns only its own requests."""
+def test_batch_sizes_keep_their_graphs(pair, monkeypatch):
+    """The states of recent batch sizes are kept with their graphs (up to GRAPH_STATES,
+    least recently used dropped first): a server's changing batch sizes replay graphs
+    instead of capturing. Every output equals the eager engine's."""
     import treeflash.engine.llm as llm_module
     target, drafter = pair
     kw = dict(draft_model=drafter, method="ddtree", budget=16, device="cuda", dtype="float32")
@@ -119,10 +117,10 @@ def test_batch_sizes_share_padded_graphs(pair, monkeypatch):
 
     for batch in (PROMPTS[:3], PROMPTS, PROMPTS[:1], PROMPTS[1:4], PROMPTS[:2], PROMPTS[:1]):
         run(batch)
-    # 3 (bucket 4): round + prefill; 4: replayed; 1: captured; 3: replayed; 2: captured; 1: replayed
-    assert captures == [2, 2, 4, 4, 6, 6]
+    # each new size: round + prefill; 3 and 1 again: replayed
+    assert captures == [2, 4, 6, 6, 8, 8]
     monkeypatch.setattr(llm_module, "GRAPH_STATES", 2)
     for batch in (PROMPTS * 2, PROMPTS[:1], PROMPTS):
         run(batch)
     # 8 drops all but the most recent (1); 1 is replayed; 4 was dropped: captured again
-    assert captures[6:] == [8, 8, 10]
+    assert captures[6:] == [10, 10, 12]

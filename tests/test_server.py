@@ -533,19 +533,24 @@ def test_sampling_defaults_come_from_generation_config(tmp_path, llm):
     from treeflash.server.protocol import SamplingDefaults
     assert SamplingDefaults.from_folder(tmp_path) == SamplingDefaults(1.0, 1.0, 0)
     (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05}))
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20.0, "repetition_penalty": 1.05}))
     qwen = SamplingDefaults.from_folder(tmp_path)
-    assert (qwen.temperature, qwen.top_p, qwen.top_k, qwen.ignored) == (0.6, 0.95, 20, ("repetition_penalty 1.05",))
-    for bad in ('{"temperature": -1}', '{"top_p": 0}', '{"top_k": 2.5}', '[1]', '{'):
+    assert (qwen.temperature, qwen.top_p, qwen.top_k, qwen.max_tokens, qwen.ignored) == \
+        (0.6, 0.95, 20, None, ("repetition_penalty 1.05",))
+    for bad in ('{"temperature": -1}', '{"top_p": 0}', '{"top_k": 2.5}', '{"max_new_tokens": 0}', '[1]', '{'):
         (tmp_path / "generation_config.json").write_text(bad)
         with pytest.raises(UsageError, match="generation_config.json") as e:
             SamplingDefaults.from_folder(tmp_path)
         assert "\n" not in str(e.value)
-    greedy = SamplingDefaults(temperature=0.0)
+    greedy = SamplingDefaults(temperature=0.0, max_tokens=5)
     want = llm.generate(PROMPT, SamplingParams(max_new_tokens=12))[0].text
-    with TestClient(build_app(llm, "t", defaults=greedy)) as c:
+    template = ChatTemplate("{{ messages[0].content }}")
+    with TestClient(build_app(llm, "t", template, defaults=greedy)) as c:
         body = {"prompt": PROMPT, "max_tokens": 12}
         assert c.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT},
+                                                                 ], "ignore_eos": True}).json()
+        assert chat["usage"]["completion_tokens"] == 5  # the file's max_new_tokens
         sampled = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=5)
         got = c.post("/v1/completions", json={**body, "temperature": 1.0, "top_p": 0.9, "seed": 5}).json()
         assert got["choices"][0]["text"] == llm.generate(PROMPT, sampled)[0].text

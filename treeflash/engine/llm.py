@@ -28,14 +28,14 @@ DEFAULT_BUDGET = 64
 GRAPHED_PREFILL_MAX = 512  # padded prompt tokens of a batch up to which prefills are CUDA graphs:
                            # past it compute dominates, and each shape's graph keeps its own memory
 GRAPH_STATES = 4           # batch states kept with their CUDA graphs (least recently used goes first),
-GRAPH_STATES_SHARE = 0.25  # while their caches take at most this share of the memory free after loading
+GRAPH_STATES_SHARE = 0.25  # while they take at most this share of the memory free after loading
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
 
 
-def graph_batch(batch: int) -> int:
-    """The batch-size bucket whose graphs run a batch of `batch` requests (a power of two:
-    a server's changing batch sizes replay a few graphs instead of capturing one each)."""
-    return 1 << (batch - 1).bit_length()
+def state_key(batch: int, max_len: int) -> tuple[int, int]:
+    """(batch size, cache bucket): the graphed batch state a batch runs on. Cache lengths
+    are rounded up to a power of two (at least 1024): a few shapes, a few graphs."""
+    return batch, 1 << max(10, (max_len - 1).bit_length())
 
 
 @dataclass
@@ -333,15 +333,11 @@ class LLM:
         max_len = max(len(i) + m for i, m in zip(ids, limits)) + headroom
         # seeds are drawn here, so that every tensor-parallel rank samples alike
         params = [p if p.seed is not None else replace(p, seed=random.getrandbits(63)) for p in params]
-        real = len(ids)
-        if self.cuda_graphs:  # pad to the batch-size bucket with requests that are done before their first round
-            pad = graph_batch(real) - real
-            ids, params = ids + [ids[0][:1]] * pad, params + [SamplingParams(max_new_tokens=1, seed=0)] * pad
         start = time.perf_counter()
-        first = self._tp.call(self, "_start", (len(ids), max_len, params, ids))
+        first = self._tp.call(self, "_start", (len(ids), max_len, params, ids, self._states_to_drop(len(ids), max_len)))
         outs = [[] for _ in ids]
         rounds = [1] * len(ids)
-        done = [b >= real for b in range(len(ids))]
+        done = [False] * len(ids)
         results: list[GenerationOutput | None] = [None] * len(ids)
         new = [[t] for t in first]
         counts = [1] * len(ids)
@@ -385,7 +381,7 @@ class LLM:
                 rounds[b] += not done[b]  # a round whose tokens b uses (done: ignored)
         if not self.cuda_graphs and self.tp_size == 1:
             self._run = None  # free the caches (graphed states are kept for the next call)
-        return results[:real]
+        return results
 
     def _output(self, ids: list[int], reason: str, p: SamplingParams, rounds: int, seconds: float) -> GenerationOutput:
         """A finished request's output: text cut at the first stop string, and its stats
@@ -401,12 +397,17 @@ class LLM:
             **({"nodes_per_round": self.decoder.budget} if self.method == "ddtree" else {}),
         })
 
-    def _start(self, batch: int, max_len: int, params: list[SamplingParams], prompts: list[list[int]]):
-        """On every rank: a batch state (or the captured graph's) and the prefill.
-        Returns each request's first token."""
+    def _start(self, batch: int, max_len: int, params: list[SamplingParams], prompts: list[list[int]],
+               drop: list[tuple[int, int]]):
+        """On every rank: a batch state (or the captured graph's) and the prefill, after
+        dropping the graphed states `drop` (the driver's choice). Returns each request's
+        first token."""
         if self._run is not None:  # the previous batch's last round, still in flight: wait
             self._run.pipe.finish()  # for it before its state or graph may be dropped
         self._run = None  # the previous batch's caches go before the new ones are made
+        if drop:
+            self.drop_graphs(drop)
+            torch.cuda.empty_cache()
         st, run_round, graphed = self._runner(batch, max_len, SamplingBatch.from_params(params, self.device))
         ids, lens = self.decoder.prefill_inputs(st, prompts)
         if graphed is None or ids.numel() > GRAPHED_PREFILL_MAX:
@@ -446,35 +447,40 @@ class LLM:
         """Rounds and prefills captured so far (a benchmark sees recaptures)."""
         return self._dropped_captures + sum(g.captures for g in self._graphs.values())
 
-    def drop_graphs(self, keep: int = 0) -> None:
-        """Free the captured graphs and batch states but the `keep` most recently used
-        (the next batch of a dropped shape captures anew)."""
-        while len(self._graphs) > keep:
-            _, g = self._graphs.popitem(last=False)
-            self._dropped_captures += g.captures
+    def drop_graphs(self, keys: list[tuple[int, int]] | None = None) -> None:
+        """Free the graphed batch states `keys` (all by default) with their graphs: the
+        next batch of a dropped shape captures anew."""
+        for key in list(self._graphs) if keys is None else keys:
+            self._dropped_captures += self._graphs.pop(key).captures
+
+    def _states_to_drop(self, batch: int, max_len: int) -> list[tuple[int, int]]:
+        """On the driver: the kept graphed states to free before this batch's state is made,
+        least recently used first, to stay within GRAPH_STATES states and the memory
+        budget. Decided here once and sent to every rank with `_start`, so that all ranks
+        keep the same states and capture alike (their own free memory may differ)."""
+        key = state_key(batch, max_len)
+        if not self.cuda_graphs or key in self._graphs:
+            return []
+        kept = list(self._graphs.values())  # least recently used first
+        need = kept[-1].nbytes * math.prod(key) // math.prod(kept[-1].key) if kept else 0
+        drop = []
+        while kept and (len(kept) >= GRAPH_STATES
+                        or sum(g.nbytes for g in kept) + need > max(self._states_budget, need)):
+            drop.append(kept.pop(0).key)
+        return drop
 
     def _runner(self, batch: int, max_len: int, sampling: SamplingBatch):
         """A batch state, the function that runs one round on it, and its `GraphedState`
         (None without CUDA graphs: eager rounds and prefill).
 
-        With CUDA graphs, states are bucketed (cache length rounded up) and kept, with
-        every round and prefill captured on them, for the next call with the same batch
-        size and bucket; the sampling values are copied into the captured buffers.
+        With CUDA graphs, states are bucketed (`state_key`) and kept, with every round and
+        prefill captured on them, for later calls with the same batch size and bucket; the
+        sampling values are copied into the captured buffers.
         """
         if not self.cuda_graphs:
             return self.decoder.new_state(batch, max_len, sampling), self.decoder.round, None
-        bucket = 1 << max(10, (max_len - 1).bit_length())
-        key = (batch, bucket)
-        g = self._graphs.pop(key, None)
-        if g is None:
-            kept = list(self._graphs.values())
-            need = kept[-1].st.nbytes // math.prod(kept[-1].key) * batch * bucket if kept else 0
-            while self._graphs and (len(self._graphs) >= GRAPH_STATES or sum(
-                    s.st.nbytes for s in self._graphs.values()) + need > max(self._states_budget, need)):
-                self.drop_graphs(keep=len(self._graphs) - 1)
-            if len(kept) > len(self._graphs):
-                torch.cuda.empty_cache()
-            g = GraphedState(self.decoder, batch, bucket, sampling)
+        key = state_key(batch, max_len)
+        g = self._graphs.pop(key, None) or GraphedState(self.decoder, *key, sampling)
         self._graphs[key] = g  # now the most recently used
         return g.st, g.use(sampling), g
 

@@ -14,6 +14,7 @@ CUDA graph (`GraphedRound`); the host only reads back the committed tokens.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -52,12 +53,6 @@ class BatchState:
     @property
     def batch_size(self) -> int:
         return self.n.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of its caches (target and drafter K/V)."""
-        caches = [c for c in (self.cache, self.draft_cache) if c is not None]
-        return sum(t.numel() * t.element_size() for c in caches for t in (c.k, c.v))
 
 
 class SpeculativeDecoder:
@@ -283,18 +278,30 @@ class GraphedState:
 
     def __init__(self, decoder: SpeculativeDecoder, batch: int, bucket: int, sampling: SamplingBatch):
         self.decoder, self.key = decoder, (batch, bucket)
-        self.st = decoder.new_state(batch, bucket, sampling)
+        self.nbytes = 0    # device memory it holds: caches and graph pool (`_counted`)
+        self.captures = 0
+        with self._counted():
+            self.st = decoder.new_state(batch, bucket, sampling)
         self.pool = torch.cuda.graph_pool_handle()
         self.rounds: dict[tuple[bool, bool], GraphedRound] = {}
         self.prefills: dict[tuple, GraphedPrefill] = {}
-        self.captures = 0  # graphs captured so far
+
+    @contextmanager
+    def _counted(self):
+        """Add what the allocator reserves meanwhile to `nbytes` (an upper bound: warm-up
+        temporaries outside the pool count too)."""
+        device = self.decoder.target.lm_head.weight.device
+        before = torch.cuda.memory_reserved(device)
+        yield
+        self.nbytes += max(0, torch.cuda.memory_reserved(device) - before)
 
     def use(self, sampling: SamplingBatch) -> GraphedRound:
         """Take the batch's sampling values and mode; the mode's round (captured now if new)."""
         self.st.sampling.copy_(sampling)
         mode = (sampling.any_sampled, sampling.any_filtered)
         if mode not in self.rounds:
-            self.rounds[mode] = GraphedRound(self.decoder, self.st, pool=self.pool)
+            with self._counted():
+                self.rounds[mode] = GraphedRound(self.decoder, self.st, pool=self.pool)
             self.captures += 1
         return self.rounds[mode]
 
@@ -306,5 +313,6 @@ class GraphedState:
         if key in self.prefills:
             self.prefills[key](self.st, ids, lens)
         else:
-            self.prefills[key] = GraphedPrefill(self.decoder, self.st, ids, lens, pool=self.pool)
+            with self._counted():
+                self.prefills[key] = GraphedPrefill(self.decoder, self.st, ids, lens, pool=self.pool)
             self.captures += 1

@@ -58,11 +58,13 @@ MAX_PROMPTS = 1024  # choices per request: prompts x n
 class SamplingDefaults:
     """What a request that leaves temperature, top_p or top_k out gets: OpenAI's values,
     or those of the model's generation_config.json, which vLLM and SGLang apply by
-    default (Qwen3, for one, asks for temperature 0.6, top_p 0.95, top_k 20)."""
+    default (Qwen3, for one, asks for temperature 0.6, top_p 0.95, top_k 20). The file's
+    max_new_tokens bounds a chat request without max_tokens, as in vLLM."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0              # 0: off
+    max_tokens: int | None = None  # chat without max_tokens (None: what fits the context)
     ignored: tuple[str, ...] = ()  # the file's sampling settings this engine does not apply
 
     @classmethod
@@ -76,21 +78,26 @@ class SamplingDefaults:
             raise UsageError(f"{path}: not readable JSON ({e})") from None
         if not isinstance(config, dict):
             raise UsageError(f"{path}: must hold a JSON object")
-        got = {k: config[k] for k in ("temperature", "top_p", "top_k") if config.get(k) is not None}
+        got = {k: config[k] for k in ("temperature", "top_p", "top_k", "max_new_tokens")
+               if config.get(k) is not None}
+        for k in ("top_k", "max_new_tokens"):  # 20.0 is 20
+            if isinstance(got.get(k), float) and got[k].is_integer():
+                got[k] = int(got[k])
         if got.get("top_k") == -1:
             got["top_k"] = 0
         params = SamplingParams(temperature=got.get("temperature", 1.0), top_p=got.get("top_p", 1.0),
-                                top_k=got.get("top_k", 0))
+                                top_k=got.get("top_k", 0), max_new_tokens=got.get("max_new_tokens", 1))
         try:
             params.validate()
         except TreeflashError as e:
             raise UsageError(f"{path}: {e}") from None
         ignored = tuple(f"{k} {config[k]}" for k, off in (("repetition_penalty", 1), ("min_p", 0))
                         if config.get(k) not in (None, off))
-        return cls(float(params.temperature), float(params.top_p), params.top_k, ignored)
+        return cls(float(params.temperature), float(params.top_p), params.top_k, got.get("max_new_tokens"), ignored)
 
     def describe(self) -> str:
-        return f"temperature {self.temperature:g}, top_p {self.top_p:g}, top_k {self.top_k or 'off'}"
+        tokens = f", chat max_tokens {self.max_tokens}" if self.max_tokens else ""
+        return f"temperature {self.temperature:g}, top_p {self.top_p:g}, top_k {self.top_k or 'off'}{tokens}"
 
 
 class APIError(Exception):
@@ -287,7 +294,7 @@ def parse_chat(body: dict, served: str, template, encode, max_model_len: int,
         raise APIError(f"the chat template refused the messages: {e}", param="messages") from None
     ids = [_encode(encode, text, param="messages", special=False)]
     stream, include_usage = _stream_flags(body)
-    return Request("chat", ids, _sampling(body, [len(ids[0])], max_model_len, None, defaults), stream,
+    return Request("chat", ids, _sampling(body, [len(ids[0])], max_model_len, defaults.max_tokens, defaults), stream,
                    include_usage, _choices(body, 1, stream))
 
 
