@@ -1,7 +1,7 @@
 """What recapturing CUDA graphs would cost a server: requests on the built-in pair
 (ddtree-32, graphs on, 64 new tokens) that alternate between greedy and sampled, then
 between batch sizes 1 and 3. The engine keeps each sampling mode's graphs and the
-states of recent batch-size buckets; dropping them before every request (what one kept
+states of recent batch sizes; dropping them before every request (what one kept
 graph meant) shows what a switch would cost.
 
     python scripts/graph_reuse.py          # needs a CUDA GPU
