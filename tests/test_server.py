@@ -585,6 +585,23 @@ def test_serving_on_the_gpu_with_cuda_graphs():
     test_the_engine_goes_on_after_a_cancelled_generation(gpu)  # a graph round left in flight, then exact
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_warm_up_captures_what_requests_need():
+    """After `treeflash serve`'s warm-up, short requests and chat requests without
+    max_tokens (whose cache may fill the context) capture nothing, in any sampling mode."""
+    from treeflash.server.cli import warm_up
+    gpu = LLM(device="cuda", dtype="bfloat16")
+    warm_up(gpu)
+    captured = gpu.graph_captures
+    with TestClient(build_app(gpu, "tiny", ChatTemplate("{{ messages[0].content }}"))) as c:
+        for extra in ({"temperature": 0}, {"temperature": 0.7}, {"temperature": 0.7, "top_p": 0.9}):
+            assert c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, **extra}).status_code == 200
+            chat = {"messages": [{"role": "user", "content": PROMPT}], **extra}
+            assert c.post("/v1/chat/completions", json=chat).status_code == 200
+    assert gpu.graph_captures == captured
+
+
 def test_treeflash_serve_shuts_down_promptly():
     """SIGTERM with requests running and queued: they are answered "shutting down" (a
     streamed one gets it as its last event) within a round, and the server exits without a

@@ -40,14 +40,18 @@ def _check_listen(host: str, port: int) -> None:
 
 
 def warm_up(llm) -> None:
-    """Compile the kernels and capture the rounds' CUDA graphs (greedy, sampled, and sampled
-    with top-p; the engine keeps all three) before the first client comes, not during its
-    request (a cold Triton cache is many seconds)."""
+    """Compile the kernels and capture the rounds' CUDA graphs before the first client
+    comes, not during its request (a cold Triton cache is many seconds): greedy, sampled,
+    and sampled with top-p (the engine keeps all three), each for a short request and for
+    one that may fill the context (a chat request without max_tokens), which ends after
+    its first round."""
     from treeflash import SamplingParams
     prompt = [llm.eos_token_ids[0] if llm.eos_token_ids else 0]
-    for temperature, top_p in ((0.0, 1.0), (1.0, 1.0), (1.0, 0.9)):
-        llm.generate(prompt, SamplingParams(max_new_tokens=2, temperature=temperature, top_p=top_p, seed=0,
-                                            ignore_eos=True))
+    for max_new_tokens in (2, llm.max_model_len - len(prompt)):
+        for temperature, top_p in ((0.0, 1.0), (1.0, 1.0), (1.0, 0.9)):
+            llm.generate(prompt, SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                                top_p=top_p, seed=0, ignore_eos=True),
+                         on_tokens=lambda i, ids: True)
 
 
 def cmd_serve(args) -> int:
