@@ -202,6 +202,39 @@ def test_n_choices_per_prompt(client, llm):
     assert len(chat["choices"]) == 2 and chat["choices"][0]["message"] == chat["choices"][1]["message"]
 
 
+def scrape(client) -> dict:
+    """GET /metrics as {sample name with labels: value}."""
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in r.text.splitlines() if line and not line.startswith("#")}
+
+
+def test_metrics_count_requests_tokens_and_forwards(client):
+    """/metrics (Prometheus text): requests by outcome, finished generations by reason,
+    prompt and generated tokens, and the target forwards behind them (tokens / forwards
+    is tau), as the responses' usage reports them."""
+    before = scrape(client)
+    whole = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 20, "temperature": 0, "n": 2,
+                                                 "ignore_eos": True}).json()
+    streamed = events(client.post("/v1/completions", json={
+        "prompt": PROMPT, "max_tokens": 7, "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True}}))
+    bad = client.post("/v1/completions", json={"prompt": [5, 99999]})  # refused before the engine: not counted
+    assert bad.status_code == 400
+    after = scrape(client)
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    assert delta['treeflash_requests_total{outcome="ok"}'] == 2
+    assert delta['treeflash_requests_total{outcome="error"}'] == 0
+    assert delta['treeflash_choices_total{finish_reason="length"}'] == 3
+    assert delta["treeflash_generation_tokens_total"] == 20 * 2 + 7
+    assert delta["treeflash_prompt_tokens_total"] == 3 * whole["usage"]["prompt_tokens"]
+    assert delta["treeflash_request_seconds_count"] == 2 and delta["treeflash_request_seconds_sum"] > 0
+    assert 3 <= delta["treeflash_target_forwards_total"] < 47  # the drafter gets more than one token a forward
+    assert streamed[-2]["usage"]["completion_tokens"] == 7
+    assert after["treeflash_requests_running"] == 0 and after["treeflash_requests_waiting"] == 0
+
+
 def test_stop_token_ids_end_like_eos(client, llm):
     """A stop token id ends the request where greedy decoding first produces it, kept in
     the tokens (as vLLM does), with finish_reason "stop"; whole and streamed alike."""
@@ -296,11 +329,11 @@ class FakeLLM:
         return outs
 
 
-def _job(tokenizer, *prompts, tokens=2):
+def _job(tokenizer, *prompts, tokens=2, metrics=None):
     from treeflash.server.app import Job
     from treeflash.server.protocol import Request
     return Job(Request("completion", [list(p) for p in prompts], SamplingParams(max_new_tokens=tokens)), None,
-               tokenizer)
+               tokenizer, metrics)
 
 
 def _wait(condition, timeout=30.0):
@@ -315,7 +348,8 @@ def fake_worker(llm):
     from treeflash.server.app import EngineWorker
     fake = FakeLLM(llm.tokenizer)
     worker = EngineWorker(fake, max_batch=4)
-    yield fake, worker, lambda *prompts, tokens=2: _job(llm.tokenizer, *prompts, tokens=tokens)
+    yield fake, worker, lambda *prompts, tokens=2: _job(llm.tokenizer, *prompts, tokens=tokens,
+                                                        metrics=worker.metrics)
     worker.stop()
 
 
@@ -366,7 +400,7 @@ def test_a_gone_client_ends_only_its_request(fake_worker):
     assert [o.text for o in a.future.result(30)] == ["3"]
     with pytest.raises(RuntimeError, match="poisoned"):
         b.future.result(30)
-
+    assert worker.metrics.requests == {"ok": 2, "error": 1, "cancelled": 1}  # as /metrics counts them
 
 def test_stopping_the_worker_ends_running_and_queued_requests(fake_worker):
     """Shutting down: the running request ends at its next step and the queued ones never

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP server (ASGI, Starlette): /v1/completions,
-/v1/chat/completions (streamed as server-sent events or whole), /v1/models, /health.
+/v1/chat/completions (streamed as server-sent events or whole), /v1/models, /health,
+/metrics (Prometheus).
 
 The engine is not thread-safe and a request is a tight loop of GPU rounds, so one
 `EngineWorker` thread owns the `LLM` and runs the queued requests a batch at a time
@@ -15,16 +16,18 @@ import json
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future, InvalidStateError
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from treeflash.errors import TreeflashError
+from treeflash.server.metrics import ServerMetrics
 from treeflash.server.protocol import (APIError, Request, SamplingDefaults, chunk, parse_chat, parse_completion,
                                       response, usage)
 from treeflash.tokenizer import TextStream
@@ -53,8 +56,9 @@ class Job:
     """A request on its way through the worker: a future for its outputs and, when
     streamed, a queue of text deltas filled from the worker thread."""
 
-    def __init__(self, req: Request, loop: asyncio.AbstractEventLoop, tokenizer):
-        self.req, self.loop = req, loop
+    def __init__(self, req: Request, loop: asyncio.AbstractEventLoop, tokenizer, metrics: ServerMetrics | None = None):
+        self.req, self.loop, self.metrics = req, loop, metrics
+        self.arrived = time.monotonic()
         self.error: BaseException | None = None  # set when cancelled: what the request is answered
         self.started = False    # tokens have been handed to it (a retry would repeat them)
         self.runs = req.runs()  # (prompt, params) per choice
@@ -88,6 +92,8 @@ class Job:
 
     def on_done(self, i: int, output) -> None:  # worker thread
         self.outputs[i] = output
+        if self.metrics is not None:
+            self.metrics.choice_done(len(self.runs[i][0]), output)
         if all(o is not None for o in self.outputs):
             if self.cancelled:
                 self.settle(error=self.error)
@@ -102,6 +108,9 @@ class Job:
                 self.future.set_exception(error)
         except InvalidStateError:  # settled already, or its waiter cancelled it
             return
+        if self.metrics is not None:
+            outcome = "ok" if error is None else "cancelled" if isinstance(error, Cancelled) else "error"
+            self.metrics.request_done(outcome, time.monotonic() - self.arrived)
         if self.deltas is not None:
             self._to_loop(_DONE)
 
@@ -111,8 +120,9 @@ class EngineWorker:
     prompts per `generate` call, and settles each job's future as soon as its prompts
     are done."""
 
-    def __init__(self, llm, max_batch: int = 1):
+    def __init__(self, llm, max_batch: int = 1, metrics: ServerMetrics | None = None):
         self.llm, self.max_batch = llm, max_batch
+        self.metrics = metrics or ServerMetrics()
         self.jobs: queue.Queue = queue.Queue()
         self.running: list[Job] = []
         self.stopping = False
@@ -120,7 +130,7 @@ class EngineWorker:
         self.thread.start()
 
     def submit(self, req: Request) -> Job:
-        job = Job(req, asyncio.get_running_loop(), self.llm.tokenizer)
+        job = Job(req, asyncio.get_running_loop(), self.llm.tokenizer, self.metrics)
         self.jobs.put(job)
         return job
 
@@ -321,6 +331,11 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
     async def health(_):
         return AsciiJSONResponse({"status": "ok"})
 
+    async def metrics(_):
+        w = worker()
+        text = w.metrics.render(running=len(w.running), waiting=w.jobs.qsize(), graph_captures=llm.graph_captures)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
     async def http_error(_, exc: HTTPException):  # unknown paths, wrong methods: OpenAI bodies too
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(APIError(str(exc.detail), status=exc.status_code, type=kind))
@@ -342,7 +357,7 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         yield
         shutdown()
 
-    routes = [Route("/health", health), Route("/v1/models", models),
+    routes = [Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat, methods=["POST"])]
     app = Starlette(routes=routes, lifespan=lifespan,

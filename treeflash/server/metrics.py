@@ -1,0 +1,69 @@
+"""What an operator scrapes from `GET /metrics`: Prometheus counters and gauges of the
+requests served, the tokens generated and the target forwards that produced them (their
+ratio is the mean acceptance length tau that decides the speed-up).
+
+Updated from the engine thread and read from the event loop, under one lock.
+"""
+from __future__ import annotations
+
+import threading
+
+OUTCOMES = ("ok", "error", "cancelled")
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests = dict.fromkeys(OUTCOMES, 0)
+        self.request_seconds = 0.0
+        self.choices = dict.fromkeys(FINISH_REASONS, 0)
+        self.prompt_tokens = self.generated_tokens = self.target_forwards = 0
+
+    def choice_done(self, prompt_tokens: int, output) -> None:
+        """One prompt's generation finished (a `GenerationOutput`)."""
+        with self.lock:
+            self.choices[output.finish_reason] = self.choices.get(output.finish_reason, 0) + 1
+            self.prompt_tokens += prompt_tokens
+            self.generated_tokens += len(output.token_ids)
+            self.target_forwards += output.stats.get("rounds", 0)
+
+    def request_done(self, outcome: str, seconds: float) -> None:
+        """A request that reached the engine's queue was answered: "ok", "error", or
+        "cancelled" (its client went away); `seconds` from its arrival, queueing included."""
+        with self.lock:
+            self.requests[outcome] += 1
+            self.request_seconds += seconds
+
+    def render(self, running: int, waiting: int, graph_captures: int) -> str:
+        """The Prometheus text exposition (format 0.0.4)."""
+        with self.lock:
+            families = [
+                ("treeflash_requests_total", "counter", "Requests answered, by outcome.",
+                 [({"outcome": k}, v) for k, v in self.requests.items()]),
+                ("treeflash_request_seconds", "summary", "Request time from arrival to answer, queueing included.",
+                 [("_sum", self.request_seconds), ("_count", sum(self.requests.values()))]),
+                ("treeflash_choices_total", "counter", "Generations (one per prompt and choice) finished, by reason.",
+                 [({"finish_reason": k}, v) for k, v in self.choices.items()]),
+                ("treeflash_prompt_tokens_total", "counter", "Prompt tokens of finished generations.",
+                 [({}, self.prompt_tokens)]),
+                ("treeflash_generation_tokens_total", "counter", "Tokens generated.", [({}, self.generated_tokens)]),
+                ("treeflash_target_forwards_total", "counter",
+                 "Target forwards (rounds, the prefill included) of finished generations: generation tokens "
+                 "divided by this is tau.", [({}, self.target_forwards)]),
+                ("treeflash_requests_running", "gauge", "Requests in the engine now.", [({}, running)]),
+                ("treeflash_requests_waiting", "gauge", "Requests queued for the engine.", [({}, waiting)]),
+                ("treeflash_graph_captures_total", "counter", "CUDA graphs captured (warm-up included).",
+                 [({}, graph_captures)]),
+            ]
+        lines = []
+        for name, kind, help_, samples in families:
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+            for labels, value in samples:
+                value = str(value) if isinstance(value, int) else repr(float(value))
+                if isinstance(labels, str):  # a summary's _sum / _count
+                    lines.append(f"{name}{labels} {value}")
+                else:
+                    text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+                    lines.append(f"{name}{{{text}}} {value}" if text else f"{name} {value}")
+        return "\n".join(lines) + "\n"
