@@ -444,8 +444,9 @@ class LLM:
 
     @property
     def graph_captures(self) -> int:
-        """Rounds and prefills captured so far (a benchmark sees recaptures)."""
-        return self._dropped_captures + sum(g.captures for g in self._graphs.values())
+        """Rounds and prefills captured so far (a benchmark sees recaptures). Safe to read
+        from another thread (the server's /metrics): the states are listed in one step."""
+        return self._dropped_captures + sum(g.captures for g in list(self._graphs.values()))
 
     def drop_graphs(self, keys: list[tuple[int, int]] | None = None) -> None:
         """Free the graphed batch states `keys` (all by default) with their graphs: the
