@@ -160,7 +160,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "min_p": 0.5}, 400, "min_p"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": 1}, 400, "stop_token_ids"),
-    ("/v1/completions", {"prompt": "x", "stop_token_ids": [99999]}, 400, None),  # the engine's check: vocabulary
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [99999], "stream": True}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "include_stop_str_in_output": True}, 400, "include_stop_str_in_output"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": "no"}}, 400,
@@ -228,7 +229,7 @@ def test_metrics_count_requests_tokens_and_forwards(client):
     assert delta['treeflash_requests_total{outcome="error"}'] == 0
     assert delta['treeflash_choices_total{finish_reason="length"}'] == 3
     assert delta["treeflash_generation_tokens_total"] == 20 * 2 + 7
-    assert delta["treeflash_prompt_tokens_total"] == 3 * whole["usage"]["prompt_tokens"]
+    assert delta["treeflash_prompt_tokens_total"] == 2 * whole["usage"]["prompt_tokens"]  # once per prompt
     assert delta["treeflash_request_seconds_count"] == 2 and delta["treeflash_request_seconds_sum"] > 0
     assert 3 <= delta["treeflash_target_forwards_total"] < 47  # the drafter gets more than one token a forward
     assert streamed[-2]["usage"]["completion_tokens"] == 7
@@ -236,18 +237,35 @@ def test_metrics_count_requests_tokens_and_forwards(client):
 
 
 def test_stop_token_ids_end_like_eos(client, llm):
-    """A stop token id ends the request where greedy decoding first produces it, kept in
-    the tokens (as vLLM does), with finish_reason "stop"; whole and streamed alike."""
+    """A stop token id ends the request where greedy decoding first produces it, as vLLM
+    does: kept in the tokens, left out of the text, finish_reason "stop" and stop_reason
+    the id (a stop string's stop_reason is the string); whole and streamed alike."""
     full = llm.generate(PROMPT, SamplingParams(max_new_tokens=24, ignore_eos=True))[0].token_ids
-    k = next(i for i in range(3, len(full)) if full[i] not in full[:i])
+    k = next(i for i in range(3, len(full)) if full[i] not in full[:i] and llm.tokenizer.decode(full[i:i + 1]))
     got = llm.generate(PROMPT, SamplingParams(max_new_tokens=24, ignore_eos=True, stop_token_ids=[full[k]]))[0]
-    assert got.token_ids == full[:k + 1] and got.finish_reason == "stop"
+    assert got.token_ids == full[:k + 1] and got.finish_reason == "stop" and got.stop_reason == full[k]
+    assert got.text == llm.tokenizer.decode(full[:k])
     body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop_token_ids": [full[k]]}
-    whole = client.post("/v1/completions", json=body).json()
-    assert whole["choices"][0]["text"] == got.text and whole["choices"][0]["finish_reason"] == "stop"
-    assert whole["usage"]["completion_tokens"] == k + 1
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert (whole["text"], whole["finish_reason"], whole["stop_reason"]) == (got.text, "stop", full[k])
     streamed = events(client.post("/v1/completions", json={**body, "stream": True}))
     assert "".join(e["choices"][0]["text"] for e in streamed[:-1]) == got.text
+    assert streamed[-2]["choices"][0]["stop_reason"] == full[k]
+    stop = llm.tokenizer.decode(full[k:k + 2]).strip() or llm.tokenizer.decode(full[k:k + 2])
+    by_string = client.post("/v1/completions", json={**body, "stop_token_ids": [], "stop": [stop]}).json()
+    assert by_string["choices"][0]["stop_reason"] == stop
+
+
+def test_warm_up_runs_rounds_in_every_mode(llm, monkeypatch):
+    """`treeflash serve`'s warm-up runs rounds (with --eager that is what compiles the
+    round's kernels) in the greedy, sampled and top-p modes."""
+    from treeflash.server.cli import warm_up
+    modes = []
+    real = llm.decoder.round
+    monkeypatch.setattr(llm.decoder, "round", lambda st: modes.append(
+        (st.sampling.any_sampled, st.sampling.any_filtered)) or real(st))
+    warm_up(llm, chat_max_tokens=8)
+    assert set(modes) == {(False, False), (True, False), (True, True)}
 
 
 def test_values_that_ask_for_nothing_are_accepted(client, llm):

@@ -98,10 +98,11 @@ def cmd_generate(args) -> int:
     if args.json:
         for out in llm.generate(prompts, params):
             print(json.dumps({"text": out.text, "token_ids": out.token_ids,
-                              "finish_reason": out.finish_reason, "stats": out.stats}), flush=True)
+                              "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+                              "stats": out.stats}), flush=True)
         return 0
     stream = len(prompts) == 1 and not params.stop
-    shown = TextStream(llm.tokenizer)
+    shown = TextStream(llm.tokenizer, end_ids=llm.end_ids(params))
 
     def on_tokens(_, ids):
         sys.stdout.write(shown.push(ids))

@@ -72,12 +72,14 @@ class Tokenizer:
 
 class TextStream:
     """Committed tokens as text deltas that are final: never half a UTF-8 character,
-    never text that a stop string may still cut off. Decoding is incremental (a window
-    of the last tokens, as the text's start depends on where decoding starts), so a
-    long output is not decoded again at every round."""
+    never text that a stop string may still cut off, never the text of a token in
+    `end_ids` that ended the request (the engine ends a request at the first one, so it
+    is the last of its push). Decoding is incremental (a window of the last tokens, as
+    the text's start depends on where decoding starts), so a long output is not decoded
+    again at every round."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str] = ()):
-        self.tokenizer, self.stop = tokenizer, list(stop)
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] = (), end_ids=()):
+        self.tokenizer, self.stop, self.end_ids = tokenizer, list(stop), set(end_ids)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
         self.prefix = self.read = 0  # ids[prefix:read] decode to the end of self.text
@@ -85,7 +87,7 @@ class TextStream:
         self.sent = 0                # characters handed out
 
     def push(self, ids: list[int]) -> str:
-        self.ids += ids
+        self.ids += ids[:-1] if ids and ids[-1] in self.end_ids else ids
         window = self.tokenizer.decode(self.ids[self.prefix:])
         known = self.tokenizer.decode(self.ids[self.prefix:self.read])
         if len(window) > len(known) and not window.endswith("\ufffd"):  # a whole character more

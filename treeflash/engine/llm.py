@@ -44,6 +44,7 @@ class GenerationOutput:
     token_ids: list[int]
     finish_reason: str           # "stop" (EOS or stop string), "length", or "abort" (ended by on_tokens)
     stats: dict = field(default_factory=dict)
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: EOS, or not stopped)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -383,14 +384,22 @@ class LLM:
             self._run = None  # free the caches (graphed states are kept for the next call)
         return results
 
+    def end_ids(self, p: SamplingParams) -> set[int]:
+        """The token ids that end request p (its stop token ids, and EOS unless ignored):
+        kept in its tokens, left out of its text (as vLLM does)."""
+        return set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+
     def _output(self, ids: list[int], reason: str, p: SamplingParams, rounds: int, seconds: float) -> GenerationOutput:
-        """A finished request's output: text cut at the first stop string, and its stats
-        (seconds from the batch's start to this request's last token)."""
-        text = self.tokenizer.decode(ids)
-        hits = [text.find(x) for x in p.stop if x in text]
-        text = text[:min(hits)] if hits else text
+        """A finished request's output: text cut at the first stop string, or without the
+        token that ended it, and its stats (seconds from the batch's start to this
+        request's last token)."""
+        ended_by_token = reason == "stop" and bool(ids) and ids[-1] in self.end_ids(p)
+        text = self.tokenizer.decode(ids[:-1] if ended_by_token else ids)
+        hits = sorted((text.find(x), x) for x in p.stop if x in text)
+        text = text[:hits[0][0]] if hits else text
+        stop_reason = hits[0][1] if hits else ids[-1] if ended_by_token and ids[-1] in p.stop_token_ids else None
         n = len(ids)
-        return GenerationOutput(text, ids, reason, {
+        return GenerationOutput(text, ids, reason, stop_reason=stop_reason, stats={
             "method": self.method, "new_tokens": n, "rounds": rounds,
             "tau": round(n / rounds, 4), "seconds": round(seconds, 4),
             "tokens_per_s": round(n / seconds, 2) if seconds > 0 else None,
@@ -452,7 +461,8 @@ class LLM:
         """Free the graphed batch states `keys` (all by default) with their graphs: the
         next batch of a dropped shape captures anew."""
         for key in list(self._graphs) if keys is None else keys:
-            self._dropped_captures += self._graphs.pop(key).captures
+            self._dropped_captures += self._graphs[key].captures  # counted before it goes: the total
+            del self._graphs[key]                                  # never dips for a reader (/metrics)
 
     def _states_to_drop(self, batch: int, max_len: int) -> list[tuple[int, int]]:
         """On the driver: the kept graphed states to free before this batch's state is made,
@@ -463,7 +473,11 @@ class LLM:
         if not self.cuda_graphs or key in self._graphs:
             return []
         kept = list(self._graphs.values())  # least recently used first
-        need = kept[-1].nbytes * math.prod(key) // math.prod(kept[-1].key) if kept else 0
+        need = 0
+        if kept:  # the last state's caches scaled to this shape, its graph pool to this batch
+            last = kept[-1]
+            need = (last.cache_bytes * math.prod(key) // math.prod(last.key)
+                    + (last.nbytes - last.cache_bytes) * batch // last.key[0])
         drop = []
         while kept and (len(kept) >= GRAPH_STATES
                         or sum(g.nbytes for g in kept) + need > max(self._states_budget, need)):
@@ -481,8 +495,11 @@ class LLM:
         if not self.cuda_graphs:
             return self.decoder.new_state(batch, max_len, sampling), self.decoder.round, None
         key = state_key(batch, max_len)
-        g = self._graphs.pop(key, None) or GraphedState(self.decoder, *key, sampling)
-        self._graphs[key] = g  # now the most recently used
+        if key in self._graphs:
+            self._graphs.move_to_end(key)  # now the most recently used
+        else:
+            self._graphs[key] = GraphedState(self.decoder, *key, sampling)
+        g = self._graphs[key]
         return g.st, g.use(sampling), g
 
     def _accept(self, got: list[int], out: list[int], p: SamplingParams, limit: int) -> str | None:

@@ -54,6 +54,12 @@ class BatchState:
     def batch_size(self) -> int:
         return self.n.shape[0]
 
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of its caches (target and drafter K/V)."""
+        caches = [c for c in (self.cache, self.draft_cache) if c is not None]
+        return sum(t.numel() * t.element_size() for c in caches for t in (c.k, c.v))
+
 
 class SpeculativeDecoder:
     """Runs rounds of `method` ('ar', 'dflash' or 'ddtree' with `budget` nodes).
@@ -278,18 +284,17 @@ class GraphedState:
 
     def __init__(self, decoder: SpeculativeDecoder, batch: int, bucket: int, sampling: SamplingBatch):
         self.decoder, self.key = decoder, (batch, bucket)
-        self.nbytes = 0    # device memory it holds: caches and graph pool (`_counted`)
         self.captures = 0
-        with self._counted():
-            self.st = decoder.new_state(batch, bucket, sampling)
+        self.st = decoder.new_state(batch, bucket, sampling)
+        self.cache_bytes = self.nbytes = self.st.cache_bytes  # the caches; captures add their pool
         self.pool = torch.cuda.graph_pool_handle()
         self.rounds: dict[tuple[bool, bool], GraphedRound] = {}
         self.prefills: dict[tuple, GraphedPrefill] = {}
 
     @contextmanager
     def _counted(self):
-        """Add what the allocator reserves meanwhile to `nbytes` (an upper bound: warm-up
-        temporaries outside the pool count too)."""
+        """Add what the allocator reserves meanwhile to `nbytes`, the memory the state
+        holds (an upper bound: warm-up temporaries outside the graph pool count too)."""
         device = self.decoder.target.lm_head.weight.device
         before = torch.cuda.memory_reserved(device)
         yield

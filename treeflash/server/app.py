@@ -56,16 +56,19 @@ class Job:
     """A request on its way through the worker: a future for its outputs and, when
     streamed, a queue of text deltas filled from the worker thread."""
 
-    def __init__(self, req: Request, loop: asyncio.AbstractEventLoop, tokenizer, metrics: ServerMetrics | None = None):
+    def __init__(self, req: Request, loop: asyncio.AbstractEventLoop, tokenizer, metrics: ServerMetrics | None = None,
+                 end_ids=()):
         self.req, self.loop, self.metrics = req, loop, metrics
         self.arrived = time.monotonic()
+        self.settled = False    # answered (once, under settle_lock: the worker and a shutdown may race)
+        self.settle_lock = threading.Lock()
         self.error: BaseException | None = None  # set when cancelled: what the request is answered
         self.started = False    # tokens have been handed to it (a retry would repeat them)
         self.runs = req.runs()  # (prompt, params) per choice
         self.outputs = [None] * len(self.runs)
         self.future: Future = Future()
         self.deltas: asyncio.Queue | None = asyncio.Queue() if req.stream else None
-        self.text = TextStream(tokenizer, req.params.stop) if req.stream else None
+        self.text = TextStream(tokenizer, req.params.stop, end_ids) if req.stream else None
 
     @property
     def cancelled(self) -> bool:
@@ -92,8 +95,8 @@ class Job:
 
     def on_done(self, i: int, output) -> None:  # worker thread
         self.outputs[i] = output
-        if self.metrics is not None:
-            self.metrics.choice_done(len(self.runs[i][0]), output)
+        if self.metrics is not None:  # a prompt's tokens count once, however many choices it has
+            self.metrics.choice_done(len(self.runs[i][0]) if i % self.req.n == 0 else 0, output)
         if all(o is not None for o in self.outputs):
             if self.cancelled:
                 self.settle(error=self.error)
@@ -101,16 +104,20 @@ class Job:
                 self.settle(self.outputs)
 
     def settle(self, outputs=None, error: BaseException | None = None) -> None:  # worker thread
+        with self.settle_lock:
+            if self.settled:
+                return
+            self.settled = True
+        if self.metrics is not None:
+            outcome = "ok" if error is None else "cancelled" if isinstance(error, Cancelled) else "error"
+            self.metrics.request_done(outcome, time.monotonic() - self.arrived)
         try:
             if error is None:
                 self.future.set_result(outputs)
             else:
                 self.future.set_exception(error)
-        except InvalidStateError:  # settled already, or its waiter cancelled it
-            return
-        if self.metrics is not None:
-            outcome = "ok" if error is None else "cancelled" if isinstance(error, Cancelled) else "error"
-            self.metrics.request_done(outcome, time.monotonic() - self.arrived)
+        except InvalidStateError:  # its waiter cancelled it (the server is shutting down)
+            pass
         if self.deltas is not None:
             self._to_loop(_DONE)
 
@@ -130,7 +137,7 @@ class EngineWorker:
         self.thread.start()
 
     def submit(self, req: Request) -> Job:
-        job = Job(req, asyncio.get_running_loop(), self.llm.tokenizer, self.metrics)
+        job = Job(req, asyncio.get_running_loop(), self.llm.tokenizer, self.metrics, self.llm.end_ids(req.params))
         self.jobs.put(job)
         return job
 
@@ -284,7 +291,8 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
             except BaseException as e:
                 yield _sse(api_error(e).body())
             else:
-                yield _sse(chunk(req, model_name, text=job.text.finish(out.text), finish_reason=out.finish_reason))
+                yield _sse(chunk(req, model_name, text=job.text.finish(out.text), finish_reason=out.finish_reason,
+                                 stop_reason=out.stop_reason))
                 if req.include_usage:
                     yield _sse(chunk(req, model_name, usage_=usage(len(req.prompts[0]), len(out.token_ids))))
             yield "data: [DONE]\n\n"
@@ -317,11 +325,11 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
 
     async def completions(request: HTTPRequest):
         return await serve(request, lambda body: parse_completion(body, model_name, llm.encode, llm.max_model_len,
-                                                                  defaults))
+                                                                  defaults, llm.config.vocab_size))
 
     async def chat(request: HTTPRequest):
         return await serve(request, lambda body: parse_chat(body, model_name, chat_template, llm.encode,
-                                                            llm.max_model_len, defaults))
+                                                            llm.max_model_len, defaults, llm.config.vocab_size))
 
     async def models(_):
         return AsciiJSONResponse({"object": "list", "data": [{

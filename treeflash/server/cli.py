@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+import threading
+from dataclasses import replace
 from pathlib import Path
 
 from treeflash.errors import UsageError
@@ -39,19 +41,21 @@ def _check_listen(host: str, port: int) -> None:
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def warm_up(llm) -> None:
+def warm_up(llm, chat_max_tokens: int | None = None) -> None:
     """Compile the kernels and capture the rounds' CUDA graphs before the first client
     comes, not during its request (a cold Triton cache is many seconds): greedy, sampled,
-    and sampled with top-p (the engine keeps all three), each for a short request and for
-    one that may fill the context (a chat request without max_tokens), which ends after
-    its first round."""
+    and sampled with top-p (the engine keeps all three), each for a short request (run
+    for a few rounds: with --eager that is what compiles the kernels) and for a chat
+    request without max_tokens, which may fill the context (`chat_max_tokens`: the
+    sampling defaults' bound), ended after its prefill."""
     from treeflash import SamplingParams
     prompt = [llm.eos_token_ids[0] if llm.eos_token_ids else 0]
-    for max_new_tokens in (2, llm.max_model_len - len(prompt)):
-        for temperature, top_p in ((0.0, 1.0), (1.0, 1.0), (1.0, 0.9)):
-            llm.generate(prompt, SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                                top_p=top_p, seed=0, ignore_eos=True),
-                         on_tokens=lambda i, ids: True)
+    room = llm.max_model_len - len(prompt)
+    for temperature, top_p in ((0.0, 1.0), (1.0, 1.0), (1.0, 0.9)):
+        params = SamplingParams(max_new_tokens=4, temperature=temperature, top_p=top_p, seed=0, ignore_eos=True)
+        llm.generate(prompt, params)
+        llm.generate(prompt, replace(params, max_new_tokens=min(chat_max_tokens or room, room)),
+                     on_tokens=lambda i, ids: True)
 
 
 def cmd_serve(args) -> int:
@@ -74,7 +78,7 @@ def cmd_serve(args) -> int:
     defaults = SamplingDefaults.from_folder(folder) if args.generation_config == "auto" else SamplingDefaults()
     name = args.served_model_name or (folder.name if args.model else "treeflash-builtin")
     llm = make_llm(args)
-    warm_up(llm)
+    warm_up(llm, defaults.max_tokens)
     print(f"treeflash: serving '{name}' ({llm.method}) on http://{args.host}:{args.port}/v1"
           f"{'' if template else ' (no chat template: /v1/completions only)'}", file=sys.stderr, flush=True)
     if defaults != SamplingDefaults():
@@ -87,7 +91,9 @@ def cmd_serve(args) -> int:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGTERM / Ctrl-C: running and queued requests end now (503)
-            app.state.drain()
+            # from a thread: this handler interrupts the event loop's thread anywhere, maybe
+            # inside a lock that draining takes (the metrics', the queue's)
+            threading.Thread(target=app.state.drain, name="treeflash-drain", daemon=True).start()
             super().handle_exit(sig, frame)
 
     try:

@@ -21,7 +21,8 @@ class ServerMetrics:
         self.prompt_tokens = self.generated_tokens = self.target_forwards = 0
 
     def choice_done(self, prompt_tokens: int, output) -> None:
-        """One prompt's generation finished (a `GenerationOutput`)."""
+        """One generation finished (a `GenerationOutput`); `prompt_tokens` counts its
+        prompt's tokens once per request (0 for the prompt's further choices)."""
         with self.lock:
             self.choices[output.finish_reason] = self.choices.get(output.finish_reason, 0) + 1
             self.prompt_tokens += prompt_tokens
@@ -45,11 +46,12 @@ class ServerMetrics:
                  [("_sum", self.request_seconds), ("_count", sum(self.requests.values()))]),
                 ("treeflash_choices_total", "counter", "Generations (one per prompt and choice) finished, by reason.",
                  [({"finish_reason": k}, v) for k, v in self.choices.items()]),
-                ("treeflash_prompt_tokens_total", "counter", "Prompt tokens of finished generations.",
+                ("treeflash_prompt_tokens_total", "counter", "Prompt tokens of finished generations, once per prompt.",
                  [({}, self.prompt_tokens)]),
                 ("treeflash_generation_tokens_total", "counter", "Tokens generated.", [({}, self.generated_tokens)]),
                 ("treeflash_target_forwards_total", "counter",
-                 "Target forwards (rounds, the prefill included) of finished generations: generation tokens "
+                 "Rounds (target forwards, the prefill included) that finished generations took part in, summed "
+                 "over generations (a batched forward counts once per generation in it): generation tokens "
                  "divided by this is tau.", [({}, self.target_forwards)]),
                 ("treeflash_requests_running", "gauge", "Requests in the engine now.", [({}, running)]),
                 ("treeflash_requests_waiting", "gauge", "Requests queued for the engine.", [({}, waiting)]),

@@ -162,7 +162,7 @@ def _flag(body: dict, key: str, default: bool) -> bool:
 
 
 def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_tokens: int | None,
-              defaults: SamplingDefaults) -> SamplingParams:
+              defaults: SamplingDefaults, vocab_size: int | None) -> SamplingParams:
     for key, (harmless, why) in UNSUPPORTED.items():
         if body.get(key) not in harmless:
             raise APIError(why, param=key)
@@ -195,6 +195,9 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
         raise APIError(f"'stop_token_ids' must be a list of token ids, got {_short(stop_ids)}", param="stop_token_ids")
     if stop_ids is not None and len(stop_ids) > MAX_STOPS:
         raise APIError(f"at most {MAX_STOPS} stop token ids, got {len(stop_ids)}", param="stop_token_ids")
+    if stop_ids and vocab_size is not None and max(stop_ids) >= vocab_size:
+        raise APIError(f"stop token id {max(stop_ids)} is outside the vocabulary of {vocab_size}",
+                       param="stop_token_ids")
     params = SamplingParams(
         max_new_tokens=max_tokens,
         temperature=float(_number(body, "temperature", defaults.temperature, (int, float), 0, 2)),
@@ -230,7 +233,7 @@ def check_model(body: dict, served: str) -> None:
 
 
 def parse_completion(body: dict, served: str, encode, max_model_len: int,
-                     defaults: SamplingDefaults = SamplingDefaults()) -> Request:
+                     defaults: SamplingDefaults = SamplingDefaults(), vocab_size: int | None = None) -> Request:
     """A /v1/completions body. `encode(prompt)` turns a string or token ids into checked
     token ids (the engine's own checks: vocabulary, length)."""
     check_model(body, served)
@@ -251,7 +254,7 @@ def parse_completion(body: dict, served: str, encode, max_model_len: int,
     stream, include_usage = _stream_flags(body)
     if stream and len(ids) > 1:
         raise APIError("streaming takes one prompt per request", param="prompt")
-    params = _sampling(body, [len(i) for i in ids], max_model_len, DEFAULT_COMPLETION_TOKENS, defaults)
+    params = _sampling(body, [len(i) for i in ids], max_model_len, DEFAULT_COMPLETION_TOKENS, defaults, vocab_size)
     return Request("completion", ids, params, stream, include_usage, _choices(body, len(ids), stream))
 
 
@@ -266,7 +269,7 @@ def _choices(body: dict, prompts: int, stream: bool) -> int:
 
 
 def parse_chat(body: dict, served: str, template, encode, max_model_len: int,
-               defaults: SamplingDefaults = SamplingDefaults()) -> Request:
+               defaults: SamplingDefaults = SamplingDefaults(), vocab_size: int | None = None) -> Request:
     """A /v1/chat/completions body: the messages rendered by the model's chat template."""
     check_model(body, served)
     messages = body.get("messages")
@@ -294,7 +297,8 @@ def parse_chat(body: dict, served: str, template, encode, max_model_len: int,
         raise APIError(f"the chat template refused the messages: {e}", param="messages") from None
     ids = [_encode(encode, text, param="messages", special=False)]
     stream, include_usage = _stream_flags(body)
-    return Request("chat", ids, _sampling(body, [len(ids[0])], max_model_len, defaults.max_tokens, defaults), stream,
+    params = _sampling(body, [len(ids[0])], max_model_len, defaults.max_tokens, defaults, vocab_size)
+    return Request("chat", ids, params, stream,
                    include_usage, _choices(body, 1, stream))
 
 
@@ -313,7 +317,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def response(req: Request, model: str, outputs) -> dict:
     """The whole (non-streamed) answer to `req` from its GenerationOutputs."""
     chat = req.kind == "chat"
-    choices = [{"index": i, "finish_reason": out.finish_reason, "logprobs": None,
+    choices = [{"index": i, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason, "logprobs": None,
                 **({"message": {"role": "assistant", "content": out.text}} if chat else {"text": out.text})}
                for i, out in enumerate(outputs)]
     return {"id": ("chatcmpl-" if chat else "cmpl-") + req.id,
@@ -323,8 +327,9 @@ def response(req: Request, model: str, outputs) -> dict:
 
 
 def chunk(req: Request, model: str, text: str | None = None, finish_reason: str | None = None,
-          first: bool = False, usage_: dict | None = None) -> dict:
-    """One streamed event: a text delta, the finish reason, or (choices empty) the usage."""
+          first: bool = False, usage_: dict | None = None, stop_reason: int | str | None = None) -> dict:
+    """One streamed event: a text delta, the finish reason (with vLLM's stop_reason: the
+    stop token id or string), or (choices empty) the usage."""
     chat = req.kind == "chat"
     if usage_ is not None:
         choices = []
@@ -335,6 +340,8 @@ def chunk(req: Request, model: str, text: str | None = None, finish_reason: str 
         choices = [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
     else:
         choices = [{"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}]
+    if finish_reason is not None:
+        choices[0]["stop_reason"] = stop_reason
     out = {"id": ("chatcmpl-" if chat else "cmpl-") + req.id,
            "object": "chat.completion.chunk" if chat else "text_completion", "created": req.created,
            "model": model, "choices": choices}
