@@ -208,6 +208,7 @@ class Engine:
 # ----------------------------------------------------------------------------- the runtime
 
 _RUNTIMES: dict[tuple[int, str], "Runtime"] = {}
+_STARTED: list[tuple[int, str]] = []  # the key of every runtime this process started, closed ones too
 _WORKER: "Runtime | None" = None  # set in a worker process while it serves
 
 
@@ -225,6 +226,7 @@ def attach(size: int, device: torch.device, kwargs: dict, config, draft_config):
     if rt is None or rt.closed or rt.failure is not None:
         rt = start(size, device)
         _RUNTIMES[key] = rt
+        _STARTED.append(key)
     return rt.new_engine(kwargs)
 
 
@@ -676,11 +678,12 @@ class Runtime:
 
 @atexit.register
 def shutdown_runtimes() -> bool:
-    """Shut down every runtime still open; True if there was one."""
-    runtimes = list(_RUNTIMES.values())
-    for rt in runtimes:
+    """Shut down every runtime still open; True if this process ever started one (then
+    its process-group objects may still be alive, closed or not, and must not be torn
+    down by interpreter finalization: see `treeflash.cli.entry`)."""
+    for rt in list(_RUNTIMES.values()):
         try:
             rt.shutdown(graceful=True)
         except Exception:
             pass
-    return bool(runtimes)
+    return bool(_STARTED)
