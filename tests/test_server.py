@@ -147,7 +147,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"prompt": ["a", "b"], "stream": True}, 400, "prompt"),
-    ("/v1/chat/completions", {"prompt": "x"}, 400, "messages"),
+    ("/v1/chat/completions", {"prompt": "x"}, 400, "prompt"),  # a completion's argument
+    ("/v1/chat/completions", {"max_tokens": 2}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "", "content": "x"}]}, 400, "messages"),
@@ -158,6 +159,8 @@ BAD = [
     ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "min_p": 0.5}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "x", "temprature": 0}, 400, "temprature"),  # misspelled: not ignored
+    ("/v1/completions", {"prompt": "x", "typical_p": 0.5}, 400, "typical_p"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": 1}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids"),

@@ -12,7 +12,7 @@ Two modes, one command:
   a round (AR step, verify of N+1 tokens, draft step, tree build, whole round) as
   CUDA graphs and compares each to its *memory floor*: the bytes it must read
   (weights + KV of the prefix) over the measured copy bandwidth. This is the number
-  that says whether the engine or the hardware is the limit (design.md section 8).
+  that says whether the engine or the hardware is the limit (BENCHMARKS.md section 2).
   With `--tp N` the command re-runs itself as N processes under torchrun (one per GPU;
   gloo on CPU); each builds its own shard and runs the same timing loop (NCCL
   all-reduces captured in the graphs), floors are per rank, and rank 0 reports.

@@ -1,7 +1,7 @@
 """Triton attention for a block of new tokens over a KV cache (tree verify, AR decode,
 drafter block), with exactly the semantics of `layers.attention.sdpa_attention`.
 
-Why it is split in three (design.md section 5):
+Why it is split in three (the verify reads the shared context once for all tree nodes):
 
 (a) The committed prefix has no mask, so every block query of request b sees the same
     keys. One program takes ALL T block queries x the whole GQA group of one KV head

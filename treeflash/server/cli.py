@@ -76,7 +76,7 @@ def cmd_serve(args) -> int:
     folder = Path(args.model) if args.model else builtin_paths()[0]
     template = ChatTemplate.from_folder(folder)  # a broken template fails here, before the load
     defaults = SamplingDefaults.from_folder(folder) if args.generation_config == "auto" else SamplingDefaults()
-    name = args.served_model_name or (folder.name if args.model else "treeflash-builtin")
+    name = args.served_model_name or (folder.resolve().name if args.model else "treeflash-builtin")
     llm = make_llm(args)
     warm_up(llm, defaults.max_tokens)
     print(f"treeflash: serving '{name}' ({llm.method}) on http://{args.host}:{args.port}/v1"

@@ -50,6 +50,15 @@ UNSUPPORTED = {
     "add_generation_prompt": ((None, True), "add_generation_prompt = false is not supported"),
     "continue_final_message": ((None, False), "continue_final_message is not supported"),
 }
+# What a request may hold besides UNSUPPORTED's keys: the parameters this server reads, and
+# OpenAI's bookkeeping that does not touch the output. Anything else (a misspelled
+# "temprature", another server's extension) is refused, as OpenAI does, not ignored.
+SAMPLING_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "best_of",
+                 "seed", "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "user", "metadata", "store", "service_tier",
+                 "parallel_tool_calls"}
+KNOWN_KEYS = {"completion": SAMPLING_KEYS | {"prompt"} | set(UNSUPPORTED),
+              "chat": SAMPLING_KEYS | {"messages"} | set(UNSUPPORTED)}
 MAX_STOPS = 64
 MAX_PROMPTS = 1024  # choices per request: prompts x n
 
@@ -232,10 +241,17 @@ def check_model(body: dict, served: str) -> None:
                        status=404, param="model", code="model_not_found")
 
 
+def check_keys(body: dict, kind: str) -> None:
+    unknown = sorted(k for k in body if k not in KNOWN_KEYS[kind])
+    if unknown:
+        raise APIError(f"unrecognized request argument {_short(unknown[0])}", param=unknown[0][:80])
+
+
 def parse_completion(body: dict, served: str, encode, max_model_len: int,
                      defaults: SamplingDefaults = SamplingDefaults(), vocab_size: int | None = None) -> Request:
     """A /v1/completions body. `encode(prompt)` turns a string or token ids into checked
     token ids (the engine's own checks: vocabulary, length)."""
+    check_keys(body, "completion")
     check_model(body, served)
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
@@ -271,6 +287,7 @@ def _choices(body: dict, prompts: int, stream: bool) -> int:
 def parse_chat(body: dict, served: str, template, encode, max_model_len: int,
                defaults: SamplingDefaults = SamplingDefaults(), vocab_size: int | None = None) -> Request:
     """A /v1/chat/completions body: the messages rendered by the model's chat template."""
+    check_keys(body, "chat")
     check_model(body, served)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:

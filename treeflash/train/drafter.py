@@ -1,4 +1,4 @@
-"""Train a DFlash drafter for a frozen target (design.md section 2); export it in the
+"""Train a DFlash drafter for a frozen target (TRAINING.md); export it in the
 published layout.
 
 Each training sequence runs once through the frozen target (cache-free, causal), giving
