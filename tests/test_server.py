@@ -234,6 +234,8 @@ def test_metrics_count_requests_tokens_and_forwards(client):
     assert delta["treeflash_generation_tokens_total"] == 20 * 2 + 7
     assert delta["treeflash_prompt_tokens_total"] == 2 * whole["usage"]["prompt_tokens"]  # once per prompt
     assert delta["treeflash_request_seconds_count"] == 2 and delta["treeflash_request_seconds_sum"] > 0
+    assert delta["treeflash_time_to_first_token_seconds_count"] == 2
+    assert 0 < delta["treeflash_time_to_first_token_seconds_sum"] <= delta["treeflash_request_seconds_sum"]
     assert 3 <= delta["treeflash_target_forwards_total"] < 47  # the drafter gets more than one token a forward
     assert streamed[-2]["usage"]["completion_tokens"] == 7
     assert after["treeflash_requests_running"] == 0 and after["treeflash_requests_waiting"] == 0
@@ -269,6 +271,21 @@ def test_warm_up_runs_rounds_in_every_mode(llm, monkeypatch):
         (st.sampling.any_sampled, st.sampling.any_filtered)) or real(st))
     warm_up(llm, chat_max_tokens=8)
     assert set(modes) == {(False, False), (True, False), (True, True)}
+
+
+def test_api_key_guards_the_v1_routes(llm):
+    """With an API key, /v1 routes answer only requests that carry it (401 with an OpenAI
+    error body otherwise); /health and /metrics stay open for probes and scrapers."""
+    with TestClient(build_app(llm, "t", api_key="s3cret")) as c:
+        body = {"prompt": PROMPT, "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = c.post("/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+            assert c.get("/v1/models", headers=headers).status_code == 401
+        ok = {"Authorization": "Bearer s3cret"}
+        assert c.post("/v1/completions", json=body, headers=ok).status_code == 200
+        assert c.get("/v1/models", headers=ok).status_code == 200
+        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
 
 
 def test_values_that_ask_for_nothing_are_accepted(client, llm):

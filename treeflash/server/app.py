@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import queue
@@ -81,6 +82,8 @@ class Job:
 
     def on_tokens(self, ids: list[int]) -> bool:  # worker thread
         """Take new tokens; True ends this request's generation (its client is gone)."""
+        if not self.started and self.metrics is not None:
+            self.metrics.first_token(time.monotonic() - self.arrived)
         self.started = True
         delta = self.text.push(ids) if self.text else ""
         if delta:
@@ -269,9 +272,10 @@ async def _watch_disconnect(request: HTTPRequest, job: Job) -> None:
 
 
 def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
-              defaults: SamplingDefaults = SamplingDefaults()) -> Starlette:
+              defaults: SamplingDefaults = SamplingDefaults(), api_key: str | None = None) -> Starlette:
     """The ASGI app serving `llm` as `model_name`, with `defaults` for the sampling
-    parameters a request leaves out; its worker starts with the app's lifespan."""
+    parameters a request leaves out; with `api_key`, the /v1 routes answer only requests
+    that carry it ("Authorization: Bearer <key>"). Its worker starts with the app's lifespan."""
     state = {}
 
     def worker() -> EngineWorker:
@@ -301,7 +305,18 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         finally:  # also when the response stopped iterating
             job.cancel()
 
+    def unauthorized(request: HTTPRequest) -> JSONResponse | None:
+        if api_key is None:
+            return None
+        given = request.headers.get("authorization", "")
+        if hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            return None
+        return error_response(APIError("invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                       status=401, type="authentication_error", code="invalid_api_key"))
+
     async def serve(request: HTTPRequest, parse) -> JSONResponse | StreamingResponse:
+        if (refused := unauthorized(request)) is not None:
+            return refused
         try:
             body = await _read_json(request)
             # tokenizing a long prompt takes a while: not on the loop that serves the others
@@ -331,7 +346,9 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         return await serve(request, lambda body: parse_chat(body, model_name, chat_template, llm.encode,
                                                             llm.max_model_len, defaults, llm.config.vocab_size))
 
-    async def models(_):
+    async def models(request: HTTPRequest):
+        if (refused := unauthorized(request)) is not None:
+            return refused
         return AsciiJSONResponse({"object": "list", "data": [{
             "id": model_name, "object": "model", "created": 0, "owned_by": "treeflash",
             "max_model_len": llm.max_model_len}]})

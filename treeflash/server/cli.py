@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 import threading
@@ -20,6 +21,9 @@ def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", help="the model name clients send (default: the model folder's name)")
     s.add_argument("--max-batch", type=int, default=1,
                    help="prompts generated together when requests queue up (default 1: lowest latency)")
+    s.add_argument("--api-key", default=os.environ.get("TREEFLASH_API_KEY"),
+                   help="answer /v1 requests only with 'Authorization: Bearer <key>' (default: $TREEFLASH_API_KEY; "
+                        "none: no key)")
     s.add_argument("--generation-config", choices=("auto", "none"), default="auto",
                    help="sampling defaults (temperature, top_p, top_k) for requests that leave them out: "
                         "auto takes the model's generation_config.json, as vLLM does; none: OpenAI's "
@@ -87,7 +91,7 @@ def cmd_serve(args) -> int:
     for setting in defaults.ignored:
         print(f"treeflash: generation_config.json's {setting} is not applied (not supported)",
               file=sys.stderr, flush=True)
-    app = build_app(llm, name, template, args.max_batch, defaults)
+    app = build_app(llm, name, template, args.max_batch, defaults, args.api_key or None)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGTERM / Ctrl-C: running and queued requests end now (503)

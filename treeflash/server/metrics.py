@@ -17,6 +17,7 @@ class ServerMetrics:
         self.lock = threading.Lock()
         self.requests = dict.fromkeys(OUTCOMES, 0)
         self.request_seconds = 0.0
+        self.first_tokens, self.first_token_seconds = 0, 0.0
         self.choices = dict.fromkeys(FINISH_REASONS, 0)
         self.prompt_tokens = self.generated_tokens = self.target_forwards = 0
 
@@ -28,6 +29,12 @@ class ServerMetrics:
             self.prompt_tokens += prompt_tokens
             self.generated_tokens += len(output.token_ids)
             self.target_forwards += output.stats.get("rounds", 0)
+
+    def first_token(self, seconds: float) -> None:
+        """A request got its first token `seconds` after it arrived (queueing and prefill)."""
+        with self.lock:
+            self.first_tokens += 1
+            self.first_token_seconds += seconds
 
     def request_done(self, outcome: str, seconds: float) -> None:
         """A request that reached the engine's queue was answered: "ok", "error", or
@@ -44,6 +51,9 @@ class ServerMetrics:
                  [({"outcome": k}, v) for k, v in self.requests.items()]),
                 ("treeflash_request_seconds", "summary", "Request time from arrival to answer, queueing included.",
                  [("_sum", self.request_seconds), ("_count", sum(self.requests.values()))]),
+                ("treeflash_time_to_first_token_seconds", "summary",
+                 "Time from a request's arrival to its first generated token.",
+                 [("_sum", self.first_token_seconds), ("_count", self.first_tokens)]),
                 ("treeflash_choices_total", "counter", "Generations (one per prompt and choice) finished, by reason.",
                  [({"finish_reason": k}, v) for k, v in self.choices.items()]),
                 ("treeflash_prompt_tokens_total", "counter", "Prompt tokens of finished generations, once per prompt.",
