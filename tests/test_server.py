@@ -138,7 +138,6 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k"),
     ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed"),
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
-    ("/v1/completions", {"prompt": "x", "n": 2, "stream": True}, 400, "n"),
     ("/v1/completions", {"prompt": ["x"] * 600, "n": 2}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
@@ -146,7 +145,6 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 1024}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
-    ("/v1/completions", {"prompt": ["a", "b"], "stream": True}, 400, "prompt"),
     ("/v1/chat/completions", {"prompt": "x"}, 400, "prompt"),  # a completion's argument
     ("/v1/chat/completions", {"max_tokens": 2}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
@@ -218,6 +216,8 @@ def test_metrics_count_requests_tokens_and_forwards(client):
     """/metrics (Prometheus text): requests by outcome, finished generations by reason,
     prompt and generated tokens, and the target forwards behind them (tokens / forwards
     is tau), as the responses' usage reports them."""
+    _wait(lambda: (lambda m: m["treeflash_requests_running"] == m["treeflash_requests_waiting"] == 0)(
+        scrape(client)))  # earlier tests' cancelled requests may still be ending
     before = scrape(client)
     whole = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 20, "temperature": 0, "n": 2,
                                                  "ignore_eos": True}).json()
@@ -239,6 +239,30 @@ def test_metrics_count_requests_tokens_and_forwards(client):
     assert 3 <= delta["treeflash_target_forwards_total"] < 47  # the drafter gets more than one token a forward
     assert streamed[-2]["usage"]["completion_tokens"] == 7
     assert after["treeflash_requests_running"] == 0 and after["treeflash_requests_waiting"] == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_choices_add_up_to_the_whole_answer(client, path):
+    """Several prompts and n choices stream interleaved, each event naming its choice:
+    each choice's deltas add up to its whole text, each ends once with its own finish
+    reason, and the usage counts every prompt once."""
+    body = {"max_tokens": 12, "temperature": 1.0, "seed": 4, "n": 2, "stop": ["\n\n"]}
+    if path.endswith("completions") and "chat" not in path:
+        body["prompt"] = [PROMPT, "import os"]
+    else:
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+    whole = client.post(path, json=body).json()
+    got = events(client.post(path, json={**body, "stream": True, "stream_options": {"include_usage": True}}))
+    assert got[-1] == "[DONE]" and got[-2]["usage"] == whole["usage"]
+    chat = "chat" in path
+    for want in whole["choices"]:
+        mine = [e["choices"][0] for e in got[:-2] if e["choices"][0]["index"] == want["index"]]
+        text = "".join(c["delta"].get("content", "") if chat else c["text"] for c in mine)
+        assert text == (want["message"]["content"] if chat else want["text"])
+        ends = [c for c in mine if c["finish_reason"] is not None]
+        assert len(ends) == 1 and ends[0] is mine[-1] and ends[0]["finish_reason"] == want["finish_reason"]
+        if chat:
+            assert mine[0]["delta"] == {"role": "assistant"}
 
 
 def test_stop_token_ids_end_like_eos(client, llm):

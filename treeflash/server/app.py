@@ -55,7 +55,8 @@ class AsciiJSONResponse(JSONResponse):
 
 class Job:
     """A request on its way through the worker: a future for its outputs and, when
-    streamed, a queue of text deltas filled from the worker thread."""
+    streamed, a queue filled from the worker thread with (choice, text delta) and
+    (choice, None) once that choice has finished."""
 
     def __init__(self, req: Request, loop: asyncio.AbstractEventLoop, tokenizer, metrics: ServerMetrics | None = None,
                  end_ids=()):
@@ -69,7 +70,7 @@ class Job:
         self.outputs = [None] * len(self.runs)
         self.future: Future = Future()
         self.deltas: asyncio.Queue | None = asyncio.Queue() if req.stream else None
-        self.text = TextStream(tokenizer, req.params.stop, end_ids) if req.stream else None
+        self.texts = [TextStream(tokenizer, p.stop, end_ids) for _, p in self.runs] if req.stream else None
 
     @property
     def cancelled(self) -> bool:
@@ -80,14 +81,14 @@ class Job:
         """End this request at its next round (any thread), answering `error`."""
         self.error = error or Cancelled()
 
-    def on_tokens(self, ids: list[int]) -> bool:  # worker thread
-        """Take new tokens; True ends this request's generation (its client is gone)."""
+    def on_tokens(self, i: int, ids: list[int]) -> bool:  # worker thread
+        """Take choice i's new tokens; True ends its generation (the client is gone)."""
         if not self.started and self.metrics is not None:
             self.metrics.first_token(time.monotonic() - self.arrived)
         self.started = True
-        delta = self.text.push(ids) if self.text else ""
+        delta = self.texts[i].push(ids) if self.texts else ""
         if delta:
-            self._to_loop(delta)
+            self._to_loop((i, delta))
         return self.cancelled
 
     def _to_loop(self, item) -> None:
@@ -98,6 +99,8 @@ class Job:
 
     def on_done(self, i: int, output) -> None:  # worker thread
         self.outputs[i] = output
+        if self.deltas is not None:
+            self._to_loop((i, None))
         if self.metrics is not None:  # a prompt's tokens count once, however many choices it has
             self.metrics.choice_done(len(self.runs[i][0]) if i % self.req.n == 0 else 0, output)
         if all(o is not None for o in self.outputs):
@@ -207,7 +210,7 @@ class EngineWorker:
                 part = [(job, i) for job, i in owners[start:start + self.max_batch] if not job.cancelled]
                 if part:
                     self.llm.generate([job.runs[i][0] for job, i in part], [job.runs[i][1] for job, i in part],
-                                      on_tokens=lambda k, ids, part=part: part[k][0].on_tokens(ids),
+                                      on_tokens=lambda k, ids, part=part: part[k][0].on_tokens(part[k][1], ids),
                                       on_done=lambda k, out, part=part: part[k][0].on_done(part[k][1], out))
         except BaseException as e:
             log.error("generation failed", exc_info=e)
@@ -287,18 +290,24 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         req = job.req
         try:
             if req.kind == "chat":
-                yield _sse(chunk(req, model_name, first=True))
-            while (delta := await job.deltas.get()) is not _DONE:
-                yield _sse(chunk(req, model_name, text=delta))
+                for i in range(len(job.runs)):
+                    yield _sse(chunk(req, model_name, first=True, index=i))
+            while (item := await job.deltas.get()) is not _DONE:
+                i, delta = item
+                if delta is None:  # choice i is done: the rest of its text, and why it ended
+                    out = job.outputs[i]
+                    yield _sse(chunk(req, model_name, text=job.texts[i].finish(out.text), index=i,
+                                     finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+                else:
+                    yield _sse(chunk(req, model_name, text=delta, index=i))
             try:
-                (out,) = job.future.result()
+                outs = job.future.result()
             except BaseException as e:
                 yield _sse(api_error(e).body())
             else:
-                yield _sse(chunk(req, model_name, text=job.text.finish(out.text), finish_reason=out.finish_reason,
-                                 stop_reason=out.stop_reason))
                 if req.include_usage:
-                    yield _sse(chunk(req, model_name, usage_=usage(len(req.prompts[0]), len(out.token_ids))))
+                    yield _sse(chunk(req, model_name, usage_=usage(sum(map(len, req.prompts)),
+                                                                   sum(len(o.token_ids) for o in outs))))
             yield "data: [DONE]\n\n"
         except asyncio.CancelledError:  # the client went away, or the server is shutting down
             pass

@@ -268,17 +268,13 @@ def parse_completion(body: dict, served: str, encode, max_model_len: int,
         raise APIError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
     ids = [_encode(encode, p, param="prompt") for p in prompts]
     stream, include_usage = _stream_flags(body)
-    if stream and len(ids) > 1:
-        raise APIError("streaming takes one prompt per request", param="prompt")
     params = _sampling(body, [len(i) for i in ids], max_model_len, DEFAULT_COMPLETION_TOKENS, defaults, vocab_size)
-    return Request("completion", ids, params, stream, include_usage, _choices(body, len(ids), stream))
+    return Request("completion", ids, params, stream, include_usage, _choices(body, len(ids)))
 
 
-def _choices(body: dict, prompts: int, stream: bool) -> int:
-    """`n`, the choices per prompt (1 when streamed)."""
+def _choices(body: dict, prompts: int) -> int:
+    """`n`, the choices per prompt."""
     n = _number(body, "n", 1, int, 1)
-    if n > 1 and stream:
-        raise APIError("streaming takes n = 1 (send several requests instead)", param="n")
     if n * prompts > MAX_PROMPTS:
         raise APIError(f"at most {MAX_PROMPTS} choices per request (prompts x n), got {n * prompts}", param="n")
     return n
@@ -316,7 +312,7 @@ def parse_chat(body: dict, served: str, template, encode, max_model_len: int,
     stream, include_usage = _stream_flags(body)
     params = _sampling(body, [len(ids[0])], max_model_len, defaults.max_tokens, defaults, vocab_size)
     return Request("chat", ids, params, stream,
-                   include_usage, _choices(body, 1, stream))
+                   include_usage, _choices(body, 1))
 
 
 def _encode(encode, prompt, param: str, **kw) -> list[int]:
@@ -344,9 +340,10 @@ def response(req: Request, model: str, outputs) -> dict:
 
 
 def chunk(req: Request, model: str, text: str | None = None, finish_reason: str | None = None,
-          first: bool = False, usage_: dict | None = None, stop_reason: int | str | None = None) -> dict:
-    """One streamed event: a text delta, the finish reason (with vLLM's stop_reason: the
-    stop token id or string), or (choices empty) the usage."""
+          first: bool = False, usage_: dict | None = None, stop_reason: int | str | None = None,
+          index: int = 0) -> dict:
+    """One streamed event of choice `index`: a text delta, the finish reason (with vLLM's
+    stop_reason: the stop token id or string), or (choices empty) the usage."""
     chat = req.kind == "chat"
     if usage_ is not None:
         choices = []
@@ -354,9 +351,9 @@ def chunk(req: Request, model: str, text: str | None = None, finish_reason: str 
         delta = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
-        choices = [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+        choices = [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
     else:
-        choices = [{"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}]
+        choices = [{"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": None}]
     if finish_reason is not None:
         choices[0]["stop_reason"] = stop_reason
     out = {"id": ("chatcmpl-" if chat else "cmpl-") + req.id,
