@@ -312,6 +312,37 @@ def test_api_key_guards_the_v1_routes(llm):
         assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
 
 
+def test_a_model_may_be_named_by_an_alias(llm):
+    """A server answers requests naming its model or one of its aliases (`treeflash serve`
+    adds --model as given, as vLLM names the model), and says its first name back."""
+    with TestClient(build_app(llm, "Qwen3-8B", aliases=("./Qwen3-8B",))) as c:
+        for model in ("Qwen3-8B", "./Qwen3-8B"):
+            r = c.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == "Qwen3-8B"
+        r = c.post("/v1/completions", json={"model": "Qwen3", "prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 404 and "Qwen3-8B" in r.json()["error"]["message"]
+
+
+def test_tokenize_and_detokenize(client, llm):
+    """vLLM's /tokenize (a prompt, or chat messages through the template) and /detokenize:
+    the ids generation would use, and back; bad bodies get 400s naming the field."""
+    r = client.post("/tokenize", json={"prompt": PROMPT}).json()
+    assert r["tokens"] == llm.encode(PROMPT) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == llm.max_model_len
+    plain = client.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()["tokens"]
+    assert plain == llm.encode(PROMPT, special=False)
+    chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "fib"}]}).json()["tokens"]
+    assert chat == llm.encode("### user:\nfib\n### assistant:\n", special=False)
+    assert client.post("/detokenize", json={"tokens": plain}).json()["prompt"] == PROMPT
+    for path, body, param in [("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "x": 1}, "x"),
+                              ("/detokenize", {"tokens": [5, 99999]}, "tokens"),
+                              ("/detokenize", {"tokens": "5"}, "tokens")]:
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body)
+
+
 def test_values_that_ask_for_nothing_are_accepted(client, llm):
     """Defaults sent explicitly (null, "", the OpenAI default) change nothing; a request
     without max_tokens gets at most what fits the context."""

@@ -30,7 +30,7 @@ from starlette.routing import Route
 from treeflash.errors import TreeflashError
 from treeflash.server.metrics import ServerMetrics
 from treeflash.server.protocol import (APIError, Request, SamplingDefaults, chunk, parse_chat, parse_completion,
-                                      response, usage)
+                                      parse_detokenize, parse_tokenize, response, usage)
 from treeflash.tokenizer import TextStream
 
 _DONE = object()  # end of a streamed job's deltas
@@ -275,11 +275,14 @@ async def _watch_disconnect(request: HTTPRequest, job: Job) -> None:
 
 
 def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
-              defaults: SamplingDefaults = SamplingDefaults(), api_key: str | None = None) -> Starlette:
-    """The ASGI app serving `llm` as `model_name`, with `defaults` for the sampling
+              defaults: SamplingDefaults = SamplingDefaults(), api_key: str | None = None,
+              aliases: tuple[str, ...] = ()) -> Starlette:
+    """The ASGI app serving `llm` as `model_name` (requests may also name one of
+    `aliases`), with `defaults` for the sampling
     parameters a request leaves out; with `api_key`, the /v1 routes answer only requests
     that carry it ("Authorization: Bearer <key>"). Its worker starts with the app's lifespan."""
     state = {}
+    served = (model_name, *aliases)
 
     def worker() -> EngineWorker:
         if "worker" not in state:  # apps driven without a lifespan (some test clients) start it here
@@ -348,11 +351,11 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         return AsciiJSONResponse(response(req, model_name, outs))
 
     async def completions(request: HTTPRequest):
-        return await serve(request, lambda body: parse_completion(body, model_name, llm.encode, llm.max_model_len,
+        return await serve(request, lambda body: parse_completion(body, served, llm.encode, llm.max_model_len,
                                                                   defaults, llm.config.vocab_size))
 
     async def chat(request: HTTPRequest):
-        return await serve(request, lambda body: parse_chat(body, model_name, chat_template, llm.encode,
+        return await serve(request, lambda body: parse_chat(body, served, chat_template, llm.encode,
                                                             llm.max_model_len, defaults, llm.config.vocab_size))
 
     async def models(request: HTTPRequest):
@@ -364,6 +367,22 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
 
     async def health(_):
         return AsciiJSONResponse({"status": "ok"})
+
+    async def tokenize(request: HTTPRequest):
+        try:
+            body = await _read_json(request)
+            ids = await asyncio.get_running_loop().run_in_executor(
+                None, parse_tokenize, body, served, chat_template, llm.tokenizer)
+        except APIError as e:
+            return error_response(e)
+        return AsciiJSONResponse({"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids})
+
+    async def detokenize(request: HTTPRequest):
+        try:
+            ids = parse_detokenize(await _read_json(request), served, llm.config.vocab_size)
+        except APIError as e:
+            return error_response(e)
+        return AsciiJSONResponse({"prompt": llm.tokenizer.decode(ids)})
 
     async def metrics(_):
         w = worker()
@@ -393,7 +412,8 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
 
     routes = [Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
               Route("/v1/completions", completions, methods=["POST"]),
-              Route("/v1/chat/completions", chat, methods=["POST"])]
+              Route("/v1/chat/completions", chat, methods=["POST"]),
+              Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error, Exception: internal_error})
     app.state.shutdown = shutdown  # for a server that ends without its lifespan's end (a forced exit)

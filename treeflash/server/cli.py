@@ -18,7 +18,8 @@ def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
     add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    s.add_argument("--served-model-name", help="the model name clients send (default: the model folder's name)")
+    s.add_argument("--served-model-name", nargs="+", help="the model names clients may send, the first one in "
+                   "responses (default: the model folder's name, and --model as given)")
     s.add_argument("--max-batch", type=int, default=1,
                    help="prompts generated together when requests queue up (default 1: lowest latency)")
     s.add_argument("--api-key", default=os.environ.get("TREEFLASH_API_KEY"),
@@ -80,7 +81,9 @@ def cmd_serve(args) -> int:
     folder = Path(args.model) if args.model else builtin_paths()[0]
     template = ChatTemplate.from_folder(folder)  # a broken template fails here, before the load
     defaults = SamplingDefaults.from_folder(folder) if args.generation_config == "auto" else SamplingDefaults()
-    name = args.served_model_name or (folder.resolve().name if args.model else "treeflash-builtin")
+    names = args.served_model_name or [folder.resolve().name if args.model else "treeflash-builtin",
+                                       *([args.model] if args.model else [])]
+    name, aliases = names[0], tuple(n for n in dict.fromkeys(names[1:]) if n != names[0])
     llm = make_llm(args)
     warm_up(llm, defaults.max_tokens)
     print(f"treeflash: serving '{name}' ({llm.method}) on http://{args.host}:{args.port}/v1"
@@ -91,7 +94,7 @@ def cmd_serve(args) -> int:
     for setting in defaults.ignored:
         print(f"treeflash: generation_config.json's {setting} is not applied (not supported)",
               file=sys.stderr, flush=True)
-    app = build_app(llm, name, template, args.max_batch, defaults, args.api_key or None)
+    app = build_app(llm, name, template, args.max_batch, defaults, args.api_key or None, aliases)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGTERM / Ctrl-C: running and queued requests end now (503)

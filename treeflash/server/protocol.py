@@ -232,12 +232,15 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, bool(include_usage) and stream
 
 
-def check_model(body: dict, served: str) -> None:
+def check_model(body: dict, served: str | tuple[str, ...]) -> None:
+    """The body's model, if it names one, is among the `served` names (the first one is
+    what responses say)."""
+    names = (served,) if isinstance(served, str) else served
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError(f"'model' must be a string, got {_short(model)}", param="model")
-    if model is not None and model != served:
-        raise APIError(f"the model {_short(model)} does not exist (this server serves '{served}')",
+    if model is not None and model not in names:
+        raise APIError(f"the model {_short(model)} does not exist (this server serves '{names[0]}')",
                        status=404, param="model", code="model_not_found")
 
 
@@ -247,7 +250,7 @@ def check_keys(body: dict, kind: str) -> None:
         raise APIError(f"unrecognized request argument {_short(unknown[0])}", param=unknown[0][:80])
 
 
-def parse_completion(body: dict, served: str, encode, max_model_len: int,
+def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_model_len: int,
                      defaults: SamplingDefaults = SamplingDefaults(), vocab_size: int | None = None) -> Request:
     """A /v1/completions body. `encode(prompt)` turns a string or token ids into checked
     token ids (the engine's own checks: vocabulary, length)."""
@@ -280,11 +283,20 @@ def _choices(body: dict, prompts: int) -> int:
     return n
 
 
-def parse_chat(body: dict, served: str, template, encode, max_model_len: int,
+def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_model_len: int,
                defaults: SamplingDefaults = SamplingDefaults(), vocab_size: int | None = None) -> Request:
     """A /v1/chat/completions body: the messages rendered by the model's chat template."""
     check_keys(body, "chat")
     check_model(body, served)
+    ids = [_encode(encode, render_chat(body, template), param="messages", special=False)]
+    stream, include_usage = _stream_flags(body)
+    params = _sampling(body, [len(ids[0])], max_model_len, defaults.max_tokens, defaults, vocab_size)
+    return Request("chat", ids, params, stream,
+                   include_usage, _choices(body, 1))
+
+
+def render_chat(body: dict, template) -> str:
+    """The body's messages (text only) as the chat template renders them."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError("'messages' must be a non-empty list of messages", param="messages")
@@ -305,14 +317,42 @@ def parse_chat(body: dict, served: str, template, encode, max_model_len: int,
         raise APIError("this model has no chat template (tokenizer_config.json 'chat_template'): "
                        "use /v1/completions")
     try:
-        text = template.render(plain)
+        return template.render(plain)
     except TreeflashError as e:
         raise APIError(f"the chat template refused the messages: {e}", param="messages") from None
-    ids = [_encode(encode, text, param="messages", special=False)]
-    stream, include_usage = _stream_flags(body)
-    params = _sampling(body, [len(ids[0])], max_model_len, defaults.max_tokens, defaults, vocab_size)
-    return Request("chat", ids, params, stream,
-                   include_usage, _choices(body, 1))
+
+
+def parse_tokenize(body: dict, served: str | tuple[str, ...], template, tokenizer) -> list[int]:
+    """A /tokenize body (vLLM's): the token ids of a prompt, or of chat messages as the
+    template renders them; `add_special_tokens` (default true) for a prompt."""
+    unknown = sorted(k for k in body if k not in ("model", "prompt", "messages", "add_special_tokens"))
+    if unknown:
+        raise APIError(f"unrecognized request argument {_short(unknown[0])}", param=unknown[0][:80])
+    check_model(body, served)
+    if ("prompt" in body) == ("messages" in body):
+        raise APIError("give either 'prompt' or 'messages'", param="prompt")
+    if "messages" in body:
+        return tokenizer.encode(render_chat(body, template), False)
+    if not isinstance(body["prompt"], str):
+        raise APIError("'prompt' must be a string", param="prompt")
+    try:
+        body["prompt"].encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError("'prompt' must be valid Unicode text", param="prompt") from None
+    return tokenizer.encode(body["prompt"], _flag(body, "add_special_tokens", True))
+
+
+def parse_detokenize(body: dict, served: str | tuple[str, ...], vocab_size: int) -> list[int]:
+    """A /detokenize body (vLLM's): token ids to turn back into text."""
+    unknown = sorted(k for k in body if k not in ("model", "tokens"))
+    if unknown:
+        raise APIError(f"unrecognized request argument {_short(unknown[0])}", param=unknown[0][:80])
+    check_model(body, served)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                               and 0 <= t < vocab_size for t in tokens):
+        raise APIError(f"'tokens' must be a list of token ids below {vocab_size}", param="tokens")
+    return tokens
 
 
 def _encode(encode, prompt, param: str, **kw) -> list[int]:
