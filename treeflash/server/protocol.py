@@ -58,7 +58,9 @@ SAMPLING_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", 
                  "frequency_penalty", "repetition_penalty", "user", "metadata", "store", "service_tier",
                  "parallel_tool_calls"}
 KNOWN_KEYS = {"completion": SAMPLING_KEYS | {"prompt"} | set(UNSUPPORTED),
-              "chat": SAMPLING_KEYS | {"messages"} | set(UNSUPPORTED)}
+              "chat": SAMPLING_KEYS | {"messages"} | set(UNSUPPORTED),
+              "tokenize": {"model", "prompt", "messages", "add_special_tokens"},
+              "detokenize": {"model", "tokens"}}
 MAX_STOPS = 64
 MAX_PROMPTS = 1024  # choices per request: prompts x n
 
@@ -325,9 +327,7 @@ def render_chat(body: dict, template) -> str:
 def parse_tokenize(body: dict, served: str | tuple[str, ...], template, tokenizer) -> list[int]:
     """A /tokenize body (vLLM's): the token ids of a prompt, or of chat messages as the
     template renders them; `add_special_tokens` (default true) for a prompt."""
-    unknown = sorted(k for k in body if k not in ("model", "prompt", "messages", "add_special_tokens"))
-    if unknown:
-        raise APIError(f"unrecognized request argument {_short(unknown[0])}", param=unknown[0][:80])
+    check_keys(body, "tokenize")
     check_model(body, served)
     if ("prompt" in body) == ("messages" in body):
         raise APIError("give either 'prompt' or 'messages'", param="prompt")
@@ -344,9 +344,7 @@ def parse_tokenize(body: dict, served: str | tuple[str, ...], template, tokenize
 
 def parse_detokenize(body: dict, served: str | tuple[str, ...], vocab_size: int) -> list[int]:
     """A /detokenize body (vLLM's): token ids to turn back into text."""
-    unknown = sorted(k for k in body if k not in ("model", "tokens"))
-    if unknown:
-        raise APIError(f"unrecognized request argument {_short(unknown[0])}", param=unknown[0][:80])
+    check_keys(body, "detokenize")
     check_model(body, served)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
