@@ -67,6 +67,24 @@ def test_pair_mode(pair, tmp_path, capsys):
         assert not png.exists() and "matplotlib" in captured.err
 
 
+def test_pair_mode_with_logprobs(pair, tmp_path, capsys):
+    """--logprobs K times requests that also return logprobs (labelled, and the same
+    tokens: same_as_ar stays what it is without them); shape mode refuses it."""
+    target, drafter = pair
+    rows = {}
+    for extra in ([], ["--logprobs", "2"]):
+        out = tmp_path / f"rows{len(extra)}.jsonl"
+        rc = main(["bench", "--model", str(target), "--draft-model", str(drafter), "--methods", "ar,ddtree",
+                   "--budgets", "4", "--batch-sizes", "2", "--graphs", "off", "--temperatures", "0",
+                   "--max-new-tokens", "6", "--device", "cpu", "--out", str(out), *extra])
+        assert rc == 0, capsys.readouterr().err
+        rows[len(extra)] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["label"] for r in rows[2]] == ["ar lp2", "ddtree-4 lp2"] and {r["logprobs"] for r in rows[2]} == {2}
+    assert [r["same_as_ar"] for r in rows[2]] == [r["same_as_ar"] for r in rows[0]]
+    assert main(TINY + ["--logprobs", "2"]) == 2
+    assert "--logprobs applies to model-pair mode" in capsys.readouterr().err
+
+
 def test_pair_mode_builtin_prompts_fill_batches(pair, tmp_path, capsys):
     """3 prompts in batches of 2: the last batch wraps around (no new graph shape mid-timing)."""
     target, _ = pair

@@ -384,6 +384,19 @@ def test_json_output(capsys, model, api):
     check_json_lines(out, [ENGINE_PROMPTS[1]], api, 6)
 
 
+def test_json_logprobs(capsys, model, api):
+    rc, out, err = run(capsys, ENGINE_PROMPTS[1], "--model", model, "--device", "cpu", "--json",
+                       "--max-new-tokens", 6, "--ignore-eos", "--logprobs", 2)
+    assert rc == 0, err
+    want = api.generate(ENGINE_PROMPTS[1], SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=2))[0]
+    got = json.loads(out)["logprobs"]
+    assert [(e["token_id"], e["logprob"], [tuple(t) for t in e["top"]]) for e in got] == \
+        [(e.token_id, e.logprob, e.top) for e in want.logprobs]
+    assert_error(*run(capsys, "hi", "--model", model, "--device", "cpu", "--logprobs", 2), 2, "--json")
+    assert_error(*run(capsys, "hi", "--model", model, "--device", "cpu", "--json", "--logprobs", 21), 2,
+                 "logprobs")
+
+
 def test_plain_output_streams_the_text(capsys, model, api):
     rc, out, err = run(capsys, ENGINE_PROMPTS[0], "--model", model, "--device", "cpu",
                        "--max-new-tokens", 12, "--ignore-eos")

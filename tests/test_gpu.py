@@ -124,3 +124,26 @@ def test_batch_sizes_keep_their_graphs(pair, monkeypatch):
         run(batch)
     # 8 drops all but the most recent (1); 1 is replayed; 4 was dropped: captured again
     assert captures[6:] == [10, 10, 12]
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 16)])
+def test_graphed_logprobs_match_eager(pair, method, budget):
+    """Logprobs from graphed rounds (their own graphs: a mode of their own) equal the
+    eager engine's, alongside requests without them; the tokens do not change."""
+    target, drafter = pair
+    kw = dict(draft_model=drafter, method=method, budget=budget, device="cuda", dtype="float32")
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True, logprobs=5),
+              SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=1.0, seed=2, logprobs=0),
+              SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.8, top_p=0.9, seed=3)]
+    eager = LLM(target, cuda_graphs=False, **kw).generate(PROMPTS[:3], params)
+    llm = LLM(target, cuda_graphs=True, **kw)
+    plain = llm.generate(PROMPTS[:3], [SamplingParams(**{**p.__dict__, "logprobs": None}) for p in params])
+    graphed = llm.generate(PROMPTS[:3], params)
+    assert llm.graph_captures == 4  # round + prefill, without and with logprobs
+    for e, g, p in zip(eager, graphed, plain):
+        assert g.token_ids == e.token_ids == p.token_ids
+        assert (g.logprobs is None) == (e.logprobs is None)
+        for a, b in zip(g.logprobs or [], e.logprobs or []):
+            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [i for i, _ in a.top] == [i for i, _ in b.top]
+    assert [len(e.top) for e in graphed[0].logprobs] == [5] * 40 and graphed[2].logprobs is None

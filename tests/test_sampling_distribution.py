@@ -38,7 +38,7 @@ def setup(tmp_path_factory):
     anchors = st.anchor.clone()
     tree = dec.build(st)                    # the round's tree, kept for the biased verifier
     children = torch.where(tree.depths[:, 1:] == 1, tree.tokens[:, 1:], -1)  # depth-1 proposals, -1 pads
-    new, counts = dec.round(st)
+    new, counts, _ = dec.round(st)
     # the target's law at position L+1 given each request's anchor
     ids = torch.tensor(prompt).expand(REQUESTS, -1)
     ids = torch.cat([ids, anchors[:, None]], 1)

@@ -29,10 +29,10 @@ class Counter:
         inner = llm.decoder.round
 
         def round_(st):
-            new, counts = inner(st)
+            new, counts, logprobs = inner(st)
             self.committed += int(counts.sum())
             self.rounds += int((counts > 0).sum())
-            return new, counts
+            return new, counts, logprobs
 
         llm.decoder.round = round_
 

@@ -34,10 +34,10 @@ class RoundLog:
         def round_(st):
             self.state = st
             before = None if st.draft_cache is None else st.draft_cache.projected.clone()
-            new, counts = inner(st)
+            new, counts, logprobs = inner(st)
             self.rounds.append(dict(new=new.clone(), counts=counts.clone(), projected_before=before,
                                     projected_after=None if before is None else st.draft_cache.projected.clone()))
-            return new, counts
+            return new, counts, logprobs
 
         llm.decoder.round = round_
         llm.target.register_forward_hook(lambda *_: self._count())

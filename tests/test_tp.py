@@ -317,6 +317,39 @@ def test_sharded_draft_topk_and_tree(n):
         assert torch.equal(vals, results[0][0]) and torch.equal(ids, results[0][1])
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_sharded_logprobs_equal_whole_vocabulary(n):
+    """Logprobs of given tokens (on any rank's slice) and the top k, over the whole
+    vocabulary, bit-identical on every rank."""
+    gen = torch.Generator().manual_seed(3)
+    B, T, V, k = 3, 4, 40, 6
+    logits = torch.randn(B, T, V, generator=gen, dtype=torch.float64) * 3
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    whole = torch.log_softmax(logits, -1)
+    want_vals, want_ids = whole.topk(k, -1)
+    results = on_ranks(n, lambda tp: tp.logprobs(_shard(logits, tp), tokens, k, tp.rank * (V // n)))
+    for chosen, vals, ids in results:
+        torch.testing.assert_close(chosen, whole.gather(-1, tokens[..., None])[..., 0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(vals, want_vals, rtol=0, atol=1e-12)
+        assert torch.equal(ids, want_ids)
+    for got in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, results[0]))
+
+
+def test_tp_logprobs_equal_tp1(engines):
+    """End to end over gloo: the same tokens and logprobs as TP = 1."""
+    params = [SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, logprobs=3),
+              SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, temperature=1.0, top_k=6, seed=5, logprobs=0)]
+    want = engines("qwen3", "ddtree", 1).generate(BATCH[:2], params)
+    got = engines("qwen3", "ddtree", 2).generate(BATCH[:2], params)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids and len(g.logprobs) == len(w.token_ids)
+        for a, b in zip(g.logprobs, w.logprobs):
+            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-12)
+            assert [i for i, _ in a.top] == [i for i, _ in b.top]
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-12)
+
+
 def test_tp1_topk_is_the_plain_topk():
     x = torch.randn(2, 3, 50)
     vals, ids = TPGroup().topk(x, 7, log_softmax=True)
@@ -338,7 +371,7 @@ DRIVER = textwrap.dedent("""
     pids = [s["pid"] for s in llm.rank_stats()]
     print(json.dumps(pids), flush=True)
     seen = []
-    def on_tokens(i, ids):
+    def on_tokens(i, ids, _):
         seen.extend(ids)
         if len(seen) >= 8:
             if mode == "kill":

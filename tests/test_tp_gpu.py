@@ -7,6 +7,7 @@ request sets and driver script are reused here.
   filtered requests (test_tp's CONFIGS), single and batched: on the built-in pair and on
   a random target with Qwen3-8B's widths (2 layers) and a random 1-layer drafter. All in
   float32, where a different reduction order cannot flip a near-tie as bf16 can.
+- Logprobs (gathered over the vocabulary shards) equal TP = 1's.
 - A worker killed mid-generation ends the driver promptly with one line naming the rank
   (graphs on: the NCCL kernels waiting on the dead peer sit inside a replayed graph),
   and no worker outlives it.
@@ -86,6 +87,28 @@ def test_comparisons_are_not_vacuous(engines):
     for pair in PAIRS:
         out = engines(pair, "ddtree", 2, True).generate(BATCH, CONFIGS["greedy"])
         assert max(o.stats["tau"] for o in out) > 1.2, f"{pair}: no draft accepted"
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_tp2_logprobs_equal_tp1(pair, engines):
+    """Logprobs over NCCL, from graphed rounds: TP = 1's tokens, values and alternatives.
+    In float32 the sharded LM head and all-reduces round differently from one GEMM, so
+    values agree to 1e-4 relative (the 8B-width pair's peaked logits reach the hundreds)
+    and two alternatives that close may trade places; a value from a wrong row or shard
+    would be off by whole units."""
+    from treeflash import SamplingParams
+    params = [SamplingParams(max_new_tokens=20, ignore_eos=True, logprobs=4),
+              SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=1.0, top_p=0.9, seed=5, logprobs=1)]
+    want = engines(pair, "ddtree", 1, True).generate(BATCH[:2], params)
+    got = engines(pair, "ddtree", 2, True).generate(BATCH[:2], params)
+    close = dict(rel=1e-4, abs=1e-3)
+    for w, g in zip(want, got):
+        assert g.token_ids == w.token_ids and len(g.logprobs) == len(g.token_ids)
+        for a, b in zip(g.logprobs, w.logprobs):
+            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, **close), (a, b)
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], **close), (a, b)
+            for (i, v), (j, u) in zip(a.top, b.top):
+                assert i == j or (v == pytest.approx(u, **close) and j in dict(a.top)), (a, b)
 
 
 # test_tp's driver script on the GPU: argv[6] turns CUDA graphs on or off

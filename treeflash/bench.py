@@ -97,6 +97,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperatures", help="comma list, 0 = greedy (default 0,0.7,1.0; --shape: 0)")
     p.add_argument("--seed", type=int, default=0, help="request i samples with seed S + i")
+    p.add_argument("--logprobs", type=int, metavar="K", help="requests also return logprobs with K alternatives "
+                                                             "(model-pair mode; default: none)")
     p.add_argument("--eos", action="store_true", help="stop requests at EOS (default: always generate "
                                                       "--max-new-tokens, so every method does the same work)")
     p.add_argument("--draft-mode", default="coupled", choices=["scaled", "coupled"],
@@ -230,7 +232,7 @@ def measure_pair(llm, prompts: list[str], bs: int, temperature: float, args) -> 
     """Warm up on one full batch (a CUDA graph is captured there), then time all batches."""
     def params(i):
         return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature,
-                              seed=args.seed + i, ignore_eos=not args.eos)
+                              seed=args.seed + i, ignore_eos=not args.eos, logprobs=args.logprobs)
 
     def generate(batch):
         return llm.generate([prompts[i] for i in batch], [params(i) for i in batch])
@@ -272,6 +274,7 @@ def bench_pairs(args) -> int:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    SamplingParams(logprobs=args.logprobs).validate()
     graphs = parse_graphs(args.graphs or "on,off")
     prompts = load_prompts(args)
     graphs_list = usable_graphs(graphs, resolve_device(args.device))
@@ -321,7 +324,9 @@ def pair_row(llm, budget: int | None, key: tuple, m: dict, ar: tuple | None, arg
     m = dict(m)
     ids = m.pop("token_ids")
     return {"mode": "pair", "method": llm.method, "budget": llm.decoder.budget,
-            "label": llm.method + (f"-{budget}" if llm.method == "ddtree" else ""),
+            "label": llm.method + (f"-{budget}" if llm.method == "ddtree" else "")
+                     + (f" lp{args.logprobs}" if args.logprobs is not None else ""),
+            "logprobs": args.logprobs,
             "batch_size": bs, "graphs": graphs, "temperature": temperature, **m,
             "speedup": round(m["tokens_per_s"] / ar[0], 3) if ar else None,
             "same_as_ar": (round(sum(a == b for a, b in zip(ids, ar[1])) / len(ids), 3)
@@ -511,7 +516,7 @@ def time_wall(run, reset, iters: int) -> tuple[float, float | None]:
     token copies after each round fall outside the events and count as host time."""
     pipe = RoundPipeline()
     reset()
-    pipe.push(*run())  # the host buffers are allocated here, not while timed
+    pipe.push(*run()[:2])  # new tokens and counts; the host buffers are allocated here, not while timed
     pipe.finish()
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -524,7 +529,7 @@ def time_wall(run, reset, iters: int) -> tuple[float, float | None]:
         out = run()
         if events:
             events[i][1].record()
-        pipe.push(*out)
+        pipe.push(*out[:2])
     pipe.finish()
     wall = 1e6 * (time.perf_counter() - t0) / iters
     if not events:
@@ -626,6 +631,8 @@ def new_shape_state(target, drafter, context: int, batch: int, temperature: floa
 def bench_shape(args) -> int:
     if args.model or args.draft_model or args.prompt_file or args.corpus:
         raise UsageError("--shape uses random weights: it takes no --model, --draft-model, --prompt-file or --corpus")
+    if args.logprobs is not None:
+        raise UsageError("--logprobs applies to model-pair mode (--shape times rounds without them)")
     if args.shape not in SHAPES:
         raise UsageError(f"unknown shape '{args.shape}' (choose from {', '.join(SHAPES)})")
     contexts = parse_list(args.contexts, int, "context", minimum=1)

@@ -86,25 +86,30 @@ def sampling_from(args):
     from treeflash import SamplingParams
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-                          stop_token_ids=args.stop_token_ids,
-                          ignore_eos=args.ignore_eos).validate()
+                          stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
+                          logprobs=getattr(args, "logprobs", None)).validate()
 
 
 def cmd_generate(args) -> int:
     from treeflash.tokenizer import TextStream
     prompts = read_prompts(args)
     params = sampling_from(args)
+    if params.logprobs is not None and not args.json:
+        raise UsageError("--logprobs needs --json (they are printed with the tokens)")
     llm = make_llm(args)
     if args.json:
         for out in llm.generate(prompts, params):
+            logprobs = None if out.logprobs is None else [
+                {"token_id": e.token_id, "logprob": e.logprob, "top": e.top} for e in out.logprobs]
             print(json.dumps({"text": out.text, "token_ids": out.token_ids,
                               "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
-                              "stats": out.stats}), flush=True)
+                              "stats": out.stats, **({"logprobs": logprobs} if logprobs is not None else {})}),
+                  flush=True)
         return 0
     stream = len(prompts) == 1 and not params.stop
     shown = TextStream(llm.tokenizer, end_ids=llm.end_ids(params))
 
-    def on_tokens(_, ids):
+    def on_tokens(_, ids, __):
         sys.stdout.write(shown.push(ids))
         sys.stdout.flush()
 
@@ -128,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", help="the prompt text")
     g.add_argument("--prompt-file", help="one prompt per line, or JSONL with a 'prompt' field")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    g.add_argument("--logprobs", type=int, metavar="N", help="with --json: each token's log-probability "
+                                                             "and its N most likely alternatives' (N <= 20)")
     add_model_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)

@@ -74,28 +74,51 @@ class TPGroup:
 
     def topk(self, x: torch.Tensor, k: int, start: int = 0, log_softmax: bool = False):
         """Top-k over the last dim of `x` (this rank's vocabulary slice from id `start`):
-        (values, global ids) [..., k], values descending, identical on every rank.
+        (values, global ids) [..., k], values descending, identical on every rank. With
+        `log_softmax`, values are log-probabilities over the whole vocabulary."""
+        vals, ids, lse, _ = self._top(x, k, start, log_softmax)
+        return (vals - lse if log_softmax else vals), ids
 
-        Local top-k, one all-gather of every rank's candidates, top-k. With
-        `log_softmax`, values are log-probabilities over the whole vocabulary: each rank
-        also sends the log-sum-exp of its slice (max, then sum of exp), and the ranks'
-        are combined the same way, in rank order.
+    def logprobs(self, x: torch.Tensor, tokens: torch.Tensor, k: int, start: int = 0):
+        """Log-probabilities over the whole vocabulary of x [..., V/N] (this rank's slice
+        from id `start`): of the global ids `tokens` [...], and the top k (values and
+        global ids [..., k]), identical on every rank. The rank holding a token offers
+        its logit, the others -inf, in the same all-gather as the top-k candidates."""
+        if self.size == 1:
+            picked = x.gather(-1, tokens[..., None])
+        else:
+            local = tokens - start
+            mine = (local >= 0) & (local < x.shape[-1])
+            picked = x.gather(-1, local.clamp(0, x.shape[-1] - 1)[..., None])
+            picked = picked.masked_fill(~mine[..., None], float("-inf"))
+        vals, ids, lse, picked = self._top(x, k, start, True, picked)
+        return (picked - lse)[..., 0], vals - lse, ids
+
+    def _top(self, x: torch.Tensor, k: int, start: int, log_softmax: bool, picked: torch.Tensor | None = None):
+        """(top-k values, global ids, log-sum-exp [..., 1] (with log_softmax, else None),
+        `picked` [..., 1]'s max) over every rank.
+
+        Local top-k, one all-gather of every rank's candidates (and its slice's
+        log-sum-exp and picked value), top-k; the ranks' log-sum-exps are combined in
+        rank order, so every rank gets the same bits.
         """
         if log_softmax:
             vals, ids, lse = topk_logsumexp(x, min(k, x.shape[-1]))
         else:
-            vals, ids = x.topk(min(k, x.shape[-1]), dim=-1)
+            (vals, ids), lse = x.topk(min(k, x.shape[-1]), dim=-1), None
         ids = ids + start if start else ids
         if self.size > 1:
-            parts = [vals.double(), ids.double()] + ([lse.double()] if log_softmax else [])
-            cand = self.all_gather(torch.cat(parts, dim=-1)[None], dim=0)      # [size, ..., 2k(+1)]
-            kl = vals.shape[-1]
+            extra = [t.double() for t in (lse, picked) if t is not None]
+            cand = self.all_gather(torch.cat([vals.double(), ids.double()] + extra, dim=-1)[None], dim=0)
+            kl = vals.shape[-1]                                                # cand: [size, ..., 2k(+2)]
             all_vals = cand[..., :kl].movedim(0, -2).flatten(-2).to(vals.dtype)
             all_ids = cand[..., kl:2 * kl].movedim(0, -2).flatten(-2).long()
             vals, j = all_vals.topk(min(k, all_vals.shape[-1]), dim=-1)
             ids = all_ids.gather(-1, j)
-            if log_softmax:
-                lse = torch.logsumexp(cand[..., 2 * kl:].to(x.dtype), dim=0)   # [..., 1]
-        if log_softmax:
-            vals = vals - lse
-        return vals, ids
+            col = 2 * kl
+            if lse is not None:
+                lse = torch.logsumexp(cand[..., col:col + 1].to(x.dtype), dim=0)  # [..., 1]
+                col += 1
+            if picked is not None:
+                picked = cand[..., col:col + 1].amax(0).to(x.dtype)
+        return vals, ids, lse, picked

@@ -38,6 +38,16 @@ def state_key(batch: int, max_len: int) -> tuple[int, int]:
     return batch, 1 << max(10, (max_len - 1).bit_length())
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target model (softmax of its raw
+    logits, before temperature and filters), with the request's `logprobs` most likely
+    tokens as (id, log-probability), most likely first."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclass
 class GenerationOutput:
     text: str
@@ -45,6 +55,7 @@ class GenerationOutput:
     finish_reason: str           # "stop" (EOS or stop string), "length", or "abort" (ended by on_tokens)
     stats: dict = field(default_factory=dict)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: EOS, or not stopped)
+    logprobs: list[TokenLogprob] | None = None  # one per token id, if SamplingParams.logprobs asked for them
 
 
 def resolve_device(device: str) -> torch.device:
@@ -99,34 +110,42 @@ def builtin_paths() -> tuple[Path, Path]:
     return target, drafter
 
 
+def _token_logprobs(tokens: list[int], lp: list, b: int, k: int) -> list[TokenLogprob]:
+    """Request b's `TokenLogprob`s of `tokens`, the first tokens of its row of a round's
+    (or the prefill's) logprobs read back as lists: (chosen [B][T], top values
+    [B][T][K], top ids [B][T][K]); `k` alternatives each."""
+    chosen, top_vals, top_ids = (x[b] for x in lp)
+    return [TokenLogprob(t, chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k]))) for i, t in enumerate(tokens)]
+
+
 class RoundPipeline:
     """Round results on their way to the host, one round behind the device.
 
-    `push(new, counts)` right after launching round r queues a non-blocking copy of its
-    outputs into one of two host buffers (pinned on CUDA) and records an event, then
-    waits for round r-1's event only and returns its tokens as lists (None after the
-    first push): the host reads round r-1 while round r runs. Two buffers: the copy of
-    round r never lands in the one the host is reading, and round r+1's copy into that
-    one is queued only after the host has read it. On CPU the copy is a plain copy
-    and there are no events. `finish()` waits for and returns the last round pushed.
+    `push(*outputs)` right after launching round r queues a non-blocking copy of its
+    output tensors (new tokens, counts, and logprobs if asked) into one of two sets of
+    host buffers (pinned on CUDA) and records an event, then waits for round r-1's
+    event only and returns its outputs as lists (None after the first push): the host
+    reads round r-1 while round r runs. Two sets: the copy of round r never lands in
+    the one the host is reading, and round r+1's copy into that one is queued only
+    after the host has read it. On CPU the copy is a plain copy and there are no
+    events. `finish()` waits for and returns the last round pushed.
     """
 
     def __init__(self):
-        self.slots = None    # 2 x (new, counts, event), made at the first push (shapes known)
+        self.slots = None    # 2 x (host buffers, event), made at the first push (shapes known)
         self.pending = None  # the slot of the last round pushed, not read yet
 
-    def push(self, new: torch.Tensor, counts: torch.Tensor):
+    def push(self, *outputs: torch.Tensor):
         if self.slots is None:
-            cuda = new.is_cuda
-            self.slots = [(torch.empty(new.shape, dtype=new.dtype, pin_memory=cuda),
-                           torch.empty(counts.shape, dtype=counts.dtype, pin_memory=cuda),
+            cuda = outputs[0].is_cuda
+            self.slots = [([torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in outputs],
                            torch.cuda.Event() if cuda else None) for _ in range(2)]
         slot = 0 if self.pending is None else 1 - self.pending
-        host_new, host_counts, event = self.slots[slot]
-        host_new.copy_(new, non_blocking=True)
-        host_counts.copy_(counts, non_blocking=True)
+        host, event = self.slots[slot]
+        for h, t in zip(host, outputs):
+            h.copy_(t, non_blocking=True)
         if event is not None:
-            event.record(torch.cuda.current_stream(new.device))
+            event.record(torch.cuda.current_stream(outputs[0].device))
         previous, self.pending = self.pending, slot
         return None if previous is None else self._read(previous)
 
@@ -135,17 +154,17 @@ class RoundPipeline:
         return None if previous is None else self._read(previous)
 
     def _read(self, slot: int):
-        host_new, host_counts, event = self.slots[slot]
+        host, event = self.slots[slot]
         if event is not None:
             event.synchronize()
-        return host_new.tolist(), host_counts.tolist()
+        return tuple(h.tolist() for h in host)
 
 
 @dataclass
 class _Batch:
     """The batch in flight on this rank."""
     st: BatchState
-    run_round: object      # st -> (new, counts): `decoder.round` or a `GraphedRound`
+    run_round: object      # st -> (new, counts, logprobs): `decoder.round` or a `GraphedRound`
     pipe: RoundPipeline
     active: list[bool]     # what st.active holds (as queued)
 
@@ -294,9 +313,10 @@ class LLM:
                  on_tokens=None, on_done=None) -> list[GenerationOutput]:
         """Generate for a batch of prompts (strings or token-id lists).
 
-        `on_tokens(i, new_ids)` is called as request i commits tokens (for streaming); if
-        it returns True, request i ends there (finish_reason "abort": say, its client went
-        away) and the others go on. `on_done(i, output)` is called as soon as request i
+        `on_tokens(i, new_ids, new_logprobs)` is called as request i commits tokens (for
+        streaming; new_logprobs: their `TokenLogprob`s, or None if request i did not ask);
+        if it returns True, request i ends there (finish_reason "abort": say, its client
+        went away) and the others go on. `on_done(i, output)` is called as soon as request i
         has finished, with the output `generate` returns for it at the end.
         Rounds are pipelined: the host reads and processes round r-1's tokens while
         round r runs on the device (see `_step`, `RoundPipeline`), with tensor
@@ -335,8 +355,10 @@ class LLM:
         # seeds are drawn here, so that every tensor-parallel rank samples alike
         params = [p if p.seed is not None else replace(p, seed=random.getrandbits(63)) for p in params]
         start = time.perf_counter()
-        first = self._tp.call(self, "_start", (len(ids), max_len, params, ids, self._states_to_drop(len(ids), max_len)))
+        first, lp = self._tp.call(self, "_start", (len(ids), max_len, params, ids,
+                                                    self._states_to_drop(len(ids), max_len)))
         outs = [[] for _ in ids]
+        logprobs = [[] if p.logprobs is not None else None for p in params]
         rounds = [1] * len(ids)
         done = [False] * len(ids)
         results: list[GenerationOutput | None] = [None] * len(ids)
@@ -357,11 +379,16 @@ class LLM:
                 stop = self._accept(new[b][:counts[b]], outs[b], params[b], limits[b])
                 if params[b].stop and self._cut_at_stop_string(outs[b], before, params[b].stop):
                     stop = "stop"
-                if on_tokens is not None and len(outs[b]) > before and on_tokens(b, outs[b][before:]) is True:
+                added = None
+                if logprobs[b] is not None:  # those of the tokens kept
+                    added = _token_logprobs(outs[b][before:], lp, b, params[b].logprobs)
+                    logprobs[b] += added
+                if on_tokens is not None and len(outs[b]) > before and on_tokens(b, outs[b][before:], added) is True:
                     stop = stop or "abort"
                 if stop:
                     done[b] = True
-                    results[b] = self._output(outs[b], stop, params[b], rounds[b], time.perf_counter() - start)
+                    results[b] = self._output(outs[b], stop, params[b], rounds[b], time.perf_counter() - start,
+                                              logprobs[b])
                     if on_done is not None:
                         on_done(b, results[b])
             if all(done):
@@ -376,7 +403,7 @@ class LLM:
             if got is None:  # the first round: nothing to read yet
                 new, counts = [[] for _ in ids], [0] * len(ids)
                 continue
-            new, counts = got
+            new, counts, *lp = got
             for b in range(len(ids)):
                 committed[b] += counts[b]
                 rounds[b] += not done[b]  # a round whose tokens b uses (done: ignored)
@@ -389,7 +416,8 @@ class LLM:
         kept in its tokens, left out of its text (as vLLM does)."""
         return set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
 
-    def _output(self, ids: list[int], reason: str, p: SamplingParams, rounds: int, seconds: float) -> GenerationOutput:
+    def _output(self, ids: list[int], reason: str, p: SamplingParams, rounds: int, seconds: float,
+                logprobs: list[TokenLogprob] | None = None) -> GenerationOutput:
         """A finished request's output: text cut at the first stop string, or without the
         token that ended it, and its stats (seconds from the batch's start to this
         request's last token)."""
@@ -399,7 +427,7 @@ class LLM:
         text = text[:hits[0][0]] if hits else text
         stop_reason = hits[0][1] if hits else ids[-1] if ended_by_token and ids[-1] in p.stop_token_ids else None
         n = len(ids)
-        return GenerationOutput(text, ids, reason, stop_reason=stop_reason, stats={
+        return GenerationOutput(text, ids, reason, stop_reason=stop_reason, logprobs=logprobs, stats={
             "method": self.method, "new_tokens": n, "rounds": rounds,
             "tau": round(n / rounds, 4), "seconds": round(seconds, 4),
             "tokens_per_s": round(n / seconds, 2) if seconds > 0 else None,
@@ -410,7 +438,7 @@ class LLM:
                drop: list[tuple[int, int]]):
         """On every rank: a batch state (or the captured graph's) and the prefill, after
         dropping the graphed states `drop` (the driver's choice). Returns each request's
-        first token."""
+        first token, and their logprobs as lists ([] if not asked)."""
         if self._run is not None:  # the previous batch's last round, still in flight: wait
             self._run.pipe.finish()  # for it before its state or graph may be dropped
         self._run = None  # the previous batch's caches go before the new ones are made
@@ -420,16 +448,16 @@ class LLM:
         st, run_round, graphed = self._runner(batch, max_len, SamplingBatch.from_params(params, self.device))
         ids, lens = self.decoder.prefill_inputs(st, prompts)
         if graphed is None or ids.numel() > GRAPHED_PREFILL_MAX:
-            self.decoder.prefill_tokens(st, ids, lens)
+            lp = self.decoder.prefill_tokens(st, ids, lens)
         else:
-            graphed.prefill(ids, lens)
+            lp = graphed.prefill(ids, lens)
         self._run = _Batch(st, run_round, RoundPipeline(), [True] * batch)
-        return st.anchor.tolist()
+        return st.anchor.tolist(), [t.tolist() for t in lp or ()]
 
     def _step(self, active: list[bool] | None, max_n: int):
         """On every rank: launch the next round of the batch in flight and queue the copy
-        of its tokens to the host; return the previous round's (new tokens, counts), or
-        None after the first round.
+        of its outputs to the host; return the previous round's (new tokens, counts, and
+        the logprobs' tensors if asked) as lists, or None after the first round.
         `active` (once requests have finished) is copied to the device when it changed,
         without waiting for the round in flight; `max_n` bounds eager attention reads (at
         least every request's n before this round)."""
@@ -441,8 +469,8 @@ class LLM:
             run.active = list(active)
         if st.max_n is not None:
             st.max_n = max_n
-        new, counts = run.run_round(st)
-        return run.pipe.push(new, counts)
+        new, counts, logprobs = run.run_round(st)
+        return run.pipe.push(new, counts, *(logprobs or ()))
 
     def use_graphs(self, on: bool) -> None:
         """Run rounds as CUDA graphs (on CUDA) or eagerly, with no states or graphs kept yet."""

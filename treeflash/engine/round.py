@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from treeflash.engine.kv_cache import DraftContextCache, KVCache
-from treeflash.engine.sampling import SamplingBatch, gumbel_noise, sample
+from treeflash.engine.sampling import SamplingBatch, gumbel_noise, logprobs_of, sample
 from treeflash.engine.tree import DraftTree, build_chain_from_tokens, build_tree_from_topk, empty_tree, walk
 from treeflash.errors import UsageError
 from treeflash.layers.attention import AttentionInputs
@@ -117,16 +117,18 @@ class SpeculativeDecoder:
         return ids.to(dev), torch.tensor([len(p) for p in prompts], device=dev)
 
     @torch.inference_mode()
-    def prefill(self, st: BatchState, prompts: list[list[int]]) -> None:
+    def prefill(self, st: BatchState, prompts: list[list[int]]):
         """Run the prompts into the caches and sample each request's first token into
-        `st.anchor` (eager; written in place)."""
-        self.prefill_tokens(st, *self.prefill_inputs(st, prompts))
+        `st.anchor` (eager; written in place). Returns what `prefill_tokens` does."""
+        return self.prefill_tokens(st, *self.prefill_inputs(st, prompts))
 
     @torch.inference_mode()
-    def prefill_tokens(self, st: BatchState, ids: torch.Tensor, lens: torch.Tensor) -> None:
+    def prefill_tokens(self, st: BatchState, ids: torch.Tensor, lens: torch.Tensor):
         """`prefill` of padded ids [B, T] with lengths lens [B]: device work only, static
         shapes, so `GraphedPrefill` can capture it. Causal attention keeps the padding
-        out of every real token; its K/V land past the prompt, where the rounds write."""
+        out of every real token; its K/V land past the prompt, where the rounds write.
+        Returns the first tokens' `logprobs_of` ([B, 1] rows) if the batch asks for
+        them, else None."""
         B, T = ids.shape
         dev = ids.device
         positions = torch.arange(T, device=dev).expand(B, T)
@@ -134,13 +136,15 @@ class SpeculativeDecoder:
         h, feats = self._target(ids, inputs, st.cache)
         last = h[torch.arange(B, device=dev), lens - 1]
         logits = self.target.logits(last[:, None], gather=False)
-        st.anchor.copy_(sample(logits, lens[:, None], st.sampling, self.tp)[:, 0])
+        first = sample(logits, lens[:, None], st.sampling, self.tp)
+        st.anchor.copy_(first[:, 0])
         st.n.copy_(lens)
         st.active.fill_(True)
         if st.draft_cache is not None:
             st.draft_cache.projected.zero_()
             self.drafter.commit_context(st.draft_cache, feats, positions, torch.zeros_like(lens), lens)
         st.max_n = T
+        return logprobs_of(logits, first, self.tp) if st.sampling.any_logprobs else None
 
     def draft_logits(self, st: BatchState) -> torch.Tensor:
         """This rank's vocabulary slice of the per-depth draft scores [B, D, V/N] for
@@ -188,16 +192,19 @@ class SpeculativeDecoder:
         return build_tree_from_topk(vals, ids, anchor, self.budget)
 
     @torch.inference_mode()
-    def round(self, st: BatchState) -> tuple[torch.Tensor, torch.Tensor]:
+    def round(self, st: BatchState):
         """One round for the whole batch, updating `st` in place. Returns the new tokens
-        [B, D+1] and how many of them each request committed ([B]; 0 if inactive)."""
+        [B, D+1], how many of them each request committed ([B]; 0 if inactive) and, if
+        the batch asks for them, the new tokens' `logprobs_of` (else None): the target's
+        logits at the nodes of the accepted path are those AR would have sampled from."""
         tree = self.build(st)
         T = tree.size + 1
         positions = st.n[:, None] + tree.depths
         kv_len = None if st.max_n is None else st.max_n + T
         inputs = AttentionInputs(positions, st.n, tree.ancestors, kv_len=kv_len, backend=self.backend)
         h, feats = self._target(tree.tokens, inputs, st.cache)
-        target_tokens = sample(self.target.logits(h, gather=False), positions + 1, st.sampling, self.tp)
+        logits = self.target.logits(h, gather=False)
+        target_tokens = sample(logits, positions + 1, st.sampling, self.tp)
         w = walk(tree, target_tokens, self.depth)
         counts = torch.where(st.active, w.accepted + 1, torch.zeros_like(w.accepted))
         if self.method == "ddtree":
@@ -211,7 +218,11 @@ class SpeculativeDecoder:
         new.scatter_(1, w.accepted[:, None], w.bonus[:, None])
         st.n += counts
         st.anchor.copy_(torch.where(st.active, w.bonus, st.anchor))
-        return new, counts
+        logprobs = None
+        if st.sampling.any_logprobs:  # new[:, i] (i <= accepted) is the target's token at node path[:, i]
+            rows = logits.gather(1, w.path[:, :, None].expand(-1, -1, logits.shape[-1]))
+            logprobs = logprobs_of(rows, target_tokens.gather(1, w.path), self.tp)
+        return new, counts, logprobs
 
 
 def capture(fn, warmup: int, pool=None):
@@ -244,36 +255,39 @@ class GraphedRound:
         self.st = st
         st.max_n = None  # graphs read the whole cache: no data-dependent shapes
         st.n.zero_()
-        self.graph, (self.new, self.counts) = capture(lambda: decoder.round(st), warmup, pool)
+        self.graph, self.out = capture(lambda: decoder.round(st), warmup, pool)
 
-    def __call__(self, st: BatchState) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, st: BatchState):
         assert st is self.st, "a graph replays on the buffers it was captured with"
         self.graph.replay()
-        return self.new, self.counts
+        return self.out
 
 
 class GraphedPrefill:
     """`decoder.prefill_tokens` for one padded shape [B, T], captured as a CUDA graph
     over static (ids, lens) buffers of `st`: a short prompt's eager prefill is ~150
     launches, host-bound (built-in pair on an H200: ~5 ms for ~0.3 ms of kernels).
-    Capturing runs the prefill once (the warm-up), so the state is prefilled as well."""
+    Capturing also prefills: the graph is replayed once, which fills its outputs (the
+    first tokens' logprobs) as well as the state (a captured graph has run nothing)."""
 
     def __init__(self, decoder: SpeculativeDecoder, st: BatchState, ids: torch.Tensor, lens: torch.Tensor,
                  pool=None):
         self.st, self.ids, self.lens = st, ids.clone(), lens.clone()
-        self.graph, _ = capture(lambda: decoder.prefill_tokens(st, self.ids, self.lens), 1, pool)
+        self.graph, self.out = capture(lambda: decoder.prefill_tokens(st, self.ids, self.lens), 1, pool)
+        self.graph.replay()
 
-    def __call__(self, st: BatchState, ids: torch.Tensor, lens: torch.Tensor) -> None:
+    def __call__(self, st: BatchState, ids: torch.Tensor, lens: torch.Tensor):
         assert st is self.st and ids.shape == self.ids.shape, "a graph replays on the buffers it was captured with"
         self.ids.copy_(ids)
         self.lens.copy_(lens)
         self.graph.replay()
+        return self.out
 
 
 class GraphedState:
     """One bucketed batch state and every graph captured over its buffers: per sampling
-    mode (greedy, sampled, sampled with top-k/top-p) a round and the prefills by padded
-    prompt shape. A server whose requests alternate between modes replays them instead
+    mode (greedy, sampled, sampled with top-k/top-p; each with or without logprobs) a
+    round and the prefills by padded prompt shape. A server whose requests alternate between modes replays them instead
     of recapturing (a capture runs the round three times and re-records it).
 
     The graphs share one memory pool. That is safe here because replays never overlap
@@ -288,7 +302,7 @@ class GraphedState:
         self.st = decoder.new_state(batch, bucket, sampling)
         self.cache_bytes = self.nbytes = self.st.cache_bytes  # the caches; captures add their pool
         self.pool = torch.cuda.graph_pool_handle()
-        self.rounds: dict[tuple[bool, bool], GraphedRound] = {}
+        self.rounds: dict[tuple[bool, bool, bool], GraphedRound] = {}
         self.prefills: dict[tuple, GraphedPrefill] = {}
 
     @contextmanager
@@ -303,21 +317,21 @@ class GraphedState:
     def use(self, sampling: SamplingBatch) -> GraphedRound:
         """Take the batch's sampling values and mode; the mode's round (captured now if new)."""
         self.st.sampling.copy_(sampling)
-        mode = (sampling.any_sampled, sampling.any_filtered)
+        mode = sampling.mode
         if mode not in self.rounds:
             with self._counted():
                 self.rounds[mode] = GraphedRound(self.decoder, self.st, pool=self.pool)
             self.captures += 1
         return self.rounds[mode]
 
-    def prefill(self, ids: torch.Tensor, lens: torch.Tensor) -> None:
+    def prefill(self, ids: torch.Tensor, lens: torch.Tensor):
         """The prefill of padded ids [B, T] in the current mode: replayed, or captured now
-        (capturing also prefills)."""
+        (capturing also prefills). Returns what `prefill_tokens` does."""
         sb = self.st.sampling
-        key = (sb.any_sampled, sb.any_filtered, *ids.shape)
+        key = (*sb.mode, *ids.shape)
         if key in self.prefills:
-            self.prefills[key](self.st, ids, lens)
-        else:
-            with self._counted():
-                self.prefills[key] = GraphedPrefill(self.decoder, self.st, ids, lens, pool=self.pool)
-            self.captures += 1
+            return self.prefills[key](self.st, ids, lens)
+        with self._counted():
+            self.prefills[key] = GraphedPrefill(self.decoder, self.st, ids, lens, pool=self.pool)
+        self.captures += 1
+        return self.prefills[key].out

@@ -23,6 +23,7 @@ from treeflash.errors import UsageError
 from treeflash.ops import triton_available
 
 _M32 = 0xFFFFFFFF
+MAX_LOGPROBS = 20  # most likely alternatives a request may ask for per token (vLLM's default limit)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)  # end like EOS (kept in token_ids), ignore_eos or not
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives' (None: off)
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         def bad(msg):
@@ -69,6 +71,9 @@ class SamplingParams:
             bad(f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
         if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
             bad(f"stop token id {max(self.stop_token_ids)} is outside the vocabulary of {vocab_size}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None: off), got {self.logprobs!r}")
         return self
 
     @property
@@ -86,6 +91,7 @@ class SamplingBatch:
     seed: torch.Tensor         # [B] long
     any_sampled: bool
     any_filtered: bool
+    any_logprobs: bool = False  # rounds also return the target's log-probabilities (`logprobs_of`)
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device) -> "SamplingBatch":
@@ -98,12 +104,19 @@ class SamplingBatch:
             seed=torch.tensor(seeds, dtype=torch.long, device=device),
             any_sampled=any(not p.greedy for p in params),
             any_filtered=any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params),
+            any_logprobs=any(p.logprobs is not None for p in params),
         )
+
+    @property
+    def mode(self) -> tuple[bool, bool, bool]:
+        """The host-side flags that choose which code a round runs (and its graph)."""
+        return self.any_sampled, self.any_filtered, self.any_logprobs
 
     def copy_(self, other: "SamplingBatch") -> None:
         """Take `other`'s values into these (captured) buffers, and its mode (the host-side
         flags that choose which code, or which captured graph, runs)."""
         self.any_sampled, self.any_filtered = other.any_sampled, other.any_filtered
+        self.any_logprobs = other.any_logprobs
         for name in ("temperature", "top_k", "top_p", "seed"):
             getattr(self, name).copy_(getattr(other, name))
 
@@ -185,3 +198,14 @@ def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp:
     noisy = scaled + gumbel_noise(sb.seed, positions, start, logits.shape[-1]).to(dtype)
     # greedy rows (T == 0) take the plain argmax (the cast to dtype is exact and monotonic)
     return tp.argmax(torch.where(temp[:, None, None] > 0, noisy, logits.to(dtype)), start)
+
+
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, tp: TPGroup = TPGroup()):
+    """The target's log-probabilities at rows logits [B, T, V] (this rank's vocabulary
+    slice): of `tokens` [B, T], and the MAX_LOGPROBS most likely tokens'. As vLLM
+    reports them: log-softmax of the raw logits, before temperature and filters, so a
+    token's figure does not depend on how it was sampled. Returns (chosen [B, T],
+    top values [B, T, K], top ids [B, T, K]), float32 (float64 for float64 logits),
+    identical on every rank."""
+    x = logits if logits.dtype == torch.float64 else logits.float()
+    return tp.logprobs(x, tokens, min(MAX_LOGPROBS, x.shape[-1] * tp.size), tp.rank * x.shape[-1])

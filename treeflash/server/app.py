@@ -81,8 +81,9 @@ class Job:
         """End this request at its next round (any thread), answering `error`."""
         self.error = error or Cancelled()
 
-    def on_tokens(self, i: int, ids: list[int]) -> bool:  # worker thread
-        """Take choice i's new tokens; True ends its generation (the client is gone)."""
+    def on_tokens(self, i: int, ids: list[int], logprobs=None) -> bool:  # worker thread
+        """Take choice i's new tokens (logprobs: not served yet); True ends its generation
+        (the client is gone)."""
         if not self.started and self.metrics is not None:
             self.metrics.first_token(time.monotonic() - self.arrived)
         self.started = True
@@ -210,7 +211,7 @@ class EngineWorker:
                 part = [(job, i) for job, i in owners[start:start + self.max_batch] if not job.cancelled]
                 if part:
                     self.llm.generate([job.runs[i][0] for job, i in part], [job.runs[i][1] for job, i in part],
-                                      on_tokens=lambda k, ids, part=part: part[k][0].on_tokens(part[k][1], ids),
+                                      on_tokens=lambda k, *got, part=part: part[k][0].on_tokens(part[k][1], *got),
                                       on_done=lambda k, out, part=part: part[k][0].on_done(part[k][1], out))
         except BaseException as e:
             log.error("generation failed", exc_info=e)

@@ -60,7 +60,7 @@ def warm_up(llm, chat_max_tokens: int | None = None) -> None:
         params = SamplingParams(max_new_tokens=4, temperature=temperature, top_p=top_p, seed=0, ignore_eos=True)
         llm.generate(prompt, params)
         llm.generate(prompt, replace(params, max_new_tokens=min(chat_max_tokens or room, room)),
-                     on_tokens=lambda i, ids: True)
+                     on_tokens=lambda *_: True)
 
 
 def cmd_serve(args) -> int:
