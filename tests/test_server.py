@@ -139,7 +139,16 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed"),
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": ["x"] * 600, "n": 2}, 400, "n"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": True}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "top_logprobs": 2}, 400, "top_logprobs"),  # a chat argument
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 1024}, 400, "max_tokens"),
@@ -202,6 +211,58 @@ def test_n_choices_per_prompt(client, llm):
     chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "fib"}],
                                                      "max_tokens": 6, "temperature": 0, "n": 2}).json()
     assert len(chat["choices"]) == 2 and chat["choices"][0]["message"] == chat["choices"][1]["message"]
+
+
+def test_logprobs_are_the_engines_in_openai_form(client, llm):
+    """Completions: `logprobs: N` gives the legacy lists (each token's text, logprob,
+    text offset, and up to N + 1 alternatives: the chosen one included); chat:
+    `logprobs: true, top_logprobs: N` gives one entry per token with its bytes. Both
+    carry the engine's values, streamed or whole; without asking, logprobs is null."""
+    tok = llm.tokenizer
+    want = llm.generate(PROMPT, SamplingParams(max_new_tokens=12, logprobs=3))[0]
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 3}
+    got = client.post("/v1/completions", json=body).json()["choices"][0]
+    lp = got["logprobs"]
+    assert got["text"] == want.text
+    assert lp["tokens"] == [tok.token_text(t) for t in want.token_ids]
+    assert lp["token_logprobs"] == [e.logprob for e in want.logprobs]
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(12)]
+    for alts, e in zip(lp["top_logprobs"], want.logprobs):
+        assert alts == {**{tok.token_text(i): v for i, v in e.top}, tok.token_text(e.token_id): e.logprob}
+        assert 3 <= len(alts) <= 4
+    streamed = events(client.post("/v1/completions", json={**body, "stream": True}))[:-1]
+    parts = [e["choices"][0]["logprobs"] for e in streamed if e["choices"][0]["logprobs"]]
+    assert [x for p in parts for x in p["tokens"]] == lp["tokens"]
+    assert [x for p in parts for x in p["text_offset"]] == lp["text_offset"]  # counted across events
+    assert [x for p in parts for x in p["token_logprobs"]] == lp["token_logprobs"]
+    plain = client.post("/v1/completions", json={**body, "logprobs": None}).json()["choices"][0]
+    assert plain["logprobs"] is None and plain["text"] == want.text
+
+    messages = [{"role": "user", "content": "fib"}]
+    ids = llm.encode("### user:\nfib\n### assistant:\n", special=False)
+    want = llm.generate(ids, SamplingParams(max_new_tokens=10, logprobs=2))[0]
+    body = {"messages": messages, "max_tokens": 10, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    content = client.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == [e.logprob for e in want.logprobs]
+    assert [c["token"] for c in content] == [tok.token_text(t) for t in want.token_ids]
+    assert b"".join(bytes(c["bytes"]) for c in content).decode() == tok.decode(want.token_ids)
+    assert [[a["logprob"] for a in c["top_logprobs"]] for c in content] == \
+        [[v for _, v in e.top] for e in want.logprobs]
+    streamed = events(client.post("/v1/chat/completions", json={**body, "stream": True}))[:-1]
+    assert [c for e in streamed if e["choices"][0]["logprobs"] for c in e["choices"][0]["logprobs"]["content"]] \
+        == content
+    only = client.post("/v1/chat/completions", json={**body, "top_logprobs": None}).json()
+    assert all(c["top_logprobs"] == [] for c in only["choices"][0]["logprobs"]["content"])
+
+
+def test_token_bytes_rebuild_split_characters(llm):
+    """A byte-level BPE token may hold part of a UTF-8 character: its text is U+FFFD,
+    its bytes are exact, and a token sequence's bytes are the text's."""
+    tok = llm.tokenizer
+    text = "héllo wörld ✓ 日本"
+    ids = tok.encode(text, special=False)
+    assert any("\ufffd" in tok.token_text(t) for t in ids)
+    assert b"".join(tok.token_bytes(t) for t in ids).decode() == text
 
 
 def scrape(client) -> dict:
@@ -414,7 +475,7 @@ class FakeLLM:
             for k, p in enumerate(prompts):
                 if outs[k] is None:
                     n[k] += 1
-                    abort = on_tokens(k, [7]) is True
+                    abort = on_tokens(k, [7], None) is True
                     if abort or n[k] == params[k].max_new_tokens:
                         outs[k] = GenerationOutput(str(p[0]), [7] * n[k], "abort" if abort else "length")
                         on_done(k, outs[k])

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
+from functools import lru_cache
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import ByteLevel
 
 from treeflash.errors import TreeflashError
 
@@ -27,6 +30,19 @@ def _ids(value, key: str, path: Path) -> list[int]:
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
         raise TreeflashError(f"{path}: '{key}' must be a token id or a list of token ids, got {value!r}")
     return list(values)
+
+
+@lru_cache(maxsize=1)
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's, as Qwen and Llama 3 use): each byte is written
+    as one printable character, itself for printable Latin-1 bytes and 256 + k for the
+    k-th of the others. Maps the character back to its byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + k): b for k, b in enumerate(others)}}
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece-style byte tokens (Llama 2, Mistral)
 
 
 class Tokenizer:
@@ -68,6 +84,23 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens included (half a character shows as U+FFFD):
+        how logprobs name a token, as vLLM does."""
+        return self.tok.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, exact where its text is not (a token may hold
+        part of a UTF-8 character): byte-level BPE and byte-fallback tokens map back to
+        their bytes; any other token gives its text's UTF-8."""
+        piece = self.tok.id_to_token(token_id)
+        if piece is not None and (m := _BYTE_FALLBACK.fullmatch(piece)):
+            return bytes([int(m.group(1), 16)])
+        chars = _byte_level_chars()
+        if piece and isinstance(self.tok.decoder, ByteLevel) and all(c in chars for c in piece):
+            return bytes(chars[c] for c in piece)
+        return self.token_text(token_id).encode("utf-8")
 
 
 class TextStream:

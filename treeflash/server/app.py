@@ -29,8 +29,8 @@ from starlette.routing import Route
 
 from treeflash.errors import TreeflashError
 from treeflash.server.metrics import ServerMetrics
-from treeflash.server.protocol import (APIError, Request, SamplingDefaults, chunk, parse_chat, parse_completion,
-                                      parse_detokenize, parse_tokenize, response, usage)
+from treeflash.server.protocol import (APIError, Request, SamplingDefaults, chunk, logprobs_body, parse_chat,
+                                      parse_completion, parse_detokenize, parse_tokenize, response, usage)
 from treeflash.tokenizer import TextStream
 
 _DONE = object()  # end of a streamed job's deltas
@@ -55,12 +55,12 @@ class AsciiJSONResponse(JSONResponse):
 
 class Job:
     """A request on its way through the worker: a future for its outputs and, when
-    streamed, a queue filled from the worker thread with (choice, text delta) and
-    (choice, None) once that choice has finished."""
+    streamed, a queue filled from the worker thread with (choice, text delta, logprobs
+    body or None) and (choice, None, None) once that choice has finished."""
 
     def __init__(self, req: Request, loop: asyncio.AbstractEventLoop, tokenizer, metrics: ServerMetrics | None = None,
                  end_ids=()):
-        self.req, self.loop, self.metrics = req, loop, metrics
+        self.req, self.loop, self.metrics, self.tokenizer = req, loop, metrics, tokenizer
         self.arrived = time.monotonic()
         self.settled = False    # answered (once, under settle_lock: the worker and a shutdown may race)
         self.settle_lock = threading.Lock()
@@ -71,6 +71,7 @@ class Job:
         self.future: Future = Future()
         self.deltas: asyncio.Queue | None = asyncio.Queue() if req.stream else None
         self.texts = [TextStream(tokenizer, p.stop, end_ids) for _, p in self.runs] if req.stream else None
+        self.offsets = [0] * len(self.runs)  # characters of each choice's streamed token texts (text_offset)
 
     @property
     def cancelled(self) -> bool:
@@ -82,14 +83,18 @@ class Job:
         self.error = error or Cancelled()
 
     def on_tokens(self, i: int, ids: list[int], logprobs=None) -> bool:  # worker thread
-        """Take choice i's new tokens (logprobs: not served yet); True ends its generation
-        (the client is gone)."""
+        """Take choice i's new tokens (and their `TokenLogprob`s, if asked); True ends its
+        generation (the client is gone)."""
         if not self.started and self.metrics is not None:
             self.metrics.first_token(time.monotonic() - self.arrived)
         self.started = True
-        delta = self.texts[i].push(ids) if self.texts else ""
-        if delta:
-            self._to_loop((i, delta))
+        if self.texts:
+            delta = self.texts[i].push(ids)
+            body = logprobs_body(self.req, logprobs, self.tokenizer, self.offsets[i]) if logprobs else None
+            if body is not None and self.req.kind == "completion":
+                self.offsets[i] += sum(map(len, body["tokens"]))
+            if delta or body is not None:
+                self._to_loop((i, delta, body))
         return self.cancelled
 
     def _to_loop(self, item) -> None:
@@ -101,7 +106,7 @@ class Job:
     def on_done(self, i: int, output) -> None:  # worker thread
         self.outputs[i] = output
         if self.deltas is not None:
-            self._to_loop((i, None))
+            self._to_loop((i, None, None))
         if self.metrics is not None:  # a prompt's tokens count once, however many choices it has
             self.metrics.choice_done(len(self.runs[i][0]) if i % self.req.n == 0 else 0, output)
         if all(o is not None for o in self.outputs):
@@ -297,13 +302,13 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
                 for i in range(len(job.runs)):
                     yield _sse(chunk(req, model_name, first=True, index=i))
             while (item := await job.deltas.get()) is not _DONE:
-                i, delta = item
+                i, delta, logprobs = item
                 if delta is None:  # choice i is done: the rest of its text, and why it ended
                     out = job.outputs[i]
                     yield _sse(chunk(req, model_name, text=job.texts[i].finish(out.text), index=i,
                                      finish_reason=out.finish_reason, stop_reason=out.stop_reason))
                 else:
-                    yield _sse(chunk(req, model_name, text=delta, index=i))
+                    yield _sse(chunk(req, model_name, text=delta, index=i, logprobs=logprobs))
             try:
                 outs = job.future.result()
             except BaseException as e:
@@ -349,7 +354,7 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
             return error_response(api_error(e))
         finally:
             watcher.cancel()
-        return AsciiJSONResponse(response(req, model_name, outs))
+        return AsciiJSONResponse(response(req, model_name, outs, llm.tokenizer))
 
     async def completions(request: HTTPRequest):
         return await serve(request, lambda body: parse_completion(body, served, llm.encode, llm.max_model_len,

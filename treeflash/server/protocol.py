@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from treeflash.engine.sampling import SamplingParams
+from treeflash.engine.sampling import MAX_LOGPROBS, SamplingParams
 from treeflash.errors import TreeflashError, UsageError
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -20,9 +20,7 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 # Parameters (OpenAI's and vLLM's) this engine cannot honour, with the values that ask
 # for nothing: anything else is refused, never silently ignored.
 UNSUPPORTED = {
-    "logprobs": ((None, False, 0), "logprobs are not supported"),
-    "top_logprobs": ((None, 0), "logprobs are not supported"),
-    "prompt_logprobs": ((None, 0), "logprobs are not supported"),
+    "prompt_logprobs": ((None,), "prompt_logprobs are not supported"),
     "echo": ((None, False), "echo is not supported"),
     "suffix": ((None, ""), "suffix is not supported"),
     "logit_bias": ((None, {}), "logit_bias is not supported"),
@@ -57,11 +55,12 @@ SAMPLING_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", 
                  "seed", "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "user", "metadata", "store", "service_tier",
                  "parallel_tool_calls"}
-KNOWN_KEYS = {"completion": SAMPLING_KEYS | {"prompt"} | set(UNSUPPORTED),
-              "chat": SAMPLING_KEYS | {"messages"} | set(UNSUPPORTED),
+KNOWN_KEYS = {"completion": SAMPLING_KEYS | {"prompt", "logprobs"} | set(UNSUPPORTED),
+              "chat": SAMPLING_KEYS | {"messages", "logprobs", "top_logprobs"} | set(UNSUPPORTED),
               "tokenize": {"model", "prompt", "messages", "add_special_tokens"},
               "detokenize": {"model", "tokens"}}
 MAX_STOPS = 64
+LOGPROB_FLOOR = -9999.0  # what a log-probability of -inf is reported as (JSON has no infinity), as in vLLM
 MAX_PROMPTS = 1024  # choices per request: prompts x n
 
 
@@ -173,7 +172,7 @@ def _flag(body: dict, key: str, default: bool) -> bool:
 
 
 def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_tokens: int | None,
-              defaults: SamplingDefaults, vocab_size: int | None) -> SamplingParams:
+              defaults: SamplingDefaults, vocab_size: int | None, kind: str) -> SamplingParams:
     for key, (harmless, why) in UNSUPPORTED.items():
         if body.get(key) not in harmless:
             raise APIError(why, param=key)
@@ -215,11 +214,25 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
         top_k=0 if top_k == -1 else top_k,
         top_p=float(_number(body, "top_p", defaults.top_p, (int, float), 0, 1, lo_open=True)),
         seed=_number(body, "seed", None, int, 0, 2 ** 63 - 1), stop=stop,
-        ignore_eos=_flag(body, "ignore_eos", False), stop_token_ids=list(stop_ids or []))
+        ignore_eos=_flag(body, "ignore_eos", False), stop_token_ids=list(stop_ids or []),
+        logprobs=_logprobs(body, kind))
     try:
         return params.validate()
     except TreeflashError as e:
         raise APIError(str(e)) from None
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """How many alternatives per token to report (0: the chosen token's log-probability
+    only), or None: no logprobs. Completions ask with `logprobs: N`; chat with
+    `logprobs: true` and `top_logprobs: N`."""
+    if kind == "completion":
+        return _number(body, "logprobs", None, int, 0, MAX_LOGPROBS)
+    if _flag(body, "logprobs", False):
+        return _number(body, "top_logprobs", 0, int, 0, MAX_LOGPROBS)
+    if body.get("top_logprobs") not in (None, 0):
+        raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return None
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -273,7 +286,8 @@ def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_mode
         raise APIError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
     ids = [_encode(encode, p, param="prompt") for p in prompts]
     stream, include_usage = _stream_flags(body)
-    params = _sampling(body, [len(i) for i in ids], max_model_len, DEFAULT_COMPLETION_TOKENS, defaults, vocab_size)
+    params = _sampling(body, [len(i) for i in ids], max_model_len, DEFAULT_COMPLETION_TOKENS, defaults, vocab_size,
+                       "completion")
     return Request("completion", ids, params, stream, include_usage, _choices(body, len(ids)))
 
 
@@ -292,7 +306,7 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
     check_model(body, served)
     ids = [_encode(encode, render_chat(body, template), param="messages", special=False)]
     stream, include_usage = _stream_flags(body)
-    params = _sampling(body, [len(ids[0])], max_model_len, defaults.max_tokens, defaults, vocab_size)
+    params = _sampling(body, [len(ids[0])], max_model_len, defaults.max_tokens, defaults, vocab_size, "chat")
     return Request("chat", ids, params, stream,
                    include_usage, _choices(body, 1))
 
@@ -365,10 +379,40 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def response(req: Request, model: str, outputs) -> dict:
-    """The whole (non-streamed) answer to `req` from its GenerationOutputs."""
+def logprobs_body(req: Request, entries, tokenizer, offset: int = 0) -> dict | None:
+    """The OpenAI `logprobs` of a choice's tokens (`TokenLogprob`s; None if the request
+    did not ask). Completions: the legacy lists, each token's text offset counted from
+    `offset` (a stream's characters so far) and its alternatives as {text: logprob},
+    the chosen one included. Chat: one entry per token with its bytes, which rebuild
+    characters that a token splits."""
+    if req.params.logprobs is None:
+        return None
+
+    def value(lp: float) -> float:
+        return max(lp, LOGPROB_FLOOR)
+
+    if req.kind == "chat":
+        def item(token_id, lp):
+            return {"token": tokenizer.token_text(token_id), "logprob": value(lp),
+                    "bytes": list(tokenizer.token_bytes(token_id))}
+        return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]}
+                            for e in entries]}
+    tokens = [tokenizer.token_text(e.token_id) for e in entries]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    top = [{tokenizer.token_text(i): value(lp) for i, lp in [*e.top, (e.token_id, e.logprob)]} for e in entries]
+    return {"tokens": tokens, "token_logprobs": [value(e.logprob) for e in entries], "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def response(req: Request, model: str, outputs, tokenizer=None) -> dict:
+    """The whole (non-streamed) answer to `req` from its GenerationOutputs (`tokenizer`
+    names the tokens of logprobs, if asked)."""
     chat = req.kind == "chat"
-    choices = [{"index": i, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason, "logprobs": None,
+    choices = [{"index": i, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
+                "logprobs": logprobs_body(req, out.logprobs, tokenizer),
                 **({"message": {"role": "assistant", "content": out.text}} if chat else {"text": out.text})}
                for i, out in enumerate(outputs)]
     return {"id": ("chatcmpl-" if chat else "cmpl-") + req.id,
@@ -379,9 +423,10 @@ def response(req: Request, model: str, outputs) -> dict:
 
 def chunk(req: Request, model: str, text: str | None = None, finish_reason: str | None = None,
           first: bool = False, usage_: dict | None = None, stop_reason: int | str | None = None,
-          index: int = 0) -> dict:
-    """One streamed event of choice `index`: a text delta, the finish reason (with vLLM's
-    stop_reason: the stop token id or string), or (choices empty) the usage."""
+          index: int = 0, logprobs: dict | None = None) -> dict:
+    """One streamed event of choice `index`: a text delta (with its tokens' `logprobs`
+    body, if asked), the finish reason (with vLLM's stop_reason: the stop token id or
+    string), or (choices empty) the usage."""
     chat = req.kind == "chat"
     if usage_ is not None:
         choices = []
@@ -389,9 +434,9 @@ def chunk(req: Request, model: str, text: str | None = None, finish_reason: str 
         delta = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
-        choices = [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]
+        choices = [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]
     else:
-        choices = [{"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": None}]
+        choices = [{"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs}]
     if finish_reason is not None:
         choices[0]["stop_reason"] = stop_reason
     out = {"id": ("chatcmpl-" if chat else "cmpl-") + req.id,
