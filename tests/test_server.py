@@ -298,6 +298,11 @@ def test_metrics_count_requests_tokens_and_forwards(client):
     assert delta["treeflash_time_to_first_token_seconds_count"] == 2
     assert 0 < delta["treeflash_time_to_first_token_seconds_sum"] <= delta["treeflash_request_seconds_sum"]
     assert 3 <= delta["treeflash_target_forwards_total"] < 47  # the drafter gets more than one token a forward
+    for name in ("treeflash_request_seconds", "treeflash_time_to_first_token_seconds"):  # histograms
+        buckets = [(k, v) for k, v in after.items() if k.startswith(name + "_bucket")]
+        assert buckets[-1] == (name + '_bucket{le="+Inf"}', after[name + "_count"])
+        counts = [v for _, v in buckets]
+        assert counts == sorted(counts) and delta[name + '_bucket{le="+Inf"}'] == 2  # cumulative
     assert streamed[-2]["usage"]["completion_tokens"] == 7
     assert after["treeflash_requests_running"] == 0 and after["treeflash_requests_waiting"] == 0
 
