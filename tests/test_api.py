@@ -81,7 +81,7 @@ def test_on_tokens_can_end_one_request_and_on_done_reports_each(llm):
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     want = llm.generate(ENGINE_PROMPTS, params)
     done = {}
-    outs = llm.generate(ENGINE_PROMPTS, params, on_tokens=lambda i, ids, _: i == 1,
+    outs = llm.generate(ENGINE_PROMPTS, params, on_tokens=lambda i, ids: i == 1,
                         on_done=lambda i, out: done.setdefault(i, out))
     assert outs[1].finish_reason == "abort" and len(outs[1].token_ids) < 12
     assert [outs[0].token_ids, outs[2].token_ids] == [want[0].token_ids, want[2].token_ids]
@@ -99,7 +99,7 @@ def test_a_top_k_past_the_vocabulary_keeps_every_token(llm):
 def test_streaming_callback_sees_every_token_once(llm):
     seen: dict[int, list[int]] = {0: [], 1: []}
     outs = llm.generate(ENGINE_PROMPTS[:2], SamplingParams(max_new_tokens=8, ignore_eos=True),
-                        on_tokens=lambda i, ids, _: seen[i].extend(ids))
+                        on_tokens=lambda i, ids: seen[i].extend(ids))
     assert seen == {0: outs[0].token_ids, 1: outs[1].token_ids}
 
 

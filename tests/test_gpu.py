@@ -128,22 +128,28 @@ def test_batch_sizes_keep_their_graphs(pair, monkeypatch):
 
 @pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 16)])
 def test_graphed_logprobs_match_eager(pair, method, budget):
-    """Logprobs from graphed rounds (their own graphs: a mode of their own) equal the
-    eager engine's, alongside requests without them; the tokens do not change."""
+    """Logprobs from graphed rounds and prefills (a mode of their own: captured, then
+    replayed by a second call; and a prompt past the graphed prefill's size, prefilled
+    eagerly on the graphed state) equal the eager engine's, alongside requests without
+    them; the tokens do not change."""
     target, drafter = pair
     kw = dict(draft_model=drafter, method=method, budget=budget, device="cuda", dtype="float32")
     params = [SamplingParams(max_new_tokens=40, ignore_eos=True, logprobs=5),
               SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=1.0, seed=2, logprobs=0),
               SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.8, top_p=0.9, seed=3)]
-    eager = LLM(target, cuda_graphs=False, **kw).generate(PROMPTS[:3], params)
+    eager = LLM(target, cuda_graphs=False, **kw)
     llm = LLM(target, cuda_graphs=True, **kw)
     plain = llm.generate(PROMPTS[:3], [SamplingParams(**{**p.__dict__, "logprobs": None}) for p in params])
-    graphed = llm.generate(PROMPTS[:3], params)
-    assert llm.graph_captures == 4  # round + prefill, without and with logprobs
-    for e, g, p in zip(eager, graphed, plain):
-        assert g.token_ids == e.token_ids == p.token_ids
-        assert (g.logprobs is None) == (e.logprobs is None)
-        for a, b in zip(g.logprobs or [], e.logprobs or []):
-            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
-            assert [i for i, _ in a.top] == [i for i, _ in b.top]
-    assert [len(e.top) for e in graphed[0].logprobs] == [5] * 40 and graphed[2].logprobs is None
+    long = [PROMPTS[0], [7, 8] * 300, PROMPTS[2]]  # 600 tokens: an eager prefill
+    for prompts in (PROMPTS[:3], PROMPTS[:3], long):  # captured, replayed, eager prefill
+        want, got = eager.generate(prompts, params), llm.generate(prompts, params)
+        for e, g in zip(want, got):
+            assert g.token_ids == e.token_ids
+            assert (g.logprobs is None) == (e.logprobs is None)
+            for a, b in zip(g.logprobs or [], e.logprobs or []):
+                assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+                assert [i for i, _ in a.top] == [i for i, _ in b.top]
+                assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-4)
+        if prompts is not long:
+            assert [g.token_ids for g in got] == [p.token_ids for p in plain]
+    assert [len(e.top) for e in got[0].logprobs] == [5] * 40 and got[2].logprobs is None

@@ -100,6 +100,17 @@ def test_logprobs_follow_the_tokens_kept_and_stream_with_them(pair, oracle):
         assert len(out.token_ids) < 30 and out.token_ids == full.token_ids[:len(out.token_ids)]
         assert out.logprobs == seen and seen_ids == out.token_ids
         assert [e.logprob for e in out.logprobs] == [e.logprob for e in full.logprobs[:len(out.token_ids)]]
+    # a stop token (as EOS) ends it in the middle of a round; its logprob is the last one
+    end = full.token_ids[9]
+    first = full.token_ids.index(end)
+    out = llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=30, logprobs=1, stop_token_ids=[end]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == full.token_ids[:first + 1]
+    assert [e.token_id for e in out.logprobs] == out.token_ids
+    # a callback written for two arguments still gets (i, ids)
+    seen_ids = []
+    out = llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=2),
+                       on_tokens=lambda i, ids: seen_ids.extend(ids))[0]
+    assert seen_ids == out.token_ids and len(out.logprobs) == 5
 
 
 @pytest.mark.parametrize("bad", [-1, MAX_LOGPROBS + 1, True, 2.0, "3"])

@@ -97,7 +97,7 @@ def test_mixed_batch_equals_alone_and_ar_and_the_synchronous_loop(engines, metho
     ar, llm = engines["ar"], engines[method]
     params = mixed_params(ar, PROMPTS)
     seen = {b: [] for b in range(len(PROMPTS))}
-    outs = llm.generate(PROMPTS, params, on_tokens=lambda b, ids, _: seen[b].extend(ids))
+    outs = llm.generate(PROMPTS, params, on_tokens=lambda b, ids: seen[b].extend(ids))
     reasons = [o.finish_reason for o in outs]
     assert reasons[0] == "length" and reasons[1] == "stop" and reasons[2] == "stop" and reasons[5] == "length"
     assert [len(outs[b].token_ids) for b in (0, 3, 4, 5)] == [3, 33, 17, 1]

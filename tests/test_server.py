@@ -147,6 +147,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": "a"}, 400,
+     "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
                               "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
@@ -224,7 +226,7 @@ def test_logprobs_are_the_engines_in_openai_form(client, llm):
     got = client.post("/v1/completions", json=body).json()["choices"][0]
     lp = got["logprobs"]
     assert got["text"] == want.text
-    assert lp["tokens"] == [tok.token_text(t) for t in want.token_ids]
+    assert lp["tokens"] == [tok.token_text(t) for t in want.token_ids] and "".join(lp["tokens"]) == want.text
     assert lp["token_logprobs"] == [e.logprob for e in want.logprobs]
     assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(12)]
     for alts, e in zip(lp["top_logprobs"], want.logprobs):
@@ -235,8 +237,9 @@ def test_logprobs_are_the_engines_in_openai_form(client, llm):
     assert [x for p in parts for x in p["tokens"]] == lp["tokens"]
     assert [x for p in parts for x in p["text_offset"]] == lp["text_offset"]  # counted across events
     assert [x for p in parts for x in p["token_logprobs"]] == lp["token_logprobs"]
-    plain = client.post("/v1/completions", json={**body, "logprobs": None}).json()["choices"][0]
-    assert plain["logprobs"] is None and plain["text"] == want.text
+    for off in (None, False):  # what clients send for "no logprobs"
+        plain = client.post("/v1/completions", json={**body, "logprobs": off}).json()["choices"][0]
+        assert plain["logprobs"] is None and plain["text"] == want.text
 
     messages = [{"role": "user", "content": "fib"}]
     ids = llm.encode("### user:\nfib\n### assistant:\n", special=False)
@@ -253,16 +256,38 @@ def test_logprobs_are_the_engines_in_openai_form(client, llm):
         == content
     only = client.post("/v1/chat/completions", json={**body, "top_logprobs": None}).json()
     assert all(c["top_logprobs"] == [] for c in only["choices"][0]["logprobs"]["content"])
+    for off in (False, 0, None):
+        plain = client.post("/v1/chat/completions", json={**body, "logprobs": off, "top_logprobs": 0}).json()
+        assert plain["choices"][0]["logprobs"] is None
 
 
-def test_token_bytes_rebuild_split_characters(llm):
-    """A byte-level BPE token may hold part of a UTF-8 character: its text is U+FFFD,
-    its bytes are exact, and a token sequence's bytes are the text's."""
+def test_token_bytes_rebuild_split_characters(llm, tmp_path):
+    """A token may hold part of a UTF-8 character: its text is U+FFFD, its bytes are
+    exact, and a token sequence's bytes are the text's. Byte-level BPE (the built-in
+    tokenizer, Qwen, Llama 3) and SentencePiece with byte fallback (Llama 2, Mistral),
+    whose pieces keep the space that its decoder strips from a text's start."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers
+
+    from treeflash.tokenizer import Tokenizer
     tok = llm.tokenizer
     text = "héllo wörld ✓ 日本"
     ids = tok.encode(text, special=False)
     assert any("\ufffd" in tok.token_text(t) for t in ids)
     assert b"".join(tok.token_bytes(t) for t in ids).decode() == text
+
+    pieces = ["<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581", "a", "b", "\u2581a", "\u2581ab"]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    sp = HFTokenizer(models.BPE(vocab=vocab, merges=[("\u2581", "a"), ("\u2581a", "b")], byte_fallback=True,
+                                unk_token="<unk>"))
+    sp.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    sp.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    sp.save(str(tmp_path / "tokenizer.json"))
+    spt = Tokenizer(tmp_path)
+    ids = spt.encode("ab ab é", special=False)
+    assert [spt.token_text(t) for t in ids][:2] == [" ab", " ab"]  # not "ab": the space is the token's
+    assert b"".join(spt.token_bytes(t) for t in ids).decode() == " ab ab é" == " " + spt.decode(ids)
 
 
 def scrape(client) -> dict:

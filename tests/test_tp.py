@@ -371,7 +371,7 @@ DRIVER = textwrap.dedent("""
     pids = [s["pid"] for s in llm.rank_stats()]
     print(json.dumps(pids), flush=True)
     seen = []
-    def on_tokens(i, ids, _):
+    def on_tokens(i, ids):
         seen.extend(ids)
         if len(seen) >= 8:
             if mode == "kill":

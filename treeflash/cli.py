@@ -109,7 +109,7 @@ def cmd_generate(args) -> int:
     stream = len(prompts) == 1 and not params.stop
     shown = TextStream(llm.tokenizer, end_ids=llm.end_ids(params))
 
-    def on_tokens(_, ids, __):
+    def on_tokens(_, ids):
         sys.stdout.write(shown.push(ids))
         sys.stdout.flush()
 

@@ -68,6 +68,7 @@ class Tokenizer:
         self.eos_token_ids = sorted(eos)
         self.bos_token_id = gen.get("bos_token_id", config.get("bos_token_id"))
         self.add_bos = bool(tok_cfg.get("add_bos_token", False)) and isinstance(self.bos_token_id, int)
+        self._tokens: dict[int, tuple[str, bytes]] = {}  # see _token
 
     @property
     def vocab_size(self) -> int:
@@ -88,19 +89,32 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (half a character shows as U+FFFD):
         how logprobs name a token, as vLLM does."""
-        return self.tok.decode([token_id], skip_special_tokens=False)
+        return self._token(token_id)[0]
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, exact where its text is not (a token may hold
         part of a UTF-8 character): byte-level BPE and byte-fallback tokens map back to
         their bytes; any other token gives its text's UTF-8."""
-        piece = self.tok.id_to_token(token_id)
-        if piece is not None and (m := _BYTE_FALLBACK.fullmatch(piece)):
-            return bytes([int(m.group(1), 16)])
+        return self._token(token_id)[1]
+
+    def _token(self, token_id: int) -> tuple[str, bytes]:
+        """(text, bytes) of one token, worked out once per id (logprobs name k + 1
+        tokens per generated token, on the thread that drives the rounds)."""
+        if token_id in self._tokens:
+            return self._tokens[token_id]
+        text = self.tok.decode([token_id], skip_special_tokens=False)
+        piece = self.tok.id_to_token(token_id) or ""
+        if piece.startswith("\u2581") and not text.startswith(" "):  # SentencePiece's space: its decoder
+            text = " " + text                                       # strips a text's first one
         chars = _byte_level_chars()
-        if piece and isinstance(self.tok.decoder, ByteLevel) and all(c in chars for c in piece):
-            return bytes(chars[c] for c in piece)
-        return self.token_text(token_id).encode("utf-8")
+        if m := _BYTE_FALLBACK.fullmatch(piece):
+            raw = bytes([int(m.group(1), 16)])
+        elif piece and isinstance(self.tok.decoder, ByteLevel) and all(c in chars for c in piece):
+            raw = bytes(chars[c] for c in piece)
+        else:
+            raw = text.encode("utf-8")
+        self._tokens[token_id] = text, raw
+        return text, raw
 
 
 class TextStream:

@@ -1,6 +1,7 @@
 """The user-facing API: `LLM(model, draft_model=..., method=...).generate(prompts, params)`."""
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import random
@@ -108,6 +109,21 @@ def builtin_paths() -> tuple[Path, Path]:
     if not (target / "config.json").exists():
         raise TreeflashError("no --model given and the built-in model is not installed")
     return target, drafter
+
+
+def _token_callback(on_tokens):
+    """`on_tokens` as `generate` calls it, with (i, new_ids, new_logprobs): a callback
+    that takes two arguments (written before logprobs existed) gets two."""
+    if on_tokens is None:
+        return None
+    try:
+        params = list(inspect.signature(on_tokens).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: call it as documented
+        return on_tokens
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params):
+        return on_tokens
+    return lambda i, ids, _: on_tokens(i, ids)
 
 
 def _token_logprobs(tokens: list[int], lp: list, b: int, k: int) -> list[TokenLogprob]:
@@ -314,8 +330,8 @@ class LLM:
         """Generate for a batch of prompts (strings or token-id lists).
 
         `on_tokens(i, new_ids, new_logprobs)` is called as request i commits tokens (for
-        streaming; new_logprobs: their `TokenLogprob`s, or None if request i did not ask);
-        if it returns True, request i ends there (finish_reason "abort": say, its client
+        streaming; new_logprobs: their `TokenLogprob`s, or None if request i did not ask;
+        a callback of two arguments gets the first two); if it returns True, request i ends there (finish_reason "abort": say, its client
         went away) and the others go on. `on_done(i, output)` is called as soon as request i
         has finished, with the output `generate` returns for it at the end.
         Rounds are pipelined: the host reads and processes round r-1's tokens while
@@ -354,6 +370,7 @@ class LLM:
         max_len = max(len(i) + m for i, m in zip(ids, limits)) + headroom
         # seeds are drawn here, so that every tensor-parallel rank samples alike
         params = [p if p.seed is not None else replace(p, seed=random.getrandbits(63)) for p in params]
+        on_tokens = _token_callback(on_tokens)
         start = time.perf_counter()
         first, lp = self._tp.call(self, "_start", (len(ids), max_len, params, ids,
                                                     self._states_to_drop(len(ids), max_len)))

@@ -227,10 +227,14 @@ def _logprobs(body: dict, kind: str) -> int | None:
     only), or None: no logprobs. Completions ask with `logprobs: N`; chat with
     `logprobs: true` and `top_logprobs: N`."""
     if kind == "completion":
+        if body.get("logprobs") is False:  # what clients send for "off"
+            return None
         return _number(body, "logprobs", None, int, 0, MAX_LOGPROBS)
-    if _flag(body, "logprobs", False):
-        return _number(body, "top_logprobs", 0, int, 0, MAX_LOGPROBS)
-    if body.get("top_logprobs") not in (None, 0):
+    top = _number(body, "top_logprobs", None, int, 0, MAX_LOGPROBS)
+    off = type(body.get("logprobs")) is int and body["logprobs"] == 0  # 0 means false, as it did before
+    if not off and _flag(body, "logprobs", False):
+        return top or 0
+    if top:
         raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     return None
 
