@@ -261,6 +261,25 @@ def test_logprobs_are_the_engines_in_openai_form(client, llm):
         assert plain["choices"][0]["logprobs"] is None
 
 
+def test_echo_puts_the_prompt_before_each_choice(client, llm):
+    """Completions with echo: each choice's text starts with its prompt (a string as
+    sent, token ids decoded), whole and streamed; not with logprobs (that needs the
+    prompt's own), nor for chat."""
+    ids = llm.encode("import os")
+    body = {"prompt": [PROMPT, ids], "max_tokens": 6, "temperature": 0, "n": 2, "echo": True}
+    want = [o.text for o in llm.generate([PROMPT, ids], SamplingParams(max_new_tokens=6))]
+    got = client.post("/v1/completions", json=body).json()["choices"]
+    heads = [PROMPT, llm.tokenizer.decode(ids)]
+    assert [c["text"] for c in got] == [heads[i // 2] + want[i // 2] for i in range(4)]
+    streamed = events(client.post("/v1/completions", json={**body, "stream": True}))[:-1]
+    texts = ["".join(e["choices"][0]["text"] for e in streamed if e["choices"][0]["index"] == i) for i in range(4)]
+    assert texts == [c["text"] for c in got]
+    bad = client.post("/v1/completions", json={**body, "logprobs": 1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo"
+    bad = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "echo": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo"
+
+
 def test_token_bytes_rebuild_split_characters(llm, tmp_path):
     """A token may hold part of a UTF-8 character: its text is U+FFFD, its bytes are
     exact, and a token sequence's bytes are the text's. Byte-level BPE (the built-in

@@ -298,9 +298,10 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
     async def stream(job: Job):
         req = job.req
         try:
-            if req.kind == "chat":
+            if req.kind == "chat" or req.echo:  # the chat role, or the echoed prompt, first
                 for i in range(len(job.runs)):
-                    yield _sse(chunk(req, model_name, first=True, index=i))
+                    yield _sse(chunk(req, model_name, text=req.echo[i // req.n] if req.echo else None, first=True,
+                                     index=i))
             while (item := await job.deltas.get()) is not _DONE:
                 i, delta, logprobs = item
                 if delta is None:  # choice i is done: the rest of its text, and why it ended
@@ -358,7 +359,8 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
 
     async def completions(request: HTTPRequest):
         return await serve(request, lambda body: parse_completion(body, served, llm.encode, llm.max_model_len,
-                                                                  defaults, llm.config.vocab_size))
+                                                                  defaults, llm.config.vocab_size,
+                                                                  llm.tokenizer.decode))
 
     async def chat(request: HTTPRequest):
         return await serve(request, lambda body: parse_chat(body, served, chat_template, llm.encode,

@@ -21,7 +21,6 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 # for nothing: anything else is refused, never silently ignored.
 UNSUPPORTED = {
     "prompt_logprobs": ((None,), "prompt_logprobs are not supported"),
-    "echo": ((None, False), "echo is not supported"),
     "suffix": ((None, ""), "suffix is not supported"),
     "logit_bias": ((None, {}), "logit_bias is not supported"),
     "tools": ((None, []), "tool calls are not supported"),
@@ -55,8 +54,8 @@ SAMPLING_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", 
                  "seed", "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "user", "metadata", "store", "service_tier",
                  "parallel_tool_calls"}
-KNOWN_KEYS = {"completion": SAMPLING_KEYS | {"prompt", "logprobs"} | set(UNSUPPORTED),
-              "chat": SAMPLING_KEYS | {"messages", "logprobs", "top_logprobs"} | set(UNSUPPORTED),
+KNOWN_KEYS = {"completion": SAMPLING_KEYS | {"prompt", "logprobs", "echo"} | set(UNSUPPORTED),
+              "chat": SAMPLING_KEYS | {"messages", "logprobs", "top_logprobs", "echo"} | set(UNSUPPORTED),
               "tokenize": {"model", "prompt", "messages", "add_special_tokens"},
               "detokenize": {"model", "tokens"}}
 MAX_STOPS = 64
@@ -131,6 +130,7 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     n: int = 1                 # choices per prompt
+    echo: list[str] | None = None  # completions with echo: each prompt's text, put before its choices' text
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -270,9 +270,11 @@ def check_keys(body: dict, kind: str) -> None:
 
 
 def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_model_len: int,
-                     defaults: SamplingDefaults = SamplingDefaults(), vocab_size: int | None = None) -> Request:
+                     defaults: SamplingDefaults = SamplingDefaults(), vocab_size: int | None = None,
+                     decode=None) -> Request:
     """A /v1/completions body. `encode(prompt)` turns a string or token ids into checked
-    token ids (the engine's own checks: vocabulary, length)."""
+    token ids (the engine's own checks: vocabulary, length); `decode(ids)` gives a
+    token-id prompt's text, for echo."""
     check_keys(body, "completion")
     check_model(body, served)
     prompt = body.get("prompt")
@@ -292,7 +294,12 @@ def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_mode
     stream, include_usage = _stream_flags(body)
     params = _sampling(body, [len(i) for i in ids], max_model_len, DEFAULT_COMPLETION_TOKENS, defaults, vocab_size,
                        "completion")
-    return Request("completion", ids, params, stream, include_usage, _choices(body, len(ids)))
+    echo = None
+    if _flag(body, "echo", False):
+        if params.logprobs is not None:
+            raise APIError("echo with logprobs needs the prompt's logprobs, which are not supported", param="echo")
+        echo = [p if isinstance(p, str) else decode(p) for p in prompts]
+    return Request("completion", ids, params, stream, include_usage, _choices(body, len(ids)), echo=echo)
 
 
 def _choices(body: dict, prompts: int) -> int:
@@ -308,6 +315,8 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
     """A /v1/chat/completions body: the messages rendered by the model's chat template."""
     check_keys(body, "chat")
     check_model(body, served)
+    if body.get("echo") not in (None, False):
+        raise APIError("echo is supported for completions only", param="echo")
     ids = [_encode(encode, render_chat(body, template), param="messages", special=False)]
     stream, include_usage = _stream_flags(body)
     params = _sampling(body, [len(ids[0])], max_model_len, defaults.max_tokens, defaults, vocab_size, "chat")
@@ -417,7 +426,8 @@ def response(req: Request, model: str, outputs, tokenizer=None) -> dict:
     chat = req.kind == "chat"
     choices = [{"index": i, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
                 "logprobs": logprobs_body(req, out.logprobs, tokenizer),
-                **({"message": {"role": "assistant", "content": out.text}} if chat else {"text": out.text})}
+                **({"message": {"role": "assistant", "content": out.text}} if chat else
+                   {"text": (req.echo[i // req.n] if req.echo else "") + out.text})}
                for i, out in enumerate(outputs)]
     return {"id": ("chatcmpl-" if chat else "cmpl-") + req.id,
             "object": "chat.completion" if chat else "text_completion", "created": req.created,
