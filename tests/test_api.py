@@ -146,6 +146,26 @@ def test_stop_strings_end_generation_at_their_first_occurrence(llm):
     # it stopped at the token that completed the stop string, not later
     assert stop in llm.tokenizer.decode(out.token_ids)
     assert stop not in llm.tokenizer.decode(out.token_ids[:-1])
+    # include_stop_str_in_output: the same tokens, the text up to the stop string's end
+    kept = llm.generate(ENGINE_PROMPTS[1], SamplingParams(max_new_tokens=32, ignore_eos=True, stop=[stop],
+                                                          include_stop_str_in_output=True))[0]
+    assert kept.token_ids == out.token_ids and kept.text == text[:cut + len(stop)]
+
+
+def test_special_tokens_in_the_text_on_request(eos_checkpoint):
+    """skip_special_tokens=False: a special token generated mid-text (EOS, ignored)
+    shows in the text; the token that ends a request never does."""
+    llm = LLM(eos_checkpoint.path, device="cpu", dtype="float32")
+    k, eos_text = eos_checkpoint.step, llm.tokenizer.token_text(eos_checkpoint.eos)
+    p = SamplingParams(max_new_tokens=k + 3, ignore_eos=True)
+    plain = llm.generate(ENGINE_PROMPTS[0], p)[0]
+    shown = llm.generate(ENGINE_PROMPTS[0], SamplingParams(**{**p.__dict__, "skip_special_tokens": False}))[0]
+    assert shown.token_ids == plain.token_ids and eos_text not in plain.text
+    assert shown.text == llm.tokenizer.decode(plain.token_ids, skip_special=False) and eos_text in shown.text
+    ended = llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=k + 3, skip_special_tokens=False))[0]
+    assert ended.finish_reason == "stop" and eos_text not in ended.text
+    with pytest.raises(UsageError, match="skip_special_tokens must be true or false"):
+        llm.generate(ENGINE_PROMPTS[0], SamplingParams(skip_special_tokens="no"))
 
 
 @pytest.fixture(scope="module")

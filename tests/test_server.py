@@ -105,6 +105,21 @@ def test_streamed_deltas_add_up_to_the_whole_text(client, stop):
         assert len(got) > 4  # streamed in several deltas, not one at the end
 
 
+@pytest.mark.parametrize("stop", [["\n"], ["(n).is_p"]])
+def test_stop_strings_kept_in_the_text_on_request(client, stop):
+    """include_stop_str_in_output: the text runs to the stop string's end, streamed or
+    whole; skip_special_tokens=false is accepted (the built-in model writes none)."""
+    body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stop": stop}
+    cut = client.post("/v1/completions", json=body).json()["choices"][0]
+    body["include_stop_str_in_output"] = True
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert whole["finish_reason"] == "stop" and whole["text"] == cut["text"] + whole["stop_reason"]
+    got = events(client.post("/v1/completions", json={**body, "stream": True}))
+    assert "".join(e["choices"][0]["text"] for e in got[:-1]) == whole["text"]
+    r = client.post("/v1/completions", json={**body, "skip_special_tokens": False})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == whole["text"]
+
+
 def test_chat_renders_the_template(llm, client):
     messages = [{"role": "system", "content": "Write Python."},
                 {"role": "user", "content": [{"type": "text", "text": "fib"}]}]
@@ -174,7 +189,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "stop_token_ids": 1}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [99999], "stream": True}, 400, "stop_token_ids"),
-    ("/v1/completions", {"prompt": "x", "include_stop_str_in_output": True}, 400, "include_stop_str_in_output"),
+    ("/v1/completions", {"prompt": "x", "include_stop_str_in_output": 1}, 400, "include_stop_str_in_output"),
+    ("/v1/completions", {"prompt": "x", "skip_special_tokens": "no"}, 400, "skip_special_tokens"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": "no"}}, 400,
      "stream_options"),

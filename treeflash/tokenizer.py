@@ -83,8 +83,8 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special)
 
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (half a character shows as U+FFFD):
@@ -121,12 +121,15 @@ class TextStream:
     """Committed tokens as text deltas that are final: never half a UTF-8 character,
     never text that a stop string may still cut off, never the text of a token in
     `end_ids` that ended the request (the engine ends a request at the first one, so it
-    is the last of its push). Decoding is incremental (a window of the last tokens, as
+    is the last of its push); with `include_stop`, the text runs to the end of the stop
+    string instead of its start. Decoding is incremental (a window of the last tokens, as
     the text's start depends on where decoding starts), so a long output is not decoded
     again at every round."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str] = (), end_ids=()):
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] = (), end_ids=(), skip_special: bool = True,
+                 include_stop: bool = False):
         self.tokenizer, self.stop, self.end_ids = tokenizer, list(stop), set(end_ids)
+        self.skip_special, self.include_stop = skip_special, include_stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
         self.prefix = self.read = 0  # ids[prefix:read] decode to the end of self.text
@@ -135,14 +138,17 @@ class TextStream:
 
     def push(self, ids: list[int]) -> str:
         self.ids += ids[:-1] if ids and ids[-1] in self.end_ids else ids
-        window = self.tokenizer.decode(self.ids[self.prefix:])
-        known = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        window = self.tokenizer.decode(self.ids[self.prefix:], self.skip_special)
+        known = self.tokenizer.decode(self.ids[self.prefix:self.read], self.skip_special)
         if len(window) > len(known) and not window.endswith("\ufffd"):  # a whole character more
             self.text += window[len(known):]
             self.prefix, self.read = self.read, len(self.ids)
         # a stop string can only start at or after `sent` (text before it was checked)
-        hits = [h for h in (self.text.find(s, self.sent) for s in self.stop) if h >= 0]
-        end = min(hits) if hits else len(self.text) - self.hold
+        hits = sorted((h, s) for s in self.stop if (h := self.text.find(s, self.sent)) >= 0)
+        if hits:
+            end = hits[0][0] + (len(hits[0][1]) if self.include_stop else 0)
+        else:
+            end = len(self.text) - self.hold
         delta = self.text[self.sent:end] if end > self.sent else ""
         self.sent += len(delta)
         return delta

@@ -394,7 +394,7 @@ class LLM:
                     continue
                 before = len(outs[b])
                 stop = self._accept(new[b][:counts[b]], outs[b], params[b], limits[b])
-                if params[b].stop and self._cut_at_stop_string(outs[b], before, params[b].stop):
+                if params[b].stop and self._cut_at_stop_string(outs[b], before, params[b]):
                     stop = "stop"
                 added = None
                 if logprobs[b] is not None:  # those of the tokens kept
@@ -435,13 +435,14 @@ class LLM:
 
     def _output(self, ids: list[int], reason: str, p: SamplingParams, rounds: int, seconds: float,
                 logprobs: list[TokenLogprob] | None = None) -> GenerationOutput:
-        """A finished request's output: text cut at the first stop string, or without the
-        token that ended it, and its stats (seconds from the batch's start to this
-        request's last token)."""
+        """A finished request's output: text cut at the first stop string (at its start,
+        or its end with include_stop_str_in_output), or without the token that ended it,
+        and its stats (seconds from the batch's start to this request's last token)."""
         ended_by_token = reason == "stop" and bool(ids) and ids[-1] in self.end_ids(p)
-        text = self.tokenizer.decode(ids[:-1] if ended_by_token else ids)
+        text = self.tokenizer.decode(ids[:-1] if ended_by_token else ids, p.skip_special_tokens)
         hits = sorted((text.find(x), x) for x in p.stop if x in text)
-        text = text[:hits[0][0]] if hits else text
+        if hits:
+            text = text[:hits[0][0] + (len(hits[0][1]) if p.include_stop_str_in_output else 0)]
         stop_reason = hits[0][1] if hits else ids[-1] if ended_by_token and ids[-1] in p.stop_token_ids else None
         n = len(ids)
         return GenerationOutput(text, ids, reason, stop_reason=stop_reason, logprobs=logprobs, stats={
@@ -557,14 +558,14 @@ class LLM:
                 return "length"
         return None
 
-    def _cut_at_stop_string(self, out: list[int], before: int, stops: list[str]) -> bool:
-        """If a stop string appeared among the tokens added after `before`, drop every
-        token after the one that completed it (as AR would have stopped there)."""
-        if not any(x in self.tokenizer.decode(out) for x in stops):
+    def _cut_at_stop_string(self, out: list[int], before: int, p: SamplingParams) -> bool:
+        """If one of p's stop strings appeared among the tokens added after `before`, drop
+        every token after the one that completed it (as AR would have stopped there)."""
+        if not any(x in self.tokenizer.decode(out, p.skip_special_tokens) for x in p.stop):
             return False
         for k in range(before + 1, len(out) + 1):
-            text = self.tokenizer.decode(out[:k])
-            if any(x in text for x in stops):
+            text = self.tokenizer.decode(out[:k], p.skip_special_tokens)
+            if any(x in text for x in p.stop):
                 del out[k:]
                 return True
         return False

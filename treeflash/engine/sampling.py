@@ -37,6 +37,8 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)  # end like EOS (kept in token_ids), ignore_eos or not
     logprobs: int | None = None  # report each token's log-probability and this many alternatives' (None: off)
+    skip_special_tokens: bool = True          # leave special tokens' text out of the output text
+    include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         def bad(msg):
@@ -54,8 +56,9 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2 ** 63):
             bad(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
-        if not isinstance(self.ignore_eos, bool):
-            bad(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.stop is None:
             self.stop = []
         if isinstance(self.stop, str):

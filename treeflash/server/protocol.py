@@ -31,8 +31,6 @@ UNSUPPORTED = {
     "min_tokens": ((None, 0), "min_tokens is not supported"),
     "allowed_token_ids": ((None,), "allowed_token_ids is not supported"),
     "bad_words": ((None, []), "bad_words is not supported"),
-    "include_stop_str_in_output": ((None, False), "include_stop_str_in_output is not supported"),
-    "skip_special_tokens": ((None, True), "skip_special_tokens = false is not supported"),
     "spaces_between_special_tokens": ((None, True), "spaces_between_special_tokens = false is not supported"),
     "add_special_tokens": ((None,), "add_special_tokens is not supported"),
     "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens is not supported"),
@@ -51,7 +49,8 @@ UNSUPPORTED = {
 # OpenAI's bookkeeping that does not touch the output. Anything else (a misspelled
 # "temprature", another server's extension) is refused, as OpenAI does, not ignored.
 SAMPLING_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "best_of",
-                 "seed", "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "presence_penalty",
+                 "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                 "stream", "stream_options", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "user", "metadata", "store", "service_tier",
                  "parallel_tool_calls"}
 KNOWN_KEYS = {"completion": SAMPLING_KEYS | {"prompt", "logprobs", "echo"} | set(UNSUPPORTED),
@@ -215,7 +214,8 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
         top_p=float(_number(body, "top_p", defaults.top_p, (int, float), 0, 1, lo_open=True)),
         seed=_number(body, "seed", None, int, 0, 2 ** 63 - 1), stop=stop,
         ignore_eos=_flag(body, "ignore_eos", False), stop_token_ids=list(stop_ids or []),
-        logprobs=_logprobs(body, kind))
+        logprobs=_logprobs(body, kind), skip_special_tokens=_flag(body, "skip_special_tokens", True),
+        include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False))
     try:
         return params.validate()
     except TreeflashError as e:
