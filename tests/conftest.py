@@ -325,3 +325,25 @@ def _patch_triton_interpreter() -> None:
 
 
 _patch_triton_interpreter()
+
+
+# ---------------------------------------------------------------------------
+# A SentencePiece-style tokenizer.json (Llama 2, Mistral): "▁" for spaces, byte
+# fallback, a decoder that strips a text's first space.
+# ---------------------------------------------------------------------------
+SP_PIECES = (["<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
+             + ["\u2581", "a", "b", "\u2581a", "\u2581ab", "\u2581\u2581", "\u2581\u2581\u2581\u2581"])
+
+
+def write_sentencepiece_tokenizer(folder: Path) -> int:
+    """Write it to folder/tokenizer.json; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    vocab = {p: i for i, p in enumerate(SP_PIECES)}
+    merges = [("\u2581", "a"), ("\u2581a", "b"), ("\u2581", "\u2581"), ("\u2581\u2581", "\u2581\u2581")]
+    sp = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    sp.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    sp.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    sp.save(str(Path(folder) / "tokenizer.json"))
+    return len(SP_PIECES)

@@ -284,3 +284,32 @@ def test_budget_is_for_ddtree_only(tmp_path):
     for method, draft in (("ar", None), ("dflash", drafter)):
         with pytest.raises(UsageError, match="ddtree"):
             LLM(target, draft_model=draft, method=method, budget=8, device="cpu")
+
+
+def test_sentencepiece_continuations_keep_their_first_space(tmp_path):
+    """With a SentencePiece tokenizer (Llama 2, Mistral) a generated text starts with the
+    space its first token carries (decoded alone, the decoder would strip it): in the
+    whole text, in a stop-string cut, and streamed (TextStream after the prompt)."""
+    from conftest import SP_PIECES, write_sentencepiece_tokenizer
+    from safetensors.torch import load_file, save_file
+
+    from treeflash.checkpoints import write_random_target
+    from treeflash.tokenizer import TextStream
+    folder = tmp_path / "sp"
+    vocab = write_sentencepiece_tokenizer(folder)
+    write_random_target(folder, num_layers=1, vocab_size=vocab, seed=1)
+    w = load_file(str(folder / "model.safetensors"))
+    spaced = [i for i, p in enumerate(SP_PIECES) if p.startswith("\u2581")]
+    w["lm_head.weight"][spaced] *= 25  # the model writes pieces that start with a space
+    save_file(w, str(folder / "model.safetensors"))
+    llm = LLM(folder, device="cpu", dtype="float32")
+    prompt = llm.encode("ab ab", special=False)
+    out = llm.generate(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
+    assert llm.tokenizer.tok.id_to_token(out.token_ids[0]).startswith("\u2581")
+    assert out.text.startswith(" ") and out.text == llm.tokenizer.decode(prompt + out.token_ids)[len("ab ab"):]
+    stream = TextStream(llm.tokenizer, context=prompt)
+    assert "".join(stream.push([t]) for t in out.token_ids) + stream.finish(out.text) == out.text
+    assert stream.finish(out.text) == ""
+    j = len(out.text) - len(out.text.lstrip(" "))  # cut at the first letter: the spaces before it stay
+    cut = llm.generate(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True, stop=[out.text[j]]))[0]
+    assert 0 < j < len(out.text) and cut.text == out.text[:j]

@@ -120,6 +120,32 @@ def test_stop_strings_kept_in_the_text_on_request(client, stop):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == whole["text"]
 
 
+def test_stop_string_ties_and_kept_stop_tokens(client, llm):
+    """Stop strings completed at one place by one token: the first listed ends the text
+    (as vLLM checks them in order). A stop token's text is kept with
+    include_stop_str_in_output, as vLLM keeps it."""
+    prompt = "def add(a, b):"
+    first = llm.generate(prompt, SamplingParams(max_new_tokens=1))[0]
+    assert llm.tokenizer.token_text(first.token_ids[0]) == " return"  # what the built-in model writes
+    for stop in ([" re", " r"], [" r", " re"]):
+        for include in (False, True):
+            body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": stop,
+                    "include_stop_str_in_output": include}
+            whole = client.post("/v1/completions", json=body).json()["choices"][0]
+            streamed = events(client.post("/v1/completions", json={**body, "stream": True}))[:-1]
+            assert whole["stop_reason"] == stop[0] and whole["text"] == (stop[0] if include else "")
+            assert "".join(e["choices"][0]["text"] for e in streamed) == whole["text"]
+    ids = llm.generate(prompt, SamplingParams(max_new_tokens=8)).pop().token_ids
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stop_token_ids": [ids[4]]}
+    for include in (False, True):
+        got = client.post("/v1/completions", json={**body, "include_stop_str_in_output": include}).json()
+        text = llm.tokenizer.decode(ids[:5 if include else 4])
+        assert got["choices"][0]["text"] == text and got["choices"][0]["stop_reason"] == ids[4]
+        streamed = events(client.post("/v1/completions", json={**body, "include_stop_str_in_output": include,
+                                                               "stream": True}))[:-1]
+        assert "".join(e["choices"][0]["text"] for e in streamed) == text
+
+
 def test_chat_renders_the_template(llm, client):
     messages = [{"role": "system", "content": "Write Python."},
                 {"role": "user", "content": [{"type": "text", "text": "fib"}]}]
@@ -301,8 +327,7 @@ def test_token_bytes_rebuild_split_characters(llm, tmp_path):
     exact, and a token sequence's bytes are the text's. Byte-level BPE (the built-in
     tokenizer, Qwen, Llama 3) and SentencePiece with byte fallback (Llama 2, Mistral),
     whose pieces keep the space that its decoder strips from a text's start."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, normalizers
+    from conftest import write_sentencepiece_tokenizer
 
     from treeflash.tokenizer import Tokenizer
     tok = llm.tokenizer
@@ -311,18 +336,17 @@ def test_token_bytes_rebuild_split_characters(llm, tmp_path):
     assert any("\ufffd" in tok.token_text(t) for t in ids)
     assert b"".join(tok.token_bytes(t) for t in ids).decode() == text
 
-    pieces = ["<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581", "a", "b", "\u2581a", "\u2581ab"]
-    vocab = {p: i for i, p in enumerate(pieces)}
-    sp = HFTokenizer(models.BPE(vocab=vocab, merges=[("\u2581", "a"), ("\u2581a", "b")], byte_fallback=True,
-                                unk_token="<unk>"))
-    sp.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
-    sp.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                    decoders.Strip(" ", 1, 0)])
-    sp.save(str(tmp_path / "tokenizer.json"))
+    write_sentencepiece_tokenizer(tmp_path)
     spt = Tokenizer(tmp_path)
-    ids = spt.encode("ab ab é", special=False)
+    ids = spt.encode("ab ab é     ab", special=False)
     assert [spt.token_text(t) for t in ids][:2] == [" ab", " ab"]  # not "ab": the space is the token's
-    assert b"".join(spt.token_bytes(t) for t in ids).decode() == " ab ab é" == " " + spt.decode(ids)
+    assert "    " in [spt.token_text(t) for t in ids]              # a piece of four spaces keeps them
+    assert b"".join(spt.token_bytes(t) for t in ids).decode() == " ab ab é     ab" == " " + spt.decode(ids)
+    # a continuation keeps its first space (decoded alone, " ab" would lose it), whole or streamed
+    prompt, more = ids[:1], ids[1:]
+    assert spt.decode(more) == "ab é     ab" and spt.decode_continuation(more, prompt) == " ab é     ab"
+    stream = TextStream(spt, context=prompt)
+    assert "".join(stream.push([t]) for t in more) == " ab é     ab"
 
 
 def scrape(client) -> dict:
@@ -363,6 +387,17 @@ def test_metrics_count_requests_tokens_and_forwards(client):
         assert buckets[-1] == (name + '_bucket{le="+Inf"}', after[name + "_count"])
         counts = [v for _, v in buckets]
         assert counts == sorted(counts) and delta[name + '_bucket{le="+Inf"}'] == 2  # cumulative
+        bounds = [float(k.split('le="')[1][:-2]) for k, _ in buckets[:-1]]
+        assert bounds == sorted(bounds) and all('.' in k for k, _ in buckets[:-1])  # "1.0", as client libraries
+    from treeflash.server.metrics import ServerMetrics
+    m = ServerMetrics()
+    for seconds in (0.01, 0.0100001, 400):  # a bound is its bucket's own (le: less or equal)
+        m.request_done("ok", seconds)
+    lines = m.render(0, 0, 0).splitlines()
+    assert 'treeflash_request_seconds_bucket{le="0.01"} 1' in lines
+    assert 'treeflash_request_seconds_bucket{le="0.025"} 2' in lines
+    assert 'treeflash_request_seconds_bucket{le="300.0"} 2' in lines
+    assert 'treeflash_request_seconds_bucket{le="+Inf"} 3' in lines
     assert streamed[-2]["usage"]["completion_tokens"] == 7
     assert after["treeflash_requests_running"] == 0 and after["treeflash_requests_waiting"] == 0
 

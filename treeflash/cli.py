@@ -107,7 +107,7 @@ def cmd_generate(args) -> int:
                   flush=True)
         return 0
     stream = len(prompts) == 1 and not params.stop
-    shown = TextStream(llm.tokenizer, end_ids=llm.end_ids(params))
+    shown = TextStream(llm.tokenizer, end_ids=llm.end_ids(params), context=llm.encode(prompts[0]) if stream else ())
 
     def on_tokens(_, ids):
         sys.stdout.write(shown.push(ids))

@@ -43,6 +43,7 @@ def _byte_level_chars() -> dict[str, int]:
 
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece-style byte tokens (Llama 2, Mistral)
+CONTEXT_TOKENS = 4  # prompt tokens decoded ahead of generated ones (see Tokenizer.decode_continuation)
 
 
 class Tokenizer:
@@ -86,6 +87,19 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special)
 
+    def decode_continuation(self, ids: list[int], context: list[int] = (), skip_special: bool = True) -> str:
+        """The text `ids` add after `context` (the prompt's last tokens). Decoded alone, a
+        SentencePiece continuation would lose its first space (the decoder strips a
+        text's first one: " Paris" became "Paris"); byte-level BPE gives the same either
+        way. Falls back to decoding `ids` alone if the context ends inside a character."""
+        context = list(context)[-CONTEXT_TOKENS:]
+        if not context:
+            return self.decode(ids, skip_special)
+        head = self.decode(context, skip_special)
+        whole = self.decode(context + list(ids), skip_special)
+        return whole[len(head):] if whole.startswith(head) and not head.endswith("\ufffd") else \
+            self.decode(ids, skip_special)
+
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (half a character shows as U+FFFD):
         how logprobs name a token, as vLLM does."""
@@ -104,8 +118,9 @@ class Tokenizer:
             return self._tokens[token_id]
         text = self.tok.decode([token_id], skip_special_tokens=False)
         piece = self.tok.id_to_token(token_id) or ""
-        if piece.startswith("\u2581") and not text.startswith(" "):  # SentencePiece's space: its decoder
-            text = " " + text                                       # strips a text's first one
+        spaces = len(piece) - len(piece.lstrip("\u2581"))  # SentencePiece's spaces: its decoder strips
+        if spaces > len(text) - len(text.lstrip(" ")):      # a text's first one
+            text = " " + text
         chars = _byte_level_chars()
         if m := _BYTE_FALLBACK.fullmatch(piece):
             raw = bytes([int(m.group(1), 16)])
@@ -122,17 +137,19 @@ class TextStream:
     never text that a stop string may still cut off, never the text of a token in
     `end_ids` that ended the request (the engine ends a request at the first one, so it
     is the last of its push); with `include_stop`, the text runs to the end of the stop
-    string instead of its start. Decoding is incremental (a window of the last tokens, as
-    the text's start depends on where decoding starts), so a long output is not decoded
-    again at every round."""
+    string (or token) instead of its start. Decoding is incremental (a window of the last
+    tokens, as the text's start depends on where decoding starts), so a long output is not
+    decoded again at every round; it starts after `context` (the prompt's last tokens),
+    as `Tokenizer.decode_continuation` does, so the deltas add up to the engine's text."""
 
     def __init__(self, tokenizer: Tokenizer, stop: list[str] = (), end_ids=(), skip_special: bool = True,
-                 include_stop: bool = False):
-        self.tokenizer, self.stop, self.end_ids = tokenizer, list(stop), set(end_ids)
+                 include_stop: bool = False, context: list[int] = ()):
+        self.tokenizer, self.stop = tokenizer, list(stop)
+        self.end_ids = set() if include_stop else set(end_ids)
         self.skip_special, self.include_stop = skip_special, include_stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.ids: list[int] = []
-        self.prefix = self.read = 0  # ids[prefix:read] decode to the end of self.text
+        self.ids: list[int] = list(context)[-CONTEXT_TOKENS:]
+        self.prefix, self.read = 0, len(self.ids)  # ids[prefix:read] decode to the end of self.text
         self.text = ""               # the text of ids[:read]
         self.sent = 0                # characters handed out
 
@@ -144,9 +161,9 @@ class TextStream:
             self.text += window[len(known):]
             self.prefix, self.read = self.read, len(self.ids)
         # a stop string can only start at or after `sent` (text before it was checked)
-        hits = sorted((h, s) for s in self.stop if (h := self.text.find(s, self.sent)) >= 0)
-        if hits:
-            end = hits[0][0] + (len(hits[0][1]) if self.include_stop else 0)
+        hits = sorted((h, i, s) for i, s in enumerate(self.stop) if (h := self.text.find(s, self.sent)) >= 0)
+        if hits:  # the first to appear; at one place, the first listed
+            end = hits[0][0] + (len(hits[0][2]) if self.include_stop else 0)
         else:
             end = len(self.text) - self.hold
         delta = self.text[self.sent:end] if end > self.sent else ""

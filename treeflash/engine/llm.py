@@ -394,7 +394,7 @@ class LLM:
                     continue
                 before = len(outs[b])
                 stop = self._accept(new[b][:counts[b]], outs[b], params[b], limits[b])
-                if params[b].stop and self._cut_at_stop_string(outs[b], before, params[b]):
+                if params[b].stop and self._cut_at_stop_string(outs[b], before, params[b], ids[b]):
                     stop = "stop"
                 added = None
                 if logprobs[b] is not None:  # those of the tokens kept
@@ -405,7 +405,7 @@ class LLM:
                 if stop:
                     done[b] = True
                     results[b] = self._output(outs[b], stop, params[b], rounds[b], time.perf_counter() - start,
-                                              logprobs[b])
+                                              logprobs[b], ids[b])
                     if on_done is not None:
                         on_done(b, results[b])
             if all(done):
@@ -434,16 +434,19 @@ class LLM:
         return set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
 
     def _output(self, ids: list[int], reason: str, p: SamplingParams, rounds: int, seconds: float,
-                logprobs: list[TokenLogprob] | None = None) -> GenerationOutput:
-        """A finished request's output: text cut at the first stop string (at its start,
-        or its end with include_stop_str_in_output), or without the token that ended it,
-        and its stats (seconds from the batch's start to this request's last token)."""
+                logprobs: list[TokenLogprob] | None = None, prompt: list[int] = ()) -> GenerationOutput:
+        """A finished request's output: its text (decoded after the prompt, see
+        `Tokenizer.decode_continuation`) cut at the first stop string (at its start, or
+        its end with include_stop_str_in_output) or without the token that ended it (kept
+        with include_stop_str_in_output, as vLLM does), and its stats (seconds from the
+        batch's start to this request's last token)."""
         ended_by_token = reason == "stop" and bool(ids) and ids[-1] in self.end_ids(p)
-        text = self.tokenizer.decode(ids[:-1] if ended_by_token else ids, p.skip_special_tokens)
-        hits = sorted((text.find(x), x) for x in p.stop if x in text)
-        if hits:
-            text = text[:hits[0][0] + (len(hits[0][1]) if p.include_stop_str_in_output else 0)]
-        stop_reason = hits[0][1] if hits else ids[-1] if ended_by_token and ids[-1] in p.stop_token_ids else None
+        shown = ids[:-1] if ended_by_token and not p.include_stop_str_in_output else ids
+        text = self.tokenizer.decode_continuation(shown, prompt, p.skip_special_tokens)
+        hits = sorted((text.find(x), i, x) for i, x in enumerate(p.stop) if x in text)
+        if hits:  # the first to appear; at one place, the first listed
+            text = text[:hits[0][0] + (len(hits[0][2]) if p.include_stop_str_in_output else 0)]
+        stop_reason = hits[0][2] if hits else ids[-1] if ended_by_token and ids[-1] in p.stop_token_ids else None
         n = len(ids)
         return GenerationOutput(text, ids, reason, stop_reason=stop_reason, logprobs=logprobs, stats={
             "method": self.method, "new_tokens": n, "rounds": rounds,
@@ -558,14 +561,15 @@ class LLM:
                 return "length"
         return None
 
-    def _cut_at_stop_string(self, out: list[int], before: int, p: SamplingParams) -> bool:
+    def _cut_at_stop_string(self, out: list[int], before: int, p: SamplingParams, prompt: list[int] = ()) -> bool:
         """If one of p's stop strings appeared among the tokens added after `before`, drop
         every token after the one that completed it (as AR would have stopped there)."""
-        if not any(x in self.tokenizer.decode(out, p.skip_special_tokens) for x in p.stop):
+        def text(ids):
+            return self.tokenizer.decode_continuation(ids, prompt, p.skip_special_tokens)
+        if not any(x in text(out) for x in p.stop):
             return False
         for k in range(before + 1, len(out) + 1):
-            text = self.tokenizer.decode(out[:k], p.skip_special_tokens)
-            if any(x in text for x in p.stop):
+            if any(x in text(out[:k]) for x in p.stop):
                 del out[k:]
                 return True
         return False

@@ -33,7 +33,7 @@ class Histogram:
 
     def samples(self) -> list[tuple[str, float]]:
         """(suffix with labels, value) in exposition order; buckets are cumulative."""
-        return ([(f'_bucket{{le="{b:g}"}}', c) for b, c in zip(self.bounds, self.counts)]
+        return ([(f'_bucket{{le="{float(b)}"}}', c) for b, c in zip(self.bounds, self.counts)]
                 + [('_bucket{le="+Inf"}', self.count), ("_sum", self.sum), ("_count", self.count)])
 
 

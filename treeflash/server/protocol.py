@@ -298,7 +298,7 @@ def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_mode
     if _flag(body, "echo", False):
         if params.logprobs is not None:
             raise APIError("echo with logprobs needs the prompt's logprobs, which are not supported", param="echo")
-        echo = [p if isinstance(p, str) else decode(p) for p in prompts]
+        echo = [p if isinstance(p, str) else decode(p, params.skip_special_tokens) for p in prompts]
     return Request("completion", ids, params, stream, include_usage, _choices(body, len(ids)), echo=echo)
 
 
