@@ -153,3 +153,10 @@ def test_graphed_logprobs_match_eager(pair, method, budget):
         if prompts is not long:
             assert [g.token_ids for g in got] == [p.token_ids for p in plain]
     assert [len(e.top) for e in got[0].logprobs] == [5] * 40 and got[2].logprobs is None
+    # prompt logprobs: an eager prefill on the graphed state, then its graphed rounds
+    scored = [SamplingParams(**{**p.__dict__, "prompt_logprobs": 3}) for p in params]
+    want, got = eager.generate(PROMPTS[:3], scored), llm.generate(PROMPTS[:3], scored)
+    for e, g in zip(want, got):
+        assert g.token_ids == e.token_ids and len(g.prompt_logprobs) == len(e.prompt_logprobs) > 1
+        for a, b in zip(g.prompt_logprobs[1:], e.prompt_logprobs[1:]):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and [i for i, _ in a.top] == [i for i, _ in b.top]

@@ -316,10 +316,27 @@ def test_echo_puts_the_prompt_before_each_choice(client, llm):
     streamed = events(client.post("/v1/completions", json={**body, "stream": True}))[:-1]
     texts = ["".join(e["choices"][0]["text"] for e in streamed if e["choices"][0]["index"] == i) for i in range(4)]
     assert texts == [c["text"] for c in got]
-    bad = client.post("/v1/completions", json={**body, "logprobs": 1})
+    bad = client.post("/v1/completions", json={**body, "logprobs": 1, "stream": True})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo"
     bad = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "echo": True})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo"
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, llm):
+    """What evaluation harnesses send to score a text (lm-eval's loglikelihood): echo,
+    logprobs and max_tokens 1 give the prompt's tokens with their log-probabilities
+    (null for the first), then the generated token's, as the engine's prompt_logprobs."""
+    tok, ids = llm.tokenizer, llm.encode(PROMPT)
+    want = llm.generate(PROMPT, SamplingParams(max_new_tokens=1, logprobs=2, prompt_logprobs=2))[0]
+    got = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "echo": True,
+                                               "logprobs": 2}).json()["choices"][0]
+    lp = got["logprobs"]
+    assert got["text"] == PROMPT + want.text and "".join(lp["tokens"]) == got["text"]
+    assert lp["tokens"] == [tok.token_text(t) for t in ids + want.token_ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == [e.logprob for e in want.prompt_logprobs[1:] + want.logprobs]
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(ids) + 1)]
+    assert all(2 <= len(t) <= 3 for t in lp["top_logprobs"][1:])
 
 
 def test_token_bytes_rebuild_split_characters(llm, tmp_path):

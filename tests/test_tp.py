@@ -338,13 +338,14 @@ def test_sharded_logprobs_equal_whole_vocabulary(n):
 
 def test_tp_logprobs_equal_tp1(engines):
     """End to end over gloo: the same tokens and logprobs as TP = 1."""
-    params = [SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, logprobs=3),
+    params = [SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, logprobs=3, prompt_logprobs=2),
               SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, temperature=1.0, top_k=6, seed=5, logprobs=0)]
-    want = engines("qwen3", "ddtree", 1).generate(BATCH[:2], params)
-    got = engines("qwen3", "ddtree", 2).generate(BATCH[:2], params)
+    want = engines("qwen3", "ddtree", 1).generate(BATCH[1:3], params)
+    got = engines("qwen3", "ddtree", 2).generate(BATCH[1:3], params)
+    assert len(got[0].prompt_logprobs) == len(BATCH[1]) and got[1].prompt_logprobs is None
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids and len(g.logprobs) == len(w.token_ids)
-        for a, b in zip(g.logprobs, w.logprobs):
+        for a, b in zip(g.logprobs + (g.prompt_logprobs or [])[1:], w.logprobs + (w.prompt_logprobs or [])[1:]):
             assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-12)
             assert [i for i, _ in a.top] == [i for i, _ in b.top]
             assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-12)

@@ -45,7 +45,7 @@ class TokenLogprob:
     logits, before temperature and filters), with the request's `logprobs` most likely
     tokens as (id, log-probability), most likely first."""
     token_id: int
-    logprob: float
+    logprob: float | None  # None: a prompt's first token, which nothing before it predicts
     top: list[tuple[int, float]]
 
 
@@ -57,6 +57,7 @@ class GenerationOutput:
     stats: dict = field(default_factory=dict)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: EOS, or not stopped)
     logprobs: list[TokenLogprob] | None = None  # one per token id, if SamplingParams.logprobs asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, if SamplingParams.prompt_logprobs
 
 
 def resolve_device(device: str) -> torch.device:
@@ -372,8 +373,11 @@ class LLM:
         params = [p if p.seed is not None else replace(p, seed=random.getrandbits(63)) for p in params]
         on_tokens = _token_callback(on_tokens)
         start = time.perf_counter()
-        first, lp = self._tp.call(self, "_start", (len(ids), max_len, params, ids,
-                                                    self._states_to_drop(len(ids), max_len)))
+        first, lp, plp = self._tp.call(self, "_start", (len(ids), max_len, params, ids,
+                                                         self._states_to_drop(len(ids), max_len)))
+        prompt_logprobs = [None if p.prompt_logprobs is None else
+                           [TokenLogprob(i[0], None, [])] + _token_logprobs(i[1:], plp, b, p.prompt_logprobs)
+                           for b, (p, i) in enumerate(zip(params, ids))]
         outs = [[] for _ in ids]
         logprobs = [[] if p.logprobs is not None else None for p in params]
         rounds = [1] * len(ids)
@@ -406,6 +410,7 @@ class LLM:
                     done[b] = True
                     results[b] = self._output(outs[b], stop, params[b], rounds[b], time.perf_counter() - start,
                                               logprobs[b], ids[b])
+                    results[b].prompt_logprobs = prompt_logprobs[b]
                     if on_done is not None:
                         on_done(b, results[b])
             if all(done):
@@ -459,7 +464,7 @@ class LLM:
                drop: list[tuple[int, int]]):
         """On every rank: a batch state (or the captured graph's) and the prefill, after
         dropping the graphed states `drop` (the driver's choice). Returns each request's
-        first token, and their logprobs as lists ([] if not asked)."""
+        first token, their logprobs and the prompts' (as lists; [] if not asked)."""
         if self._run is not None:  # the previous batch's last round, still in flight: wait
             self._run.pipe.finish()  # for it before its state or graph may be dropped
         self._run = None  # the previous batch's caches go before the new ones are made
@@ -468,12 +473,15 @@ class LLM:
             torch.cuda.empty_cache()
         st, run_round, graphed = self._runner(batch, max_len, SamplingBatch.from_params(params, self.device))
         ids, lens = self.decoder.prefill_inputs(st, prompts)
-        if graphed is None or ids.numel() > GRAPHED_PREFILL_MAX:
+        plp = ()
+        if any(p.prompt_logprobs is not None for p in params):  # eager: [rows, vocab] logits per chunk
+            lp, plp = self.decoder.prefill_tokens(st, ids, lens, prompt_logprobs=True)
+        elif graphed is None or ids.numel() > GRAPHED_PREFILL_MAX:
             lp = self.decoder.prefill_tokens(st, ids, lens)
         else:
             lp = graphed.prefill(ids, lens)
         self._run = _Batch(st, run_round, RoundPipeline(), [True] * batch)
-        return st.anchor.tolist(), [t.tolist() for t in lp or ()]
+        return st.anchor.tolist(), [t.tolist() for t in lp or ()], [t.tolist() for t in plp]
 
     def _step(self, active: list[bool] | None, max_n: int):
         """On every rank: launch the next round of the batch in flight and queue the copy

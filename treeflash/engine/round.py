@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from treeflash.engine.kv_cache import DraftContextCache, KVCache
-from treeflash.engine.sampling import SamplingBatch, gumbel_noise, logprobs_of, sample
+from treeflash.engine.sampling import MAX_LOGPROBS, SamplingBatch, gumbel_noise, logprobs_of, sample
 from treeflash.engine.tree import DraftTree, build_chain_from_tokens, build_tree_from_topk, empty_tree, walk
 from treeflash.errors import UsageError
 from treeflash.layers.attention import AttentionInputs
@@ -36,6 +36,7 @@ except ImportError:
 METHODS = ("ar", "dflash", "ddtree")
 DRAFT_MODES = ("scaled", "coupled")
 PREFILL_ALIGN = 32  # prompts are padded to a multiple of this: a few prefill shapes (and graphs)
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose [rows, vocab] logits are made at a time
 
 
 @dataclass
@@ -123,12 +124,13 @@ class SpeculativeDecoder:
         return self.prefill_tokens(st, *self.prefill_inputs(st, prompts))
 
     @torch.inference_mode()
-    def prefill_tokens(self, st: BatchState, ids: torch.Tensor, lens: torch.Tensor):
+    def prefill_tokens(self, st: BatchState, ids: torch.Tensor, lens: torch.Tensor, prompt_logprobs: bool = False):
         """`prefill` of padded ids [B, T] with lengths lens [B]: device work only, static
         shapes, so `GraphedPrefill` can capture it. Causal attention keeps the padding
         out of every real token; its K/V land past the prompt, where the rounds write.
         Returns the first tokens' `logprobs_of` ([B, 1] rows) if the batch asks for
-        them, else None."""
+        them, else None; with `prompt_logprobs` (eager only), that and the prompt tokens'
+        own ([B, T-1] rows: token t+1 given tokens 0..t; past a prompt's end, padding)."""
         B, T = ids.shape
         dev = ids.device
         positions = torch.arange(T, device=dev).expand(B, T)
@@ -144,7 +146,22 @@ class SpeculativeDecoder:
             st.draft_cache.projected.zero_()
             self.drafter.commit_context(st.draft_cache, feats, positions, torch.zeros_like(lens), lens)
         st.max_n = T
-        return logprobs_of(logits, first, self.tp) if st.sampling.any_logprobs else None
+        lp = logprobs_of(logits, first, self.tp) if st.sampling.any_logprobs else None
+        return (lp, self._prompt_logprobs(h, ids)) if prompt_logprobs else lp
+
+    def _prompt_logprobs(self, h: torch.Tensor, ids: torch.Tensor):
+        """`logprobs_of` ids[:, 1:] from the prefill's hidden states h [B, T, H] at the
+        positions before them, PROMPT_LOGPROB_ROWS positions at a time (a long prompt's
+        logits over the whole vocabulary would not fit at once)."""
+        T = ids.shape[1]
+        parts = [logprobs_of(self.target.logits(h[:, s:min(s + PROMPT_LOGPROB_ROWS, T - 1)], gather=False),
+                             ids[:, s + 1:s + 1 + PROMPT_LOGPROB_ROWS], self.tp)
+                 for s in range(0, T - 1, PROMPT_LOGPROB_ROWS)]
+        if not parts:  # one-token prompts: nothing predicts their only token
+            k = min(MAX_LOGPROBS, self.target.lm_head.vocab_size)
+            empty = torch.empty(ids.shape[0], 0, k, device=ids.device)
+            return empty[..., 0], empty, empty.long()
+        return tuple(torch.cat(x, dim=1) for x in zip(*parts))
 
     def draft_logits(self, st: BatchState) -> torch.Tensor:
         """This rank's vocabulary slice of the per-depth draft scores [B, D, V/N] for

@@ -37,6 +37,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)  # end like EOS (kept in token_ids), ignore_eos or not
     logprobs: int | None = None  # report each token's log-probability and this many alternatives' (None: off)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (None: off)
     skip_special_tokens: bool = True          # leave special tokens' text out of the output text
     include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
 
@@ -74,9 +75,10 @@ class SamplingParams:
             bad(f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
         if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
             bad(f"stop token id {max(self.stop_token_ids)} is outside the vocabulary of {vocab_size}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (or None: off), got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (or None: off), got {k!r}")
         return self
 
     @property

@@ -20,7 +20,7 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 # Parameters (OpenAI's and vLLM's) this engine cannot honour, with the values that ask
 # for nothing: anything else is refused, never silently ignored.
 UNSUPPORTED = {
-    "prompt_logprobs": ((None,), "prompt_logprobs are not supported"),
+    "prompt_logprobs": ((None,), "prompt_logprobs are not supported (completions: echo with logprobs)"),
     "suffix": ((None, ""), "suffix is not supported"),
     "logit_bias": ((None, {}), "logit_bias is not supported"),
     "tools": ((None, []), "tool calls are not supported"),
@@ -296,9 +296,10 @@ def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_mode
                        "completion")
     echo = None
     if _flag(body, "echo", False):
-        if params.logprobs is not None:
-            raise APIError("echo with logprobs needs the prompt's logprobs, which are not supported", param="echo")
+        if params.logprobs is not None and stream:
+            raise APIError("echo with logprobs is not streamed (the prompt's logprobs come whole)", param="echo")
         echo = [p if isinstance(p, str) else decode(p, params.skip_special_tokens) for p in prompts]
+        params = replace(params, prompt_logprobs=params.logprobs)  # scoring a text, as lm-eval does
     return Request("completion", ids, params, stream, include_usage, _choices(body, len(ids)), echo=echo)
 
 
@@ -396,8 +397,9 @@ def logprobs_body(req: Request, entries, tokenizer, offset: int = 0) -> dict | N
     """The OpenAI `logprobs` of a choice's tokens (`TokenLogprob`s; None if the request
     did not ask). Completions: the legacy lists, each token's text offset counted from
     `offset` (a stream's characters so far) and its alternatives as {text: logprob},
-    the chosen one included. Chat: one entry per token with its bytes, which rebuild
-    characters that a token splits."""
+    the chosen one included (null for an echoed prompt's first token, which nothing
+    predicts). Chat: one entry per token with its bytes, which rebuild characters that
+    a token splits."""
     if req.params.logprobs is None:
         return None
 
@@ -415,9 +417,10 @@ def logprobs_body(req: Request, entries, tokenizer, offset: int = 0) -> dict | N
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    top = [{tokenizer.token_text(i): value(lp) for i, lp in [*e.top, (e.token_id, e.logprob)]} for e in entries]
-    return {"tokens": tokens, "token_logprobs": [value(e.logprob) for e in entries], "top_logprobs": top,
-            "text_offset": offsets}
+    top = [None if e.logprob is None else
+           {tokenizer.token_text(i): value(lp) for i, lp in [*e.top, (e.token_id, e.logprob)]} for e in entries]
+    return {"tokens": tokens, "token_logprobs": [None if e.logprob is None else value(e.logprob) for e in entries],
+            "top_logprobs": top, "text_offset": offsets}
 
 
 def response(req: Request, model: str, outputs, tokenizer=None) -> dict:
@@ -425,7 +428,7 @@ def response(req: Request, model: str, outputs, tokenizer=None) -> dict:
     names the tokens of logprobs, if asked)."""
     chat = req.kind == "chat"
     choices = [{"index": i, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
-                "logprobs": logprobs_body(req, out.logprobs, tokenizer),
+                "logprobs": logprobs_body(req, (out.prompt_logprobs or []) + (out.logprobs or []), tokenizer),
                 **({"message": {"role": "assistant", "content": out.text}} if chat else
                    {"text": (req.echo[i // req.n] if req.echo else "") + out.text})}
                for i, out in enumerate(outputs)]
