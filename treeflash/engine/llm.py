@@ -473,15 +473,13 @@ class LLM:
             torch.cuda.empty_cache()
         st, run_round, graphed = self._runner(batch, max_len, SamplingBatch.from_params(params, self.device))
         ids, lens = self.decoder.prefill_inputs(st, prompts)
-        plp = ()
-        if any(p.prompt_logprobs is not None for p in params):  # eager: [rows, vocab] logits per chunk
-            lp, plp = self.decoder.prefill_tokens(st, ids, lens, prompt_logprobs=True)
-        elif graphed is None or ids.numel() > GRAPHED_PREFILL_MAX:
-            lp = self.decoder.prefill_tokens(st, ids, lens)
+        scoring = any(p.prompt_logprobs is not None for p in params)  # eager: [rows, vocab] logits per chunk
+        if graphed is None or scoring or ids.numel() > GRAPHED_PREFILL_MAX:
+            lp, plp = self.decoder.prefill_tokens(st, ids, lens, prompt_logprobs=scoring)
         else:
-            lp = graphed.prefill(ids, lens)
+            lp, plp = graphed.prefill(ids, lens)
         self._run = _Batch(st, run_round, RoundPipeline(), [True] * batch)
-        return st.anchor.tolist(), [t.tolist() for t in lp or ()], [t.tolist() for t in plp]
+        return st.anchor.tolist(), [t.tolist() for t in lp or ()], [t.tolist() for t in plp or ()]
 
     def _step(self, active: list[bool] | None, max_n: int):
         """On every rank: launch the next round of the batch in flight and queue the copy

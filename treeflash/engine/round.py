@@ -129,8 +129,8 @@ class SpeculativeDecoder:
         shapes, so `GraphedPrefill` can capture it. Causal attention keeps the padding
         out of every real token; its K/V land past the prompt, where the rounds write.
         Returns the first tokens' `logprobs_of` ([B, 1] rows) if the batch asks for
-        them, else None; with `prompt_logprobs` (eager only), that and the prompt tokens'
-        own ([B, T-1] rows: token t+1 given tokens 0..t; past a prompt's end, padding)."""
+        them, and with `prompt_logprobs` (eager only) the prompt tokens' ([B, T-1] rows:
+        token t+1 given tokens 0..t; past a prompt's end, padding); each None if not."""
         B, T = ids.shape
         dev = ids.device
         positions = torch.arange(T, device=dev).expand(B, T)
@@ -147,7 +147,7 @@ class SpeculativeDecoder:
             self.drafter.commit_context(st.draft_cache, feats, positions, torch.zeros_like(lens), lens)
         st.max_n = T
         lp = logprobs_of(logits, first, self.tp) if st.sampling.any_logprobs else None
-        return (lp, self._prompt_logprobs(h, ids)) if prompt_logprobs else lp
+        return lp, (self._prompt_logprobs(h, ids) if prompt_logprobs else None)
 
     def _prompt_logprobs(self, h: torch.Tensor, ids: torch.Tensor):
         """`logprobs_of` ids[:, 1:] from the prefill's hidden states h [B, T, H] at the
@@ -304,8 +304,9 @@ class GraphedPrefill:
 class GraphedState:
     """One bucketed batch state and every graph captured over its buffers: per sampling
     mode (greedy, sampled, sampled with top-k/top-p; each with or without logprobs) a
-    round and the prefills by padded prompt shape. A server whose requests alternate between modes replays them instead
-    of recapturing (a capture runs the round three times and re-records it).
+    round and the prefills by padded prompt shape. A server whose requests alternate
+    between modes replays them instead of recapturing (a capture runs the round three
+    times and re-records it).
 
     The graphs share one memory pool. That is safe here because replays never overlap
     and each graph's outputs are consumed (queued to the host, or written into the
