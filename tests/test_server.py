@@ -364,6 +364,12 @@ def test_token_bytes_rebuild_split_characters(llm, tmp_path):
     assert spt.decode(more) == "ab é     ab" and spt.decode_continuation(more, prompt) == " ab é     ab"
     stream = TextStream(spt, context=prompt)
     assert "".join(stream.push([t]) for t in more) == " ab é     ab"
+    # a prompt cut inside a character: streamed deltas still add up to the whole text
+    ids = tok.encode("say 日本語 ok", special=False)
+    for cut in range(1, len(ids)):
+        whole = tok.decode_continuation(ids[cut:], ids[:cut])
+        stream = TextStream(tok, context=ids[:cut])
+        assert "".join(stream.push([t]) for t in ids[cut:]) == whole and stream.finish(whole) == ""
 
 
 def scrape(client) -> dict:

@@ -91,14 +91,19 @@ class Tokenizer:
         """The text `ids` add after `context` (the prompt's last tokens). Decoded alone, a
         SentencePiece continuation would lose its first space (the decoder strips a
         text's first one: " Paris" became "Paris"); byte-level BPE gives the same either
-        way. Falls back to decoding `ids` alone if the context ends inside a character."""
-        context = list(context)[-CONTEXT_TOKENS:]
-        if not context:
-            return self.decode(ids, skip_special)
+        way. `TextStream` decodes the same way, so streamed deltas add up to this."""
+        context = self.whole_characters(context, skip_special)
         head = self.decode(context, skip_special)
         whole = self.decode(context + list(ids), skip_special)
-        return whole[len(head):] if whole.startswith(head) and not head.endswith("\ufffd") else \
-            self.decode(ids, skip_special)
+        return whole[len(head):] if whole.startswith(head) else self.decode(ids, skip_special)
+
+    def whole_characters(self, context: list[int], skip_special: bool = True) -> list[int]:
+        """The last CONTEXT_TOKENS tokens of `context`, less any at its end that hold part
+        of a character (their text would end in U+FFFD)."""
+        context = list(context)[-CONTEXT_TOKENS:]
+        while context and self.decode(context, skip_special).endswith("\ufffd"):
+            context.pop()
+        return context
 
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (half a character shows as U+FFFD):
@@ -148,7 +153,7 @@ class TextStream:
         self.end_ids = set() if include_stop else set(end_ids)
         self.skip_special, self.include_stop = skip_special, include_stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.ids: list[int] = list(context)[-CONTEXT_TOKENS:]
+        self.ids: list[int] = tokenizer.whole_characters(context, skip_special)
         self.prefix, self.read = 0, len(self.ids)  # ids[prefix:read] decode to the end of self.text
         self.text = ""               # the text of ids[:read]
         self.sent = 0                # characters handed out

@@ -375,9 +375,7 @@ class LLM:
         start = time.perf_counter()
         first, lp, plp = self._tp.call(self, "_start", (len(ids), max_len, params, ids,
                                                          self._states_to_drop(len(ids), max_len)))
-        prompt_logprobs = [None if p.prompt_logprobs is None else
-                           [TokenLogprob(i[0], None, [])] + _token_logprobs(i[1:], plp, b, p.prompt_logprobs)
-                           for b, (p, i) in enumerate(zip(params, ids))]
+        prompt_logprobs = self._prompt_logprobs(ids, params, plp)
         outs = [[] for _ in ids]
         logprobs = [[] if p.logprobs is not None else None for p in params]
         rounds = [1] * len(ids)
@@ -433,6 +431,22 @@ class LLM:
             self._run = None  # free the caches (graphed states are kept for the next call)
         return results
 
+    @staticmethod
+    def _prompt_logprobs(prompts: list[list[int]], params: list[SamplingParams], plp: list):
+        """Per request, its prompt's `TokenLogprob`s (None for requests that did not ask)
+        from `prefill_tokens`' flat rows read back as lists (chosen [N], top values
+        [N][K], top ids [N][K]: the asking requests' tokens but their first, in order)."""
+        out, at = [], 0
+        for ids, p in zip(prompts, params):
+            if p.prompt_logprobs is None:
+                out.append(None)
+                continue
+            rows = [x[at:at + len(ids) - 1] for x in plp]
+            at += len(ids) - 1
+            out.append([TokenLogprob(ids[0], None, [])] + _token_logprobs(ids[1:], [[r] for r in rows], 0,
+                                                                          p.prompt_logprobs))
+        return out
+
     def end_ids(self, p: SamplingParams) -> set[int]:
         """The token ids that end request p (its stop token ids, and EOS unless ignored):
         kept in its tokens, left out of its text (as vLLM does)."""
@@ -473,8 +487,8 @@ class LLM:
             torch.cuda.empty_cache()
         st, run_round, graphed = self._runner(batch, max_len, SamplingBatch.from_params(params, self.device))
         ids, lens = self.decoder.prefill_inputs(st, prompts)
-        scoring = any(p.prompt_logprobs is not None for p in params)  # eager: [rows, vocab] logits per chunk
-        if graphed is None or scoring or ids.numel() > GRAPHED_PREFILL_MAX:
+        scoring = [(b, len(q)) for b, (q, p) in enumerate(zip(prompts, params)) if p.prompt_logprobs is not None]
+        if graphed is None or scoring or ids.numel() > GRAPHED_PREFILL_MAX:  # scoring: eager
             lp, plp = self.decoder.prefill_tokens(st, ids, lens, prompt_logprobs=scoring)
         else:
             lp, plp = graphed.prefill(ids, lens)

@@ -36,7 +36,7 @@ except ImportError:
 METHODS = ("ar", "dflash", "ddtree")
 DRAFT_MODES = ("scaled", "coupled")
 PREFILL_ALIGN = 32  # prompts are padded to a multiple of this: a few prefill shapes (and graphs)
-PROMPT_LOGPROB_ROWS = 256  # prompt positions whose [rows, vocab] logits are made at a time
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose [positions, vocab] logits are made at a time
 
 
 @dataclass
@@ -124,13 +124,15 @@ class SpeculativeDecoder:
         return self.prefill_tokens(st, *self.prefill_inputs(st, prompts))
 
     @torch.inference_mode()
-    def prefill_tokens(self, st: BatchState, ids: torch.Tensor, lens: torch.Tensor, prompt_logprobs: bool = False):
+    def prefill_tokens(self, st: BatchState, ids: torch.Tensor, lens: torch.Tensor,
+                       prompt_logprobs: list[tuple[int, int]] = ()):
         """`prefill` of padded ids [B, T] with lengths lens [B]: device work only, static
         shapes, so `GraphedPrefill` can capture it. Causal attention keeps the padding
         out of every real token; its K/V land past the prompt, where the rounds write.
         Returns the first tokens' `logprobs_of` ([B, 1] rows) if the batch asks for
-        them, and with `prompt_logprobs` (eager only) the prompt tokens' ([B, T-1] rows:
-        token t+1 given tokens 0..t; past a prompt's end, padding); each None if not."""
+        them, and with `prompt_logprobs` ((row, prompt length) of the requests that ask;
+        eager only) their prompt tokens': one [N] / [N, K] row per token but the first,
+        request after request (token t+1 given tokens 0..t); each None if not."""
         B, T = ids.shape
         dev = ids.device
         positions = torch.arange(T, device=dev).expand(B, T)
@@ -147,21 +149,25 @@ class SpeculativeDecoder:
             self.drafter.commit_context(st.draft_cache, feats, positions, torch.zeros_like(lens), lens)
         st.max_n = T
         lp = logprobs_of(logits, first, self.tp) if st.sampling.any_logprobs else None
-        return lp, (self._prompt_logprobs(h, ids) if prompt_logprobs else None)
+        return lp, (self._prompt_logprobs(h, ids, prompt_logprobs) if prompt_logprobs else None)
 
-    def _prompt_logprobs(self, h: torch.Tensor, ids: torch.Tensor):
-        """`logprobs_of` ids[:, 1:] from the prefill's hidden states h [B, T, H] at the
-        positions before them, PROMPT_LOGPROB_ROWS positions at a time (a long prompt's
-        logits over the whole vocabulary would not fit at once)."""
+    def _prompt_logprobs(self, h: torch.Tensor, ids: torch.Tensor, rows: list[tuple[int, int]]):
+        """`logprobs_of` each prompt token but the first of the requests `rows` ((row,
+        length) pairs), from the prefill's hidden states h [B, T, H] at the positions
+        before them: only those positions (not the padding, nor other requests'), and
+        PROMPT_LOGPROB_ROWS of them at a time (a long prompt's logits over the whole
+        vocabulary would not fit at once)."""
         T = ids.shape[1]
-        parts = [logprobs_of(self.target.logits(h[:, s:min(s + PROMPT_LOGPROB_ROWS, T - 1)], gather=False),
-                             ids[:, s + 1:s + 1 + PROMPT_LOGPROB_ROWS], self.tp)
-                 for s in range(0, T - 1, PROMPT_LOGPROB_ROWS)]
-        if not parts:  # one-token prompts: nothing predicts their only token
+        at = torch.tensor([b * T + t for b, n in rows for t in range(n - 1)], dtype=torch.long, device=ids.device)
+        states, tokens = h.flatten(0, 1)[at], ids.flatten()[at + 1]
+        if not len(at):  # one-token prompts: nothing predicts their only token
             k = min(MAX_LOGPROBS, self.target.lm_head.vocab_size)
-            empty = torch.empty(ids.shape[0], 0, k, device=ids.device)
-            return empty[..., 0], empty, empty.long()
-        return tuple(torch.cat(x, dim=1) for x in zip(*parts))
+            empty = torch.empty(0, k, device=ids.device)
+            return empty[:, 0], empty, empty.long()
+        parts = [logprobs_of(self.target.logits(states[s:s + PROMPT_LOGPROB_ROWS, None], gather=False),
+                             tokens[s:s + PROMPT_LOGPROB_ROWS, None], self.tp)
+                 for s in range(0, len(at), PROMPT_LOGPROB_ROWS)]
+        return tuple(torch.cat(x, dim=0).flatten(0, 1) for x in zip(*parts))
 
     def draft_logits(self, st: BatchState) -> torch.Tensor:
         """This rank's vocabulary slice of the per-depth draft scores [B, D, V/N] for
