@@ -46,6 +46,17 @@ _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece-style byte
 CONTEXT_TOKENS = 4  # prompt tokens decoded ahead of generated ones (see Tokenizer.decode_continuation)
 
 
+def stop_cut(text: str, stops: list[str], include: bool, start: int = 0) -> tuple[int, str] | None:
+    """Where `text` ends for its stop strings (searched from `start`): the first one to
+    appear (at one place, the first listed), cut at its start, or at its end with
+    `include`. Returns (end, that stop string), or None if none appears."""
+    hits = sorted((h, i, s) for i, s in enumerate(stops) if (h := text.find(s, start)) >= 0)
+    if not hits:
+        return None
+    at, _, stop = hits[0]
+    return at + (len(stop) if include else 0), stop
+
+
 class Tokenizer:
     def __init__(self, folder: str | Path):
         folder = Path(folder)
@@ -166,11 +177,8 @@ class TextStream:
             self.text += window[len(known):]
             self.prefix, self.read = self.read, len(self.ids)
         # a stop string can only start at or after `sent` (text before it was checked)
-        hits = sorted((h, i, s) for i, s in enumerate(self.stop) if (h := self.text.find(s, self.sent)) >= 0)
-        if hits:  # the first to appear; at one place, the first listed
-            end = hits[0][0] + (len(hits[0][2]) if self.include_stop else 0)
-        else:
-            end = len(self.text) - self.hold
+        cut = stop_cut(self.text, self.stop, self.include_stop, self.sent)
+        end = cut[0] if cut else len(self.text) - self.hold
         delta = self.text[self.sent:end] if end > self.sent else ""
         self.sent += len(delta)
         return delta

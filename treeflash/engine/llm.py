@@ -23,7 +23,7 @@ from treeflash.errors import TreeflashError, UsageError
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import build_on, load_weights
 from treeflash.models.transformer import CausalLM
-from treeflash.tokenizer import Tokenizer
+from treeflash.tokenizer import Tokenizer, stop_cut
 
 DEFAULT_BUDGET = 64
 GRAPHED_PREFILL_MAX = 512  # padded prompt tokens of a batch up to which prefills are CUDA graphs:
@@ -127,11 +127,11 @@ def _token_callback(on_tokens):
     return lambda i, ids, _: on_tokens(i, ids)
 
 
-def _token_logprobs(tokens: list[int], lp: list, b: int, k: int) -> list[TokenLogprob]:
-    """Request b's `TokenLogprob`s of `tokens`, the first tokens of its row of a round's
-    (or the prefill's) logprobs read back as lists: (chosen [B][T], top values
-    [B][T][K], top ids [B][T][K]); `k` alternatives each."""
-    chosen, top_vals, top_ids = (x[b] for x in lp)
+def _token_logprobs(tokens: list[int], rows, k: int) -> list[TokenLogprob]:
+    """The `TokenLogprob`s of `tokens` from one request's logprobs read back as lists
+    (chosen [T], top values [T][K], top ids [T][K]; `tokens` are its first T' <= T);
+    `k` alternatives each."""
+    chosen, top_vals, top_ids = rows
     return [TokenLogprob(t, chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k]))) for i, t in enumerate(tokens)]
 
 
@@ -332,9 +332,10 @@ class LLM:
 
         `on_tokens(i, new_ids, new_logprobs)` is called as request i commits tokens (for
         streaming; new_logprobs: their `TokenLogprob`s, or None if request i did not ask;
-        a callback of two arguments gets the first two); if it returns True, request i ends there (finish_reason "abort": say, its client
-        went away) and the others go on. `on_done(i, output)` is called as soon as request i
-        has finished, with the output `generate` returns for it at the end.
+        a callback of two arguments gets the first two); if it returns True, request i
+        ends there (finish_reason "abort": say, its client went away) and the others go
+        on. `on_done(i, output)` is called as soon as request i has finished, with the
+        output `generate` returns for it at the end.
         Rounds are pipelined: the host reads and processes round r-1's tokens while
         round r runs on the device (see `_step`, `RoundPipeline`), with tensor
         parallelism too (every rank runs ahead alike).
@@ -400,15 +401,14 @@ class LLM:
                     stop = "stop"
                 added = None
                 if logprobs[b] is not None:  # those of the tokens kept
-                    added = _token_logprobs(outs[b][before:], lp, b, params[b].logprobs)
+                    added = _token_logprobs(outs[b][before:], [x[b] for x in lp], params[b].logprobs)
                     logprobs[b] += added
                 if on_tokens is not None and len(outs[b]) > before and on_tokens(b, outs[b][before:], added) is True:
                     stop = stop or "abort"
                 if stop:
                     done[b] = True
                     results[b] = self._output(outs[b], stop, params[b], rounds[b], time.perf_counter() - start,
-                                              logprobs[b], ids[b])
-                    results[b].prompt_logprobs = prompt_logprobs[b]
+                                              logprobs[b], ids[b], prompt_logprobs[b])
                     if on_done is not None:
                         on_done(b, results[b])
             if all(done):
@@ -443,8 +443,7 @@ class LLM:
                 continue
             rows = [x[at:at + len(ids) - 1] for x in plp]
             at += len(ids) - 1
-            out.append([TokenLogprob(ids[0], None, [])] + _token_logprobs(ids[1:], [[r] for r in rows], 0,
-                                                                          p.prompt_logprobs))
+            out.append([TokenLogprob(ids[0], None, [])] + _token_logprobs(ids[1:], rows, p.prompt_logprobs))
         return out
 
     def end_ids(self, p: SamplingParams) -> set[int]:
@@ -453,7 +452,8 @@ class LLM:
         return set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
 
     def _output(self, ids: list[int], reason: str, p: SamplingParams, rounds: int, seconds: float,
-                logprobs: list[TokenLogprob] | None = None, prompt: list[int] = ()) -> GenerationOutput:
+                logprobs: list[TokenLogprob] | None = None, prompt: list[int] = (),
+                prompt_logprobs: list[TokenLogprob] | None = None) -> GenerationOutput:
         """A finished request's output: its text (decoded after the prompt, see
         `Tokenizer.decode_continuation`) cut at the first stop string (at its start, or
         its end with include_stop_str_in_output) or without the token that ended it (kept
@@ -462,12 +462,13 @@ class LLM:
         ended_by_token = reason == "stop" and bool(ids) and ids[-1] in self.end_ids(p)
         shown = ids[:-1] if ended_by_token and not p.include_stop_str_in_output else ids
         text = self.tokenizer.decode_continuation(shown, prompt, p.skip_special_tokens)
-        hits = sorted((text.find(x), i, x) for i, x in enumerate(p.stop) if x in text)
-        if hits:  # the first to appear; at one place, the first listed
-            text = text[:hits[0][0] + (len(hits[0][2]) if p.include_stop_str_in_output else 0)]
-        stop_reason = hits[0][2] if hits else ids[-1] if ended_by_token and ids[-1] in p.stop_token_ids else None
+        cut = stop_cut(text, p.stop, p.include_stop_str_in_output)
+        if cut:
+            text = text[:cut[0]]
+        stop_reason = cut[1] if cut else ids[-1] if ended_by_token and ids[-1] in p.stop_token_ids else None
         n = len(ids)
-        return GenerationOutput(text, ids, reason, stop_reason=stop_reason, logprobs=logprobs, stats={
+        return GenerationOutput(text, ids, reason, stop_reason=stop_reason, logprobs=logprobs,
+                                prompt_logprobs=prompt_logprobs, stats={
             "method": self.method, "new_tokens": n, "rounds": rounds,
             "tau": round(n / rounds, 4), "seconds": round(seconds, 4),
             "tokens_per_s": round(n / seconds, 2) if seconds > 0 else None,

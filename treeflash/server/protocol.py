@@ -321,8 +321,7 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
     ids = [_encode(encode, render_chat(body, template), param="messages", special=False)]
     stream, include_usage = _stream_flags(body)
     params = _sampling(body, [len(ids[0])], max_model_len, defaults.max_tokens, defaults, vocab_size, "chat")
-    return Request("chat", ids, params, stream,
-                   include_usage, _choices(body, 1))
+    return Request("chat", ids, params, stream, include_usage, _choices(body, 1))
 
 
 def render_chat(body: dict, template) -> str:
