@@ -8,6 +8,7 @@ request sets and driver script are reused here.
   a random target with Qwen3-8B's widths (2 layers) and a random 1-layer drafter. All in
   float32, where a different reduction order cannot flip a near-tie as bf16 can.
 - Logprobs (gathered over the vocabulary shards) equal TP = 1's.
+- Closing an engine whose rounds ran as CUDA graphs returns at once.
 - A worker killed mid-generation ends the driver promptly with one line naming the rank
   (graphs on: the NCCL kernels waiting on the dead peer sit inside a replayed graph),
   and no worker outlives it.
@@ -132,3 +133,29 @@ def test_worker_killed_mid_generation(graphs):
     pids = json.loads(proc.stdout.splitlines()[0])
     assert all(_gone(p) for p in pids), "a worker outlived the driver"
     assert seconds < 90, f"took {seconds:.0f} s"
+
+
+CLOSE_DRIVER = """
+import json, sys, time
+from treeflash import LLM, SamplingParams
+llm = LLM(sys.argv[1], draft_model=sys.argv[2], method="ddtree", budget=32, device="cuda", dtype="float32", tp=2)
+pids = [s["pid"] for s in llm.rank_stats()]
+out = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=40, ignore_eos=True))
+start = time.monotonic()
+llm.close()
+print(json.dumps({"pids": pids, "tokens": len(out[0].token_ids), "close_s": time.monotonic() - start}), flush=True)
+"""
+
+
+def test_close_after_graphed_rounds_is_prompt():
+    """Closing the last TP engine after its rounds ran as CUDA graphs returns at once and
+    the process exits cleanly: an NCCL abort of a communicator that graphs had captured
+    collectives on blocked for good (torch 2.11, H200), so a finished one is parked."""
+    target, drafter = builtin_paths()
+    proc = subprocess.run([sys.executable, "-c", CLOSE_DRIVER, str(target), str(drafter)],
+                          capture_output=True, text=True, timeout=150, cwd=REPO, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "terminate called" not in proc.stderr, proc.stderr
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["tokens"] == 40 and report["close_s"] < 5, report
+    assert all(_gone(p) for p in report["pids"]), "a worker outlived the engine"

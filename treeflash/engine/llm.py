@@ -282,10 +282,16 @@ class LLM:
 
     def close(self) -> None:
         """Release this engine on every rank; with tp > 1 the worker processes stop
-        once no engine uses them. Idempotent; also done on garbage collection and exit."""
-        self._tp.close()
+        once no engine uses them. Idempotent; also done on garbage collection and exit.
+        A round still in flight ends, and the graphs go, before the ranks are released."""
+        run, self._run = self._run, None
+        if run is not None:
+            try:
+                run.pipe.finish()  # a round still in flight ends before its graph goes
+            except Exception:
+                pass
         self.drop_graphs()
-        self._run = None
+        self._tp.close()
 
     def __enter__(self) -> "LLM":
         return self

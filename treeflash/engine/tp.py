@@ -38,11 +38,13 @@ exits the process. Workers exit when their parent dies (a watcher thread) or the
 goes away; collective and store timeouts (TREEFLASH_TP_TIMEOUT seconds, default 600)
 are the backstop. Workers ignore SIGINT: Ctrl-C interrupts the driver, which then shuts
 them down. Workers are shut down when the last engine on them is closed or
-garbage-collected, and at exit.
+garbage-collected, and at exit; after a clean shutdown each rank keeps its NCCL
+communicator unreleased until it exits (`Runtime.park`).
 """
 from __future__ import annotations
 
 import atexit
+import ctypes
 import datetime
 import gc
 import json
@@ -378,7 +380,7 @@ class Runtime:
         self.seq = 0
         self.failure: str | None = None   # one line: which rank failed and why
         self.closed = False
-        self.aborted = False
+        self.released = False
         self.abort_lock = threading.Lock()
         self.stopping = False             # we are killing the workers: their exits are expected
         self.busy = False                 # the driver is inside a command
@@ -506,6 +508,7 @@ class Runtime:
         if graceful and self.failure is None:
             try:
                 self.post("shutdown", None)
+                self.leave()  # with the workers
             except Exception:
                 pass
         for p in self.procs.values():
@@ -517,10 +520,24 @@ class Runtime:
             if p.poll() is None:
                 p.kill()
             p.wait()
-        self.abort()  # NCCL: abort rather than destroy the communicators (destroy can hang after graph capture)
+        if graceful and self.failure is None:
+            self.park()
+        else:
+            self.abort()  # waits for the monitor's abort, if that is under way
         for key, rt in list(_RUNTIMES.items()):
             if rt is self:
                 del _RUNTIMES[key]
+
+    def park(self) -> None:
+        """Keep this rank's NCCL communicator, finished with, until the process exits. On
+        the H200s (torch 2.11) both its destroy and its abort blocked for good once CUDA
+        graphs had captured collectives on it, on every rank at once too, and its
+        destructor (at the latest in interpreter finalization) aborts: so it is never
+        destroyed. Only a failure aborts (`abort`), to unblock kernels waiting on a
+        dead peer; gloo groups close with their sockets."""
+        if self.backend == "nccl" and self.group is not None and not self.released:
+            self.released = True
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.group.group))
 
     def abort(self) -> None:
         """Release the NCCL communicators, unblocking kernels that wait on a dead peer
@@ -529,9 +546,9 @@ class Runtime:
         if not self.abort_lock.acquire(timeout=GRACE_S):
             return
         try:
-            if self.aborted:
+            if self.released:
                 return
-            self.aborted = True
+            self.released = True
             if self.backend == "nccl" and self.group is not None:
                 self.group.group.abort()
         except Exception:
@@ -600,13 +617,14 @@ class Runtime:
         return f"tensor-parallel worker rank {r} {why}"
 
     def leave(self) -> None:
-        """End a `join_group` rank: once every rank's device work is done (no kernel of
-        a peer can still be inside a collective), release the communicators."""
+        """End a `join_group` rank, or every rank of a graceful shutdown: once every
+        rank's device work is done (no kernel of a peer can still be inside a collective),
+        stop with the others; its communicator is parked (`park`)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.store.set(f"left/{self.rank}", b"1")
-        self.store.wait([f"left/{r}" for r in range(self.size)])
-        self.abort()  # not destroy: it can hang after graph capture
+        self.store.wait([f"left/{r}" for r in range(self.size)], _td(GRACE_S))
+        self.park()
 
     # ---------------------------------------------------------------- worker
     def serve_main(self) -> int:
@@ -635,6 +653,7 @@ class Runtime:
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
             if op == "shutdown":
+                self.leave()
                 return
             if op == "build":
                 try:
