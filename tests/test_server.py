@@ -220,6 +220,13 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": "no"}}, 400,
      "stream_options"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
+     "stream_options"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": "x", "add_special_tokens": "no"}, 400, "add_special_tokens"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages"),
+    ("/tokenize", {"messages": [{"role": "\ud800", "content": "x"}]}, 400, "messages"),
     ("/v1/completions", {"prompt": "x", "stop": ["a"] * 65}, 400, "stop"),
     ("/v1/completions", {"prompt": ["x"] * 1025}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False}, 400,
@@ -517,6 +524,9 @@ def test_tokenize_and_detokenize(client, llm):
     assert plain == llm.encode(PROMPT, special=False)
     chat = client.post("/tokenize", json={"messages": [{"role": "user", "content": "fib"}]}).json()["tokens"]
     assert chat == llm.encode("### user:\nfib\n### assistant:\n", special=False)
+    parts = [{"type": "text", "text": "fib"}, {"type": "text", "text": "fast"}]  # joined by a newline, as vLLM
+    r = client.post("/tokenize", json={"messages": [{"role": "user", "content": parts}]}).json()["tokens"]
+    assert r == llm.encode("### user:\nfib\nfast\n### assistant:\n", special=False)
     assert client.post("/detokenize", json={"tokens": plain}).json()["prompt"] == PROMPT
     for path, body, param in [("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {}, "prompt"),
                               ("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
@@ -525,6 +535,24 @@ def test_tokenize_and_detokenize(client, llm):
                               ("/detokenize", {"tokens": "5"}, "tokens")]:
         r = client.post(path, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body)
+
+
+def test_add_special_tokens_reaches_the_tokenizer(chat_model):
+    """vLLM's add_special_tokens: a completion's text gets the tokenizer's special tokens
+    (BOS) unless it says false; a chat prompt only if it says true (its template writes
+    its own)."""
+    from treeflash.server.protocol import parse_chat, parse_completion
+    seen = []
+
+    def encode(prompt, special=True):
+        seen.append(special)
+        return [5, 6]
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    template = ChatTemplate.from_folder(chat_model)
+    for extra in ({}, {"add_special_tokens": False}, {"add_special_tokens": True}):
+        parse_completion({"prompt": "x", **extra}, "m", encode, 64)
+        parse_chat({**chat, **extra}, "m", template, encode, 64)
+    assert seen == [True, False, False, False, True, True]
 
 
 def test_values_that_ask_for_nothing_are_accepted(client, llm):
@@ -544,13 +572,47 @@ def test_values_that_ask_for_nothing_are_accepted(client, llm):
     assert r.status_code == 413
 
 
-def test_routes_and_errors_outside_the_api(client, llm):
+def test_routes_and_errors_outside_the_api(client, llm, chat_model):
     assert client.get("/health").json() == {"status": "ok"}
     models = client.get("/v1/models").json()["data"]
     assert [m["id"] for m in models] == ["tiny"] and models[0]["max_model_len"] == llm.max_model_len
     r = client.get("/v1/nope")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
-    assert client.get("/v1/completions").status_code == 405
+    r = client.get("/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    with TestClient(build_app(llm, "tiny", None, aliases=("tiny-2", "./tiny"))) as c:  # every name it answers to
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny", "tiny-2", "./tiny"]
+
+
+def test_browser_pages_may_call_the_server(client, llm):
+    """CORS, as vLLM: any origin by default (a preflight, then the request); none with
+    allowed_origins=() (`serve --allowed-origins` with no origins)."""
+    preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type,authorization"}
+    r = client.options("/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, headers={"Origin": "http://ui.example"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    with TestClient(build_app(llm, "tiny", None, allowed_origins=())) as c:
+        r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, headers={"Origin": "http://ui.example"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_an_unexpected_error_is_a_500_body_and_the_connection_stays(llm, monkeypatch, caplog):
+    """A bug in a handler answers 500 with an OpenAI error body and one log line, as a
+    normal response: the client's keep-alive connection is not dropped, and the server
+    goes on serving."""
+    import treeflash.server.app as app_module
+
+    def broken(*args):
+        raise TypeError("a bug")
+    monkeypatch.setattr(app_module, "parse_tokenize", broken)
+    with TestClient(build_app(llm, "tiny", None), raise_server_exceptions=True) as c:
+        r = c.post("/tokenize", json={"prompt": "a"})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "TypeError: a bug" in r.json()["error"]["message"]
+        assert c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+    assert any("TypeError: a bug" in m for m in caplog.messages)
 
 
 def test_a_model_without_chat_template_refuses_chat(llm):

@@ -21,6 +21,8 @@ import time
 from concurrent.futures import Future, InvalidStateError
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
@@ -250,6 +252,22 @@ def error_response(e: APIError) -> JSONResponse:
     return AsciiJSONResponse(e.body(), status_code=e.status)
 
 
+def guarded(handler):
+    """`handler`, answering an unexpected exception with a 500 body as a normal response:
+    Starlette's handler for Exception answers too, but then re-raises, which logs a
+    traceback and drops the client's keep-alive connection."""
+    async def run(request: HTTPRequest):
+        try:
+            return await handler(request)
+        except HTTPException:
+            raise
+        except Exception as e:
+            error = api_error(e)
+            log.error("%s %s: %s", request.method, request.url.path, error)
+            return error_response(error)
+    return run
+
+
 def _sse(data) -> str:
     return f"data: {json.dumps(data, ensure_ascii=True)}\n\n"
 
@@ -283,11 +301,12 @@ async def _watch_disconnect(request: HTTPRequest, job: Job) -> None:
 
 def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
               defaults: SamplingDefaults = SamplingDefaults(), api_key: str | None = None,
-              aliases: tuple[str, ...] = ()) -> Starlette:
+              aliases: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = ("*",)) -> Starlette:
     """The ASGI app serving `llm` as `model_name` (requests may also name one of
     `aliases`), with `defaults` for the sampling
     parameters a request leaves out; with `api_key`, the /v1 routes answer only requests
-    that carry it ("Authorization: Bearer <key>"). Its worker starts with the app's lifespan."""
+    that carry it ("Authorization: Bearer <key>"); browsers' cross-origin requests from
+    `allowed_origins` (as vLLM: any by default). Its worker starts with the app's lifespan."""
     state = {}
     served = (model_name, *aliases)
 
@@ -371,8 +390,8 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         if (refused := unauthorized(request)) is not None:
             return refused
         return AsciiJSONResponse({"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": 0, "owned_by": "treeflash",
-            "max_model_len": llm.max_model_len}]})
+            "id": name, "object": "model", "created": 0, "owned_by": "treeflash",
+            "max_model_len": llm.max_model_len} for name in served]})
 
     async def health(_):
         return AsciiJSONResponse({"status": "ok"})
@@ -400,7 +419,9 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
 
     async def http_error(_, exc: HTTPException):  # unknown paths, wrong methods: OpenAI bodies too
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(str(exc.detail), status=exc.status_code, type=kind))
+        response = error_response(APIError(str(exc.detail), status=exc.status_code, type=kind))
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     async def internal_error(_, exc: Exception):
         return error_response(api_error(exc))
@@ -419,11 +440,14 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         yield
         shutdown()
 
-    routes = [Route("/health", health), Route("/metrics", metrics), Route("/v1/models", models),
-              Route("/v1/completions", completions, methods=["POST"]),
-              Route("/v1/chat/completions", chat, methods=["POST"]),
-              Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])]
-    app = Starlette(routes=routes, lifespan=lifespan,
+    routes = [Route("/health", guarded(health)), Route("/metrics", guarded(metrics)),
+              Route("/v1/models", guarded(models)),
+              Route("/v1/completions", guarded(completions), methods=["POST"]),
+              Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
+              Route("/tokenize", guarded(tokenize), methods=["POST"]),
+              Route("/detokenize", guarded(detokenize), methods=["POST"])]
+    cors = Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[cors] if allowed_origins else [],
                     exception_handlers={HTTPException: http_error, Exception: internal_error})
     app.state.shutdown = shutdown  # for a server that ends without its lifespan's end (a forced exit)
     app.state.drain = drain        # for the signal that starts a shutdown

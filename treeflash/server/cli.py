@@ -25,6 +25,9 @@ def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("TREEFLASH_API_KEY"),
                    help="answer /v1 requests only with 'Authorization: Bearer <key>' (default: $TREEFLASH_API_KEY; "
                         "none: no key)")
+    s.add_argument("--allowed-origins", nargs="*", default=["*"],
+                   help="origins whose browser pages may call the server (CORS; default: any, as vLLM; "
+                        "none given: no CORS headers)")
     s.add_argument("--generation-config", choices=("auto", "none"), default="auto",
                    help="sampling defaults (temperature, top_p, top_k) for requests that leave them out: "
                         "auto takes the model's generation_config.json, as vLLM does; none: OpenAI's "
@@ -94,7 +97,8 @@ def cmd_serve(args) -> int:
     for setting in defaults.ignored:
         print(f"treeflash: generation_config.json's {setting} is not applied (not supported)",
               file=sys.stderr, flush=True)
-    app = build_app(llm, name, template, args.max_batch, defaults, args.api_key or None, aliases)
+    app = build_app(llm, name, template, args.max_batch, defaults, args.api_key or None, aliases,
+                    tuple(args.allowed_origins))
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGTERM / Ctrl-C: running and queued requests end now (503)

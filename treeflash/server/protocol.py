@@ -32,7 +32,6 @@ UNSUPPORTED = {
     "allowed_token_ids": ((None,), "allowed_token_ids is not supported"),
     "bad_words": ((None, []), "bad_words is not supported"),
     "spaces_between_special_tokens": ((None, True), "spaces_between_special_tokens = false is not supported"),
-    "add_special_tokens": ((None,), "add_special_tokens is not supported"),
     "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens is not supported"),
     "use_beam_search": ((None, False), "beam search is not supported"),
     "guided_json": ((None,), "guided decoding is not supported"),
@@ -53,8 +52,9 @@ SAMPLING_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", 
                  "stream", "stream_options", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "user", "metadata", "store", "service_tier",
                  "parallel_tool_calls"}
-KNOWN_KEYS = {"completion": SAMPLING_KEYS | {"prompt", "logprobs", "echo"} | set(UNSUPPORTED),
-              "chat": SAMPLING_KEYS | {"messages", "logprobs", "top_logprobs", "echo"} | set(UNSUPPORTED),
+KNOWN_KEYS = {"completion": SAMPLING_KEYS | {"prompt", "logprobs", "echo", "add_special_tokens"} | set(UNSUPPORTED),
+              "chat": SAMPLING_KEYS | {"messages", "logprobs", "top_logprobs", "echo", "add_special_tokens"}
+              | set(UNSUPPORTED),
               "tokenize": {"model", "prompt", "messages", "add_special_tokens"},
               "detokenize": {"model", "tokens"}}
 MAX_STOPS = 64
@@ -240,15 +240,27 @@ def _logprobs(body: dict, kind: str) -> int | None:
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
+    """`stream` and `stream_options.include_usage`; options need a stream (as OpenAI
+    answers), and an option this server does not honour is refused."""
     stream = _flag(body, "stream", False)
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
     if not isinstance(options, dict):
         raise APIError("'stream_options' must be an object", param="stream_options")
-    include_usage = options.get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise APIError(f"'stream_options.include_usage' must be true or false, got {_short(include_usage)}",
-                       param="stream_options")
-    return stream, bool(include_usage) and stream
+    if not stream:
+        raise APIError("'stream_options' needs 'stream': true", param="stream_options")
+    flags = {}
+    for key in ("include_usage", "continuous_usage_stats"):
+        flags[key] = options.get(key)
+        if flags[key] is not None and not isinstance(flags[key], bool):
+            raise APIError(f"'stream_options.{key}' must be true or false, got {_short(flags[key])}",
+                           param="stream_options")
+    if flags["continuous_usage_stats"]:
+        raise APIError("'stream_options.continuous_usage_stats' is not supported", param="stream_options")
+    if unknown := sorted(set(options) - set(flags)):
+        raise APIError(f"unknown stream option '{unknown[0]}'", param="stream_options")
+    return stream, bool(flags["include_usage"])
 
 
 def check_model(body: dict, served: str | tuple[str, ...]) -> None:
@@ -290,7 +302,8 @@ def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_mode
                        param="prompt")
     if len(prompts) > MAX_PROMPTS:
         raise APIError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
-    ids = [_encode(encode, p, param="prompt") for p in prompts]
+    special = _flag(body, "add_special_tokens", True)  # a text prompt's BOS (vLLM's default: added)
+    ids = [_encode(encode, p, param="prompt", special=special) for p in prompts]
     stream, include_usage = _stream_flags(body)
     params = _sampling(body, [len(i) for i in ids], max_model_len, DEFAULT_COMPLETION_TOKENS, defaults, vocab_size,
                        "completion")
@@ -318,7 +331,9 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
     check_model(body, served)
     if body.get("echo") not in (None, False):
         raise APIError("echo is supported for completions only", param="echo")
-    ids = [_encode(encode, render_chat(body, template), param="messages", special=False)]
+    # the template writes its own special tokens; add_special_tokens adds the tokenizer's too (vLLM)
+    ids = [_encode(encode, render_chat(body, template), param="messages",
+                   special=_flag(body, "add_special_tokens", False))]
     stream, include_usage = _stream_flags(body)
     params = _sampling(body, [len(ids[0])], max_model_len, defaults.max_tokens, defaults, vocab_size, "chat")
     return Request("chat", ids, params, stream, include_usage, _choices(body, 1))
@@ -338,9 +353,13 @@ def render_chat(body: dict, template) -> str:
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
                 raise APIError(f"messages[{i}]: only text content parts are supported", param="messages")
-            content = "".join(p["text"] for p in content)
+            content = "\n".join(p["text"] for p in content)  # as vLLM joins text parts
         if not isinstance(content, str):
             raise APIError(f"messages[{i}] must have string 'content'", param="messages")
+        try:
+            content.encode("utf-8"), m["role"].encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: a client cut a character in two
+            raise APIError(f"messages[{i}] must be valid Unicode text", param="messages") from None
         plain.append({"role": m["role"], "content": content})
     if template is None:
         raise APIError("this model has no chat template (tokenizer_config.json 'chat_template'): "
@@ -353,13 +372,14 @@ def render_chat(body: dict, template) -> str:
 
 def parse_tokenize(body: dict, served: str | tuple[str, ...], template, tokenizer) -> list[int]:
     """A /tokenize body (vLLM's): the token ids of a prompt, or of chat messages as the
-    template renders them; `add_special_tokens` (default true) for a prompt."""
+    template renders them; `add_special_tokens` (default true for a prompt, false for
+    messages, whose template writes its own)."""
     check_keys(body, "tokenize")
     check_model(body, served)
     if ("prompt" in body) == ("messages" in body):
         raise APIError("give either 'prompt' or 'messages'", param="prompt")
     if "messages" in body:
-        return tokenizer.encode(render_chat(body, template), False)
+        return tokenizer.encode(render_chat(body, template), _flag(body, "add_special_tokens", False))
     if not isinstance(body["prompt"], str):
         raise APIError("'prompt' must be a string", param="prompt")
     try:
