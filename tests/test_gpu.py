@@ -162,3 +162,21 @@ def test_graphed_logprobs_match_eager(pair, method, budget):
         assert g.token_ids == e.token_ids
         for a, b in zip(g.prompt_logprobs[1:], e.prompt_logprobs[1:]):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4) and [i for i, _ in a.top] == [i for i, _ in b.top]
+
+
+def test_prefix_caching_on_graphed_engines(pair):
+    """Prefix caching with CUDA graphs: a next turn whose whole prompt would prefill
+    eagerly (past 512 padded tokens) prefills only its new tokens on the kept graphed
+    state, through the GPU kernels; a short one replays its prefill graph instead. The
+    tokens equal an engine's without prefix caching."""
+    target, drafter = pair
+    kw = dict(draft_model=drafter, method="ddtree", budget=16, device="cuda", dtype="float32")
+    llm, fresh = LLM(target, enable_prefix_caching=True, **kw), LLM(target, **kw)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0, seed=2)
+    for first in ([7, 8] * 300, [5, 9, 3]):
+        answer = llm.generate(first, params)[0]
+        turn = first + answer.token_ids + [11, 12, 13]
+        got = llm.generate(turn, params)[0]
+        assert got.token_ids == fresh.generate(turn, params)[0].token_ids
+        long = len(first) > 512
+        assert got.stats["cached_tokens"] == (len(first) + len(answer.token_ids) - 1 if long else 0)

@@ -537,6 +537,27 @@ def test_tokenize_and_detokenize(client, llm):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body)
 
 
+def test_prefix_caching_serves_the_next_turn_from_the_caches(llm, client, chat_model):
+    """With `serve --enable-prefix-caching`, a chat's next turn reports the prompt tokens
+    it found in the caches (usage.prompt_tokens_details.cached_tokens, as OpenAI) and
+    answers what a server without it answers."""
+    caching = LLM(chat_model, draft_model=builtin_paths()[1], device="cpu", dtype="float32",
+                  enable_prefix_caching=True)
+    turn = [{"role": "user", "content": "def fib(n):"}]
+    body = {"max_tokens": 8, "temperature": 0}
+    with TestClient(build_app(caching, "tiny", ChatTemplate.from_folder(chat_model))) as c:
+        first = c.post("/v1/chat/completions", json={**body, "messages": turn}).json()
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        turn += [first["choices"][0]["message"], {"role": "user", "content": "and add(a, b)?"}]
+        got = c.post("/v1/chat/completions", json={**body, "messages": turn}).json()
+        streamed = events(c.post("/v1/chat/completions", json={
+            **body, "messages": turn, "stream": True, "stream_options": {"include_usage": True}}))
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] > first["usage"]["prompt_tokens"]
+    assert streamed[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == got["usage"]["prompt_tokens"] - 1
+    want = client.post("/v1/chat/completions", json={**body, "messages": turn}).json()
+    assert got["choices"] == want["choices"] and "prompt_tokens_details" not in want["usage"]
+
+
 def test_add_special_tokens_reaches_the_tokenizer(chat_model):
     """vLLM's add_special_tokens: a completion's text gets the tokenizer's special tokens
     (BOS) unless it says false; a chat prompt only if it says true (its template writes

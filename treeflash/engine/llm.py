@@ -15,7 +15,7 @@ import torch
 
 from treeflash.config import DTYPES, DraftConfig, ModelConfig
 from treeflash.engine.kv_cache import available_bytes
-from treeflash.engine.round import METHODS, BatchState, GraphedState, SpeculativeDecoder
+from treeflash.engine.round import METHODS, BatchState, GraphedState, SpeculativeDecoder, prefill_width
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
 from treeflash.engine.tp import attach as tp_attach
 from treeflash.engine.tp import peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -31,6 +31,15 @@ GRAPHED_PREFILL_MAX = 512  # padded prompt tokens of a batch up to which prefill
 GRAPH_STATES = 4           # batch states kept with their CUDA graphs (least recently used goes first),
 GRAPH_STATES_SHARE = 0.25  # while they take at most this share of the memory free after loading
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many first tokens a and b share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def state_key(batch: int, max_len: int) -> tuple[int, int]:
@@ -196,12 +205,19 @@ class LLM:
     starts tp - 1 worker processes (one per GPU, or gloo on CPU) that each hold a slice
     of the weights; see `treeflash.engine.tp`. Under torchrun, every rank calls `LLM`
     alike and only rank 0 returns. `close()` (or garbage collection, or exit) stops them.
+    enable_prefix_caching: a batch whose prompts begin with what the batch before them
+    held (a chat's next turn: the conversation so far, its last answer included) runs
+    on that batch's caches and prefills only the rest, when its whole prompt would have
+    prefilled eagerly (without CUDA graphs, or longer than a graphed prefill). The
+    tokens are those of a prefill over the whole prompt up to rounding: a reused
+    position's K/V came from the forward that committed it.
     """
 
     def __init__(self, model: str | Path | None = None, draft_model: str | Path | None = None,
                  method: str | None = None, budget: int | None = None, device: str = "auto",
                  dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
-                 max_budget: int = 512, tp: int = 1, cuda_graphs: bool = True, draft_mode: str = "coupled"):
+                 max_budget: int = 512, tp: int = 1, cuda_graphs: bool = True, draft_mode: str = "coupled",
+                 enable_prefix_caching: bool = False):
         for name, path in (("model", model), ("draft_model", draft_model)):
             if path is not None and not isinstance(path, (str, Path)):
                 raise UsageError(f"{name} must be a folder path, got {path!r}")
@@ -211,6 +227,9 @@ class LLM:
             model, builtin_draft = builtin_paths()
             if draft_model is None and method != "ar" and (builtin_draft / "config.json").exists():
                 draft_model = builtin_draft
+        if not isinstance(enable_prefix_caching, bool):
+            raise UsageError(f"enable_prefix_caching must be true or false, got {enable_prefix_caching!r}")
+        self.enable_prefix_caching = enable_prefix_caching
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise UsageError(f"tp must be an integer >= 1, got {tp!r}")
         self.device = resolve_device(device)
@@ -244,7 +263,8 @@ class LLM:
         # every rank builds the same engine from these arguments (workers get them from rank 0)
         args = dict(model=str(model), draft_model=None if draft_model is None else str(draft_model),
                     method=method, budget=budget, device=device, dtype=dtype, max_model_len=max_model_len,
-                    max_budget=max_budget, tp=tp, cuda_graphs=cuda_graphs, draft_mode=draft_mode)
+                    max_budget=max_budget, tp=tp, cuda_graphs=cuda_graphs, draft_mode=draft_mode,
+                    enable_prefix_caching=enable_prefix_caching)
         self._tp = tp_attach(tp, self.device, args, self.config, dcfg)
         self.tp_size, self.device = tp, self._tp.device
         try:
@@ -291,6 +311,7 @@ class LLM:
             except Exception:
                 pass
         self.drop_graphs()
+        self._kept = None
         self._tp.close()
 
     def __enter__(self) -> "LLM":
@@ -380,8 +401,10 @@ class LLM:
         params = [p if p.seed is not None else replace(p, seed=random.getrandbits(63)) for p in params]
         on_tokens = _token_callback(on_tokens)
         start = time.perf_counter()
+        starts = self._cached_starts(len(ids), max_len, ids, params)
         first, lp, plp = self._tp.call(self, "_start", (len(ids), max_len, params, ids,
-                                                         self._states_to_drop(len(ids), max_len)))
+                                                         self._states_to_drop(len(ids), max_len), starts))
+        state = self._run.st
         prompt_logprobs = self._prompt_logprobs(ids, params, plp)
         outs = [[] for _ in ids]
         logprobs = [[] if p.logprobs is not None else None for p in params]
@@ -414,7 +437,8 @@ class LLM:
                 if stop:
                     done[b] = True
                     results[b] = self._output(outs[b], stop, params[b], rounds[b], time.perf_counter() - start,
-                                              logprobs[b], ids[b], prompt_logprobs[b])
+                                              logprobs[b], ids[b], prompt_logprobs[b],
+                                              None if starts is None else starts[b])
                     if on_done is not None:
                         on_done(b, results[b])
             if all(done):
@@ -433,9 +457,36 @@ class LLM:
             for b in range(len(ids)):
                 committed[b] += counts[b]
                 rounds[b] += not done[b]  # a round whose tokens b uses (done: ignored)
+        if self.enable_prefix_caching:  # every token but each request's last is in the caches
+            state.tokens = [i + o[:-1] for i, o in zip(ids, outs)]
         if not self.cuda_graphs and self.tp_size == 1:
-            self._run = None  # free the caches (graphed states are kept for the next call)
+            self._run = None  # free the caches (graphed states, and with prefix caching the last, are kept)
         return results
+
+    def _cached_starts(self, batch: int, max_len: int, prompts: list[list[int]],
+                       params: list[SamplingParams]) -> list[int] | None:
+        """Prefix caching, on the driver: per request, how many of its prompt's first
+        tokens the state this batch will run on holds already (its last token is always
+        prefilled: it makes the first new one), or None to prefill the whole prompts: no
+        such state, nothing in common, prompt logprobs asked (they need every position),
+        or a prefill a CUDA graph would replay (faster than an eager prefill of the rest)."""
+        if not self.enable_prefix_caching or any(p.prompt_logprobs is not None for p in params):
+            return None
+        key = state_key(batch, max_len)
+        if self.cuda_graphs:
+            st = self._graphs[key].st if key in self._graphs else None
+        else:
+            st = self._kept[1] if self._kept is not None and self._kept[0] == key else None
+        if st is None or st.tokens is None:
+            return None
+        room = st.cache.max_len
+        if self.cuda_graphs and batch * prefill_width(max(map(len, prompts)), room) <= GRAPHED_PREFILL_MAX:
+            return None
+        starts = [min(_common_prefix(held, p), len(p) - 1) for held, p in zip(st.tokens, prompts)]
+        rest = max(len(p) - s for p, s in zip(prompts, starts))
+        if not any(starts) or prefill_width(rest, room - max(starts)) < rest:
+            return None
+        return starts
 
     @staticmethod
     def _prompt_logprobs(prompts: list[list[int]], params: list[SamplingParams], plp: list):
@@ -459,12 +510,13 @@ class LLM:
 
     def _output(self, ids: list[int], reason: str, p: SamplingParams, rounds: int, seconds: float,
                 logprobs: list[TokenLogprob] | None = None, prompt: list[int] = (),
-                prompt_logprobs: list[TokenLogprob] | None = None) -> GenerationOutput:
+                prompt_logprobs: list[TokenLogprob] | None = None, cached: int | None = None) -> GenerationOutput:
         """A finished request's output: its text (decoded after the prompt, see
         `Tokenizer.decode_continuation`) cut at the first stop string (at its start, or
         its end with include_stop_str_in_output) or without the token that ended it (kept
         with include_stop_str_in_output, as vLLM does), and its stats (seconds from the
-        batch's start to this request's last token)."""
+        batch's start to this request's last token; with prefix caching, the prompt
+        tokens found in the caches)."""
         ended_by_token = reason == "stop" and bool(ids) and ids[-1] in self.end_ids(p)
         shown = ids[:-1] if ended_by_token and not p.include_stop_str_in_output else ids
         text = self.tokenizer.decode_continuation(shown, prompt, p.skip_special_tokens)
@@ -479,13 +531,16 @@ class LLM:
             "tau": round(n / rounds, 4), "seconds": round(seconds, 4),
             "tokens_per_s": round(n / seconds, 2) if seconds > 0 else None,
             **({"nodes_per_round": self.decoder.budget} if self.method == "ddtree" else {}),
+            **({"cached_tokens": cached or 0} if self.enable_prefix_caching else {}),
         })
 
     def _start(self, batch: int, max_len: int, params: list[SamplingParams], prompts: list[list[int]],
-               drop: list[tuple[int, int]]):
+               drop: list[tuple[int, int]], starts: list[int] | None = None):
         """On every rank: a batch state (or the captured graph's) and the prefill, after
-        dropping the graphed states `drop` (the driver's choice). Returns each request's
-        first token, their logprobs and the prompts' (as lists; [] if not asked)."""
+        dropping the graphed states `drop` (the driver's choice); with `starts` (the
+        driver's `_cached_starts`) an eager prefill of each prompt past what the state's
+        caches hold. Returns each request's first token, their logprobs and the prompts'
+        (as lists; [] if not asked)."""
         if self._run is not None:  # the previous batch's last round, still in flight: wait
             self._run.pipe.finish()  # for it before its state or graph may be dropped
         self._run = None  # the previous batch's caches go before the new ones are made
@@ -493,6 +548,12 @@ class LLM:
             self.drop_graphs(drop)
             torch.cuda.empty_cache()
         st, run_round, graphed = self._runner(batch, max_len, SamplingBatch.from_params(params, self.device))
+        st.tokens = None  # the caches change from here; the driver records them when the batch is done
+        if starts is not None:
+            ids, lens = self.decoder.prefill_inputs(st, [p[s:] for p, s in zip(prompts, starts)], starts)
+            lp, plp = self.decoder.prefill_tokens(st, ids, lens, starts=starts)
+            self._run = _Batch(st, run_round, RoundPipeline(), [True] * batch)
+            return st.anchor.tolist(), [t.tolist() for t in lp or ()], []
         ids, lens = self.decoder.prefill_inputs(st, prompts)
         scoring = [(b, len(q)) for b, (q, p) in enumerate(zip(prompts, params)) if p.prompt_logprobs is not None]
         if graphed is None or scoring or ids.numel() > GRAPHED_PREFILL_MAX:  # scoring: eager
@@ -525,6 +586,7 @@ class LLM:
         self.cuda_graphs = on and self.device.type == "cuda"
         self._graphs: OrderedDict[tuple[int, int], GraphedState] = OrderedDict()  # by (batch, bucket),
         self._dropped_captures = 0  # most recently used last; captures of the states dropped so far
+        self._kept: tuple[tuple[int, int], BatchState] | None = None  # eager, prefix caching: (key, state)
         self._states_budget = GRAPH_STATES_SHARE * (available_bytes(self.device) or 0) if self.cuda_graphs else 0
 
     @property
@@ -562,15 +624,23 @@ class LLM:
 
     def _runner(self, batch: int, max_len: int, sampling: SamplingBatch):
         """A batch state, the function that runs one round on it, and its `GraphedState`
-        (None without CUDA graphs: eager rounds and prefill).
+        (None without CUDA graphs: eager rounds and prefill; kept, bucketed alike, with
+        prefix caching).
 
         With CUDA graphs, states are bucketed (`state_key`) and kept, with every round and
         prefill captured on them, for later calls with the same batch size and bucket; the
         sampling values are copied into the captured buffers.
         """
-        if not self.cuda_graphs:
+        if not self.cuda_graphs and not self.enable_prefix_caching:
             return self.decoder.new_state(batch, max_len, sampling), self.decoder.round, None
         key = state_key(batch, max_len)
+        if not self.cuda_graphs:  # prefix caching: the last state is kept, with what it holds
+            if self._kept is None or self._kept[0] != key:
+                self._kept = None  # its caches go before the new ones are made
+                self._kept = (key, self.decoder.new_state(batch, key[1], sampling))
+            st = self._kept[1]
+            st.sampling = sampling
+            return st, self.decoder.round, None
         if key in self._graphs:
             self._graphs.move_to_end(key)  # now the most recently used
         else:

@@ -36,6 +36,12 @@ except ImportError:
 METHODS = ("ar", "dflash", "ddtree")
 DRAFT_MODES = ("scaled", "coupled")
 PREFILL_ALIGN = 32  # prompts are padded to a multiple of this: a few prefill shapes (and graphs)
+
+
+def prefill_width(longest: int, room: int) -> int:
+    """Columns of a padded prefill whose longest prompt has `longest` tokens, with `room`
+    cache slots for it: a multiple of PREFILL_ALIGN, or all the room."""
+    return min(-(-longest // PREFILL_ALIGN) * PREFILL_ALIGN, room)
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose [positions, vocab] logits are made at a time
 
 
@@ -50,6 +56,8 @@ class BatchState:
     cache: KVCache
     draft_cache: DraftContextCache | None
     max_n: int | None = None   # host's max of n, bounds reference attention reads (None: whole cache)
+    tokens: list[list[int]] | None = None  # the driver's record, per request, of the tokens whose
+                                           # K/V and drafter context the caches hold (prefix caching)
 
     @property
     def batch_size(self) -> int:
@@ -106,12 +114,13 @@ class SpeculativeDecoder:
                           self.target.new_cache(batch, max_len, dev),
                           self.drafter.new_cache(batch, max_len, dev) if self.drafter is not None else None)
 
-    def prefill_inputs(self, st: BatchState, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill_inputs(self, st: BatchState, prompts: list[list[int]],
+                       starts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompts as one padded batch: ids [B, T] on the device, T the longest prompt
-        rounded up to a multiple of PREFILL_ALIGN (within the cache), and lens [B]."""
+        rounded up to a multiple of PREFILL_ALIGN (within the cache past `starts`, the
+        slots a suffix prefill begins at), and lens [B]."""
         dev = st.n.device
-        longest = max(len(p) for p in prompts)
-        T = min(-(-longest // PREFILL_ALIGN) * PREFILL_ALIGN, st.cache.max_len)
+        T = prefill_width(max(len(p) for p in prompts), st.cache.max_len - max(starts or [0]))
         ids = torch.zeros(len(prompts), T, dtype=torch.long)
         for b, p in enumerate(prompts):
             ids[b, :len(p)] = torch.tensor(p, dtype=torch.long)
@@ -125,29 +134,38 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def prefill_tokens(self, st: BatchState, ids: torch.Tensor, lens: torch.Tensor,
-                       prompt_logprobs: list[tuple[int, int]] = ()):
+                       prompt_logprobs: list[tuple[int, int]] = (), starts: list[int] | None = None):
         """`prefill` of padded ids [B, T] with lengths lens [B]: device work only, static
         shapes, so `GraphedPrefill` can capture it. Causal attention keeps the padding
         out of every real token; its K/V land past the prompt, where the rounds write.
+        With `starts` (eager; prefix caching) the caches already hold request b's first
+        starts[b] prompt tokens and ids are the rest: they attend to those as to a
+        committed prefix (a chain verify), at positions starts[b] on.
         Returns the first tokens' `logprobs_of` ([B, 1] rows) if the batch asks for
         them, and with `prompt_logprobs` ((row, prompt length) of the requests that ask;
-        eager only) their prompt tokens': one [N] / [N, K] row per token but the first,
-        request after request (token t+1 given tokens 0..t); each None if not."""
+        eager only, no starts) their prompt tokens': one [N] / [N, K] row per token but
+        the first, request after request (token t+1 given tokens 0..t); each None if not."""
         B, T = ids.shape
         dev = ids.device
-        positions = torch.arange(T, device=dev).expand(B, T)
-        inputs = AttentionInputs.causal(positions, kv_len=T)
+        if starts is None:
+            begin, reach = torch.zeros_like(lens), T
+            inputs = AttentionInputs.causal(torch.arange(T, device=dev).expand(B, T), kv_len=T)
+        else:
+            assert not prompt_logprobs, "a prompt's logprobs need all of its positions"
+            begin, reach = torch.tensor(starts, device=dev), max(starts) + T
+            inputs = AttentionInputs.causal(begin[:, None] + torch.arange(T, device=dev), prefix_lens=begin,
+                                            kv_len=reach)
         h, feats = self._target(ids, inputs, st.cache)
         last = h[torch.arange(B, device=dev), lens - 1]
         logits = self.target.logits(last[:, None], gather=False)
-        first = sample(logits, lens[:, None], st.sampling, self.tp)
+        first = sample(logits, (begin + lens)[:, None], st.sampling, self.tp)
         st.anchor.copy_(first[:, 0])
-        st.n.copy_(lens)
+        st.n.copy_(begin + lens)
         st.active.fill_(True)
         if st.draft_cache is not None:
-            st.draft_cache.projected.zero_()
-            self.drafter.commit_context(st.draft_cache, feats, positions, torch.zeros_like(lens), lens)
-        st.max_n = T
+            st.draft_cache.projected.copy_(begin)
+            self.drafter.commit_context(st.draft_cache, feats, inputs.positions, begin, lens)
+        st.max_n = reach
         lp = logprobs_of(logits, first, self.tp) if st.sampling.any_logprobs else None
         return lp, (self._prompt_logprobs(h, ids, prompt_logprobs) if prompt_logprobs else None)
 

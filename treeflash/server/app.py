@@ -336,8 +336,7 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
                 yield _sse(api_error(e).body())
             else:
                 if req.include_usage:
-                    yield _sse(chunk(req, model_name, usage_=usage(sum(map(len, req.prompts)),
-                                                                   sum(len(o.token_ids) for o in outs))))
+                    yield _sse(chunk(req, model_name, usage_=usage(req, outs)))
             yield "data: [DONE]\n\n"
         except asyncio.CancelledError:  # the client went away, or the server is shutting down
             pass

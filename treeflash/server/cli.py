@@ -25,6 +25,9 @@ def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("TREEFLASH_API_KEY"),
                    help="answer /v1 requests only with 'Authorization: Bearer <key>' (default: $TREEFLASH_API_KEY; "
                         "none: no key)")
+    s.add_argument("--enable-prefix-caching", action="store_true",
+                   help="a chat's next turn prefills only its new tokens (the conversation so far stays in the "
+                        "caches; see README)")
     s.add_argument("--allowed-origins", nargs="*", default=["*"],
                    help="origins whose browser pages may call the server (CORS; default: any, as vLLM; "
                         "none given: no CORS headers)")

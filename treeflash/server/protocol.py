@@ -407,9 +407,15 @@ def _encode(encode, prompt, param: str, **kw) -> list[int]:
         raise APIError(str(e), param=param) from None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(req: Request, outputs) -> dict:
+    """OpenAI's usage of a request's GenerationOutputs (n per prompt: its prompt counted
+    once); with prefix caching, the prompt tokens found in the caches (its first choice's)."""
+    prompt_tokens, completion_tokens = sum(map(len, req.prompts)), sum(len(o.token_ids) for o in outputs)
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+    if outputs and "cached_tokens" in outputs[0].stats:
+        body["prompt_tokens_details"] = {"cached_tokens": sum(o.stats["cached_tokens"] for o in outputs[::req.n])}
+    return body
 
 
 def logprobs_body(req: Request, entries, tokenizer, offset: int = 0) -> dict | None:
@@ -454,7 +460,7 @@ def response(req: Request, model: str, outputs, tokenizer=None) -> dict:
     return {"id": ("chatcmpl-" if chat else "cmpl-") + req.id,
             "object": "chat.completion" if chat else "text_completion", "created": req.created,
             "model": model, "choices": choices,
-            "usage": usage(sum(map(len, req.prompts)), sum(len(o.token_ids) for o in outputs))}
+            "usage": usage(req, outputs)}
 
 
 def chunk(req: Request, model: str, text: str | None = None, finish_reason: str | None = None,

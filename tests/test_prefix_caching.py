@@ -1,0 +1,123 @@
+"""Prefix caching (`LLM(enable_prefix_caching=True)`): a chat's next turn prefills only
+what the caches do not hold yet, and its tokens are those of an engine that prefills
+the whole prompt (float64, every method, greedy and sampled, batched, with TP)."""
+from __future__ import annotations
+
+import pytest
+
+from treeflash import LLM, SamplingParams
+from treeflash.engine.llm import builtin_paths
+from treeflash.errors import UsageError
+
+GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
+SAMPLED = SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=1.0, top_p=0.9, seed=4)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """engines(method, caching) -> LLM on the built-in pair (float64, CPU), built once."""
+    built: dict = {}
+
+    def get(method: str, caching: bool) -> LLM:
+        if (method, caching) not in built:
+            built[method, caching] = LLM(method=method, device="cpu", dtype="float64",
+                                         enable_prefix_caching=caching)
+        return built[method, caching]
+    return get
+
+
+def _turns(llm: LLM, params: SamplingParams):
+    """A first turn, then the next one: the conversation so far (prompt and answer) and a
+    new question, as a chat template renders it."""
+    first = llm.encode("def fib(n):")
+    answer = llm.generate(first, params)[0]
+    return first, answer, first + answer.token_ids + llm.encode("\n\ndef add(a, b):", special=False)
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_next_turn_prefills_only_the_new_tokens(engines, method, params):
+    llm, fresh = engines(method, True), engines(method, False)
+    first, answer, turn = _turns(llm, params)
+    assert answer.stats["cached_tokens"] == 0 or answer.stats["cached_tokens"] < len(first)
+    got = llm.generate(turn, params)[0]
+    # everything but the answer's last token (never run through the target) was held
+    assert got.stats["cached_tokens"] == len(first) + len(answer.token_ids) - 1
+    assert got.token_ids == fresh.generate(turn, params)[0].token_ids
+    assert "cached_tokens" not in fresh.generate(turn, params)[0].stats
+
+
+def test_shared_part_of_a_prompt_is_reused(engines):
+    """The same prompt again reuses all but its last token; a prompt that parts from the
+    last one after k tokens reuses k; one with nothing in common, none."""
+    llm, fresh = engines("ddtree", True), engines("ddtree", False)
+    base = llm.encode("class Stack:\n    def push(self, x):\n        self.items.append(x)")
+    llm.generate(base, GREEDY)
+    for prompt, cached in [(base, len(base) - 1), (base[:9] + llm.encode(" pop", special=False), 9),
+                           ([7] + base, 0)]:
+        got = llm.generate(prompt, GREEDY)[0]
+        assert got.stats["cached_tokens"] == cached, (prompt, cached)
+        assert got.token_ids == fresh.generate(prompt, GREEDY)[0].token_ids
+
+
+def test_batches_reuse_row_by_row(engines):
+    """Request b of a batch runs on row b of the batch before: each reuses what it shares
+    with that row's conversation, whatever the other requests share."""
+    llm, fresh = engines("ddtree", True), engines("ddtree", False)
+    firsts = [llm.encode("def fib(n):"), llm.encode("import os\nimport sys")]
+    params = [GREEDY, SAMPLED]
+    answers = llm.generate(firsts, params)
+    turns = [firsts[0] + answers[0].token_ids + [11, 12],  # the next turn of row 0
+             llm.encode("x = 1")]                          # a new conversation on row 1
+    got = llm.generate(turns, params)
+    assert [o.stats["cached_tokens"] for o in got] == [len(firsts[0]) + len(answers[0].token_ids) - 1, 0]
+    assert [o.token_ids for o in got] == [o.token_ids for o in fresh.generate(turns, params)]
+
+
+def test_logprobs_and_prompt_logprobs(engines):
+    """A reused prefix gives the same logprobs; prompt logprobs need every position's
+    logits, so a request that asks for them prefills its whole prompt."""
+    llm, fresh = engines("dflash", True), engines("dflash", False)
+    _, _, turn = _turns(llm, GREEDY)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=3)
+    got, want = llm.generate(turn, params)[0], fresh.generate(turn, params)[0]
+    assert got.stats["cached_tokens"] > 0 and got.token_ids == want.token_ids
+    for a, b in zip(got.logprobs, want.logprobs):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-9)
+        assert [i for i, _ in a.top] == [i for i, _ in b.top]
+    scoring = SamplingParams(max_new_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    got, want = llm.generate(turn, scoring)[0], fresh.generate(turn, scoring)[0]
+    assert got.stats["cached_tokens"] == 0 and got.token_ids == want.token_ids
+    assert [x.logprob for x in got.prompt_logprobs[1:]] == pytest.approx([x.logprob for x in want.prompt_logprobs[1:]])
+
+
+def test_a_failed_batch_leaves_nothing_to_reuse(engines):
+    """A batch that ends in an error leaves its caches in no known state: the next
+    request prefills its whole prompt."""
+    llm, fresh = engines("ddtree", True), engines("ddtree", False)
+    first, answer, turn = _turns(llm, GREEDY)
+
+    def broken(i, ids):
+        raise RuntimeError("client code failed")
+    with pytest.raises(RuntimeError):
+        llm.generate(turn, GREEDY, on_tokens=broken)
+    got = llm.generate(turn, GREEDY)[0]
+    assert got.stats["cached_tokens"] == 0
+    assert got.token_ids == fresh.generate(turn, GREEDY)[0].token_ids
+
+
+def test_off_by_default_and_checked():
+    target, _ = builtin_paths()
+    with pytest.raises(UsageError, match="enable_prefix_caching must be true or false"):
+        LLM(target, method="ar", device="cpu", enable_prefix_caching="yes")
+
+
+def test_tensor_parallel_ranks_reuse_alike(engines):
+    """At TP = 2 (gloo) the driver decides what is reused and every rank prefills the
+    same suffix on its slice: TP = 1's tokens, without prefix caching."""
+    fresh = engines("ddtree", False)
+    with LLM(method="ddtree", device="cpu", dtype="float64", tp=2, enable_prefix_caching=True) as llm:
+        _, answer, turn = _turns(llm, SAMPLED)
+        got = llm.generate(turn, SAMPLED)[0]
+        assert got.stats["cached_tokens"] > 0
+        assert got.token_ids == fresh.generate(turn, SAMPLED)[0].token_ids
