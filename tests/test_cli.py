@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from treeflash import LLM, SamplingParams
 from treeflash.cli import main
+from treeflash.errors import UsageError
 
 STATS_KEYS = {"method", "new_tokens", "rounds", "tau", "seconds", "tokens_per_s"}
 
@@ -281,6 +282,35 @@ def test_malformed_jsonl(capsys, model, tmp_path, line, words):
     f = tmp_path / "prompts.jsonl"
     f.write_text('{"prompt": "def fib(n):"}\n' + line + "\n")
     assert_error(*run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu"), 2, *words)
+
+
+@pytest.mark.parametrize("line", ["[1, 2, 3]", "null", '"a string"', "{ not json but a prompt"])
+def test_jsonl_lines_must_be_prompt_objects(capsys, model, tmp_path, line):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('{"prompt": "def fib(n):"}\n' + line + "\n")
+    assert_error(*run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu"), 2, ":2:")
+
+
+def test_plain_prompt_lines_may_start_with_a_brace(capsys, model, api, tmp_path):
+    """In a plain-text prompt file (not .jsonl) every line is a prompt, code too."""
+    f = tmp_path / "prompts.txt"
+    f.write_text('{ "a": 1 }\nint main() {\n')
+    rc, out, err = run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu", "--json",
+                       "--max-new-tokens", 3, "--ignore-eos")
+    assert rc == 0, err
+    check_json_lines(out, ['{ "a": 1 }', "int main() {"], api, 3)
+
+
+@pytest.mark.parametrize("device", ["cuda:x", "cuda:-1", "cuda:0:1", "cuda:1", "cuda:"])
+def test_cuda_device_strings_are_checked(monkeypatch, device):
+    """On a machine with one GPU (faked here), a device that is not cuda:0 is a usage
+    error naming the devices there are, not torch's internal one."""
+    from treeflash.engine.llm import resolve_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda:0") == torch.device("cuda:0")
+    with pytest.raises(UsageError, match="unknown device .* cuda:0 to cuda:0"):
+        resolve_device(device)
 
 
 def test_missing_prompt_file(capsys, model, tmp_path):

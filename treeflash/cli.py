@@ -28,16 +28,17 @@ def read_prompts(args) -> list[str]:
     except UnicodeDecodeError:
         raise UsageError(f"prompt file {args.prompt_file} is not UTF-8 text") from None
     prompts = []
+    jsonl = str(args.prompt_file).endswith(".jsonl")  # else plain text: a line starting "{" is a prompt too
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        if line.lstrip().startswith("{"):
+        if jsonl:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise UsageError(f"{args.prompt_file}:{i}: malformed JSON line: {e}") from None
-            if not isinstance(obj.get("prompt"), str):
-                raise UsageError(f"{args.prompt_file}:{i}: JSON line has no string 'prompt' field")
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise UsageError(f"{args.prompt_file}:{i}: a JSONL line must be an object with a string 'prompt'")
             prompts.append(obj["prompt"])
         else:
             prompts.append(line.replace("\\n", "\n"))
@@ -132,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     g = sub.add_parser("generate", help="generate text for one prompt or a file of prompts")
     g.add_argument("prompt", nargs="?", help="the prompt text")
-    g.add_argument("--prompt-file", help="one prompt per line, or JSONL with a 'prompt' field")
+    g.add_argument("--prompt-file", help="one prompt per line (\\n for a newline), or a .jsonl file of "
+                                                "objects with a 'prompt' field")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     g.add_argument("--logprobs", type=int, metavar="N", help="with --json: each token's log-probability "
                                                              "and its N most likely alternatives' (N <= 20)")

@@ -80,6 +80,9 @@ def resolve_device(device: str) -> torch.device:
         raise UsageError(f"unknown device '{device}' (choose auto, cpu or cuda)")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("device 'cuda' requested but no CUDA GPU is available")
+    if device.startswith("cuda:") and not (device[5:].isdigit() and int(device[5:]) < torch.cuda.device_count()):
+        raise UsageError(f"unknown device '{device}' (this machine has cuda:0 to "
+                         f"cuda:{torch.cuda.device_count() - 1})")
     return torch.device(device)
 
 
