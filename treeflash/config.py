@@ -147,6 +147,67 @@ def _moe_fields(data: dict, num_layers: int, where: str) -> dict:
     return fields
 
 
+def _architectures(data: dict, where: str) -> list[str]:
+    """`architectures` as a list of names (a lone string is one name; absent: none)."""
+    archs = data.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise TreeflashError(f"config.json in {where}: 'architectures' must be a list of names, got {archs!r}")
+    return archs
+
+
+# The MLP is SwiGLU: gate activation SiLU ("swish" is transformers' other name for it).
+SUPPORTED_ACTS = ("silu", "swish")
+
+
+def _check_hidden_act(data: dict, where: str) -> None:
+    """Refuse an MLP activation other than SiLU: the model would run, with wrong logits."""
+    act = data.get("hidden_act")
+    if act is not None and act not in SUPPORTED_ACTS:
+        raise TreeflashError(f"config.json in {where}: hidden_act {act!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ACTS)})")
+
+
+def _check_full_attention(data: dict, arch: str, num_layers: int, where: str) -> None:
+    """Refuse Qwen3 sliding-window attention (treeflash runs full attention in every
+    layer), by transformers' rules: the window applies only with `use_sliding_window`
+    (else `sliding_window` is ignored); Qwen3 then slides in the layers `layer_types`
+    names "sliding_attention", or, without it, from layer `max_window_layers` on;
+    Qwen3-MoE slides in every layer. Llama has no sliding window. A window at least
+    as long as the context is full attention."""
+    if arch not in ("qwen3", "qwen3_moe"):
+        return
+    types = data.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+            raise TreeflashError(f"config.json in {where}: 'layer_types' must be a list of names, got {types!r}")
+        other = sorted({t for t in types if t != "full_attention"})
+        if other:
+            raise TreeflashError(f"config.json in {where}: layer_types {other} are not supported "
+                                 f"(only full_attention; sliding-window attention is not implemented)")
+    if not _flag(data, "use_sliding_window", where):
+        return
+    window = data.get("sliding_window", 4096)  # transformers' default
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise TreeflashError(f"config.json in {where}: 'sliding_window' must be a positive integer, got {window!r}")
+    max_pos = data.get("max_position_embeddings")
+    if isinstance(max_pos, int) and window >= max_pos:
+        return  # a window as long as the context is full attention
+    if arch == "qwen3":
+        if types is not None:
+            return  # layer_types (checked above) says every layer attends fully
+        first = data.get("max_window_layers", 28)
+        if isinstance(first, bool) or not isinstance(first, int):
+            raise TreeflashError(f"config.json in {where}: 'max_window_layers' must be an integer, got {first!r}")
+        if first >= num_layers:
+            return  # no layer reaches the window
+    raise TreeflashError(f"config.json in {where}: sliding-window attention (use_sliding_window, "
+                         f"sliding_window {window!r}) is not supported")
+
+
 @dataclass
 class ModelConfig:
     """A decoder-only target: Qwen3 (q/k norms), Llama, or Qwen3-MoE (Qwen3 whose MLP is
@@ -189,11 +250,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "config") -> "ModelConfig":
-        archs = data.get("architectures") or []
-        if isinstance(archs, str):
-            archs = [archs]
-        if not isinstance(archs, list):
-            raise TreeflashError(f"config.json in {where}: 'architectures' must be a list, got {archs!r}")
+        archs = _architectures(data, where)
         quant = data.get("quantization_config")
         if quant:
             method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
@@ -203,8 +260,11 @@ class ModelConfig:
         for a in archs:
             if a in TARGET_ARCHITECTURES:
                 arch = TARGET_ARCHITECTURES[a]
+        model_type = data.get("model_type")
+        if model_type is not None and not isinstance(model_type, str):
+            raise TreeflashError(f"config.json in {where}: 'model_type' must be a name, got {model_type!r}")
         if arch is None and not archs:
-            arch = MODEL_TYPES.get(data.get("model_type", ""))
+            arch = MODEL_TYPES.get(model_type or "")
         if arch is None:
             name = archs[0] if archs else data.get("model_type", "<none>")
             raise TreeflashError(
@@ -219,6 +279,8 @@ class ModelConfig:
         theta, scaling = _rope(data, where)
         max_pos = data.get("max_position_embeddings")
         num_layers = _require(data, "num_hidden_layers", where)
+        _check_hidden_act(data, where)
+        _check_full_attention(data, arch, num_layers, where)
         moe = _moe_fields(data, num_layers, where) if arch == "qwen3_moe" else {}
         return cls(
             arch=arch,
@@ -255,6 +317,12 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return sorted({min(max(i, 0), num_target_layers - 1) for i in ids})  # shallow targets: clamp
 
 
+# Largest drafter block accepted. Published DFlash drafters use 16; each round drafts
+# block_size - 1 tokens and the engine sizes per-request buffers (and masks, quadratic
+# in the block) by it, so a typo like 100000 would allocate gigabytes and hang.
+MAX_BLOCK_SIZE = 256
+
+
 @dataclass
 class DraftConfig:
     """A DFlash drafter: a Qwen3-style layer stack reading the target's hidden states."""
@@ -267,7 +335,7 @@ class DraftConfig:
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "config") -> "DraftConfig":
-        archs = data.get("architectures") or []
+        archs = _architectures(data, where)
         if archs and "DFlashDraftModel" not in archs:
             raise TreeflashError(f"{where} is not a DFlash drafter (architectures: {archs})")
         dflash = data.get("dflash_config") or {}
@@ -275,8 +343,9 @@ class DraftConfig:
             raise TreeflashError(f"drafter {where}: dflash_config must be a JSON object, got {dflash!r}")
         layers = ModelConfig.from_dict({**data, "architectures": ["Qwen3ForCausalLM"]}, where)
         block = dflash.get("block_size", data.get("block_size", 16))
-        if not isinstance(block, int) or block < 2:
-            raise TreeflashError(f"drafter {where}: block_size must be an integer >= 2, got {block!r}")
+        if isinstance(block, bool) or not isinstance(block, int) or not 2 <= block <= MAX_BLOCK_SIZE:
+            raise TreeflashError(f"drafter {where}: block_size must be an integer from 2 to {MAX_BLOCK_SIZE}, "
+                                 f"got {block!r}")
         mask = dflash.get("mask_token_id", data.get("mask_token_id"))
         if not isinstance(mask, int) or isinstance(mask, bool):
             raise TreeflashError(f"drafter {where} lacks dflash_config.mask_token_id")
@@ -312,6 +381,9 @@ class DraftConfig:
         if bad:
             raise TreeflashError(f"drafter taps target layers {bad}, but the target has "
                                  f"layers 0..{target.num_layers - 1}")
+        if self.block_size > target.max_position_embeddings:
+            raise TreeflashError(f"drafter block_size {self.block_size} exceeds the target's context "
+                                 f"(max_position_embeddings {target.max_position_embeddings})")
         if not 0 <= self.mask_token_id < target.vocab_size:
             raise TreeflashError(f"drafter mask_token_id {self.mask_token_id} is outside the "
                                  f"target's vocabulary of {target.vocab_size}")

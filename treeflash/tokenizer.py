@@ -79,8 +79,22 @@ class Tokenizer:
             eos.add(self.tok.token_to_id(eos_tok))
         self.eos_token_ids = sorted(eos)
         self.bos_token_id = gen.get("bos_token_id", config.get("bos_token_id"))
-        self.add_bos = bool(tok_cfg.get("add_bos_token", False)) and isinstance(self.bos_token_id, int)
+        add_bos = tok_cfg.get("add_bos_token")
+        if add_bos is not None and not isinstance(add_bos, bool):  # bool("false") would be true
+            raise TreeflashError(f"{folder / 'tokenizer_config.json'}: 'add_bos_token' must be true or false, "
+                                 f"got {add_bos!r}")
+        self.add_bos = bool(add_bos) and self.bos_token_id is not None
+        if self.add_bos:
+            self._check_bos(folder, "generation_config.json" if "bos_token_id" in gen else "config.json")
         self._tokens: dict[int, tuple[str, bytes]] = {}  # see _token
+
+    def _check_bos(self, folder: Path, source: str) -> None:
+        """The BOS id prepended to every prompt must be a token of this vocabulary (a
+        negative or too large one would fail at the first request, not at load)."""
+        bos = self.bos_token_id
+        if isinstance(bos, bool) or not isinstance(bos, int) or not 0 <= bos < self.vocab_size:
+            raise TreeflashError(f"{folder / source}: 'bos_token_id' must be a token id from 0 to "
+                                 f"{self.vocab_size - 1} (tokenizer_config.json sets add_bos_token), got {bos!r}")
 
     @property
     def vocab_size(self) -> int:

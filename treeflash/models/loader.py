@@ -1,4 +1,5 @@
-"""Load Hugging Face safetensors checkpoints (single file or sharded with an index).
+"""Load Hugging Face safetensors checkpoints (single file or sharded with an index;
+`checkpoint_files` picks the files as transformers does).
 
 Each parameter names the checkpoint tensors it is made of (merged QKV and gate/up
 hold several, MoE experts one per expert) and copies each into its own part; each
@@ -19,29 +20,53 @@ from treeflash.errors import TreeflashError
 
 
 def checkpoint_files(folder: str | Path) -> dict[str, Path]:
-    """Map every tensor name to the safetensors file that holds it."""
+    """Map every tensor name to the safetensors file that holds it. The files are chosen
+    as transformers chooses them: `model.safetensors` if present (a stale index next to
+    it is ignored), else the shards `model.safetensors.index.json` lists; with neither,
+    every *.safetensors file, where a tensor in two files is refused (which copy is
+    meant? reading both silently let the later one win)."""
     folder = Path(folder)
+    single = folder / "model.safetensors"
     index = folder / "model.safetensors.index.json"
+    if single.is_file():
+        with _open(single) as st:
+            return {name: single for name in st.keys()}
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-            raise TreeflashError(f"malformed {index}: {e}") from None
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise TreeflashError(f"malformed {index}: weight_map must map tensor names to file names")
-        files = {name: folder / f for name, f in weight_map.items()}
-        for f in set(files.values()):
-            if not f.exists():
-                raise TreeflashError(f"checkpoint shard {f.name} listed in {index.name} is missing from {folder}")
-        return files
-    candidates = sorted(folder.glob("*.safetensors"))
+        return _indexed_files(folder, index)
+    candidates = sorted(f for f in folder.glob("*.safetensors") if not f.is_dir())
     if not candidates:
         raise TreeflashError(f"no safetensors weights (model.safetensors) found in {folder}")
-    files = {}
+    files: dict[str, Path] = {}
     for f in candidates:
         with _open(f) as st:
             for name in st.keys():
+                if name in files:
+                    raise TreeflashError(f"weight {name} is in both {files[name].name} and {f.name} in {folder}, "
+                                         f"which has no model.safetensors.index.json to say which one to read")
                 files[name] = f
+    return files
+
+
+def _indexed_files(folder: Path, index: Path) -> dict[str, Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise TreeflashError(f"malformed {index}: {e}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise TreeflashError(f"malformed {index}: weight_map must map tensor names to file names")
+    files = {name: folder / f for name, f in weight_map.items()}
+    checked: set[Path] = set()
+    for name, f in files.items():
+        if f in checked:
+            continue
+        if not f.exists():
+            raise TreeflashError(f"checkpoint shard {f.name} listed in {index.name} (for weight {name}) "
+                                 f"is missing from {folder}")
+        # "" or "." name the folder itself: exists(), but not a file to read
+        if not f.is_file():
+            raise TreeflashError(f"{index.name} in {folder} lists {weight_map[name]!r} as the file of weight "
+                                 f"{name}, which is not a safetensors file")
+        checked.add(f)
     return files
 
 
@@ -108,12 +133,17 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
     checkpoint with tensors the model has no place for: a config.json that says fewer
     layers than the weights hold would otherwise run a different model."""
     files = checkpoint_files(folder)
+    # a tensor the checkpoint may store under another name (tied embeddings saved only
+    # as lm_head.weight, which transformers loads and ties)
+    aliases = getattr(model, "checkpoint_aliases", {})
     used: set[str] = set()
     handles: dict[Path, object] = {}
     try:
         for name, param in model.named_parameters():
             pieces, tp = _pieces(model, name, param)
             for key, dest, shard_dim in pieces:
+                if key not in files and aliases.get(key) in files:
+                    key = aliases[key]
                 if key not in files:
                     raise TreeflashError(f"weight {key} is missing from the checkpoint in {folder}")
                 used.add(key)

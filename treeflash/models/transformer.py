@@ -191,6 +191,12 @@ class CausalLM(nn.Module):
             return "model.embed_tokens.weight"
         return name
 
+    @property
+    def checkpoint_aliases(self) -> dict[str, str]:
+        """Tied embeddings may be saved under the LM head's name only (transformers
+        loads such checkpoints and ties them): read them from there when absent."""
+        return {"model.embed_tokens.weight": "lm_head.weight"} if self.config.tie_word_embeddings else {}
+
     def new_cache(self, batch: int, max_len: int, device=None) -> KVCache:
         attn = self.model.layers[0].self_attn
         p = self.lm_head.weight

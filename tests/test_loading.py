@@ -1,0 +1,246 @@
+"""Checkpoint loading: which weight files are read, and the configs treeflash must
+refuse rather than run with wrong logits (or fail later with an internal error).
+
+Loads that must succeed are checked against the logits of the transformers model the
+checkpoint was saved from; refusals must be one-line `TreeflashError`s naming the
+field or file at fault.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import ENGINE_PROMPTS
+from safetensors.torch import load_file, save_file
+
+from treeflash import LLM
+from treeflash.config import MAX_BLOCK_SIZE, DraftConfig, ModelConfig
+from treeflash.errors import TreeflashError
+from treeflash.layers.attention import AttentionInputs
+from treeflash.tokenizer import Tokenizer
+
+
+@torch.no_grad()
+def assert_logits_match(folder, hf_model) -> None:
+    """treeflash's logits for one prompt equal those of the transformers model."""
+    llm = LLM(folder, device="cpu", dtype="float32")
+    ids = llm.encode(ENGINE_PROMPTS[1])
+    T = len(ids)
+    h, _ = llm.target(torch.tensor([ids]), AttentionInputs.causal(torch.arange(T)[None]))
+    ours = llm.target.logits(h)[0].double()
+    ref = hf_model(torch.tensor([ids])).logits[0].double()
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+def refused(fn, *words) -> str:
+    """fn() raises a one-line TreeflashError mentioning every word; returns the message."""
+    with pytest.raises(TreeflashError) as e:
+        fn()
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1, msg
+    for w in words:
+        assert w in msg, (w, msg)
+    return msg
+
+
+def edit_config(folder, **changes) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def perturbed(weights: dict) -> dict:
+    return {k: v + 0.5 for k, v in weights.items()}
+
+
+# --------------------------------------------------------------------------- which files
+
+
+def test_model_safetensors_wins_over_other_unindexed_files(hf_checkpoint, tmp_path):
+    """A backup copy next to model.safetensors (sorting after it) must not replace its
+    tensors: like transformers, only model.safetensors is read."""
+    ck = hf_checkpoint("qwen3")
+    folder = ck.copy_to(tmp_path / "ck")
+    w = load_file(str(folder / "model.safetensors"))
+    save_file(perturbed(w), str(folder / "model.safetensors.bak.safetensors"))
+    assert_logits_match(folder, ck.model)
+
+
+def test_unindexed_shards_load_and_duplicate_tensors_are_refused(hf_checkpoint, tmp_path):
+    """Without model.safetensors or an index every *.safetensors file is read; a tensor
+    in two of them is ambiguous: refused, naming both files."""
+    ck = hf_checkpoint("qwen3")
+    folder = ck.copy_to(tmp_path / "ck")
+    w = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    keys = sorted(w)
+    half = len(keys) // 2
+    save_file({k: w[k] for k in keys[:half]}, str(folder / "a.safetensors"))
+    save_file({k: w[k] for k in keys[half:]}, str(folder / "b.safetensors"))
+    assert_logits_match(folder, ck.model)
+    save_file(perturbed({keys[0]: w[keys[0]]}), str(folder / "c.safetensors"))
+    refused(lambda: LLM(folder, device="cpu", dtype="float32"), keys[0], "a.safetensors", "c.safetensors")
+
+
+def test_model_safetensors_wins_over_a_stale_index(hf_checkpoint, tmp_path):
+    """transformers reads model.safetensors when present, before any index: a stale
+    index whose shards are gone must not break the load."""
+    ck = hf_checkpoint("qwen3")
+    folder = ck.copy_to(tmp_path / "ck")
+    index = {"metadata": {}, "weight_map": {k: "model-00001-of-00002.safetensors"
+                                            for k in load_file(str(folder / "model.safetensors"))}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_logits_match(folder, ck.model)
+
+
+@pytest.mark.parametrize("entry", ["", "."])
+def test_index_entry_that_is_not_a_file(hf_checkpoint, tmp_path, entry):
+    """An index naming the folder itself ("" or ".") for a tensor: refused with the
+    tensor and the index named, not an OS error naming neither."""
+    folder = hf_checkpoint("qwen3-tied-sharded").copy_to(tmp_path / "ck")
+    path = folder / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    key = sorted(index["weight_map"])[-1]
+    index["weight_map"][key] = entry
+    path.write_text(json.dumps(index))
+    refused(lambda: LLM(folder, device="cpu", dtype="float32"), key, "model.safetensors.index.json")
+
+
+def test_tied_embeddings_stored_as_lm_head_only(hf_checkpoint, tmp_path):
+    """Tied embeddings saved under lm_head.weight alone: transformers loads and ties
+    them, so treeflash must too (and still refuse the file when untied)."""
+    from transformers import AutoModelForCausalLM
+
+    ck = hf_checkpoint("llama-tied-bias")
+    folder = ck.copy_to(tmp_path / "ck")
+    w = load_file(str(folder / "model.safetensors"))
+    w["lm_head.weight"] = w.pop("model.embed_tokens.weight")
+    save_file(w, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    assert_logits_match(folder, AutoModelForCausalLM.from_pretrained(folder).eval())  # the oracle agrees
+    assert_logits_match(folder, ck.model)
+    edit_config(folder, tie_word_embeddings=False)
+    refused(lambda: LLM(folder, device="cpu", dtype="float32"), "model.embed_tokens.weight", "missing")
+
+
+# --------------------------------------------------------------------------- configs we cannot run
+
+
+@pytest.mark.parametrize("name,act", [("llama3-rope", "gelu"), ("qwen3", "gelu_pytorch_tanh"), ("qwen3", "relu")])
+def test_unsupported_hidden_act_is_refused(hf_checkpoint, clone_checkpoint, name, act):
+    """The MLP is SwiGLU: another activation would run with wrong logits."""
+    folder = clone_checkpoint(hf_checkpoint(name).path, hidden_act=act)
+    refused(lambda: LLM(folder, device="cpu", dtype="float32"), "hidden_act", repr(act))
+
+
+def test_silu_and_swish_load(hf_checkpoint, clone_checkpoint):
+    ck = hf_checkpoint("qwen3")
+    assert_logits_match(clone_checkpoint(ck.path, hidden_act="swish"), ck.model)
+    assert ModelConfig.from_pretrained(clone_checkpoint(ck.path, hidden_act="silu")).arch == "qwen3"
+
+
+# transformers-4 style configs (as released Qwen3 ones) lack layer_types: transformers
+# then derives it from use_sliding_window, sliding_window and max_window_layers.
+V4 = dict(layer_types=None)
+SLIDING = [
+    dict(V4, use_sliding_window=True, sliding_window=16, max_window_layers=0),
+    dict(V4, use_sliding_window=True, sliding_window=16, max_window_layers=1),   # layer 1 of 2 slides
+    dict(layer_types=["full_attention", "sliding_attention"], use_sliding_window=True, sliding_window=16),
+]
+FULL = [
+    # released Qwen3 configs
+    dict(V4, use_sliding_window=False, sliding_window=None, max_window_layers=28),
+    dict(V4, use_sliding_window=False, sliding_window=4096, max_window_layers=0),
+    # the window never applies: no layer reaches max_window_layers, or layer_types says so
+    dict(V4, use_sliding_window=True, sliding_window=16, max_window_layers=2),
+    dict(layer_types=["full_attention", "full_attention"], use_sliding_window=True, sliding_window=16),
+    dict(V4, use_sliding_window=True, sliding_window=256, max_window_layers=0),  # = max_position_embeddings
+]
+
+
+@pytest.mark.parametrize("changes", SLIDING)
+def test_qwen3_sliding_window_is_refused(hf_checkpoint, clone_checkpoint, changes):
+    """treeflash runs full attention: a sliding-window Qwen3 would silently differ."""
+    folder = clone_checkpoint(hf_checkpoint("qwen3").path, **changes)
+    refused(lambda: LLM(folder, device="cpu", dtype="float32"), "sliding")
+
+
+@pytest.mark.parametrize("changes", FULL)
+def test_qwen3_full_attention_configs_load(hf_checkpoint, clone_checkpoint, changes):
+    """Configs where transformers attends fully in every layer load, with its logits."""
+    from transformers import AutoModelForCausalLM
+
+    folder = clone_checkpoint(hf_checkpoint("qwen3").path, **changes)
+    assert_logits_match(folder, AutoModelForCausalLM.from_pretrained(folder).eval())
+
+
+def test_default_window_and_qwen3_moe_sliding_window_are_refused():
+    """Without a sliding_window key transformers' window is 4096 (shorter than this
+    context); Qwen3-MoE slides in every layer once use_sliding_window is set."""
+    dense = dict(architectures=["Qwen3ForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=64,
+                 num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=8192, max_window_layers=0)
+    assert ModelConfig.from_dict(dense).arch == "qwen3"
+    refused(lambda: ModelConfig.from_dict({**dense, "use_sliding_window": True}), "sliding", "4096")
+    moe = dict(dense, architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=16, use_sliding_window=False, sliding_window=16)
+    assert ModelConfig.from_dict(moe).arch == "qwen3_moe"
+    refused(lambda: ModelConfig.from_dict({**moe, "use_sliding_window": True}), "sliding")
+
+
+# --------------------------------------------------------------------------- drafter configs
+
+
+@pytest.fixture
+def drafter_dict(spec_drafter) -> dict:
+    return json.loads((spec_drafter("qwen3", "peaked", 8) / "config.json").read_text())
+
+
+def test_drafter_block_size_is_bounded(drafter_dict):
+    """A huge block_size would allocate gigabytes of masks and hang: refused at load.
+    The cap, and the target's context, bound it."""
+    target = ModelConfig.from_dict({**drafter_dict, "architectures": ["Qwen3ForCausalLM"],
+                                    "num_hidden_layers": drafter_dict["num_target_layers"],
+                                    "max_position_embeddings": 128})
+    DraftConfig.from_dict({**drafter_dict, "block_size": 16}).check_fits(target)
+    for block in (MAX_BLOCK_SIZE + 1, 100000):
+        refused(lambda: DraftConfig.from_dict({**drafter_dict, "block_size": block}), "block_size", str(block))
+    big = DraftConfig.from_dict({**drafter_dict, "block_size": MAX_BLOCK_SIZE})
+    refused(lambda: big.check_fits(target), "block_size", "max_position_embeddings")
+
+
+@pytest.mark.parametrize("changes,field", [
+    (dict(architectures=5), "architectures"),
+    (dict(architectures=[{"a": 1}]), "architectures"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+])
+def test_bad_drafter_config_values(drafter_dict, changes, field):
+    refused(lambda: DraftConfig.from_dict({**drafter_dict, **changes}), field)
+
+
+# --------------------------------------------------------------------------- bad values
+
+
+@pytest.mark.parametrize("changes,field", [
+    (dict(architectures=[], model_type=["x"]), "model_type"),
+    (dict(architectures=[], model_type={"a": 1}), "model_type"),
+    (dict(architectures=[["Qwen3ForCausalLM"]]), "architectures"),
+])
+def test_bad_target_config_values(hf_checkpoint, clone_checkpoint, changes, field):
+    folder = clone_checkpoint(hf_checkpoint("qwen3").path, **changes)
+    refused(lambda: LLM(folder, device="cpu", dtype="float32"), field)
+
+
+@pytest.mark.parametrize("bos,add,word", [(-1, True, "bos_token_id"), (10 ** 6, True, "bos_token_id"),
+                                          ("1", True, "bos_token_id"), (1, "false", "add_bos_token")])
+def test_bad_bos_settings_are_refused(hf_checkpoint, tmp_path, bos, add, word):
+    """add_bos_token prepends bos_token_id to every prompt: an id outside the vocabulary
+    (or a string flag, which read as true) is refused when the tokenizer loads."""
+    folder = hf_checkpoint("qwen3").copy_to(tmp_path / "ck")
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": bos}))
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": add}))
+    refused(lambda: Tokenizer(folder), word)
+    # a valid id is prepended
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": True}))
+    assert Tokenizer(folder).encode("def fib(n):")[0] == 1
