@@ -2,6 +2,9 @@
 tokenizer + corpus, target training / resume / export, drafter training / export,
 target-generated data, and the one-line errors for bad input."""
 import json
+import os
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -161,6 +164,7 @@ def test_drafter_trains_exports_and_loads(target, data_dir, tmp_path):
     config = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
     assert config["num_target_layers"] == 4 and config["dflash_config"]["mask_token_id"] == 2
+    assert config["hidden_act"] == "silu" and config["attention_bias"] is False  # as the published configs
     names = set(_tensors(tmp_path / "drafter"))
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_proj.weight",
             "layers.0.mlp.gate_proj.weight"} <= names and not any(n.startswith("model.") for n in names)
@@ -226,9 +230,16 @@ def test_drafter_on_generated_continuations(target, data_dir, tmp_path):
                             tau_prompts=0)
     assert summary["steps"] == 5 and np.isfinite(summary["eval_loss"])
     assert summary["heldout_text"] == "generated"  # selected on the text it learns, not the corpus
+    # resumed, it keeps training on them: from the run's path, or from where the file moved
+    more = train_drafter(base / "model", data_dir, tmp_path / "run", opts=TrainOptions(max_steps=6), resume=True)
+    assert more["steps"] == 6 and more["data"] == str(meta["path"]) and more["heldout_text"] == "generated"
+    moved = shutil.copy(meta["path"], tmp_path / "moved.npz")
+    more = train_drafter(base / "model", data_dir, tmp_path / "run", opts=TrainOptions(max_steps=7), resume=True,
+                         generated=moved)
+    assert more["steps"] == 7 and more["data"] == str(moved)
     with pytest.raises(UsageError, match="heldout_prompts must be >= 0"):
         generate_continuations(base / "model", data_dir, tmp_path / "bad", num_prompts=2, heldout_prompts=-1)
-    import shutil  # another target (its config differs) may not train on these continuations
+    # another target (its config differs) may not train on these continuations
     other = shutil.copytree(base / "model", tmp_path / "other")
     cfg = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-5}))
@@ -269,10 +280,11 @@ def test_bad_inputs(target, data_dir, tmp_path, capsys):
         generate_continuations(other, data_dir, tmp_path / "gen.npz", num_prompts=1, prompt_len=8, new_tokens=4)
     with pytest.raises(UsageError, match="tau_prompts"):
         train_drafter(base / "model", data_dir, tmp_path / "run-tau", opts=opts, tau_prompts=-1)
-    damaged = tmp_path / "damaged-run"
+    damaged = tmp_path / "bad-state"
     damaged.mkdir()
+    shutil.copy(base / "run" / "run.json", damaged)
     (damaged / "state.pt").write_bytes(b"not a state" * 10)
-    with pytest.raises(TreeflashError, match="damaged") as e:
+    with pytest.raises(TreeflashError, match="damaged, or not a treeflash training state") as e:
         train_target(data_dir, damaged, shape=TINY, opts=opts, resume=True)
     assert "\n" not in str(e.value) and "weights_only" not in str(e.value)
     (tmp_path / "a-file").write_text("x")
@@ -282,3 +294,72 @@ def test_bad_inputs(target, data_dir, tmp_path, capsys):
                      "--run", str(tmp_path / "r"), "--max-steps", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("treeflash: error: target checkpoint not found") and "\n" not in err
+
+
+def test_bad_data_files_are_one_line_errors(target, data_dir, tmp_path, capsys):
+    base, _ = target
+    opts = TrainOptions(max_steps=1, **OPTS)
+    np.save(tmp_path / "gen.npy", np.zeros((4, 40), dtype=np.uint16))  # an array, not generate's .npz
+    with pytest.raises(UsageError, match=r"cannot read generated sequences .*gen\.npy: not an \.npz"):
+        train_drafter(base / "model", data_dir, tmp_path / "run", None, DrafterShape(block_size=4), opts,
+                      generated=tmp_path / "gen.npy", tau_prompts=0)
+    assert cli_main(["drafter", "--target", str(base / "model"), "--data", str(data_dir), "--run",
+                     str(tmp_path / "run"), "--generated", str(tmp_path / "gen.npy"), "--max-steps", "1",
+                     "--block-size", "4", "--tau-prompts", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("treeflash: error: cannot read generated sequences") and "\n" not in err
+    broken = shutil.copytree(data_dir, tmp_path / "broken")
+    (broken / "train.npz").unlink()
+    (broken / "train.npy").write_bytes(b"")                              # 0 bytes
+    with pytest.raises(TreeflashError, match=r"cannot read .*train\.npy: empty file"):
+        load_corpus(broken)
+    np.save(broken / "train.npy", np.full(100, 320, dtype=np.uint16))   # ids outside the vocabulary of 320
+    with pytest.raises(TreeflashError, match="outside its vocabulary of 320"):
+        load_corpus(broken)
+    with pytest.raises(UsageError, match="exceeds the target's context of 32"):  # the target saw 32 positions
+        train_drafter(base / "model", data_dir, tmp_path / "run", None, DrafterShape(block_size=4),
+                      TrainOptions(max_steps=1, **{**OPTS, "seq_len": 64}), tau_prompts=0)
+
+
+def test_out_folder_refused_before_training(target, data_dir, tmp_path):
+    """An export over an input (the target, the corpus) or the run would destroy it; an
+    unwritable one would only fail once training is over."""
+    base, _ = target
+    model = base / "model"
+    files = {f.name: f.read_bytes() for f in model.iterdir()}
+    opts, run = TrainOptions(max_steps=1, **OPTS), tmp_path / "run"
+    for out, what in ((model, "is the target folder"), (model / "sub", "is inside the target folder"),
+                      (base, "holds the target folder"), (data_dir, "is the data folder")):
+        with pytest.raises(UsageError, match=what):
+            train_drafter(model, data_dir, run, out, DrafterShape(block_size=4), opts, tau_prompts=0)
+    with pytest.raises(UsageError, match="is the data folder"):
+        train_target(data_dir, run, data_dir, TINY, opts)
+    with pytest.raises(UsageError, match="is the run folder"):
+        train_target(data_dir, run, run, TINY, opts)
+    if os.geteuid() == 0:  # root may write in any folder, but not in /proc
+        unwritable = Path("/proc/treeflash-test-out")
+    else:
+        (tmp_path / "ro").mkdir(mode=0o555)
+        unwritable = tmp_path / "ro" / "out"
+    with pytest.raises(UsageError, match="cannot write in"):
+        train_target(data_dir, run, unwritable, TINY, opts)
+    assert {f.name: f.read_bytes() for f in model.iterdir()} == files
+    assert not (run / "state.pt").exists() and not (data_dir / "config.json").exists()
+
+
+def test_special_token_text_in_sources_is_plain_text(data_dir, tmp_path):
+    """A source that spells a special token ("<|endoftext|>" in a tokenizer's code) gets
+    no EOS / PAD / MASK id: EOS only ends files."""
+    from treeflash.tokenizer import Tokenizer
+    src = tmp_path / "src"
+    src.mkdir()
+    texts = ['EOS = "<|endoftext|>"\nPAD, MASK = "<|pad|>", "<|mask|>"\n', "x = 1\n"]
+    for i, text in enumerate(texts):
+        (src / f"m{i}.py").write_text(text)
+    write_corpus(data_dir, tmp_path / "data", [src], heldout_fraction=0)
+    ids = load_corpus(tmp_path / "data").train
+    assert (ids == 0).sum() == 2 and ids[-1] == 0 and not np.isin(ids, [1, 2]).any()
+    tok = Tokenizer(data_dir).tok
+    ends = np.flatnonzero(ids == 0)
+    assert {tok.decode(ids[a + 1:b].tolist()) for a, b in zip([-1, ends[0]], ends)} == set(texts)
+    assert tok.encode("<|mask|>", add_special_tokens=False).ids == [2]  # the tokenizer itself is unchanged

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from treeflash.train.common import TrainOptions
+from treeflash.train.common import DEFAULT_OPTIONS, TrainOptions
 
 DESCRIPTION = ("Train a tokenizer and a tokenized corpus of local Python code, a Qwen3-architecture "
                "target LM, and DFlash drafters for any target (see TRAINING.md).")
@@ -44,12 +44,17 @@ def _corpus_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-bytes", type=_size, help="cap on the source bytes read (e.g. 64M)")
 
 
-def _train_args(p: argparse.ArgumentParser, defaults: TrainOptions) -> None:
-    g = p.add_argument_group("training")
+def _train_args(p: argparse.ArgumentParser, defaults: dict) -> None:
+    """The training flags, with `defaults` for their help. Their argparse default is None
+    (unset), so that a resumed run can tell what was given: unset options take the
+    defaults in a fresh run, the run's values on resume."""
+    g = p.add_argument_group("training (with --resume, unset options keep the run's values)")
     g.add_argument("--run", required=True, metavar="DIR",
-                   help="run folder: resumable state, log.jsonl, loss.png, summary.json")
+                   help="run folder: resumable state, run.json, log.jsonl, loss.png, summary.json")
     g.add_argument("--out", metavar="DIR", help="where to export the checkpoint (default RUN/model)")
-    g.add_argument("--resume", action="store_true", help="continue the run in --run")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run in --run, with its options; only the budget, the intervals, "
+                        "--device and the export may change")
     g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps in total")
     g.add_argument("--max-minutes", type=float, help="stop after this much training time in total")
     for name, kind, text in (
@@ -60,21 +65,18 @@ def _train_args(p: argparse.ArgumentParser, defaults: TrainOptions) -> None:
             ("eval_tokens", int, "held-out tokens per evaluation"),
             ("save_every", int, "steps between saves of the training state"),
             ("log_every", int, "steps between log lines"), ("seed", int, "random seed")):
-        default = getattr(defaults, name)
-        g.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=f"{text} (default {default})")
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
-    g.add_argument("--max-shard-mb", type=float, default=16, help="largest safetensors file written (default 16)")
+        g.add_argument("--" + name.replace("_", "-"), type=kind, help=f"{text} (default {defaults[name]})")
+    g.add_argument("--device", help="auto, cpu or cuda (default auto)")
+    g.add_argument("--max-shard-mb", type=float, help="largest safetensors file written (default 16)")
 
 
 def _options(args) -> TrainOptions:
-    keys = TrainOptions.__dataclass_fields__
-    return TrainOptions(**{k: getattr(args, k) for k in keys})
+    return TrainOptions(**{k: getattr(args, k) for k in TrainOptions.__dataclass_fields__})
 
 
 def _shape(cls, args):
-    """A shape from the explicitly given shape flags, or None (defaults / the resumed run's)."""
-    given = {k: getattr(args, k) for k in cls.__dataclass_fields__ if getattr(args, k, None) is not None}
-    return cls(**given) if given else None
+    """The shape flags as given (None: unset, i.e. the default or the resumed run's)."""
+    return cls(**{k: getattr(args, k, None) for k in cls.__dataclass_fields__})
 
 
 def run_tokenizer(args) -> int:
@@ -149,8 +151,8 @@ def _add_commands(sub) -> None:
     g.add_argument("--rope-theta", type=float)
     g.add_argument("--untied", dest="tie_word_embeddings", action="store_false", default=None,
                    help="a separate LM head instead of tied embeddings")
-    p.add_argument("--dtype", default="bfloat16", help="export dtype: bfloat16, float16 or float32")
-    _train_args(p, TrainOptions())
+    p.add_argument("--dtype", help="export dtype: bfloat16, float16 or float32 (default bfloat16)")
+    _train_args(p, DEFAULT_OPTIONS)
     p.set_defaults(func=run_target)
 
     p = sub.add_parser("generate", help="greedy target continuations of corpus prompts, for drafter training")
@@ -177,13 +179,14 @@ def _add_commands(sub) -> None:
     g.add_argument("--block-size", type=int)
     g.add_argument("--target-layer-ids", type=_int_list, metavar="I,J,...", help="target layers to tap")
     g.add_argument("--mask-token-id", type=int)
-    p.add_argument("--gamma", type=float, default=7.0, help="slot k's loss weight is exp(-(k-1)/gamma) (default 7)")
-    p.add_argument("--blocks-per-seq", type=int, default=32, help="anchors drawn per sequence (default 32)")
+    p.add_argument("--gamma", type=float, help="slot k's loss weight is exp(-(k-1)/gamma) (default 7)")
+    p.add_argument("--blocks-per-seq", type=int, help="anchors drawn per sequence (default 32)")
     p.add_argument("--dtype", help="export dtype (default: the target's)")
-    p.add_argument("--tau-prompts", type=int, default=16,
-                   help="held-out prompts for the final engine τ measurement (0: skip)")
-    p.add_argument("--tau-new-tokens", type=int, default=128)
-    _train_args(p, TrainOptions(**DRAFTER_OPTIONS))
+    p.add_argument("--tau-prompts", type=int,
+                   help="held-out prompts for the final engine τ measurement (0: skip; default 16)")
+    p.add_argument("--tau-new-tokens", type=int, help="new tokens per τ prompt (default 128)")
+    _train_args(p, {**DEFAULT_OPTIONS, **DRAFTER_OPTIONS,
+                    "seq_len": f"{DRAFTER_OPTIONS['seq_len']}, at most the target's context"})
     p.set_defaults(func=run_drafter)
 
 

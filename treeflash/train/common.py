@@ -14,6 +14,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,26 +29,54 @@ from treeflash.errors import TreeflashError, UsageError
 MiB = 1 << 20
 
 
+# What a run uses for an option left unset (None) when it starts (the target's values;
+# `drafter.DRAFTER_OPTIONS` holds the drafter's).
+DEFAULT_OPTIONS = {
+    "batch_size": 64, "seq_len": 1024, "lr": 2e-3,
+    "min_lr_ratio": 0.1,            # cosine decays to lr * min_lr_ratio
+    "warmup_steps": 100, "weight_decay": 0.1, "grad_clip": 1.0,
+    "max_steps": None, "max_minutes": None,  # stop at whichever budget ends first
+    "eval_every": 250,
+    "eval_tokens": 1 << 20,         # held-out tokens per evaluation
+    "save_every": 500, "log_every": 50, "seed": 0, "device": "auto",
+    "out": None, "max_shard_mb": 16,  # the export: default RUN/model, shards of 16 MB
+}
+
+# Options that may change when a run is resumed: the budget, the intervals, the device, the
+# export, and where the drafter's generated sequences are (the file may move; the drafter
+# refuses a switch from corpus text). Every other option shapes the batches, the LR
+# schedule or the evaluation, so a resumed run keeps the value it was started with and
+# refuses another one.
+SESSION_OPTIONS = {"max_steps", "max_minutes", "eval_every", "save_every", "log_every", "device",
+                   "out", "max_shard_mb", "dtype", "tau_prompts", "tau_new_tokens", "generated"}
+
+
 @dataclass
 class TrainOptions:
-    """Optimization and bookkeeping settings (the defaults suit the target; see
-    `drafter.DRAFTER_OPTIONS` for the drafter's)."""
+    """Optimization and bookkeeping settings. A field left None is unset: a fresh run takes
+    the default (`DEFAULT_OPTIONS`, `drafter.DRAFTER_OPTIONS`), a resumed run the value it
+    was started with (run.json)."""
 
-    batch_size: int = 64
-    seq_len: int = 1024
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1       # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    max_steps: int | None = None    # stop at whichever budget ends first
+    batch_size: int | None = None
+    seq_len: int | None = None
+    lr: float | None = None
+    min_lr_ratio: float | None = None
+    warmup_steps: int | None = None
+    weight_decay: float | None = None
+    grad_clip: float | None = None
+    max_steps: int | None = None
     max_minutes: float | None = None
-    eval_every: int = 250
-    eval_tokens: int = 1 << 20      # held-out tokens per evaluation
-    save_every: int = 500
-    log_every: int = 50
-    seed: int = 0
-    device: str = "auto"
+    eval_every: int | None = None
+    eval_tokens: int | None = None
+    save_every: int | None = None
+    log_every: int | None = None
+    seed: int | None = None
+    device: str | None = None
+
+    @classmethod
+    def of(cls, options: dict) -> "TrainOptions":
+        """The TrainOptions fields of a settled options dict."""
+        return cls(**{k: options[k] for k in cls.__dataclass_fields__})
 
     def validate(self) -> "TrainOptions":
         if self.max_steps is None and self.max_minutes is None:
@@ -118,32 +147,83 @@ def make_optimizer(model: nn.Module, opts: TrainOptions, device: torch.device) -
                              fused=device.type == "cuda")
 
 
-def check_out_dir(path: str | Path | None) -> None:
-    """Refuse an export folder that cannot be made, before training rather than after."""
+def abs_path(path: str | Path | None) -> str | None:
+    """A path as run.json keeps it: absolute, so a resume from another folder finds it."""
+    return None if path is None else str(Path(path).resolve())
+
+
+def _within(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def check_out_dir(path: str | Path | None, keep: dict[str, str | Path] | None = None,
+                  run: str | Path | None = None) -> None:
+    """Refuse an export folder before training rather than after: one that cannot be made or
+    written, one that is, holds or lies inside an input folder (`keep`: e.g. {"target":
+    target_dir}: an export there would overwrite its files), or one that is or holds the
+    run folder (`run`; a folder inside it, such as the default RUN/model, is fine)."""
     if path is None:
         return
-    for p in [Path(path), *Path(path).parents]:
+    out = Path(path).resolve()
+    for what, folder in (keep or {}).items():
+        folder = Path(folder).resolve()
+        if out == folder:
+            raise UsageError(f"output folder {path} is the {what} folder: the export would overwrite "
+                             f"its files; choose another --out")
+        if _within(out, folder) or _within(folder, out):
+            where = "is inside" if _within(out, folder) else "holds"
+            raise UsageError(f"output folder {path} {where} the {what} folder {folder}: choose another --out")
+    if run is not None and _within(Path(run).resolve(), out):
+        where = "is" if Path(run).resolve() == out else "holds"
+        raise UsageError(f"output folder {path} {where} the run folder {run}: choose another --out "
+                         f"(default: RUN/model)")
+    for p in [out, *out.parents]:
         if p.exists():
             if not p.is_dir():
                 raise UsageError(f"output folder {path}: {p} exists and is not a folder")
+            try:  # a real write: os.access can be wrong (network mounts, root squashing, ACLs)
+                tempfile.TemporaryFile(dir=p).close()
+            except OSError as e:
+                raise UsageError(f"output folder {path}: cannot write in {p} ({e.strerror or e})") from None
             return
+
+
+def _settle(given: dict, saved: dict, defaults: dict, fixed: set[str]) -> dict:
+    """`given` with its unset (None) values taken from `saved`, else from `defaults`; a set
+    value of a `fixed` key must equal the saved one."""
+    out = {}
+    for k, v in given.items():
+        if v is None:
+            out[k] = saved[k] if k in saved else defaults.get(k)
+        elif k in fixed and k in saved and saved[k] != v:
+            raise UsageError(f"--resume: {k} = {v!r} differs from the run's {saved[k]!r} "
+                             f"(leave it out to keep the run's)")
+        else:
+            out[k] = v
+    return out
 
 
 class RunDir:
     """A training run's folder. A fresh run refuses a folder that already holds state (so a
-    finished run is never overwritten by accident); `resume` requires one."""
+    finished run is never overwritten by accident); `resume` requires one. `run.json` keeps
+    the model spec and the options, so that a resumed run goes on as it started."""
 
-    def __init__(self, path: str | Path, resume: bool):
-        self.path = Path(path)
-        self.resume = resume
+    def __init__(self, path: str | Path, resume: bool, kind: str):
+        self.path, self.resume, self.kind = Path(path), resume, kind
+        self.saved: dict = {}
         if resume and not self.state_path.exists():
             raise UsageError(f"--resume: no training state in {self.path} (state.pt not found)")
         if not resume and self.state_path.exists():
             raise UsageError(f"{self.path} already holds a training run: pass --resume to continue it, "
                              f"or choose another run folder")
-        self.path.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            self.log_path.unlink(missing_ok=True)  # left by a fresh run that died before its first save
+        if resume:
+            try:
+                self.saved = json.loads(self.spec_path.read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise TreeflashError(f"cannot read {self.spec_path}: {e}") from None
+            if not isinstance(self.saved, dict) or self.saved.get("kind") != kind:
+                raise UsageError(f"{self.path} is a {self.saved.get('kind') if isinstance(self.saved, dict) else '?'} "
+                                 f"run, not a {kind} run")
 
     state_path = property(lambda self: self.path / "state.pt")
     spec_path = property(lambda self: self.path / "run.json")
@@ -151,23 +231,36 @@ class RunDir:
     plot_path = property(lambda self: self.path / "loss.png")
     summary_path = property(lambda self: self.path / "summary.json")
 
-    def settle_spec(self, kind: str, spec: dict, check: list[str]) -> dict:
-        """The run's model spec. A fresh run saves `spec`; a resumed one returns the saved
-        spec after checking that the keys in `check` (what the caller set explicitly) agree."""
+    @property
+    def saved_options(self) -> dict:
+        """The options the run was started with ({} for a fresh run, or one from before
+        run.json kept them)."""
+        return self.saved.get("options") or {}
+
+    def settle_spec(self, spec: dict, defaults: dict) -> dict:
+        """The model spec: `spec` (None: unset) over the defaults, or over the resumed run's
+        spec, which every value set in `spec` must match."""
+        saved = {k: v for k, v in self.saved.items() if k not in ("kind", "options")}
+        return _settle(spec, saved, defaults, set(spec))
+
+    def settle_options(self, options: dict, defaults: dict) -> dict:
+        """The options: `options` (None: unset) over the defaults, or over the resumed run's.
+        A resumed run refuses another value of an option outside SESSION_OPTIONS; a budget
+        given on resume replaces the run's (both limits), else the run's budget holds."""
+        saved = self.saved_options
+        if options.get("max_steps") is not None or options.get("max_minutes") is not None:
+            saved = {k: v for k, v in saved.items() if k not in ("max_steps", "max_minutes")}
+        return _settle(options, saved, defaults, set(options) - SESSION_OPTIONS)
+
+    def begin(self, spec: dict, options: dict) -> None:
+        """Create the folder and write run.json (a resumed run records this session's budget,
+        intervals and export, for the next resume)."""
+        self.path.mkdir(parents=True, exist_ok=True)
         if not self.resume:
-            spec = {"kind": kind, **spec}
-            self.spec_path.write_text(json.dumps(spec, indent=2))
-            return spec
-        try:
-            saved = json.loads(self.spec_path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise TreeflashError(f"cannot read {self.spec_path}: {e}") from None
-        if saved.get("kind") != kind:
-            raise UsageError(f"{self.path} is a {saved.get('kind')} run, not a {kind} run")
-        for k in check:
-            if saved.get(k) != spec[k]:
-                raise UsageError(f"--resume: {k} = {spec[k]!r} differs from the run's {saved.get(k)!r}")
-        return saved
+            self.log_path.unlink(missing_ok=True)  # left by a fresh run that died before its first save
+        tmp = self.spec_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"kind": self.kind, **spec, "options": options}, indent=2))
+        os.replace(tmp, self.spec_path)
 
     def save_state(self, state: dict) -> None:
         tmp = self.state_path.with_suffix(".pt.tmp")
@@ -181,6 +274,13 @@ class RunDir:
             # not torch's message: it is several lines and suggests weights_only=False
             raise TreeflashError(f"cannot read training state {self.state_path}: damaged, or not a treeflash "
                                  f"training state ({type(e).__name__})") from None
+
+    def rewrite_log(self, history: list[dict]) -> None:
+        """log.jsonl as the saved state knows it: a run that died after its last save logged
+        steps that the resumed run repeats."""
+        tmp = self.log_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in history))
+        os.replace(tmp, self.log_path)
 
     def log(self, record: dict) -> None:
         with self.log_path.open("a") as f:
@@ -274,6 +374,7 @@ class Trainer:
             raise TreeflashError(f"training state in {self.run.path} does not fit this model: "
                                  f"{str(e).splitlines()[0]}") from None
         self.step, self.elapsed, self.history = state["step"], state["elapsed"], state["history"]
+        self.run.rewrite_log(self.history)
         self.best = (state["best_metrics"], state["best_model"]) if state.get("best_model") else None
         self.gen.set_state(state["gen"])
         torch.set_rng_state(state["torch_rng"])

@@ -20,6 +20,8 @@ import json
 import os
 import shutil
 import sysconfig
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,13 +132,20 @@ def collect(roots: list[str | Path] | None = None, heldout_fraction: float = HEL
 
 
 def tokenize(texts: list[str], tokenizer, eos_id: int, dtype, desc: str = "tokenize") -> np.ndarray:
-    """Flat ids of all texts, each followed by EOS."""
+    """Flat ids of all texts, each followed by EOS. Special-token text inside a source file
+    (a string "<|endoftext|>" in a tokenizer's code) is tokenized as plain text: the only
+    EOS ids are the file ends, and MASK never appears."""
     bar = Progress(desc, len(texts), 0)
     parts, step = [], 512
-    for i in range(0, len(texts), step):
-        for enc in tokenizer.encode_batch(texts[i:i + step], add_special_tokens=False):
-            parts.append(np.asarray(enc.ids + [eos_id], dtype=dtype))
-        bar.step(len(texts[i:i + step]))
+    plain = tokenizer.encode_special_tokens
+    tokenizer.encode_special_tokens = True  # split special tokens' text like any other text
+    try:
+        for i in range(0, len(texts), step):
+            for enc in tokenizer.encode_batch(texts[i:i + step], add_special_tokens=False):
+                parts.append(np.asarray(enc.ids + [eos_id], dtype=dtype))
+            bar.step(len(texts[i:i + step]))
+    finally:
+        tokenizer.encode_special_tokens = plain
     bar.close()
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
@@ -190,11 +199,40 @@ class TokenData:
     heldout: np.ndarray
 
 
+# What reading a damaged or foreign .npy / .npz raises (EOFError: an empty file)
+NPY_ERRORS = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error)
+
+
+def npy_error(e: Exception) -> str:
+    """One line on why a numpy file could not be read (numpy's messages can be several
+    lines, or suggest unpickling)."""
+    if isinstance(e, EOFError):
+        return "empty file"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    if isinstance(e, KeyError):  # NpzFile: "ids is not a file in the archive"
+        return f"no array '{str(e.args[0]).split()[0]}'" if e.args else "an array is missing"
+    text = str(e)
+    if "pickle" in text:  # not the numpy format, so numpy tried it as a pickle
+        return "not a numpy array file"
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def _load_ids(folder: Path, split: str) -> np.ndarray:
-    if (folder / f"{split}.npz").exists():
-        with np.load(folder / f"{split}.npz") as f:
-            return f["ids"]
-    return np.load(folder / f"{split}.npy")
+    """One split's ids; a damaged or foreign file is a one-line error naming it."""
+    path = folder / f"{split}.npz"
+    if not path.exists():
+        path = folder / f"{split}.npy"
+    try:
+        f = np.load(path)
+        if isinstance(f, np.lib.npyio.NpzFile):
+            with f:
+                f = f["ids"]
+    except NPY_ERRORS as e:
+        raise TreeflashError(f"cannot read {path}: {npy_error(e)}") from None
+    if f.ndim != 1 or not np.issubdtype(f.dtype, np.integer):
+        raise TreeflashError(f"{path} is not a flat array of token ids ({f.dtype}, shape {f.shape})")
+    return f
 
 
 def load_corpus(data_dir: str | Path) -> TokenData:
@@ -204,11 +242,16 @@ def load_corpus(data_dir: str | Path) -> TokenData:
                          f"run `treeflash train corpus` first)")
     try:
         meta = json.loads((folder / "corpus.json").read_text())
-        train, heldout = _load_ids(folder, "train"), _load_ids(folder, "heldout")
-    except (OSError, ValueError, KeyError) as e:
-        raise TreeflashError(f"cannot read the tokenized corpus in {folder}: {e}") from None
-    if train.ndim != 1 or train.size == 0:
+        vocab = meta.get("vocab_size")
+    except (OSError, ValueError, AttributeError) as e:
+        raise TreeflashError(f"cannot read {folder / 'corpus.json'}: {e}") from None
+    train, heldout = _load_ids(folder, "train"), _load_ids(folder, "heldout")
+    if train.size == 0:
         raise TreeflashError(f"empty corpus: the train split in {folder} holds no tokens")
+    for split, ids in (("train", train), ("heldout", heldout)):
+        if isinstance(vocab, int) and ids.size and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+            raise TreeflashError(f"the {split} split in {folder} holds token ids outside its vocabulary "
+                                 f"of {vocab} (corpus.json): re-tokenize it")
     return TokenData(folder, meta, train, heldout)
 
 

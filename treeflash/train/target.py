@@ -23,25 +23,31 @@ from treeflash.layers.attention import AttentionInputs
 from treeflash.models.loader import build_on
 from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
-from treeflash.train.common import (MiB, RunDir, TrainOptions, Trainer, check_out_dir, hf_tensors,
-                                    init_weights, resolve_device, save_safetensors, set_fast_math,
-                                    write_summary)
+from treeflash.train.common import (DEFAULT_OPTIONS, MiB, RunDir, TrainOptions, Trainer, abs_path,
+                                    check_out_dir, hf_tensors, init_weights, resolve_device,
+                                    save_safetensors, set_fast_math, write_summary)
 from treeflash.train.corpus import TOKENIZER_FILES, TokenWindows, fixed_windows, load_corpus
 from treeflash.train.tokenizer import PAD
 
 
+# Default: ~14M parameters, ~28 MB in bf16 with vocab 4096 and tied embeddings.
+TARGET_SHAPE = {"hidden_size": 384, "num_layers": 8, "num_heads": 6, "num_kv_heads": 2, "head_dim": 64,
+                "intermediate_size": 1024, "rope_theta": 10000.0, "tie_word_embeddings": True}
+
+
 @dataclass
 class TargetShape:
-    """Default: ~14M parameters, ~28 MB in bf16 with vocab 4096 and tied embeddings."""
+    """The model shape. A field left None is unset: a fresh run takes TARGET_SHAPE's value,
+    a resumed run its own (a set field must match the run's)."""
 
-    hidden_size: int = 384
-    num_layers: int = 8
-    num_heads: int = 6
-    num_kv_heads: int = 2
-    head_dim: int = 64
-    intermediate_size: int = 1024
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = True
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    rope_theta: float | None = None
+    tie_word_embeddings: bool | None = None
 
 
 def hf_config(shape: TargetShape, vocab_size: int, max_len: int, eos_id: int, pad_id: int | None,
@@ -116,35 +122,39 @@ def export_target(model: CausalLM, config: dict, tokenizer_dir: Path, out_dir: s
 
 def train_target(data_dir: str | Path, run_dir: str | Path, out_dir: str | Path | None = None,
                  shape: TargetShape | None = None, opts: TrainOptions | None = None, resume: bool = False,
-                 dtype: str = "bfloat16", max_shard_mb: float = 16) -> dict:
+                 dtype: str | None = None, max_shard_mb: float | None = None) -> dict:
     """Train (or resume) a target on the corpus in `data_dir`; export it to `out_dir`
-    (default `<run_dir>/model`). Returns the summary (also in `<run_dir>/summary.json`)."""
-    opts = (opts or TrainOptions()).validate()
-    check_out_dir(out_dir)
+    (default `<run_dir>/model`). Unset (None) shape fields and options take the defaults,
+    or the resumed run's values (see `RunDir`). Returns the summary (also in
+    `<run_dir>/summary.json`)."""
+    run = RunDir(run_dir, resume, "target")
+    o = run.settle_options({**asdict(opts or TrainOptions()), "dtype": dtype, "out": abs_path(out_dir),
+                            "max_shard_mb": max_shard_mb}, {**DEFAULT_OPTIONS, "dtype": "bfloat16"})
+    opts, dtype, max_shard_mb = TrainOptions.of(o).validate(), o["dtype"], o["max_shard_mb"]
     if dtype not in ("bfloat16", "float16", "float32"):
         raise UsageError(f"export dtype must be bfloat16, float16 or float32, got {dtype!r}")
+    out = Path(o["out"]) if o["out"] is not None else run.path / "model"
+    check_out_dir(out, {"data": data_dir}, run.path)
     data = load_corpus(data_dir)
     vocab = int(data.meta["vocab_size"])
-    run = RunDir(run_dir, resume)
-    check = (list(asdict(shape)) if shape is not None else []) + ["vocab_size"]
-    spec = run.settle_spec("target", {**asdict(shape or TargetShape()), "vocab_size": vocab}, check)
+    spec = run.settle_spec({**asdict(shape or TargetShape()), "vocab_size": vocab}, TARGET_SHAPE)
     shape = TargetShape(**{k: v for k, v in spec.items() if k in TargetShape.__dataclass_fields__})
     pad = Tokenizer(data.path).tok.token_to_id(PAD)
     config = hf_config(shape, vocab, opts.seq_len, int(data.meta["eos_token_id"]), pad, dtype)
     device = resolve_device(opts.device)
+    windows = TokenWindows(data.train, opts.seq_len + 1, device)
+    held = fixed_windows(data.heldout, opts.seq_len + 1, opts.eval_tokens)
+    run.begin(spec, o)
     set_fast_math(device)
     torch.manual_seed(opts.seed)
     model = build_target(ModelConfig.from_dict(config, "target shape"), device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"[target] {n_params:,} parameters, {data.train.size:,} train tokens, "
           f"device {device}", flush=True)
-    windows = TokenWindows(data.train, opts.seq_len + 1, device)
-    held = fixed_windows(data.heldout, opts.seq_len + 1, opts.eval_tokens)
     trainer = Trainer("target", run, model, opts, device)
     final = trainer.fit(lambda gen: (lm_loss(model, windows.sample(opts.batch_size, gen)),
                                      opts.batch_size * opts.seq_len),
                         lambda: evaluate_lm(model, held, opts.batch_size, device))
-    out = Path(out_dir) if out_dir is not None else run.path / "model"
     export_target(model, config, data.path, out, int(max_shard_mb * MiB))
     summary = {"kind": "target", "steps": trainer.step, "minutes": round(trainer.elapsed / 60, 2),
                "parameters": n_params, "tokens_seen": trainer.step * opts.batch_size * opts.seq_len,

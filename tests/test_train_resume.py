@@ -1,0 +1,111 @@
+"""`treeflash train ... --resume`: a resumed run keeps the options and shape it was started
+with (run.json), compares only the flags actually given, refuses a changed run option,
+and its log holds every step once (CPU, tiny shapes, a few seconds)."""
+import json
+
+import pytest
+import torch
+from test_train import OPTS, TINY, _corpus_files, _tensors
+
+from treeflash.train.cli import main as cli_main
+from treeflash.train.common import Trainer, TrainOptions
+from treeflash.train.corpus import collect, write_corpus
+from treeflash.train.target import train_target
+from treeflash.train.tokenizer import train_tokenizer
+
+SHAPE = ["--hidden-size", "32", "--num-layers", "2", "--num-heads", "2", "--num-kv-heads", "1",
+         "--head-dim", "16", "--intermediate-size", "64"]
+# all unlike the defaults, so a resume that fell back to them would train other batches
+RUN = ["--batch-size", "4", "--seq-len", "24", "--lr", "1e-2", "--warmup-steps", "3", "--eval-tokens", "128",
+       "--eval-every", "4", "--save-every", "5", "--log-every", "1", "--seed", "3", "--device", "cpu",
+       "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    base = tmp_path_factory.mktemp("resume-corpus")
+    src = _corpus_files(base / "src")
+    train_tokenizer(collect([src], heldout_fraction=0.25).train, base / "tok", vocab_size=320)
+    write_corpus(base / "tok", base / "data", [src], heldout_fraction=0.25)
+    return base / "data"
+
+
+def _log(run_dir):
+    """(step, loss or eval_loss) of every log record: timings differ between runs."""
+    return [(r["step"], r.get("loss", r.get("eval_loss")))
+            for r in map(json.loads, (run_dir / "log.jsonl").read_text().splitlines())]
+
+
+def _refused(capsys, args: list[str]) -> str:
+    """The one-line error of a command refused as a usage error (exit code 2)."""
+    capsys.readouterr()
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("treeflash: error: ") and "\n" not in err, err
+    return err
+
+
+def test_resume_restores_the_runs_options_and_log(data_dir, tmp_path, capsys, monkeypatch):
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["target", "--data", str(data_dir), *SHAPE, *RUN, "--max-steps", "12"]
+    assert cli_main(common + ["--run", str(a), "--out", str(tmp_path / "a_out")]) == 0
+    lr = Trainer.lr
+
+    def die_at_step_9(self):  # state saved at step 5; steps 6-8 logged, then lost
+        if self.step == 8:
+            raise KeyboardInterrupt
+        return lr(self)
+
+    monkeypatch.setattr(Trainer, "lr", die_at_step_9)
+    assert cli_main(common + ["--run", str(b), "--out", str(tmp_path / "b_out")]) == 130
+    monkeypatch.undo()
+    assert [s for s, _ in _log(b)][-1] == 8
+    # only --resume: batch size, sequence length, LR schedule, seed, budget, export folder
+    # and dtype all come from the run
+    assert cli_main(["target", "--data", str(data_dir), "--run", str(b), "--resume"]) == 0
+    assert _log(b) == _log(a)  # the same batches, and steps 6-8 logged once
+    full, resumed = _tensors(tmp_path / "a_out"), _tensors(tmp_path / "b_out")
+    assert full.keys() == resumed.keys() and all(torch.equal(full[k], resumed[k]) for k in full)
+    config = json.loads((tmp_path / "b_out" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 24 and config["torch_dtype"] == "float32"
+    summary = json.loads((b / "summary.json").read_text())
+    assert summary["steps"] == 12 and summary["tokens_seen"] == 12 * 4 * 24
+    # a run option given with another value is refused, in one line, before training
+    err = _refused(capsys, ["target", "--data", str(data_dir), "--run", str(b), "--resume", "--max-steps", "13",
+                            "--batch-size", "8"])
+    assert "batch_size = 8 differs from the run's 4" in err
+    assert json.loads((b / "summary.json").read_text())["steps"] == 12
+
+
+def test_resume_compares_only_the_given_shape_flags(data_dir, tmp_path, capsys):
+    run = ["target", "--data", str(data_dir), "--run", str(tmp_path / "run")]
+    assert cli_main(run + SHAPE + RUN + ["--max-steps", "2"]) == 0
+    # --num-heads matches; the shape flags left out are not compared with the defaults
+    assert cli_main(run + ["--resume", "--num-heads", "2", "--max-steps", "3", "--log-every", "2"]) == 0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
+    err = _refused(capsys, run + ["--resume", "--num-layers", "1", "--max-steps", "4"])
+    assert "num_layers = 1 differs from the run's 2" in err
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory, data_dir):
+    base = tmp_path_factory.mktemp("resume-target")
+    train_target(data_dir, base / "run", base / "model", TINY, TrainOptions(max_steps=4, **OPTS))
+    return base / "model"  # bfloat16 export
+
+
+def test_drafter_resume_keeps_its_options(target_dir, data_dir, tmp_path, capsys):
+    run = ["drafter", "--target", str(target_dir), "--data", str(data_dir), "--run", str(tmp_path / "run")]
+    assert cli_main(run + ["--num-layers", "1", "--block-size", "4", "--gamma", "3", "--blocks-per-seq", "3",
+                           "--batch-size", "2", "--seq-len", "16", "--dtype", "float32", "--eval-tokens", "64",
+                           "--max-steps", "2", "--tau-prompts", "0", "--device", "cpu"]) == 0
+    assert cli_main(run + ["--resume", "--block-size", "4", "--max-steps", "3"]) == 0
+    saved = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert saved["num_layers"] == 1 and saved["options"]["gamma"] == 3.0
+    assert saved["options"]["blocks_per_seq"] == 3 and saved["options"]["max_steps"] == 3
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 3
+    config = json.loads((tmp_path / "run" / "model" / "config.json").read_text())
+    assert config["torch_dtype"] == "float32" and config["num_hidden_layers"] == 1  # not the target's bf16
+    assert "gamma = 7.0 differs from the run's 3.0" in _refused(capsys, run + ["--resume", "--gamma", "7"])
+    err = _refused(capsys, run + ["--resume", "--generated", str(tmp_path / "gen.npz")])
+    assert "this run trains on the corpus" in err
