@@ -89,6 +89,33 @@ def test_corpus_dedup_split_cap(tmp_path):
     assert capped.stats["capped"] and len(capped.train) + len(capped.heldout) == 3
 
 
+def test_corpus_of_your_own_text(tmp_path, data_dir):
+    """--suffixes: a drafter for a chat or prose target trains on text like its own. Text
+    files are whole documents (long lines and large files kept: paragraphs, books); a
+    .jsonl file holds one document per line, split line by line; a line without a
+    string 'text' is an error naming the file and line."""
+    src = tmp_path / "text"
+    src.mkdir()
+    (src / "notes.md").write_text("# Notes\n" + "A long paragraph. " * 200 + "\n")
+    (src / "book.txt").write_text("Chapter one.\n" * 50_000)  # 650 KB: past the .py size limit
+    (src / "chats.jsonl").write_text("".join(json.dumps({"text": f"User: question {i}?\nAssistant: answer {i}."})
+                                             + "\n" for i in range(40)) + "\n")
+    (src / "skip.py").write_text("x = 1\n")
+    corpus = collect([src], heldout_fraction=0.2, suffixes=(".md", ".txt", ".jsonl"))
+    docs = corpus.train + corpus.heldout
+    assert len(docs) == 42 and corpus.heldout and "x = 1\n" not in docs
+    assert "User: question 7?\nAssistant: answer 7." in docs and "Chapter one.\n" * 50_000 in docs
+    assert collect([src], heldout_fraction=0.2, suffixes=(".jsonl",)).heldout == \
+        [d for d in corpus.heldout if d.startswith("User")]  # the split is per line, stable
+    meta = write_corpus(data_dir, tmp_path / "ids", [src], heldout_fraction=0.2, suffixes=(".jsonl",))
+    assert meta["train_files"] + meta["heldout_files"] == 40 and meta["suffixes"] == [".jsonl"]
+    (src / "chats.jsonl").write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"prompt": "no"}) + "\n")
+    with pytest.raises(UsageError, match=r"chats.jsonl:2: .* string 'text'"):
+        collect([src], suffixes=(".jsonl",))
+    with pytest.raises(UsageError, match="suffixes must look like"):
+        collect([src], suffixes=("txt",))
+
+
 def test_tokenizer_files(data_dir, tmp_path):
     from treeflash.tokenizer import Tokenizer
     tok = Tokenizer(data_dir)

@@ -35,10 +35,13 @@ def _int_list(text: str) -> list[int]:
 
 
 def _corpus_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("corpus (Python files of the local installation)")
+    g = p.add_argument_group("corpus (Python files of the local installation, or your own text)")
     g.add_argument("--roots", nargs="+", metavar="DIR",
-                   help="folders to read .py files from, in priority order (default: the standard "
+                   help="folders to read files from, in priority order (default: the standard "
                         "library, then site-packages)")
+    g.add_argument("--suffixes", nargs="+", default=[".py"], metavar="SUFFIX",
+                   help="which files are documents (default .py; e.g. .txt .md, or .jsonl: one document "
+                        "per line, its 'text' field)")
     g.add_argument("--heldout-fraction", type=float, default=0.02,
                    help="share of files held out, chosen by a hash of the path (default 0.02)")
     g.add_argument("--max-bytes", type=_size, help="cap on the source bytes read (e.g. 64M)")
@@ -86,7 +89,7 @@ def run_tokenizer(args) -> int:
     from treeflash.train.corpus import collect
     from treeflash.train.tokenizer import train_tokenizer
     check_out_dir(args.out)
-    corpus = collect(args.roots, args.heldout_fraction, args.max_bytes)
+    corpus = collect(args.roots, args.heldout_fraction, args.max_bytes, tuple(args.suffixes))
     print(f"[tokenizer] training on {corpus.stats['train_files']} files, "
           f"{corpus.stats['train_bytes'] / 1e6:.1f} MB", flush=True)
     out = train_tokenizer(corpus.train, args.out, args.vocab_size)
@@ -99,7 +102,7 @@ def run_tokenizer(args) -> int:
 def run_corpus(args) -> int:
     from treeflash.train.corpus import write_corpus
     meta = write_corpus(args.tokenizer, args.out, args.roots, args.heldout_fraction, args.max_bytes,
-                        args.compress)
+                        args.compress, tuple(args.suffixes))
     print(json.dumps(meta, indent=2))
     return 0
 

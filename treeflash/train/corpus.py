@@ -1,9 +1,11 @@
-"""The training corpus: Python source files of the local Python installation.
+"""The training corpus: Python source files of the local Python installation, or the
+text files a user gives.
 
 `collect` walks the roots (default: the standard library, then site-packages), keeps
-UTF-8 `.py` files, drops exact duplicates by content hash, splits train / held-out by a
-hash of each file's path relative to its root (stable across machines and corpus caps),
-and stops at an optional byte cap. Files are taken root by root (so a cap keeps the whole
+UTF-8 files with the chosen suffixes (default `.py`; a `.jsonl` file holds one document
+per line, in its "text" field), drops exact duplicates by content hash, splits train /
+held-out by a hash of each document's path relative to its root (and line, in a
+`.jsonl`: stable across machines and corpus caps), and stops at an optional byte cap. Files are taken root by root (so a cap keeps the whole
 standard library first), in a pseudo-random order within a root (a second hash of the
 path), so a capped corpus is a sample of each root, not its alphabetical head.
 
@@ -56,8 +58,9 @@ class Corpus:
     stats: dict = field(default_factory=dict)
 
 
-def _list_files(roots: list[Path]) -> list[tuple]:
-    """(root index, order key, relative path, path, split key in [0, 1)) for every .py file."""
+def _list_files(roots: list[Path], suffixes: tuple[str, ...] = (".py",)) -> list[tuple]:
+    """(root index, order key, relative path, path, split key in [0, 1)) for every file
+    with one of `suffixes`."""
     entries = []
     for i, root in enumerate(roots):
         others = {r for r in roots if r != root}
@@ -65,7 +68,7 @@ def _list_files(roots: list[Path]) -> list[tuple]:
             here = Path(dirpath)
             dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and here / d not in others)
             for name in filenames:
-                if not name.endswith(".py"):
+                if not name.endswith(suffixes):
                     continue
                 path = here / name
                 rel = path.relative_to(root).as_posix()
@@ -76,22 +79,53 @@ def _list_files(roots: list[Path]) -> list[tuple]:
 
 
 def _read_source(path: Path) -> str | None:
-    """The file's text, or None when it is not plausible source code."""
+    """The file's text, or None when it is not plausible source code (or text)."""
+    code = path.suffix == ".py"  # huge files and long lines in code are data; in prose, books and paragraphs
     try:
-        if path.stat().st_size > MAX_FILE_BYTES:
+        if code and path.stat().st_size > MAX_FILE_BYTES:
             return None
         text = path.read_bytes().decode("utf-8")
     except (OSError, UnicodeDecodeError):
         return None
     text = text.replace("\r\n", "\n")
-    if not text.strip() or "\x00" in text or max(map(len, text.splitlines()), default=0) > MAX_LINE_CHARS:
+    if not text.strip() or "\x00" in text or (code and max(map(len, text.splitlines()), default=0) > MAX_LINE_CHARS):
         return None
     return text
 
 
+def _documents(path: Path, rel: str, split_key: float):
+    """(text or None when unusable, split key) of each document in a file: the file, or each
+    line's "text" of a `.jsonl` (a line that is not such an object is an error: a wrong
+    field name would otherwise give an empty corpus, or a corpus of JSON)."""
+    if path.suffix != ".jsonl":
+        yield _read_source(path), split_key
+        return
+    try:
+        with path.open(encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line)["text"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    text = None
+                if not isinstance(text, str):
+                    raise UsageError(f"{path}:{i}: a .jsonl corpus line must be an object with a string 'text'")
+                h = hashlib.sha1(f"{rel}:{i}".encode()).digest()
+                yield (text if text.strip() and "\x00" not in text else None), int.from_bytes(h[:8], "big") / 2 ** 64
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not UTF-8 text") from None
+    except OSError as e:
+        raise TreeflashError(f"cannot read {path}: {e.strerror}") from None
+
+
 def collect(roots: list[str | Path] | None = None, heldout_fraction: float = HELDOUT_FRACTION,
-            max_bytes: int | None = None) -> Corpus:
-    """Read, de-duplicate, split and cap the Python files under `roots`."""
+            max_bytes: int | None = None, suffixes: tuple[str, ...] = (".py",)) -> Corpus:
+    """Read, de-duplicate, split and cap the documents in the files under `roots` whose
+    names end with one of `suffixes`."""
+    suffixes = tuple(suffixes)
+    if not suffixes or not all(isinstance(x, str) and x.startswith(".") and len(x) > 1 for x in suffixes):
+        raise UsageError(f"file suffixes must look like .py or .txt, got {list(suffixes)}")
     if not 0 <= heldout_fraction < 1:
         raise UsageError(f"held-out fraction must be in [0, 1), got {heldout_fraction}")
     if max_bytes is not None and max_bytes < 1:
@@ -102,31 +136,35 @@ def collect(roots: list[str | Path] | None = None, heldout_fraction: float = HEL
             raise UsageError(f"corpus root is not a folder: {r}")
     corpus = Corpus([], [])
     seen: set[bytes] = set()
-    stats = {"roots": [str(r) for r in roots], "files_seen": 0, "skipped": 0, "duplicates": 0,
+    stats = {"roots": [str(r) for r in roots], "suffixes": list(suffixes), "files_seen": 0, "skipped": 0,
+             "duplicates": 0,
              "train_files": 0, "heldout_files": 0, "train_bytes": 0, "heldout_bytes": 0, "capped": False}
     total = 0
-    for _, _, _, path, split_key in _list_files(roots):
+    for _, _, rel, path, file_key in _list_files(roots, suffixes):
         stats["files_seen"] += 1
-        text = _read_source(path)
-        if text is None:
-            stats["skipped"] += 1
-            continue
-        data = text.encode()
-        digest = hashlib.sha1(data).digest()
-        if digest in seen:
-            stats["duplicates"] += 1
-            continue
-        if max_bytes is not None and total + len(data) > max_bytes:
-            stats["capped"] = True
+        for text, split_key in _documents(path, rel, file_key):
+            if text is None:
+                stats["skipped"] += 1
+                continue
+            data = text.encode()
+            digest = hashlib.sha1(data).digest()
+            if digest in seen:
+                stats["duplicates"] += 1
+                continue
+            if max_bytes is not None and total + len(data) > max_bytes:
+                stats["capped"] = True
+                break
+            seen.add(digest)
+            total += len(data)
+            split = "heldout" if split_key < heldout_fraction else "train"
+            getattr(corpus, split).append(text)
+            stats[f"{split}_files"] += 1
+            stats[f"{split}_bytes"] += len(data)
+        if stats["capped"]:
             break
-        seen.add(digest)
-        total += len(data)
-        split = "heldout" if split_key < heldout_fraction else "train"
-        getattr(corpus, split).append(text)
-        stats[f"{split}_files"] += 1
-        stats[f"{split}_bytes"] += len(data)
     if not corpus.train:
-        raise TreeflashError(f"empty corpus: no usable Python files under {', '.join(map(str, roots))}")
+        raise TreeflashError(f"empty corpus: no usable {'/'.join(suffixes)} documents under "
+                             f"{', '.join(map(str, roots))}")
     corpus.stats = stats
     return corpus
 
@@ -152,7 +190,7 @@ def tokenize(texts: list[str], tokenizer, eos_id: int, dtype, desc: str = "token
 
 def write_corpus(tokenizer_dir: str | Path, out_dir: str | Path, roots: list[str | Path] | None = None,
                  heldout_fraction: float = HELDOUT_FRACTION, max_bytes: int | None = None,
-                 compress: bool = False) -> dict:
+                 compress: bool = False, suffixes: tuple[str, ...] = (".py",)) -> dict:
     """Tokenize the corpus with the tokenizer in `tokenizer_dir` into `out_dir`
     (train.npy / heldout.npy, or .npz when `compress`; corpus.json; the tokenizer files)."""
     from treeflash.tokenizer import Tokenizer
@@ -161,7 +199,7 @@ def write_corpus(tokenizer_dir: str | Path, out_dir: str | Path, roots: list[str
     if not tok.eos_token_ids:
         raise TreeflashError(f"the tokenizer in {tokenizer_dir} defines no EOS token")
     eos = tok.eos_token_ids[0]
-    corpus = collect(roots, heldout_fraction, max_bytes)
+    corpus = collect(roots, heldout_fraction, max_bytes, suffixes)
     vocab = tok.vocab_size
     dtype = np.uint16 if vocab <= 1 << 16 else np.int32
     out = Path(out_dir)
