@@ -180,3 +180,7 @@ def test_prefix_caching_on_graphed_engines(pair):
         assert got.token_ids == fresh.generate(turn, params)[0].token_ids
         long = len(first) > 512
         assert got.stats["cached_tokens"] == (len(first) + len(answer.token_ids) - 1 if long else 0)
+        # a sampling mode new to the state is captured there (warm-up rounds from slot 0): no reuse
+        logprobs = SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=2)
+        got = llm.generate(turn, logprobs)[0]
+        assert got.stats["cached_tokens"] == 0 and got.token_ids == fresh.generate(turn, logprobs)[0].token_ids

@@ -4,9 +4,11 @@ the whole prompt (float64, every method, greedy and sampled, batched, with TP)."
 from __future__ import annotations
 
 import pytest
+import torch
 
+import treeflash.engine.round as round_module
 from treeflash import LLM, SamplingParams
-from treeflash.engine.llm import builtin_paths
+from treeflash.engine.llm import builtin_paths, state_key
 from treeflash.errors import UsageError
 
 GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
@@ -89,6 +91,61 @@ def test_logprobs_and_prompt_logprobs(engines):
     got, want = llm.generate(turn, scoring)[0], fresh.generate(turn, scoring)[0]
     assert got.stats["cached_tokens"] == 0 and got.token_ids == want.token_ids
     assert [x.logprob for x in got.prompt_logprobs[1:]] == pytest.approx([x.logprob for x in want.prompt_logprobs[1:]])
+
+
+class _Replayed:
+    """A stand-in for a CUDA graph on the CPU: a replay reruns the captured function and
+    copies its results into the outputs the capture returned."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        with torch.inference_mode():
+            for dst, src in zip(_flat(self.out), _flat(self.fn())):
+                dst.copy_(src)
+
+
+def _flat(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for part in (x or ()) for t in _flat(part)]
+
+
+def _cpu_graphs(monkeypatch, llm: LLM) -> LLM:
+    """Drive `llm` (CPU) down the CUDA-graph path: kept graphed states, rounds captured per
+    sampling mode, whose warm-ups run on the live state as on a GPU."""
+    def capture(fn, warmup, pool=None):
+        for _ in range(warmup):
+            fn()
+        out = fn()
+        return _Replayed(fn, out), out
+    monkeypatch.setattr(round_module, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 0)
+    llm.cuda_graphs, llm._states_budget = True, float("inf")
+    return llm
+
+
+def test_graphed_states_reuse_only_in_a_captured_mode(monkeypatch):
+    """On a graphed engine a next turn reuses the kept state only in a sampling mode
+    already captured there: capturing a new one runs warm-up rounds on the state from
+    slot 0, over the conversation it holds. Long prompts (past 512 padded tokens: those
+    that would prefill eagerly) reuse; tokens equal an engine's without prefix caching."""
+    llm = _cpu_graphs(monkeypatch, LLM(method="dflash", device="cpu", dtype="float64", enable_prefix_caching=True))
+    fresh = LLM(method="dflash", device="cpu", dtype="float64")
+    first = llm.encode("def fib(n):\n" * 150)[:560]
+    answer = llm.generate(first, GREEDY)[0]
+    turn = first + answer.token_ids + [11, 12]
+    logprobs = SamplingParams(max_new_tokens=20, ignore_eos=True, logprobs=2)
+    for params, cached in [(SAMPLED, 0), (logprobs, 0), (GREEDY, len(turn) - 1), (SAMPLED, len(turn) - 1)]:
+        got = llm.generate(turn, params)[0]  # new modes: captured, nothing reused; then reused
+        assert got.stats["cached_tokens"] == cached, (params, cached)
+        assert got.token_ids == fresh.generate(turn, params)[0].token_ids, (params, cached)
+        short = llm.generate([5, 6, 7], params)[0]  # a short prompt replays its prefill graph
+        assert short.stats["cached_tokens"] == 0
+        llm.generate(turn, params)  # the state holds this turn again
+    assert set(llm._graphs[state_key(1, 1024)].rounds) >= {(True, True, False), (False, False, True)}
 
 
 def test_a_failed_batch_leaves_nothing_to_reuse(engines):

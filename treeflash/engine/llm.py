@@ -472,12 +472,15 @@ class LLM:
         tokens the state this batch will run on holds already (its last token is always
         prefilled: it makes the first new one), or None to prefill the whole prompts: no
         such state, nothing in common, prompt logprobs asked (they need every position),
-        or a prefill a CUDA graph would replay (faster than an eager prefill of the rest)."""
+        or a prefill a CUDA graph would replay (faster than an eager prefill of the rest),
+        or a sampling mode not captured on the state yet (its capture runs warm-up rounds
+        on the state, from slot 0)."""
         if not self.enable_prefix_caching or any(p.prompt_logprobs is not None for p in params):
             return None
         key = state_key(batch, max_len)
         if self.cuda_graphs:
-            st = self._graphs[key].st if key in self._graphs else None
+            g = self._graphs.get(key)
+            st = g.st if g is not None and SamplingBatch.mode_of(params) in g.rounds else None
         else:
             st = self._kept[1] if self._kept is not None and self._kept[0] == key else None
         if st is None or st.tokens is None:

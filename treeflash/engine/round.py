@@ -289,7 +289,8 @@ class GraphedRound:
 
     Capture it before `prefill`: the warm-up rounds only scribble on cache slots and
     counters that the prefill then rewrites (they start from n = 0, so that a state
-    left at its end by an earlier batch stays within its cache).
+    left at its end by an earlier batch stays within its cache). So prefix caching
+    reuses a graphed state's caches only in a mode captured there already.
     """
 
     def __init__(self, decoder: SpeculativeDecoder, st: BatchState, warmup: int = 2, pool=None):

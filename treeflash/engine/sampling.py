@@ -107,10 +107,15 @@ class SamplingBatch:
             top_k=torch.tensor([min(p.top_k, 2 ** 31 - 1) for p in params], dtype=torch.long, device=device),
             top_p=torch.tensor([float(p.top_p) for p in params], device=device),
             seed=torch.tensor(seeds, dtype=torch.long, device=device),
-            any_sampled=any(not p.greedy for p in params),
-            any_filtered=any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params),
-            any_logprobs=any(p.logprobs is not None for p in params),
+            **dict(zip(("any_sampled", "any_filtered", "any_logprobs"), cls.mode_of(params))),
         )
+
+    @staticmethod
+    def mode_of(params: list[SamplingParams]) -> tuple[bool, bool, bool]:
+        """The `mode` of a batch of these requests."""
+        return (any(not p.greedy for p in params),
+                any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params),
+                any(p.logprobs is not None for p in params))
 
     @property
     def mode(self) -> tuple[bool, bool, bool]:
