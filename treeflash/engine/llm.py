@@ -555,17 +555,16 @@ class LLM:
             torch.cuda.empty_cache()
         st, run_round, graphed = self._runner(batch, max_len, SamplingBatch.from_params(params, self.device))
         st.tokens = None  # the caches change from here; the driver records them when the batch is done
-        if starts is not None:
+        if starts is not None:  # the rest of each prompt, after what the caches hold
             ids, lens = self.decoder.prefill_inputs(st, [p[s:] for p, s in zip(prompts, starts)], starts)
             lp, plp = self.decoder.prefill_tokens(st, ids, lens, starts=starts)
-            self._run = _Batch(st, run_round, RoundPipeline(), [True] * batch)
-            return st.anchor.tolist(), [t.tolist() for t in lp or ()], []
-        ids, lens = self.decoder.prefill_inputs(st, prompts)
-        scoring = [(b, len(q)) for b, (q, p) in enumerate(zip(prompts, params)) if p.prompt_logprobs is not None]
-        if graphed is None or scoring or ids.numel() > GRAPHED_PREFILL_MAX:  # scoring: eager
-            lp, plp = self.decoder.prefill_tokens(st, ids, lens, prompt_logprobs=scoring)
         else:
-            lp, plp = graphed.prefill(ids, lens)
+            ids, lens = self.decoder.prefill_inputs(st, prompts)
+            scoring = [(b, len(q)) for b, (q, p) in enumerate(zip(prompts, params)) if p.prompt_logprobs is not None]
+            if graphed is None or scoring or ids.numel() > GRAPHED_PREFILL_MAX:  # scoring: eager
+                lp, plp = self.decoder.prefill_tokens(st, ids, lens, prompt_logprobs=scoring)
+            else:
+                lp, plp = graphed.prefill(ids, lens)
         self._run = _Batch(st, run_round, RoundPipeline(), [True] * batch)
         return st.anchor.tolist(), [t.tolist() for t in lp or ()], [t.tolist() for t in plp or ()]
 
