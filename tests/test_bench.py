@@ -124,6 +124,9 @@ def test_pair_mode_corpus_prompts(pair, tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["requests"] == 2 and row["new_tokens"] == 8
+    np.save(corpus / "heldout.npy", np.zeros(0, dtype=np.uint16))  # made with --heldout-fraction 0
+    assert main(["bench", "--model", str(target), "--methods", "ar", "--corpus", str(corpus), "--device", "cpu"]) == 2
+    assert "has no held-out split" in capsys.readouterr().err
 
 
 def test_shape_mode_tiny(tmp_path, capsys):
@@ -164,6 +167,13 @@ def test_shape_mode_tiny(tmp_path, capsys):
     (["--graphs", "on", "--device", "cpu"], "needs a CUDA device"),
     (["--shape", "tiny", "--model", "x"], "takes no --model"),
     (["--prompt-file", "a", "--corpus", "b"], "not both"),
+    (["--shape", "tiny", "--methods", "ar,beam"], "--methods applies to model-pair mode"),
+    (["--shape", "tiny", "--num-prompts", "0"], "--num-prompts applies to model-pair mode"),
+    (["--shape", "tiny", "--max-new-tokens", "0"], "--max-new-tokens applies to model-pair mode"),
+    (["--shape", "tiny", "--copy-mib", "-1"], "--copy-mib must be >= 1"),
+    (["--shape", "tiny", "--copy-mib", "0"], "--copy-mib must be >= 1"),
+    (["--shape", "tiny", "--plot", "/nonexistent/p.png"], "cannot write the plot"),
+    (["--methods", "ar", "--plot", "/nonexistent/p.png", "--device", "cpu"], "cannot write the plot"),
 ])
 def test_bad_inputs_exit_2_with_one_line(argv, message, capsys):
     assert main(["bench", *argv]) == 2

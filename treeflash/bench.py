@@ -54,6 +54,8 @@ from treeflash.models.transformer import CausalLM
 
 PAIR_BUDGETS = "16,32,64,128,256"
 SHAPE_BUDGETS = "0,15,31,63,127,255"
+PAIR_METHODS = "ar,dflash,ddtree"
+PAIR_NEW_TOKENS = 128
 BLOCK_SIZE = 16          # drafter block of the shape mode (the published DFlash drafters)
 WARMUP = 3               # eager calls (or side-stream calls before a capture) before timing
 ALLREDUCE_RUN = 16       # all-reduces per timed call when measuring one's latency
@@ -90,11 +92,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompt-file", help="one prompt per line, or JSONL with a 'prompt' field")
     p.add_argument("--corpus", help="tokenized corpus folder (treeflash train corpus): prompts from its held-out split")
     p.add_argument("--num-prompts", type=int, help="how many prompts to use (default: all of the file, else 8)")
-    p.add_argument("--methods", default="ar,dflash,ddtree", help="comma list of ar, dflash, ddtree")
+    p.add_argument("--methods", default=PAIR_METHODS, help="comma list of ar, dflash, ddtree")
     p.add_argument("--budgets", help=f"DDTree budgets N (default {PAIR_BUDGETS}; --shape: {SHAPE_BUDGETS})")
     p.add_argument("--batch-sizes", help="comma list (default 1,2,4; --shape: 1)")
     p.add_argument("--graphs", help="on, off or on,off: CUDA graphs (default on,off; --shape: on on CUDA)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=PAIR_NEW_TOKENS)
     p.add_argument("--temperatures", help="comma list, 0 = greedy (default 0,0.7,1.0; --shape: 0)")
     p.add_argument("--seed", type=int, default=0, help="request i samples with seed S + i")
     p.add_argument("--logprobs", type=int, metavar="K", help="requests also return logprobs with K alternatives "
@@ -179,7 +181,11 @@ def corpus_prompts(folder: str, k: int, length: int = 64) -> list[list[int]]:
     the drafter never trained on, so tau is not flattered."""
     from treeflash.train.corpus import load_corpus
     from treeflash.train.drafter import held_prompts
-    return held_prompts(load_corpus(folder).heldout, k, length)
+    heldout = load_corpus(folder).heldout
+    if heldout.size < 2:
+        raise UsageError(f"the corpus in {folder} has no held-out split to take prompts from (made with "
+                         f"--heldout-fraction 0?): give --prompt-file, or a corpus with one")
+    return held_prompts(heldout, k, length)
 
 
 def load_prompts(args) -> list:
@@ -277,6 +283,7 @@ def bench_pairs(args) -> int:
     SamplingParams(logprobs=args.logprobs).validate()
     graphs = parse_graphs(args.graphs or "on,off")
     prompts = load_prompts(args)
+    check_plot_path(args.plot)
     graphs_list = usable_graphs(graphs, resolve_device(args.device))
     out = open_out(args.out)
 
@@ -633,6 +640,16 @@ def bench_shape(args) -> int:
         raise UsageError("--shape uses random weights: it takes no --model, --draft-model, --prompt-file or --corpus")
     if args.logprobs is not None:
         raise UsageError("--logprobs applies to model-pair mode (--shape times rounds without them)")
+    pair_only = [flag for flag, given in (("--methods", args.methods != PAIR_METHODS),
+                                          ("--num-prompts", args.num_prompts is not None),
+                                          ("--max-new-tokens", args.max_new_tokens != PAIR_NEW_TOKENS),
+                                          ("--eos", args.eos)) if given]
+    if pair_only:
+        raise UsageError(f"{pair_only[0]} applies to model-pair mode (--shape times AR steps, drafts and "
+                         f"verify rounds of every budget)")
+    if args.copy_mib is not None and args.copy_mib < 1:
+        raise UsageError(f"--copy-mib must be >= 1, got {args.copy_mib}")
+    check_plot_path(args.plot)
     if args.shape not in SHAPES:
         raise UsageError(f"unknown shape '{args.shape}' (choose from {', '.join(SHAPES)})")
     contexts = parse_list(args.contexts, int, "context", minimum=1)
@@ -672,7 +689,7 @@ def bench_shape(args) -> int:
         out = open_out(args.out) if lead else None
 
         target, drafter = random_models(cfg, dcfg, device, dtype, group)
-        mib = args.copy_mib or (2048 if device.type == "cuda" else 256)
+        mib = args.copy_mib if args.copy_mib is not None else 2048 if device.type == "cuda" else 256
         bandwidth = copy_bandwidth(device, mib)
         allreduce = allreduce_timer(group, cfg.hidden_size, dtype, device, args.iters) if group.size > 1 else None
         if lead:
@@ -840,6 +857,15 @@ def format_table(rows: list[dict], columns) -> str:
         return "  ".join(v.ljust(w) if lft else v.rjust(w) for v, w, lft in zip(values, widths, left)).rstrip()
 
     return "\n".join([line([t for t, _, _ in columns]), line(["-" * w for w in widths])] + [line(c) for c in cells])
+
+
+def check_plot_path(path: str | None) -> None:
+    """Refuse a --plot path that cannot be written before the run, not after it."""
+    if not path:
+        return
+    folder = Path(path).resolve().parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise UsageError(f"cannot write the plot {path}: {folder} is not a writable folder")
 
 
 def open_out(path: str | None):
