@@ -558,6 +558,18 @@ def test_prefix_caching_serves_the_next_turn_from_the_caches(llm, client, chat_m
     assert got["choices"] == want["choices"] and "prompt_tokens_details" not in want["usage"]
 
 
+def test_serve_flags_reach_the_engine_and_app():
+    """`serve --enable-prefix-caching` builds a caching engine; `--allowed-origins` with
+    no origin turns CORS off."""
+    from treeflash.cli import build_parser, make_llm
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--method", "ar", "--enable-prefix-caching",
+                                      "--allowed-origins"])
+    assert args.allowed_origins == []
+    assert make_llm(args).enable_prefix_caching is True
+    assert make_llm(build_parser().parse_args(["serve", "--device", "cpu", "--method", "ar"])).enable_prefix_caching \
+        is False
+
+
 def test_add_special_tokens_reaches_the_tokenizer(chat_model):
     """vLLM's add_special_tokens: a completion's text gets the tokenizer's special tokens
     (BOS) unless it says false; a chat prompt only if it says true (its template writes
