@@ -48,6 +48,11 @@ def state_key(batch: int, max_len: int) -> tuple[int, int]:
     return batch, 1 << max(10, (max_len - 1).bit_length())
 
 
+def _key_of(st: BatchState) -> tuple[int, int]:
+    """The `state_key` of a bucketed state."""
+    return st.batch_size, st.cache.max_len
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """A generated token's log-probability under the target model (softmax of its raw
@@ -482,17 +487,22 @@ class LLM:
             g = self._graphs.get(key)
             st = g.st if g is not None and SamplingBatch.mode_of(params) in g.rounds else None
         else:
-            st = self._kept[1] if self._kept is not None and self._kept[0] == key else None
+            st = self._kept if self._kept is not None and _key_of(self._kept) == key else None
         if st is None or st.tokens is None:
             return None
         room = st.cache.max_len
-        if self.cuda_graphs and batch * prefill_width(max(map(len, prompts)), room) <= GRAPHED_PREFILL_MAX:
+        if self._prefill_is_graphed(batch * prefill_width(max(map(len, prompts)), room)):
             return None
         starts = [min(_common_prefix(held, p), len(p) - 1) for held, p in zip(st.tokens, prompts)]
         rest = max(len(p) - s for p, s in zip(prompts, starts))
         if not any(starts) or prefill_width(rest, room - max(starts)) < rest:
             return None
         return starts
+
+    def _prefill_is_graphed(self, cells: int) -> bool:
+        """Whether a batch's prefill of `cells` padded prompt tokens replays a CUDA graph
+        (else it runs eagerly)."""
+        return self.cuda_graphs and cells <= GRAPHED_PREFILL_MAX
 
     @staticmethod
     def _prompt_logprobs(prompts: list[list[int]], params: list[SamplingParams], plp: list):
@@ -561,7 +571,7 @@ class LLM:
         else:
             ids, lens = self.decoder.prefill_inputs(st, prompts)
             scoring = [(b, len(q)) for b, (q, p) in enumerate(zip(prompts, params)) if p.prompt_logprobs is not None]
-            if graphed is None or scoring or ids.numel() > GRAPHED_PREFILL_MAX:  # scoring: eager
+            if scoring or not self._prefill_is_graphed(ids.numel()):  # scoring: eager
                 lp, plp = self.decoder.prefill_tokens(st, ids, lens, prompt_logprobs=scoring)
             else:
                 lp, plp = graphed.prefill(ids, lens)
@@ -591,7 +601,7 @@ class LLM:
         self.cuda_graphs = on and self.device.type == "cuda"
         self._graphs: OrderedDict[tuple[int, int], GraphedState] = OrderedDict()  # by (batch, bucket),
         self._dropped_captures = 0  # most recently used last; captures of the states dropped so far
-        self._kept: tuple[tuple[int, int], BatchState] | None = None  # eager, prefix caching: (key, state)
+        self._kept: BatchState | None = None  # eager, with prefix caching: the last batch's state
         self._states_budget = GRAPH_STATES_SHARE * (available_bytes(self.device) or 0) if self.cuda_graphs else 0
 
     @property
@@ -640,12 +650,11 @@ class LLM:
             return self.decoder.new_state(batch, max_len, sampling), self.decoder.round, None
         key = state_key(batch, max_len)
         if not self.cuda_graphs:  # prefix caching: the last state is kept, with what it holds
-            if self._kept is None or self._kept[0] != key:
+            if self._kept is None or _key_of(self._kept) != key:
                 self._kept = None  # its caches go before the new ones are made
-                self._kept = (key, self.decoder.new_state(batch, key[1], sampling))
-            st = self._kept[1]
-            st.sampling = sampling
-            return st, self.decoder.round, None
+                self._kept = self.decoder.new_state(batch, key[1], sampling)
+            self._kept.sampling = sampling
+            return self._kept, self.decoder.round, None
         if key in self._graphs:
             self._graphs.move_to_end(key)  # now the most recently used
         else:

@@ -36,13 +36,13 @@ except ImportError:
 METHODS = ("ar", "dflash", "ddtree")
 DRAFT_MODES = ("scaled", "coupled")
 PREFILL_ALIGN = 32  # prompts are padded to a multiple of this: a few prefill shapes (and graphs)
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose [positions, vocab] logits are made at a time
 
 
 def prefill_width(longest: int, room: int) -> int:
     """Columns of a padded prefill whose longest prompt has `longest` tokens, with `room`
     cache slots for it: a multiple of PREFILL_ALIGN, or all the room."""
     return min(-(-longest // PREFILL_ALIGN) * PREFILL_ALIGN, room)
-PROMPT_LOGPROB_ROWS = 256  # prompt positions whose [positions, vocab] logits are made at a time
 
 
 @dataclass

@@ -125,8 +125,7 @@ class SamplingBatch:
     def copy_(self, other: "SamplingBatch") -> None:
         """Take `other`'s values into these (captured) buffers, and its mode (the host-side
         flags that choose which code, or which captured graph, runs)."""
-        self.any_sampled, self.any_filtered = other.any_sampled, other.any_filtered
-        self.any_logprobs = other.any_logprobs
+        self.any_sampled, self.any_filtered, self.any_logprobs = other.mode
         for name in ("temperature", "top_k", "top_p", "seed"):
             getattr(self, name).copy_(getattr(other, name))
 
