@@ -165,22 +165,25 @@ def test_graphed_logprobs_match_eager(pair, method, budget):
 
 
 def test_prefix_caching_on_graphed_engines(pair):
-    """Prefix caching with CUDA graphs: a next turn whose whole prompt would prefill
-    eagerly (past 512 padded tokens) prefills only its new tokens on the kept graphed
-    state, through the GPU kernels; a short one replays its prefill graph instead. The
-    tokens equal an engine's without prefix caching."""
+    """Prefix caching with CUDA graphs: a next turn prefills only its new tokens on the
+    kept graphed state, through the rounds' attention kernel: replaying a suffix prefill
+    graph (a short conversation), or eagerly (one past 512 padded tokens: a long one
+    whose rest is long too). The tokens equal an engine's without prefix caching."""
     target, drafter = pair
     kw = dict(draft_model=drafter, method="ddtree", budget=16, device="cuda", dtype="float32")
     llm, fresh = LLM(target, enable_prefix_caching=True, **kw), LLM(target, **kw)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0, seed=2)
-    for first in ([7, 8] * 300, [5, 9, 3]):
+    cases = [([7, 8] * 300, [11, 12, 13]), ([7, 8] * 500, [11, 12] * 300), ([5, 9, 3], [11, 12])]
+    for i, (first, question) in enumerate(cases):  # the last on the first's state (1024 slots)
         answer = llm.generate(first, params)[0]
-        turn = first + answer.token_ids + [11, 12, 13]
+        turn = first + answer.token_ids + question
         got = llm.generate(turn, params)[0]
         assert got.token_ids == fresh.generate(turn, params)[0].token_ids
-        long = len(first) > 512
-        assert got.stats["cached_tokens"] == (len(first) + len(answer.token_ids) - 1 if long else 0)
-        # a sampling mode new to the state is captured there (warm-up rounds from slot 0): no reuse
+        assert got.stats["cached_tokens"] == len(first) + len(answer.token_ids) - 1
+        # a sampling mode new to the state is captured there (warm-up rounds from slot 0): no
+        # reuse; the last case's state has it already
         logprobs = SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=2)
         got = llm.generate(turn, logprobs)[0]
-        assert got.stats["cached_tokens"] == 0 and got.token_ids == fresh.generate(turn, logprobs)[0].token_ids
+        assert got.stats["cached_tokens"] == (0 if i < 2 else len(turn) - 1)
+        assert got.token_ids == fresh.generate(turn, logprobs)[0].token_ids
+    assert any(key[-3] for g in llm._graphs.values() for key in g.prefills)  # a suffix prefill graph ran

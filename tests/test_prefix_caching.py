@@ -8,7 +8,7 @@ import torch
 
 import treeflash.engine.round as round_module
 from treeflash import LLM, SamplingParams
-from treeflash.engine.llm import builtin_paths, state_key
+from treeflash.engine.llm import builtin_paths, state_key, suffix_chunks
 from treeflash.errors import UsageError
 
 GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
@@ -146,6 +146,61 @@ def test_graphed_states_reuse_only_in_a_captured_mode(monkeypatch):
         assert short.stats["cached_tokens"] == 0
         llm.generate(turn, params)  # the state holds this turn again
     assert set(llm._graphs[state_key(1, 1024)].rounds) >= {(True, True, False), (False, False, True)}
+
+
+def test_graphed_engines_replay_suffix_prefills(monkeypatch):
+    """On a graphed engine a short next turn (its rest within 512 padded tokens) runs a
+    prefill graph over the kept caches, captured once per shape and then replayed: for
+    a batch whose rows reuse different lengths too. Tokens equal an engine's without
+    prefix caching."""
+    llm = _cpu_graphs(monkeypatch, LLM(method="ddtree", budget=16, device="cpu", dtype="float64",
+                                       enable_prefix_caching=True))
+    fresh = LLM(method="ddtree", budget=16, device="cpu", dtype="float64")
+    firsts = [llm.encode("def fib(n):"), llm.encode("import os\nimport sys\n\nclass Point:")]
+    params = [GREEDY, GREEDY]
+    answers = llm.generate(firsts, params)
+    captures = []
+    for question in ([11, 12], [13, 14, 15]):
+        turns = [f + a.token_ids + question for f, a in zip(firsts, answers)]
+        got = llm.generate(turns, params)
+        captures.append(llm.graph_captures)
+        assert [o.stats["cached_tokens"] for o in got] == [len(f) + len(a.token_ids) - 1
+                                                          for f, a in zip(firsts, answers)]
+        assert [o.token_ids for o in got] == [o.token_ids for o in fresh.generate(turns, params)]
+        firsts, answers = turns, got
+    assert captures[1] == captures[0]  # the second suffix prefill of that shape replayed
+    suffix_graphs = [k for k in llm._graphs[state_key(2, 1024)].prefills if k[-3]]
+    assert len(suffix_graphs) == 1
+
+
+def test_rests_prefill_in_chunks_of_at_most_512_tokens():
+    """The uncached rest runs in chunks a prefill graph covers (512 padded tokens of the
+    batch); a row whose rest ended runs its last token again, so every chunk has every
+    row; rows too far apart for a chunk's padded columns to fit the cache: no reuse."""
+    p, q = list(range(1200)), list(range(300))
+    assert suffix_chunks([p], [100], room=2048) == [([p[100:612]], [100]), ([p[612:1124]], [612]),
+                                                    ([p[1124:]], [1124])]
+    assert suffix_chunks([p, q], [1000, 10], room=2048) == [([p[1000:], q[10:266]], [1000, 10]),
+                                                            ([p[1199:], q[266:]], [1199, 266])]
+    assert suffix_chunks([p, q], [1000, 10], room=1216) is None  # 256 columns from slot 1000
+    assert suffix_chunks([p], [1199], room=1216) == [([p[1199:]], [1199])]
+
+
+def test_a_long_rest_gives_the_same_tokens(spec_target, spec_drafter):
+    """A next turn that adds more than a chunk (a pasted file) prefills it chunk by chunk,
+    in a batch whose other row adds a few tokens: the tokens equal an engine's without
+    prefix caching (a random pair with a 2048-token context, float64)."""
+    kw = dict(draft_model=spec_drafter("qwen3", "warm"), method="ddtree", budget=16, device="cpu", dtype="float64")
+    llm = LLM(spec_target("qwen3", "warm"), enable_prefix_caching=True, **kw)
+    fresh = LLM(spec_target("qwen3", "warm"), **kw)
+    params = [SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.8, seed=s) for s in (1, 2)]
+    firsts = [[3 + i % 250 for i in range(1100)], [9, 8, 7] * 300]
+    answers = llm.generate(firsts, params)
+    turns = [firsts[0] + answers[0].token_ids + [5 + i % 200 for i in range(600)],
+             firsts[1] + answers[1].token_ids + [11, 12]]
+    got = llm.generate(turns, params)
+    assert [o.stats["cached_tokens"] for o in got] == [len(f) + len(a.token_ids) - 1 for f, a in zip(firsts, answers)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in fresh.generate(turns, params)]
 
 
 def test_a_failed_batch_leaves_nothing_to_reuse(engines):

@@ -15,7 +15,8 @@ import torch
 
 from treeflash.config import DTYPES, DraftConfig, ModelConfig
 from treeflash.engine.kv_cache import available_bytes
-from treeflash.engine.round import METHODS, BatchState, GraphedState, SpeculativeDecoder, prefill_width
+from treeflash.engine.round import (METHODS, PREFILL_ALIGN, BatchState, GraphedState, SpeculativeDecoder,
+                                    prefill_width)
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
 from treeflash.engine.tp import attach as tp_attach
 from treeflash.engine.tp import peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -40,6 +41,27 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+def suffix_chunks(prompts: list[list[int]], starts: list[int], room: int) -> list | None:
+    """Prefix caching: the prefills that run each prompt past its first starts[b] tokens
+    (held in the caches), at most GRAPHED_PREFILL_MAX padded tokens of the batch at a
+    time, so that each replays one of a few CUDA graphs (and no long rest needs memory
+    for all of its tokens at once). Per chunk: each row's tokens and the cache slot they
+    begin at. A row whose rest ended in an earlier chunk runs its last token again (the
+    same K/V, the same first token), so every chunk holds every row. None if a chunk's
+    padded columns would run past the `room` cache slots (rows far apart)."""
+    width = max(PREFILL_ALIGN, GRAPHED_PREFILL_MAX // len(prompts) // PREFILL_ALIGN * PREFILL_ALIGN)
+    begins, chunks = list(starts), []
+    while True:
+        pieces = [p[b:b + width] for p, b in zip(prompts, begins)]
+        longest = max(map(len, pieces))
+        if prefill_width(longest, room - max(begins)) < longest:
+            return None
+        chunks.append((pieces, begins))
+        if all(b + len(x) == len(p) for p, b, x in zip(prompts, begins, pieces)):
+            return chunks
+        begins = [b + width if b + width < len(p) else len(p) - 1 for p, b in zip(prompts, begins)]
 
 
 def state_key(batch: int, max_len: int) -> tuple[int, int]:
@@ -477,9 +499,9 @@ class LLM:
         tokens the state this batch will run on holds already (its last token is always
         prefilled: it makes the first new one), or None to prefill the whole prompts: no
         such state, nothing in common, prompt logprobs asked (they need every position),
-        or a prefill a CUDA graph would replay (faster than an eager prefill of the rest),
         or a sampling mode not captured on the state yet (its capture runs warm-up rounds
-        on the state, from slot 0)."""
+        on the state, from slot 0). The rest prefills in `suffix_chunks`, each replayed
+        from a CUDA graph on a graphed engine."""
         if not self.enable_prefix_caching or any(p.prompt_logprobs is not None for p in params):
             return None
         key = state_key(batch, max_len)
@@ -490,12 +512,8 @@ class LLM:
             st = self._kept if self._kept is not None and _key_of(self._kept) == key else None
         if st is None or st.tokens is None:
             return None
-        room = st.cache.max_len
-        if self._prefill_is_graphed(batch * prefill_width(max(map(len, prompts)), room)):
-            return None
         starts = [min(_common_prefix(held, p), len(p) - 1) for held, p in zip(st.tokens, prompts)]
-        rest = max(len(p) - s for p, s in zip(prompts, starts))
-        if not any(starts) or prefill_width(rest, room - max(starts)) < rest:
+        if not any(starts) or suffix_chunks(prompts, starts, st.cache.max_len) is None:
             return None
         return starts
 
@@ -566,8 +584,14 @@ class LLM:
         st, run_round, graphed = self._runner(batch, max_len, SamplingBatch.from_params(params, self.device))
         st.tokens = None  # the caches change from here; the driver records them when the batch is done
         if starts is not None:  # the rest of each prompt, after what the caches hold
-            ids, lens = self.decoder.prefill_inputs(st, [p[s:] for p, s in zip(prompts, starts)], starts)
-            lp, plp = self.decoder.prefill_tokens(st, ids, lens, starts=starts)
+            for pieces, begins in suffix_chunks(prompts, starts, st.cache.max_len):
+                ids, lens = self.decoder.prefill_inputs(st, pieces, begins)
+                begin = torch.tensor(begins, device=ids.device)
+                if self._prefill_is_graphed(ids.numel()):
+                    lp, plp = graphed.prefill(ids, lens, begin)
+                else:
+                    lp, plp = self.decoder.prefill_tokens(st, ids, lens, begin=begin,
+                                                          kv_len=max(begins) + ids.shape[1])
         else:
             ids, lens = self.decoder.prefill_inputs(st, prompts)
             scoring = [(b, len(q)) for b, (q, p) in enumerate(zip(prompts, params)) if p.prompt_logprobs is not None]

@@ -134,27 +134,30 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def prefill_tokens(self, st: BatchState, ids: torch.Tensor, lens: torch.Tensor,
-                       prompt_logprobs: list[tuple[int, int]] = (), starts: list[int] | None = None):
+                       prompt_logprobs: list[tuple[int, int]] = (), begin: torch.Tensor | None = None,
+                       kv_len: int | None = None):
         """`prefill` of padded ids [B, T] with lengths lens [B]: device work only, static
         shapes, so `GraphedPrefill` can capture it. Causal attention keeps the padding
         out of every real token; its K/V land past the prompt, where the rounds write.
-        With `starts` (eager; prefix caching) the caches already hold request b's first
-        starts[b] prompt tokens and ids are the rest: they attend to those as to a
-        committed prefix (a chain verify), at positions starts[b] on.
+        With `begin` [B] (prefix caching) the caches already hold request b's first
+        begin[b] prompt tokens and ids are the rest: they attend to those as to a
+        committed prefix (a chain verify, through the rounds' attention kernel), at
+        positions begin[b] on; `kv_len` bounds what a reference kernel reads (eager only:
+        None reads the whole cache, masked).
         Returns the first tokens' `logprobs_of` ([B, 1] rows) if the batch asks for
         them, and with `prompt_logprobs` ((row, prompt length) of the requests that ask;
-        eager only, no starts) their prompt tokens': one [N] / [N, K] row per token but
+        eager only, no begin) their prompt tokens': one [N] / [N, K] row per token but
         the first, request after request (token t+1 given tokens 0..t); each None if not."""
         B, T = ids.shape
         dev = ids.device
-        if starts is None:
-            begin, reach = torch.zeros_like(lens), T
+        if begin is None:
+            begin, st.max_n = torch.zeros_like(lens), T
             inputs = AttentionInputs.causal(torch.arange(T, device=dev).expand(B, T), kv_len=T)
         else:
             assert not prompt_logprobs, "a prompt's logprobs need all of its positions"
-            begin, reach = torch.tensor(starts, device=dev), max(starts) + T
+            st.max_n = kv_len
             inputs = AttentionInputs.causal(begin[:, None] + torch.arange(T, device=dev), prefix_lens=begin,
-                                            kv_len=reach)
+                                            kv_len=kv_len, backend=self.backend)
         h, feats = self._target(ids, inputs, st.cache)
         last = h[torch.arange(B, device=dev), lens - 1]
         logits = self.target.logits(last[:, None], gather=False)
@@ -165,7 +168,6 @@ class SpeculativeDecoder:
         if st.draft_cache is not None:
             st.draft_cache.projected.copy_(begin)
             self.drafter.commit_context(st.draft_cache, feats, inputs.positions, begin, lens)
-        st.max_n = reach
         lp = logprobs_of(logits, first, self.tp) if st.sampling.any_logprobs else None
         return lp, (self._prompt_logprobs(h, ids, prompt_logprobs) if prompt_logprobs else None)
 
@@ -307,21 +309,28 @@ class GraphedRound:
 
 class GraphedPrefill:
     """`decoder.prefill_tokens` for one padded shape [B, T], captured as a CUDA graph
-    over static (ids, lens) buffers of `st`: a short prompt's eager prefill is ~150
-    launches, host-bound (built-in pair on an H200: ~5 ms for ~0.3 ms of kernels).
-    Capturing also prefills: the graph is replayed once, which fills its outputs (the
-    first tokens' logprobs) as well as the state (a captured graph has run nothing)."""
+    over static (ids, lens) buffers of `st`, and with prefix caching a `begin` buffer (a
+    suffix prefill): a short prompt's eager prefill is ~150 launches, host-bound
+    (built-in pair on an H200: ~5 ms for ~0.3 ms of kernels). Capturing also prefills:
+    the graph is replayed once, which fills its outputs (the first tokens' logprobs) as
+    well as the state (a captured graph has run nothing). The warm-up that capturing
+    runs first is a prefill of the same tokens: it writes what the replay rewrites."""
 
     def __init__(self, decoder: SpeculativeDecoder, st: BatchState, ids: torch.Tensor, lens: torch.Tensor,
-                 pool=None):
+                 begin: torch.Tensor | None = None, pool=None):
         self.st, self.ids, self.lens = st, ids.clone(), lens.clone()
-        self.graph, self.out = capture(lambda: decoder.prefill_tokens(st, self.ids, self.lens), 1, pool)
+        self.begin = None if begin is None else begin.clone()
+        self.graph, self.out = capture(lambda: decoder.prefill_tokens(st, self.ids, self.lens, begin=self.begin),
+                                       1, pool)
         self.graph.replay()
 
-    def __call__(self, st: BatchState, ids: torch.Tensor, lens: torch.Tensor):
-        assert st is self.st and ids.shape == self.ids.shape, "a graph replays on the buffers it was captured with"
+    def __call__(self, st: BatchState, ids: torch.Tensor, lens: torch.Tensor, begin: torch.Tensor | None = None):
+        assert st is self.st and ids.shape == self.ids.shape and (begin is None) == (self.begin is None), \
+            "a graph replays on the buffers it was captured with"
         self.ids.copy_(ids)
         self.lens.copy_(lens)
+        if begin is not None:
+            self.begin.copy_(begin)
         self.graph.replay()
         return self.out
 
@@ -367,14 +376,15 @@ class GraphedState:
             self.captures += 1
         return self.rounds[mode]
 
-    def prefill(self, ids: torch.Tensor, lens: torch.Tensor):
-        """The prefill of padded ids [B, T] in the current mode: replayed, or captured now
-        (capturing also prefills). Returns what `prefill_tokens` does."""
+    def prefill(self, ids: torch.Tensor, lens: torch.Tensor, begin: torch.Tensor | None = None):
+        """The prefill of padded ids [B, T] (after `begin` cached tokens per request, if
+        given) in the current mode: replayed, or captured now (capturing also prefills).
+        Returns what `prefill_tokens` does."""
         sb = self.st.sampling
-        key = (*sb.mode, *ids.shape)
+        key = (*sb.mode, begin is not None, *ids.shape)
         if key in self.prefills:
-            return self.prefills[key](self.st, ids, lens)
+            return self.prefills[key](self.st, ids, lens, begin)
         with self._counted():
-            self.prefills[key] = GraphedPrefill(self.decoder, self.st, ids, lens, pool=self.pool)
+            self.prefills[key] = GraphedPrefill(self.decoder, self.st, ids, lens, begin, pool=self.pool)
         self.captures += 1
         return self.prefills[key].out

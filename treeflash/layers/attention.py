@@ -30,13 +30,13 @@ class AttentionInputs:
 
     @classmethod
     def causal(cls, positions: torch.Tensor, prefix_lens: torch.Tensor | None = None,
-               kv_len: int | None = None) -> "AttentionInputs":
+               kv_len: int | None = None, backend: str = "sdpa") -> "AttentionInputs":
         B, T = positions.shape
         mask = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()
         prefill = prefix_lens is None
         if prefill:
             prefix_lens = torch.zeros(B, dtype=torch.long, device=positions.device)
-        return cls(positions, prefix_lens, mask.expand(B, T, T), kv_len, is_prefill=prefill)
+        return cls(positions, prefix_lens, mask.expand(B, T, T), kv_len, backend, is_prefill=prefill)
 
     def block_slots(self) -> torch.Tensor:
         """[B, T] cache slots of the block tokens."""
