@@ -8,6 +8,7 @@ request sets and driver script are reused here.
   a random target with Qwen3-8B's widths (2 layers) and a random 1-layer drafter. All in
   float32, where a different reduction order cannot flip a near-tie as bf16 can.
 - Logprobs (gathered over the vocabulary shards) equal TP = 1's.
+- Prefix caching reuses the conversation on both ranks, with TP = 1's tokens.
 - Closing an engine whose rounds ran as CUDA graphs returns at once.
 - A worker killed mid-generation ends the driver promptly with one line naming the rank
   (graphs on: the NCCL kernels waiting on the dead peer sit inside a replayed graph),
@@ -51,17 +52,17 @@ def pairs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(pairs):
-    """engines(pair, method, tp, graphs) -> LLM (float32, budget 64 for ddtree), built once;
-    all TP = 2 engines share one worker."""
+    """engines(pair, method, tp, graphs, caching=False) -> LLM (float32, budget 64 for
+    ddtree; prefix caching if asked), built once; all TP = 2 engines share one worker."""
     built: dict = {}
 
-    def get(pair: str, method: str, tp: int, graphs: bool) -> LLM:
-        key = (pair, method, tp, graphs)
+    def get(pair: str, method: str, tp: int, graphs: bool, caching: bool = False) -> LLM:
+        key = (pair, method, tp, graphs, caching)
         if key not in built:
             target, drafter = pairs[pair]
             built[key] = LLM(target, draft_model=None if method == "ar" else drafter, method=method,
                              budget=64 if method == "ddtree" else None, device="cuda", dtype="float32", tp=tp,
-                             cuda_graphs=graphs)
+                             cuda_graphs=graphs, enable_prefix_caching=caching)
         return built[key]
 
     yield get
@@ -110,6 +111,23 @@ def test_tp2_logprobs_equal_tp1(pair, engines):
             assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], **close), (a, b)
             for (i, v), (j, u) in zip(a.top, b.top):
                 assert i == j or (v == pytest.approx(u, **close) and j in dict(a.top)), (a, b)
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_prefix_caching_under_tp(graphs, engines):
+    """A next turn on a TP = 2 engine with prefix caching prefills only its new tokens on
+    both ranks (a suffix prefill graph, or eagerly), in rows that reuse different
+    lengths, and gives TP = 1's tokens without caching."""
+    from treeflash import SamplingParams
+    tp2, tp1 = engines("qwen3-8b-widths", "ddtree", 2, graphs, True), engines("qwen3-8b-widths", "ddtree", 1, graphs)
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=True),
+              SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0, seed=3)]
+    firsts = [[5, 6, 7] * 40, [9, 10]]
+    answers = tp2.generate(firsts, params)
+    turns = [f + a.token_ids + [11, 12, 13] for f, a in zip(firsts, answers)]
+    got = tp2.generate(turns, params)
+    assert [o.stats["cached_tokens"] for o in got] == [len(f) + len(a.token_ids) - 1 for f, a in zip(firsts, answers)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in tp1.generate(turns, params)]
 
 
 # test_tp's driver script on the GPU: argv[6] turns CUDA graphs on or off
