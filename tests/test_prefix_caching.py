@@ -203,6 +203,28 @@ def test_a_long_rest_gives_the_same_tokens(spec_target, spec_drafter):
     assert [o.token_ids for o in got] == [o.token_ids for o in fresh.generate(turns, params)]
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphed"])
+def test_a_conversation_moves_with_its_cache_bucket(graphs, monkeypatch):
+    """A turn that asks for more room than the conversation's cache bucket (1024 slots)
+    runs on a larger state, with the conversation's K/V copied over: it prefills only its
+    new tokens; the next short turn comes back to a 1024-slot state the same way (on a
+    graphed engine: the kept one, whose own record is older)."""
+    engine = LLM(method="ddtree", budget=16, device="cpu", dtype="float64", enable_prefix_caching=True)
+    llm = _cpu_graphs(monkeypatch, engine) if graphs else engine
+    fresh = LLM(method="ddtree", budget=16, device="cpu", dtype="float64")
+    newline = llm.encode("\n", special=False)
+    roomy = SamplingParams(max_new_tokens=1000, stop_token_ids=newline)  # room past 1024 slots
+    first, answer, turn = _turns(llm, GREEDY)
+    for params, bucket in [(roomy, 2048), (GREEDY, 1024)]:
+        got = llm.generate(turn, params)[0]
+        assert got.stats["cached_tokens"] == len(first) + len(answer.token_ids) - 1
+        assert got.token_ids == fresh.generate(turn, params)[0].token_ids
+        held = llm._graphs if graphs else {state_key(1, llm._kept.cache.max_len): llm._kept}
+        assert state_key(1, bucket) in held
+        first, answer = turn, got
+        turn = turn + got.token_ids + llm.encode("\n\ndef sub(a, b):", special=False)
+
+
 def test_a_failed_batch_leaves_nothing_to_reuse(engines):
     """A batch that ends in an error leaves its caches in no known state: the next
     request prefills its whole prompt."""

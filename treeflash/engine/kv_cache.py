@@ -48,6 +48,12 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[3]
 
+    def copy_prefix(self, src: "KVCache", n: int) -> None:
+        """Slots 0..n-1 of every layer and request <- src's (same model and batch size; the
+        lengths may differ): prefix caching moves a conversation to another state."""
+        self.k[:, :, :, :n].copy_(src.k[:, :, :, :n])
+        self.v[:, :, :, :n].copy_(src.v[:, :, :, :n])
+
     def compact(self, prefix_lens: torch.Tensor, src: torch.Tensor) -> None:
         """Slot `prefix_lens + i` <- slot `prefix_lens + src[:, i]` for i in 0..P-1, all layers.
 

@@ -34,13 +34,16 @@ GRAPH_STATES_SHARE = 0.25  # while they take at most this share of the memory fr
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """How many first tokens a and b share."""
+def _common_prefix(a: list[int], b: list[int], chunk: int = 256) -> int:
+    """How many first tokens a and b share (chunks compare in C: a long conversation's
+    turn is checked against every kept state before each request)."""
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    at = 0
+    while at < n and a[at:at + chunk] == b[at:at + chunk]:
+        at += chunk
+    while at < n and a[at] == b[at]:
+        at += 1
+    return min(at, n)
 
 
 def suffix_chunks(prompts: list[list[int]], starts: list[int], room: int) -> list | None:
@@ -431,9 +434,10 @@ class LLM:
         params = [p if p.seed is not None else replace(p, seed=random.getrandbits(63)) for p in params]
         on_tokens = _token_callback(on_tokens)
         start = time.perf_counter()
-        starts = self._cached_starts(len(ids), max_len, ids, params)
-        first, lp, plp = self._tp.call(self, "_start", (len(ids), max_len, params, ids,
-                                                         self._states_to_drop(len(ids), max_len), starts))
+        drop = self._states_to_drop(len(ids), max_len)
+        reuse = self._prefix_to_reuse(len(ids), max_len, ids, params, drop)
+        starts = None if reuse is None else reuse[1]
+        first, lp, plp = self._tp.call(self, "_start", (len(ids), max_len, params, ids, drop, reuse))
         state = self._run.st
         prompt_logprobs = self._prompt_logprobs(ids, params, plp)
         outs = [[] for _ in ids]
@@ -493,29 +497,35 @@ class LLM:
             self._run = None  # free the caches (graphed states, and with prefix caching the last, are kept)
         return results
 
-    def _cached_starts(self, batch: int, max_len: int, prompts: list[list[int]],
-                       params: list[SamplingParams]) -> list[int] | None:
-        """Prefix caching, on the driver: per request, how many of its prompt's first
-        tokens the state this batch will run on holds already (its last token is always
-        prefilled: it makes the first new one), or None to prefill the whole prompts: no
-        such state, nothing in common, prompt logprobs asked (they need every position),
-        or a sampling mode not captured on the state yet (its capture runs warm-up rounds
-        on the state, from slot 0). The rest prefills in `suffix_chunks`, each replayed
-        from a CUDA graph on a graphed engine."""
+    def _prefix_to_reuse(self, batch: int, max_len: int, prompts: list[list[int]], params: list[SamplingParams],
+                       drop: list[tuple[int, int]]) -> tuple[tuple[int, int], list[int]] | None:
+        """Prefix caching, on the driver: the kept state to reuse (its `state_key`) and per
+        request how many of its prompt's first tokens that state holds already (its last
+        token is always prefilled: it makes the first new one); None to prefill the whole
+        prompts. Of the kept states of this batch size (graphed ones, or the eager engine's
+        last), the one that holds most; not one that `drop` frees first, nor, if it is the
+        state this batch runs on, a graphed one whose capture of a new sampling mode would
+        run warm-up rounds over it from slot 0. Prompt logprobs need every position: no
+        reuse. Another state's prefix is copied over before the rest prefills (a
+        conversation outgrows its cache bucket). The rest prefills in `suffix_chunks`, each
+        replayed from a CUDA graph on a graphed engine."""
         if not self.enable_prefix_caching or any(p.prompt_logprobs is not None for p in params):
             return None
         key = state_key(batch, max_len)
         if self.cuda_graphs:
-            g = self._graphs.get(key)
-            st = g.st if g is not None and SamplingBatch.mode_of(params) in g.rounds else None
+            mode = SamplingBatch.mode_of(params)
+            kept = {k: g.st for k, g in self._graphs.items() if k not in drop and (k != key or mode in g.rounds)}
         else:
-            st = self._kept if self._kept is not None and _key_of(self._kept) == key else None
-        if st is None or st.tokens is None:
-            return None
-        starts = [min(_common_prefix(held, p), len(p) - 1) for held, p in zip(st.tokens, prompts)]
-        if not any(starts) or suffix_chunks(prompts, starts, st.cache.max_len) is None:
-            return None
-        return starts
+            kept = {} if self._kept is None else {_key_of(self._kept): self._kept}
+        best = None
+        for k, st in kept.items():
+            if k[0] != batch or st.tokens is None:
+                continue
+            starts = [min(_common_prefix(held, p), len(p) - 1) for held, p in zip(st.tokens, prompts)]
+            if any(starts) and (best is None or sum(starts) > sum(best[1])) \
+                    and suffix_chunks(prompts, starts, key[1]) is not None:
+                best = (k, starts)
+        return best
 
     def _prefill_is_graphed(self, cells: int) -> bool:
         """Whether a batch's prefill of `cells` padded prompt tokens replays a CUDA graph
@@ -569,21 +579,28 @@ class LLM:
         })
 
     def _start(self, batch: int, max_len: int, params: list[SamplingParams], prompts: list[list[int]],
-               drop: list[tuple[int, int]], starts: list[int] | None = None):
+               drop: list[tuple[int, int]], reuse: tuple[tuple[int, int], list[int]] | None = None):
         """On every rank: a batch state (or the captured graph's) and the prefill, after
-        dropping the graphed states `drop` (the driver's choice); with `starts` (the
-        driver's `_cached_starts`) an eager prefill of each prompt past what the state's
-        caches hold. Returns each request's first token, their logprobs and the prompts'
-        (as lists; [] if not asked)."""
+        dropping the graphed states `drop` (the driver's choice); with `reuse` (the
+        driver's `_prefix_to_reuse`: a kept state and per request the prompt tokens it
+        holds) a prefill of each prompt past those, once they are in this batch's state.
+        Returns each request's first token, their logprobs and the prompts' (as lists;
+        [] if not asked)."""
         if self._run is not None:  # the previous batch's last round, still in flight: wait
             self._run.pipe.finish()  # for it before its state or graph may be dropped
         self._run = None  # the previous batch's caches go before the new ones are made
         if drop:
             self.drop_graphs(drop)
             torch.cuda.empty_cache()
+        source = None
+        if reuse is not None:  # held before `_runner` may replace the eager engine's kept state
+            source = self._graphs[reuse[0]].st if self.cuda_graphs else self._kept
         st, run_round, graphed = self._runner(batch, max_len, SamplingBatch.from_params(params, self.device))
         st.tokens = None  # the caches change from here; the driver records them when the batch is done
-        if starts is not None:  # the rest of each prompt, after what the caches hold
+        if reuse is not None:  # the rest of each prompt, after what the caches hold
+            starts = reuse[1]
+            if source is not st:  # after any capture on st (its warm-up rounds write from slot 0)
+                st.copy_prefix(source, max(starts))
             for pieces, begins in suffix_chunks(prompts, starts, st.cache.max_len):
                 ids, lens = self.decoder.prefill_inputs(st, pieces, begins)
                 begin = torch.tensor(begins, device=ids.device)

@@ -63,6 +63,12 @@ class BatchState:
     def batch_size(self) -> int:
         return self.n.shape[0]
 
+    def copy_prefix(self, src: "BatchState", n: int) -> None:
+        """The K/V (target and drafter) of every request's first n positions <- src's."""
+        self.cache.copy_prefix(src.cache, n)
+        if self.draft_cache is not None:
+            self.draft_cache.copy_prefix(src.draft_cache, n)
+
     @property
     def cache_bytes(self) -> int:
         """Bytes of its caches (target and drafter K/V)."""
