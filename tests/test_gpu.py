@@ -168,22 +168,27 @@ def test_prefix_caching_on_graphed_engines(pair):
     """Prefix caching with CUDA graphs: a next turn prefills only its new tokens on the
     kept graphed state, through the rounds' attention kernel: replaying a suffix prefill
     graph (a short conversation), or eagerly (one past 512 padded tokens: a long one
-    whose rest is long too). The tokens equal an engine's without prefix caching."""
+    whose rest is long too); a turn that needs a larger cache bucket copies the
+    conversation over from the state that holds it. The tokens equal an engine's without
+    prefix caching."""
     target, drafter = pair
     kw = dict(draft_model=drafter, method="ddtree", budget=16, device="cuda", dtype="float32")
     llm, fresh = LLM(target, enable_prefix_caching=True, **kw), LLM(target, **kw)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0, seed=2)
+    logprobs = SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=2)
+    # 1024 slots; 2048 (its first 600 tokens copied from the first state); 1024 again
     cases = [([7, 8] * 300, [11, 12, 13]), ([7, 8] * 500, [11, 12] * 300), ([5, 9, 3], [11, 12])]
-    for i, (first, question) in enumerate(cases):  # the last on the first's state (1024 slots)
+    for i, (first, question) in enumerate(cases):
         answer = llm.generate(first, params)[0]
+        cached = answer.stats["cached_tokens"]
+        assert cached >= 600 if i == 1 else cached == 0  # 600: [7, 8] * 300 and what follows alike
+        assert answer.token_ids == fresh.generate(first, params)[0].token_ids
         turn = first + answer.token_ids + question
         got = llm.generate(turn, params)[0]
         assert got.token_ids == fresh.generate(turn, params)[0].token_ids
         assert got.stats["cached_tokens"] == len(first) + len(answer.token_ids) - 1
-        # a sampling mode new to the state is captured there (warm-up rounds from slot 0): no
-        # reuse; the last case's state has it already
-        logprobs = SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=2)
         got = llm.generate(turn, logprobs)[0]
-        assert got.stats["cached_tokens"] == (0 if i < 2 else len(turn) - 1)
         assert got.token_ids == fresh.generate(turn, logprobs)[0].token_ids
+        if i == 0:  # a sampling mode new to the only state is captured there (warm-up rounds
+            assert got.stats["cached_tokens"] == 0  # from slot 0): nothing to reuse
     assert any(key[-3] for g in llm._graphs.values() for key in g.prefills)  # a suffix prefill graph ran
