@@ -240,6 +240,28 @@ def test_a_failed_batch_leaves_nothing_to_reuse(engines):
     assert got.token_ids == fresh.generate(turn, GREEDY)[0].token_ids
 
 
+def test_a_failed_capture_leaves_nothing_to_reuse(monkeypatch):
+    """Capturing a new sampling mode's round runs warm-up rounds over the state's caches
+    first: if the capture then fails (out of memory on a GPU), the conversation those
+    caches held is gone, and the next turn prefills whole."""
+    llm = _cpu_graphs(monkeypatch, LLM(method="dflash", device="cpu", dtype="float64", enable_prefix_caching=True))
+    fresh = LLM(method="dflash", device="cpu", dtype="float64")
+    first, answer, turn = _turns(llm, GREEDY)
+    working = round_module.capture
+
+    def failing(fn, warmup, pool=None):
+        for _ in range(warmup):
+            fn()
+        raise RuntimeError("CUDA out of memory (simulated)")
+    monkeypatch.setattr(round_module, "capture", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        llm.generate([5, 6, 7], SAMPLED)  # a mode new to the state
+    monkeypatch.setattr(round_module, "capture", working)
+    got = llm.generate(turn, GREEDY)[0]
+    assert got.stats["cached_tokens"] == 0
+    assert got.token_ids == fresh.generate(turn, GREEDY)[0].token_ids
+
+
 def test_off_by_default_and_checked():
     target, _ = builtin_paths()
     with pytest.raises(UsageError, match="enable_prefix_caching must be true or false"):

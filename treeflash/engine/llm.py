@@ -518,7 +518,7 @@ class LLM:
         else:
             kept = {} if self._kept is None else {_key_of(self._kept): self._kept}
         best = None
-        for k, st in kept.items():
+        for k, st in sorted(kept.items(), key=lambda item: item[0] != key):  # a tie: no copy
             if k[0] != batch or st.tokens is None:
                 continue
             starts = [min(_common_prefix(held, p), len(p) - 1) for held, p in zip(st.tokens, prompts)]

@@ -377,6 +377,7 @@ class GraphedState:
         self.st.sampling.copy_(sampling)
         mode = sampling.mode
         if mode not in self.rounds:
+            self.st.tokens = None  # the capture's warm-up rounds write the caches from slot 0
             with self._counted():
                 self.rounds[mode] = GraphedRound(self.decoder, self.st, pool=self.pool)
             self.captures += 1
