@@ -498,7 +498,7 @@ class LLM:
         return results
 
     def _prefix_to_reuse(self, batch: int, max_len: int, prompts: list[list[int]], params: list[SamplingParams],
-                       drop: list[tuple[int, int]]) -> tuple[tuple[int, int], list[int]] | None:
+                         drop: list[tuple[int, int]]) -> tuple[tuple[int, int], list[int]] | None:
         """Prefix caching, on the driver: the kept state to reuse (its `state_key`) and per
         request how many of its prompt's first tokens that state holds already (its last
         token is always prefilled: it makes the first new one); None to prefill the whole
@@ -519,7 +519,7 @@ class LLM:
             kept = {} if self._kept is None else {_key_of(self._kept): self._kept}
         best = None
         for k, st in sorted(kept.items(), key=lambda item: item[0] != key):  # a tie: no copy
-            if k[0] != batch or st.tokens is None:
+            if k[0] != batch or st.tokens is None:  # other batch sizes; caches in no known state
                 continue
             starts = [min(_common_prefix(held, p), len(p) - 1) for held, p in zip(st.tokens, prompts)]
             if any(starts) and (best is None or sum(starts) > sum(best[1])) \
