@@ -509,6 +509,70 @@ def test_driver_may_run_commands_ahead_of_the_workers(size):
 
 
 
+def test_a_closed_engine_leaves_the_others_working(tp_models, engines, reference):
+    """An engine called after its close() raises for itself alone: the workers, shared
+    with the other engines, go on (they used to be sent a command for an engine they had
+    dropped, and died of it)."""
+    other = engines("qwen3", "ar", 2)
+    closed = LLM(tp_models["qwen3"][0], method="ar", device="cpu", dtype="float64", tp=2)
+    closed.close()
+    for call in (lambda: closed.generate(SINGLE, SamplingParams(max_new_tokens=2)), closed.rank_stats):
+        with pytest.raises(TreeflashError, match="this LLM has been closed"):
+            call()
+    assert _run(other, "greedy") == reference("qwen3", "ar", "greedy")
+
+
+def test_a_batch_too_large_for_memory_leaves_the_engine_working(engines, reference):
+    """Caches that do not fit fail with one line on every rank at the same point (before
+    any collective of the batch): the ranks stay in step and the next request runs, at
+    TP = 2 as at TP = 1 (a request must not end a tensor-parallel server)."""
+    from treeflash.engine.kv_cache import available_bytes
+    per_request = 2 * 2 * 4 * 2048 * 16 * 8  # K and V, 2 layers, 4 KV heads, 2048+ slots, D 16, float64
+    batch = 8 * available_bytes(torch.device("cpu")) // per_request  # 4x what is free on each of 2 ranks
+    for tp in (1, 2):
+        llm = engines("qwen3", "ddtree", tp)
+        with pytest.raises(TreeflashError, match="not enough cpu memory for a KVCache"):
+            llm.generate([[5, 6, 7]] * batch, SamplingParams(max_new_tokens=2040, ignore_eos=True))
+        assert _run(llm, "greedy") == reference("qwen3", "ddtree", "greedy")
+
+
+def test_relative_model_paths_load_the_same_files_on_every_rank(tp_models, engines, reference, monkeypatch):
+    """A relative model path means the driver's folder on every rank, also when the
+    workers were started from another one (they used to load whatever that path named
+    in their own folder, or fail)."""
+    engines("qwen3", "ar", 2)  # the workers start here, in the test's folder
+    target, drafter = tp_models["qwen3"]
+    monkeypatch.chdir(target.parent)
+    llm = LLM(target.name, draft_model=drafter.name, method="dflash", device="cpu", dtype="float64", tp=2,
+              draft_mode="scaled")
+    try:
+        assert _run(llm, "greedy") == reference("qwen3", "dflash", "greedy")
+    finally:
+        llm.close()
+
+
+CLOSE_AFTER_DEATH = textwrap.dedent("""
+    import json, os, signal, sys, time
+    from treeflash import LLM
+    llm = LLM(sys.argv[1], method="ar", device="cpu", dtype="float32", tp=2)
+    pids = [s["pid"] for s in llm.rank_stats()]
+    os.kill(pids[1], signal.SIGKILL)
+    time.sleep(0.05)  # before the monitor has looked
+    start = time.monotonic()
+    llm.close()
+    print(json.dumps({"close_s": time.monotonic() - start}), flush=True)
+""")
+
+
+def test_close_right_after_a_worker_died_is_prompt(tp_models):
+    """close() does not wait out the grace period for a worker that is already dead (it
+    took 30 s when the death came just before it)."""
+    proc = subprocess.run([sys.executable, "-c", CLOSE_AFTER_DEATH, str(tp_models["qwen3"][0])],
+                          capture_output=True, text=True, timeout=120, cwd=REPO, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1])["close_s"] < 5
+
+
 def test_close_stops_the_workers(engines):
     """Last in the module: closing every engine of a size stops its workers."""
     engines("qwen3", "ar", 2)  # at least one, also when run alone

@@ -7,3 +7,9 @@ class TreeflashError(Exception):
 
 class UsageError(TreeflashError):
     """A bad command-line or API argument (CLI exit code 2)."""
+
+
+class InStepError(TreeflashError):
+    """A failure that every tensor-parallel rank raised at the same point of a command,
+    having agreed on it (a batch's caches did not fit on some rank): the ranks are still
+    in step, so the engine goes on."""

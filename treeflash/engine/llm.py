@@ -20,7 +20,7 @@ from treeflash.engine.round import (METHODS, PREFILL_ALIGN, BatchState, GraphedS
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
 from treeflash.engine.tp import attach as tp_attach
 from treeflash.engine.tp import peak_rss_bytes, reset_peak_rss, rss_bytes
-from treeflash.errors import TreeflashError, UsageError
+from treeflash.errors import InStepError, TreeflashError, UsageError
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import build_on, load_weights
 from treeflash.models.transformer import CausalLM
@@ -294,7 +294,8 @@ class LLM:
                              f"({self.config.max_position_embeddings}): positions past it were never trained")
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         # every rank builds the same engine from these arguments (workers get them from rank 0)
-        args = dict(model=str(model), draft_model=None if draft_model is None else str(draft_model),
+        # absolute: a worker resolves a relative path in the folder it started in
+        args = dict(model=os.path.abspath(model), draft_model=None if draft_model is None else os.path.abspath(draft_model),
                     method=method, budget=budget, device=device, dtype=dtype, max_model_len=max_model_len,
                     max_budget=max_budget, tp=tp, cuda_graphs=cuda_graphs, draft_mode=draft_mode,
                     enable_prefix_caching=enable_prefix_caching)
@@ -688,20 +689,44 @@ class LLM:
         sampling values are copied into the captured buffers.
         """
         if not self.cuda_graphs and not self.enable_prefix_caching:
-            return self.decoder.new_state(batch, max_len, sampling), self.decoder.round, None
+            st = self._allocated(lambda: self.decoder.new_state(batch, max_len, sampling))
+            return st, self.decoder.round, None
         key = state_key(batch, max_len)
         if not self.cuda_graphs:  # prefix caching: the last state is kept, with what it holds
             if self._kept is None or _key_of(self._kept) != key:
                 self._kept = None  # its caches go before the new ones are made
-                self._kept = self.decoder.new_state(batch, key[1], sampling)
+                self._kept = self._allocated(lambda: self.decoder.new_state(batch, key[1], sampling))
             self._kept.sampling = sampling
             return self._kept, self.decoder.round, None
         if key in self._graphs:
             self._graphs.move_to_end(key)  # now the most recently used
         else:
-            self._graphs[key] = GraphedState(self.decoder, *key, sampling)
+            self._graphs[key] = self._allocated(lambda: GraphedState(self.decoder, *key, sampling))
         g = self._graphs[key]
         return g.st, g.use(sampling), g
+
+    def _allocated(self, make):
+        """make(): a new batch state, its caches allocated on every rank. If they do not
+        fit on some rank, every rank raises at this point, before any collective of the
+        batch: the ranks stay in step and the engine goes on (a request too large for the
+        memory must not end a tensor-parallel server, as it does not end a single GPU's)."""
+        try:
+            made, err = make(), None
+        except (TreeflashError, torch.OutOfMemoryError) as e:
+            made, err = None, e
+        if self.tp_size == 1:
+            if err is not None:
+                raise err
+            return made
+        failed = torch.zeros(self.tp_size, dtype=torch.int32, device=self.device)
+        failed[self._tp.rank] = err is not None
+        self._tp.group.all_reduce(failed)
+        ranks = failed.nonzero().flatten().tolist()
+        if not ranks:
+            return made
+        made = None
+        raise InStepError(str(err).splitlines()[0] if err is not None else
+                          f"tensor-parallel rank {ranks[0]} has not enough memory for this batch's caches")
 
     def _accept(self, got: list[int], out: list[int], p: SamplingParams, limit: int) -> str | None:
         """Append committed tokens up to EOS / the token limit; return the stop reason."""

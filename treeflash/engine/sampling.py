@@ -68,6 +68,7 @@ class SamplingParams:
             bad(f"stop must be a string or a list of strings, got {self.stop!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop must be a list of non-empty strings")
+        self.stop = [str(s) for s in self.stop]  # plain: a subclass may not unpickle in a TP worker
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(

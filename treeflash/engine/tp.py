@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from treeflash.distributed import TPGroup
-from treeflash.errors import TreeflashError, UsageError
+from treeflash.errors import InStepError, TreeflashError, UsageError
 
 WORKER_ENV = "TREEFLASH_TP_WORKER"   # set by the driver for the workers it starts
 FAULT_ENV = "TREEFLASH_TP_FAULT"     # "<rank>:<command number>": that worker fails there (tests)
@@ -409,9 +409,10 @@ class Runtime:
             raise TreeflashError("the tensor-parallel workers have been shut down; create a new LLM")
 
     def post(self, op: str, eid, payload=None, collect: bool = False) -> int:
+        data = pickle.dumps((op, eid, payload, collect, self.pending_drops))  # if it fails, nothing was sent
+        self.pending_drops = []
         self.seq += 1
-        drops, self.pending_drops = self.pending_drops, []
-        self.store.set(f"cmd/{self.seq}", pickle.dumps((op, eid, payload, collect, drops)))
+        self.store.set(f"cmd/{self.seq}", data)
         return self.seq
 
     def new_engine(self, kwargs: dict) -> Engine:
@@ -422,6 +423,8 @@ class Runtime:
 
     def call(self, eid: int, obj, name: str, args, collect: bool):
         self.check()
+        if eid not in self.engines:  # the workers have dropped it: they must not be asked
+            raise TreeflashError("this LLM has been closed; create a new one")
         seq = self.post("call", eid, (name, args), collect)
         self.busy = True
         try:
@@ -429,6 +432,8 @@ class Runtime:
             if self.failure is not None:  # a worker died and the collectives were aborted under us
                 raise TreeflashError(self.failure)
             return [out] + self.replies(seq) if collect else out
+        except InStepError:  # every rank raised it at the same point: still in step
+            raise
         except BaseException as e:
             err = self.fail(e)
             if err is e:
@@ -623,7 +628,11 @@ class Runtime:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.store.set(f"left/{self.rank}", b"1")
-        self.store.wait([f"left/{r}" for r in range(self.size)], _td(GRACE_S))
+        keys, deadline = [f"left/{r}" for r in range(self.size)], time.monotonic() + GRACE_S
+        while not self.store.check(keys):  # not for a worker that died meanwhile (the driver sees it)
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs.values()):
+                raise TreeflashError("the tensor-parallel ranks did not all stop together")
+            time.sleep(0.005)
         self.park()
 
     # ---------------------------------------------------------------- worker
@@ -663,7 +672,10 @@ class Runtime:
                     self.reply(one_line(e))
             elif op == "call":
                 name, args = payload
-                out = getattr(engines[eid], name)(*args)
+                try:
+                    out = getattr(engines[eid], name)(*args)
+                except InStepError:  # the driver raised it too, and reports it
+                    continue
                 if collect:
                     self.reply(out)
 
