@@ -223,8 +223,15 @@ def test_generation_stops_at_the_context_limit(hf_checkpoint):
     ({"stop_token_ids": [10_000]}, "outside the vocabulary"),
 ])
 def test_bad_sampling_params_raise_usage_error(llm, kwargs, what):
+    """Where the caller makes them, as in vLLM; token ids against the vocabulary once a
+    model is known (generate)."""
+    if what != "outside the vocabulary":
+        with pytest.raises(UsageError, match=what):
+            SamplingParams(**kwargs)
+        return
+    params = SamplingParams(**kwargs)
     with pytest.raises(UsageError, match=what):
-        llm.generate(ENGINE_PROMPTS[0], SamplingParams(**kwargs))
+        llm.generate(ENGINE_PROMPTS[0], params)
 
 
 @pytest.mark.parametrize("prompts,what", [("", "empty prompt"), ([[]], "empty prompt"),

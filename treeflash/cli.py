@@ -133,8 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     g = sub.add_parser("generate", help="generate text for one prompt or a file of prompts")
     g.add_argument("prompt", nargs="?", help="the prompt text")
-    g.add_argument("--prompt-file", help="one prompt per line (\\n for a newline), or a .jsonl file of "
-                                                "objects with a 'prompt' field")
+    g.add_argument("--prompt-file", help="one prompt per line (\\n for a newline; empty lines skipped), or a "
+                                         ".jsonl file of objects with a 'prompt' field")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     g.add_argument("--logprobs", type=int, metavar="N", help="with --json: each token's log-probability "
                                                              "and its N most likely alternatives' (N <= 20)")

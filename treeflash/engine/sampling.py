@@ -41,6 +41,9 @@ class SamplingParams:
     skip_special_tokens: bool = True          # leave special tokens' text out of the output text
     include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
 
+    def __post_init__(self):
+        self.validate()  # where the caller makes it, as in vLLM; `generate` checks the vocabulary too
+
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         def bad(msg):
             raise UsageError(f"invalid sampling parameters: {msg}")

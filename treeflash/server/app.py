@@ -31,8 +31,9 @@ from starlette.routing import Route
 
 from treeflash.errors import TreeflashError
 from treeflash.server.metrics import ServerMetrics
-from treeflash.server.protocol import (APIError, Request, SamplingDefaults, chunk, logprobs_body, parse_chat,
-                                      parse_completion, parse_detokenize, parse_tokenize, response, usage)
+from treeflash.server.protocol import (APIError, Request, SamplingDefaults, check_model, chunk, logprobs_body,
+                                      parse_chat, parse_completion, parse_detokenize, parse_tokenize, response,
+                                      usage)
 from treeflash.tokenizer import TextStream
 
 _DONE = object()  # end of a streamed job's deltas
@@ -385,12 +386,23 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         return await serve(request, lambda body: parse_chat(body, served, chat_template, llm.encode,
                                                             llm.max_model_len, defaults, llm.config.vocab_size))
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "treeflash",
+                "max_model_len": llm.max_model_len}
+
     async def models(request: HTTPRequest):
         if (refused := unauthorized(request)) is not None:
             return refused
-        return AsciiJSONResponse({"object": "list", "data": [{
-            "id": name, "object": "model", "created": 0, "owned_by": "treeflash",
-            "max_model_len": llm.max_model_len} for name in served]})
+        return AsciiJSONResponse({"object": "list", "data": [model_card(name) for name in served]})
+
+    async def model(request: HTTPRequest):  # OpenAI's retrieve-model route
+        if (refused := unauthorized(request)) is not None:
+            return refused
+        try:
+            check_model({"model": request.path_params["name"]}, served)
+        except APIError as e:
+            return error_response(e)
+        return AsciiJSONResponse(model_card(request.path_params["name"]))
 
     async def health(_):
         return AsciiJSONResponse({"status": "ok"})
@@ -440,7 +452,7 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         shutdown()
 
     routes = [Route("/health", guarded(health)), Route("/metrics", guarded(metrics)),
-              Route("/v1/models", guarded(models)),
+              Route("/v1/models", guarded(models)), Route("/v1/models/{name:path}", guarded(model)),
               Route("/v1/completions", guarded(completions), methods=["POST"]),
               Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
               Route("/tokenize", guarded(tokenize), methods=["POST"]),

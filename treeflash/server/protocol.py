@@ -93,10 +93,9 @@ class SamplingDefaults:
                 got[k] = int(got[k])
         if got.get("top_k") == -1:
             got["top_k"] = 0
-        params = SamplingParams(temperature=got.get("temperature", 1.0), top_p=got.get("top_p", 1.0),
-                                top_k=got.get("top_k", 0), max_new_tokens=got.get("max_new_tokens", 1))
         try:
-            params.validate()
+            params = SamplingParams(temperature=got.get("temperature", 1.0), top_p=got.get("top_p", 1.0),
+                                    top_k=got.get("top_k", 0), max_new_tokens=got.get("max_new_tokens", 1))
         except TreeflashError as e:
             raise UsageError(f"{path}: {e}") from None
         ignored = tuple(f"{k} {config[k]}" for k, off in (("repetition_penalty", 1), ("min_p", 0))
@@ -207,17 +206,16 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
     if stop_ids and vocab_size is not None and max(stop_ids) >= vocab_size:
         raise APIError(f"stop token id {max(stop_ids)} is outside the vocabulary of {vocab_size}",
                        param="stop_token_ids")
-    params = SamplingParams(
-        max_new_tokens=max_tokens,
-        temperature=float(_number(body, "temperature", defaults.temperature, (int, float), 0, 2)),
-        top_k=0 if top_k == -1 else top_k,
-        top_p=float(_number(body, "top_p", defaults.top_p, (int, float), 0, 1, lo_open=True)),
-        seed=_number(body, "seed", None, int, 0, 2 ** 63 - 1), stop=stop,
-        ignore_eos=_flag(body, "ignore_eos", False), stop_token_ids=list(stop_ids or []),
-        logprobs=_logprobs(body, kind), skip_special_tokens=_flag(body, "skip_special_tokens", True),
-        include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False))
     try:
-        return params.validate()
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=float(_number(body, "temperature", defaults.temperature, (int, float), 0, 2)),
+            top_k=0 if top_k == -1 else top_k,
+            top_p=float(_number(body, "top_p", defaults.top_p, (int, float), 0, 1, lo_open=True)),
+            seed=_number(body, "seed", None, int, 0, 2 ** 63 - 1), stop=stop,
+            ignore_eos=_flag(body, "ignore_eos", False), stop_token_ids=list(stop_ids or []),
+            logprobs=_logprobs(body, kind), skip_special_tokens=_flag(body, "skip_special_tokens", True),
+            include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False))
     except TreeflashError as e:
         raise APIError(str(e)) from None
 
@@ -271,7 +269,8 @@ def check_model(body: dict, served: str | tuple[str, ...]) -> None:
     if model is not None and not isinstance(model, str):
         raise APIError(f"'model' must be a string, got {_short(model)}", param="model")
     if model is not None and model not in names:
-        raise APIError(f"the model {_short(model)} does not exist (this server serves '{names[0]}')",
+        raise APIError(f"the model {_short(model)} does not exist (this server serves "
+                       f"{', '.join(repr(n) for n in names)})",
                        status=404, param="model", code="model_not_found")
 
 
