@@ -615,7 +615,7 @@ def test_routes_and_errors_outside_the_api(client, llm, chat_model):
     assert r.status_code == 405 and r.headers["allow"] == "POST"
     with TestClient(build_app(llm, "tiny", None, aliases=("tiny-2", "./tiny"))) as c:  # every name it answers to
         assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny", "tiny-2", "./tiny"]
-        assert c.get("/v1/models/./tiny").json()["id"] == "./tiny"  # OpenAI's retrieve-model route
+        assert c.get("/v1/models/tiny-2").json()["id"] == "tiny-2"  # OpenAI's retrieve-model route
         r = c.get("/v1/models/other")
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         assert "'tiny', 'tiny-2', './tiny'" in r.json()["error"]["message"]
