@@ -9,6 +9,7 @@ request sets and driver script are reused here.
   float32, where a different reduction order cannot flip a near-tie as bf16 can.
 - Logprobs (gathered over the vocabulary shards) equal TP = 1's.
 - Prefix caching reuses the conversation on both ranks, with TP = 1's tokens.
+- A batch too large for the GPUs fails with one line and the engine goes on.
 - Closing an engine whose rounds ran as CUDA graphs returns at once.
 - A worker killed mid-generation ends the driver promptly with one line naming the rank
   (graphs on: the NCCL kernels waiting on the dead peer sit inside a replayed graph),
@@ -128,6 +129,21 @@ def test_prefix_caching_under_tp(graphs, engines):
     got = tp2.generate(turns, params)
     assert [o.stats["cached_tokens"] for o in got] == [len(f) + len(a.token_ids) - 1 for f, a in zip(firsts, answers)]
     assert [o.token_ids for o in got] == [o.token_ids for o in tp1.generate(turns, params)]
+
+
+def test_a_batch_too_large_for_the_gpus_leaves_the_engine_working(engines):
+    """Caches that do not fit the GPUs fail with one line on both ranks at the same
+    point (an all-reduce of who failed, before any collective of the batch): the engine,
+    graphed, serves the next request with TP = 1's tokens."""
+    from treeflash import SamplingParams
+    from treeflash.errors import TreeflashError
+    tp2, tp1 = engines("qwen3-8b-widths", "ddtree", 2, True), engines("qwen3-8b-widths", "ddtree", 1, True)
+    per_request = 2 * 2 * 4 * 2048 * 128 * 4  # K and V, 2 layers, 4 KV heads per rank, 2048 slots, D 128, fp32
+    batch = 4 * torch.cuda.mem_get_info(0)[0] // per_request
+    with pytest.raises(TreeflashError, match="not enough cuda memory for a KVCache"):
+        tp2.generate([[5, 6, 7]] * batch, SamplingParams(max_new_tokens=2000, ignore_eos=True))
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    assert tp2.generate(BATCH, params)[0].token_ids == tp1.generate(BATCH, params)[0].token_ids
 
 
 # test_tp's driver script on the GPU: argv[6] turns CUDA graphs on or off
