@@ -295,7 +295,8 @@ class LLM:
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         # every rank builds the same engine from these arguments (workers get them from rank 0)
         # absolute: a worker resolves a relative path in the folder it started in
-        args = dict(model=os.path.abspath(model), draft_model=None if draft_model is None else os.path.abspath(draft_model),
+        args = dict(model=os.path.abspath(model),
+                    draft_model=None if draft_model is None else os.path.abspath(draft_model),
                     method=method, budget=budget, device=device, dtype=dtype, max_model_len=max_model_len,
                     max_budget=max_budget, tp=tp, cuda_graphs=cuda_graphs, draft_mode=draft_mode,
                     enable_prefix_caching=enable_prefix_caching)
@@ -724,7 +725,6 @@ class LLM:
         ranks = failed.nonzero().flatten().tolist()
         if not ranks:
             return made
-        made = None
         raise InStepError(str(err).splitlines()[0] if err is not None else
                           f"tensor-parallel rank {ranks[0]} has not enough memory for this batch's caches")
 
