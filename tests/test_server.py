@@ -910,6 +910,9 @@ def test_treeflash_serve_answers_concurrent_clients(llm):
     finally:
         proc.terminate()
         proc.wait(30)
+    log = proc.stdout.read()  # a line per API request, as vLLM's (not the /health probes)
+    assert log.count('"POST /v1/completions HTTP/1.1" 200') >= 4 and '"POST /v1/completions HTTP/1.1" 400' in log
+    assert "/health" not in log
 
 
 def test_chat_template_sources_and_failures(tmp_path, llm):

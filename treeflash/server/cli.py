@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import sys
@@ -35,6 +36,8 @@ def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
                    help="sampling defaults (temperature, top_p, top_k) for requests that leave them out: "
                         "auto takes the model's generation_config.json, as vLLM does; none: OpenAI's "
                         "(temperature 1, top_p 1)")
+    s.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no line per request on stdout (as vLLM's flag; /health and /metrics are never logged)")
     s.set_defaults(func=cmd_serve)
     return s
 
@@ -110,9 +113,15 @@ def cmd_serve(args) -> int:
             threading.Thread(target=app.state.drain, name="treeflash-drain", daemon=True).start()
             super().handle_exit(sig, frame)
 
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5,
+                            access_log=not args.disable_uvicorn_access_log)
+    if config.access_log:  # one line per API request, as vLLM prints; not uvicorn's other info lines
+        access = logging.getLogger("uvicorn.access")
+        access.setLevel(logging.INFO)
+        access.addFilter(lambda record: not str(record.args[2] if len(record.args) > 2 else "").startswith(
+            ("/health", "/metrics")))
     try:
-        Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                              timeout_graceful_shutdown=5)).run()
+        Server(config).run()
     finally:
         app.state.shutdown()
     return 0
