@@ -271,6 +271,9 @@ def test_bad_constructor_arguments(hf_checkpoint):
         LLM(path, device="cpu", dtype="float8")
     with pytest.raises(UsageError, match="device"):
         LLM(path, device="tpu")
+    if not torch.cuda.is_available():  # the device as asked for
+        with pytest.raises(UsageError, match="device 'cuda:0' requested but no CUDA GPU is available"):
+            LLM(path, device="cuda:0")
     with pytest.raises(UsageError, match="draft model"):
         LLM(path, device="cpu", method="ddtree")
     with pytest.raises(TreeflashError, match="not found"):

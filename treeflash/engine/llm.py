@@ -109,7 +109,7 @@ def resolve_device(device: str) -> torch.device:
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise UsageError(f"unknown device '{device}' (choose auto, cpu or cuda)")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError("device 'cuda' requested but no CUDA GPU is available")
+        raise UsageError(f"device '{device}' requested but no CUDA GPU is available")
     if device.startswith("cuda:") and not (device[5:].isdigit() and int(device[5:]) < torch.cuda.device_count()):
         raise UsageError(f"unknown device '{device}' (this machine has cuda:0 to "
                          f"cuda:{torch.cuda.device_count() - 1})")
