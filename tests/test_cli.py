@@ -223,13 +223,13 @@ def test_missing_tokenizer(capsys, broken):
 
 def test_prompt_longer_than_the_context_limit(capsys, model):
     long = ENGINE_PROMPTS[1]
-    assert_error(*run(capsys, long, "--model", model, "--device", "cpu", "--max-model-len", 8), 1,
-                 "context limit", "8")
+    assert_error(*run(capsys, long, "--model", model, "--device", "cpu", "--max-model-len", 8), 2,
+                 "context limit", "8")  # bad input, as an empty prompt: a usage error
 
 
 def test_prompt_longer_than_max_position_embeddings(capsys, broken):
     edit_config(broken, lambda c: c.update(max_position_embeddings=6))
-    assert_error(*run(capsys, ENGINE_PROMPTS[1], "--model", broken, "--device", "cpu"), 1,
+    assert_error(*run(capsys, ENGINE_PROMPTS[1], "--model", broken, "--device", "cpu"), 2,
                  "context limit")
 
 

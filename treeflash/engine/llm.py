@@ -384,8 +384,8 @@ class LLM:
             raise TreeflashError(f"the tokenizer produced token id {max(ids)}, outside the model's vocabulary "
                                  f"of {self.config.vocab_size}: tokenizer and checkpoint do not match")
         if len(ids) >= self.max_model_len:
-            raise TreeflashError(f"prompt of {len(ids)} tokens does not fit the context limit of "
-                                 f"{self.max_model_len} tokens")
+            raise UsageError(f"prompt of {len(ids)} tokens does not fit the context limit of "
+                             f"{self.max_model_len} tokens")
         return ids
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
