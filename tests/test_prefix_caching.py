@@ -130,8 +130,8 @@ def _cpu_graphs(monkeypatch, llm: LLM) -> LLM:
 def test_graphed_states_reuse_only_in_a_captured_mode(monkeypatch):
     """On a graphed engine a next turn reuses the kept state only in a sampling mode
     already captured there: capturing a new one runs warm-up rounds on the state from
-    slot 0, over the conversation it holds. Long prompts (past 512 padded tokens: those
-    that would prefill eagerly) reuse; tokens equal an engine's without prefix caching."""
+    slot 0, over the conversation it holds (a 560-token one here). Tokens equal an
+    engine's without prefix caching."""
     llm = _cpu_graphs(monkeypatch, LLM(method="dflash", device="cpu", dtype="float64", enable_prefix_caching=True))
     fresh = LLM(method="dflash", device="cpu", dtype="float64")
     first = llm.encode("def fib(n):\n" * 150)[:560]
@@ -142,7 +142,7 @@ def test_graphed_states_reuse_only_in_a_captured_mode(monkeypatch):
         got = llm.generate(turn, params)[0]  # new modes: captured, nothing reused; then reused
         assert got.stats["cached_tokens"] == cached, (params, cached)
         assert got.token_ids == fresh.generate(turn, params)[0].token_ids, (params, cached)
-        short = llm.generate([5, 6, 7], params)[0]  # a short prompt replays its prefill graph
+        short = llm.generate([5, 6, 7], params)[0]  # nothing in common: a whole prefill (graphed)
         assert short.stats["cached_tokens"] == 0
         llm.generate(turn, params)  # the state holds this turn again
     assert set(llm._graphs[state_key(1, 1024)].rounds) >= {(True, True, False), (False, False, True)}
