@@ -28,7 +28,7 @@ from treeflash.tokenizer import Tokenizer, stop_cut
 
 DEFAULT_BUDGET = 64
 GRAPHED_PREFILL_MAX = 512  # padded prompt tokens of a batch up to which prefills are CUDA graphs:
-                           # past it compute dominates, and each shape's graph keeps its own memory
+                           # past it compute dominates (a longer cached rest runs in such chunks)
 GRAPH_STATES = 4           # batch states kept with their CUDA graphs (least recently used goes first),
 GRAPH_STATES_SHARE = 0.25  # while they take at most this share of the memory free after loading
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
@@ -238,12 +238,12 @@ class LLM:
     starts tp - 1 worker processes (one per GPU, or gloo on CPU) that each hold a slice
     of the weights; see `treeflash.engine.tp`. Under torchrun, every rank calls `LLM`
     alike and only rank 0 returns. `close()` (or garbage collection, or exit) stops them.
-    enable_prefix_caching: a batch whose prompts begin with what the batch before them
-    held (a chat's next turn: the conversation so far, its last answer included) runs
-    on that batch's caches and prefills only the rest, when its whole prompt would have
-    prefilled eagerly (without CUDA graphs, or longer than a graphed prefill). The
-    tokens are those of a prefill over the whole prompt up to rounding: a reused
-    position's K/V came from the forward that committed it.
+    enable_prefix_caching: a batch whose prompts begin with what a kept batch state of
+    its size holds (a chat's next turn: the conversation so far, its last answer
+    included) prefills only the rest, on those caches (copied into a larger state if the
+    turn needs one), in chunks that replay CUDA graphs. The tokens are those of a
+    prefill over the whole prompt up to rounding: a reused position's K/V came from the
+    forward that committed it.
     """
 
     def __init__(self, model: str | Path | None = None, draft_model: str | Path | None = None,
