@@ -262,9 +262,7 @@ class SpeculativeDecoder:
             idx = w.path[:, :, None].expand(-1, -1, feats.shape[-1])
             self.drafter.commit_context(st.draft_cache, feats.gather(1, idx),
                                         positions.gather(1, w.path), st.n, counts)
-        path_tokens = tree.tokens.gather(1, w.path)
-        new = torch.cat([path_tokens[:, 1:], w.bonus[:, None]], dim=1)
-        new.scatter_(1, w.accepted[:, None], w.bonus[:, None])
+        new = w.new
         st.n += counts
         st.anchor.copy_(torch.where(st.active, w.bonus, st.anchor))
         logprobs = None

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from treeflash.ops import fused_enabled
+
 
 @dataclass
 class DraftTree:
@@ -155,11 +157,18 @@ class WalkResult:
     accepted: torch.Tensor     # [B] its depth a (a draft tokens accepted)
     path: torch.Tensor         # [B, D+1] node index at depth 0..D on the path to `best` (past a: repeats)
     bonus: torch.Tensor        # [B] the target's token at `best`
+    new: torch.Tensor          # [B, D+1] the round's new tokens: the a accepted draft tokens, then
+                               # the bonus (past it: filler)
 
 
 def walk(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int) -> WalkResult:
     """Accept every node whose edges from the root all match the target's tokens;
-    keep the deepest. Static shapes: `accepted = (ancestors @ mismatch) == 0`."""
+    keep the deepest. Static shapes: `accepted = (ancestors @ mismatch) == 0`. One
+    launch on the fused path (`kernels.walk`; here ~25 small kernels)."""
+    if fused_enabled(target_tokens):
+        from treeflash.kernels.walk import walk_fused
+        return WalkResult(*walk_fused(tree.tokens, tree.parents, tree.depths, tree.valid, tree.ancestors,
+                                      target_tokens, max_depth))
     parent_token = target_tokens.gather(1, tree.parents)
     mismatch = (tree.tokens != parent_token) | ~tree.valid
     mismatch[:, 0] = False
@@ -173,4 +182,6 @@ def walk(tree: DraftTree, target_tokens: torch.Tensor, max_depth: int) -> WalkRe
     hit = on_path[:, None, :] & (tree.depths[:, None, :] == d[None, :, None])    # [B, D+1, M]
     path = torch.where(hit.any(-1), hit.float().argmax(-1), best[:, None])
     bonus = target_tokens.gather(1, best[:, None])[:, 0]
-    return WalkResult(best, depth, path, bonus)
+    new = torch.cat([tree.tokens.gather(1, path)[:, 1:], bonus[:, None]], dim=1)
+    new.scatter_(1, depth[:, None], bonus[:, None])
+    return WalkResult(best, depth, path, bonus, new)

@@ -1,0 +1,116 @@
+"""The one-launch walk and cache compaction (kernels/walk.py) against the torch walk
+and `KVCache.compact`: on CUDA, or on CPU in the Triton interpreter (a CPU-only test
+re-runs this file's kernel tests there, in a subprocess)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_tree import PARENTS, TOKENS, make_tree, random_logprobs
+
+from treeflash.engine.kv_cache import KVCache
+from treeflash.engine.tree import build_chain, build_tree, empty_tree, walk
+
+pytest.importorskip("triton")
+from treeflash.kernels.walk import compact_fused, walk_fused  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+kernel = pytest.mark.skipif(not (CUDA or INTERPRET), reason="the kernel runs on CUDA or in the Triton interpreter")
+FIELDS = ("best", "accepted", "path", "bonus", "new")
+
+
+def check_walk(tree, target, depth):
+    """walk_fused on DEV equals the torch walk on the CPU, field for field."""
+    ref = walk(tree, target, depth)
+    got = walk_fused(*(t.to(DEV) for t in (tree.tokens, tree.parents, tree.depths, tree.valid, tree.ancestors,
+                                           target)), depth)
+    for name, g in zip(FIELDS, got):
+        assert g.dtype == torch.long and torch.equal(g.cpu(), getattr(ref, name)), name
+    return ref
+
+
+def matching_target(tree, accept: float, seed: int) -> torch.Tensor:
+    """Target tokens that agree with a random share of the tree's edges: the target's
+    token at node i is one of i's children's tokens with probability `accept`."""
+    g = torch.Generator().manual_seed(seed)
+    B, M = tree.tokens.shape
+    target = torch.randint(0, 10**6, (B, M), generator=g)
+    for b in range(B):
+        for i in range(M - 1, 0, -1):  # the first child wins: the walk's path is unique anyway
+            if torch.rand(1, generator=g).item() < accept:
+                target[b, tree.parents[b, i]] = tree.tokens[b, i]
+    return target
+
+
+@kernel
+def test_walk_on_hand_built_trees():
+    """The hand-built tree of test_tree (a mismatch hides its subtree; padding is never
+    accepted; nothing accepted) in one batch."""
+    target = torch.tensor([[6, 7, 9, 10, 0, 11, 0, 4], [5, 7, 0, 10, 0, 0, 3, 0],
+                           [42, 7, 9, 10, 0, 11, 0, 0], [6, 7, 9, 10, 0, 1, 0, 0], [6, 7, 9, 10, 0, 11, 0, 4]])
+    valid = [[True] * 8] * 4 + [[True, True, True, True, True, True, True, False]]
+    ref = check_walk(make_tree([PARENTS] * 5, [TOKENS] * 5, valid), target, 3)
+    assert ref.best.tolist() == [7, 6, 0, 5, 5]
+    assert ref.new[1].tolist() == [5, 7, 10, 3]  # three accepted tokens, then the bonus
+
+
+@kernel
+@pytest.mark.parametrize("B,D,V,budget", [(1, 15, 300, 32), (3, 15, 50, 64), (2, 7, 1000, 256),
+                                          (2, 3, 3, 64), (1, 15, 4096, 512)])
+def test_walk_on_built_trees(B, D, V, budget):
+    """DDTrees (padding nodes included where the vocabulary is short) against targets
+    that accept nothing, some, or every edge they can."""
+    tree = build_tree(random_logprobs(B, D, V, seed=budget), torch.arange(B) + 3, budget)
+    for seed, accept in enumerate([0.0, 0.3, 0.7, 1.0]):
+        ref = check_walk(tree, matching_target(tree, accept, seed), D)
+        if accept == 1.0:
+            assert int(ref.accepted.max()) >= 1
+
+
+@kernel
+@pytest.mark.parametrize("D", [1, 3, 15])
+def test_walk_on_chains_and_the_empty_tree(D):
+    B = 3
+    chain = build_chain(random_logprobs(B, D, 50, seed=D), torch.tensor([1, 2, 3]))
+    for seed, accept in enumerate([0.0, 0.5, 1.0]):
+        check_walk(chain, matching_target(chain, accept, seed), D)
+    ar = empty_tree(torch.tensor([4, 5, 6]))
+    ref = check_walk(ar, torch.tensor([[7], [8], [9]]), 0)
+    assert ref.new.tolist() == [[7], [8], [9]]
+
+
+@kernel
+@pytest.mark.parametrize("L,B,H,S,D,P", [(2, 1, 2, 40, 64, 16), (3, 3, 1, 64, 16, 9), (1, 2, 4, 32, 128, 1)])
+def test_compact_matches_torch(L, B, H, S, D, P):
+    """Paths whose moves overlap (slot 2 <- 3 while slot 1 <- 2, as a second sibling's
+    child makes them), past-the-path repeats, and per-request prefix lengths."""
+    g = torch.Generator().manual_seed(L * 100 + P)
+    ref = KVCache(L, B, H, S, D, torch.float32, "cpu")
+    ref.k.copy_(torch.randn(ref.k.shape, generator=g))
+    ref.v.copy_(torch.randn(ref.v.shape, generator=g))
+    k, v = ref.k.to(DEV), ref.v.to(DEV)
+    prefix = torch.tensor([3, 11, 0][:B])
+    src = torch.zeros(B, P, dtype=torch.long)
+    for b in range(B):
+        path = [0, 2, 3, 7, 8][:P]
+        src[b] = torch.tensor(path + [path[-1]] * (P - len(path)))
+    ref.compact(prefix, src)
+    compact_fused(k, v, prefix.to(DEV), src.to(DEV))
+    assert torch.equal(k.cpu(), ref.k) and torch.equal(v.cpu(), ref.v)
+
+
+@pytest.mark.skipif(CUDA or INTERPRET, reason="runs the kernel tests itself")
+def test_kernels_in_the_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "not interpreter"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert re.search(r"\b12 passed", proc.stdout), proc.stdout[-2000:]
