@@ -118,12 +118,46 @@ def test_row_argmax_matches_argmax(dtype, shape):
     assert torch.equal(row_argmax(x.to(DEV)).cpu(), x.argmax(-1))
 
 
+@gpu_or_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scaling", [None, {"factor": 8.0, "original_max_position_embeddings": 8192}])
+def test_cos_sin_matches_the_rotary_layer(dtype, scaling):
+    """RoPE's cos/sin in one launch: on CUDA the very bits of the torch layer (the same
+    float32 products, the same libdevice cos/sin), at positions up to a million; in the
+    interpreter (numpy's cos) within a float32 rounding."""
+    from treeflash.layers.rotary import RotaryEmbedding
+    from treeflash.ops.fused import cos_sin
+    rot = RotaryEmbedding(128, 5e5, scaling)
+    pos = torch.tensor([[0, 1, 2, 3, 4095, 4096, 131071, 999_999]] * 2) + torch.tensor([[0], [7]])
+    pos = pos.to(DEV)
+    ref = rot.cos_sin(pos, dtype)  # grad enabled: the torch layer
+    got = cos_sin(pos, rot.inv_freq.to(DEV), dtype)
+    for g, r in zip(got, ref):
+        assert g.shape == r.shape == (2, 8, 128) and g.dtype == dtype
+        assert torch.equal(g, r) if CUDA else (g - r).abs().max() <= 1e-6
+
+
+@gpu_or_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,H,ids_shape", [(4096, 384, (2, 16)), (10, 64, (1,)), (50, 5000, (3, 7))])
+def test_embedding_rows_match_torch(dtype, rows, H, ids_shape):
+    """The embedding lookup in one launch (a row wider than one block: two programs per
+    token): F.embedding's rows, repeated ids included."""
+    from treeflash.ops.fused import gather_rows
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(rows, H, generator=g).to(dtype)
+    ids = torch.randint(0, rows, ids_shape, generator=g)
+    ids.view(-1)[0] = rows - 1
+    ids.view(-1)[-1] = ids.view(-1)[0]
+    assert torch.equal(gather_rows(weight.to(DEV), ids.to(DEV)).cpu(), F.embedding(ids, weight))
+
+
 @pytest.mark.skipif(CUDA or INTERPRET, reason="runs the kernel tests itself")
 def test_ops_in_the_triton_interpreter():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "gemv_matches or rope_into_cache or row_argmax"], cwd=Path(__file__).resolve().parent.parent,
+                           "-k", "gemv_matches or rope_into_cache or row_argmax or cos_sin or embedding_rows"], cwd=Path(__file__).resolve().parent.parent,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert re.search(r"\b11 passed", proc.stdout)
+    assert re.search(r"\b16 passed", proc.stdout)

@@ -15,13 +15,13 @@ CUDA graph (`GraphedRound`); the host only reads back the committed tokens.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from treeflash.engine.kv_cache import DraftContextCache, KVCache
 from treeflash.engine.sampling import MAX_LOGPROBS, SamplingBatch, gumbel_noise, logprobs_of, sample
-from treeflash.engine.tree import DraftTree, build_chain_from_tokens, build_tree_from_topk, empty_tree, walk
+from treeflash.engine.tree import DraftTree, build_chain_from_tokens, build_tree_from_topk, walk
 from treeflash.errors import UsageError
 from treeflash.layers.attention import AttentionInputs
 from treeflash.models.dflash import DFlashDraftModel
@@ -103,6 +103,7 @@ class SpeculativeDecoder:
         self.taps = drafter.target_layer_ids if method != "ar" else []
         self.backend = attention_backend
         self.target_forwards = 0  # counted for tests: one per round, whatever the budget
+        self._chains: dict[tuple, DraftTree] = {}  # `chain`'s fixed fields, per (shape, device)
 
     @property
     def tree_slots(self) -> int:
@@ -224,8 +225,17 @@ class SpeculativeDecoder:
         """The round's tree. Draft decisions are made on vocabulary slices (local
         argmax / top-k, one all-gather of the candidates): every rank builds the same tree."""
         if self.method == "ar":
-            return empty_tree(st.anchor)
+            return self.chain(st.anchor.new_zeros(st.batch_size, 0), st.anchor)
         return self.tree_from_logits(self.draft_logits(st), st.anchor)
+
+    def chain(self, draft: torch.Tensor, anchor: torch.Tensor) -> DraftTree:
+        """The chain of draft tokens [B, D] below the anchor (D = 0: AR's root alone). Its
+        parents, depths, ancestors and validity are the same every round: made once per
+        batch size, so that a round launches only the concatenation (not ~10 kernels)."""
+        key = (draft.shape, draft.device)
+        if key not in self._chains:
+            self._chains[key] = build_chain_from_tokens(draft, anchor)
+        return replace(self._chains[key], tokens=torch.cat([anchor[:, None], draft], dim=1))
 
     def tree_from_logits(self, logits: torch.Tensor, anchor: torch.Tensor) -> DraftTree:
         """The chain (dflash) or the DDTree of `budget` nodes below `anchor`, from this
@@ -233,7 +243,7 @@ class SpeculativeDecoder:
         tp = self.tp
         start = tp.rank * logits.shape[-1]
         if self.method == "dflash":
-            return build_chain_from_tokens(tp.argmax(logits, start), anchor)
+            return self.chain(tp.argmax(logits, start), anchor)
         k = min(self.budget, self.target.lm_head.vocab_size)
         vals, ids = tp.topk(logits, k, start, log_softmax=True)
         if fused_enabled(vals):  # one launch instead of ~100 (the same tree; equal scores may break differently)

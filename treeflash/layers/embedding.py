@@ -3,11 +3,10 @@ the vocabulary rows."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from treeflash.distributed import TPGroup
-from treeflash.ops import linear
+from treeflash.ops import embedding, linear
 
 
 class _VocabShard(nn.Module):
@@ -28,10 +27,10 @@ class _VocabShard(nn.Module):
 class VocabParallelEmbedding(_VocabShard):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return embedding(ids, self.weight)
         local = ids - self.start
         inside = (local >= 0) & (local < self.rows)
-        out = F.embedding(local.clamp(0, self.rows - 1), self.weight) * inside[..., None]
+        out = embedding(local.clamp(0, self.rows - 1), self.weight) * inside[..., None]
         return self.tp.all_reduce(out)
 
 

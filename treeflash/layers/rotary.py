@@ -5,6 +5,8 @@ import math
 import torch
 from torch import nn
 
+from treeflash.ops import fused_enabled
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -34,6 +36,9 @@ class RotaryEmbedding(nn.Module):
         """cos, sin of shape [B, T, head_dim] for integer positions [B, T]."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
+        if fused_enabled(positions) and self.inv_freq.numel() & (self.inv_freq.numel() - 1) == 0:
+            from treeflash.ops.fused import cos_sin
+            return cos_sin(positions, self.inv_freq, dtype)
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)

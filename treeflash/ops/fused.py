@@ -2,8 +2,8 @@
 
 At batch 1 a decode step is a long chain of tiny kernels; inside a CUDA graph each
 still costs a couple of microseconds. These kernels replace the multi-kernel torch
-versions of RMSNorm (with the residual add), q/k-norm + RoPE and SiLU-gating with one
-launch each. The torch code in `treeflash.layers` stays the reference (CPU, tests).
+versions of RMSNorm (with the residual add), q/k-norm + RoPE, RoPE's cos/sin and SiLU-gating
+with one launch each. The torch code in `treeflash.layers` stays the reference (CPU, tests).
 """
 from __future__ import annotations
 
@@ -44,6 +44,43 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                          HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(H))
     out = out.view(x.shape)
     return (total.view(x.shape), out) if residual is not None else out
+
+
+@triton.jit
+def _cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, D: tl.constexpr):
+    """Row (token): cos and sin of position * inv_freq, the D/2 frequencies twice."""
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, D)
+    freq = tl.load(pos_ptr + row).to(tl.float32) * tl.load(inv_ptr + j % (D // 2))
+    tl.store(cos_ptr + row * D + j, tl.cos(freq).to(cos_ptr.dtype.element_ty))
+    tl.store(sin_ptr + row * D + j, tl.sin(freq).to(sin_ptr.dtype.element_ty))
+
+
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """`RotaryEmbedding.cos_sin` (the same float32 products; tl.cos/tl.sin compile to
+    libdevice's cosf/sinf, as torch's CUDA kernels do) in one launch instead of six."""
+    D = 2 * inv_freq.numel()
+    cos = torch.empty(*positions.shape, D, dtype=dtype, device=positions.device)
+    sin = torch.empty_like(cos)
+    _cos_sin_kernel[(positions.numel(),)](positions.contiguous(), inv_freq, cos, sin, D=D)
+    return cos, sin
+
+
+@triton.jit
+def _gather_rows_kernel(w_ptr, ids_ptr, out_ptr, H, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    src = tl.load(ids_ptr + row)
+    tl.store(out_ptr + row * H + cols, tl.load(w_ptr + src * H + cols, mask=cols < H), mask=cols < H)
+
+
+def gather_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """weight[ids] for a contiguous [rows, H] table: [*ids.shape, H]."""
+    H = weight.shape[1]
+    out = torch.empty(*ids.shape, H, dtype=weight.dtype, device=weight.device)
+    BLOCK = min(triton.next_power_of_2(H), 4096)
+    _gather_rows_kernel[(ids.numel(), triton.cdiv(H, BLOCK))](weight, ids.contiguous(), out, H, BLOCK=BLOCK)
+    return out
 
 
 def heads_per_program(tokens: int) -> tuple[int, int]:
