@@ -29,7 +29,7 @@ from starlette.testclient import TestClient  # noqa: E402
 from treeflash import LLM, SamplingParams  # noqa: E402
 from treeflash.engine.llm import builtin_paths  # noqa: E402
 from treeflash.server.app import build_app  # noqa: E402
-from treeflash.server.chat import ChatTemplate  # noqa: E402
+from treeflash.chat import ChatTemplate  # noqa: E402
 from treeflash.tokenizer import TextStream  # noqa: E402
 
 PROMPT = "def fib(n):"
@@ -650,6 +650,30 @@ def test_an_unexpected_error_is_a_500_body_and_the_connection_stays(llm, monkeyp
         assert "TypeError: a bug" in r.json()["error"]["message"]
         assert c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
     assert any("TypeError: a bug" in m for m in caplog.messages)
+
+
+def test_llm_chat_is_what_the_chat_endpoint_gives(llm, client, monkeypatch):
+    """LLM.chat (vLLM's Python chat API): the template's rendering generated, the same
+    text as /v1/chat/completions; one output per conversation; bad messages and a model
+    without a template are one-line usage errors."""
+    from treeflash.errors import UsageError
+    talk = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": PROMPT}]
+    other = [{"role": "user", "content": [{"type": "text", "text": "def add(a, b):"}]}]
+    params = SamplingParams(max_new_tokens=16, temperature=0.0)
+    (out,) = llm.chat(talk, params)
+    rendered = "### system:\nYou write Python.\n### user:\ndef fib(n):\n### assistant:\n"
+    assert out.token_ids == llm.generate(llm.encode(rendered, special=False), params)[0].token_ids
+    r = client.post("/v1/chat/completions", json={"messages": talk, "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == out.text
+    both = llm.chat([talk, other], params)
+    assert [o.token_ids for o in both] == [out.token_ids, llm.chat(other, params)[0].token_ids]
+    for bad, message in [([], "conversation"), ("hi", "conversation"), ([{"role": "user"}], "messages\\[0\\]"),
+                         ([talk, [{"content": "x"}]], "'role'")]:
+        with pytest.raises(UsageError, match=message):
+            llm.chat(bad, params)
+    monkeypatch.setitem(llm.__dict__, "chat_template", None)
+    with pytest.raises(UsageError, match="no chat template"):
+        llm.chat(talk, params)
 
 
 def test_a_model_without_chat_template_refuses_chat(llm):

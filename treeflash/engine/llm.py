@@ -1,6 +1,7 @@
 """The user-facing API: `LLM(model, draft_model=..., method=...).generate(prompts, params)`."""
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import math
 import os
@@ -9,10 +10,12 @@ import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
+from treeflash.chat import ChatTemplate, plain_messages
 from treeflash.config import DTYPES, DraftConfig, ModelConfig
 from treeflash.engine.kv_cache import available_bytes
 from treeflash.engine.round import (METHODS, PREFILL_ALIGN, BatchState, GraphedState, SpeculativeDecoder,
@@ -300,6 +303,7 @@ class LLM:
                     method=method, budget=budget, device=device, dtype=dtype, max_model_len=max_model_len,
                     max_budget=max_budget, tp=tp, cuda_graphs=cuda_graphs, draft_mode=draft_mode,
                     enable_prefix_caching=enable_prefix_caching)
+        self.model_path = Path(args["model"])
         self._tp = tp_attach(tp, self.device, args, self.config, dcfg)
         self.tp_size, self.device = tp, self._tp.device
         try:
@@ -361,6 +365,30 @@ class LLM:
 
     def _rank_stats(self) -> dict:
         return {**self.load_stats, "pid": os.getpid()}
+
+    @cached_property
+    def chat_template(self) -> "ChatTemplate | None":
+        """The model folder's chat template (None: it has none)."""
+        if importlib.util.find_spec("jinja2") is None:
+            raise UsageError("a chat template needs jinja2: pip install 'treeflash[serve]'")
+        return ChatTemplate.from_folder(self.model_path)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             on_tokens=None, on_done=None) -> list[GenerationOutput]:
+        """The assistant's answers to a conversation ([{"role": ..., "content": ...}, ...])
+        or to each of a list of them: rendered by the model's chat template (which writes
+        its own special tokens), then `generate`d, as the server's /v1/chat/completions
+        does (vLLM's `LLM.chat`). Returns one output per conversation."""
+        one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if one else messages
+        if not isinstance(conversations, (list, tuple)) or not conversations:
+            raise UsageError("messages must be a conversation (a list of {'role', 'content'} messages) "
+                             "or a list of conversations")
+        if self.chat_template is None:
+            raise UsageError(f"{self.model_path} has no chat template (tokenizer_config.json 'chat_template' "
+                             "or chat_template.jinja): use generate")
+        prompts = [self.encode(self.chat_template.render(plain_messages(c)), special=False) for c in conversations]
+        return self.generate(prompts, sampling_params, on_tokens, on_done)
 
     def encode(self, prompt: str | list[int], special: bool = True) -> list[int]:
         """Checked token ids of a prompt; `special`: let the tokenizer add its special

@@ -77,7 +77,7 @@ def cmd_serve(args) -> int:
         import uvicorn
 
         from treeflash.server.app import build_app
-        from treeflash.server.chat import ChatTemplate
+        from treeflash.chat import ChatTemplate
         from treeflash.server.protocol import SamplingDefaults
     except ImportError as e:
         raise UsageError(f"treeflash serve needs the server packages ({e.name} is missing): "

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from treeflash.engine.sampling import MAX_LOGPROBS, SamplingParams
 from treeflash.errors import TreeflashError, UsageError
+from treeflash.chat import plain_messages
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
@@ -340,26 +341,10 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
 
 def render_chat(body: dict, template) -> str:
     """The body's messages (text only) as the chat template renders them."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError("'messages' must be a non-empty list of messages", param="messages")
-    plain = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
-            raise APIError(f"messages[{i}] must be an object with a non-empty string 'role'", param="messages")
-        content = m.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise APIError(f"messages[{i}]: only text content parts are supported", param="messages")
-            content = "\n".join(p["text"] for p in content)  # as vLLM joins text parts
-        if not isinstance(content, str):
-            raise APIError(f"messages[{i}] must have string 'content'", param="messages")
-        try:
-            content.encode("utf-8"), m["role"].encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate: a client cut a character in two
-            raise APIError(f"messages[{i}] must be valid Unicode text", param="messages") from None
-        plain.append({"role": m["role"], "content": content})
+    try:
+        plain = plain_messages(body.get("messages"))
+    except UsageError as e:
+        raise APIError(str(e), param="messages") from None
     if template is None:
         raise APIError("this model has no chat template (tokenizer_config.json 'chat_template'): "
                        "use /v1/completions")

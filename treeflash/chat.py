@@ -6,7 +6,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from treeflash.errors import TreeflashError
+from treeflash.errors import TreeflashError, UsageError
 
 
 def _token_text(value) -> str:
@@ -17,6 +17,32 @@ def _token_text(value) -> str:
 
 def _refuse(message: str):
     raise TreeflashError(message)
+
+
+def plain_messages(messages) -> list[dict]:
+    """A conversation as a template takes it: [{"role", "content"}] with text content
+    (OpenAI's list of text parts joined by newlines, as vLLM does); a UsageError names
+    the first message that is not one."""
+    if not isinstance(messages, list) or not messages:
+        raise UsageError("'messages' must be a non-empty list of messages")
+    plain = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
+            raise UsageError(f"messages[{i}] must be an object with a non-empty string 'role'")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise UsageError(f"messages[{i}]: only text content parts are supported")
+            content = "\n".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise UsageError(f"messages[{i}] must have string 'content'")
+        try:
+            content.encode("utf-8"), m["role"].encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: a client cut a character in two
+            raise UsageError(f"messages[{i}] must be valid Unicode text") from None
+        plain.append({"role": m["role"], "content": content})
+    return plain
 
 
 class ChatTemplate:
