@@ -53,7 +53,7 @@ def test_prefills_are_graphed_per_padded_length(pair):
     for p in prompts:
         assert llm.generate(p, params)[0].token_ids == eager.generate(p, params)[0].token_ids
         captures.append(llm.graph_captures)
-    shapes = sorted(k[-1] for g in llm._graphs.values() for k in g.prefills)
+    shapes = sorted(k[-1] for g in llm.states.graphed.values() for k in g.prefills)
     # round + prefill(32), prefill(64), the 600-token prompt eager, 32 and 64 again replayed
     assert captures == [2, 3, 3, 3, 3] and shapes == [32, 64]
 
@@ -102,7 +102,7 @@ def test_batch_sizes_keep_their_graphs(pair, monkeypatch):
     """The states of recent batch sizes are kept with their graphs (up to GRAPH_STATES,
     least recently used dropped first): a server's changing batch sizes replay graphs
     instead of capturing. Every output equals the eager engine's."""
-    import treeflash.engine.llm as llm_module
+    import treeflash.engine.states as states_module
     target, drafter = pair
     kw = dict(draft_model=drafter, method="ddtree", budget=16, device="cuda", dtype="float32")
     eager = LLM(target, cuda_graphs=False, **kw)
@@ -119,7 +119,7 @@ def test_batch_sizes_keep_their_graphs(pair, monkeypatch):
         run(batch)
     # each new size: round + prefill; 3 and 1 again: replayed
     assert captures == [2, 4, 6, 6, 8, 8]
-    monkeypatch.setattr(llm_module, "GRAPH_STATES", 2)
+    monkeypatch.setattr(states_module, "GRAPH_STATES", 2)
     for batch in (PROMPTS * 2, PROMPTS[:1], PROMPTS):
         run(batch)
     # 8 drops all but the most recent (1); 1 is replayed; 4 was dropped: captured again
@@ -191,4 +191,4 @@ def test_prefix_caching_on_graphed_engines(pair):
         assert got.token_ids == fresh.generate(turn, logprobs)[0].token_ids
         if i == 0:  # a sampling mode new to the only state is captured there (warm-up rounds
             assert got.stats["cached_tokens"] == 0  # from slot 0): nothing to reuse
-    assert any(key[-3] for g in llm._graphs.values() for key in g.prefills)  # a suffix prefill graph ran
+    assert any(key[-3] for g in llm.states.graphed.values() for key in g.prefills)  # a suffix prefill graph ran

@@ -8,7 +8,8 @@ import torch
 
 import treeflash.engine.round as round_module
 from treeflash import LLM, SamplingParams
-from treeflash.engine.llm import builtin_paths, state_key, suffix_chunks
+from treeflash.engine.llm import builtin_paths
+from treeflash.engine.states import state_key, suffix_chunks
 from treeflash.errors import UsageError
 
 GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
@@ -123,7 +124,8 @@ def _cpu_graphs(monkeypatch, llm: LLM) -> LLM:
     monkeypatch.setattr(round_module, "capture", capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 0)
-    llm.cuda_graphs, llm._states_budget = True, float("inf")
+    llm.cuda_graphs = llm.states.graphs = True
+    llm.states.budget = float("inf")
     return llm
 
 
@@ -145,7 +147,7 @@ def test_graphed_states_reuse_only_in_a_captured_mode(monkeypatch):
         short = llm.generate([5, 6, 7], params)[0]  # nothing in common: a whole prefill (graphed)
         assert short.stats["cached_tokens"] == 0
         llm.generate(turn, params)  # the state holds this turn again
-    assert set(llm._graphs[state_key(1, 1024)].rounds) >= {(True, True, False), (False, False, True)}
+    assert set(llm.states.graphed[state_key(1, 1024)].rounds) >= {(True, True, False), (False, False, True)}
 
 
 def test_graphed_engines_replay_suffix_prefills(monkeypatch):
@@ -169,7 +171,7 @@ def test_graphed_engines_replay_suffix_prefills(monkeypatch):
         assert [o.token_ids for o in got] == [o.token_ids for o in fresh.generate(turns, params)]
         firsts, answers = turns, got
     assert captures[1] == captures[0]  # the second suffix prefill of that shape replayed
-    suffix_graphs = [k for k in llm._graphs[state_key(2, 1024)].prefills if k[-3]]
+    suffix_graphs = [k for k in llm.states.graphed[state_key(2, 1024)].prefills if k[-3]]
     assert len(suffix_graphs) == 1
 
 
@@ -219,7 +221,7 @@ def test_a_conversation_moves_with_its_cache_bucket(graphs, monkeypatch):
         got = llm.generate(turn, params)[0]
         assert got.stats["cached_tokens"] == len(first) + len(answer.token_ids) - 1
         assert got.token_ids == fresh.generate(turn, params)[0].token_ids
-        held = llm._graphs if graphs else {state_key(1, llm._kept.cache.max_len): llm._kept}
+        held = llm.states.graphed if graphs else {state_key(1, llm.states.kept.cache.max_len): llm.states.kept}
         assert state_key(1, bucket) in held
         first, answer = turn, got
         turn = turn + got.token_ids + llm.encode("\n\ndef sub(a, b):", special=False)

@@ -80,7 +80,7 @@ def test_tp2_tokens_equal_tp1(pair, method, graphs, engines):
         (want, want_rounds), (got, rounds) = _run(tp1, config), _run(tp2, config)
         assert got == want, f"{pair} {method} graphs={graphs} {config}: tokens differ from tp=1"
         assert rounds == want_rounds, f"{pair} {method} graphs={graphs} {config}: other trees than tp=1"
-    assert bool(tp2._graphs) == graphs  # the rounds ran as captured graphs (or not)
+    assert bool(tp2.states.graphed) == graphs  # the rounds ran as captured graphs (or not)
 
 
 def test_comparisons_are_not_vacuous(engines):

@@ -3,12 +3,10 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import math
 import os
 import random
 import time
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -17,68 +15,19 @@ import torch
 
 from treeflash.chat import ChatTemplate, plain_messages
 from treeflash.config import DTYPES, DraftConfig, ModelConfig
-from treeflash.engine.kv_cache import available_bytes
-from treeflash.engine.round import (METHODS, PREFILL_ALIGN, BatchState, GraphedState, SpeculativeDecoder,
-                                    prefill_width)
+from treeflash.engine.round import METHODS, BatchState, SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
+from treeflash.engine.states import GRAPHED_PREFILL_MAX, KeptStates, suffix_chunks
 from treeflash.engine.tp import attach as tp_attach
 from treeflash.engine.tp import peak_rss_bytes, reset_peak_rss, rss_bytes
-from treeflash.errors import InStepError, TreeflashError, UsageError
+from treeflash.errors import TreeflashError, UsageError
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import build_on, load_weights
 from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer, stop_cut
 
 DEFAULT_BUDGET = 64
-GRAPHED_PREFILL_MAX = 512  # padded prompt tokens of a batch up to which prefills are CUDA graphs:
-                           # past it compute dominates (a longer cached rest runs in such chunks)
-GRAPH_STATES = 4           # batch states kept with their CUDA graphs (least recently used goes first),
-GRAPH_STATES_SHARE = 0.25  # while they take at most this share of the memory free after loading
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
-
-
-def _common_prefix(a: list[int], b: list[int], chunk: int = 256) -> int:
-    """How many first tokens a and b share (chunks compare in C: a long conversation's
-    turn is checked against every kept state before each request)."""
-    n = min(len(a), len(b))
-    at = 0
-    while at < n and a[at:at + chunk] == b[at:at + chunk]:
-        at += chunk
-    while at < n and a[at] == b[at]:
-        at += 1
-    return min(at, n)
-
-
-def suffix_chunks(prompts: list[list[int]], starts: list[int], room: int) -> list | None:
-    """Prefix caching: the prefills that run each prompt past its first starts[b] tokens
-    (held in the caches), at most GRAPHED_PREFILL_MAX padded tokens of the batch at a
-    time, so that each replays one of a few CUDA graphs (and no long rest needs memory
-    for all of its tokens at once). Per chunk: each row's tokens and the cache slot they
-    begin at. A row whose rest ended in an earlier chunk runs its last token again (the
-    same K/V, the same first token), so every chunk holds every row. None if a chunk's
-    padded columns would run past the `room` cache slots (rows far apart)."""
-    width = max(PREFILL_ALIGN, GRAPHED_PREFILL_MAX // len(prompts) // PREFILL_ALIGN * PREFILL_ALIGN)
-    begins, chunks = list(starts), []
-    while True:
-        pieces = [p[b:b + width] for p, b in zip(prompts, begins)]
-        longest = max(map(len, pieces))
-        if prefill_width(longest, room - max(begins)) < longest:
-            return None
-        chunks.append((pieces, begins))
-        if all(b + len(x) == len(p) for p, b, x in zip(prompts, begins, pieces)):
-            return chunks
-        begins = [b + width if b + width < len(p) else len(p) - 1 for p, b in zip(prompts, begins)]
-
-
-def state_key(batch: int, max_len: int) -> tuple[int, int]:
-    """(batch size, cache bucket): the graphed batch state a batch runs on. Cache lengths
-    are rounded up to a power of two (at least 1024): a few shapes, a few graphs."""
-    return batch, 1 << max(10, (max_len - 1).bit_length())
-
-
-def _key_of(st: BatchState) -> tuple[int, int]:
-    """The `state_key` of a bucketed state."""
-    return st.batch_size, st.cache.max_len
 
 
 @dataclass(frozen=True)
@@ -349,8 +298,7 @@ class LLM:
                 run.pipe.finish()  # a round still in flight ends before its graph goes
             except Exception:
                 pass
-        self.drop_graphs()
-        self._kept = None
+        self.states.clear()
         self._tp.close()
 
     def __enter__(self) -> "LLM":
@@ -464,8 +412,8 @@ class LLM:
         params = [p if p.seed is not None else replace(p, seed=random.getrandbits(63)) for p in params]
         on_tokens = _token_callback(on_tokens)
         start = time.perf_counter()
-        drop = self._states_to_drop(len(ids), max_len)
-        reuse = self._prefix_to_reuse(len(ids), max_len, ids, params, drop)
+        drop = self.states.to_drop(len(ids), max_len)
+        reuse = self.states.prefix_to_reuse(len(ids), max_len, ids, params, drop)
         starts = None if reuse is None else reuse[1]
         first, lp, plp = self._tp.call(self, "_start", (len(ids), max_len, params, ids, drop, reuse))
         state = self._run.st
@@ -527,36 +475,6 @@ class LLM:
             self._run = None  # free the caches (graphed states, and with prefix caching the last, are kept)
         return results
 
-    def _prefix_to_reuse(self, batch: int, max_len: int, prompts: list[list[int]], params: list[SamplingParams],
-                         drop: list[tuple[int, int]]) -> tuple[tuple[int, int], list[int]] | None:
-        """Prefix caching, on the driver: the kept state to reuse (its `state_key`) and per
-        request how many of its prompt's first tokens that state holds already (its last
-        token is always prefilled: it makes the first new one); None to prefill the whole
-        prompts. Of the kept states of this batch size (graphed ones, or the eager engine's
-        last), the one that holds most; not one that `drop` frees first, nor, if it is the
-        state this batch runs on, a graphed one whose capture of a new sampling mode would
-        run warm-up rounds over it from slot 0. Prompt logprobs need every position: no
-        reuse. Another state's prefix is copied over before the rest prefills (a
-        conversation outgrows its cache bucket). The rest prefills in `suffix_chunks`, each
-        replayed from a CUDA graph on a graphed engine."""
-        if not self.enable_prefix_caching or any(p.prompt_logprobs is not None for p in params):
-            return None
-        key = state_key(batch, max_len)
-        if self.cuda_graphs:
-            mode = SamplingBatch.mode_of(params)
-            kept = {k: g.st for k, g in self._graphs.items() if k not in drop and (k != key or mode in g.rounds)}
-        else:
-            kept = {} if self._kept is None else {_key_of(self._kept): self._kept}
-        best = None
-        for k, st in sorted(kept.items(), key=lambda item: item[0] != key):  # a tie: no copy
-            if k[0] != batch or st.tokens is None:  # other batch sizes; caches in no known state
-                continue
-            starts = [min(_common_prefix(held, p), len(p) - 1) for held, p in zip(st.tokens, prompts)]
-            if any(starts) and (best is None or sum(starts) > sum(best[1])) \
-                    and suffix_chunks(prompts, starts, key[1]) is not None:
-                best = (k, starts)
-        return best
-
     def _prefill_is_graphed(self, cells: int) -> bool:
         """Whether a batch's prefill of `cells` padded prompt tokens replays a CUDA graph
         (else it runs eagerly)."""
@@ -612,7 +530,7 @@ class LLM:
                drop: list[tuple[int, int]], reuse: tuple[tuple[int, int], list[int]] | None = None):
         """On every rank: a batch state (or the captured graph's) and the prefill, after
         dropping the graphed states `drop` (the driver's choice); with `reuse` (the
-        driver's `_prefix_to_reuse`: a kept state and per request the prompt tokens it
+        driver's `KeptStates.prefix_to_reuse`: a kept state and per request the prompt tokens it
         holds) a prefill of each prompt past those, once they are in this batch's state.
         Returns each request's first token, their logprobs and the prompts' (as lists;
         [] if not asked)."""
@@ -620,12 +538,12 @@ class LLM:
             self._run.pipe.finish()  # for it before its state or graph may be dropped
         self._run = None  # the previous batch's caches go before the new ones are made
         if drop:
-            self.drop_graphs(drop)
+            self.states.drop(drop)
             torch.cuda.empty_cache()
         source = None
-        if reuse is not None:  # held before `_runner` may replace the eager engine's kept state
-            source = self._graphs[reuse[0]].st if self.cuda_graphs else self._kept
-        st, run_round, graphed = self._runner(batch, max_len, SamplingBatch.from_params(params, self.device))
+        if reuse is not None:  # held before `runner` may replace the eager engine's kept state
+            source = self.states.state(reuse[0])
+        st, run_round, graphed = self.states.runner(batch, max_len, SamplingBatch.from_params(params, self.device))
         st.tokens = None  # the caches change from here; the driver records them when the batch is done
         if reuse is not None:  # the rest of each prompt, after what the caches hold
             starts = reuse[1]
@@ -670,91 +588,17 @@ class LLM:
     def use_graphs(self, on: bool) -> None:
         """Run rounds as CUDA graphs (on CUDA) or eagerly, with no states or graphs kept yet."""
         self.cuda_graphs = on and self.device.type == "cuda"
-        self._graphs: OrderedDict[tuple[int, int], GraphedState] = OrderedDict()  # by (batch, bucket),
-        self._dropped_captures = 0  # most recently used last; captures of the states dropped so far
-        self._kept: BatchState | None = None  # eager, with prefix caching: the last batch's state
-        self._states_budget = GRAPH_STATES_SHARE * (available_bytes(self.device) or 0) if self.cuda_graphs else 0
+        self.states = KeptStates(self.decoder, self.device, self.cuda_graphs, self.enable_prefix_caching,
+                                 self._tp.group)
 
     @property
     def graph_captures(self) -> int:
-        """Rounds and prefills captured so far (a benchmark sees recaptures). Safe to read
-        from another thread (the server's /metrics): the states are listed in one step."""
-        return self._dropped_captures + sum(g.captures for g in list(self._graphs.values()))
+        """Rounds and prefills captured so far (see `KeptStates.captures`)."""
+        return self.states.captures
 
-    def drop_graphs(self, keys: list[tuple[int, int]] | None = None) -> None:
-        """Free the graphed batch states `keys` (all by default) with their graphs: the
-        next batch of a dropped shape captures anew."""
-        for key in list(self._graphs) if keys is None else keys:
-            self._dropped_captures += self._graphs[key].captures  # counted before it goes: the total
-            del self._graphs[key]                                  # never dips for a reader (/metrics)
-
-    def _states_to_drop(self, batch: int, max_len: int) -> list[tuple[int, int]]:
-        """On the driver: the kept graphed states to free before this batch's state is made,
-        least recently used first, to stay within GRAPH_STATES states and the memory
-        budget. Decided here once and sent to every rank with `_start`, so that all ranks
-        keep the same states and capture alike (their own free memory may differ)."""
-        key = state_key(batch, max_len)
-        if not self.cuda_graphs or key in self._graphs:
-            return []
-        kept = list(self._graphs.values())  # least recently used first
-        need = 0
-        if kept:  # the last state's caches scaled to this shape, its graph pool to this batch
-            last = kept[-1]
-            need = (last.cache_bytes * math.prod(key) // math.prod(last.key)
-                    + (last.nbytes - last.cache_bytes) * batch // last.key[0])
-        drop = []
-        while kept and (len(kept) >= GRAPH_STATES
-                        or sum(g.nbytes for g in kept) + need > max(self._states_budget, need)):
-            drop.append(kept.pop(0).key)
-        return drop
-
-    def _runner(self, batch: int, max_len: int, sampling: SamplingBatch):
-        """A batch state, the function that runs one round on it, and its `GraphedState`
-        (None without CUDA graphs: eager rounds and prefill; kept, bucketed alike, with
-        prefix caching).
-
-        With CUDA graphs, states are bucketed (`state_key`) and kept, with every round and
-        prefill captured on them, for later calls with the same batch size and bucket; the
-        sampling values are copied into the captured buffers.
-        """
-        if not self.cuda_graphs and not self.enable_prefix_caching:
-            st = self._allocated(lambda: self.decoder.new_state(batch, max_len, sampling))
-            return st, self.decoder.round, None
-        key = state_key(batch, max_len)
-        if not self.cuda_graphs:  # prefix caching: the last state is kept, with what it holds
-            if self._kept is None or _key_of(self._kept) != key:
-                self._kept = None  # its caches go before the new ones are made
-                self._kept = self._allocated(lambda: self.decoder.new_state(batch, key[1], sampling))
-            self._kept.sampling = sampling
-            return self._kept, self.decoder.round, None
-        if key in self._graphs:
-            self._graphs.move_to_end(key)  # now the most recently used
-        else:
-            self._graphs[key] = self._allocated(lambda: GraphedState(self.decoder, *key, sampling))
-        g = self._graphs[key]
-        return g.st, g.use(sampling), g
-
-    def _allocated(self, make):
-        """make(): a new batch state, its caches allocated on every rank. If they do not
-        fit on some rank, every rank raises at this point, before any collective of the
-        batch: the ranks stay in step and the engine goes on (a request too large for the
-        memory must not end a tensor-parallel server, as it does not end a single GPU's)."""
-        try:
-            made, err = make(), None
-        except (TreeflashError, torch.OutOfMemoryError) as e:
-            made, err = None, e
-        if self.tp_size == 1:
-            if err is not None:
-                raise err
-            return made
-        failed = torch.zeros(self.tp_size, dtype=torch.int32, device=self.device)
-        failed[self._tp.rank] = err is not None
-        self._tp.group.all_reduce(failed)
-        ranks = failed.nonzero().flatten().tolist()
-        if not ranks:
-            return made
-        raise InStepError(str(err).splitlines()[0] if err is not None else
-                          f"tensor-parallel rank {ranks[0]} has not enough memory for this batch's caches")
+    def drop_graphs(self) -> None:
+        """Free the kept graphed batch states with their graphs: the next batch captures anew."""
+        self.states.drop()
 
     def _accept(self, got: list[int], out: list[int], p: SamplingParams, limit: int) -> str | None:
         """Append committed tokens up to EOS / the token limit; return the stop reason."""
