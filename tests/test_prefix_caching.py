@@ -124,7 +124,7 @@ def _cpu_graphs(monkeypatch, llm: LLM) -> LLM:
     monkeypatch.setattr(round_module, "capture", capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 0)
-    llm.cuda_graphs = llm.states.graphs = True
+    llm.states.graphs = True
     llm.states.budget = float("inf")
     return llm
 

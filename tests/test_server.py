@@ -671,6 +671,11 @@ def test_llm_chat_is_what_the_chat_endpoint_gives(llm, client, monkeypatch):
                          ([talk, [{"content": "x"}]], "'role'")]:
         with pytest.raises(UsageError, match=message):
             llm.chat(bad, params)
+    for source, message in [("{{ raise_exception('roles must alternate') }}", "refused the messages: roles must"),
+                            ("{{ messages[0]['content'] + 1 }}", "refused the messages: TypeError")]:
+        monkeypatch.setitem(llm.__dict__, "chat_template", ChatTemplate(source))  # a template's own refusal
+        with pytest.raises(UsageError, match=message):
+            llm.chat(talk, params)
     monkeypatch.setitem(llm.__dict__, "chat_template", None)
     with pytest.raises(UsageError, match="no chat template"):
         llm.chat(talk, params)

@@ -92,3 +92,7 @@ class ChatTemplate:
                                         bos_token=self.bos_token, eos_token=self.eos_token)
         except jinja2.TemplateError as e:
             raise TreeflashError(str(e)) from None
+        except TreeflashError:  # the template's raise_exception(...)
+            raise
+        except Exception as e:  # a template's own arithmetic or string operation on the messages
+            raise TreeflashError(f"{type(e).__name__}: {e}") from None

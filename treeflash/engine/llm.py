@@ -335,7 +335,14 @@ class LLM:
         if self.chat_template is None:
             raise UsageError(f"{self.model_path} has no chat template (tokenizer_config.json 'chat_template' "
                              "or chat_template.jinja): use generate")
-        prompts = [self.encode(self.chat_template.render(plain_messages(c)), special=False) for c in conversations]
+        prompts = []
+        for c in conversations:
+            plain = plain_messages(c)
+            try:
+                text = self.chat_template.render(plain)
+            except TreeflashError as e:  # say, "roles must alternate"
+                raise UsageError(f"the chat template refused the messages: {e}") from None
+            prompts.append(self.encode(text, special=False))
         return self.generate(prompts, sampling_params, on_tokens, on_done)
 
     def encode(self, prompt: str | list[int], special: bool = True) -> list[int]:
@@ -587,9 +594,13 @@ class LLM:
 
     def use_graphs(self, on: bool) -> None:
         """Run rounds as CUDA graphs (on CUDA) or eagerly, with no states or graphs kept yet."""
-        self.cuda_graphs = on and self.device.type == "cuda"
-        self.states = KeptStates(self.decoder, self.device, self.cuda_graphs, self.enable_prefix_caching,
-                                 self._tp.group)
+        self.states = KeptStates(self.decoder, self.device, on and self.device.type == "cuda",
+                                 self.enable_prefix_caching, self._tp.group)
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether rounds (and short prefills) run as CUDA graphs."""
+        return self.states.graphs
 
     @property
     def graph_captures(self) -> int:

@@ -233,7 +233,8 @@ class SpeculativeDecoder:
         parents, depths, ancestors and validity are the same every round: made once per
         batch size, so that a round launches only the concatenation (not ~10 kernels)."""
         key = (draft.shape, draft.device)
-        if key not in self._chains:
+        if key not in self._chains:  # a capture's warm-up rounds come first: made outside the graph
+            assert not (draft.is_cuda and torch.cuda.is_current_stream_capturing()), "chain made during a capture"
             self._chains[key] = build_chain_from_tokens(draft, anchor)
         return replace(self._chains[key], tokens=torch.cat([anchor[:, None], draft], dim=1))
 

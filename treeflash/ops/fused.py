@@ -70,7 +70,7 @@ def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype)
 def _gather_rows_kernel(w_ptr, ids_ptr, out_ptr, H, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    src = tl.load(ids_ptr + row)
+    src = tl.load(ids_ptr + row).to(tl.int64)  # int32 ids: src * H may pass 2^31
     tl.store(out_ptr + row * H + cols, tl.load(w_ptr + src * H + cols, mask=cols < H), mask=cols < H)
 
 

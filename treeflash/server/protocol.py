@@ -12,9 +12,9 @@ import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from treeflash.chat import plain_messages
 from treeflash.engine.sampling import MAX_LOGPROBS, SamplingParams
 from treeflash.errors import TreeflashError, UsageError
-from treeflash.chat import plain_messages
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
