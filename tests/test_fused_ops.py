@@ -1,20 +1,12 @@
 """Fused Triton layer ops against the torch layers they replace: on a GPU, or on the
 CPU in the Triton interpreter (float32 only: its bf16 is raw integers), which CI runs
 through a subprocess (`test_ops_in_the_triton_interpreter`)."""
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
+from interpreter import CUDA, DEV, INTERPRET, run_interpreted, spawns_interpreter
+from interpreter import kernel as gpu_or_interpreter
 
-CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cuda" if CUDA else "cpu"
-gpu_or_interpreter = pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA (or TRITON_INTERPRET=1)")
 DTYPES = [torch.float32] if INTERPRET else [torch.float32, torch.bfloat16]
 
 
@@ -152,12 +144,6 @@ def test_embedding_rows_match_torch(dtype, rows, H, ids_shape):
     assert torch.equal(gather_rows(weight.to(DEV), ids.to(DEV)).cpu(), F.embedding(ids, weight))
 
 
-@pytest.mark.skipif(CUDA or INTERPRET, reason="runs the kernel tests itself")
+@spawns_interpreter
 def test_ops_in_the_triton_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "gemv_matches or rope_into_cache or row_argmax or cos_sin or embedding_rows"], cwd=Path(__file__).resolve().parent.parent,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert re.search(r"\b16 passed", proc.stdout)
+    run_interpreted(__file__, "gemv_matches or rope_into_cache or row_argmax or cos_sin or embedding_rows", 16)

@@ -1,23 +1,16 @@
 """tree_attention against the SDPA reference: on a GPU, or in the Triton interpreter on
 CPU (`TRITON_INTERPRET=1`), which CI runs on a subset through a subprocess
 (`test_kernel_in_the_triton_interpreter`)."""
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from interpreter import DEV, INTERPRET, run_interpreted, spawns_interpreter
+from interpreter import kernel as kernel_test
 
 pytest.importorskip("triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-kernel_test = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs CUDA (or TRITON_INTERPRET=1)")
 
 from treeflash.kernels import tree_attention  # noqa: E402
 from treeflash.layers.attention import AttentionInputs, sdpa_attention  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 
 
@@ -143,15 +136,9 @@ def test_large_trees(T):
     check(B=2, T=T, HKV=4, G=4, D=128, S=5000, dtype=torch.float32, mask_kind="tree", seed=T + 1)
 
 
+@spawns_interpreter
 def test_kernel_in_the_triton_interpreter():
     """CPU CI: splits, row programs, head sizes and dtypes in the interpreter (fp16 and
     fp32: its bf16 is raw integers)."""
-    if torch.cuda.is_available() or INTERPRET:
-        pytest.skip("runs the kernel tests itself")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "split_counts or row_programs or dtypes_and_head_dims or empty_splits"],
-                          cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert re.search(r"\b13 passed", proc.stdout)
+    run_interpreted(__file__, "split_counts or row_programs or dtypes_and_head_dims or empty_splits", 13,
+                    timeout=600)

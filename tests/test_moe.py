@@ -14,15 +14,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import ENGINE_PROMPTS, HFCheckpoint
+from interpreter import CUDA, run_interpreted, spawns_interpreter
+from interpreter import kernel as kernel_test
 from test_models import hf_greedy, hf_logits, padded, rel_err, tf_logits
 from test_speculative import run_lossless, spec_llm
 from test_tp import _run
@@ -34,10 +32,6 @@ from treeflash.models.loader import build_on
 from treeflash.models.moe import (KIMI_K2_4L, Experts, Router, SparseMoE, expected_experts, experts_reference,
                                   weight_bytes_read)
 from treeflash.models.transformer import MLP, CausalLM
-
-REPO = Path(__file__).resolve().parent.parent
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-CUDA = torch.cuda.is_available()
 
 _TINY = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, max_position_embeddings=256,
@@ -325,7 +319,7 @@ KERNEL_CASES = [(1, 8, 2, 64, 32, False), (7, 16, 4, 48, 40, False), (40, 4, 2, 
                 (33, 6, 1, 80, 24, False)]
 
 
-@pytest.mark.skipif(not (CUDA or INTERPRET), reason="the kernel runs on CUDA or in the Triton interpreter")
+@kernel_test
 @pytest.mark.parametrize("T,E,k,H,I,skew", KERNEL_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])   # the interpreter has no working bf16 dot
 def test_kernel_matches_reference(T, E, k, H, I, skew, dtype):
@@ -333,15 +327,9 @@ def test_kernel_matches_reference(T, E, k, H, I, skew, dtype):
     _check_kernel(case, 1e-5 if dtype == torch.float32 else 5e-3)
 
 
-@pytest.mark.skipif(CUDA or INTERPRET, reason="runs the kernel tests itself")
+@spawns_interpreter
 def test_kernel_in_the_triton_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "kernel_matches_reference"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert f"{2 * len(KERNEL_CASES)} passed" in proc.stdout
+    run_interpreted(__file__, "kernel_matches_reference", 2 * len(KERNEL_CASES))
 
 
 # ----------------------------------------------------------------------------- bench shape

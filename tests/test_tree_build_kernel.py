@@ -4,14 +4,10 @@ re-runs this file's kernel tests there, in a subprocess)."""
 from __future__ import annotations
 
 import math
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreter import DEV, kernel, run_interpreted, spawns_interpreter
 from test_tree import check_structure, node_prefixes, random_logprobs
 
 from treeflash.engine.tree import best_prefixes_heap, build_tree_from_topk
@@ -19,11 +15,6 @@ from treeflash.engine.tree import best_prefixes_heap, build_tree_from_topk
 pytest.importorskip("triton")
 from treeflash.kernels.tree_build import MAX_BUDGET, build_tree_fused, candidate_pairs  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-kernel = pytest.mark.skipif(not (CUDA or INTERPRET), reason="the kernel runs on CUDA or in the Triton interpreter")
 FIELDS = ("tokens", "parents", "depths", "valid", "ancestors")
 
 
@@ -195,10 +186,6 @@ def test_vocab_topk_limits():
     assert fits(4096, 512) and fits(32768, 64) and not fits(151936, 64) and not fits(10, 11)
 
 
-@pytest.mark.skipif(CUDA or INTERPRET, reason="runs the kernel tests itself")
+@spawns_interpreter
 def test_kernel_in_the_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "fused"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert re.search(rf"\b{len(CASES) + 3 + 1 + len(VOCAB_CASES)} passed", proc.stdout)
+    run_interpreted(__file__, "fused", len(CASES) + 3 + 1 + len(VOCAB_CASES))

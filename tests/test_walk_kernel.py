@@ -3,14 +3,9 @@ and `KVCache.compact`: on CUDA, or on CPU in the Triton interpreter (a CPU-only 
 re-runs this file's kernel tests there, in a subprocess)."""
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from interpreter import DEV, kernel, run_interpreted, spawns_interpreter
 from test_tree import PARENTS, TOKENS, make_tree, random_logprobs
 
 from treeflash.engine.kv_cache import KVCache
@@ -19,11 +14,6 @@ from treeflash.engine.tree import build_chain, build_tree, empty_tree, walk
 pytest.importorskip("triton")
 from treeflash.kernels.walk import compact_fused, walk_fused  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-kernel = pytest.mark.skipif(not (CUDA or INTERPRET), reason="the kernel runs on CUDA or in the Triton interpreter")
 FIELDS = ("best", "accepted", "path", "bonus", "new")
 
 
@@ -107,10 +97,6 @@ def test_compact_matches_torch(L, B, H, S, D, P):
     assert torch.equal(k.cpu(), ref.k) and torch.equal(v.cpu(), ref.v)
 
 
-@pytest.mark.skipif(CUDA or INTERPRET, reason="runs the kernel tests itself")
+@spawns_interpreter
 def test_kernels_in_the_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "not interpreter"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert re.search(r"\b12 passed", proc.stdout), proc.stdout[-2000:]
+    run_interpreted(__file__, "not interpreter", 12)
