@@ -537,8 +537,9 @@ class LLM:
                drop: list[tuple[int, int]], reuse: tuple[tuple[int, int], list[int]] | None = None):
         """On every rank: a batch state (or the captured graph's) and the prefill, after
         dropping the graphed states `drop` (the driver's choice); with `reuse` (the
-        driver's `KeptStates.prefix_to_reuse`: a kept state and per request the prompt tokens it
-        holds) a prefill of each prompt past those, once they are in this batch's state.
+        driver's `KeptStates.prefix_to_reuse`: a kept state and per request the prompt
+        tokens it holds) a prefill of each prompt past those, once they are in this
+        batch's state.
         Returns each request's first token, their logprobs and the prompts' (as lists;
         [] if not asked)."""
         if self._run is not None:  # the previous batch's last round, still in flight: wait

@@ -273,14 +273,13 @@ class SpeculativeDecoder:
             idx = w.path[:, :, None].expand(-1, -1, feats.shape[-1])
             self.drafter.commit_context(st.draft_cache, feats.gather(1, idx),
                                         positions.gather(1, w.path), st.n, counts)
-        new = w.new
         st.n += counts
         st.anchor.copy_(torch.where(st.active, w.bonus, st.anchor))
         logprobs = None
-        if st.sampling.any_logprobs:  # new[:, i] (i <= accepted) is the target's token at node path[:, i]
+        if st.sampling.any_logprobs:  # w.new[:, i] (i <= accepted) is the target's token at node path[:, i]
             rows = logits.gather(1, w.path[:, :, None].expand(-1, -1, logits.shape[-1]))
             logprobs = logprobs_of(rows, target_tokens.gather(1, w.path), self.tp)
-        return new, counts, logprobs
+        return w.new, counts, logprobs
 
 
 def capture(fn, warmup: int, pool=None):
