@@ -62,7 +62,8 @@ def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype)
     D = 2 * inv_freq.numel()
     cos = torch.empty(*positions.shape, D, dtype=dtype, device=positions.device)
     sin = torch.empty_like(cos)
-    _cos_sin_kernel[(positions.numel(),)](positions.contiguous(), inv_freq, cos, sin, D=D)
+    if positions.numel():  # (no tokens: nothing to launch)
+        _cos_sin_kernel[(positions.numel(),)](positions.contiguous(), inv_freq, cos, sin, D=D)
     return cos, sin
 
 
@@ -79,7 +80,8 @@ def gather_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     H = weight.shape[1]
     out = torch.empty(*ids.shape, H, dtype=weight.dtype, device=weight.device)
     BLOCK = min(triton.next_power_of_2(H), 4096)
-    _gather_rows_kernel[(ids.numel(), triton.cdiv(H, BLOCK))](weight, ids.contiguous(), out, H, BLOCK=BLOCK)
+    if ids.numel():  # (no tokens: nothing to launch)
+        _gather_rows_kernel[(ids.numel(), triton.cdiv(H, BLOCK))](weight, ids.contiguous(), out, H, BLOCK=BLOCK)
     return out
 
 
