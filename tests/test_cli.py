@@ -507,3 +507,20 @@ def test_eager_and_draft_mode_flags(capsys, model):
         assert rc2 == 0, err2
         assert json.loads(out2)["token_ids"] == json.loads(out)["token_ids"]
     assert_error(*run(capsys, *base, "--draft-mode", "fancy"), 2, "draft-mode")
+
+
+def test_chat_prompts_go_through_the_chat_template(capsys, broken):
+    """--chat: each prompt is a user's message as the model's template renders it (what
+    LLM.chat generates); a model without a template is a usage error."""
+    rc, out, err = run(capsys, "hi", "--model", broken, "--device", "cpu", "--chat")
+    assert_error(rc, out, err, 2, "no chat template")
+    (broken / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    rc, out, err = run(capsys, ENGINE_PROMPTS[1], "--model", broken, "--device", "cpu", "--chat", "--json",
+                       "--max-new-tokens", 6, "--ignore-eos")
+    assert rc == 0, err
+    llm = LLM(broken, device="cpu", dtype="float32")
+    want = llm.chat([{"role": "user", "content": ENGINE_PROMPTS[1]}],
+                    SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
+    assert json.loads(out)["token_ids"] == want.token_ids
+    assert llm.chat_prompt([{"role": "user", "content": "x"}]) == llm.encode("<user>x<assistant>", special=False)

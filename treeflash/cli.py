@@ -99,6 +99,8 @@ def cmd_generate(args) -> int:
     if params.logprobs is not None and not args.json:
         raise UsageError("--logprobs needs --json (they are printed with the tokens)")
     llm = make_llm(args)
+    if args.chat:  # each prompt a user's message, as the chat template renders it
+        prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
     if args.json:
         for out in llm.generate(prompts, params):
             logprobs = None if out.logprobs is None else [
@@ -136,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-file", help="one prompt per line (\\n for a newline; empty lines skipped), or a "
                                          ".jsonl file of objects with a 'prompt' field")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    g.add_argument("--chat", action="store_true", help="each prompt is a user's message, rendered by the "
+                                                       "model's chat template (as the server's chat API does)")
     g.add_argument("--logprobs", type=int, metavar="N", help="with --json: each token's log-probability "
                                                              "and its N most likely alternatives' (N <= 20)")
     add_model_args(g)

@@ -332,18 +332,20 @@ class LLM:
         if not isinstance(conversations, (list, tuple)) or not conversations:
             raise UsageError("messages must be a conversation (a list of {'role', 'content'} messages) "
                              "or a list of conversations")
+        return self.generate([self.chat_prompt(c) for c in conversations], sampling_params, on_tokens, on_done)
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The token ids of a conversation as the model's chat template renders it, up to
+        where the assistant's answer starts."""
         if self.chat_template is None:
             raise UsageError(f"{self.model_path} has no chat template (tokenizer_config.json 'chat_template' "
                              "or chat_template.jinja): use generate")
-        prompts = []
-        for c in conversations:
-            plain = plain_messages(c)
-            try:
-                text = self.chat_template.render(plain)
-            except TreeflashError as e:  # say, "roles must alternate"
-                raise UsageError(f"the chat template refused the messages: {e}") from None
-            prompts.append(self.encode(text, special=False))
-        return self.generate(prompts, sampling_params, on_tokens, on_done)
+        plain = plain_messages(messages)
+        try:
+            text = self.chat_template.render(plain)
+        except TreeflashError as e:  # say, "roles must alternate"
+            raise UsageError(f"the chat template refused the messages: {e}") from None
+        return self.encode(text, special=False)
 
     def encode(self, prompt: str | list[int], special: bool = True) -> list[int]:
         """Checked token ids of a prompt; `special`: let the tokenizer add its special
