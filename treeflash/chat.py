@@ -96,3 +96,12 @@ class ChatTemplate:
             raise
         except Exception as e:  # a template's own arithmetic or string operation on the messages
             raise TreeflashError(f"{type(e).__name__}: {e}") from None
+
+    def prompt(self, messages) -> str:
+        """`render` of a conversation checked by `plain_messages`; a UsageError if a message
+        is malformed or the template refuses them (say, "roles must alternate")."""
+        plain = plain_messages(messages)
+        try:
+            return self.render(plain)
+        except TreeflashError as e:
+            raise UsageError(f"the chat template refused the messages: {e}") from None

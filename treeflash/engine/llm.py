@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from treeflash.chat import ChatTemplate, plain_messages
+from treeflash.chat import ChatTemplate
 from treeflash.config import DTYPES, DraftConfig, ModelConfig
 from treeflash.engine.round import METHODS, BatchState, SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
@@ -340,12 +340,7 @@ class LLM:
         if self.chat_template is None:
             raise UsageError(f"{self.model_path} has no chat template (tokenizer_config.json 'chat_template' "
                              "or chat_template.jinja): use generate")
-        plain = plain_messages(messages)
-        try:
-            text = self.chat_template.render(plain)
-        except TreeflashError as e:  # say, "roles must alternate"
-            raise UsageError(f"the chat template refused the messages: {e}") from None
-        return self.encode(text, special=False)
+        return self.encode(self.chat_template.prompt(messages), special=False)
 
     def encode(self, prompt: str | list[int], special: bool = True) -> list[int]:
         """Checked token ids of a prompt; `special`: let the tokenizer add its special

@@ -342,16 +342,13 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
 def render_chat(body: dict, template) -> str:
     """The body's messages (text only) as the chat template renders them."""
     try:
-        plain = plain_messages(body.get("messages"))
+        if template is not None:
+            return template.prompt(body.get("messages"))
+        plain_messages(body.get("messages"))  # a malformed message is named first, template or not
     except UsageError as e:
         raise APIError(str(e), param="messages") from None
-    if template is None:
-        raise APIError("this model has no chat template (tokenizer_config.json 'chat_template'): "
-                       "use /v1/completions")
-    try:
-        return template.render(plain)
-    except TreeflashError as e:
-        raise APIError(f"the chat template refused the messages: {e}", param="messages") from None
+    raise APIError("this model has no chat template (tokenizer_config.json 'chat_template'): "
+                   "use /v1/completions")
 
 
 def parse_tokenize(body: dict, served: str | tuple[str, ...], template, tokenizer) -> list[int]:
