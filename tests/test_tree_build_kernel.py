@@ -50,6 +50,7 @@ def both(top_vals, top_ids, anchor, budget):
 # (B, D, V, budget, K): K columns of each depth's sorted distribution are passed (None: min(budget, V))
 CASES = [
     (1, 15, 4096, 16, None),
+    (1, 15, 1000, 32, None),    # the built-in pair's default budget
     (2, 15, 50, 64, None),
     (2, 15, 300, 63, None),     # budget not a power of two
     (1, 7, 8, 200, None),       # V < budget: the first beam is padded with -inf
@@ -180,12 +181,33 @@ def test_fused_vocab_topk_matches_torch(shape, k):
     assert torch.allclose(lse, x.logsumexp(-1, keepdim=True), atol=1e-5)
 
 
+@kernel
+@pytest.mark.parametrize("merge,k", [(64, 16), (32, 16), (128, 64)])
+def test_fused_vocab_topk_merges_in_levels(monkeypatch, merge, k):
+    """More chunk candidates than one merge program takes (a 152K vocabulary at k = 64
+    is 297 chunks of 64): merged in groups, then the groups' results, as one merge would.
+    10 chunks of 512 (the last one 42 entries, fewer than k = 64) in groups of 4 or 2."""
+    import treeflash.kernels.vocab_topk as vt
+    monkeypatch.setattr(vt, "MERGE", merge)
+    gen = torch.Generator().manual_seed(merge + k)
+    x = torch.randn(2, 4650, generator=gen) * 3
+    x[:, 4000:] = x[:, :650]  # ties across chunks and groups
+    vals, ids, lse = (t.cpu() for t in vt.topk_logsumexp(x.to(DEV), k))
+    ref = x.sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(vals, ref.values[..., :k]) and torch.equal(ids, ref.indices[..., :k])
+    assert torch.allclose(lse, x.logsumexp(-1, keepdim=True), atol=1e-5)
+
+
 def test_vocab_topk_limits():
-    """Past one 4096-candidate merge (a 152K vocabulary at k = 64) the engine keeps torch's top-k."""
-    from treeflash.kernels.vocab_topk import fits
-    assert fits(4096, 512) and fits(32768, 64) and not fits(151936, 64) and not fits(10, 11)
+    """The fused top-k takes the drafter's vocabulary at small k whatever its size (152K at
+    budget 63); past k = 64 only smaller ones, where it is still faster than torch's."""
+    from treeflash.kernels.vocab_topk import fits, topk_logsumexp
+    assert fits(151936, 64) and fits(262144, 16) and fits(4096, 512) and fits(32768, 256)
+    assert not fits(151936, 128) and not fits(65536, 256) and not fits(10, 11)
+    with pytest.raises(ValueError, match="outside what it handles"):
+        topk_logsumexp(torch.zeros(2, 10), 11)
 
 
 @spawns_interpreter
 def test_kernel_in_the_triton_interpreter():
-    run_interpreted(__file__, "fused", len(CASES) + 3 + 1 + len(VOCAB_CASES))
+    run_interpreted(__file__, "fused", len(CASES) + 3 + 1 + len(VOCAB_CASES) + 3)

@@ -1,14 +1,16 @@
 """Top-k of each row of a vocabulary slice and the row's log-sum-exp, in one launch
-(two past one chunk): the drafter's per-depth candidates for the DDTree builder.
+(more past one chunk): the drafter's per-depth candidates for the DDTree builder.
 
 torch does it in ~6 launches (topk, then max / sub / exp / sum / log for the
 log-sum-exp) that together cost more than the tree builder at small budgets. Here
 program (row, chunk) reads its chunk of the row once, keeps its max and sum of
 exponentials, and selects the chunk's top k with the tree builder's bitonic top-k over
 packed (score, index) keys (ties toward the lower index). With one chunk that is the
-answer; otherwise a second launch takes the top k of the chunks' candidates and
-combines their log-sum-exps. H200, 15 rows of 4096 (the built-in drafter's block):
-5-7 us for k = 16 / 64 against 52 us for torch's topk + logsumexp.
+answer; otherwise merge launches take the top k of up to MERGE chunk candidates per
+program, and combine their log-sum-exps, level by level until one program per row is
+left (a 152K vocabulary at k = 16: 297 chunks, 2 groups, then 1). H200, 15 rows, bf16
+(BENCHMARKS.md section 2): V = 4096, k = 16 / 64: 5.6 / 7.1 us against 45 us for
+torch's topk + logsumexp; V = 151936: 52 / 73 us against 90 us.
 """
 from __future__ import annotations
 
@@ -58,27 +60,41 @@ def _chunk_topk(x_ptr, val_ptr, id_ptr, max_ptr, sum_ptr, V, sx, K,
 
 
 @triton.jit
-def _merge_topk(cval_ptr, cid_ptr, cmax_ptr, csum_ptr, val_ptr, id_ptr, lse_ptr, K,
-                LOG_K: tl.constexpr, CHUNKS: tl.constexpr, LOG_P: tl.constexpr):
-    """Program row: top K of the row's CHUNKS x 2^LOG_K candidates, and its lse."""
+def _merge_topk(cval_ptr, cid_ptr, cmax_ptr, csum_ptr, val_ptr, id_ptr, max_ptr, sum_ptr, K, PARTS,
+                LOG_K: tl.constexpr, GROUP: tl.constexpr, LOG_P: tl.constexpr, FINAL: tl.constexpr):
+    """Program (row, group): the top 2^LOG_K of parts group * GROUP, ... (each part a
+    sorted 2^LOG_K candidates and its (max, sumexp)) and their combined (max, sumexp),
+    in the parts' own layout for the next level; FINAL (one group): the row's first K
+    values and ids and its lse (into max_ptr)."""
     KP: tl.constexpr = 2 ** LOG_K
     P: tl.constexpr = 2 ** LOG_P
     row = tl.program_id(0)
+    group = tl.program_id(1)
+    first = row * PARTS + group * GROUP            # the group's first part
     c = tl.arange(0, P)
-    ok = c < CHUNKS * KP
-    v = tl.load(cval_ptr + row * CHUNKS * KP + c, mask=ok, other=float("-inf"))
+    ok = (c < GROUP * KP) & (group * GROUP + c // KP < PARTS)
+    v = tl.load(cval_ptr + first * KP + c, mask=ok, other=float("-inf"))
     key = tl.where(ok, _score_key(v), _PAD_KEY)
-    # Candidates are chunk-major, so their position orders equal values by token id.
+    # Parts are in vocabulary order and each sorted, so position orders equal values by id.
     key, pos = _unpack(_topk(_pack(key, c), LOG_P, LOG_K))
-    k = tl.arange(0, KP)
-    tl.store(val_ptr + row * K + k, _key_score(key), mask=k < K)
-    tl.store(id_ptr + row * K + k, tl.load(cid_ptr + row * CHUNKS * KP + pos), mask=k < K)
-    ch = tl.arange(0, 2 ** (LOG_P - LOG_K))  # >= CHUNKS
-    m = tl.load(cmax_ptr + row * CHUNKS + ch, mask=ch < CHUNKS, other=float("-inf"))
-    s = tl.load(csum_ptr + row * CHUNKS + ch, mask=ch < CHUNKS, other=0.0)
+    ids = tl.load(cid_ptr + first * KP + pos)
+    ch = tl.arange(0, 2 ** (LOG_P - LOG_K))       # >= GROUP
+    ch_ok = (ch < GROUP) & (group * GROUP + ch < PARTS)
+    m = tl.load(cmax_ptr + first + ch, mask=ch_ok, other=float("-inf"))
+    s = tl.load(csum_ptr + first + ch, mask=ch_ok, other=0.0)
     mx = tl.max(m, 0)
-    ref = tl.where(mx == float("-inf"), 0.0, mx)
-    tl.store(lse_ptr + row, mx + tl.log(tl.sum(s * tl.exp(m - ref), 0)))
+    se = tl.sum(s * tl.exp(m - tl.where(mx == float("-inf"), 0.0, mx)), 0)
+    k = tl.arange(0, KP)
+    if FINAL:
+        tl.store(val_ptr + row * K + k, _key_score(key), mask=k < K)
+        tl.store(id_ptr + row * K + k, ids, mask=k < K)
+        tl.store(max_ptr + row, mx + tl.log(se))
+    else:
+        out = row * tl.num_programs(1) + group
+        tl.store(val_ptr + out * KP + k, _key_score(key))
+        tl.store(id_ptr + out * KP + k, ids)
+        tl.store(max_ptr + out, mx)
+        tl.store(sum_ptr + out, se)
 
 
 def _chunk_log2(V: int, log_k: int) -> int:
@@ -88,20 +104,21 @@ def _chunk_log2(V: int, log_k: int) -> int:
     return min(max(9, log_k + 2), (V - 1).bit_length(), CHUNK.bit_length() - 1)
 
 
+MERGE = 4096  # the most candidates one merge program takes (parts x padded k)
+
+
 def fits(V: int, k: int) -> bool:
-    """Whether `topk_logsumexp` takes (V, k): its second launch merges at most 4096
-    candidates in one program (chunks x padded k), e.g. k = 64 up to V = 32K. Larger
-    vocabularies keep torch's top-k (a wider merge was slower than torch at V = 152K)."""
-    log_k = max(1, (k - 1).bit_length())
-    chunks = -(-V // 2 ** _chunk_log2(V, log_k))
-    return 1 <= k <= V and (chunks == 1 or chunks << log_k <= 4096)
+    """Whether `topk_logsumexp` takes (V, k); else torch's top-k is faster. The chunks'
+    bitonic top-k grows with k: H200, 15 rows, fused ÷ torch time at k = 16 / 64 / 128
+    / 256: V = 32768 0.23 / 0.68 / 0.78 / 0.97; V = 151936 0.58 / 0.80 / 1.09 / 1.72."""
+    return 1 <= k <= V and (k <= 64 or V * k <= 2 ** 23)
 
 
 def topk_logsumexp(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(values [..., k] descending, ids [..., k] (int64), logsumexp [..., 1]) of
     the float rows of x [..., V] on the GPU: `x.topk(k)` and `x.logsumexp(-1,
-    keepdim=True)` in one launch (two past one chunk). Equal values: lower id first.
-    (V, k) must satisfy `fits`."""
+    keepdim=True)` in one launch past one chunk, and merge levels of up to MERGE
+    candidates each past that. Equal values: lower id first. (V, k) must satisfy `fits`."""
     *lead, V = x.shape
     if not fits(V, k):
         raise ValueError(f"topk_logsumexp: k = {k} over {V} entries is outside what it handles (see fits)")
@@ -111,22 +128,32 @@ def topk_logsumexp(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
     R = rows.shape[0]
     log_k = max(1, (k - 1).bit_length())
     log_c = max(log_k, _chunk_log2(V, log_k))
-    chunks = triton.cdiv(V, 2 ** log_c)
+    parts = triton.cdiv(V, 2 ** log_c)
     warps = 4 if log_c <= 9 else 8
     vals = torch.empty(R, k, dtype=torch.float32, device=x.device)
     ids = torch.empty(R, k, dtype=torch.long, device=x.device)
     lse = torch.empty(R, dtype=torch.float32, device=x.device)
-    if chunks == 1:
+    if parts == 1:
         _chunk_topk[(R, 1)](rows, vals, ids, lse, lse, V, rows.stride(0), k,
                             LOG_C=log_c, LOG_K=log_k, CHUNKS=1, num_warps=warps)
-    else:
-        kp = 2 ** log_k
-        cval = torch.empty(R, chunks, kp, dtype=torch.float32, device=x.device)
-        cid = torch.empty(R, chunks, kp, dtype=torch.long, device=x.device)
-        cmax = torch.empty(R, chunks, dtype=torch.float32, device=x.device)
-        csum = torch.empty(R, chunks, dtype=torch.float32, device=x.device)
-        _chunk_topk[(R, chunks)](rows, cval, cid, cmax, csum, V, rows.stride(0), k,
-                                 LOG_C=log_c, LOG_K=log_k, CHUNKS=chunks, num_warps=warps)
-        _merge_topk[(R,)](cval, cid, cmax, csum, vals, ids, lse, k,
-                          LOG_K=log_k, CHUNKS=chunks, LOG_P=(chunks * kp - 1).bit_length(), num_warps=4)
-    return vals.view(*lead, k), ids.view(*lead, k), lse.view(*lead, 1)
+        return vals.view(*lead, k), ids.view(*lead, k), lse.view(*lead, 1)
+    kp = 2 ** log_k
+
+    def part_buffers(n):
+        return (torch.empty(R, n, kp, dtype=torch.float32, device=x.device),
+                torch.empty(R, n, kp, dtype=torch.long, device=x.device),
+                torch.empty(R, n, dtype=torch.float32, device=x.device),
+                torch.empty(R, n, dtype=torch.float32, device=x.device))
+
+    level = part_buffers(parts)
+    _chunk_topk[(R, parts)](rows, *level, V, rows.stride(0), k,
+                            LOG_C=log_c, LOG_K=log_k, CHUNKS=parts, num_warps=warps)
+    while True:
+        group = min(parts, max(2, MERGE // kp))
+        groups = triton.cdiv(parts, group)
+        out = (vals, ids, lse, lse) if groups == 1 else part_buffers(groups)
+        _merge_topk[(R, groups)](*level, *out, k, parts, LOG_K=log_k, GROUP=group,
+                                 LOG_P=(group * kp - 1).bit_length(), FINAL=groups == 1, num_warps=4)
+        if groups == 1:
+            return vals.view(*lead, k), ids.view(*lead, k), lse.view(*lead, 1)
+        level, parts = out, groups
