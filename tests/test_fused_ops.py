@@ -98,16 +98,37 @@ def test_gemv_matches_linear(dtype, N, K):
 
 @gpu_or_interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(2, 65, 4096), (3, 1000), (1, 1, 7)])
+@pytest.mark.parametrize("shape", [(2, 65, 4096), (3, 1000), (1, 1, 7), (3, 20000)])
 def test_row_argmax_matches_argmax(dtype, shape):
-    """Greedy picks in one launch: torch.argmax's index, the first among equal maxima."""
+    """Greedy picks in one launch (two past 8192 entries a row): torch.argmax's index, the
+    first among equal maxima, also across the programs that split a row."""
     from treeflash.ops.gumbel_argmax import row_argmax
     x = torch.randint(-40, 40, shape, generator=torch.Generator().manual_seed(shape[-1])).to(dtype)
     # ties for the maximum: in one lane of the 1024-wide blocks (index 5 and 1029, for
     # V = 4096) and across lanes (the last index)
     x[..., 5::1024] = 41
     x[..., -1] = 41
+    x[0, ..., 15000 % shape[-1]] = 42  # one row's maximum alone, past the first 8192 entries
     assert torch.equal(row_argmax(x.to(DEV)).cpu(), x.argmax(-1))
+
+
+@gpu_or_interpreter
+@pytest.mark.parametrize("V", [1000, 20000])
+def test_gumbel_argmax_matches_reference(V):
+    """Sampling by argmax(logits / T + noise), a row split over programs past 8192
+    entries (20000: 3 of them, a vocabulary slice from id 5000): the reference noise's
+    pick, and plain argmax where T = 0."""
+    from treeflash.engine.sampling import gumbel_noise
+    from treeflash.ops.gumbel_argmax import gumbel_argmax
+    gen = torch.Generator().manual_seed(V)
+    logits = torch.randn(2, 3, V, generator=gen) * 4
+    seed, pos = torch.tensor([7, 2 ** 40 + 1]), torch.tensor([[3, 4, 5], [90, 91, 92]])
+    temp = torch.tensor([0.0, 0.7])
+    values, got = gumbel_argmax(logits.to(DEV), seed.to(DEV), pos.to(DEV), temp.to(DEV), vocab_start=5000,
+                                with_values=True)
+    noisy = logits / 0.7 + gumbel_noise(seed, pos, 5000, V)
+    assert torch.equal(got.cpu()[0], logits[0].argmax(-1)) and torch.equal(got.cpu()[1], noisy[1].argmax(-1))
+    assert torch.allclose(values.cpu()[1], noisy[1].amax(-1))
 
 
 @gpu_or_interpreter
@@ -148,4 +169,5 @@ def test_embedding_rows_match_torch(dtype, rows, H, ids_shape):
 
 @spawns_interpreter
 def test_ops_in_the_triton_interpreter():
-    run_interpreted(__file__, "gemv_matches or rope_into_cache or row_argmax or cos_sin or embedding_rows", 17)
+    run_interpreted(__file__, "gemv_matches or rope_into_cache or row_argmax or gumbel_argmax or cos_sin "
+                    "or embedding_rows", 20)

@@ -3,7 +3,7 @@ vocabulary, without materializing the [rows, V] noise tensor.
 
 This is what keeps sampling nearly free: the torch reference in
 `treeflash.engine.sampling` builds the Gumbel vector with a dozen int64 passes over
-[B, N+1, V]; here each program streams its row once. The hash is the same integer
+[B, N+1, V]; here each program streams its row (or 8192 entries of it) once. The hash is the same integer
 function, so the noise matches the reference bit for bit (up to the last ulp of log).
 """
 from __future__ import annotations
@@ -26,9 +26,12 @@ def _mix32(x):
 
 @triton.jit
 def _gumbel_argmax_kernel(logits_ptr, row_stride, key_ptr, temp_ptr, out_ptr, val_ptr, start, V: tl.constexpr,
-                          BLOCK: tl.constexpr, SAMPLED: tl.constexpr):
-    """Program row: its argmax; SAMPLED: of logits / T + noise where T > 0."""
+                          BLOCK: tl.constexpr, SPAN: tl.constexpr, SAMPLED: tl.constexpr):
+    """Program (row, chunk): the argmax of ids chunk * SPAN + [0, SPAN) of its row;
+    SAMPLED: of logits / T + noise where T > 0. Writes (index, value) to slot
+    row * chunks + chunk (a chunk of only -inf gives index 0, as a row of them does)."""
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     if SAMPLED:
         key = tl.load(key_ptr + row)                 # int64 per-row hash of (seed, position)
         t = tl.load(temp_ptr + row)                  # float32, 0 = greedy
@@ -36,8 +39,8 @@ def _gumbel_argmax_kernel(logits_ptr, row_stride, key_ptr, temp_ptr, out_ptr, va
         t_safe = tl.where(greedy, 1.0, t)
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.full([BLOCK], 0, tl.int64)
-    for i in range(0, tl.cdiv(V, BLOCK)):
-        ids = i * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    for i in range(0, SPAN // BLOCK):
+        ids = chunk * SPAN + i * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         inside = ids < V
         val = tl.load(logits_ptr + row * row_stride + ids, mask=inside, other=float("-inf")).to(tl.float32)
         if SAMPLED:
@@ -51,8 +54,45 @@ def _gumbel_argmax_kernel(logits_ptr, row_stride, key_ptr, temp_ptr, out_ptr, va
         best_idx = tl.where(better, ids, best_idx)
     m = tl.max(best_val, axis=0)
     cand = tl.where(best_val == m, best_idx, V)
-    tl.store(out_ptr + row, tl.min(cand, axis=0))
-    tl.store(val_ptr + row, m)
+    slot = row * tl.num_programs(1) + chunk
+    tl.store(out_ptr + slot, tl.min(cand, axis=0))
+    tl.store(val_ptr + slot, m)
+
+
+@triton.jit
+def _chunks_argmax_kernel(idx_ptr, val_ptr, out_ptr, out_val_ptr, CHUNKS: tl.constexpr, CP: tl.constexpr):
+    """Program row: the best of its chunks' (index, value), the lowest index among
+    equal values (chunks are in id order, so this is the first index of the row)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CP)
+    ok = c < CHUNKS
+    val = tl.load(val_ptr + row * CHUNKS + c, mask=ok, other=float("-inf"))
+    idx = tl.load(idx_ptr + row * CHUNKS + c, mask=ok, other=0)
+    m = tl.max(val, axis=0)
+    tl.store(out_ptr + row, tl.min(tl.where(ok & (val == m), idx, 2 ** 62), axis=0))
+    tl.store(out_val_ptr + row, m)
+
+
+SPAN = 8192  # vocabulary entries per program: a 152K vocabulary is 19 programs per row, not 1
+
+
+def _argmax_rows(rows: torch.Tensor, key: torch.Tensor, temp: torch.Tensor, start: int, sampled: bool):
+    """(index [R], value [R]) of the argmax of each row of `rows` [R, V] (see the kernel).
+    Past one SPAN a row is split over programs and a second launch picks the best."""
+    R, V = rows.shape
+    block = min(1024, triton.next_power_of_2(V))
+    chunks = triton.cdiv(V, SPAN)
+    span = SPAN if chunks > 1 else triton.cdiv(V, block) * block
+    out = torch.empty(R, chunks, dtype=torch.long, device=rows.device)
+    val = torch.empty(R, chunks, dtype=torch.float32, device=rows.device)
+    _gumbel_argmax_kernel[(R, chunks)](rows, rows.stride(0), key, temp, out, val, start, V,
+                                       BLOCK=block, SPAN=span, SAMPLED=sampled)
+    if chunks == 1:
+        return out.view(R), val.view(R)
+    best, best_val = torch.empty(R, dtype=torch.long, device=rows.device), torch.empty(R, device=rows.device)
+    _chunks_argmax_kernel[(R,)](out, val, best, best_val, CHUNKS=chunks, CP=triton.next_power_of_2(chunks),
+                                num_warps=1)
+    return best, best_val
 
 
 def gumbel_argmax(logits: torch.Tensor, seed: torch.Tensor, positions: torch.Tensor,
@@ -69,22 +109,16 @@ def gumbel_argmax(logits: torch.Tensor, seed: torch.Tensor, positions: torch.Ten
         rows = rows.contiguous()
     key = noise_key(seed, positions).reshape(-1)
     temp = temperature.float()[:, None].expand(B, T).reshape(-1).contiguous()
-    out = torch.empty(B * T, dtype=torch.long, device=logits.device)
-    val = torch.empty(B * T, dtype=torch.float32, device=logits.device)
-    _gumbel_argmax_kernel[(B * T,)](rows, rows.stride(0), key.contiguous(), temp, out, val, vocab_start, V,
-                                    BLOCK=1024, SAMPLED=True)
+    out, val = _argmax_rows(rows, key.contiguous(), temp, vocab_start, sampled=True)
     return (val.view(B, T), out.view(B, T)) if with_values else out.view(B, T)
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1) of a CUDA tensor [..., V] (first index among equal maxima), one
-    program per row. NaN never wins here (torch.argmax would pick it)."""
+    program per row (per 8192 entries past that). NaN never wins here (torch.argmax
+    would pick it)."""
     *lead, V = x.shape
     rows = x.reshape(-1, V)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], dtype=torch.long, device=x.device)
-    val = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
-    _gumbel_argmax_kernel[(rows.shape[0],)](rows, rows.stride(0), out, val, out, val, 0, V,
-                                            BLOCK=min(1024, triton.next_power_of_2(V)), SAMPLED=False)
-    return out.view(lead)
+    return _argmax_rows(rows, rows, rows, 0, sampled=False)[0].view(lead)
