@@ -3,8 +3,9 @@ vocabulary, without materializing the [rows, V] noise tensor.
 
 This is what keeps sampling nearly free: the torch reference in
 `treeflash.engine.sampling` builds the Gumbel vector with a dozen int64 passes over
-[B, N+1, V]; here each program streams its row (or 8192 entries of it) once. The hash is the same integer
-function, so the noise matches the reference bit for bit (up to the last ulp of log).
+[B, N+1, V]; here each program streams its row (or 8192 entries of it) once. The hash
+is the same integer function, so the noise matches the reference bit for bit (up to
+the last ulp of log).
 """
 from __future__ import annotations
 
