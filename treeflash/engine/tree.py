@@ -40,12 +40,8 @@ def _ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
 
 
 def empty_tree(anchor: torch.Tensor) -> DraftTree:
-    """Autoregressive decoding: the root alone."""
-    B = anchor.shape[0]
-    zeros = torch.zeros(B, 1, dtype=torch.long, device=anchor.device)
-    return DraftTree(anchor[:, None], zeros, zeros.clone(),
-                     torch.ones(B, 1, 1, dtype=torch.bool, device=anchor.device),
-                     torch.ones(B, 1, dtype=torch.bool, device=anchor.device))
+    """Autoregressive decoding: the root alone (a chain of no draft tokens)."""
+    return build_chain_from_tokens(anchor.new_zeros(anchor.shape[0], 0), anchor)
 
 
 def build_chain(scores: torch.Tensor, anchor: torch.Tensor) -> DraftTree:
