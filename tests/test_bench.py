@@ -174,6 +174,16 @@ def test_shape_mode_tiny(tmp_path, capsys):
     (["--shape", "tiny", "--copy-mib", "0"], "--copy-mib must be >= 1"),
     (["--shape", "tiny", "--plot", "/nonexistent/p.png"], "cannot write the plot"),
     (["--methods", "ar", "--plot", "/nonexistent/p.png", "--device", "cpu"], "cannot write the plot"),
+    # shape-mode flags in model-pair mode were ignored, bad values included
+    (["--iters", "-5"], "--iters applies to --shape only"),
+    (["--contexts", "0,-3"], "--contexts applies to --shape only"),
+    (["--draft-layers", "2"], "--draft-layers applies to --shape only"),
+    (["--attention", "triton"], "--attention applies to --shape only"),
+    (["--copy-mib", "8"], "--copy-mib applies to --shape only"),
+    # request i samples with seed S + i < 2^63: refused before the model loads
+    (["--seed", str(2 ** 63 - 1), "--num-prompts", "2", "--device", "cpu"], "--seed must be in [0, 2^63 - 2]"),
+    (["--seed", "-1", "--device", "cpu"], "--seed must be in"),
+    (["--shape", "tiny", "--seed", str(2 ** 63 - 1), "--batch-sizes", "1,4"], "--seed must be in [0, 2^63 - 4]"),
 ])
 def test_bad_inputs_exit_2_with_one_line(argv, message, capsys):
     assert main(["bench", *argv]) == 2
@@ -254,7 +264,15 @@ def test_shape_tp_failing_rank_is_one_line(tmp_path, monkeypatch, capfd):
 
 def test_tp_needs_shape_mode(capsys):
     assert main(["bench", "--tp", "2"]) == 2
-    assert capsys.readouterr().err.strip() == "treeflash: error: --tp applies to --shape only (model-pair mode runs one process)"
+    assert capsys.readouterr().err.strip() == ("treeflash: error: --tp applies to --shape only (model-pair mode "
+                                               "times whole requests on a real model pair, in one process)")
+
+
+def test_a_prompt_file_shorter_than_num_prompts_is_refused(tmp_path, capsys):
+    f = tmp_path / "p.txt"
+    f.write_text("def f(x):\n")
+    assert main(["bench", "--prompt-file", str(f), "--num-prompts", "8", "--device", "cpu"]) == 2
+    assert "--num-prompts 8, but" in capsys.readouterr().err
 
 
 def test_shape_tp_beyond_visible_gpus(monkeypatch, capsys):

@@ -56,6 +56,9 @@ PAIR_BUDGETS = "16,32,64,128,256"
 SHAPE_BUDGETS = "0,15,31,63,127,255"
 PAIR_METHODS = "ar,dflash,ddtree"
 PAIR_NEW_TOKENS = 128
+SHAPE_CONTEXTS = "1024,4096,16384"
+SHAPE_DRAFT_LAYERS = 5
+SHAPE_ITERS = 50
 BLOCK_SIZE = 16          # drafter block of the shape mode (the published DFlash drafters)
 WARMUP = 3               # eager calls (or side-stream calls before a capture) before timing
 ALLREDUCE_RUN = 16       # all-reduces per timed call when measuring one's latency
@@ -112,9 +115,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a PNG plot to this file (needs matplotlib)")
     s = p.add_argument_group("shape mode")
     s.add_argument("--shape", help=f"random-weight model shape: {', '.join(SHAPES)}")
-    s.add_argument("--contexts", default="1024,4096,16384", help="committed tokens C per request")
-    s.add_argument("--draft-layers", type=int, default=5)
-    s.add_argument("--iters", type=int, default=50, help="timed calls per op (median)")
+    s.add_argument("--contexts", default=SHAPE_CONTEXTS, help="committed tokens C per request")
+    s.add_argument("--draft-layers", type=int, default=SHAPE_DRAFT_LAYERS)
+    s.add_argument("--iters", type=int, default=SHAPE_ITERS, help="timed calls per op (median)")
     s.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"],
                    help="attention backend (auto: triton on CUDA when installed)")
     s.add_argument("--copy-mib", type=int, help="size of the bandwidth copy (default 2048 on CUDA, 256 on CPU)")
@@ -126,6 +129,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 def cmd_bench(args) -> int:
     return bench_shape(args) if args.shape else bench_pairs(args)
+
+
+def check_seed(seed: int, requests: int) -> None:
+    """Request i samples with seed S + i, and every seed must lie in [0, 2^63): say so
+    before a model loads."""
+    if not 0 <= seed <= 2 ** 63 - requests:
+        raise UsageError(f"--seed must be in [0, 2^63 - {requests}] for {requests} requests, got {seed}")
 
 
 def parse_list(text: str, kind, what: str, minimum=None) -> list:
@@ -198,6 +208,8 @@ def load_prompts(args) -> list:
         raise UsageError("give --prompt-file or --corpus, not both")
     if args.prompt_file:
         prompts = read_prompts(argparse.Namespace(prompt=None, prompt_file=args.prompt_file))
+        if k and len(prompts) < k:
+            raise UsageError(f"--num-prompts {k}, but {args.prompt_file} holds {len(prompts)} prompt(s)")
         return prompts[:k] if k else prompts
     if args.corpus:
         return corpus_prompts(args.corpus, k or 8)
@@ -265,8 +277,14 @@ def measure_pair(llm, prompts: list[str], bs: int, temperature: float, args) -> 
 
 
 def bench_pairs(args) -> int:
-    if args.tp != 1:
-        raise UsageError("--tp applies to --shape only (model-pair mode runs one process)")
+    shape_only = [flag for flag, given in (("--tp", args.tp != 1), ("--contexts", args.contexts != SHAPE_CONTEXTS),
+                                           ("--draft-layers", args.draft_layers != SHAPE_DRAFT_LAYERS),
+                                           ("--iters", args.iters != SHAPE_ITERS),
+                                           ("--attention", args.attention != "auto"),
+                                           ("--copy-mib", args.copy_mib is not None)) if given]
+    if shape_only:
+        raise UsageError(f"{shape_only[0]} applies to --shape only (model-pair mode times whole requests "
+                         f"on a real model pair, in one process)")
     methods = parse_list(args.methods, str, "method")
     bad = [m for m in methods if m not in ("ar", "dflash", "ddtree")]
     if bad:
@@ -276,13 +294,12 @@ def bench_pairs(args) -> int:
         raise UsageError(f"ddtree budget must be >= 1, got {min(budgets)}")
     batch_sizes = parse_list(args.batch_sizes or "1,2,4", int, "batch size", minimum=1)
     temperatures = parse_list(args.temperatures or "0,0.7,1.0", float, "temperature", minimum=0.0)
-    if args.seed < 0:
-        raise UsageError(f"--seed must be >= 0, got {args.seed}")
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     SamplingParams(logprobs=args.logprobs).validate()
     graphs = parse_graphs(args.graphs or "on,off")
     prompts = load_prompts(args)
+    check_seed(args.seed, len(prompts))
     check_plot_path(args.plot)
     graphs_list = usable_graphs(graphs, resolve_device(args.device))
     out = open_out(args.out)
@@ -662,6 +679,7 @@ def bench_shape(args) -> int:
         raise UsageError(f"--iters must be >= 1, got {args.iters}")
     if args.tp < 1:
         raise UsageError(f"--tp must be >= 1, got {args.tp}")
+    check_seed(args.seed, max(batch_sizes))
     device = resolve_device(args.device)
     graphs_list = usable_graphs(parse_graphs(args.graphs or ("on" if device.type == "cuda" else "off")), device)
     dtype = resolve_dtype(args.dtype, "bfloat16", device)  # auto: bf16 on CUDA, float32 on CPU
