@@ -248,6 +248,18 @@ def test_bad_prompts_raise_usage_error(llm, prompts, what):
         llm.generate(prompts, SamplingParams(max_new_tokens=2))
 
 
+@pytest.mark.parametrize("params", [[], ()])
+def test_an_empty_list_of_sampling_parameters_is_not_the_default(llm, params):
+    with pytest.raises(UsageError, match="2 prompts but 0 sampling parameter sets"):
+        llm.generate(["a", "b"], params)
+
+
+@pytest.mark.parametrize("callback", ["on_tokens", "on_done"])
+def test_callbacks_must_be_functions(llm, callback):
+    with pytest.raises(UsageError, match=f"{callback} must be a function, got int"):
+        llm.generate(["a"], SamplingParams(max_new_tokens=2), **{callback: 5})
+
+
 @pytest.mark.parametrize("params", ["greedy", [None], {"temperature": 0}])
 def test_sampling_parameters_of_the_wrong_type(llm, params):
     with pytest.raises(UsageError, match="must be SamplingParams"):
@@ -281,7 +293,11 @@ def test_bad_constructor_arguments(hf_checkpoint):
     with pytest.raises(UsageError, match="max_position_embeddings"):
         LLM(path, device="cpu", max_model_len=10 ** 9)
     for kwargs, what in ((dict(device=None), "device"), (dict(device=0), "device"), (dict(max_budget="x"), "max_budget"),
-                         (dict(dtype=torch.int8), "dtype"), (dict(draft_model=5), "draft_model")):
+                         (dict(dtype=torch.int8), "dtype"), (dict(draft_model=5), "draft_model"),
+                         # falsy values once fell back to the default method, "false" would turn graphs on
+                         (dict(method=""), "method"), (dict(method=0), "method"), (dict(method=False), "method"),
+                         (dict(method="AR"), "method"), (dict(cuda_graphs="false"), "cuda_graphs"),
+                         (dict(cuda_graphs=None), "cuda_graphs"), (dict(cuda_graphs=0), "cuda_graphs")):
         with pytest.raises(UsageError, match=what):
             LLM(path, **{"device": "cpu", **kwargs})
 

@@ -75,6 +75,21 @@ def test_missing_model_folder(capsys, tmp_path):
                  "not found", "nowhere")
 
 
+def test_empty_model_paths_are_refused(capsys, model, tmp_path, monkeypatch):
+    """Path("") is the current folder: an empty --model must not load whatever is there."""
+    monkeypatch.chdir(model)   # the current folder holds a checkpoint
+    assert_error(*run(capsys, "hi", "--model", "", "--device", "cpu"), 1, "empty model path")
+    assert_error(*run(capsys, "hi", "--model", model, "--draft-model", " ", "--device", "cpu"), 1,
+                 "empty drafter path")
+
+
+def test_drafter_path_errors_name_the_drafter(capsys, model, tmp_path):
+    assert_error(*run(capsys, "hi", "--model", model, "--draft-model", tmp_path / "nowhere", "--device", "cpu"),
+                 1, "drafter folder not found", "nowhere")
+    assert_error(*run(capsys, "hi", "--model", model, "--draft-model", tmp_path, "--device", "cpu"),
+                 1, "config.json not found", "the drafter folder")
+
+
 def test_model_path_is_a_file(capsys, tmp_path):
     (tmp_path / "file").write_text("x")
     assert_error(*run(capsys, "hi", "--model", tmp_path / "file", "--device", "cpu"), 1, "not a folder")
@@ -157,6 +172,25 @@ def test_missing_weight(capsys, broken):
     rewrite_weights(broken, lambda w: w.pop("model.layers.1.mlp.down_proj.weight"))
     assert_error(*run(capsys, "hi", "--model", broken, "--device", "cpu"), 1,
                  "model.layers.1.mlp.down_proj.weight", "missing")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused(capsys, broken, value):
+    """NaN weights give NaN logits, whose argmax is token 0: without the check the
+    answer looked like a normal early stop (finish_reason "stop", no text)."""
+    def change(w):
+        w["model.layers.0.mlp.up_proj.weight"][3, 5] = value
+    rewrite_weights(broken, change)
+    assert_error(*run(capsys, "hi", "--model", broken, "--device", "cpu"), 1,
+                 "model.layers.0.mlp.up_proj.weight", "NaN or infinite")
+
+
+def test_float32_weights_too_large_for_float16_are_refused(capsys, broken):
+    rewrite_weights(broken, lambda w: w["model.norm.weight"].__setitem__(0, 1e6))  # finite in float32
+    rc, out, err = run(capsys, "hi", "--model", broken, "--device", "cpu", "--json", "--max-new-tokens", 1)
+    assert rc == 0, err   # float32 holds it
+    assert_error(*run(capsys, "hi", "--model", broken, "--device", "cpu", "--dtype", "float16"), 1,
+                 "model.norm.weight", "too large for torch.float16")
 
 
 @pytest.mark.parametrize("key", ["model.layers.0.self_attn.k_proj.weight",   # part of merged QKV
@@ -282,6 +316,48 @@ def test_malformed_jsonl(capsys, model, tmp_path, line, words):
     f = tmp_path / "prompts.jsonl"
     f.write_text('{"prompt": "def fib(n):"}\n' + line + "\n")
     assert_error(*run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu"), 2, *words)
+
+
+@pytest.mark.parametrize("key", ["max_new_tokens", "temperature", "seed"])
+def test_jsonl_lines_with_per_prompt_settings_are_refused(capsys, model, tmp_path, key):
+    """The flags apply to every prompt: a setting in a line would be silently ignored."""
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('{"prompt": "a", "id": 7}\n' + json.dumps({"prompt": "b", key: 2}) + "\n")
+    assert_error(*run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu"), 2, ":2:", key, "flag")
+
+
+@pytest.mark.parametrize("name", ["prompts.JSONL", "prompts.json"])
+def test_json_prompt_files_in_any_case(capsys, model, api, tmp_path, name):
+    f = tmp_path / name
+    f.write_text(json.dumps({"prompt": ENGINE_PROMPTS[0]}) + "\n")
+    rc, out, err = run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu", "--json",
+                       "--max-new-tokens", 3, "--ignore-eos")
+    assert rc == 0, err
+    check_json_lines(out, [ENGINE_PROMPTS[0]], api, 3)
+
+
+@pytest.mark.parametrize("name,line", [("prompts.txt", ENGINE_PROMPTS[0]),
+                                       ("prompts.jsonl", json.dumps({"prompt": ENGINE_PROMPTS[0]}))])
+def test_a_byte_order_mark_is_not_part_of_the_prompt(capsys, model, api, tmp_path, name, line):
+    f = tmp_path / name
+    f.write_bytes(b"\xef\xbb\xbf" + line.encode() + b"\n")
+    rc, out, err = run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu", "--json",
+                       "--max-new-tokens", 3, "--ignore-eos")
+    assert rc == 0, err
+    check_json_lines(out, [ENGINE_PROMPTS[0]], api, 3)
+
+
+def test_non_finite_logprobs_are_json_null(capsys, model, monkeypatch):
+    """JSON has no NaN or infinity: --json writes null there, so strict parsers read every line."""
+    from treeflash.engine import llm as llm_module
+    real = llm_module._token_logprobs
+    monkeypatch.setattr(llm_module, "_token_logprobs", lambda *a: [
+        llm_module.TokenLogprob(e.token_id, float("-inf"), [(t, float("nan")) for t, _ in e.top]) for e in real(*a)])
+    rc, out, err = run(capsys, "hi", "--model", model, "--device", "cpu", "--json", "--max-new-tokens", 2,
+                       "--ignore-eos", "--logprobs", 1)
+    assert rc == 0, err
+    entries = json.loads(out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))["logprobs"]
+    assert len(entries) == 2 and all(e["logprob"] is None and e["top"][0][1] is None for e in entries)
 
 
 @pytest.mark.parametrize("line", ["[1, 2, 3]", "null", '"a string"', "{ not json but a prompt"])
@@ -443,6 +519,23 @@ def test_prompt_file_with_plain_lines(capsys, model, api, tmp_path):
                        "--max-new-tokens", 5, "--ignore-eos")
     assert rc == 0, err
     check_json_lines(out, [ENGINE_PROMPTS[0], ENGINE_PROMPTS[2]], api, 5)
+
+
+def test_a_prompt_file_runs_in_batches_of_max_batch(capsys, model, api, tmp_path, monkeypatch):
+    """Each batch is printed as it finishes, in prompt order, with the tokens of one batch."""
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ENGINE_PROMPTS))
+    sizes = []
+    real = LLM.generate
+    monkeypatch.setattr(LLM, "generate", lambda self, prompts, *a, **k: sizes.append(len(prompts)) or
+                        real(self, prompts, *a, **k))
+    rc, out, err = run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu", "--json",
+                       "--max-new-tokens", 4, "--ignore-eos", "--max-batch", 2)
+    assert rc == 0, err
+    assert sizes == [2, 1]
+    monkeypatch.undo()
+    check_json_lines(out, ENGINE_PROMPTS, api, 4)
+    assert_error(*run(capsys, "hi", "--model", model, "--max-batch", 0), 2, "--max-batch must be >= 1")
 
 
 def test_prompt_file_with_jsonl(capsys, model, api, tmp_path):

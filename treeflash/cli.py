@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -14,6 +15,26 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+# Fields of a prompt-file line that would look like per-prompt settings: they are not
+# read (the command's flags apply to every prompt), so a line that has one is refused.
+_PER_PROMPT_SETTINGS = ("max_new_tokens", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
+                        "stop_token_ids", "ignore_eos", "logprobs", "method", "budget")
+
+
+def _jsonl_prompt(line: str, where: str) -> str:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{where}: malformed JSON line: {e}") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+        raise UsageError(f"{where}: a JSONL line must be an object with a string 'prompt'")
+    settings = [k for k in _PER_PROMPT_SETTINGS if k in obj]
+    if settings:
+        raise UsageError(f"{where}: '{settings[0]}' is not read per prompt: give it as a flag (it applies "
+                         f"to every prompt) and keep only 'prompt' (and fields of your own) in the file")
+    return obj["prompt"]
+
+
 def read_prompts(args) -> list[str]:
     if args.prompt is not None and args.prompt_file:
         raise UsageError("give a PROMPT or --prompt-file, not both")
@@ -21,25 +42,20 @@ def read_prompts(args) -> list[str]:
         return [args.prompt]
     if not args.prompt_file:
         raise UsageError("no prompt: give a PROMPT or --prompt-file FILE")
-    try:
-        lines = open(args.prompt_file, encoding="utf-8").read().splitlines()
+    try:  # utf-8-sig: a byte-order mark (some editors write one) is not part of the first prompt
+        lines = open(args.prompt_file, encoding="utf-8-sig").read().splitlines()
     except OSError as e:
         raise TreeflashError(f"cannot read prompt file {args.prompt_file}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise UsageError(f"prompt file {args.prompt_file} is not UTF-8 text") from None
     prompts = []
-    jsonl = str(args.prompt_file).endswith(".jsonl")  # else plain text: a line starting "{" is a prompt too
+    # .jsonl or .json (any case): one object per line; else plain text, where a line starting "{" is a prompt too
+    jsonl = str(args.prompt_file).lower().endswith((".jsonl", ".json"))
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         if jsonl:
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{args.prompt_file}:{i}: malformed JSON line: {e}") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise UsageError(f"{args.prompt_file}:{i}: a JSONL line must be an object with a string 'prompt'")
-            prompts.append(obj["prompt"])
+            prompts.append(_jsonl_prompt(line, f"{args.prompt_file}:{i}"))
         else:
             prompts.append(line.replace("\\n", "\n"))
     if not prompts:
@@ -92,19 +108,34 @@ def sampling_from(args):
                           logprobs=getattr(args, "logprobs", None)).validate()
 
 
+def _json_number(x: float) -> float | None:
+    """null for NaN and infinities, which JSON has no numbers for (json.dumps would write
+    the bare words NaN / -Infinity, which strict parsers refuse)."""
+    return x if math.isfinite(x) else None
+
+
 def cmd_generate(args) -> int:
     from treeflash.tokenizer import TextStream
     prompts = read_prompts(args)
     params = sampling_from(args)
     if params.logprobs is not None and not args.json:
         raise UsageError("--logprobs needs --json (they are printed with the tokens)")
+    if args.max_batch < 1:
+        raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
     llm = make_llm(args)
     if args.chat:  # each prompt a user's message, as the chat template renders it
         prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
+
+    def outputs(on_tokens=None):
+        """A file of prompts goes in batches of --max-batch, each printed as it finishes."""
+        for i in range(0, len(prompts), args.max_batch):
+            yield from llm.generate(prompts[i:i + args.max_batch], params, on_tokens=on_tokens)
+
     if args.json:
-        for out in llm.generate(prompts, params):
+        for out in outputs():
             logprobs = None if out.logprobs is None else [
-                {"token_id": e.token_id, "logprob": e.logprob, "top": e.top} for e in out.logprobs]
+                {"token_id": e.token_id, "logprob": _json_number(e.logprob),
+                 "top": [(t, _json_number(v)) for t, v in e.top]} for e in out.logprobs]
             print(json.dumps({"text": out.text, "token_ids": out.token_ids,
                               "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
                               "stats": out.stats, **({"logprobs": logprobs} if logprobs is not None else {})}),
@@ -117,8 +148,7 @@ def cmd_generate(args) -> int:
         sys.stdout.write(shown.push(ids))
         sys.stdout.flush()
 
-    outs = llm.generate(prompts, params, on_tokens=on_tokens if stream else None)
-    for i, out in enumerate(outs):
+    for i, out in enumerate(outputs(on_tokens if stream else None)):
         if stream:
             sys.stdout.write(shown.finish(out.text) + "\n")
         else:
@@ -138,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-file", help="one prompt per line (\\n for a newline; empty lines skipped), or a "
                                          ".jsonl file of objects with a 'prompt' field")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    g.add_argument("--max-batch", type=int, default=16, help="a prompt file runs in batches of at most this many "
+                                                            "prompts, each printed as it finishes (default 16)")
     g.add_argument("--chat", action="store_true", help="each prompt is a user's message, rendered by the "
                                                        "model's chat template (as the server's chat API does)")
     g.add_argument("--logprobs", type=int, metavar="N", help="with --json: each token's log-probability "

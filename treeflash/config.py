@@ -28,16 +28,19 @@ DTYPES = {
 }
 
 
-def read_config_json(path: str | Path) -> dict:
-    """Read `<dir>/config.json`, with a clear error for every way it can be wrong."""
+def read_config_json(path: str | Path, what: str = "model") -> dict:
+    """Read `<dir>/config.json`, with a clear error for every way it can be wrong;
+    `what` names the folder in them (model, drafter)."""
+    if not str(path).strip():  # Path("") is the current folder: never what was meant
+        raise TreeflashError(f"empty {what} path")
     folder = Path(path)
     if not folder.exists():
-        raise TreeflashError(f"model folder not found: {folder}")
+        raise TreeflashError(f"{what} folder not found: {folder}")
     if not folder.is_dir():
-        raise TreeflashError(f"model path is not a folder: {folder}")
+        raise TreeflashError(f"{what} path is not a folder: {folder}")
     cfg = folder / "config.json"
     if not cfg.exists():
-        raise TreeflashError(f"config.json not found in {folder}")
+        raise TreeflashError(f"config.json not found in {folder} (the {what} folder)")
     try:
         data = json.loads(cfg.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -272,7 +275,7 @@ class ModelConfig:
                 f"(supported: {', '.join(TARGET_ARCHITECTURES)})")
         hidden = _require(data, "hidden_size", where)
         heads = _require(data, "num_attention_heads", where)
-        kv_heads = _require(data, "num_key_value_heads", where) if data.get("num_key_value_heads") else heads
+        kv_heads = _require(data, "num_key_value_heads", where) if data.get("num_key_value_heads") is not None else heads
         if heads % kv_heads:
             raise TreeflashError(f"config.json in {where}: num_attention_heads ({heads}) "
                                  f"is not a multiple of num_key_value_heads ({kv_heads})")
@@ -290,7 +293,7 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=_require(data, "head_dim", where) if data.get("head_dim") else hidden // heads,
+            head_dim=_require(data, "head_dim", where) if data.get("head_dim") is not None else hidden // heads,
             rms_norm_eps=_number(data.get("rms_norm_eps", 1e-6), "rms_norm_eps", where, positive=False),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -364,7 +367,7 @@ class DraftConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "DraftConfig":
-        return cls.from_dict(read_config_json(path), where=str(path))
+        return cls.from_dict(read_config_json(path, "drafter"), where=str(path))
 
     def check_fits(self, target: ModelConfig) -> None:
         """Refuse a drafter that was not made for this target."""

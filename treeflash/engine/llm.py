@@ -111,6 +111,8 @@ def _token_callback(on_tokens):
     that takes two arguments (written before logprobs existed) gets two."""
     if on_tokens is None:
         return None
+    if not callable(on_tokens):
+        raise UsageError(f"on_tokens must be a function, got {type(on_tokens).__name__}")
     try:
         params = list(inspect.signature(on_tokens).parameters.values())
     except (TypeError, ValueError):  # no signature to read: call it as documented
@@ -208,6 +210,10 @@ class LLM:
                 raise UsageError(f"{name} must be a folder path, got {path!r}")
         if isinstance(max_budget, bool) or not isinstance(max_budget, int) or max_budget < 1:
             raise UsageError(f"max_budget must be an integer >= 1, got {max_budget!r}")
+        if method is not None and (not isinstance(method, str) or method not in METHODS):
+            raise UsageError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+        if not isinstance(cuda_graphs, bool):  # "false" would read as true
+            raise UsageError(f"cuda_graphs must be true or false, got {cuda_graphs!r}")
         if model is None:
             model, builtin_draft = builtin_paths()
             if draft_model is None and method != "ar" and (builtin_draft / "config.json").exists():
@@ -226,9 +232,8 @@ class LLM:
         if draft_model is not None:
             dcfg = DraftConfig.from_pretrained(draft_model)
             dcfg.check_fits(self.config)
-        method = method or ("ddtree" if dcfg is not None else "ar")
-        if method not in METHODS:
-            raise UsageError(f"unknown method '{method}' (choose from {', '.join(METHODS)})")
+        if method is None:
+            method = "ddtree" if dcfg is not None else "ar"
         if budget is not None and method != "ddtree":
             raise UsageError(f"a tree budget applies to method ddtree only (method is {method})")
         if method == "ddtree":
@@ -389,7 +394,7 @@ class LLM:
         prompts = [prompts] if single else list(prompts)
         if not prompts:
             return []
-        params = sampling_params or SamplingParams()
+        params = SamplingParams() if sampling_params is None else sampling_params
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise UsageError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
@@ -415,6 +420,8 @@ class LLM:
         # seeds are drawn here, so that every tensor-parallel rank samples alike
         params = [p if p.seed is not None else replace(p, seed=random.getrandbits(63)) for p in params]
         on_tokens = _token_callback(on_tokens)
+        if on_done is not None and not callable(on_done):
+            raise UsageError(f"on_done must be a function, got {type(on_done).__name__}")
         start = time.perf_counter()
         drop = self.states.to_drop(len(ids), max_len)
         reuse = self.states.prefix_to_reuse(len(ids), max_len, ids, params, drop)

@@ -152,6 +152,11 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
                     handles[f] = _open(f)
                 with torch.no_grad():
                     dest.copy_(_read_piece(handles[f], key, dest, shard_dim, tp))
+                    # NaN weights decode as a normal early stop (NaN logits pick token 0),
+                    # and a float32 value past the float16 range becomes inf in the cast
+                    if not torch.isfinite(dest).all():
+                        raise TreeflashError(f"weight {key} in {folder} holds NaN or infinite values "
+                                             f"(a corrupt checkpoint, or values too large for {dest.dtype})")
             # Unmap the files after every parameter: pages a read touched stay resident (and
             # counted in RSS) while mapped, and a row-parallel slice touches the whole tensor.
             handles.clear()
