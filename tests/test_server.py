@@ -231,6 +231,17 @@ BAD = [
     ("/v1/completions", {"prompt": ["x"] * 1025}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False}, 400,
      "add_generation_prompt"),
+    # max_completion_tokens wins, but a bad max_tokens beside it is still an error
+    ("/v1/completions", {"prompt": "x", "max_tokens": "abc", "max_completion_tokens": 2}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -5, "max_completion_tokens": 2}, 400, "max_tokens"),
+    # bookkeeping keys the server does not read still have types
+    ("/v1/completions", {"prompt": "x", "user": 5}, 400, "user"),
+    ("/v1/completions", {"prompt": "x", "metadata": [1, 2]}, 400, "metadata"),
+    ("/v1/completions", {"prompt": "x", "metadata": {"a": 1}}, 400, "metadata"),
+    ("/v1/completions", {"prompt": "x", "store": "maybe"}, 400, "store"),
+    ("/v1/completions", {"prompt": "x", "service_tier": 7}, 400, "service_tier"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": "x"}, 400,
+     "parallel_tool_calls"),
 ]
 
 
@@ -594,7 +605,9 @@ def test_values_that_ask_for_nothing_are_accepted(client, llm):
     body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0}
     want = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
     extra = {"suffix": "", "response_format": {"type": "text"}, "tool_choice": "none", "stream": None, "n": 1,
-             "logprobs": None, "stop": "", "presence_penalty": 0, "top_k": -1, "ignore_eos": None, "user": "me"}
+             "logprobs": None, "stop": "", "presence_penalty": 0, "top_k": -1, "ignore_eos": None, "user": "me",
+             "metadata": {"trace": "t1"}, "store": False, "service_tier": "auto", "parallel_tool_calls": True,
+             "max_completion_tokens": None}
     r = client.post("/v1/completions", json={**body, **extra})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == want
@@ -857,6 +870,14 @@ def test_text_stream_never_splits_a_character(llm):
     assert not any("\ufffd" in d for d in deltas)
 
 
+def _status(url: str, body: dict) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, json.dumps(body).encode()), timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -931,6 +952,20 @@ def test_treeflash_serve_answers_concurrent_clients(llm):
         start = time.time()
         assert _post(base + "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})["usage"]["completion_tokens"] == 4
         assert time.time() - start < 5  # two 1000-token requests would take far longer on this CPU
+        # megabytes of prompt tokenize for seconds on a worker thread: the server answers meanwhile
+        # (the tokenizer's plain encode stalled /health for the whole 8 s of a 9 MiB prompt)
+        huge = {}
+        big = threading.Thread(target=lambda: huge.update(r=_status(base + "/v1/completions",
+                                                                    {"prompt": "é " * 1_500_000})))
+        big.start()
+        time.sleep(0.5)
+        start = time.time()
+        with urllib.request.urlopen(base + "/health", timeout=60) as r:
+            assert r.status == 200
+        health = time.time() - start
+        big.join(120)
+        assert huge["r"][0] == 400 and "does not fit the context limit" in huge["r"][1], huge
+        assert health < 1.0, health
         # a second server on the same port: one line before loading anything, exit 2
         second = subprocess.run([sys.executable, "-m", "treeflash", "serve", "--port", str(port)],
                                 capture_output=True, text=True, timeout=60, env=env)

@@ -53,6 +53,10 @@ SAMPLING_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", 
                  "stream", "stream_options", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "user", "metadata", "store", "service_tier",
                  "parallel_tool_calls"}
+# OpenAI's bookkeeping keys in SAMPLING_KEYS, with the type each must have.
+BOOKKEEPING = (("user", str, "a string"), ("metadata", dict, "an object of strings"),
+               ("store", bool, "true or false"), ("service_tier", str, "a string"),
+               ("parallel_tool_calls", bool, "true or false"))
 KNOWN_KEYS = {"completion": SAMPLING_KEYS | {"prompt", "logprobs", "echo", "add_special_tokens"} | set(UNSUPPORTED),
               "chat": SAMPLING_KEYS | {"messages", "logprobs", "top_logprobs", "echo", "add_special_tokens"}
               | set(UNSUPPORTED),
@@ -183,6 +187,11 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
     if _number(body, "repetition_penalty", 1, (int, float), 0, lo_open=True) != 1:
         raise APIError("'repetition_penalty' is not supported: sampling stays exactly the target model's",
                        param="repetition_penalty")
+    for name, type_, what in BOOKKEEPING:  # not read, but not taken whatever they hold
+        if body.get(name) is not None and (not isinstance(body[name], type_) or (
+                type_ is dict and not all(isinstance(v, str) for v in body[name].values()))):
+            raise APIError(f"'{name}' must be {what}, got {_short(body[name])}", param=name)
+    _number(body, "max_tokens", None, int, 1)  # checked even where max_completion_tokens wins
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     room = max_model_len - max(prompt_lens)
     asked = _number(body, key, None, int, 1)
