@@ -4,6 +4,7 @@ usage errors (exit code 2)."""
 import importlib.util
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -116,7 +117,8 @@ def test_pair_mode_corpus_prompts(pair, tmp_path, capsys):
     corpus.mkdir()
     np.save(corpus / "train.npy", (np.arange(4000) % 200 + 3).astype(np.uint16))
     np.save(corpus / "heldout.npy", (np.arange(1000) % 200 + 3).astype(np.uint16))
-    (corpus / "corpus.json").write_text("{}")
+    (corpus / "corpus.json").write_text(json.dumps({"vocab_size": 4096, "eos_token_id": 0}))
+    shutil.copy(target / "tokenizer.json", corpus)   # a corpus keeps the tokenizer that made it
     out = tmp_path / "rows.jsonl"
     rc = main(["bench", "--model", str(target), "--methods", "ar", "--corpus", str(corpus), "--num-prompts", "2",
                "--batch-sizes", "1", "--temperatures", "0", "--max-new-tokens", "4", "--device", "cpu",

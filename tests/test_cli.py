@@ -397,6 +397,16 @@ def test_missing_prompt_file(capsys, model, tmp_path):
 # --------------------------------------------------------------------------- the real entry point
 
 
+def test_the_command_line_loads_torch_inside_its_error_handling():
+    """Ctrl-C in the first seconds (while torch imports) printed a traceback: importing
+    `treeflash` ran `import torch` before the command line's handler was set up. Now the
+    package loads the engine on first use, and the command inside `main`."""
+    code = ("import sys, treeflash.cli; assert 'torch' not in sys.modules, 'torch'; "
+            "from treeflash import LLM, SamplingParams; assert 'torch' in sys.modules")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
 @pytest.mark.parametrize("args,code", [(["hi", "--model", "/nonexistent/model"], 1),
                                        (["hi", "--top-p", "1.5"], 2)])
 def test_python_m_treeflash_errors(model, args, code):

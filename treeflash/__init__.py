@@ -1,7 +1,18 @@
 """treeflash: lossless speculative decoding with DFlash drafters and DDTree verification."""
-from treeflash.engine.llm import LLM, GenerationOutput, TokenLogprob
-from treeflash.engine.sampling import SamplingParams
 from treeflash.errors import TreeflashError, UsageError
 
 __all__ = ["LLM", "GenerationOutput", "TokenLogprob", "SamplingParams", "TreeflashError", "UsageError"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """The engine, and torch with it, loads on first use (PEP 562): the command line
+    imports it inside its error handling, so Ctrl-C during the seconds of `import torch`
+    is "interrupted", not a traceback."""
+    if name in ("LLM", "GenerationOutput", "TokenLogprob"):
+        from treeflash.engine import llm
+        return getattr(llm, name)
+    if name == "SamplingParams":
+        from treeflash.engine.sampling import SamplingParams
+        return SamplingParams
+    raise AttributeError(f"module 'treeflash' has no attribute {name!r}")

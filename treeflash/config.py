@@ -285,6 +285,10 @@ class ModelConfig:
         _check_hidden_act(data, where)
         _check_full_attention(data, arch, num_layers, where)
         moe = _moe_fields(data, num_layers, where) if arch == "qwen3_moe" else {}
+        head_dim = _require(data, "head_dim", where) if data.get("head_dim") is not None else hidden // heads
+        if head_dim % 2:
+            raise TreeflashError(f"config.json in {where}: head_dim {head_dim} is odd (rotary embeddings turn "
+                                 f"pairs of features)")
         return cls(
             arch=arch,
             vocab_size=_require(data, "vocab_size", where),
@@ -293,7 +297,7 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=_require(data, "head_dim", where) if data.get("head_dim") is not None else hidden // heads,
+            head_dim=head_dim,
             rms_norm_eps=_number(data.get("rms_norm_eps", 1e-6), "rms_norm_eps", where, positive=False),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -362,6 +366,8 @@ class DraftConfig:
             ids = default_target_layer_ids(num_target, layers.num_layers)
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise TreeflashError(f"drafter {where}: target_layer_ids must be a non-empty list of integers, got {ids!r}")
+        if len(set(ids)) != len(ids):
+            raise TreeflashError(f"drafter {where}: target_layer_ids names a layer twice: {ids!r}")
         return cls(layers=layers, block_size=block, mask_token_id=mask,
                    target_layer_ids=list(ids), num_target_layers=num_target)
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
+from treeflash.errors import UsageError
 from treeflash.train.common import DEFAULT_OPTIONS, TrainOptions
 
 DESCRIPTION = ("Train a tokenizer and a tokenized corpus of local Python code, a Qwen3-architecture "
@@ -23,7 +26,7 @@ def _size(text: str) -> int:
     scale = _SUFFIXES.get(t[-1:], 1)
     try:
         return int(float(t[:-1] if scale > 1 else t) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, nan; inf
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 65000000 or 62M)") from None
 
 
@@ -86,9 +89,13 @@ def run_tokenizer(args) -> int:
     from tokenizers import Tokenizer
 
     from treeflash.train.common import check_out_dir
-    from treeflash.train.corpus import collect
+    from treeflash.train.corpus import check_out_outside_roots, collect
     from treeflash.train.tokenizer import train_tokenizer
     check_out_dir(args.out)
+    check_out_outside_roots(args.out, args.roots)
+    if (Path(args.out) / "corpus.json").exists():  # its ids were made with the tokenizer.json there
+        raise UsageError(f"output folder {args.out} holds a tokenized corpus: a new tokenizer.json there would "
+                         f"no longer match its ids; write the tokenizer to another folder")
     corpus = collect(args.roots, args.heldout_fraction, args.max_bytes, tuple(args.suffixes))
     print(f"[tokenizer] training on {corpus.stats['train_files']} files, "
           f"{corpus.stats['train_bytes'] / 1e6:.1f} MB", flush=True)
@@ -104,6 +111,10 @@ def run_corpus(args) -> int:
     meta = write_corpus(args.tokenizer, args.out, args.roots, args.heldout_fraction, args.max_bytes,
                         args.compress, tuple(args.suffixes))
     print(json.dumps(meta, indent=2))
+    if not meta["heldout_tokens"]:  # a corpus, but not one to train on: target and drafter evaluate on it
+        print(f"treeflash: note: the held-out split is empty ({meta['train_files']} documents at a held-out "
+              f"fraction of {args.heldout_fraction}): training a target or drafter on this corpus needs a "
+              f"larger corpus or --heldout-fraction", file=sys.stderr)
     return 0
 
 

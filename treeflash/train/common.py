@@ -16,6 +16,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -87,12 +88,17 @@ class TrainOptions:
                 raise UsageError(f"{key} must be an integer >= 1, got {value!r}")
         if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 0):
             raise UsageError(f"max_steps must be an integer >= 0, got {self.max_steps!r}")
-        if self.max_minutes is not None and not self.max_minutes > 0:
-            raise UsageError(f"max_minutes must be > 0, got {self.max_minutes!r}")
-        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise UsageError(f"need lr > 0 and 0 <= min_lr_ratio <= 1, got {self.lr}, {self.min_lr_ratio}")
-        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0 or self.eval_tokens < 1:
-            raise UsageError("warmup_steps, weight_decay and grad_clip must be >= 0, eval_tokens >= 1")
+        # math.isfinite: a NaN passes every comparison's "not below"; inf minutes never end
+        if self.max_minutes is not None and not (self.max_minutes > 0 and math.isfinite(self.max_minutes)):
+            raise UsageError(f"max_minutes must be a finite number > 0, got {self.max_minutes!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)) or not 0 <= self.min_lr_ratio <= 1:
+            raise UsageError(f"need a finite lr > 0 and 0 <= min_lr_ratio <= 1, got {self.lr}, {self.min_lr_ratio}")
+        if self.warmup_steps < 0 or self.eval_tokens < 1 or not all(
+                v >= 0 and math.isfinite(v) for v in (self.weight_decay, self.grad_clip)):
+            raise UsageError(f"warmup_steps, weight_decay and grad_clip must be finite and >= 0, eval_tokens >= 1; "
+                             f"got {self.warmup_steps}, {self.weight_decay}, {self.grad_clip}, {self.eval_tokens}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63 - 1:
+            raise UsageError(f"seed must be an integer in [0, 2^63 - 1), got {self.seed!r}")
         return self
 
 
@@ -188,6 +194,12 @@ def check_out_dir(path: str | Path | None, keep: dict[str, str | Path] | None = 
             return
 
 
+def check_shard_mb(value) -> None:
+    """The export's shard size, checked before training rather than at the export."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise UsageError(f"max_shard_mb must be a finite number > 0, got {value!r}")
+
+
 def _settle(given: dict, saved: dict, defaults: dict, fixed: set[str]) -> dict:
     """`given` with its unset (None) values taken from `saved`, else from `defaults`; a set
     value of a `fixed` key must equal the saved one."""
@@ -243,6 +255,13 @@ class RunDir:
         saved = {k: v for k, v in self.saved.items() if k not in ("kind", "options")}
         return _settle(spec, saved, defaults, set(spec))
 
+    def bind(self, key: str, value: str, why: str) -> str:
+        """A resumed run must go on with the input that `value` identifies (a hash of the
+        corpus' tokenizer, of the target): the run records it in run.json."""
+        if self.resume and self.saved.get(key) not in (None, value):
+            raise UsageError(f"--resume: {why}")
+        return value
+
     def settle_options(self, options: dict, defaults: dict) -> dict:
         """The options: `options` (None: unset) over the defaults, or over the resumed run's.
         A resumed run refuses another value of an option outside SESSION_OPTIONS; a budget
@@ -269,7 +288,9 @@ class RunDir:
 
     def load_state(self) -> dict:
         try:
-            return torch.load(self.state_path, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # torch warns in several lines about what it can read
+                warnings.simplefilter("ignore")
+                return torch.load(self.state_path, map_location="cpu", weights_only=True)
         except Exception as e:
             # not torch's message: it is several lines and suggests weights_only=False
             raise TreeflashError(f"cannot read training state {self.state_path}: damaged, or not a treeflash "
@@ -366,20 +387,30 @@ class Trainer:
         if run.resume:
             self._restore(run.load_state())
 
+    STATE_KEYS = ("step", "elapsed", "history", "model", "optim", "gen", "torch_rng")
+
     def _restore(self, state: dict) -> None:
+        missing = [k for k in self.STATE_KEYS if k not in state] if isinstance(state, dict) else ["all"]
+        if missing:  # a file torch can read, but not one `_save` wrote
+            raise TreeflashError(f"training state {self.run.state_path} is not a treeflash training state "
+                                 f"(missing: {', '.join(missing)})")
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optim"])
-        except (RuntimeError, ValueError, KeyError) as e:
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
             raise TreeflashError(f"training state in {self.run.path} does not fit this model: "
                                  f"{str(e).splitlines()[0]}") from None
+        try:
+            self.gen.set_state(state["gen"])
+            torch.set_rng_state(state["torch_rng"])
+            if self.device.type == "cuda" and state.get("cuda_rng") is not None:
+                torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        except (RuntimeError, TypeError) as e:
+            raise TreeflashError(f"training state {self.run.state_path}: damaged random-number state "
+                                 f"({str(e).splitlines()[0]})") from None
         self.step, self.elapsed, self.history = state["step"], state["elapsed"], state["history"]
         self.run.rewrite_log(self.history)
         self.best = (state["best_metrics"], state["best_model"]) if state.get("best_model") else None
-        self.gen.set_state(state["gen"])
-        torch.set_rng_state(state["torch_rng"])
-        if self.device.type == "cuda" and state.get("cuda_rng") is not None:
-            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
 
     def _save(self) -> None:
         self.run.save_state({

@@ -58,6 +58,20 @@ class Corpus:
     stats: dict = field(default_factory=dict)
 
 
+def resolve_roots(roots: list[str | Path] | None) -> list[Path]:
+    return [Path(r).resolve() for r in roots] if roots else default_roots()
+
+
+def check_out_outside_roots(out: str | Path, roots: list[str | Path] | None) -> None:
+    """An output folder inside a corpus root would be read back by the next run (its JSON
+    files are documents under --suffixes .json, a tokenizer among the texts it trains on)."""
+    where = Path(out).resolve()
+    for root in resolve_roots(roots):
+        if where == root or root in where.parents:
+            raise UsageError(f"output folder {out} is inside the corpus root {root}: a later run would read "
+                             f"its files as documents; choose another --out")
+
+
 def _list_files(roots: list[Path], suffixes: tuple[str, ...] = (".py",)) -> list[tuple]:
     """(root index, order key, relative path, path, split key in [0, 1)) for every file
     with one of `suffixes`."""
@@ -68,9 +82,9 @@ def _list_files(roots: list[Path], suffixes: tuple[str, ...] = (".py",)) -> list
             here = Path(dirpath)
             dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and here / d not in others)
             for name in filenames:
-                if not name.endswith(suffixes):
-                    continue
                 path = here / name
+                if not name.endswith(suffixes) or not path.is_file():  # a FIFO or device would block the read
+                    continue
                 rel = path.relative_to(root).as_posix()
                 h = hashlib.sha1(rel.encode()).digest()
                 entries.append((i, h[8:16], rel, path, int.from_bytes(h[:8], "big") / 2 ** 64))
@@ -130,7 +144,7 @@ def collect(roots: list[str | Path] | None = None, heldout_fraction: float = HEL
         raise UsageError(f"held-out fraction must be in [0, 1), got {heldout_fraction}")
     if max_bytes is not None and max_bytes < 1:
         raise UsageError(f"max_bytes must be >= 1, got {max_bytes}")
-    roots = [Path(r).resolve() for r in roots] if roots else default_roots()
+    roots = resolve_roots(roots)
     for r in roots:
         if not r.is_dir():
             raise UsageError(f"corpus root is not a folder: {r}")
@@ -195,6 +209,7 @@ def write_corpus(tokenizer_dir: str | Path, out_dir: str | Path, roots: list[str
     (train.npy / heldout.npy, or .npz when `compress`; corpus.json; the tokenizer files)."""
     from treeflash.tokenizer import Tokenizer
     check_out_dir(out_dir)
+    check_out_outside_roots(out_dir, roots)
     tok = Tokenizer(tokenizer_dir)
     if not tok.eos_token_ids:
         raise TreeflashError(f"the tokenizer in {tokenizer_dir} defines no EOS token")
@@ -220,11 +235,18 @@ def write_corpus(tokenizer_dir: str | Path, out_dir: str | Path, roots: list[str
                 shutil.copy(src / name, out / name)
     s = corpus.stats
     meta = {**s, "vocab_size": vocab, "eos_token_id": eos, "dtype": np.dtype(dtype).name,
+            "tokenizer_sha256": tokenizer_hash(out),
             "train_tokens": int(train.size), "heldout_tokens": int(heldout.size),
             "bytes_per_token": round(s["train_bytes"] / max(train.size, 1), 3),
             "heldout_fraction": heldout_fraction, "max_bytes": max_bytes, "compressed": compress}
     (out / "corpus.json").write_text(json.dumps(meta, indent=2))
     return meta
+
+
+def tokenizer_hash(folder: Path) -> str:
+    """What ties token ids to the tokenizer that made them: a hash of its tokenizer.json
+    (the corpus keeps a copy; a target trained on it exports that copy)."""
+    return hashlib.sha256((Path(folder) / "tokenizer.json").read_bytes()).hexdigest()[:16]
 
 
 @dataclass
@@ -283,11 +305,23 @@ def load_corpus(data_dir: str | Path) -> TokenData:
         vocab = meta.get("vocab_size")
     except (OSError, ValueError, AttributeError) as e:
         raise TreeflashError(f"cannot read {folder / 'corpus.json'}: {e}") from None
+    for key in ("vocab_size", "eos_token_id"):
+        value = meta.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TreeflashError(f"{folder / 'corpus.json'}: '{key}' must be a token count or id, got {value!r} "
+                                 f"(write the corpus with treeflash train corpus)")
+    if not (folder / "tokenizer.json").exists():
+        raise TreeflashError(f"no tokenizer.json in {folder}: a corpus keeps the tokenizer its ids were made "
+                             f"with (treeflash train corpus copies it there)")
+    recorded = meta.get("tokenizer_sha256")
+    if recorded is not None and recorded != tokenizer_hash(folder):
+        raise TreeflashError(f"the tokenizer.json in {folder} is not the one its ids were made with "
+                             f"(corpus.json records another): put that one back, or re-tokenize the corpus")
     train, heldout = _load_ids(folder, "train"), _load_ids(folder, "heldout")
     if train.size == 0:
         raise TreeflashError(f"empty corpus: the train split in {folder} holds no tokens")
     for split, ids in (("train", train), ("heldout", heldout)):
-        if isinstance(vocab, int) and ids.size and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+        if ids.size and (int(ids.max()) >= vocab or int(ids.min()) < 0):
             raise TreeflashError(f"the {split} split in {folder} holds token ids outside its vocabulary "
                                  f"of {vocab} (corpus.json): re-tokenize it")
     return TokenData(folder, meta, train, heldout)

@@ -33,9 +33,9 @@ from treeflash.models.loader import build_on, load_weights
 from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
 from treeflash.train.common import (DEFAULT_OPTIONS, MiB, Progress, RunDir, TrainOptions, Trainer, abs_path,
-                                    check_out_dir, hf_tensors, init_weights, resolve_device, save_safetensors,
-                                    set_fast_math, to_device, write_summary)
-from treeflash.train.corpus import NPY_ERRORS, TokenWindows, fixed_windows, load_corpus, npy_error
+                                    check_out_dir, check_shard_mb, hf_tensors, init_weights, resolve_device,
+                                    save_safetensors, set_fast_math, to_device, write_summary)
+from treeflash.train.corpus import NPY_ERRORS, TokenWindows, fixed_windows, load_corpus, npy_error, tokenizer_hash
 from treeflash.train.target import causal_inputs
 from treeflash.train.tokenizer import MASK
 
@@ -174,14 +174,26 @@ def evaluate_drafter(target, drafter, windows: torch.Tensor, blocks: int, batch_
 
 
 def target_fingerprint(target_dir: str | Path) -> str:
-    """What a generated file records of the target that wrote it: a hash of its
-    config.json and tokenizer.json, so that a drafter is not trained on another
-    target's continuations by mistake."""
-    h = hashlib.sha256(json.dumps(json.loads((Path(target_dir) / "config.json").read_text()),
-                                  sort_keys=True).encode())
-    tok = Path(target_dir) / "tokenizer.json"
+    """What a generated file and a drafter run record of their target: a hash of its
+    config.json, tokenizer.json and weights, so that a drafter is not trained on another
+    target's continuations, or resumed against another target, by mistake. Of each
+    safetensors file it hashes the header (names, shapes, offsets) and 4 KiB of every
+    64 MiB of data: two trainings of one shape differ everywhere, and an 8B target is
+    read in a second, not a minute."""
+    folder = Path(target_dir)
+    h = hashlib.sha256(json.dumps(json.loads((folder / "config.json").read_text()), sort_keys=True).encode())
+    tok = folder / "tokenizer.json"
     if tok.exists():
         h.update(tok.read_bytes())
+    for path in sorted(folder.glob("*.safetensors")):
+        size = path.stat().st_size
+        h.update(size.to_bytes(8, "little"))
+        with path.open("rb") as f:
+            header = int.from_bytes(f.read(8), "little")
+            h.update(f.read(min(header, size)))
+            for offset in [*range(0, size, 64 << 20), max(size - 4096, 0)]:
+                f.seek(offset)
+                h.update(f.read(4096))
     return h.hexdigest()[:16]
 
 
@@ -235,6 +247,11 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
             raise UsageError(f"{key} must be >= 1, got {value}")
     if heldout_prompts < 0:
         raise UsageError(f"heldout_prompts must be >= 0, got {heldout_prompts}")
+    if not 0 <= seed < 2 ** 63:
+        raise UsageError(f"seed must be in [0, 2^63), got {seed}")
+    out = Path(out_path)
+    out = out if out.suffix == ".npz" else out.with_name(out.name + ".npz")
+    _check_generated_out(out, target_dir, data_dir)
     _require_target(target_dir)
     data = load_corpus(data_dir)
     _require_same_tokenizer(data, target_dir)
@@ -260,8 +277,6 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
         bar.step(len(prompts[i:i + batch_size]))
     bar.close()
     seconds = time.perf_counter() - t0
-    out = Path(out_path)
-    out = out if out.suffix == ".npz" else out.with_name(out.name + ".npz")
     out.parent.mkdir(parents=True, exist_ok=True)
     np.savez(out, ids=rows[:num_prompts], heldout_ids=rows[num_prompts:], prompt_len=np.int64(prompt_len),
              target=np.str_(target_fingerprint(target_dir)))
@@ -286,6 +301,22 @@ def measure_tau(target_dir: str | Path, drafter_dir: str | Path, prompts: list[l
         out[f"tau_{method}"] = round(sum(len(r.token_ids) for r in res) / sum(r.stats["rounds"] for r in res), 3)
         out[f"same_as_ar_{method}"] = round(sum(r.token_ids == a for r, a in zip(res, ref)) / len(ref), 3)
     return out
+
+
+def _check_generated_out(out: Path, target_dir: str | Path, data_dir: str | Path) -> None:
+    """Before generating for minutes: the file must be writable, and not inside the
+    target or the corpus (a train.npz there would take the corpus' place)."""
+    where = out.resolve()
+    for what, folder in (("target", target_dir), ("corpus", data_dir)):
+        if Path(folder).resolve() in where.parents:
+            raise UsageError(f"--out {out} is inside the {what} folder {folder}: choose another path")
+    for p in where.parents:
+        if p.exists():
+            if not p.is_dir():
+                raise UsageError(f"--out {out}: {p} exists and is not a folder")
+            break
+    if where.is_dir():
+        raise UsageError(f"--out {out} is a folder: give a file name")
 
 
 def _require_target(target_dir: str | Path) -> None:
@@ -328,6 +359,7 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
                            {**DEFAULT_OPTIONS, **DRAFTER_OPTIONS,  # default sequences fit the target's context
                             "seq_len": min(DRAFTER_OPTIONS["seq_len"], tcfg.max_position_embeddings)})
     opts = TrainOptions.of(o).validate()
+    check_shard_mb(o["max_shard_mb"])
     generated, gamma, blocks_per_seq = o["generated"], o["gamma"], o["blocks_per_seq"]
     tau_prompts, tau_new_tokens = o["tau_prompts"], o["tau_new_tokens"]
     if tau_prompts < 0 or tau_new_tokens < 1:
@@ -353,6 +385,11 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
                          f"context of {tcfg.max_position_embeddings}")
     data = load_corpus(data_dir)
     _require_same_tokenizer(data, target_dir)
+    bound = {"target": run.bind("target", target_fingerprint(target_dir), f"{target_dir} is not the target this "
+                                f"run trained against (its config.json, tokenizer.json or weights differ)"),
+             "corpus_tokenizer": run.bind("corpus_tokenizer", tokenizer_hash(data.path),
+                                          f"the corpus in {data_dir} was made with another tokenizer than the "
+                                          f"run's (tokenizer.json differs)")}
     if int(data.meta["vocab_size"]) > tcfg.vocab_size:
         raise UsageError(f"the corpus in {data_dir} was tokenized with a vocabulary of {data.meta['vocab_size']}, "
                          f"larger than the target's {tcfg.vocab_size}: use the target's tokenizer")
@@ -378,7 +415,7 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
         held, held_lo, held_text = fixed_windows(data.heldout, opts.seq_len, opts.eval_tokens), 1, "corpus"
         if held.shape[1] < b + 2:
             raise UsageError(f"the held-out split ({data.heldout.size} tokens) is too short for blocks of {b}")
-    run.begin({**asdict(shape), **signature}, o)
+    run.begin({**asdict(shape), **signature, **bound}, o)
 
     set_fast_math(device)
     torch.manual_seed(opts.seed)

@@ -24,9 +24,9 @@ from treeflash.models.loader import build_on
 from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
 from treeflash.train.common import (DEFAULT_OPTIONS, MiB, RunDir, TrainOptions, Trainer, abs_path,
-                                    check_out_dir, hf_tensors, init_weights, resolve_device,
+                                    check_out_dir, check_shard_mb, hf_tensors, init_weights, resolve_device,
                                     save_safetensors, set_fast_math, write_summary)
-from treeflash.train.corpus import TOKENIZER_FILES, TokenWindows, fixed_windows, load_corpus
+from treeflash.train.corpus import TOKENIZER_FILES, TokenWindows, fixed_windows, load_corpus, tokenizer_hash
 from treeflash.train.tokenizer import PAD
 
 
@@ -131,6 +131,7 @@ def train_target(data_dir: str | Path, run_dir: str | Path, out_dir: str | Path 
     o = run.settle_options({**asdict(opts or TrainOptions()), "dtype": dtype, "out": abs_path(out_dir),
                             "max_shard_mb": max_shard_mb}, {**DEFAULT_OPTIONS, "dtype": "bfloat16"})
     opts, dtype, max_shard_mb = TrainOptions.of(o).validate(), o["dtype"], o["max_shard_mb"]
+    check_shard_mb(max_shard_mb)
     if dtype not in ("bfloat16", "float16", "float32"):
         raise UsageError(f"export dtype must be bfloat16, float16 or float32, got {dtype!r}")
     out = Path(o["out"]) if o["out"] is not None else run.path / "model"
@@ -138,6 +139,9 @@ def train_target(data_dir: str | Path, run_dir: str | Path, out_dir: str | Path 
     data = load_corpus(data_dir)
     vocab = int(data.meta["vocab_size"])
     spec = run.settle_spec({**asdict(shape or TargetShape()), "vocab_size": vocab}, TARGET_SHAPE)
+    spec["corpus_tokenizer"] = run.bind("corpus_tokenizer", tokenizer_hash(data.path),
+                                        f"the corpus in {data_dir} was made with another tokenizer than the "
+                                        f"run's (tokenizer.json differs)")
     shape = TargetShape(**{k: v for k, v in spec.items() if k in TargetShape.__dataclass_fields__})
     pad = Tokenizer(data.path).tok.token_to_id(PAD)
     config = hf_config(shape, vocab, opts.seq_len, int(data.meta["eos_token_id"]), pad, dtype)
