@@ -496,6 +496,18 @@ def test_more_bad_training_input_is_one_line(data_dir, target, tmp_path, capsys)
     with pytest.raises(TreeflashError, match="names a layer twice"):
         train_drafter(base / "model", data_dir, tmp_path / "run-twice", shape=DrafterShape(
             block_size=4, target_layer_ids=[1, 1]), opts=TrainOptions(max_steps=1, **OPTS), tau_prompts=0)
+    with pytest.raises(TreeflashError, match="went to the held-out split"):
+        collect([src], heldout_fraction=0.999)
+    with pytest.raises(TreeflashError, match="larger than max_bytes 10"):
+        collect([src], max_bytes=10)
+    with pytest.raises(UsageError, match="exists and is not a folder"):
+        train_target(data_dir, tmp_path / "a-file", shape=TINY, opts=TrainOptions(max_steps=1, **OPTS))
+    run = shutil.copytree(base / "run", tmp_path / "no-options")
+    spec = json.loads((run / "run.json").read_text())
+    del spec["options"]   # resumed with the defaults before: other batches, another evaluation
+    (run / "run.json").write_text(json.dumps(spec))
+    with pytest.raises(TreeflashError, match="is damaged"):
+        train_target(data_dir, run, opts=TrainOptions(max_steps=50), resume=True)
     capsys.readouterr()
     assert cli_main(["corpus", "--tokenizer", str(data_dir), "--out", str(tmp_path / "c0"), "--roots", str(src),
                      "--heldout-fraction", "0"]) == 0

@@ -223,6 +223,8 @@ class RunDir:
     def __init__(self, path: str | Path, resume: bool, kind: str):
         self.path, self.resume, self.kind = Path(path), resume, kind
         self.saved: dict = {}
+        if self.path.exists() and not self.path.is_dir():
+            raise UsageError(f"run folder {self.path} exists and is not a folder")
         if resume and not self.state_path.exists():
             raise UsageError(f"--resume: no training state in {self.path} (state.pt not found)")
         if not resume and self.state_path.exists():
@@ -233,9 +235,11 @@ class RunDir:
                 self.saved = json.loads(self.spec_path.read_text())
             except (OSError, json.JSONDecodeError) as e:
                 raise TreeflashError(f"cannot read {self.spec_path}: {e}") from None
-            if not isinstance(self.saved, dict) or self.saved.get("kind") != kind:
-                raise UsageError(f"{self.path} is a {self.saved.get('kind') if isinstance(self.saved, dict) else '?'} "
-                                 f"run, not a {kind} run")
+            if not isinstance(self.saved, dict) or not isinstance(self.saved.get("options"), dict):
+                raise TreeflashError(f"{self.spec_path} is damaged: not a run.json that treeflash wrote "
+                                     f"(a resumed run would go on with other options)")
+            if self.saved.get("kind") != kind:
+                raise UsageError(f"{self.path} is a {self.saved.get('kind')} run, not a {kind} run")
 
     state_path = property(lambda self: self.path / "state.pt")
     spec_path = property(lambda self: self.path / "run.json")

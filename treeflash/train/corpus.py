@@ -177,8 +177,10 @@ def collect(roots: list[str | Path] | None = None, heldout_fraction: float = HEL
         if stats["capped"]:
             break
     if not corpus.train:
-        raise TreeflashError(f"empty corpus: no usable {'/'.join(suffixes)} documents under "
-                             f"{', '.join(map(str, roots))}")
+        why = (f": all {len(corpus.heldout)} went to the held-out split (fraction {heldout_fraction})"
+               if corpus.heldout else f": the first is larger than max_bytes {max_bytes}" if stats["capped"] else "")
+        raise TreeflashError(f"empty corpus: no usable {'/'.join(suffixes)} documents for training under "
+                             f"{', '.join(map(str, roots))}{why}")
     corpus.stats = stats
     return corpus
 
