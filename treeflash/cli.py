@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt or a file of prompts")
     g.add_argument("prompt", nargs="?", help="the prompt text")
     g.add_argument("--prompt-file", help="one prompt per line (\\n for a newline; empty lines skipped), or a "
-                                         ".jsonl file of objects with a 'prompt' field")
+                                         ".jsonl / .json file of objects with a 'prompt' field, one per line")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     g.add_argument("--max-batch", type=int, default=16, help="a prompt file runs in batches of at most this many "
                                                             "prompts, each printed as it finishes (default 16)")

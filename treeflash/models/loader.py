@@ -153,8 +153,9 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
                 with torch.no_grad():
                     dest.copy_(_read_piece(handles[f], key, dest, shard_dim, tp))
                     # NaN weights decode as a normal early stop (NaN logits pick token 0),
-                    # and a float32 value past the float16 range becomes inf in the cast
-                    if not torch.isfinite(dest).all():
+                    # and a float32 value past the float16 range becomes inf in the cast.
+                    # Through the extremes (NaN propagates): no bool copy of a GB-sized slab.
+                    if dest.numel() and not all(torch.isfinite(x) for x in torch.aminmax(dest)):
                         raise TreeflashError(f"weight {key} in {folder} holds NaN or infinite values "
                                              f"(a corrupt checkpoint, or values too large for {dest.dtype})")
             # Unmap the files after every parameter: pages a read touched stay resident (and
