@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from treeflash.bench import batch_indices, bench_argv
 from treeflash.checkpoints import write_random_drafter, write_random_target
 from treeflash.cli import build_parser, main
+from treeflash.engine.llm import builtin_paths
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 
@@ -126,6 +128,10 @@ def test_pair_mode_corpus_prompts(pair, tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["requests"] == 2 and row["new_tokens"] == 8
+    shutil.copy(Path(builtin_paths()[0]) / "tokenizer.json", corpus)   # another tokenizer: other text
+    assert main(["bench", "--model", str(target), "--methods", "ar", "--corpus", str(corpus), "--num-prompts", "2",
+                 "--device", "cpu"]) == 2
+    assert "tokenized with another tokenizer than the model's" in capsys.readouterr().err
     np.save(corpus / "heldout.npy", np.zeros(0, dtype=np.uint16))  # made with --heldout-fraction 0
     assert main(["bench", "--model", str(target), "--methods", "ar", "--corpus", str(corpus), "--device", "cpu"]) == 2
     assert "has no held-out split" in capsys.readouterr().err

@@ -51,6 +51,7 @@ from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import build_on
 from treeflash.models.moe import KIMI_K2_4L, weight_bytes_read
 from treeflash.models.transformer import CausalLM
+from treeflash.tokenizer import Tokenizer
 
 PAIR_BUDGETS = "16,32,64,128,256"
 SHAPE_BUDGETS = "0,15,31,63,127,255"
@@ -307,6 +308,9 @@ def bench_pairs(args) -> int:
     # A speculative method, if any is asked for, so that the built-in model brings its drafter.
     base = LLM(args.model, draft_model=args.draft_model, method=next((m for m in methods if m != "ar"), "ar"),
                device=args.device, dtype=args.dtype, max_budget=max([512] + budgets), cuda_graphs=False)
+    if args.corpus and Tokenizer(args.corpus).tok.get_vocab() != base.tokenizer.tok.get_vocab():
+        raise UsageError(f"the corpus in {args.corpus} was tokenized with another tokenizer than the model's: "
+                         f"its prompts would be other text to it")
     if base.drafter is None and set(methods) - {"ar"}:
         raise UsageError(f"methods {', '.join(m for m in methods if m != 'ar')} need a drafter (--draft-model)")
     print(f"bench: {len(prompts)} prompts, {args.max_new_tokens} new tokens each, on {base.device} "

@@ -20,7 +20,8 @@ def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     s.add_argument("--served-model-name", nargs="+", help="the model names clients may send, the first one in "
-                   "responses (default: the model folder's name, and --model as given)")
+                   "responses (default: the model folder's name, treeflash-builtin for the built-in "
+                        "pair, and --model as given)")
     s.add_argument("--max-batch", type=int, default=1,
                    help="prompts generated together when requests queue up (default 1: lowest latency)")
     s.add_argument("--api-key", default=os.environ.get("TREEFLASH_API_KEY"),

@@ -356,8 +356,8 @@ def render_chat(body: dict, template) -> str:
         plain_messages(body.get("messages"))  # a malformed message is named first, template or not
     except UsageError as e:
         raise APIError(str(e), param="messages") from None
-    raise APIError("this model has no chat template (tokenizer_config.json 'chat_template'): "
-                   "use /v1/completions")
+    raise APIError("this model has no chat template (tokenizer_config.json 'chat_template' or "
+                   "chat_template.jinja): use /v1/completions")
 
 
 def parse_tokenize(body: dict, served: str | tuple[str, ...], template, tokenizer) -> list[int]:
