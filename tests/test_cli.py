@@ -318,12 +318,18 @@ def test_malformed_jsonl(capsys, model, tmp_path, line, words):
     assert_error(*run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu"), 2, *words)
 
 
-@pytest.mark.parametrize("key", ["max_new_tokens", "temperature", "seed"])
-def test_jsonl_lines_with_per_prompt_settings_are_refused(capsys, model, tmp_path, key):
-    """The flags apply to every prompt: a setting in a line would be silently ignored."""
+@pytest.mark.parametrize("key", ["max_tokens", "temperature", "seed"])
+def test_jsonl_lines_with_per_prompt_settings_get_a_note(capsys, model, api, tmp_path, key):
+    """The flags apply to every prompt: a setting in a line (a saved request body, say) is
+    not read, and the command says so instead of ignoring it silently."""
     f = tmp_path / "prompts.jsonl"
-    f.write_text('{"prompt": "a", "id": 7}\n' + json.dumps({"prompt": "b", key: 2}) + "\n")
-    assert_error(*run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu"), 2, ":2:", key, "flag")
+    f.write_text(json.dumps({"prompt": ENGINE_PROMPTS[0], "id": 7}) + "\n" +
+                 json.dumps({"prompt": ENGINE_PROMPTS[2], key: 2}) + "\n")
+    rc, out, err = run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu", "--json",
+                       "--max-new-tokens", 3, "--ignore-eos")
+    assert rc == 0, err
+    check_json_lines(out, [ENGINE_PROMPTS[0], ENGINE_PROMPTS[2]], api, 3)
+    assert f"note: {f} sets {key} per prompt, which is not read" in err
 
 
 @pytest.mark.parametrize("name", ["prompts.JSONL", "prompts.json"])

@@ -408,11 +408,20 @@ def test_corpora_and_runs_stay_tied_to_their_tokenizer_and_target(target, data_d
     base, _ = target
     corpus = tmp_path / "data"
     shutil.copytree(data_dir, corpus)
+    # a new tokenizer written into a corpus folder (TRAINING.md's flow, run again)
+    assert cli_main(["tokenizer", "--out", str(corpus), "--roots", str(data_dir.parent / "src"),
+                     "--vocab-size", "300"]) == 0
+    with pytest.raises(TreeflashError, match="not the one its ids were made with"):
+        load_corpus(corpus)
+    meta = json.loads((corpus / "corpus.json").read_text())
+    del meta["tokenizer_sha256"]   # a corpus from before the hash: a new tokenizer there is refused
+    (corpus / "corpus.json").write_text(json.dumps(meta))
     assert cli_main(["tokenizer", "--out", str(corpus), "--roots", str(data_dir.parent / "src"),
                      "--vocab-size", "300"]) == 2
-    assert "holds a tokenized corpus" in capsys.readouterr().err
+    assert "does not record its tokenizer" in capsys.readouterr().err
     other = write_random_target(tmp_path / "other-tokenizer", vocab_size=None)
     shutil.copy(other / "tokenizer.json", corpus / "tokenizer.json")
+    shutil.copy(data_dir / "corpus.json", corpus / "corpus.json")
     with pytest.raises(TreeflashError, match="not the one its ids were made with"):
         load_corpus(corpus)
     (corpus / "tokenizer.json").unlink()
@@ -434,9 +443,7 @@ def test_corpora_and_runs_stay_tied_to_their_tokenizer_and_target(target, data_d
     changed = shutil.copytree(base / "model", tmp_path / "changed")
     (weights,) = changed.glob("*.safetensors")
     from safetensors.torch import load_file, save_file
-    w = load_file(weights)
-    w["lm_head.weight" if "lm_head.weight" in w else "model.norm.weight"] *= 1.5
-    save_file(w, weights, metadata={"format": "pt"})
+    save_file({k: v * 1.5 for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
     same = shutil.copytree(base / "model", tmp_path / "same")
     assert target_fingerprint(same) == target_fingerprint(base / "model") != target_fingerprint(changed)
     gen = tmp_path / "gen.npz"
@@ -463,11 +470,16 @@ def test_corpora_and_runs_stay_tied_to_their_tokenizer_and_target(target, data_d
 def test_more_bad_training_input_is_one_line(data_dir, target, tmp_path, capsys):
     base, _ = target
     src = data_dir.parent / "src"
-    # an output inside a corpus root would be read back as documents by the next run
-    assert cli_main(["tokenizer", "--out", str(src / "tok"), "--roots", str(src), "--vocab-size", "300"]) == 2
+    # an output inside a corpus root whose suffixes match what is written would be read back
+    assert cli_main(["tokenizer", "--out", str(src / "tok"), "--roots", str(src), "--vocab-size", "300",
+                     "--suffixes", ".py", ".json"]) == 2
     assert "is inside the corpus root" in capsys.readouterr().err
     with pytest.raises(UsageError, match="is inside the corpus root"):
-        write_corpus(data_dir, src / "data", [src])
+        write_corpus(data_dir, src / "data", [src], suffixes=(".json",))
+    inside = tmp_path / "proj"   # with .py only, nothing written there is read back: allowed
+    shutil.copytree(src, inside)
+    write_corpus(data_dir, inside / "data", [inside])
+    assert collect([inside]).stats["files_seen"] == collect([src]).stats["files_seen"]
     # a FIFO named like a source file is skipped, not read (the read blocked forever)
     fifo_root = tmp_path / "fifo"
     shutil.copytree(src, fifo_root)
@@ -498,19 +510,20 @@ def test_more_bad_training_input_is_one_line(data_dir, target, tmp_path, capsys)
     with pytest.raises(TreeflashError, match="head_dim 15 is odd"):
         train_target(data_dir, tmp_path / "run-odd", shape=replace(TINY, head_dim=15),
                      opts=TrainOptions(max_steps=1, **OPTS))
-    with pytest.raises(TreeflashError, match="names a layer twice"):
-        train_drafter(base / "model", data_dir, tmp_path / "run-twice", shape=DrafterShape(
-            block_size=4, target_layer_ids=[1, 1]), opts=TrainOptions(max_steps=1, **OPTS), tau_prompts=0)
     with pytest.raises(TreeflashError, match="went to the held-out split"):
         collect([src], heldout_fraction=0.999)
-    with pytest.raises(TreeflashError, match="larger than max_bytes 10"):
+    with pytest.raises(TreeflashError, match="max_bytes 10 was reached after 0 held-out document"):
         collect([src], max_bytes=10)
     with pytest.raises(UsageError, match="exists and is not a folder"):
         train_target(data_dir, tmp_path / "a-file", shape=TINY, opts=TrainOptions(max_steps=1, **OPTS))
-    run = shutil.copytree(base / "run", tmp_path / "no-options")
-    spec = json.loads((run / "run.json").read_text())
-    del spec["options"]   # resumed with the defaults before: other batches, another evaluation
-    (run / "run.json").write_text(json.dumps(spec))
+    legacy = shutil.copytree(base / "run", tmp_path / "legacy")
+    spec = json.loads((legacy / "run.json").read_text())
+    del spec["options"]   # a run.json from before runs recorded their options still resumes
+    (legacy / "run.json").write_text(json.dumps(spec))
+    assert train_target(data_dir, legacy, tmp_path / "legacy-model", opts=TrainOptions(
+        **{**OPTS, "max_steps": 41}), resume=True)["steps"] == 41
+    run = shutil.copytree(base / "run", tmp_path / "listed")
+    (run / "run.json").write_text("[1]")
     with pytest.raises(TreeflashError, match="is damaged"):
         train_target(data_dir, run, opts=TrainOptions(max_steps=50), resume=True)
     capsys.readouterr()

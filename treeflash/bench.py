@@ -40,7 +40,7 @@ import torch
 from treeflash.cli import read_prompts
 from treeflash.config import DraftConfig, ModelConfig, default_target_layer_ids
 from treeflash.distributed import TPGroup
-from treeflash.engine.llm import LLM, RoundPipeline, attention_backend, resolve_device, resolve_dtype
+from treeflash.engine.llm import LLM, RoundPipeline, attention_backend, builtin_paths, resolve_device, resolve_dtype
 from treeflash.engine.round import SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
 from treeflash.engine.tp import COMM_HINTS, check_devices, check_shardable, join_group, torchrun_env
@@ -301,6 +301,11 @@ def bench_pairs(args) -> int:
     graphs = parse_graphs(args.graphs or "on,off")
     prompts = load_prompts(args)
     check_seed(args.seed, len(prompts))
+    model_dir = Path(args.model or builtin_paths()[0])
+    if args.corpus and (model_dir / "tokenizer.json").exists() and \
+            Tokenizer(args.corpus).tok.get_vocab() != Tokenizer(model_dir).tok.get_vocab():  # before loading
+        raise UsageError(f"the corpus in {args.corpus} was tokenized with another tokenizer than the model's: "
+                         f"its prompts would be other text to it")
     check_plot_path(args.plot)
     graphs_list = usable_graphs(graphs, resolve_device(args.device))
     out = open_out(args.out)
@@ -308,9 +313,6 @@ def bench_pairs(args) -> int:
     # A speculative method, if any is asked for, so that the built-in model brings its drafter.
     base = LLM(args.model, draft_model=args.draft_model, method=next((m for m in methods if m != "ar"), "ar"),
                device=args.device, dtype=args.dtype, max_budget=max([512] + budgets), cuda_graphs=False)
-    if args.corpus and Tokenizer(args.corpus).tok.get_vocab() != base.tokenizer.tok.get_vocab():
-        raise UsageError(f"the corpus in {args.corpus} was tokenized with another tokenizer than the model's: "
-                         f"its prompts would be other text to it")
     if base.drafter is None and set(methods) - {"ar"}:
         raise UsageError(f"methods {', '.join(m for m in methods if m != 'ar')} need a drafter (--draft-model)")
     print(f"bench: {len(prompts)} prompts, {args.max_new_tokens} new tokens each, on {base.device} "

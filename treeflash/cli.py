@@ -15,24 +15,21 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-# Fields of a prompt-file line that would look like per-prompt settings: they are not
-# read (the command's flags apply to every prompt), so a line that has one is refused.
+# Fields of a prompt-file line that look like per-prompt settings. They are not read (the
+# command's flags apply to every prompt); a file that has them gets a note, not silence.
 _PER_PROMPT_SETTINGS = ("max_new_tokens", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
                         "stop_token_ids", "ignore_eos", "logprobs", "method", "budget")
 
 
-def _jsonl_prompt(line: str, where: str) -> str:
+def _jsonl_prompt(line: str, where: str) -> tuple[str, list[str]]:
+    """A line's prompt, and the per-prompt settings it holds (which are not read)."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise UsageError(f"{where}: malformed JSON line: {e}") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
         raise UsageError(f"{where}: a JSONL line must be an object with a string 'prompt'")
-    settings = [k for k in _PER_PROMPT_SETTINGS if k in obj]
-    if settings:
-        raise UsageError(f"{where}: '{settings[0]}' is not read per prompt: give it as a flag (it applies "
-                         f"to every prompt) and keep only 'prompt' (and fields of your own) in the file")
-    return obj["prompt"]
+    return obj["prompt"], [k for k in _PER_PROMPT_SETTINGS if k in obj]
 
 
 def read_prompts(args) -> list[str]:
@@ -48,18 +45,23 @@ def read_prompts(args) -> list[str]:
         raise TreeflashError(f"cannot read prompt file {args.prompt_file}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise UsageError(f"prompt file {args.prompt_file} is not UTF-8 text") from None
-    prompts = []
+    prompts, ignored = [], []
     # .jsonl or .json (any case): one object per line; else plain text, where a line starting "{" is a prompt too
     jsonl = str(args.prompt_file).lower().endswith((".jsonl", ".json"))
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         if jsonl:
-            prompts.append(_jsonl_prompt(line, f"{args.prompt_file}:{i}"))
+            prompt, settings = _jsonl_prompt(line, f"{args.prompt_file}:{i}")
+            prompts.append(prompt)
+            ignored += [k for k in settings if k not in ignored]
         else:
             prompts.append(line.replace("\\n", "\n"))
     if not prompts:
         raise UsageError(f"prompt file {args.prompt_file} holds no prompt")
+    if ignored:
+        print(f"treeflash: note: {args.prompt_file} sets {', '.join(ignored)} per prompt, which is not read: "
+              f"the command's flags apply to every prompt", file=sys.stderr)
     return prompts
 
 

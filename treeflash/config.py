@@ -366,8 +366,6 @@ class DraftConfig:
             ids = default_target_layer_ids(num_target, layers.num_layers)
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise TreeflashError(f"drafter {where}: target_layer_ids must be a non-empty list of integers, got {ids!r}")
-        if len(set(ids)) != len(ids):
-            raise TreeflashError(f"drafter {where}: target_layer_ids names a layer twice: {ids!r}")
         return cls(layers=layers, block_size=block, mask_token_id=mask,
                    target_layer_ids=list(ids), num_target_layers=num_target)
 

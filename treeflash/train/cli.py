@@ -85,6 +85,13 @@ def _shape(cls, args):
     return cls(**{k: getattr(args, k, None) for k in cls.__dataclass_fields__})
 
 
+def _records_tokenizer(corpus_json: Path) -> bool:
+    try:
+        return "tokenizer_sha256" in json.loads(corpus_json.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def run_tokenizer(args) -> int:
     from tokenizers import Tokenizer
 
@@ -92,10 +99,13 @@ def run_tokenizer(args) -> int:
     from treeflash.train.corpus import check_out_outside_roots, collect
     from treeflash.train.tokenizer import train_tokenizer
     check_out_dir(args.out)
-    check_out_outside_roots(args.out, args.roots)
-    if (Path(args.out) / "corpus.json").exists():  # its ids were made with the tokenizer.json there
-        raise UsageError(f"output folder {args.out} holds a tokenized corpus: a new tokenizer.json there would "
-                         f"no longer match its ids; write the tokenizer to another folder")
+    check_out_outside_roots(args.out, args.roots, tuple(args.suffixes))
+    existing = Path(args.out) / "corpus.json"
+    if existing.exists() and not _records_tokenizer(existing):
+        # a corpus that records its tokenizer refuses a new one at load; an older one could not tell
+        raise UsageError(f"output folder {args.out} holds a tokenized corpus that does not record its tokenizer: "
+                         f"a new tokenizer.json there would silently no longer match its ids; write the "
+                         f"tokenizer to another folder (or re-make the corpus after it)")
     corpus = collect(args.roots, args.heldout_fraction, args.max_bytes, tuple(args.suffixes))
     print(f"[tokenizer] training on {corpus.stats['train_files']} files, "
           f"{corpus.stats['train_bytes'] / 1e6:.1f} MB", flush=True)

@@ -235,11 +235,10 @@ class RunDir:
                 self.saved = json.loads(self.spec_path.read_text())
             except (OSError, json.JSONDecodeError) as e:
                 raise TreeflashError(f"cannot read {self.spec_path}: {e}") from None
-            if not isinstance(self.saved, dict) or not isinstance(self.saved.get("options"), dict):
-                raise TreeflashError(f"{self.spec_path} is damaged: not a run.json that treeflash wrote "
-                                     f"(a resumed run would go on with other options)")
-            if self.saved.get("kind") != kind:
-                raise UsageError(f"{self.path} is a {self.saved.get('kind')} run, not a {kind} run")
+            if not isinstance(self.saved, dict) or "kind" not in self.saved:
+                raise TreeflashError(f"{self.spec_path} is damaged: not a run.json that treeflash wrote")
+            if self.saved["kind"] != kind:
+                raise UsageError(f"{self.path} is a {self.saved['kind']} run, not a {kind} run")
 
     state_path = property(lambda self: self.path / "state.pt")
     spec_path = property(lambda self: self.path / "run.json")

@@ -62,9 +62,15 @@ def resolve_roots(roots: list[str | Path] | None) -> list[Path]:
     return [Path(r).resolve() for r in roots] if roots else default_roots()
 
 
-def check_out_outside_roots(out: str | Path, roots: list[str | Path] | None) -> None:
-    """An output folder inside a corpus root would be read back by the next run (its JSON
-    files are documents under --suffixes .json, a tokenizer among the texts it trains on)."""
+WRITTEN = ("tokenizer.json", "corpus.json", "train.npy", "train.npz")  # what tokenizer / corpus write
+
+
+def check_out_outside_roots(out: str | Path, roots: list[str | Path] | None,
+                            suffixes: tuple[str, ...] = (".py",)) -> None:
+    """An output folder inside a corpus root whose --suffixes match what is written there
+    (.json) would be read back by the next run, a tokenizer among the texts it trains on."""
+    if not any(name.endswith(tuple(suffixes)) for name in WRITTEN):
+        return
     where = Path(out).resolve()
     for root in resolve_roots(roots):
         if where == root or root in where.parents:
@@ -177,8 +183,10 @@ def collect(roots: list[str | Path] | None = None, heldout_fraction: float = HEL
         if stats["capped"]:
             break
     if not corpus.train:
-        why = (f": all {len(corpus.heldout)} went to the held-out split (fraction {heldout_fraction})"
-               if corpus.heldout else f": the first is larger than max_bytes {max_bytes}" if stats["capped"] else "")
+        why = (f": max_bytes {max_bytes} was reached after {len(corpus.heldout)} held-out document(s) and no "
+               f"training one" if stats["capped"] else
+               f": all {len(corpus.heldout)} went to the held-out split (fraction {heldout_fraction})"
+               if corpus.heldout else "")
         raise TreeflashError(f"empty corpus: no usable {'/'.join(suffixes)} documents for training under "
                              f"{', '.join(map(str, roots))}{why}")
     corpus.stats = stats
@@ -211,7 +219,7 @@ def write_corpus(tokenizer_dir: str | Path, out_dir: str | Path, roots: list[str
     (train.npy / heldout.npy, or .npz when `compress`; corpus.json; the tokenizer files)."""
     from treeflash.tokenizer import Tokenizer
     check_out_dir(out_dir)
-    check_out_outside_roots(out_dir, roots)
+    check_out_outside_roots(out_dir, roots, suffixes)
     tok = Tokenizer(tokenizer_dir)
     if not tok.eos_token_ids:
         raise TreeflashError(f"the tokenizer in {tokenizer_dir} defines no EOS token")
