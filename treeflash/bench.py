@@ -303,7 +303,7 @@ def bench_pairs(args) -> int:
     check_seed(args.seed, len(prompts))
     model_dir = Path(args.model or builtin_paths()[0])
     if args.corpus and (model_dir / "tokenizer.json").exists() and \
-            Tokenizer(args.corpus).tok.get_vocab() != Tokenizer(model_dir).tok.get_vocab():  # before loading
+            not Tokenizer(args.corpus).same_vocabulary(Tokenizer(model_dir)):  # before the model loads
         raise UsageError(f"the corpus in {args.corpus} was tokenized with another tokenizer than the model's: "
                          f"its prompts would be other text to it")
     check_plot_path(args.plot)

@@ -96,6 +96,10 @@ class Tokenizer:
             raise TreeflashError(f"{folder / source}: 'bos_token_id' must be a token id from 0 to "
                                  f"{self.vocab_size - 1} (tokenizer_config.json sets add_bos_token), got {bos!r}")
 
+    def same_vocabulary(self, other: "Tokenizer") -> bool:
+        """Token ids mean the same text under both (a corpus' tokenizer and a model's)."""
+        return self.tok.get_vocab() == other.tok.get_vocab()
+
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)

@@ -158,7 +158,8 @@ def abs_path(path: str | Path | None) -> str | None:
     return None if path is None else str(Path(path).resolve())
 
 
-def _within(path: Path, folder: Path) -> bool:
+def within(path: Path, folder: Path) -> bool:
+    """`path` is `folder` or lies inside it (both resolved)."""
     return path == folder or folder in path.parents
 
 
@@ -176,10 +177,10 @@ def check_out_dir(path: str | Path | None, keep: dict[str, str | Path] | None = 
         if out == folder:
             raise UsageError(f"output folder {path} is the {what} folder: the export would overwrite "
                              f"its files; choose another --out")
-        if _within(out, folder) or _within(folder, out):
-            where = "is inside" if _within(out, folder) else "holds"
+        if within(out, folder) or within(folder, out):
+            where = "is inside" if within(out, folder) else "holds"
             raise UsageError(f"output folder {path} {where} the {what} folder {folder}: choose another --out")
-    if run is not None and _within(Path(run).resolve(), out):
+    if run is not None and within(Path(run).resolve(), out):
         where = "is" if Path(run).resolve() == out else "holds"
         raise UsageError(f"output folder {path} {where} the run folder {run}: choose another --out "
                          f"(default: RUN/model)")

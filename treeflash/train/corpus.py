@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from treeflash.errors import TreeflashError, UsageError
-from treeflash.train.common import Progress, check_out_dir, to_device
+from treeflash.train.common import Progress, check_out_dir, to_device, within
 
 HELDOUT_FRACTION = 0.02
 MAX_FILE_BYTES = 512 * 1024    # larger .py files are mostly generated tables
@@ -73,7 +73,7 @@ def check_out_outside_roots(out: str | Path, roots: list[str | Path] | None,
         return
     where = Path(out).resolve()
     for root in resolve_roots(roots):
-        if where == root or root in where.parents:
+        if within(where, root):
             raise UsageError(f"output folder {out} is inside the corpus root {root}: a later run would read "
                              f"its files as documents; choose another --out")
 

@@ -34,7 +34,7 @@ from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
 from treeflash.train.common import (DEFAULT_OPTIONS, MiB, Progress, RunDir, TrainOptions, Trainer, abs_path,
                                     check_out_dir, check_shard_mb, hf_tensors, init_weights, resolve_device,
-                                    save_safetensors, set_fast_math, to_device, write_summary)
+                                    save_safetensors, set_fast_math, to_device, within, write_summary)
 from treeflash.train.corpus import NPY_ERRORS, TokenWindows, fixed_windows, load_corpus, npy_error, tokenizer_hash
 from treeflash.train.target import causal_inputs
 from treeflash.train.tokenizer import MASK
@@ -310,13 +310,9 @@ def _check_generated_out(out: Path, target_dir: str | Path, data_dir: str | Path
     target or the corpus (a train.npz there would take the corpus' place)."""
     where = out.resolve()
     for what, folder in (("target", target_dir), ("corpus", data_dir)):
-        if Path(folder).resolve() in where.parents:
+        if within(where.parent, Path(folder).resolve()):
             raise UsageError(f"--out {out} is inside the {what} folder {folder}: choose another path")
-    for p in where.parents:
-        if p.exists():
-            if not p.is_dir():
-                raise UsageError(f"--out {out}: {p} exists and is not a folder")
-            break
+    check_out_dir(where.parent)  # a folder that can be made and written
     if where.is_dir():
         raise UsageError(f"--out {out} is a folder: give a file name")
 
@@ -331,8 +327,7 @@ def _require_same_tokenizer(data, target_dir: str | Path) -> None:
     """The corpus keeps the tokenizer it was made with: another one than the target's
     would train on token ids that mean other text to it."""
     mine, theirs = Path(data.path) / "tokenizer.json", Path(target_dir) / "tokenizer.json"
-    if mine.exists() and theirs.exists() and \
-            Tokenizer(data.path).tok.get_vocab() != Tokenizer(target_dir).tok.get_vocab():
+    if mine.exists() and theirs.exists() and not Tokenizer(data.path).same_vocabulary(Tokenizer(target_dir)):
         raise UsageError(f"the corpus in {data.path} was tokenized with another tokenizer than the target's "
                          f"in {target_dir}: re-tokenize it with the target's (treeflash train corpus)")
 
