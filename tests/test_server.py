@@ -321,6 +321,24 @@ def test_logprobs_are_the_engines_in_openai_form(client, llm):
         assert plain["choices"][0]["logprobs"] is None
 
 
+def test_logprobs_body_is_strict_json_for_any_value(llm):
+    """A log-probability of -inf is reported as vLLM does (-9999) and a NaN (an overflow
+    in the activations) as null: json.dumps would write the bare words -Infinity / NaN,
+    which strict JSON parsers refuse."""
+    from treeflash.engine.llm import TokenLogprob
+    from treeflash.server.protocol import LOGPROB_FLOOR, Request, logprobs_body
+    entries = [TokenLogprob(5, float("nan"), [(5, float("nan"))]), TokenLogprob(6, float("-inf"), [(7, -0.5)])]
+    for kind in ("completion", "chat"):
+        req = Request(kind, [[1]], SamplingParams(max_new_tokens=2, logprobs=1))
+        body = json.loads(json.dumps(logprobs_body(req, entries, llm.tokenizer), allow_nan=False))
+        if kind == "chat":
+            assert [c["logprob"] for c in body["content"]] == [None, LOGPROB_FLOOR]
+            assert [c["top_logprobs"][0]["logprob"] for c in body["content"]] == [None, -0.5]
+        else:
+            assert body["token_logprobs"] == [None, LOGPROB_FLOOR]
+            assert list(body["top_logprobs"][1].values()) == [-0.5, LOGPROB_FLOOR]
+
+
 def test_echo_puts_the_prompt_before_each_choice(client, llm):
     """Completions with echo: each choice's text starts with its prompt (a string as
     sent, token ids decoded), whole and streamed; not with logprobs (that needs the

@@ -418,8 +418,8 @@ def logprobs_body(req: Request, entries, tokenizer, offset: int = 0) -> dict | N
     if req.params.logprobs is None:
         return None
 
-    def value(lp: float) -> float:
-        return max(lp, LOGPROB_FLOOR)
+    def value(lp: float) -> float | None:  # JSON has no NaN or infinity
+        return None if math.isnan(lp) else max(lp, LOGPROB_FLOOR)
 
     if req.kind == "chat":
         def item(token_id, lp):
