@@ -2,6 +2,7 @@
 with (run.json), compares only the flags actually given, refuses a changed run option,
 and its log holds every step once (CPU, tiny shapes, a few seconds)."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -70,6 +71,12 @@ def test_resume_restores_the_runs_options_and_log(data_dir, tmp_path, capsys, mo
     assert config["max_position_embeddings"] == 24 and config["torch_dtype"] == "float32"
     summary = json.loads((b / "summary.json").read_text())
     assert summary["steps"] == 12 and summary["tokens_seen"] == 12 * 4 * 24
+    # a finished run resumed with no more budget exports the same weights, logging nothing again
+    shutil.rmtree(tmp_path / "b_out")
+    assert cli_main(["target", "--data", str(data_dir), "--run", str(b), "--resume"]) == 0
+    assert _log(b) == _log(a)
+    again = _tensors(tmp_path / "b_out")
+    assert again.keys() == full.keys() and all(torch.equal(full[k], again[k]) for k in full)
     # a run option given with another value is refused, in one line, before training
     err = _refused(capsys, ["target", "--data", str(data_dir), "--run", str(b), "--resume", "--max-steps", "13",
                             "--batch-size", "8"])

@@ -504,9 +504,11 @@ class Trainer:
             if self.step % o.save_every == 0 and not last:
                 self._save()
             self.elapsed = time.perf_counter() - start
-        final = self._evaluate(evaluate, bar)
-        self._save()  # the last weights: a resumed run continues from them
-        self._plot()
+        final = self.history[-1] if self.history else {}
+        if "eval_loss" not in final or final["step"] != self.step or self.best is None:
+            final = self._evaluate(evaluate, bar)  # else a finished run, resumed: its last evaluation stands
+            self._save()  # the last weights: a resumed run continues from them
+            self._plot()
         best, weights = self.best
         if best["best_step"] != self.step:
             self.model.load_state_dict(weights)
