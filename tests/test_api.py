@@ -88,6 +88,27 @@ def test_on_tokens_can_end_one_request_and_on_done_reports_each(llm):
     assert all(done[i] is out for i, out in enumerate(outs))
 
 
+def test_more_prompts_than_max_batch_run_in_batches_in_order(llm, hf_checkpoint):
+    """Thousands of prompts are not one batch (its caches and logits would not fit):
+    they run max_batch at a time, each prompt getting what it gets alone, and the
+    callbacks name each request by its index in the call."""
+    small = LLM(hf_checkpoint("qwen3").path, device="cpu", dtype="float32", max_batch=2)
+    prompts = ENGINE_PROMPTS + ENGINE_PROMPTS[:2]
+    params = [SamplingParams(max_new_tokens=4 + i, ignore_eos=True) for i in range(len(prompts))]
+    want = llm.generate(prompts, params)
+    seen, done = {i: [] for i in range(5)}, {}
+
+    def on_tokens(i, ids):
+        seen[i].extend(ids)
+        return i == 3  # ends a request of the second batch
+
+    outs = small.generate(prompts, params, on_tokens=on_tokens, on_done=lambda i, out: done.setdefault(i, out))
+    assert [o.token_ids for i, o in enumerate(outs) if i != 3] == [w.token_ids for i, w in enumerate(want) if i != 3]
+    assert outs[3].finish_reason == "abort" and outs[3].token_ids == want[3].token_ids[:len(outs[3].token_ids)]
+    assert seen == {i: o.token_ids for i, o in enumerate(outs)}
+    assert all(done[i] is out for i, out in enumerate(outs))
+
+
 def test_a_top_k_past_the_vocabulary_keeps_every_token(llm):
     """top_k >= vocabulary = no top-k at all, also for integers past 64 bits."""
     plain = SamplingParams(max_new_tokens=6, temperature=1.0, seed=2, ignore_eos=True)
@@ -294,6 +315,7 @@ def test_bad_constructor_arguments(hf_checkpoint):
         LLM(path, device="cpu", max_model_len=10 ** 9)
     for kwargs, what in ((dict(device=None), "device"), (dict(device=0), "device"), (dict(max_budget="x"), "max_budget"),
                          (dict(dtype=torch.int8), "dtype"), (dict(draft_model=5), "draft_model"),
+                         (dict(max_batch=0), "max_batch"), (dict(max_batch=2.0), "max_batch"),
                          # falsy values once fell back to the default method, "false" would turn graphs on
                          (dict(method=""), "method"), (dict(method=0), "method"), (dict(method=False), "method"),
                          (dict(method="AR"), "method"), (dict(cuda_graphs="false"), "cuda_graphs"),

@@ -123,6 +123,11 @@ def _token_callback(on_tokens):
     return lambda i, ids, _: on_tokens(i, ids)
 
 
+def _shifted(callback, offset: int):
+    """A per-request callback of a batch that starts at request `offset` of the call."""
+    return callback if callback is None or offset == 0 else (lambda i, *rest: callback(i + offset, *rest))
+
+
 def _token_logprobs(tokens: list[int], rows, k: int) -> list[TokenLogprob]:
     """The `TokenLogprob`s of `tokens` from one request's logprobs read back as lists
     (chosen [T], top values [T][K], top ids [T][K]; `tokens` are its first T' <= T);
@@ -204,7 +209,10 @@ class LLM:
                  method: str | None = None, budget: int | None = None, device: str = "auto",
                  dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
                  max_budget: int = 512, tp: int = 1, cuda_graphs: bool = True, draft_mode: str = "coupled",
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, max_batch: int = 256):
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise UsageError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        self.max_batch = max_batch
         for name, path in (("model", model), ("draft_model", draft_model)):
             if path is not None and not isinstance(path, (str, Path)):
                 raise UsageError(f"{name} must be a folder path, got {path!r}")
@@ -375,7 +383,8 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  on_tokens=None, on_done=None) -> list[GenerationOutput]:
-        """Generate for a batch of prompts (strings or token-id lists).
+        """Generate for a list of prompts (strings or token-id lists), `max_batch` at a
+        time, in order.
 
         `on_tokens(i, new_ids, new_logprobs)` is called as request i commits tokens (for
         streaming; new_logprobs: their `TokenLogprob`s, or None if request i did not ask;
@@ -403,6 +412,18 @@ class LLM:
                 raise UsageError(f"sampling parameters must be SamplingParams, got {type(p).__name__}")
             p.validate(self.config.vocab_size)
         ids = [self.encode(p) for p in prompts]
+        # seeds are drawn here, so that every tensor-parallel rank samples alike
+        params = [p if p.seed is not None else replace(p, seed=random.getrandbits(63)) for p in params]
+        on_tokens = _token_callback(on_tokens)
+        if on_done is not None and not callable(on_done):
+            raise UsageError(f"on_done must be a function, got {type(on_done).__name__}")
+        results = []
+        for s in range(0, len(ids), self.max_batch):  # in order, at most max_batch at a time
+            e = s + self.max_batch
+            results += self._generate_batch(ids[s:e], params[s:e], _shifted(on_tokens, s), _shifted(on_done, s))
+        return results
+
+    def _generate_batch(self, ids: list[list[int]], params: list[SamplingParams], on_tokens, on_done):
         limits = [min(p.max_new_tokens, self.max_model_len - len(i)) for p, i in zip(params, ids)]
         dec = self.decoder
         per_round = dec.depth + 1  # the most tokens a round commits per request
@@ -417,11 +438,6 @@ class LLM:
         # stay below max(L + limit) + 2 * depth + tree_slots < max_len.
         headroom = dec.tree_slots + 2 * per_round
         max_len = max(len(i) + m for i, m in zip(ids, limits)) + headroom
-        # seeds are drawn here, so that every tensor-parallel rank samples alike
-        params = [p if p.seed is not None else replace(p, seed=random.getrandbits(63)) for p in params]
-        on_tokens = _token_callback(on_tokens)
-        if on_done is not None and not callable(on_done):
-            raise UsageError(f"on_done must be a function, got {type(on_done).__name__}")
         start = time.perf_counter()
         drop = self.states.to_drop(len(ids), max_len)
         reuse = self.states.prefix_to_reuse(len(ids), max_len, ids, params, drop)
