@@ -126,6 +126,20 @@ def test_batch_sizes_keep_their_graphs(pair, monkeypatch):
     assert captures[6:] == [10, 10, 12]
 
 
+def test_a_long_prompt_list_runs_in_graphed_batches(pair):
+    """More prompts than max_batch run in batches (3, 3, 2): the second batch of 3
+    replays the first one's graphs, and every output equals the eager engine's."""
+    target, drafter = pair
+    kw = dict(draft_model=drafter, method="ddtree", budget=16, device="cuda", dtype="float32", max_batch=3)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    prompts = PROMPTS * 2
+    llm = LLM(target, cuda_graphs=True, **kw)
+    got = llm.generate(prompts, params)
+    want = LLM(target, cuda_graphs=False, **kw).generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.graph_captures == 4  # round + prefill for 3, then for 2
+
+
 @pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 16)])
 def test_graphed_logprobs_match_eager(pair, method, budget):
     """Logprobs from graphed rounds and prefills (a mode of their own: captured, then
