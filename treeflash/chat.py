@@ -45,20 +45,43 @@ def plain_messages(messages) -> list[dict]:
     return plain
 
 
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _generation_tag():
+    """`{% generation %}...{% endgeneration %}`, which marks the assistant's tokens for
+    training (TRL's assistant-only loss): rendered as its body, as transformers does."""
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return GenerationTag
+
+
 class ChatTemplate:
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+    def __init__(self, source: str, special_tokens: dict | None = None):
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+                                            extensions=["jinja2.ext.loopcontrols", _generation_tag()])
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _refuse
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateError as e:
             raise TreeflashError(f"malformed chat template: {e}") from None
-        self.bos_token, self.eos_token = bos_token, eos_token
+        # what a template may name: bos_token, eos_token, ... (unset ones render empty)
+        self.special_tokens = {"bos_token": "", "eos_token": "", **(special_tokens or {})}
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ChatTemplate | None":
@@ -82,14 +105,17 @@ class ChatTemplate:
             return None
         if not isinstance(source, str):
             raise TreeflashError(f"{folder}: 'chat_template' must be a string or a list of named templates")
-        return cls(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+        tokens = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if k in config}
+        extra = config.get("additional_special_tokens")
+        if isinstance(extra, list):
+            tokens["additional_special_tokens"] = [_token_text(t) for t in extra]
+        return cls(source, tokens)
 
     def render(self, messages: list[dict]) -> str:
         """The prompt for `messages`, ending where the assistant's answer starts."""
         import jinja2
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True,
-                                        bos_token=self.bos_token, eos_token=self.eos_token)
+            return self.template.render(**self.special_tokens, messages=messages, add_generation_prompt=True)
         except jinja2.TemplateError as e:
             raise TreeflashError(str(e)) from None
         except TreeflashError:  # the template's raise_exception(...)
