@@ -7,11 +7,14 @@ arguments raise `UsageError` before any work.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import ENGINE_PROMPTS
 
 from treeflash import LLM, GenerationOutput, SamplingParams, TreeflashError, UsageError
+from treeflash.checkpoints import write_random_target
 
 STATS_KEYS = {"method", "new_tokens", "rounds", "tau", "seconds", "tokens_per_s"}
 
@@ -61,6 +64,22 @@ def test_default_dtype_and_explicit_dtypes(hf_checkpoint):
     assert LLM(path, device="cpu").target.lm_head.weight.dtype == torch.float32  # float32 checkpoint
     assert LLM(path, device="cpu", dtype=torch.float64).target.lm_head.weight.dtype == torch.float64
     assert LLM(path, device="cpu", dtype="bf16").target.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_auto_dtype_without_a_config_dtype_is_the_weights(tmp_path):
+    """A config.json without torch_dtype: "auto" is the dtype the weights are stored in
+    (as in transformers), not float32."""
+    from treeflash.engine.llm import resolve_dtype
+    from treeflash.models.loader import weights_dtype
+    for dtype in (torch.float64, torch.bfloat16):
+        path = write_random_target(tmp_path / str(dtype), hidden_size=32, num_layers=1, num_heads=2,
+                                   num_kv_heads=1, head_dim=16, intermediate_size=64, dtype=dtype)
+        config = json.loads((path / "config.json").read_text())
+        config.pop("torch_dtype"), config.pop("dtype", None)
+        (path / "config.json").write_text(json.dumps(config))
+        assert weights_dtype(path) == str(dtype).replace("torch.", "")
+    assert LLM(tmp_path / str(torch.float64), device="cpu").target.lm_head.weight.dtype == torch.float64
+    assert resolve_dtype("auto", weights_dtype(path), torch.device("cuda")) == torch.bfloat16  # not float32
 
 
 def test_one_sampling_params_per_prompt(llm):

@@ -22,7 +22,7 @@ from treeflash.engine.tp import attach as tp_attach
 from treeflash.engine.tp import peak_rss_bytes, reset_peak_rss, rss_bytes
 from treeflash.errors import TreeflashError, UsageError
 from treeflash.models.dflash import DFlashDraftModel
-from treeflash.models.loader import build_on, load_weights
+from treeflash.models.loader import build_on, load_weights, weights_dtype
 from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer, stop_cut
 
@@ -233,7 +233,7 @@ class LLM:
             raise UsageError(f"tp must be an integer >= 1, got {tp!r}")
         self.device = resolve_device(device)
         self.config = ModelConfig.from_pretrained(model)
-        self.dtype = resolve_dtype(dtype, self.config.torch_dtype, self.device)
+        self.dtype = resolve_dtype(dtype, self.config.torch_dtype or weights_dtype(model), self.device)
         self.tokenizer = Tokenizer(model)
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids))
         dcfg = None

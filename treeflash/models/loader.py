@@ -47,6 +47,23 @@ def checkpoint_files(folder: str | Path) -> dict[str, Path]:
     return files
 
 
+SAFETENSORS_FLOATS = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+
+
+def weights_dtype(folder: str | Path) -> str | None:
+    """The floating dtype that most of a checkpoint's weights (by elements) are stored
+    in: what dtype "auto" means when config.json does not say (as in transformers)."""
+    sizes: dict[str, int] = {}
+    for path in set(checkpoint_files(folder).values()):
+        with _open(path) as st:
+            for name in st.keys():
+                piece = st.get_slice(name)
+                kind = SAFETENSORS_FLOATS.get(piece.get_dtype())
+                if kind is not None:
+                    sizes[kind] = sizes.get(kind, 0) + max(1, int(torch.Size(piece.get_shape()).numel()))
+    return max(sizes, key=sizes.get) if sizes else None
+
+
 def _indexed_files(folder: Path, index: Path) -> dict[str, Path]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]

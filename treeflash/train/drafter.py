@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from treeflash.config import DTYPES, DraftConfig, ModelConfig, default_target_layer_ids
 from treeflash.errors import UsageError
 from treeflash.models.dflash import DFlashDraftModel
-from treeflash.models.loader import build_on, load_weights
+from treeflash.models.loader import build_on, load_weights, weights_dtype
 from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
 from treeflash.train.common import (DEFAULT_OPTIONS, MiB, Progress, RunDir, TrainOptions, Trainer, abs_path,
@@ -65,7 +65,7 @@ def load_frozen_target(target_dir: str | Path, device: torch.device) -> CausalLM
     """The target in its inference dtype (bf16 on CUDA, float32 on CPU), without grads."""
     from treeflash.engine.llm import resolve_dtype
     cfg = ModelConfig.from_pretrained(target_dir)
-    with build_on(device, resolve_dtype("auto", cfg.torch_dtype, device)):
+    with build_on(device, resolve_dtype("auto", cfg.torch_dtype or weights_dtype(target_dir), device)):
         target = CausalLM(cfg)
     load_weights(target, target_dir)
     return target.eval().requires_grad_(False)
@@ -397,7 +397,7 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
         shape.mask_token_id = Tokenizer(target_dir).tok.token_to_id(MASK)
         if shape.mask_token_id is None:
             raise UsageError(f"the target's tokenizer has no {MASK} token: give the drafter's mask token id")
-    config = drafter_config(shape, tcfg, o["dtype"] or tcfg.torch_dtype or "bfloat16")
+    config = drafter_config(shape, tcfg, o["dtype"] or tcfg.torch_dtype or weights_dtype(target_dir) or "bfloat16")
     if config["torch_dtype"] not in ("bfloat16", "float16", "float32"):
         raise UsageError(f"export dtype must be bfloat16, float16 or float32, got {config['torch_dtype']!r}")
     device = resolve_device(opts.device)
