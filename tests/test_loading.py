@@ -217,6 +217,22 @@ def test_bad_drafter_config_values(drafter_dict, changes, field):
     refused(lambda: DraftConfig.from_dict({**drafter_dict, **changes}), field)
 
 
+def test_drafter_logit_and_embedding_scales_are_read_or_refused(drafter_dict):
+    """The reference drafter's input_embedding_scale, output_multiplier and
+    final_logit_softcapping are read (from dflash_config, else the top level), not
+    ignored; is_causal, which it also honours, is refused rather than dropped."""
+    plain = DraftConfig.from_dict(drafter_dict)
+    assert (plain.input_embedding_scale, plain.output_multiplier, plain.final_logit_softcapping) == (1.0, 1.0, None)
+    scaled = DraftConfig.from_dict({**drafter_dict, "output_multiplier": 0.5, "final_logit_softcapping": 0,
+                                    "dflash_config": {**drafter_dict["dflash_config"], "input_embedding_scale": 8,
+                                                      "final_logit_softcapping": 30.0}})
+    assert (scaled.input_embedding_scale, scaled.output_multiplier, scaled.final_logit_softcapping) == (8.0, 0.5, 30.0)
+    assert DraftConfig.from_dict({**drafter_dict, "final_logit_softcapping": 0}).final_logit_softcapping is None
+    refused(lambda: DraftConfig.from_dict({**drafter_dict, "is_causal": True}), "is_causal")
+    for key, value in (("output_multiplier", 0), ("input_embedding_scale", "2"), ("final_logit_softcapping", -1.0)):
+        refused(lambda: DraftConfig.from_dict({**drafter_dict, key: value}), key)
+
+
 # --------------------------------------------------------------------------- bad values
 
 

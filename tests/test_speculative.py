@@ -123,6 +123,29 @@ def test_ddtree_greedy_is_lossless(arch, budget, spec_target, spec_drafter, ar_r
     assert tau > 1.02, "no draft token accepted: the accept/commit path went untested"
 
 
+def test_drafter_scales_shape_the_draft_and_stay_lossless(spec_target, spec_drafter, clone_checkpoint,
+                                                         ar_reference, monkeypatch):
+    """A drafter with the reference's input_embedding_scale / output_multiplier /
+    final_logit_softcapping drafts from scaled embeddings and capped logits (what it was
+    trained with), and its rounds still give AR's tokens."""
+    target, drafter = spec_target("qwen3", "peaked"), spec_drafter("qwen3", "peaked", 8)
+    scaled = clone_checkpoint(drafter, input_embedding_scale=2.0, output_multiplier=0.5, final_logit_softcapping=3.0)
+    llm, plain = spec_llm(target, scaled, "ddtree", 8), spec_llm(target, drafter, "ddtree", 8)
+    run_lossless(llm, target, ar_reference)
+    logits = {}
+    for name, engine in (("scaled", llm), ("plain", plain)):
+        build = engine.decoder.tree_from_logits
+        monkeypatch.setattr(engine.decoder, "tree_from_logits",
+                            lambda lg, anchor, name=name, build=build: build(logits.setdefault(name, lg), anchor))
+        if name == "plain":  # the plain drafter, fed the doubled embeddings by hand
+            forward = engine.drafter.forward
+            monkeypatch.setattr(engine.drafter, "forward", lambda embeds, *a, f=forward: f(embeds * 2.0, *a))
+        engine.generate(SPEC_PROMPTS[3], SamplingParams(max_new_tokens=4))
+    # the first round's draft: both engines hold the same prefilled context
+    assert torch.allclose(logits["scaled"], torch.tanh(logits["plain"] * 0.5 / 3.0) * 3.0, atol=1e-6)
+    assert not torch.allclose(logits["scaled"], logits["plain"])
+
+
 @pytest.mark.parametrize("budget", [7, 64])
 def test_ddtree_greedy_is_lossless_plain_target(budget, spec_target, spec_drafter, ar_reference):
     target = spec_target("llama", "plain")

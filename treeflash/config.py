@@ -339,6 +339,11 @@ class DraftConfig:
     mask_token_id: int
     target_layer_ids: list[int]
     num_target_layers: int | None
+    # as the reference DFlash drafter applies them: block embeddings x scale; draft logits
+    # x multiplier, then cap * tanh(logits / cap) (None: no cap)
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "config") -> "DraftConfig":
@@ -366,8 +371,19 @@ class DraftConfig:
             ids = default_target_layer_ids(num_target, layers.num_layers)
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise TreeflashError(f"drafter {where}: target_layer_ids must be a non-empty list of integers, got {ids!r}")
+        if data.get("is_causal"):
+            raise TreeflashError(f"drafter {where} sets is_causal: a causal draft block is not supported "
+                                 f"(DFlash drafters attend to the whole block)")
+
+        def scale(key: str, default, positive: bool = True):  # dflash_config's, else the top level's
+            value = dflash.get(key, data.get(key))
+            return default if value is None else _number(value, key, f"drafter {where}", positive)
+
+        cap = scale("final_logit_softcapping", None, positive=False)  # 0: no cap
         return cls(layers=layers, block_size=block, mask_token_id=mask,
-                   target_layer_ids=list(ids), num_target_layers=num_target)
+                   target_layer_ids=list(ids), num_target_layers=num_target,
+                   input_embedding_scale=scale("input_embedding_scale", 1.0),
+                   output_multiplier=scale("output_multiplier", 1.0), final_logit_softcapping=cap or None)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "DraftConfig":

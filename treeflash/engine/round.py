@@ -207,8 +207,16 @@ class SpeculativeDecoder:
         full = torch.ones(B, b, b, dtype=torch.bool, device=st.n.device)
         kv_len = None if st.max_n is None else st.max_n + b
         inputs = AttentionInputs(positions, st.n, full, kv_len=kv_len, backend=self.backend)
-        h = d(self.target.embed(block), inputs, st.draft_cache)
+        c = d.config
+        embeds = self.target.embed(block)
+        if c.input_embedding_scale != 1.0:
+            embeds = embeds * c.input_embedding_scale
+        h = d(embeds, inputs, st.draft_cache)
         logits = self.target.logits(h[:, 1:], gather=False).float()
+        if c.output_multiplier != 1.0:
+            logits = logits * c.output_multiplier
+        if c.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
         sb = st.sampling
         if sb.any_sampled:
             t = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
