@@ -200,6 +200,11 @@ def test_more_ranks_than_gpus(monkeypatch):
 # ----------------------------------------------------------------------------- decisions on threads
 
 class _Done:
+    """A finished c10d Work (the simulated ranks' collectives complete in the call)."""
+
+    def is_completed(self):
+        return True
+
     def wait(self):
         return None
 
@@ -362,7 +367,7 @@ def test_tp1_topk_is_the_plain_topk():
 # ----------------------------------------------------------------------------- processes
 
 DRIVER = textwrap.dedent("""
-    import json, os, signal, sys
+    import json, os, signal, sys, threading
     from treeflash import LLM, SamplingParams, TreeflashError
     # as in a terminal, even when the test runner was started in the background
     # (non-interactive shells start background jobs with SIGINT ignored)
@@ -379,6 +384,9 @@ DRIVER = textwrap.dedent("""
                 os.kill(pids[victim], signal.SIGKILL)
             elif mode == "sigint":  # Ctrl-C: the terminal signals the whole process group
                 os.killpg(os.getpgid(0), signal.SIGINT)
+            elif mode == "hang" and len(seen) - len(ids) < 8:  # a worker stuck in a collective, then Ctrl-C
+                os.kill(pids[victim], signal.SIGSTOP)
+                threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
     try:
         llm.generate([5, 6, 7], SamplingParams(max_new_tokens=400, ignore_eos=True), on_tokens=on_tokens)
     except TreeflashError as e:
@@ -430,6 +438,16 @@ def test_ctrl_c_stops_driver_and_workers(tp_models):
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr.strip().splitlines() == ["treeflash: interrupted"], proc.stderr
     assert all(_gone(p) for p in pids), "a worker outlived the driver"
+
+
+def test_ctrl_c_while_a_worker_hangs(tp_models):
+    """Ctrl-C reaches the driver while it waits in a collective on a stuck worker (not
+    only after the collective timeout of 10 minutes), and no worker is left."""
+    proc, pids, seconds = _driver(tp_models, "hang", 2)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["treeflash: interrupted"], proc.stderr
+    assert all(_gone(p) for p in pids), "a worker outlived the driver"
+    assert seconds < 60
 
 
 def test_cli_tp_equals_tp1_and_reports_a_failing_worker(tp_models, engines):
@@ -509,6 +527,72 @@ def test_driver_may_run_commands_ahead_of_the_workers(size):
 
 
 
+def test_a_sampling_params_subclass_reaches_the_workers(engines, reference):
+    """A SamplingParams subclass the workers cannot import (defined in the user's script)
+    is sent as plain SamplingParams: it used to kill the workers while unpickled."""
+    class Mine(SamplingParams):
+        pass
+
+    llm = engines("qwen3", "ar", 2)
+    got = llm.generate(BATCH, [Mine(**vars(p)) for p in CONFIGS["sampled"]])
+    assert [o.token_ids for o in got] == reference("qwen3", "ar", "sampled")[0][1]
+    assert _run(llm, "greedy") == reference("qwen3", "ar", "greedy")
+
+
+def test_engines_sharing_workers_from_two_threads(engines, reference):
+    """Two engines on the same workers, called from two threads at once, give their own
+    tokens: commands (and their collectives) go one at a time (interleaved, they broke
+    gloo's collectives and aborted the process)."""
+    runs = [("qwen3", "ar", "greedy"), ("qwen3", "ddtree", "sampled")]
+    for arch, method, _ in runs:
+        engines(arch, method, 2)  # built before the threads start
+    got = {}
+
+    def run(arch, method, config):
+        got[method] = [_run(engines(arch, method, 2), config) for _ in range(3)]
+
+    threads = [threading.Thread(target=run, args=r) for r in runs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for arch, method, config in runs:
+        assert got[method] == [reference(arch, method, config)] * 3
+
+
+SERVER_AFTER_DEATH = textwrap.dedent("""
+    import json, os, signal, sys, time
+    from starlette.testclient import TestClient
+    from treeflash import LLM
+    from treeflash.server.app import build_app
+    llm = LLM(sys.argv[1], method="ar", device="cpu", dtype="float32", tp=2)
+    body = {"prompt": [5, 6, 7], "max_tokens": 3}
+    with TestClient(build_app(llm, "m", None)) as c:
+        codes = [c.get("/health").status_code, c.post("/v1/completions", json=body).status_code]
+        os.kill(llm.rank_stats()[1]["pid"], signal.SIGKILL)
+        time.sleep(2)
+        health = c.get("/health")
+        answer = c.post("/v1/completions", json=body)
+        codes += [health.status_code, answer.status_code, c.post("/v1/completions", json=body).status_code]
+        print(json.dumps({"codes": codes, "health": health.json(), "answer": answer.json()}), flush=True)
+""")
+
+
+def test_a_server_whose_worker_died_says_so(tp_models):
+    """After a worker dies the server answers 503 (its fault, not the client's), and
+    /health says 503 too, so that a supervisor restarts it; before, it answered 400
+    "invalid_request_error" to every request while /health said ok."""
+    pytest.importorskip("starlette")
+    proc = subprocess.run([sys.executable, "-c", SERVER_AFTER_DEATH, str(tp_models["qwen3"][0])],
+                          capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["codes"] == [200, 200, 503, 503, 503], got
+    for body in (got["health"], got["answer"]):
+        assert body["error"]["type"] == "server_error"
+        assert "worker rank 1 was killed by signal SIGKILL" in body["error"]["message"]
+
+
 def test_a_closed_engine_leaves_the_others_working(tp_models, engines, reference):
     """An engine called after its close() raises for itself alone: the workers, shared
     with the other engines, go on (they used to be sent a command for an engine they had
@@ -522,7 +606,7 @@ def test_a_closed_engine_leaves_the_others_working(tp_models, engines, reference
     assert _run(other, "greedy") == reference("qwen3", "ar", "greedy")
 
 
-def test_a_batch_too_large_for_memory_leaves_the_engine_working(engines, reference):
+def test_a_batch_too_large_for_memory_leaves_the_engine_working(engines, reference, monkeypatch):
     """Caches that do not fit fail with one line on every rank at the same point (before
     any collective of the batch): the ranks stay in step and the next request runs, at
     TP = 2 as at TP = 1 (a request must not end a tensor-parallel server)."""
@@ -531,6 +615,7 @@ def test_a_batch_too_large_for_memory_leaves_the_engine_working(engines, referen
     batch = 8 * available_bytes(torch.device("cpu")) // per_request  # 4x what is free on each of 2 ranks
     for tp in (1, 2):
         llm = engines("qwen3", "ddtree", tp)
+        monkeypatch.setattr(llm, "max_batch", batch)  # one batch, not max_batch prompts at a time
         with pytest.raises(TreeflashError, match="not enough cpu memory for a KVCache"):
             llm.generate([[5, 6, 7]] * batch, SamplingParams(max_new_tokens=2040, ignore_eos=True))
         assert _run(llm, "greedy") == reference("qwen3", "ddtree", "greedy")

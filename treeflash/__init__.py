@@ -1,7 +1,7 @@
 """treeflash: lossless speculative decoding with DFlash drafters and DDTree verification."""
-from treeflash.errors import TreeflashError, UsageError
+from treeflash.errors import EngineDeadError, TreeflashError, UsageError
 
-__all__ = ["LLM", "GenerationOutput", "TokenLogprob", "SamplingParams", "TreeflashError", "UsageError"]
+__all__ = ["LLM", "GenerationOutput", "TokenLogprob", "SamplingParams", "TreeflashError", "UsageError", "EngineDeadError"]
 __version__ = "0.1.0"
 
 

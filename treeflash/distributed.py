@@ -16,11 +16,24 @@ rank order, which also resolves ties toward the lowest global id exactly as
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from treeflash.ops import argmax, topk_logsumexp
+
+
+def _wait(work, x: torch.Tensor, driver: bool) -> None:
+    """Wait for a collective. The driver (rank 0) on the CPU (gloo) polls, so that Ctrl-C
+    still reaches it while a peer hangs (a blocking wait would hold the signal back until
+    the collective timeout; workers ignore SIGINT). NCCL's wait only orders the stream."""
+    if driver and not x.is_cuda:
+        pause = 0.0
+        while not work.is_completed():
+            time.sleep(pause)
+            pause = min(2 * pause + 1e-5, 0.01)
+    work.wait()
 
 
 @dataclass(frozen=True)
@@ -32,7 +45,7 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place (x must be contiguous)."""
         if self.size > 1:
-            self.group.allreduce([x]).wait()
+            _wait(self.group.allreduce([x]), x, self.rank == 0)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -41,7 +54,7 @@ class TPGroup:
             return x
         x = x.contiguous()
         out = torch.empty((self.size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        self.group._allgather_base(out, x).wait()
+        _wait(self.group._allgather_base(out, x), x, self.rank == 0)
         parts = out.view((self.size,) + tuple(x.shape))                  # [size, *x.shape]
         dim = dim % x.dim()
         return parts.movedim(0, dim).reshape(x.shape[:dim] + (-1,) + x.shape[dim + 1:])

@@ -13,3 +13,9 @@ class InStepError(TreeflashError):
     """A failure that every tensor-parallel rank raised at the same point of a command,
     having agreed on it (a batch's caches did not fit on some rank): the ranks are still
     in step, so the engine goes on."""
+
+
+class EngineDeadError(TreeflashError):
+    """The engine can serve no more requests (a tensor-parallel rank failed, so the ranks
+    are out of step, or its workers were shut down): only a new `LLM` can. A server
+    answers 503 and reports itself unhealthy."""

@@ -5,9 +5,10 @@ import importlib.util
 import inspect
 import os
 import random
+import threading
 import time
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -213,6 +214,7 @@ class LLM:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise UsageError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.max_batch = max_batch
+        self._generating = threading.RLock()
         for name, path in (("model", model), ("draft_model", draft_model)):
             if path is not None and not isinstance(path, (str, Path)):
                 raise UsageError(f"{name} must be a folder path, got {path!r}")
@@ -300,6 +302,11 @@ class LLM:
             self._tp.close()
             raise
         weakref.finalize(self, self._tp.close)
+
+    def check_healthy(self) -> None:
+        """Raise `EngineDeadError` if this engine can serve no more requests (a
+        tensor-parallel rank failed, or the workers were shut down)."""
+        self._tp.check()
 
     def close(self) -> None:
         """Release this engine on every rank; with tp > 1 the worker processes stop
@@ -412,15 +419,18 @@ class LLM:
                 raise UsageError(f"sampling parameters must be SamplingParams, got {type(p).__name__}")
             p.validate(self.config.vocab_size)
         ids = [self.encode(p) for p in prompts]
-        # seeds are drawn here, so that every tensor-parallel rank samples alike
+        # seeds are drawn here, so that every tensor-parallel rank samples alike; a subclass
+        # becomes a plain SamplingParams (the workers could not unpickle a class of __main__)
+        params = [SamplingParams(**{f.name: getattr(p, f.name) for f in fields(SamplingParams)}) for p in params]
         params = [p if p.seed is not None else replace(p, seed=random.getrandbits(63)) for p in params]
         on_tokens = _token_callback(on_tokens)
         if on_done is not None and not callable(on_done):
             raise UsageError(f"on_done must be a function, got {type(on_done).__name__}")
         results = []
-        for s in range(0, len(ids), self.max_batch):  # in order, at most max_batch at a time
-            e = s + self.max_batch
-            results += self._generate_batch(ids[s:e], params[s:e], _shifted(on_tokens, s), _shifted(on_done, s))
+        with self._generating:  # one call at a time: a batch's state and graphs are the engine's
+            for s in range(0, len(ids), self.max_batch):  # in order, at most max_batch at a time
+                e = s + self.max_batch
+                results += self._generate_batch(ids[s:e], params[s:e], _shifted(on_tokens, s), _shifted(on_done, s))
         return results
 
     def _generate_batch(self, ids: list[list[int]], params: list[SamplingParams], on_tokens, on_done):

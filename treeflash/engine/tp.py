@@ -31,7 +31,7 @@ which rank and why (killed by a signal, exit code, or the one-line error the wor
 wrote to the store before exiting), kills the other workers so that no collective
 waits on them (a gloo collective then fails at once; NCCL communicators are aborted, so
 that NCCL kernels waiting on the dead peer end, also inside a replayed CUDA graph),
-and the driver raises one `TreeflashError` naming the rank, also when the
+and the driver raises one `EngineDeadError` naming the rank, also when the
 command it was in returned normally (its collectives were cut short: the results are
 garbage); if the driver were still stuck 30 s later the monitor prints that line and
 exits the process. Workers exit when their parent dies (a watcher thread) or the store
@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from treeflash.distributed import TPGroup
-from treeflash.errors import InStepError, TreeflashError, UsageError
+from treeflash.errors import EngineDeadError, InStepError, TreeflashError, UsageError
 
 WORKER_ENV = "TREEFLASH_TP_WORKER"   # set by the driver for the workers it starts
 FAULT_ENV = "TREEFLASH_TP_FAULT"     # "<rank>:<command number>": that worker fails there (tests)
@@ -161,6 +161,9 @@ class Single:
     def close(self) -> None:
         pass
 
+    def check(self) -> None:
+        pass
+
 
 class WorkerEngine:
     """What an `LLM` built inside a worker sees: its rank's group and device."""
@@ -177,6 +180,9 @@ class WorkerEngine:
     def close(self) -> None:
         pass
 
+    def check(self) -> None:
+        pass
+
 
 class Engine:
     """The driver's handle on one `LLM` built on every rank of a runtime."""
@@ -188,6 +194,10 @@ class Engine:
 
     def call(self, obj, name: str, args=(), collect: bool = False):
         return self.rt.call(self.eid, obj, name, args, collect)
+
+    def check(self) -> None:
+        """Raise EngineDeadError if the ranks can serve no more."""
+        self.rt.check()
 
     def built(self) -> None:
         """Wait for the workers' slices; raise the first worker's load error."""
@@ -382,6 +392,9 @@ class Runtime:
         self.closed = False
         self.released = False
         self.abort_lock = threading.Lock()
+        # one command at a time: engines on this runtime used from several threads must
+        # not interleave their commands (and so their collectives) differently on the ranks
+        self.command_lock = threading.Lock()
         self.stopping = False             # we are killing the workers: their exits are expected
         self.busy = False                 # the driver is inside a command
         self.engines: set[int] = set()
@@ -404,9 +417,9 @@ class Runtime:
     # ---------------------------------------------------------------- driver
     def check(self) -> None:
         if self.failure is not None:
-            raise TreeflashError(self.failure)
+            raise EngineDeadError(self.failure)
         if self.closed:
-            raise TreeflashError("the tensor-parallel workers have been shut down; create a new LLM")
+            raise EngineDeadError("the tensor-parallel workers have been shut down; create a new LLM")
 
     def post(self, op: str, eid, payload=None, collect: bool = False) -> int:
         data = pickle.dumps((op, eid, payload, collect, self.pending_drops))  # if it fails, nothing was sent
@@ -416,12 +429,17 @@ class Runtime:
         return self.seq
 
     def new_engine(self, kwargs: dict) -> Engine:
-        self.check()
-        eid, self.next_engine = self.next_engine, self.next_engine + 1
-        self.engines.add(eid)
-        return Engine(self, eid, self.post("build", eid, kwargs))
+        with self.command_lock:
+            self.check()
+            eid, self.next_engine = self.next_engine, self.next_engine + 1
+            self.engines.add(eid)
+            return Engine(self, eid, self.post("build", eid, kwargs))
 
     def call(self, eid: int, obj, name: str, args, collect: bool):
+        with self.command_lock:
+            return self._call(eid, obj, name, args, collect)
+
+    def _call(self, eid: int, obj, name: str, args, collect: bool):
         self.check()
         if eid not in self.engines:  # the workers have dropped it: they must not be asked
             raise TreeflashError("this LLM has been closed; create a new one")
@@ -430,7 +448,7 @@ class Runtime:
         try:
             out = getattr(obj, name)(*args)
             if self.failure is not None:  # a worker died and the collectives were aborted under us
-                raise TreeflashError(self.failure)
+                raise EngineDeadError(self.failure)
             return [out] + self.replies(seq) if collect else out
         except InStepError:  # every rank raised it at the same point: still in step
             raise
@@ -471,7 +489,7 @@ class Runtime:
             if self.store.check([f"err/{r}"]):
                 err = json.loads(self.store.get(f"err/{r}"))
                 self.failure = f"tensor-parallel worker rank {r} failed: {err['error']}"
-                raise TreeflashError(self.failure)
+                raise EngineDeadError(self.failure)
 
     def fail(self, e: BaseException) -> BaseException:
         """The driver failed inside a command: the ranks are out of step for good. Shut
@@ -490,9 +508,9 @@ class Runtime:
         failure = self.failure
         self.shutdown(graceful=False)
         if failure is not None:
-            return TreeflashError(failure)
+            return EngineDeadError(failure)
         if comm:
-            return TreeflashError(f"tensor-parallel communication failed: {one_line(e)}")
+            return EngineDeadError(f"tensor-parallel communication failed: {one_line(e)}")
         return e
 
     def drop(self, eid: int) -> None:

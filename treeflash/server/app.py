@@ -29,7 +29,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from treeflash.errors import TreeflashError
+from treeflash.errors import EngineDeadError, TreeflashError
 from treeflash.server.metrics import ServerMetrics
 from treeflash.server.protocol import (APIError, Request, SamplingDefaults, check_model, chunk, logprobs_body,
                                       parse_chat, parse_completion, parse_detokenize, parse_tokenize, response,
@@ -149,6 +149,7 @@ class EngineWorker:
         self.jobs: queue.Queue = queue.Queue()
         self.running: list[Job] = []
         self.stopping = False
+        self.dead: EngineDeadError | None = None  # the engine failed for good: every job is answered 503
         self.thread = threading.Thread(target=self._serve, name="treeflash-engine", daemon=True)
         self.thread.start()
 
@@ -188,8 +189,8 @@ class EngineWorker:
                         job.settle(error=SHUTTING_DOWN)
                     return None
                 continue
-            if job.cancelled or self.stopping:
-                job.settle(error=job.error if job.cancelled else SHUTTING_DOWN)
+            if job.cancelled or self.stopping or self.dead:
+                job.settle(error=job.error if job.cancelled else self.dead or SHUTTING_DOWN)
                 continue
             batch.append(job)
             prompts += len(job.runs)
@@ -224,7 +225,9 @@ class EngineWorker:
                                       on_done=lambda k, out, part=part: part[k][0].on_done(part[k][1], out))
         except BaseException as e:
             log.error("generation failed", exc_info=e)
-            retry = len(batch) > 1
+            if isinstance(e, EngineDeadError):
+                self.dead = e
+            retry = len(batch) > 1 and self.dead is None
             for job in batch:
                 if retry and not (job.started or job.cancelled or job.future.done()):
                     self._run([job])
@@ -241,6 +244,8 @@ def api_error(e: BaseException) -> APIError:
         return e
     if isinstance(e, Cancelled):
         return APIError("the request was cancelled: its client went away", status=499, type="server_error")
+    if isinstance(e, EngineDeadError):  # not the request's fault: restart the server
+        return APIError(f"the engine has failed and serves no more requests: {e}", status=503, type="server_error")
     if isinstance(e, TreeflashError):
         return APIError(str(e))
     if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
@@ -405,7 +410,14 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         return AsciiJSONResponse(model_card(request.path_params["name"]))
 
     async def health(_):
-        return AsciiJSONResponse({"status": "ok"})
+        """200 while the engine can serve; 503 once it has failed for good (a dead
+        tensor-parallel rank), so that a supervisor restarts the server."""
+        try:
+            llm.check_healthy()
+        except EngineDeadError as e:
+            return error_response(api_error(e))
+        dead = state.get("worker") and state["worker"].dead
+        return error_response(api_error(dead)) if dead else AsciiJSONResponse({"status": "ok"})
 
     async def tokenize(request: HTTPRequest):
         try:
