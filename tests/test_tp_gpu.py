@@ -131,7 +131,7 @@ def test_prefix_caching_under_tp(graphs, engines):
     assert [o.token_ids for o in got] == [o.token_ids for o in tp1.generate(turns, params)]
 
 
-def test_a_batch_too_large_for_the_gpus_leaves_the_engine_working(engines):
+def test_a_batch_too_large_for_the_gpus_leaves_the_engine_working(engines, monkeypatch):
     """Caches that do not fit the GPUs fail with one line on both ranks at the same
     point (an all-reduce of who failed, before any collective of the batch): the engine,
     graphed, serves the next request with TP = 1's tokens."""
@@ -140,6 +140,7 @@ def test_a_batch_too_large_for_the_gpus_leaves_the_engine_working(engines):
     tp2, tp1 = engines("qwen3-8b-widths", "ddtree", 2, True), engines("qwen3-8b-widths", "ddtree", 1, True)
     per_request = 2 * 2 * 4 * 2048 * 128 * 4  # K and V, 2 layers, 4 KV heads per rank, 2048 slots, D 128, fp32
     batch = 4 * torch.cuda.mem_get_info(0)[0] // per_request
+    monkeypatch.setattr(tp2, "max_batch", batch)  # one batch, not max_batch prompts at a time
     with pytest.raises(TreeflashError, match="not enough cuda memory for a KVCache"):
         tp2.generate([[5, 6, 7]] * batch, SamplingParams(max_new_tokens=2000, ignore_eos=True))
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
