@@ -166,6 +166,18 @@ def test_param_bytes_per_rank(engines):
             assert s["rss_growth_bytes"] is None or s["rss_growth_bytes"] > 0
 
 
+def test_an_eager_engine_frees_its_caches_on_every_rank(engines):
+    """Without CUDA graphs a batch's KV caches are freed when it is done, on the workers
+    too (they kept them until the next batch); while it runs, each rank holds its share."""
+    for tp in (1, 2):
+        llm = engines("qwen3", "ddtree", tp)
+        during = []
+        llm.generate(BATCH, CONFIGS["greedy"], on_tokens=lambda i, ids: during or during.append(llm.rank_stats()))
+        assert len(during[0]) == tp and len({s["cache_bytes"] for s in during[0]}) == 1
+        assert during[0][0]["cache_bytes"] > 0
+        assert [s["cache_bytes"] for s in llm.rank_stats()] == [0] * tp
+
+
 def test_sharding_errors(tp_models, spec_target, clone_checkpoint):
     target, drafter = tp_models["qwen3"]
     start = time.monotonic()

@@ -328,11 +328,15 @@ class LLM:
         self.close()
 
     def rank_stats(self) -> list[dict]:
-        """Per rank: pid, parameter bytes held and RSS growth while loading."""
+        """Per rank: pid, parameter bytes held, RSS growth while loading, and the bytes
+        of the KV caches held now (kept states, and the batch in flight)."""
         return self._tp.call(self, "_rank_stats", (), collect=True)
 
     def _rank_stats(self) -> dict:
-        return {**self.load_stats, "pid": os.getpid()}
+        states = {id(s): s for s in self.states.held()}
+        if self._run is not None:
+            states[id(self._run.st)] = self._run.st
+        return {**self.load_stats, "pid": os.getpid(), "cache_bytes": sum(s.cache_bytes for s in states.values())}
 
     @cached_property
     def chat_template(self) -> "ChatTemplate | None":
@@ -508,9 +512,16 @@ class LLM:
                 rounds[b] += not done[b]  # a round whose tokens b uses (done: ignored)
         if self.enable_prefix_caching:  # every token but each request's last is in the caches
             state.tokens = [i + o[:-1] for i, o in zip(ids, outs)]
-        if not self.cuda_graphs and self.tp_size == 1:
-            self._run = None  # free the caches (graphed states, and with prefix caching the last, are kept)
+        if not self.cuda_graphs:
+            self._tp.call(self, "_release", ())
         return results
+
+    def _release(self) -> None:
+        """On every rank: free the finished batch's caches, as an eager engine keeps none
+        (graphed states, and with prefix caching the last, are kept by `states`)."""
+        if self._run is not None:
+            self._run.pipe.finish()  # the round in flight ends before its caches go
+        self._run = None
 
     def _prefill_is_graphed(self, cells: int) -> bool:
         """Whether a batch's prefill of `cells` padded prompt tokens replays a CUDA graph

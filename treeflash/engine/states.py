@@ -104,6 +104,10 @@ class KeptStates:
         self.drop()
         self.kept = None
 
+    def held(self) -> list[BatchState]:
+        """The batch states kept now (graphed ones, or eager's last with prefix caching)."""
+        return [g.st for g in list(self.graphed.values())] + ([self.kept] if self.kept is not None else [])
+
     def state(self, key: Key) -> BatchState:
         """The kept state of `key` (eager: the last one, whose key it is)."""
         return self.graphed[key].st if self.graphs else self.kept
