@@ -165,23 +165,15 @@ class Single:
         pass
 
 
-class WorkerEngine:
-    """What an `LLM` built inside a worker sees: its rank's group and device."""
+class WorkerEngine(Single):
+    """What an `LLM` built inside a worker sees: its rank's group and device (it loads
+    and closes as a single process does; the driver runs the commands)."""
 
     def __init__(self, rt: "Runtime"):
         self.rank, self.size, self.group, self.device = rt.rank, rt.size, rt.group, rt.device
 
     def call(self, obj, name: str, args=(), collect: bool = False):
         raise AssertionError("commands are run by the driver")
-
-    def built(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def check(self) -> None:
-        pass
 
 
 class Engine:
