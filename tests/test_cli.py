@@ -538,17 +538,18 @@ def test_prompt_file_with_plain_lines(capsys, model, api, tmp_path):
 
 
 def test_a_prompt_file_runs_in_batches_of_max_batch(capsys, model, api, tmp_path, monkeypatch):
-    """Each batch is printed as it finishes, in prompt order, with the tokens of one batch."""
+    """Each batch is printed as it finishes, in prompt order, with the tokens of one batch
+    (one engine batch: the engine's own max_batch is the flag's, also past its default)."""
     f = tmp_path / "prompts.jsonl"
     f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ENGINE_PROMPTS))
     sizes = []
     real = LLM.generate
-    monkeypatch.setattr(LLM, "generate", lambda self, prompts, *a, **k: sizes.append(len(prompts)) or
-                        real(self, prompts, *a, **k))
+    monkeypatch.setattr(LLM, "generate", lambda self, prompts, *a, **k: sizes.append((len(prompts), self.max_batch))
+                        or real(self, prompts, *a, **k))
     rc, out, err = run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu", "--json",
                        "--max-new-tokens", 4, "--ignore-eos", "--max-batch", 2)
     assert rc == 0, err
-    assert sizes == [2, 1]
+    assert sizes == [(2, 2), (1, 2)]
     monkeypatch.undo()
     check_json_lines(out, ENGINE_PROMPTS, api, 4)
     assert_error(*run(capsys, "hi", "--model", model, "--max-batch", 0), 2, "--max-batch must be >= 1")

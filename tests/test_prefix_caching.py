@@ -77,6 +77,18 @@ def test_batches_reuse_row_by_row(engines):
     assert [o.token_ids for o in got] == [o.token_ids for o in fresh.generate(turns, params)]
 
 
+def test_conversations_past_max_batch_still_reuse(engines, monkeypatch):
+    """With prefix caching a call's prompts are one batch, however many: max_batch
+    chunks would each replace the caches the chunk before them left."""
+    llm = engines("ar", True)
+    monkeypatch.setattr(llm, "max_batch", 2)
+    firsts = [llm.encode(t) for t in ("def fib(n):", "import os", "class A:")]
+    answers = llm.generate(firsts, GREEDY)
+    turns = [f + a.token_ids + [11, 12] for f, a in zip(firsts, answers)]
+    got = llm.generate(turns, GREEDY)
+    assert [o.stats["cached_tokens"] for o in got] == [len(f) + len(a.token_ids) - 1 for f, a in zip(firsts, answers)]
+
+
 def test_logprobs_and_prompt_logprobs(engines):
     """A reused prefix gives the same logprobs; prompt logprobs need every position's
     logits, so a request that asks for them prefills its whole prompt."""

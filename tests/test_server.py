@@ -1026,14 +1026,15 @@ def test_chat_template_sources_and_failures(tmp_path, llm):
 def test_chat_templates_get_what_transformers_gives_them(tmp_path):
     """Templates as fine-tuned checkpoints ship them render as with transformers: the
     `{% generation %}` tag (TRL's assistant-only loss) as its body, every special token
-    of tokenizer_config.json, and tojson's separators / sort_keys."""
+    of tokenizer_config.json (a null one left undefined), and tojson's separators / sort_keys."""
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "pad_token": "<P>", "unk_token": {"content": "<U>"}, "additional_special_tokens": ["<A>"],
+        "pad_token": "<P>", "unk_token": {"content": "<U>"}, "additional_special_tokens": ["<A>"], "mask_token": None,
         "chat_template": "{{ bos_token }}{{ pad_token }}|{{ unk_token }}|{{ additional_special_tokens[0] }}|"
+                         "{{ mask_token if mask_token is defined else 'no mask' }}|"
                          "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}|"
                          "{{ messages | tojson(separators=(',', ':'), sort_keys=True) }}"}))
     got = ChatTemplate.from_folder(tmp_path).render([{"role": "user", "content": "hi"}])
-    assert got == '<P>|<U>|<A>|hi|[{"content":"hi","role":"user"}]'
+    assert got == '<P>|<U>|<A>|no mask|hi|[{"content":"hi","role":"user"}]'
 
 
 def test_sampling_defaults_come_from_generation_config(tmp_path, llm):

@@ -551,6 +551,34 @@ def test_a_sampling_params_subclass_reaches_the_workers(engines, reference):
     assert _run(llm, "greedy") == reference("qwen3", "ar", "greedy")
 
 
+def test_an_engine_closed_during_another_threads_command_is_freed(tp_models, engines, monkeypatch):
+    """close() from another thread while a command is being posted: the workers are
+    still told to drop that engine (the drop was lost between pickling the pending
+    drops and clearing them, and the workers kept its weights)."""
+    import pickle
+    import types
+
+    import treeflash.engine.tp as tp
+    a = engines("qwen3", "ar", 2)
+    b = LLM(tp_models["qwen3"][0], method="ar", device="cpu", dtype="float64", tp=2)
+    sent, armed = [], [True]
+
+    def dumps(command, *args, **kw):
+        data = pickle.dumps(command, *args, **kw)
+        sent.extend(command[4])  # the drops this command carries
+        if armed[0] and command[0] == "call":
+            armed[0] = False
+            closer = threading.Thread(target=b.close)
+            closer.start()
+            closer.join()
+        return data
+
+    monkeypatch.setattr(tp, "pickle", types.SimpleNamespace(dumps=dumps, loads=pickle.loads))
+    for _ in range(2):
+        a.generate(SINGLE, SamplingParams(max_new_tokens=2))
+    assert b._tp.eid in sent
+
+
 def test_engines_sharing_workers_from_two_threads(engines, reference):
     """Two engines on the same workers, called from two threads at once, give their own
     tokens: commands (and their collectives) go one at a time (interleaved, they broke

@@ -205,6 +205,22 @@ def test_drafter_trains_exports_and_loads(target, data_dir, tmp_path):
     assert more["steps"] == 35
 
 
+@pytest.mark.parametrize("stored,exported", [(torch.float64, "bfloat16"), (torch.float32, "float32")])
+def test_drafter_for_a_target_whose_config_has_no_dtype(target, data_dir, tmp_path, stored, exported):
+    """A target without torch_dtype in config.json: the drafter trains against it (in
+    float32 at most) and is exported in the target's stored dtype, or bf16 past float32."""
+    from safetensors.torch import load_file, save_file
+    model = shutil.copytree(target[0] / "model", tmp_path / "model")
+    weights = load_file(str(model / "model.safetensors"))
+    save_file({k: v.to(stored) for k, v in weights.items()}, str(model / "model.safetensors"))
+    config = json.loads((model / "config.json").read_text())
+    config.pop("torch_dtype"), config.pop("dtype", None)
+    (model / "config.json").write_text(json.dumps(config))
+    train_drafter(model, data_dir, tmp_path / "run", tmp_path / "drafter", DrafterShape(num_layers=1, block_size=4),
+                  TrainOptions(max_steps=2, **OPTS), tau_prompts=0)
+    assert json.loads((tmp_path / "drafter" / "config.json").read_text())["torch_dtype"] == exported
+
+
 def test_training_forward_matches_cached_drafter(target, tmp_path):
     """The dense training pass (many masked blocks) gives the logits of the engine's path:
     context K/V committed once into the drafter cache, then one block forward."""

@@ -312,7 +312,8 @@ def bench_pairs(args) -> int:
 
     # A speculative method, if any is asked for, so that the built-in model brings its drafter.
     base = LLM(args.model, draft_model=args.draft_model, method=next((m for m in methods if m != "ar"), "ar"),
-               device=args.device, dtype=args.dtype, max_budget=max([512] + budgets), cuda_graphs=False)
+               device=args.device, dtype=args.dtype, max_budget=max([512] + budgets), cuda_graphs=False,
+               max_batch=max(batch_sizes))  # each timed batch is one engine batch
     if base.drafter is None and set(methods) - {"ar"}:
         raise UsageError(f"methods {', '.join(m for m in methods if m != 'ar')} need a drafter (--draft-model)")
     print(f"bench: {len(prompts)} prompts, {args.max_new_tokens} new tokens each, on {base.device} "

@@ -105,7 +105,8 @@ class ChatTemplate:
             return None
         if not isinstance(source, str):
             raise TreeflashError(f"{folder}: 'chat_template' must be a string or a list of named templates")
-        tokens = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if k in config}
+        # set ones only (null: not defined for the template, as in transformers)
+        tokens = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if _token_text(config.get(k))}
         extra = config.get("additional_special_tokens")
         if isinstance(extra, list):
             tokens["additional_special_tokens"] = [_token_text(t) for t in extra]

@@ -99,7 +99,7 @@ def make_llm(args):
     return LLM(args.model, draft_model=args.draft_model, method=args.method, budget=args.budget,
                device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, tp=getattr(args, "tp", 1),
                draft_mode=args.draft_mode, cuda_graphs=not args.eager, max_budget=args.max_budget,
-               enable_prefix_caching=getattr(args, "enable_prefix_caching", False))
+               enable_prefix_caching=getattr(args, "enable_prefix_caching", False), max_batch=args.max_batch)
 
 
 def sampling_from(args):

@@ -430,10 +430,13 @@ class LLM:
         on_tokens = _token_callback(on_tokens)
         if on_done is not None and not callable(on_done):
             raise UsageError(f"on_done must be a function, got {type(on_done).__name__}")
+        # in order, at most max_batch at a time; with prefix caching as one batch (a batch
+        # reuses the caches of the last batch of its size: chunks would overwrite them)
+        step = len(ids) if self.enable_prefix_caching else self.max_batch
         results = []
         with self._generating:  # one call at a time: a batch's state and graphs are the engine's
-            for s in range(0, len(ids), self.max_batch):  # in order, at most max_batch at a time
-                e = s + self.max_batch
+            for s in range(0, len(ids), step):
+                e = s + step
                 results += self._generate_batch(ids[s:e], params[s:e], _shifted(on_tokens, s), _shifted(on_done, s))
         return results
 

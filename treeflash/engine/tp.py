@@ -392,6 +392,7 @@ class Runtime:
         self.engines: set[int] = set()
         self.next_engine = 0
         self.pending_drops: list[int] = []
+        self.drops_lock = threading.RLock()  # drop() may run in a finalizer, on any thread, inside post()
 
     # ---------------------------------------------------------------- group
     def connect(self) -> None:
@@ -414,8 +415,14 @@ class Runtime:
             raise EngineDeadError("the tensor-parallel workers have been shut down; create a new LLM")
 
     def post(self, op: str, eid, payload=None, collect: bool = False) -> int:
-        data = pickle.dumps((op, eid, payload, collect, self.pending_drops))  # if it fails, nothing was sent
-        self.pending_drops = []
+        with self.drops_lock:
+            drops, self.pending_drops = self.pending_drops, []
+        try:
+            data = pickle.dumps((op, eid, payload, collect, drops))
+        except BaseException:  # nothing was sent: the drops go with the next command
+            with self.drops_lock:
+                self.pending_drops[:0] = drops
+            raise
         self.seq += 1
         self.store.set(f"cmd/{self.seq}", data)
         return self.seq
@@ -511,7 +518,8 @@ class Runtime:
         if self.closed or eid not in self.engines:
             return
         self.engines.discard(eid)
-        self.pending_drops.append(eid)
+        with self.drops_lock:
+            self.pending_drops.append(eid)
         if not self.engines:
             self.shutdown(graceful=True)
 

@@ -61,11 +61,18 @@ class DrafterShape:
     mask_token_id: int | None = None
 
 
+def target_dtype(cfg: ModelConfig, target_dir: str | Path) -> str | None:
+    """The target's stored dtype (config.json's, else its weights'), if a drafter trains
+    and exports in it (not float64: the drafter trains in float32 at most)."""
+    stored = cfg.torch_dtype or weights_dtype(target_dir)
+    return stored if stored in ("bfloat16", "float16", "float32") else None
+
+
 def load_frozen_target(target_dir: str | Path, device: torch.device) -> CausalLM:
     """The target in its inference dtype (bf16 on CUDA, float32 on CPU), without grads."""
     from treeflash.engine.llm import resolve_dtype
     cfg = ModelConfig.from_pretrained(target_dir)
-    with build_on(device, resolve_dtype("auto", cfg.torch_dtype or weights_dtype(target_dir), device)):
+    with build_on(device, resolve_dtype("auto", target_dtype(cfg, target_dir), device)):
         target = CausalLM(cfg)
     load_weights(target, target_dir)
     return target.eval().requires_grad_(False)
@@ -397,7 +404,7 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
         shape.mask_token_id = Tokenizer(target_dir).tok.token_to_id(MASK)
         if shape.mask_token_id is None:
             raise UsageError(f"the target's tokenizer has no {MASK} token: give the drafter's mask token id")
-    config = drafter_config(shape, tcfg, o["dtype"] or tcfg.torch_dtype or weights_dtype(target_dir) or "bfloat16")
+    config = drafter_config(shape, tcfg, o["dtype"] or target_dtype(tcfg, target_dir) or "bfloat16")
     if config["torch_dtype"] not in ("bfloat16", "float16", "float32"):
         raise UsageError(f"export dtype must be bfloat16, float16 or float32, got {config['torch_dtype']!r}")
     device = resolve_device(opts.device)
