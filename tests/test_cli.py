@@ -634,3 +634,14 @@ def test_chat_prompts_go_through_the_chat_template(capsys, broken):
                     SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
     assert json.loads(out)["token_ids"] == want.token_ids
     assert llm.chat_prompt([{"role": "user", "content": "x"}]) == llm.encode("<user>x<assistant>", special=False)
+    # the template's own variables (vLLM's chat_template_kwargs), only with --chat
+    (broken / "chat_template.jinja").write_text("{{ greeting }}{{ messages[0].content }}")
+    rc, out, err = run(capsys, ENGINE_PROMPTS[1], "--model", broken, "--device", "cpu", "--chat", "--json",
+                       "--max-new-tokens", 6, "--ignore-eos", "--chat-template-kwargs", '{"greeting": "Hi. "}')
+    assert rc == 0, err
+    want = llm.generate([llm.encode("Hi. " + ENGINE_PROMPTS[1], special=False)],
+                        SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
+    assert json.loads(out)["token_ids"] == want.token_ids
+    assert_error(*run(capsys, "x", "--model", broken, "--chat-template-kwargs", "{}"), 2, "needs --chat")
+    assert_error(*run(capsys, "x", "--model", broken, "--chat", "--chat-template-kwargs", "[1]"), 2,
+                 "not a JSON object")

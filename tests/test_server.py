@@ -715,6 +715,36 @@ def test_llm_chat_is_what_the_chat_endpoint_gives(llm, client, monkeypatch):
         llm.chat(talk, params)
 
 
+def test_chat_template_kwargs_set_the_templates_variables(llm, monkeypatch):
+    """chat_template_kwargs (vLLM's; Qwen3's enable_thinking) reach the template, in
+    /v1/chat/completions, /tokenize and LLM.chat alike; a malformed one, or one that would
+    set what the engine sets, is the request's error (400 naming the field)."""
+    from treeflash.errors import UsageError
+    template = ChatTemplate("{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+                            "{{ messages[0].content }}")
+    talk = [{"role": "user", "content": "fib"}]
+    plain, off = llm.encode("fib", special=False), llm.encode("<no-think>fib", special=False)
+    assert plain != off
+    with TestClient(build_app(llm, "t", template)) as c:
+        for kwargs, ids in ((None, plain), ({}, plain), ({"enable_thinking": True}, plain),
+                            ({"enable_thinking": False}, off)):
+            body = {"messages": talk, "chat_template_kwargs": kwargs}
+            assert c.post("/tokenize", json=body).json()["tokens"] == ids
+            r = c.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids)
+        for kwargs in ([1], "x", {"messages": []}, {"add_generation_prompt": False}):
+            r = c.post("/v1/chat/completions", json={"messages": talk, "chat_template_kwargs": kwargs})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", kwargs
+        r = c.post("/tokenize", json={"prompt": "x", "chat_template_kwargs": {"enable_thinking": False}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    monkeypatch.setitem(llm.__dict__, "chat_template", template)
+    params = SamplingParams(max_new_tokens=4)
+    assert llm.chat(talk, params, chat_template_kwargs={"enable_thinking": False})[0].token_ids == \
+        llm.generate([off], params)[0].token_ids
+    with pytest.raises(UsageError, match="chat_template_kwargs may not set messages"):
+        llm.chat(talk, params, chat_template_kwargs={"messages": []})
+
+
 def test_a_model_without_chat_template_refuses_chat(llm):
     with TestClient(build_app(llm, "tiny", None)) as c:
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})

@@ -67,6 +67,19 @@ def _generation_tag():
     return GenerationTag
 
 
+def template_variables(variables) -> dict:
+    """A chat template's own variables (vLLM's chat_template_kwargs), checked: an object
+    with string keys, not naming what the engine sets itself."""
+    if variables is None:
+        return {}
+    if not isinstance(variables, dict) or not all(isinstance(k, str) for k in variables):
+        raise UsageError("chat_template_kwargs must be an object of template variables")
+    fixed = sorted(set(variables) & {"messages", "add_generation_prompt"})
+    if fixed:
+        raise UsageError(f"chat_template_kwargs may not set {', '.join(fixed)}")
+    return variables
+
+
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict | None = None):
         import jinja2
@@ -112,11 +125,13 @@ class ChatTemplate:
             tokens["additional_special_tokens"] = [_token_text(t) for t in extra]
         return cls(source, tokens)
 
-    def render(self, messages: list[dict]) -> str:
-        """The prompt for `messages`, ending where the assistant's answer starts."""
+    def render(self, messages: list[dict], variables: dict | None = None) -> str:
+        """The prompt for `messages`, ending where the assistant's answer starts; `variables`
+        are the template's own (vLLM's chat_template_kwargs: Qwen3's enable_thinking, ...)."""
         import jinja2
         try:
-            return self.template.render(**self.special_tokens, messages=messages, add_generation_prompt=True)
+            return self.template.render(**self.special_tokens, **(variables or {}), messages=messages,
+                                        add_generation_prompt=True)
         except jinja2.TemplateError as e:
             raise TreeflashError(str(e)) from None
         except TreeflashError:  # the template's raise_exception(...)
@@ -124,11 +139,13 @@ class ChatTemplate:
         except Exception as e:  # a template's own arithmetic or string operation on the messages
             raise TreeflashError(f"{type(e).__name__}: {e}") from None
 
-    def prompt(self, messages) -> str:
-        """`render` of a conversation checked by `plain_messages`; a UsageError if a message
-        is malformed or the template refuses them (say, "roles must alternate")."""
+    def prompt(self, messages, variables: dict | None = None) -> str:
+        """`render` of a conversation checked by `plain_messages` (and `variables` by
+        `template_variables`); a UsageError if either is malformed or the template refuses
+        them (say, "roles must alternate")."""
         plain = plain_messages(messages)
+        variables = template_variables(variables)
         try:
-            return self.render(plain)
+            return self.render(plain, variables)
         except TreeflashError as e:
             raise UsageError(f"the chat template refused the messages: {e}") from None

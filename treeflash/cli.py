@@ -110,6 +110,17 @@ def sampling_from(args):
                           logprobs=getattr(args, "logprobs", None)).validate()
 
 
+def _json_object(text: str) -> dict:
+    """A JSON object on the command line (argparse turns the error into one line)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
+
+
 def _json_number(x: float) -> float | None:
     """null for NaN and infinities, which JSON has no numbers for (json.dumps would write
     the bare words NaN / -Infinity, which strict parsers refuse)."""
@@ -124,9 +135,11 @@ def cmd_generate(args) -> int:
         raise UsageError("--logprobs needs --json (they are printed with the tokens)")
     if args.max_batch < 1:
         raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.chat_template_kwargs is not None and not args.chat:
+        raise UsageError("--chat-template-kwargs needs --chat")
     llm = make_llm(args)
     if args.chat:  # each prompt a user's message, as the chat template renders it
-        prompts = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
+        prompts = [llm.chat_prompt([{"role": "user", "content": p}], args.chat_template_kwargs) for p in prompts]
 
     def outputs(on_tokens=None):
         """A file of prompts goes in batches of --max-batch, each printed as it finishes."""
@@ -174,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                             "prompts, each printed as it finishes (default 16)")
     g.add_argument("--chat", action="store_true", help="each prompt is a user's message, rendered by the "
                                                        "model's chat template (as the server's chat API does)")
+    g.add_argument("--chat-template-kwargs", type=_json_object, metavar="JSON",
+                   help="with --chat: the template's own variables, e.g. '{\"enable_thinking\": false}'")
     g.add_argument("--logprobs", type=int, metavar="N", help="with --json: each token's log-probability "
                                                              "and its N most likely alternatives' (N <= 20)")
     add_model_args(g)

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from treeflash.chat import plain_messages
+from treeflash.chat import plain_messages, template_variables
 from treeflash.engine.sampling import MAX_LOGPROBS, SamplingParams
 from treeflash.errors import TreeflashError, UsageError
 
@@ -41,7 +41,6 @@ UNSUPPORTED = {
     "guided_grammar": ((None,), "guided decoding is not supported"),
     "structured_outputs": ((None,), "structured outputs are not supported"),
     "chat_template": ((None,), "a request's own chat_template is not supported"),
-    "chat_template_kwargs": ((None, {}), "chat_template_kwargs is not supported"),
     "add_generation_prompt": ((None, True), "add_generation_prompt = false is not supported"),
     "continue_final_message": ((None, False), "continue_final_message is not supported"),
 }
@@ -58,9 +57,9 @@ BOOKKEEPING = (("user", str, "a string"), ("metadata", dict, "an object of strin
                ("store", bool, "true or false"), ("service_tier", str, "a string"),
                ("parallel_tool_calls", bool, "true or false"))
 KNOWN_KEYS = {"completion": SAMPLING_KEYS | {"prompt", "logprobs", "echo", "add_special_tokens"} | set(UNSUPPORTED),
-              "chat": SAMPLING_KEYS | {"messages", "logprobs", "top_logprobs", "echo", "add_special_tokens"}
-              | set(UNSUPPORTED),
-              "tokenize": {"model", "prompt", "messages", "add_special_tokens"},
+              "chat": SAMPLING_KEYS | {"messages", "logprobs", "top_logprobs", "echo", "add_special_tokens",
+                                       "chat_template_kwargs"} | set(UNSUPPORTED),
+              "tokenize": {"model", "prompt", "messages", "add_special_tokens", "chat_template_kwargs"},
               "detokenize": {"model", "tokens"}}
 MAX_STOPS = 64
 LOGPROB_FLOOR = -9999.0  # what a log-probability of -inf is reported as (JSON has no infinity), as in vLLM
@@ -349,13 +348,21 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
 
 
 def render_chat(body: dict, template) -> str:
-    """The body's messages (text only) as the chat template renders them."""
+    """The body's messages (text only) as the chat template renders them, with the
+    body's `chat_template_kwargs` (vLLM's: the template's own variables)."""
     try:
-        if template is not None:
-            return template.prompt(body.get("messages"))
         plain_messages(body.get("messages"))  # a malformed message is named first, template or not
     except UsageError as e:
         raise APIError(str(e), param="messages") from None
+    try:
+        template_variables(body.get("chat_template_kwargs"))
+    except UsageError as e:
+        raise APIError(str(e), param="chat_template_kwargs") from None
+    if template is not None:
+        try:
+            return template.prompt(body.get("messages"), body.get("chat_template_kwargs"))
+        except UsageError as e:
+            raise APIError(str(e), param="messages") from None
     raise APIError("this model has no chat template (tokenizer_config.json 'chat_template' or "
                    "chat_template.jinja): use /v1/completions")
 
@@ -370,6 +377,8 @@ def parse_tokenize(body: dict, served: str | tuple[str, ...], template, tokenize
         raise APIError("give either 'prompt' or 'messages'", param="prompt")
     if "messages" in body:
         return tokenizer.encode(render_chat(body, template), _flag(body, "add_special_tokens", False))
+    if body.get("chat_template_kwargs") is not None:
+        raise APIError("chat_template_kwargs applies to 'messages'", param="chat_template_kwargs")
     if not isinstance(body["prompt"], str):
         raise APIError("'prompt' must be a string", param="prompt")
     try:
