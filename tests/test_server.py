@@ -229,8 +229,8 @@ BAD = [
     ("/tokenize", {"messages": [{"role": "\ud800", "content": "x"}]}, 400, "messages"),
     ("/v1/completions", {"prompt": "x", "stop": ["a"] * 65}, 400, "stop"),
     ("/v1/completions", {"prompt": ["x"] * 1025}, 400, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False}, 400,
-     "add_generation_prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400,
+     "continue_final_message"),
     # max_completion_tokens wins, but a bad max_tokens beside it is still an error
     ("/v1/completions", {"prompt": "x", "max_tokens": "abc", "max_completion_tokens": 2}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": -5, "max_completion_tokens": 2}, 400, "max_tokens"),
@@ -743,6 +743,37 @@ def test_chat_template_kwargs_set_the_templates_variables(llm, monkeypatch):
         llm.generate([off], params)[0].token_ids
     with pytest.raises(UsageError, match="chat_template_kwargs may not set messages"):
         llm.chat(talk, params, chat_template_kwargs={"messages": []})
+
+
+def test_a_final_message_can_be_continued(llm, monkeypatch):
+    """add_generation_prompt: false ends the prompt after the last message's turn;
+    continue_final_message: true ends it inside the final message (an answer's given
+    beginning, which the model continues), as transformers renders it; both at once, or
+    a template that does not write the final message as given, are refused."""
+    from treeflash.errors import UsageError
+    template = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+                            "{% if add_generation_prompt %}<assistant>{% endif %}")
+    talk = [{"role": "user", "content": "fib"}, {"role": "assistant", "content": "def fib(n):"}]
+    cases = [({}, "<user>fib</user><assistant>def fib(n):</assistant><assistant>"),
+             ({"add_generation_prompt": False}, "<user>fib</user><assistant>def fib(n):</assistant>"),
+             ({"add_generation_prompt": False, "continue_final_message": True}, "<user>fib</user><assistant>def fib(n):")]
+    with TestClient(build_app(llm, "t", template)) as c:
+        for options, text in cases:
+            ids = llm.encode(text, special=False)
+            assert c.post("/tokenize", json={"messages": talk, **options}).json()["tokens"] == ids
+            r = c.post("/v1/chat/completions", json={"messages": talk, "max_tokens": 2, **options})
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids)
+        for options, param in (({"continue_final_message": True}, "continue_final_message"),
+                               ({"add_generation_prompt": "no"}, "add_generation_prompt")):
+            r = c.post("/v1/chat/completions", json={"messages": talk, **options})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, options
+    monkeypatch.setitem(llm.__dict__, "chat_template", template)
+    params = SamplingParams(max_new_tokens=4)
+    assert llm.chat(talk, params, add_generation_prompt=False, continue_final_message=True)[0].token_ids == \
+        llm.generate([llm.encode(cases[2][1], special=False)], params)[0].token_ids
+    monkeypatch.setitem(llm.__dict__, "chat_template", ChatTemplate("{{ messages[-1].content | upper }}"))
+    with pytest.raises(UsageError, match="cannot be continued"):
+        llm.chat(talk, params, add_generation_prompt=False, continue_final_message=True)
 
 
 def test_a_model_without_chat_template_refuses_chat(llm):

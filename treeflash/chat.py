@@ -3,6 +3,7 @@ sandbox: messages in, the prompt text the model was trained on out."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -67,17 +68,37 @@ def _generation_tag():
     return GenerationTag
 
 
-def template_variables(variables) -> dict:
-    """A chat template's own variables (vLLM's chat_template_kwargs), checked: an object
-    with string keys, not naming what the engine sets itself."""
-    if variables is None:
-        return {}
-    if not isinstance(variables, dict) or not all(isinstance(k, str) for k in variables):
-        raise UsageError("chat_template_kwargs must be an object of template variables")
-    fixed = sorted(set(variables) & {"messages", "add_generation_prompt"})
-    if fixed:
-        raise UsageError(f"chat_template_kwargs may not set {', '.join(fixed)}")
-    return variables
+@dataclass(frozen=True)
+class ChatFormat:
+    """How a conversation becomes a prompt (vLLM's and transformers' options): the
+    template's own variables (`chat_template_kwargs`: Qwen3's enable_thinking, ...), and
+    where the prompt ends: after the assistant's turn header (`add_generation_prompt`),
+    or inside the final message, which the model then continues (`continue_final_message`:
+    an answer's given beginning)."""
+    variables: dict | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def checked(self) -> "ChatFormat":
+        """Self, or a UsageError whose `param` names the malformed option."""
+        def refuse(param: str, why: str):
+            error = UsageError(f"{param} {why}")
+            error.param = param
+            raise error
+
+        v = self.variables
+        if v is not None and (not isinstance(v, dict) or not all(isinstance(k, str) for k in v)):
+            refuse("chat_template_kwargs", "must be an object of template variables")
+        fixed = sorted(set(v or ()) & {"messages", "add_generation_prompt"})
+        if fixed:
+            refuse("chat_template_kwargs", f"may not set {', '.join(fixed)}")
+        for name in ("add_generation_prompt", "continue_final_message"):
+            if not isinstance(getattr(self, name), bool):
+                refuse(name, f"must be true or false, got {getattr(self, name)!r}")
+        if self.add_generation_prompt and self.continue_final_message:
+            refuse("continue_final_message", "needs add_generation_prompt = false (the final message is "
+                                             "continued: no new turn is opened)")
+        return self
 
 
 class ChatTemplate:
@@ -125,27 +146,35 @@ class ChatTemplate:
             tokens["additional_special_tokens"] = [_token_text(t) for t in extra]
         return cls(source, tokens)
 
-    def render(self, messages: list[dict], variables: dict | None = None) -> str:
-        """The prompt for `messages`, ending where the assistant's answer starts; `variables`
-        are the template's own (vLLM's chat_template_kwargs: Qwen3's enable_thinking, ...)."""
+    def render(self, messages: list[dict], fmt: ChatFormat = ChatFormat()) -> str:
+        """The prompt for `messages`, by default ending where the assistant's answer starts
+        (see `ChatFormat`)."""
         import jinja2
         try:
-            return self.template.render(**self.special_tokens, **(variables or {}), messages=messages,
-                                        add_generation_prompt=True)
+            text = self.template.render(**self.special_tokens, **(fmt.variables or {}), messages=messages,
+                                        add_generation_prompt=fmt.add_generation_prompt)
         except jinja2.TemplateError as e:
             raise TreeflashError(str(e)) from None
         except TreeflashError:  # the template's raise_exception(...)
             raise
         except Exception as e:  # a template's own arithmetic or string operation on the messages
             raise TreeflashError(f"{type(e).__name__}: {e}") from None
+        if fmt.continue_final_message and messages:  # cut after the final message's text, as transformers does
+            final = messages[-1]["content"]
+            for piece in (final, final.strip()):
+                at = text.rfind(piece)
+                if at >= 0:
+                    return text[:at + len(piece)]
+            raise TreeflashError("the template does not write the final message's text as given: "
+                                 "it cannot be continued")
+        return text
 
-    def prompt(self, messages, variables: dict | None = None) -> str:
-        """`render` of a conversation checked by `plain_messages` (and `variables` by
-        `template_variables`); a UsageError if either is malformed or the template refuses
-        them (say, "roles must alternate")."""
-        plain = plain_messages(messages)
-        variables = template_variables(variables)
+    def prompt(self, messages, fmt: ChatFormat = ChatFormat()) -> str:
+        """`render` of a conversation checked by `plain_messages` (and `fmt` by its
+        `checked`); a UsageError if either is malformed or the template refuses them (say,
+        "roles must alternate")."""
+        plain, fmt = plain_messages(messages), fmt.checked()
         try:
-            return self.render(plain, variables)
+            return self.render(plain, fmt)
         except TreeflashError as e:
             raise UsageError(f"the chat template refused the messages: {e}") from None

@@ -128,6 +128,7 @@ def _json_number(x: float) -> float | None:
 
 
 def cmd_generate(args) -> int:
+    from treeflash.chat import ChatFormat
     from treeflash.tokenizer import TextStream
     prompts = read_prompts(args)
     params = sampling_from(args)
@@ -139,7 +140,8 @@ def cmd_generate(args) -> int:
         raise UsageError("--chat-template-kwargs needs --chat")
     llm = make_llm(args)
     if args.chat:  # each prompt a user's message, as the chat template renders it
-        prompts = [llm.chat_prompt([{"role": "user", "content": p}], args.chat_template_kwargs) for p in prompts]
+        fmt = ChatFormat(args.chat_template_kwargs)
+        prompts = [llm.chat_prompt([{"role": "user", "content": p}], fmt) for p in prompts]
 
     def outputs(on_tokens=None):
         """A file of prompts goes in batches of --max-batch, each printed as it finishes."""

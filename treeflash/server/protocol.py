@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from treeflash.chat import plain_messages, template_variables
+from treeflash.chat import ChatFormat, plain_messages
 from treeflash.engine.sampling import MAX_LOGPROBS, SamplingParams
 from treeflash.errors import TreeflashError, UsageError
 
@@ -41,8 +41,6 @@ UNSUPPORTED = {
     "guided_grammar": ((None,), "guided decoding is not supported"),
     "structured_outputs": ((None,), "structured outputs are not supported"),
     "chat_template": ((None,), "a request's own chat_template is not supported"),
-    "add_generation_prompt": ((None, True), "add_generation_prompt = false is not supported"),
-    "continue_final_message": ((None, False), "continue_final_message is not supported"),
 }
 # What a request may hold besides UNSUPPORTED's keys: the parameters this server reads, and
 # OpenAI's bookkeeping that does not touch the output. Anything else (a misspelled
@@ -56,10 +54,12 @@ SAMPLING_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", 
 BOOKKEEPING = (("user", str, "a string"), ("metadata", dict, "an object of strings"),
                ("store", bool, "true or false"), ("service_tier", str, "a string"),
                ("parallel_tool_calls", bool, "true or false"))
+# how messages become the prompt (vLLM's; `ChatFormat`)
+CHAT_FORMAT_KEYS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 KNOWN_KEYS = {"completion": SAMPLING_KEYS | {"prompt", "logprobs", "echo", "add_special_tokens"} | set(UNSUPPORTED),
               "chat": SAMPLING_KEYS | {"messages", "logprobs", "top_logprobs", "echo", "add_special_tokens",
-                                       "chat_template_kwargs"} | set(UNSUPPORTED),
-              "tokenize": {"model", "prompt", "messages", "add_special_tokens", "chat_template_kwargs"},
+                                       *CHAT_FORMAT_KEYS} | set(UNSUPPORTED),
+              "tokenize": {"model", "prompt", "messages", "add_special_tokens", *CHAT_FORMAT_KEYS},
               "detokenize": {"model", "tokens"}}
 MAX_STOPS = 64
 LOGPROB_FLOOR = -9999.0  # what a log-probability of -inf is reported as (JSON has no infinity), as in vLLM
@@ -354,13 +354,15 @@ def render_chat(body: dict, template) -> str:
         plain_messages(body.get("messages"))  # a malformed message is named first, template or not
     except UsageError as e:
         raise APIError(str(e), param="messages") from None
+    fmt = ChatFormat(body.get("chat_template_kwargs"), _flag(body, "add_generation_prompt", True),
+                     _flag(body, "continue_final_message", False))
     try:
-        template_variables(body.get("chat_template_kwargs"))
+        fmt.checked()
     except UsageError as e:
-        raise APIError(str(e), param="chat_template_kwargs") from None
+        raise APIError(str(e), param=e.param) from None
     if template is not None:
         try:
-            return template.prompt(body.get("messages"), body.get("chat_template_kwargs"))
+            return template.prompt(body.get("messages"), fmt)
         except UsageError as e:
             raise APIError(str(e), param="messages") from None
     raise APIError("this model has no chat template (tokenizer_config.json 'chat_template' or "
@@ -377,8 +379,9 @@ def parse_tokenize(body: dict, served: str | tuple[str, ...], template, tokenize
         raise APIError("give either 'prompt' or 'messages'", param="prompt")
     if "messages" in body:
         return tokenizer.encode(render_chat(body, template), _flag(body, "add_special_tokens", False))
-    if body.get("chat_template_kwargs") is not None:
-        raise APIError("chat_template_kwargs applies to 'messages'", param="chat_template_kwargs")
+    for key in CHAT_FORMAT_KEYS:
+        if body.get(key) is not None:
+            raise APIError(f"{key} applies to 'messages'", param=key)
     if not isinstance(body["prompt"], str):
         raise APIError("'prompt' must be a string", param="prompt")
     try:
