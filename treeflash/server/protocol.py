@@ -348,8 +348,8 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
 
 
 def render_chat(body: dict, template) -> str:
-    """The body's messages (text only) as the chat template renders them, with the
-    body's `chat_template_kwargs` (vLLM's: the template's own variables)."""
+    """The body's messages (text only) as the chat template renders them, in the body's
+    `ChatFormat` (vLLM's chat_template_kwargs, add_generation_prompt, continue_final_message)."""
     try:
         plain_messages(body.get("messages"))  # a malformed message is named first, template or not
     except UsageError as e:
