@@ -235,7 +235,9 @@ class LLM:
             raise UsageError(f"tp must be an integer >= 1, got {tp!r}")
         self.device = resolve_device(device)
         self.config = ModelConfig.from_pretrained(model)
-        self.dtype = resolve_dtype(dtype, self.config.torch_dtype or weights_dtype(model), self.device)
+        # the weights' headers are read only when "auto" needs them
+        stored = self.config.torch_dtype or (weights_dtype(model) if dtype == "auto" else None)
+        self.dtype = resolve_dtype(dtype, stored, self.device)
         self.tokenizer = Tokenizer(model)
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids))
         dcfg = None
@@ -428,7 +430,9 @@ class LLM:
         ids = [self.encode(p) for p in prompts]
         # seeds are drawn here, so that every tensor-parallel rank samples alike; a subclass
         # becomes a plain SamplingParams (the workers could not unpickle a class of __main__)
-        params = [SamplingParams(**{f.name: getattr(p, f.name) for f in fields(SamplingParams)}) for p in params]
+        params = [p if type(p) is SamplingParams else SamplingParams(**{f.name: getattr(p, f.name)
+                                                                        for f in fields(SamplingParams)})
+                  for p in params]
         params = [p if p.seed is not None else replace(p, seed=random.getrandbits(63)) for p in params]
         on_tokens = _token_callback(on_tokens)
         if on_done is not None and not callable(on_done):

@@ -149,7 +149,6 @@ class EngineWorker:
         self.jobs: queue.Queue = queue.Queue()
         self.running: list[Job] = []
         self.stopping = False
-        self.dead: EngineDeadError | None = None  # the engine failed for good: every job is answered 503
         self.thread = threading.Thread(target=self._serve, name="treeflash-engine", daemon=True)
         self.thread.start()
 
@@ -189,8 +188,8 @@ class EngineWorker:
                         job.settle(error=SHUTTING_DOWN)
                     return None
                 continue
-            if job.cancelled or self.stopping or self.dead:
-                job.settle(error=job.error if job.cancelled else self.dead or SHUTTING_DOWN)
+            if job.cancelled or self.stopping:
+                job.settle(error=job.error if job.cancelled else SHUTTING_DOWN)
                 continue
             batch.append(job)
             prompts += len(job.runs)
@@ -225,9 +224,7 @@ class EngineWorker:
                                       on_done=lambda k, out, part=part: part[k][0].on_done(part[k][1], out))
         except BaseException as e:
             log.error("generation failed", exc_info=e)
-            if isinstance(e, EngineDeadError):
-                self.dead = e
-            retry = len(batch) > 1 and self.dead is None
+            retry = len(batch) > 1 and not isinstance(e, EngineDeadError)  # a dead engine fails them all
             for job in batch:
                 if retry and not (job.started or job.cancelled or job.future.done()):
                     self._run([job])
@@ -416,8 +413,7 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
             llm.check_healthy()
         except EngineDeadError as e:
             return error_response(api_error(e))
-        dead = state.get("worker") and state["worker"].dead
-        return error_response(api_error(dead)) if dead else AsciiJSONResponse({"status": "ok"})
+        return AsciiJSONResponse({"status": "ok"})
 
     async def tokenize(request: HTTPRequest):
         try:
