@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Issue 9 on a machine with 2 GPUs (NCCL, CUDA graphs), from the repo root; ~5 min on 2 H200,
-# at most ~9.5 min (the steps are time-limited: 330 s for the tests, 80 s per bench run):
+# at most ~10 min (the steps are time-limited: 360 s for the tests, 80 s per bench run):
 #
 #   OUT=/path/out bash scripts/multi_gpu.sh
 #
 # 1. tests/test_tp_gpu.py: LLM(tp=2) token-identical to tp=1 with graphs on and off; a killed
-#    worker is reported in one line.
+#    worker is reported in one line. tests/test_all_reduce_gpu.py: the peer all-reduce.
 # 2. treeflash bench --shape qwen3-8b (random weights) at C=4096, N in 0,63,255: --tp 1 and
 #    --tp 2 with CUDA graphs, --tp 2 without; then a side-by-side table.
 #
@@ -38,7 +38,7 @@ $PY -c "import torch; print('torch', torch.__version__, '| cuda', torch.version.
 torch.cuda.nccl.version() if torch.cuda.is_available() else None, '|', torch.cuda.device_count(), 'GPUs')"
 
 echo "== tests/test_tp_gpu.py"
-step tests 330 "$OUT/tp_gpu_tests.log" $PY -m pytest -q -rfEs --durations=6 tests/test_tp_gpu.py
+step tests 360 "$OUT/tp_gpu_tests.log" $PY -m pytest -q -rfEs --durations=6 tests/test_tp_gpu.py tests/test_all_reduce_gpu.py
 tail -n 25 "$OUT/tp_gpu_tests.log"
 
 BENCH=(-m treeflash bench --shape qwen3-8b --contexts 4096 --budgets 0,63,255 --iters 20)

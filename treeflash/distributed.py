@@ -6,7 +6,10 @@ Layers take the group explicitly, so a sharded model and a whole one run the sam
 `group` is a c10d process group (or backend) object: `ProcessGroupGloo` on CPU,
 `ProcessGroupNCCL` on GPUs (see `treeflash.engine.tp`, which creates them without a
 default process group). Collectives are called on it directly, so NCCL ones can be
-captured in a CUDA graph.
+captured in a CUDA graph. On GPUs of one host `peer` (a
+`treeflash.kernels.all_reduce.PeerAllReduce`) takes the small all-reduces (up to 1 MiB
+read per rank): decode steps and verify rounds, in one launch instead of NCCL's
+ring.
 
 Decisions over a vocabulary sharded in contiguous, equal slices (rank r holds ids
 r*V/N ..) are made so that every rank gets bit-identical results: `argmax` and
@@ -41,10 +44,13 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: object = None
+    peer: object = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place (x must be contiguous)."""
         if self.size > 1:
+            if self.peer is not None and self.peer.fits(x):
+                return self.peer(x)
             _wait(self.group.allreduce([x]), x, self.rank == 0)
         return x
 

@@ -403,9 +403,35 @@ class Runtime:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = _td(timeout_s())
             pg = dist.ProcessGroupNCCL(store, self.rank, self.size, opts)
+            self.group = TPGroup(self.rank, self.size, pg, self._peer_all_reduce(pg))
         else:
             pg = dist.ProcessGroupGloo(store, self.rank, self.size, _td(timeout_s()))
-        self.group = TPGroup(self.rank, self.size, pg)
+            self.group = TPGroup(self.rank, self.size, pg)
+
+    def _peer_all_reduce(self, pg):
+        """The one-shot peer-memory all-reduce (`treeflash.kernels.all_reduce`) when every
+        rank is on this host and all of them could set it up, else None (NCCL alone). The
+        ranks agree in an NCCL all-reduce, which also creates the communicator here, not
+        inside a CUDA-graph capture."""
+        peer, why = None, None
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if torchrun_env() is not None and local is not None and int(local) != self.size:
+            why = "the ranks span several hosts"
+        else:
+            try:
+                from treeflash.kernels.all_reduce import connect
+                peer = connect(dist.PrefixStore("peer", self.store), self.rank, self.size, self.device, pg)
+            except Exception as e:
+                why = one_line(e)
+        ok = torch.tensor([peer is not None], dtype=torch.int32, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        pg.allreduce([ok], opts).wait()
+        if int(ok.item()) == 0:
+            if self.rank == 0 and why is not None:
+                print(f"treeflash: tensor parallelism all-reduces through NCCL only: {why}", file=sys.stderr)
+            return None
+        return peer
 
     # ---------------------------------------------------------------- driver
     def check(self) -> None:
@@ -573,7 +599,12 @@ class Runtime:
                 return
             self.released = True
             if self.backend == "nccl" and self.group is not None:
-                self.group.group.abort()
+                try:
+                    self.group.group.abort()
+                finally:  # then the peer all-reduce's kernels waiting on a dead peer end too (not
+                    # before: a driver let go while NCCL's abort ran ended in SIGABRT at its exit)
+                    if self.group.peer is not None:
+                        self.group.peer.abort()
         except Exception:
             pass
         finally:
