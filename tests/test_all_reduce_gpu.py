@@ -25,12 +25,11 @@ pytestmark = [pytest.mark.gpu,
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RANK_SCRIPT = textwrap.dedent('''
-    import threading, time
+    import os, sys, threading, time
     import torch
     from treeflash.engine.tp import join_group
     from treeflash.kernels.all_reduce import PULL_BYTES
 
-    import os, sys
     size = int(os.environ["WORLD_SIZE"])
     rt = join_group(size, torch.device("cuda"))
     log = open(os.path.join(sys.argv[1], f"rank{rt.rank}.log"), "w", buffering=1)  # one file per rank: no interleaving

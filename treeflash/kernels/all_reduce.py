@@ -3,9 +3,10 @@
 Under TP every layer all-reduces its attention and MLP outputs: at batch 1 a [1, 4096]
 bf16 vector, 8 KB. NCCL's ring takes ~12 us for that on two H200s over NVLink and ~16 us
 on four, about what it takes for 16 rows: it is latency, two per layer, 25% of a TP = 2
-and 37% of a TP = 4 decode step of an 8B model (BENCHMARKS.md section 6). Here each rank copies its tensor into a buffer
-that every rank can read, the ranks meet at a barrier of flags in that memory, and each
-one reads every rank's copy and sums them itself: one launch, no ring.
+and 37% of a TP = 4 decode step of an 8B model (BENCHMARKS.md section 6). Here each rank
+copies its tensor into a buffer that every rank can read, the ranks meet at a barrier of
+flags in that memory, and each one reads every rank's copy and sums them itself: one
+launch, no ring.
 
 - Memory. torch's symmetric memory allocates the buffers and exchanges their handles
   (`torch.distributed._symmetric_memory`); its own reduction kernels are not used.
@@ -132,17 +133,16 @@ class PeerAllReduce:
         return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.is_contiguous()
                 and 0 < nbytes * self.size <= PULL_BYTES and nbytes <= self.buffer.numel())
 
-    def __call__(self, x: torch.Tensor, programs: int | None = None, block: int = BLOCK,
-                 warps: int = 8) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place. Many small programs: the peers' slices are
         latency-bound NVLink reads, so the more of them in flight the better (a sweep of
         1-128 programs x 512-8192 elements x 4 / 8 warps put 512 elements and 8 warps
         first at every size on 2 and 4 H200s)."""
         n = x.numel()
-        programs = min(programs or self.max_programs, triton.cdiv(n, block))
+        programs = min(self.max_programs, triton.cdiv(n, BLOCK))
         _one_shot_all_reduce[(programs,)](x, self.bufs, self.pads, self.abort_flag.data_ptr(), n, self.rank,
                                           self.max_programs * self.size, WS=self.size,
-                                          WS_P2=triton.next_power_of_2(self.size), BLOCK=block, num_warps=warps)
+                                          WS_P2=triton.next_power_of_2(self.size), BLOCK=BLOCK, num_warps=8)
         return x
 
     def abort(self) -> None:
@@ -165,6 +165,12 @@ def connect(store, rank: int, size: int, device: torch.device, nccl) -> PeerAllR
     of buffer per TP runtime."""
     import torch.distributed._symmetric_memory as symm
 
+    c10d = torch._C._distributed_c10d
+    needed = [(dist.ProcessGroup, "_register_backend"), (dist.ProcessGroup, "_set_group_name"),
+              (c10d, "_register_process_group"), (c10d, "_unregister_process_group"), (symm, "rendezvous")]
+    missing = [name for owner, name in needed if not hasattr(owner, name)]
+    if missing:  # before any collective step, so that every rank (same torch) gives up alike
+        raise RuntimeError(f"this torch has no {', '.join(missing)}")
     if rank == 0:
         store.set("peer/name", f"treeflash-tp-{uuid.uuid4().hex}")
     name = store.get("peer/name").decode()
@@ -172,12 +178,12 @@ def connect(store, rank: int, size: int, device: torch.device, nccl) -> PeerAllR
     pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
     pg._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
     pg._set_group_name(name)
-    torch._C._distributed_c10d._register_process_group(name, pg)
+    c10d._register_process_group(name, pg)
     try:
         buffer = symm.empty(PULL_BYTES // 2, dtype=torch.uint8, device=device)  # the most that fits at size 2
         handle = symm.rendezvous(buffer, name)
     finally:
-        torch._C._distributed_c10d._unregister_process_group(name)
+        c10d._unregister_process_group(name)
     for obj in (pg, handle, buffer):
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
     return PeerAllReduce(buffer, handle, rank, size)
