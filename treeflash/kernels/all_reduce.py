@@ -72,7 +72,11 @@ def _signal_all(pads_ptr, rank, slot, spare, abort_ptr, WS: tl.constexpr, WS_P2:
         pending = tl.sum((~done).to(tl.int32), 0) > 0
         spins += 1
         if spins % ABORT_EVERY == 0:
-            if tl.load(abort_ptr.to(tl.pointer_type(tl.int32)), volatile=True) != 0:
+            # every thread reads the flag; the block-wide max makes one decision for all
+            # warps (left to each warp, a flag set between two warps' reads would send them
+            # out of the loop at different spins, past the barriers inside tl.sum)
+            flag = tl.load(abort_ptr.to(tl.pointer_type(tl.int32)) + tl.zeros([256], tl.int32), volatile=True)
+            if tl.max(flag, 0) != 0:
                 aborted = 1
                 pending = False
     return aborted
