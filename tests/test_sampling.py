@@ -38,12 +38,15 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2).item()
 
 
-def hf_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """The oracle: transformers' temperature, top-k and top-p warpers, in that order."""
-    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
+def hf_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """The oracle: transformers' temperature, min-p, top-k and top-p warpers, in that order
+    (vLLM's: min-p right after the temperature)."""
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
     scores = logits[None].clone()
     scores = TemperatureLogitsWarper(temperature)(None, scores)
+    if min_p:
+        scores = MinPLogitsWarper(min_p)(None, scores)
     if top_k:
         scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1:
@@ -51,11 +54,12 @@ def hf_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float)
     return torch.softmax(scores[0], -1)
 
 
-def draw(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+def draw(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
          seeds=range(SEEDS), positions: int = POSITIONS) -> torch.Tensor:
     """Tokens [len(seeds), positions]: one request per seed, the same logits at every position."""
     B = len(seeds)
-    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=s) for s in seeds]
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=s)
+              for s in seeds]
     sb = SamplingBatch.from_params(params, "cpu")
     pos = torch.arange(positions).expand(B, positions)
     return sample(logits.expand(B, positions, -1).clone(), pos, sb)
@@ -66,20 +70,30 @@ def draw(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float 
 FILTERS = [(0, 1.0), (4, 1.0), (0, 0.7), (6, 0.8)]
 
 
-@pytest.mark.parametrize("top_k,top_p", FILTERS, ids=["plain", "top-k=4", "top-p=0.7", "top-k=6+top-p=0.8"])
+# min-p = 0.1 keeps 7 tokens at T = 1 (4 at T = 0.5); top-p = 0.8 then keeps 4 of them (2),
+# where top-p over the whole softmax keeps 5 (3): the order (vLLM's, min-p first) is tested.
+MIN_P = [(0, 1.0, 0.1), (0, 0.8, 0.1), (3, 1.0, 0.3)]
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(k, p, 0.0) for k, p in FILTERS] + MIN_P,
+                         ids=["plain", "top-k=4", "top-p=0.7", "top-k=6+top-p=0.8", "min-p=0.1",
+                              "min-p=0.1+top-p=0.8", "min-p=0.3+top-k=3"])
 @pytest.mark.parametrize("temperature", [0.5, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_samples_follow_filtered_softmax(temperature, top_k, top_p, dtype):
-    probs = hf_probs(LOGITS, temperature, top_k, top_p)
+def test_samples_follow_filtered_softmax(temperature, top_k, top_p, min_p, dtype):
+    probs = hf_probs(LOGITS, temperature, top_k, top_p, min_p)
     if top_p < 1:  # the fixed logits keep clear of the top-p boundary
         cum = probs[probs > 0].sort(descending=True).values.cumsum(0)
         assert (cum - top_p).abs().min() > 0.02
-    tokens = draw(LOGITS.to(dtype), temperature, top_k, top_p)
+    if min_p:  # and of the min-p one
+        ratio = torch.softmax(LOGITS / temperature, -1) / torch.softmax(LOGITS / temperature, -1).max()
+        assert (ratio - min_p).abs().min() > 0.005
+    tokens = draw(LOGITS.to(dtype), temperature, top_k, top_p, min_p)
     counts = torch.bincount(tokens.flatten(), minlength=V).double()
     assert counts.sum() == SEEDS * POSITIONS
     removed = probs == 0
     assert counts[removed].sum() == 0, f"filtered-out tokens sampled: {counts[removed].tolist()}"
-    if top_k or top_p < 1:
+    if top_k or top_p < 1 or min_p:
         assert removed.any()
     assert chi2_pvalue(counts, probs) > P_MIN
     # total variation, as a readable bound: E|freq_i - p_i| <= sqrt(p_i (1 - p_i) / n)
@@ -133,7 +147,8 @@ def test_greedy_and_degenerate_filters_give_the_argmax():
     pos = torch.arange(64).expand(3, 64)
     for params in ([SamplingParams(temperature=0.0, seed=s, top_k=5, top_p=0.5) for s in range(3)],
                    [SamplingParams(temperature=1.0, seed=s, top_k=1) for s in range(3)],
-                   [SamplingParams(temperature=1.5, seed=s, top_p=1e-9) for s in range(3)]):
+                   [SamplingParams(temperature=1.5, seed=s, top_p=1e-9) for s in range(3)],
+                   [SamplingParams(temperature=1.5, seed=s, min_p=1.0) for s in range(3)]):
         assert torch.equal(sample(logits, pos, SamplingBatch.from_params(params, "cpu")), argmax)
     # while plain sampling at the same seeds does not always give it
     sampled = sample(logits, pos, SamplingBatch.from_params(

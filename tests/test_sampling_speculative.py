@@ -1,6 +1,6 @@
 """Sampling without loss (issue 5, CPU part): with the same seed, DFlash and DDTree
 produce exactly the token stream that AR sampling produces (float64 on CPU), for
-every temperature / top-k / top-p combination, alone and in batches that mix greedy
+every temperature / top-k / top-p / min-p combination, alone and in batches that mix greedy
 and sampled requests with different parameters."""
 from __future__ import annotations
 
@@ -71,12 +71,33 @@ def test_sampled_stream_equals_ar(temperature, top_k, top_p, spec_target, spec_d
     assert [o.token_ids for o in outs] == refs
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(1.5, 0, 1.0, 0.5), (1.0, 20, 0.9, 0.3)])
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_min_p_stream_equals_ar(arch, temperature, top_k, top_p, min_p, spec_target, spec_drafter, ar_reference):
+    """min-p (alone, and with top-k and top-p) keeps every method on AR's stream: where
+    drafts get accepted ('warm') and where min-p really removes tokens ('plain')."""
+    params = [SamplingParams(max_new_tokens=32, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                             seed=s) for s in (21, 22)]
+    for kind in ("warm", "plain"):
+        target, drafter = spec_target(arch, kind), spec_drafter(arch, kind, 8)
+        refs = [ar_reference(target, p, sp).token_ids for p, sp in zip(PROMPTS, params)]
+        if kind == "plain":
+            without = [ar_reference(target, p, SamplingParams(max_new_tokens=32, temperature=temperature,
+                                                              top_k=top_k, top_p=top_p, seed=sp.seed)).token_ids
+                       for p, sp in zip(PROMPTS, params)]
+            assert refs != without, "min-p removed nothing: nothing would be proven"
+        for method, budget in METHODS:
+            outs = spec_llm(target, drafter, method, budget).generate(PROMPTS, params)
+            assert [o.token_ids for o in outs] == refs, f"{kind}: {method} N={budget} differs from AR"
+
+
 MIXED = [SamplingParams(max_new_tokens=32),                                            # greedy
          SamplingParams(max_new_tokens=32, temperature=0.7, top_k=20, seed=1),
          SamplingParams(max_new_tokens=32, temperature=1.5, top_p=0.9, seed=2),
          SamplingParams(max_new_tokens=32, temperature=0.3, top_k=20, top_p=0.9, seed=3),
-         SamplingParams(max_new_tokens=32, temperature=1.0, seed=4)]
-MIXED_PROMPTS = [SPEC_PROMPTS[i] for i in (4, 3, 6, 1, 7)]  # lengths 1, 3, 21, 5, 2
+         SamplingParams(max_new_tokens=32, temperature=1.0, seed=4),
+         SamplingParams(max_new_tokens=32, temperature=1.2, min_p=0.1, seed=5)]
+MIXED_PROMPTS = [SPEC_PROMPTS[i] for i in (4, 3, 6, 1, 7, 0)]  # lengths 1, 3, 21, 5, 2, 1
 
 
 @pytest.mark.parametrize("method,budget,mode", [("dflash", None, "scaled"), ("ddtree", 4, "scaled"),

@@ -208,7 +208,9 @@ BAD = [
     ("/v1/completions", b'{"prompt": "x", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),
     ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
-    ("/v1/completions", {"prompt": "x", "min_p": 0.5}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "x", "min_p": -0.1}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "x", "min_p": "0.1"}, 400, "min_p"),
     ("/v1/completions", {"prompt": "x", "temprature": 0}, 400, "temprature"),  # misspelled: not ignored
     ("/v1/completions", {"prompt": "x", "typical_p": 0.5}, 400, "typical_p"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
@@ -1099,18 +1101,21 @@ def test_chat_templates_get_what_transformers_gives_them(tmp_path):
 
 
 def test_sampling_defaults_come_from_generation_config(tmp_path, llm):
-    """A request that leaves temperature / top_p / top_k out gets the model's
+    """A request that leaves temperature / top_p / top_k / min_p out gets the model's
     generation_config.json values (as with vLLM), or OpenAI's without the file; values
     it sends win. A broken file is refused in one line naming it."""
     from treeflash.errors import UsageError
     from treeflash.server.protocol import SamplingDefaults
     assert SamplingDefaults.from_folder(tmp_path) == SamplingDefaults(1.0, 1.0, 0)
     (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20.0, "repetition_penalty": 1.05}))
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20.0, "min_p": 0.05,
+         "repetition_penalty": 1.05}))
     qwen = SamplingDefaults.from_folder(tmp_path)
-    assert (qwen.temperature, qwen.top_p, qwen.top_k, qwen.max_tokens, qwen.ignored) == \
-        (0.6, 0.95, 20, None, ("repetition_penalty 1.05",))
-    for bad in ('{"temperature": -1}', '{"top_p": 0}', '{"top_k": 2.5}', '{"max_new_tokens": 0}', '[1]', '{'):
+    assert (qwen.temperature, qwen.top_p, qwen.top_k, qwen.min_p, qwen.max_tokens, qwen.ignored) == \
+        (0.6, 0.95, 20, 0.05, None, ("repetition_penalty 1.05",))
+    assert "min_p 0.05" in qwen.describe()
+    for bad in ('{"temperature": -1}', '{"top_p": 0}', '{"top_k": 2.5}', '{"min_p": 2}', '{"max_new_tokens": 0}',
+                '[1]', '{'):
         (tmp_path / "generation_config.json").write_text(bad)
         with pytest.raises(UsageError, match="generation_config.json") as e:
             SamplingDefaults.from_folder(tmp_path)
@@ -1127,6 +1132,14 @@ def test_sampling_defaults_come_from_generation_config(tmp_path, llm):
         sampled = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=5)
         got = c.post("/v1/completions", json={**body, "temperature": 1.0, "top_p": 0.9, "seed": 5}).json()
         assert got["choices"][0]["text"] == llm.generate(PROMPT, sampled)[0].text
+    # a file's min_p applies to requests that leave it out; a request's own wins
+    min_p = SamplingDefaults(temperature=1.5, min_p=0.2)
+    with TestClient(build_app(llm, "t", template, defaults=min_p)) as c:
+        body = {"prompt": PROMPT, "max_tokens": 12, "seed": 5, "ignore_eos": True}
+        for sent, want_p in (({}, 0.2), ({"min_p": 0}, 0.0)):
+            got = c.post("/v1/completions", json={**body, **sent}).json()["choices"][0]["text"]
+            want = SamplingParams(max_new_tokens=12, temperature=1.5, min_p=want_p, seed=5, ignore_eos=True)
+            assert got == llm.generate(PROMPT, want)[0].text
 
 
 @pytest.mark.parametrize("args,words", [(["--max-batch", "0"], "--max-batch"), (["--port", "0"], "--port"),

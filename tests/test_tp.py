@@ -46,7 +46,7 @@ def _configs() -> dict[str, list[SamplingParams]]:
         "greedy": [p(), p(), p()],
         "sampled": [p(temperature=0.9, seed=11), p(temperature=1.0, seed=12), p(temperature=0.7, seed=13)],
         # a mixed batch: greedy, unfiltered and filtered requests together
-        "filtered": [p(), p(temperature=0.8, seed=22), p(temperature=1.0, top_k=6, top_p=0.9, seed=23)],
+        "filtered": [p(), p(temperature=0.8, seed=22), p(temperature=1.0, top_k=6, top_p=0.9, min_p=0.05, seed=23)],
     }
 
 
@@ -312,7 +312,8 @@ def test_sharded_draft_topk_and_tree(n):
     gen = torch.Generator().manual_seed(2)
     B, D, V, budget = 3, 5, 48, 10
     logits = torch.randn(B, D, V, generator=gen) * 3
-    logits[2] = filter_logits(logits[2:], torch.tensor([4]), torch.tensor([1.0]))[0]  # -inf outside the top 4
+    # -inf outside the top 4
+    logits[2] = filter_logits(logits[2:], torch.tensor([4]), torch.tensor([1.0]), torch.tensor([0.0]))[0]
     logprobs = torch.log_softmax(logits, -1)
     want_vals, want_ids = logprobs.topk(budget, -1)
     anchor = torch.tensor([1, 2, 3])

@@ -17,7 +17,7 @@ class _Parser(argparse.ArgumentParser):
 
 # Fields of a prompt-file line that look like per-prompt settings. They are not read (the
 # command's flags apply to every prompt); a file that has them gets a note, not silence.
-_PER_PROMPT_SETTINGS = ("max_new_tokens", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
+_PER_PROMPT_SETTINGS = ("max_new_tokens", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
                         "stop_token_ids", "ignore_eos", "logprobs", "method", "budget")
 
 
@@ -87,6 +87,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens at least this times as likely as the most likely one (0 = off)")
     p.add_argument("--seed", type=int, help="per-request seed (same seed, same tokens)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids",
@@ -105,7 +107,7 @@ def make_llm(args):
 def sampling_from(args):
     from treeflash import SamplingParams
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                          top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop,
                           stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
                           logprobs=getattr(args, "logprobs", None)).validate()
 

@@ -221,7 +221,7 @@ class SpeculativeDecoder:
         if sb.any_sampled:
             t = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
             logits = logits / t[:, None, None]
-            # No top-k/top-p here: the filters act on the target's law; cutting the
+            # No top-k/top-p/min-p here: the filters act on the target's law; cutting the
             # draft to its own nucleus would only turn tree nodes into dead padding.
             if self.draft_mode == "coupled":
                 noise = gumbel_noise(sb.seed, positions[:, 1:], self.tp.rank * logits.shape[-1], logits.shape[-1])
@@ -359,7 +359,7 @@ class GraphedPrefill:
 
 class GraphedState:
     """One bucketed batch state and every graph captured over its buffers: per sampling
-    mode (greedy, sampled, sampled with top-k/top-p; each with or without logprobs) a
+    mode (greedy, sampled, sampled with top-k/top-p/min-p; each with or without logprobs) a
     round and the prefills by padded prompt shape. A server whose requests alternate
     between modes replays them instead of recapturing (a capture runs the round three
     times and re-records it).

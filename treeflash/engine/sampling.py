@@ -32,6 +32,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0  # keep tokens at least min_p x the most likely one's probability (0 = off)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
@@ -57,6 +58,8 @@ class SamplingParams:
             bad(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            bad(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2 ** 63):
             bad(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
@@ -97,6 +100,7 @@ class SamplingBatch:
     temperature: torch.Tensor  # [B] float, 0 = greedy
     top_k: torch.Tensor        # [B] long, 0 = off
     top_p: torch.Tensor        # [B] float
+    min_p: torch.Tensor        # [B] float, 0 = off
     seed: torch.Tensor         # [B] long
     any_sampled: bool
     any_filtered: bool
@@ -110,6 +114,7 @@ class SamplingBatch:
             # a top_k past the vocabulary keeps every token, as 2^31 - 1 does (and fits the tensor)
             top_k=torch.tensor([min(p.top_k, 2 ** 31 - 1) for p in params], dtype=torch.long, device=device),
             top_p=torch.tensor([float(p.top_p) for p in params], device=device),
+            min_p=torch.tensor([float(p.min_p) for p in params], device=device),
             seed=torch.tensor(seeds, dtype=torch.long, device=device),
             **dict(zip(("any_sampled", "any_filtered", "any_logprobs"), cls.mode_of(params))),
         )
@@ -118,7 +123,7 @@ class SamplingBatch:
     def mode_of(params: list[SamplingParams]) -> tuple[bool, bool, bool]:
         """The `mode` of a batch of these requests."""
         return (any(not p.greedy for p in params),
-                any(not p.greedy and (p.top_k > 0 or p.top_p < 1) for p in params),
+                any(not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
                 any(p.logprobs is not None for p in params))
 
     @property
@@ -130,7 +135,7 @@ class SamplingBatch:
         """Take `other`'s values into these (captured) buffers, and its mode (the host-side
         flags that choose which code, or which captured graph, runs)."""
         self.any_sampled, self.any_filtered, self.any_logprobs = other.mode
-        for name in ("temperature", "top_k", "top_p", "seed"):
+        for name in ("temperature", "top_k", "top_p", "min_p", "seed"):
             getattr(self, name).copy_(getattr(other, name))
 
 
@@ -168,13 +173,19 @@ def uniform_from_hash(h: torch.Tensor) -> torch.Tensor:
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
-def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask to -inf what top-k ([B], 0 = off) and top-p ([B]) remove from scaled logits [B, T, V]."""
+def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf what min-p, top-k ([B], 0 = off) and top-p ([B]) remove from
+    temperature-scaled logits [B, T, V]. min-p first, as vLLM: a token stays if its
+    probability is at least min_p times the most likely token's (logit >= max + log
+    min_p); top-p then counts the mass of what min-p and top-k left."""
     V = scaled.shape[-1]
     sorted_vals, order = scaled.sort(dim=-1, descending=True)
     rank = torch.arange(V, device=scaled.device)
     k = torch.where(top_k > 0, top_k, V)[:, None, None]
     keep = (rank < k).expand(sorted_vals.shape).clone()
+    floor = sorted_vals[..., :1] + torch.log(min_p.to(scaled.dtype))[:, None, None]  # -inf when off
+    keep &= sorted_vals >= floor
     probs = torch.softmax(sorted_vals.masked_fill(~keep, float("-inf")), dim=-1)
     before = probs.cumsum(-1) - probs
     p = top_p[:, None, None].to(probs.dtype)
@@ -191,7 +202,8 @@ def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp:
     LM head's local output): each rank takes the argmax of its slice and one small
     all-gather of (value, id) picks the winner, ties toward the lowest id exactly as
     argmax over the whole vocabulary; every rank returns the same global ids. Top-k /
-    top-p filtering needs whole rows: batches with filtered requests gather the logits.
+    top-p / min-p filtering needs whole rows: batches with filtered requests gather the
+    logits.
     """
     if sb.any_filtered:
         logits, tp = tp.all_gather(logits, dim=-1), TPGroup()  # now whole rows on every rank
@@ -207,7 +219,7 @@ def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp:
     temp = sb.temperature.to(dtype)
     scaled = logits.to(dtype) / temp.clamp_min(1e-6)[:, None, None]
     if sb.any_filtered:
-        scaled = filter_logits(scaled, sb.top_k, sb.top_p)
+        scaled = filter_logits(scaled, sb.top_k, sb.top_p, sb.min_p)
     noisy = scaled + gumbel_noise(sb.seed, positions, start, logits.shape[-1]).to(dtype)
     # greedy rows (T == 0) take the plain argmax (the cast to dtype is exact and monotonic)
     return tp.argmax(torch.where(temp[:, None, None] > 0, noisy, logits.to(dtype)), start)

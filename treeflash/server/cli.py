@@ -34,7 +34,7 @@ def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
                    help="origins whose browser pages may call the server (CORS; default: any, as vLLM; "
                         "none given: no CORS headers)")
     s.add_argument("--generation-config", choices=("auto", "none"), default="auto",
-                   help="sampling defaults (temperature, top_p, top_k) for requests that leave them out: "
+                   help="sampling defaults (temperature, top_p, top_k, min_p) for requests that leave them out: "
                         "auto takes the model's generation_config.json, as vLLM does; none: OpenAI's "
                         "(temperature 1, top_p 1)")
     s.add_argument("--disable-uvicorn-access-log", action="store_true",

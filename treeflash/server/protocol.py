@@ -28,7 +28,6 @@ UNSUPPORTED = {
     "tool_choice": ((None, "none", "auto"), "tool calls are not supported"),
     "functions": ((None, []), "function calls are not supported"),
     "response_format": ((None, {"type": "text"}), "response_format is not supported"),
-    "min_p": ((None, 0), "min_p is not supported"),
     "min_tokens": ((None, 0), "min_tokens is not supported"),
     "allowed_token_ids": ((None,), "allowed_token_ids is not supported"),
     "bad_words": ((None, []), "bad_words is not supported"),
@@ -45,9 +44,9 @@ UNSUPPORTED = {
 # What a request may hold besides UNSUPPORTED's keys: the parameters this server reads, and
 # OpenAI's bookkeeping that does not touch the output. Anything else (a misspelled
 # "temprature", another server's extension) is refused, as OpenAI does, not ignored.
-SAMPLING_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "best_of",
-                 "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-                 "stream", "stream_options", "presence_penalty",
+SAMPLING_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "n",
+                 "best_of", "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+                 "include_stop_str_in_output", "stream", "stream_options", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "user", "metadata", "store", "service_tier",
                  "parallel_tool_calls"}
 # OpenAI's bookkeeping keys in SAMPLING_KEYS, with the type each must have.
@@ -68,7 +67,7 @@ MAX_PROMPTS = 1024  # choices per request: prompts x n
 
 @dataclass(frozen=True)
 class SamplingDefaults:
-    """What a request that leaves temperature, top_p or top_k out gets: OpenAI's values,
+    """What a request that leaves temperature, top_p, top_k or min_p out gets: OpenAI's values,
     or those of the model's generation_config.json, which vLLM and SGLang apply by
     default (Qwen3, for one, asks for temperature 0.6, top_p 0.95, top_k 20). The file's
     max_new_tokens bounds a chat request without max_tokens, as in vLLM."""
@@ -76,6 +75,7 @@ class SamplingDefaults:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0              # 0: off
+    min_p: float = 0.0          # 0: off
     max_tokens: int | None = None  # chat without max_tokens (None: what fits the context)
     ignored: tuple[str, ...] = ()  # the file's sampling settings this engine does not apply
 
@@ -90,7 +90,7 @@ class SamplingDefaults:
             raise UsageError(f"{path}: not readable JSON ({e})") from None
         if not isinstance(config, dict):
             raise UsageError(f"{path}: must hold a JSON object")
-        got = {k: config[k] for k in ("temperature", "top_p", "top_k", "max_new_tokens")
+        got = {k: config[k] for k in ("temperature", "top_p", "top_k", "min_p", "max_new_tokens")
                if config.get(k) is not None}
         for k in ("top_k", "max_new_tokens"):  # 20.0 is 20
             if isinstance(got.get(k), float) and got[k].is_integer():
@@ -99,16 +99,19 @@ class SamplingDefaults:
             got["top_k"] = 0
         try:
             params = SamplingParams(temperature=got.get("temperature", 1.0), top_p=got.get("top_p", 1.0),
-                                    top_k=got.get("top_k", 0), max_new_tokens=got.get("max_new_tokens", 1))
+                                    top_k=got.get("top_k", 0), min_p=got.get("min_p", 0.0),
+                                    max_new_tokens=got.get("max_new_tokens", 1))
         except TreeflashError as e:
             raise UsageError(f"{path}: {e}") from None
-        ignored = tuple(f"{k} {config[k]}" for k, off in (("repetition_penalty", 1), ("min_p", 0))
+        ignored = tuple(f"{k} {config[k]}" for k, off in (("repetition_penalty", 1),)
                         if config.get(k) not in (None, off))
-        return cls(float(params.temperature), float(params.top_p), params.top_k, got.get("max_new_tokens"), ignored)
+        return cls(float(params.temperature), float(params.top_p), params.top_k, float(params.min_p),
+                   got.get("max_new_tokens"), ignored)
 
     def describe(self) -> str:
         tokens = f", chat max_tokens {self.max_tokens}" if self.max_tokens else ""
-        return f"temperature {self.temperature:g}, top_p {self.top_p:g}, top_k {self.top_k or 'off'}{tokens}"
+        min_p = f", min_p {self.min_p:g}" if self.min_p else ""
+        return f"temperature {self.temperature:g}, top_p {self.top_p:g}, top_k {self.top_k or 'off'}{min_p}{tokens}"
 
 
 class APIError(Exception):
@@ -221,6 +224,7 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
             temperature=float(_number(body, "temperature", defaults.temperature, (int, float), 0, 2)),
             top_k=0 if top_k == -1 else top_k,
             top_p=float(_number(body, "top_p", defaults.top_p, (int, float), 0, 1, lo_open=True)),
+            min_p=float(_number(body, "min_p", defaults.min_p, (int, float), 0, 1)),
             seed=_number(body, "seed", None, int, 0, 2 ** 63 - 1), stop=stop,
             ignore_eos=_flag(body, "ignore_eos", False), stop_token_ids=list(stop_ids or []),
             logprobs=_logprobs(body, kind), skip_special_tokens=_flag(body, "skip_special_tokens", True),
