@@ -127,6 +127,7 @@ class PeerAllReduce:
         if self.max_programs < 1:
             raise RuntimeError(f"symmetric memory signal pads of {handle.signal_pad_size} bytes are too small")
         self.abort_flag = torch.zeros(1, dtype=torch.int32).pin_memory()
+        self.spare = self.max_programs * size  # the flag padding lanes use (0 -> 0)
 
     def fits(self, x: torch.Tensor) -> bool:
         """Up to PULL_BYTES read per rank (H200s, NVLink, [rows, 4096] bf16, µs per
@@ -145,8 +146,8 @@ class PeerAllReduce:
         n = x.numel()
         programs = min(self.max_programs, triton.cdiv(n, BLOCK))
         _one_shot_all_reduce[(programs,)](x, self.bufs, self.pads, self.abort_flag.data_ptr(), n, self.rank,
-                                          self.max_programs * self.size, WS=self.size,
-                                          WS_P2=triton.next_power_of_2(self.size), BLOCK=BLOCK, num_warps=8)
+                                          self.spare, WS=self.size, WS_P2=triton.next_power_of_2(self.size),
+                                          BLOCK=BLOCK, num_warps=8)
         return x
 
     def abort(self) -> None:
