@@ -7,7 +7,8 @@ on every visible GPU (at least 2) under torchrun, each rank in its own process:
 - replayed in a CUDA graph, over new inputs each replay, it stays exact (its barrier
   flags are consumed and re-armed every call);
 - a larger tensor goes to NCCL;
-- a rank waiting on a peer that never comes is released by `abort()` (a dead peer).
+- a rank waiting on a peer that never comes is released by `abort()` (a dead peer);
+- a rank that cannot set it up sends every rank to NCCL at once, with one line naming it.
 """
 from __future__ import annotations
 
@@ -109,19 +110,56 @@ RANK_SCRIPT = textwrap.dedent('''
 ''')
 
 
-def test_peer_all_reduce_is_exact_graphed_and_abortable(tmp_path):
-    script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
-    size = torch.cuda.device_count()
+FALLBACK_SCRIPT = textwrap.dedent('''
+    import os, sys, time
+    import torch
+    import treeflash.kernels.all_reduce as all_reduce
+    from treeflash.engine.tp import join_group
+
+    def broken(device):
+        raise RuntimeError("no symmetric memory here (test)")
+
+    if os.environ["RANK"] == "1":
+        all_reduce.allocate = broken
+    size = int(os.environ["WORLD_SIZE"])
+    rt = join_group(size, torch.device("cuda"))
+    assert rt.group.peer is None, "rank 1 has no buffer: every rank must take NCCL"
+    x = torch.full((4096,), float(rt.rank + 1), device=rt.device, dtype=torch.bfloat16)
+    rt.group.all_reduce(x)
+    assert torch.all(x == size * (size + 1) // 2)
+    print("summed through NCCL", flush=True)
+    os._exit(0)
+''')
+
+
+def torchrun(tmp_path, script: str, timeout: int):
+    path = tmp_path / "rank.py"
+    path.write_text(script)
     env = {**os.environ, "PYTHONPATH": REPO, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
            "NVSHMEM_DISABLE_NVLS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(size), str(script), str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=300)
+                           str(torch.cuda.device_count()), str(path), str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[out.find("Traceback"):][:3000]
+    return proc
+
+
+def test_peer_all_reduce_is_exact_graphed_and_abortable(tmp_path):
+    torchrun(tmp_path, RANK_SCRIPT, timeout=300)
+    size = torch.cuda.device_count()
     logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(size)]
     for log in logs:
         lines = log.splitlines()
         assert lines[:3] == ["eager exact", "graph exact", "large via NCCL"] and lines[-1] == "done", log
     assert logs[0].splitlines()[3].startswith("released by abort"), logs[0]
+
+
+def test_one_rank_without_symmetric_memory_sends_all_to_nccl(tmp_path):
+    """The ranks agree before the rendezvous: the others do not wait in it for the rank
+    that has no buffer (the store's timeout is 600 s; this must take seconds)."""
+    proc = torchrun(tmp_path, FALLBACK_SCRIPT, timeout=240)
+    assert proc.stdout.count("summed through NCCL") == torch.cuda.device_count()
+    notes = [line for line in proc.stderr.splitlines() if "all-reduces through NCCL only" in line]
+    assert notes == ["treeflash: tensor parallelism all-reduces through NCCL only "
+                     "(rank 1: RuntimeError: no symmetric memory here (test))"], proc.stderr

@@ -411,27 +411,42 @@ class Runtime:
     def _peer_all_reduce(self, pg):
         """The one-shot peer-memory all-reduce (`treeflash.kernels.all_reduce`) when every
         rank is on this host and all of them could set it up, else None (NCCL alone). The
-        ranks agree in an NCCL all-reduce, which also creates the communicator here, not
-        inside a CUDA-graph capture."""
-        peer, why = None, None
+        ranks agree in NCCL all-reduces, before the rendezvous (a rank without a buffer
+        must not leave the others waiting in it) and after; the first also creates the
+        communicator here, not inside a CUDA-graph capture."""
+        from treeflash.kernels import all_reduce
+
+        buffer, peer, why = None, None, None  # why: this rank's reason to fall back
         local = os.environ.get("LOCAL_WORLD_SIZE")
         if torchrun_env() is not None and local is not None and int(local) != self.size:
             why = "the ranks span several hosts"
         else:
             try:
-                from treeflash.kernels.all_reduce import connect
-                peer = connect(dist.PrefixStore("peer", self.store), self.rank, self.size, self.device, pg)
+                buffer = all_reduce.allocate(self.device)
             except Exception as e:
                 why = one_line(e)
-        ok = torch.tensor([peer is not None], dtype=torch.int32, device=self.device)
+        failed = self._first_failed(why is None, pg)
+        if failed is None:
+            try:
+                peer = all_reduce.connect(buffer, dist.PrefixStore("peer", self.store), self.rank, self.size, pg)
+            except Exception as e:
+                why = one_line(e)
+            failed = self._first_failed(why is None, pg)
+        if failed is None:
+            return peer
+        if failed == self.rank:  # one line, from the lowest rank that failed
+            print(f"treeflash: tensor parallelism all-reduces through NCCL only (rank {failed}: {why})",
+                  file=sys.stderr)
+        return None
+
+    def _first_failed(self, ok: bool, pg) -> int | None:
+        """The lowest rank where `ok` is false, None if it is true on every rank."""
+        rank = torch.tensor([self.size if ok else self.rank], dtype=torch.int32, device=self.device)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MIN
-        pg.allreduce([ok], opts).wait()
-        if int(ok.item()) == 0:
-            if self.rank == 0 and why is not None:
-                print(f"treeflash: tensor parallelism all-reduces through NCCL only: {why}", file=sys.stderr)
-            return None
-        return peer
+        pg.allreduce([rank], opts).wait()
+        first = int(rank.item())
+        return None if first == self.size else first
 
     # ---------------------------------------------------------------- driver
     def check(self) -> None:

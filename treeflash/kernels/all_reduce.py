@@ -155,9 +155,24 @@ class PeerAllReduce:
         self.abort_flag[0] = 1
 
 
-def connect(store, rank: int, size: int, device: torch.device, nccl) -> PeerAllReduce:
-    """The peer all-reduce of the group whose NCCL backend is `nccl` (collective: every
-    rank calls it). Raises if symmetric memory is not available here.
+def allocate(device: torch.device) -> torch.Tensor:
+    """This rank's symmetric buffer (no collective step: the ranks agree that all of them
+    have one before `connect`, so that a rank that could not never leaves the others
+    waiting in the rendezvous). Raises if symmetric memory is not available here."""
+    import torch.distributed._symmetric_memory as symm
+
+    c10d = torch._C._distributed_c10d
+    needed = [(dist.ProcessGroup, "_register_backend"), (dist.ProcessGroup, "_set_group_name"),
+              (c10d, "_register_process_group"), (c10d, "_unregister_process_group"), (symm, "rendezvous")]
+    missing = [name for owner, name in needed if not hasattr(owner, name)]
+    if missing:
+        raise RuntimeError(f"this torch has no {', '.join(missing)}")
+    return symm.empty(PULL_BYTES // 2, dtype=torch.uint8, device=device)  # the most that fits at size 2
+
+
+def connect(buffer: torch.Tensor, store, rank: int, size: int, nccl) -> PeerAllReduce:
+    """The peer all-reduce of the group whose NCCL backend is `nccl`, over every rank's
+    `allocate`d buffer (collective: every rank calls it).
 
     torch's symmetric memory finds the group's ranks through a process group registered
     by name; treeflash's groups are bare NCCL backends (no default group, see
@@ -171,11 +186,6 @@ def connect(store, rank: int, size: int, device: torch.device, nccl) -> PeerAllR
     import torch.distributed._symmetric_memory as symm
 
     c10d = torch._C._distributed_c10d
-    needed = [(dist.ProcessGroup, "_register_backend"), (dist.ProcessGroup, "_set_group_name"),
-              (c10d, "_register_process_group"), (c10d, "_unregister_process_group"), (symm, "rendezvous")]
-    missing = [name for owner, name in needed if not hasattr(owner, name)]
-    if missing:  # before any collective step, so that every rank (same torch) gives up alike
-        raise RuntimeError(f"this torch has no {', '.join(missing)}")
     if rank == 0:
         store.set("peer/name", f"treeflash-tp-{uuid.uuid4().hex}")
     name = store.get("peer/name").decode()
@@ -185,7 +195,6 @@ def connect(store, rank: int, size: int, device: torch.device, nccl) -> PeerAllR
     pg._set_group_name(name)
     c10d._register_process_group(name, pg)
     try:
-        buffer = symm.empty(PULL_BYTES // 2, dtype=torch.uint8, device=device)  # the most that fits at size 2
         handle = symm.rendezvous(buffer, name)
     finally:
         c10d._unregister_process_group(name)
