@@ -380,7 +380,7 @@ def test_tp1_topk_is_the_plain_topk():
 # ----------------------------------------------------------------------------- processes
 
 DRIVER = textwrap.dedent("""
-    import json, os, signal, sys, threading
+    import json, os, signal, sys, threading, time
     from treeflash import LLM, SamplingParams, TreeflashError
     # as in a terminal, even when the test runner was started in the background
     # (non-interactive shells start background jobs with SIGINT ignored)
@@ -393,7 +393,8 @@ DRIVER = textwrap.dedent("""
     def on_tokens(i, ids):
         seen.extend(ids)
         if len(seen) >= 8:
-            if mode == "kill":
+            if mode == "kill" and len(seen) - len(ids) < 8:
+                print(json.dumps({"killed_at": time.time()}), flush=True)
                 os.kill(pids[victim], signal.SIGKILL)
             elif mode == "sigint":  # Ctrl-C: the terminal signals the whole process group
                 os.killpg(os.getpgid(0), signal.SIGINT)
@@ -443,7 +444,14 @@ def test_worker_killed_mid_generation(tp_models, tp, victim):
         proc.stderr
     assert "finished" not in proc.stdout
     assert all(_gone(p) for p in pids), "a worker outlived the driver"
-    assert seconds < 90
+    assert seconds < 90 and exit_after_kill(proc) < 20  # not held until the monitor's GRACE_S (30 s)
+
+
+def exit_after_kill(proc) -> float:
+    """Seconds from the driver's kill of a worker to the driver's exit."""
+    killed = [json.loads(line)["killed_at"] for line in proc.stdout.splitlines() if "killed_at" in line]
+    assert len(killed) == 1, proc.stdout
+    return time.time() - killed[0]
 
 
 def test_ctrl_c_stops_driver_and_workers(tp_models):

@@ -587,7 +587,10 @@ class Runtime:
         if graceful and self.failure is None:
             self.park()
         else:
-            self.abort()  # waits for the monitor's abort, if that is under way
+            # waits for the monitor's abort, if that is under way, longer than the monitor's
+            # grace: if the abort is stuck, the monitor ends the process (exit code 1)
+            # before this returns into an exit that would meet NCCL's abort half done
+            self.abort(wait_s=GRACE_S + 15)
         for key, rt in list(_RUNTIMES.items()):
             if rt is self:
                 del _RUNTIMES[key]
@@ -603,23 +606,24 @@ class Runtime:
             self.released = True
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.group.group))
 
-    def abort(self) -> None:
+    def abort(self, wait_s: float = GRACE_S) -> None:
         """Release the NCCL communicators, unblocking kernels that wait on a dead peer
         (gloo fails by itself once the peers' sockets close). Once: the monitor and a
-        shutdown may both get here; the second waits for the first, but not forever."""
-        if not self.abort_lock.acquire(timeout=GRACE_S):
+        shutdown may both get here; the second waits for the first, `wait_s` at most."""
+        if not self.abort_lock.acquire(timeout=wait_s):
             return
         try:
             if self.released:
                 return
             self.released = True
             if self.backend == "nccl" and self.group is not None:
-                try:
-                    self.group.group.abort()
-                finally:  # then the peer all-reduce's kernels waiting on a dead peer end too (not
-                    # before: a driver let go while NCCL's abort ran ended in SIGABRT at its exit)
-                    if self.group.peer is not None:
-                        self.group.peer.abort()
+                # the peer all-reduce's kernels first: NCCL's abort waits for the device,
+                # where they spin on the dead peer (set after it, the abort never returned
+                # and every failure took the monitor's grace). A driver they let go raises
+                # only after `shutdown`'s abort, which waits on this one (the lock).
+                if self.group.peer is not None:
+                    self.group.peer.abort()
+                self.group.group.abort()
         except Exception:
             pass
         finally:
