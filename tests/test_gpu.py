@@ -1,5 +1,7 @@
 """GPU paths (skipped without CUDA): CUDA-graph rounds give exactly the eager tokens,
 and the fused sampling kernel matches the torch reference."""
+import shutil
+
 import pytest
 import torch
 
@@ -37,6 +39,40 @@ def test_graphs_match_eager(pair, method, budget, temperature):
     for e, g, a, r in zip(eager, graphed, again, ar):
         assert g.token_ids == e.token_ids == a.token_ids
         assert e.token_ids == r.token_ids  # and speculative == autoregressive on the GPU too
+
+
+@pytest.fixture(scope="module")
+def warm_pair(pair, tmp_path_factory):
+    """`pair` with its 8 peaked LM-head rows cut from 25x to 5x and the head halved:
+    broad enough at T = 1.5 that min-p changes the stream."""
+    from safetensors.torch import load_file, save_file
+    folder = tmp_path_factory.mktemp("warm") / "t"
+    shutil.copytree(pair[0], folder)
+    w = load_file(str(folder / "model.safetensors"))
+    w["lm_head.weight"][3:11] /= 5
+    w["lm_head.weight"] *= 0.5
+    save_file(w, str(folder / "model.safetensors"))
+    return folder, write_random_drafter(folder, folder.parent / "d", num_layers=2, block_size=8)
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 16), ("ddtree", 63)])
+def test_filtered_sampling_graphs_match_ar(warm_pair, method, budget):
+    """min-p, top-k and top-p on the CUDA path (the same torch filter as on the CPU, in
+    the round's graph): graphed and eager speculative streams equal AR's."""
+    target, drafter = warm_pair
+    params = [SamplingParams(max_new_tokens=40, temperature=1.5, min_p=0.4, seed=1, ignore_eos=True),
+              SamplingParams(max_new_tokens=40, temperature=1.0, top_k=20, top_p=0.9, min_p=0.2, seed=2,
+                             ignore_eos=True)]
+    prompts = PROMPTS[:2]
+    kw = dict(draft_model=drafter, method=method, budget=budget, device="cuda", dtype="float32")
+    ar = LLM(target, method="ar", device="cuda", dtype="float32", cuda_graphs=False).generate(prompts, params)
+    eager = LLM(target, cuda_graphs=False, **kw).generate(prompts, params)
+    graphed = LLM(target, cuda_graphs=True, **kw).generate(prompts, params)
+    for e, g, r in zip(eager, graphed, ar):
+        assert g.token_ids == e.token_ids == r.token_ids
+    unfiltered = SamplingParams(max_new_tokens=40, temperature=1.5, seed=1, ignore_eos=True)
+    assert LLM(target, method="ar", device="cuda", dtype="float32", cuda_graphs=False).generate(
+        prompts[:1], unfiltered)[0].token_ids != ar[0].token_ids  # min-p removed tokens here
 
 
 def test_prefills_are_graphed_per_padded_length(pair):
