@@ -46,11 +46,14 @@ _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece-style byte
 CONTEXT_TOKENS = 4  # prompt tokens decoded ahead of generated ones (see Tokenizer.decode_continuation)
 
 
-def stop_cut(text: str, stops: list[str], include: bool, start: int = 0) -> tuple[int, str] | None:
-    """Where `text` ends for its stop strings (searched from `start`): the first one to
-    appear (at one place, the first listed), cut at its start, or at its end with
-    `include`. Returns (end, that stop string), or None if none appears."""
-    hits = sorted((h, i, s) for i, s in enumerate(stops) if (h := text.find(s, start)) >= 0)
+def stop_cut(text: str, stops: list[str], include: bool, start: int = 0,
+             ends_after: int = 0) -> tuple[int, str] | None:
+    """Where `text` ends for its stop strings (searched from `start`, and ending past
+    `ends_after`: min_tokens' text does not count): the first one to appear (at one
+    place, the first listed), cut at its start, or at its end with `include`. Returns
+    (end, that stop string), or None if none appears."""
+    hits = sorted((h, i, s) for i, s in enumerate(stops)
+                  if (h := text.find(s, max(start, ends_after - len(s) + 1))) >= 0)
     if not hits:
         return None
     at, _, stop = hits[0]
@@ -180,8 +183,12 @@ class TextStream:
     as `Tokenizer.decode_continuation` does, so the deltas add up to the engine's text."""
 
     def __init__(self, tokenizer: Tokenizer, stop: list[str] = (), end_ids=(), skip_special: bool = True,
-                 include_stop: bool = False, context: list[int] = ()):
+                 include_stop: bool = False, context: list[int] = (), min_tokens: int = 0):
         self.tokenizer, self.stop = tokenizer, list(stop)
+        # min_tokens: no stop string in the text of the first min_tokens tokens counts; they
+        # must end past `floor`, known once min_tokens tokens came (`pushed` until then)
+        self.context, self.min_tokens, self.pushed = list(context), min_tokens, []
+        self.floor: int | None = 0 if min_tokens == 0 else None
         self.end_ids = set() if include_stop else set(end_ids)
         self.skip_special, self.include_stop = skip_special, include_stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1
@@ -191,6 +198,11 @@ class TextStream:
         self.sent = 0                # characters handed out
 
     def push(self, ids: list[int]) -> str:
+        if self.floor is None:
+            self.pushed += ids
+            if len(self.pushed) >= self.min_tokens:
+                first = self.pushed[:self.min_tokens]
+                self.floor = len(self.tokenizer.decode_continuation(first, self.context, self.skip_special))
         self.ids += ids[:-1] if ids and ids[-1] in self.end_ids else ids
         window = self.tokenizer.decode(self.ids[self.prefix:], self.skip_special)
         known = self.tokenizer.decode(self.ids[self.prefix:self.read], self.skip_special)
@@ -198,7 +210,7 @@ class TextStream:
             self.text += window[len(known):]
             self.prefix, self.read = self.read, len(self.ids)
         # a stop string can only start at or after `sent` (text before it was checked)
-        cut = stop_cut(self.text, self.stop, self.include_stop, self.sent)
+        cut = None if self.floor is None else stop_cut(self.text, self.stop, self.include_stop, self.sent, self.floor)
         end = cut[0] if cut else len(self.text) - self.hold
         delta = self.text[self.sent:end] if end > self.sent else ""
         self.sent += len(delta)

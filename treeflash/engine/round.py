@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from treeflash.engine.kv_cache import DraftContextCache, KVCache
-from treeflash.engine.sampling import MAX_LOGPROBS, SamplingBatch, gumbel_noise, logprobs_of, sample
+from treeflash.engine.sampling import MAX_LOGPROBS, SamplingBatch, apply_bias, gumbel_noise, logprobs_of, sample
 from treeflash.engine.tree import DraftTree, build_chain_from_tokens, build_tree_from_topk, walk
 from treeflash.errors import UsageError
 from treeflash.layers.attention import AttentionInputs
@@ -218,6 +218,8 @@ class SpeculativeDecoder:
         if c.final_logit_softcapping is not None:
             logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
         sb = st.sampling
+        if sb.any_biased:  # the target's bias on the draft too: its tokens stay ones the target may take
+            logits = apply_bias(logits, positions[:, 1:], sb, self.tp.rank * logits.shape[-1])
         if sb.any_sampled:
             t = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
             logits = logits / t[:, None, None]

@@ -2,13 +2,15 @@
 
 The token at absolute position `p` of a request is
 
-    argmax(filter(logits / T) + g(seed, p))        (plain argmax when T == 0)
+    argmax(filter(bias(logits, p) / T) + g(seed, p))        (no noise when T == 0)
 
-where `filter` applies top-k and top-p (masked to -inf) and `g(seed, p)` is a Gumbel
+where `bias` adds the request's logit_bias, masks tokens outside its allowed_token_ids
+and, before its min_tokens-th new token, its stop tokens (to -inf), `filter` applies
+min-p, top-k and top-p (masked to -inf) and `g(seed, p)` is a Gumbel
 vector that depends only on the request's seed and `p` (a counter-based hash, the
 same on every device and for every batch). Gumbel-max makes this an exact sample of
-softmax(filter(logits / T)); keying the noise by position makes a speculative round
-produce exactly the tokens that autoregressive decoding produces.
+softmax(filter(bias(logits) / T)); keying the noise (and min_tokens) by position makes a
+speculative round produce exactly the tokens that autoregressive decoding produces.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from treeflash.ops import triton_available
 
 _M32 = 0xFFFFFFFF
 MAX_LOGPROBS = 20  # most likely alternatives a request may ask for per token (vLLM's default limit)
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value's bound, as OpenAI's
 
 
 @dataclass
@@ -41,6 +44,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (None: off)
     skip_special_tokens: bool = True          # leave special tokens' text out of the output text
     include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
+    logit_bias: dict[int, float] | None = None  # added to those tokens' logits (before the temperature)
+    allowed_token_ids: list[int] | None = None  # sample only among these (None: all)
+    min_tokens: int = 0  # no EOS, stop token or stop string before this many new tokens
 
     def __post_init__(self):
         self.validate()  # where the caller makes it, as in vLLM; `generate` checks the vocabulary too
@@ -77,8 +83,7 @@ class SamplingParams:
         self.stop = [str(s) for s in self.stop]  # plain: a subclass may not unpickle in a TP worker
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(_is_id(t) for t in self.stop_token_ids):
             bad(f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
         if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
             bad(f"stop token id {max(self.stop_token_ids)} is outside the vocabulary of {vocab_size}")
@@ -86,11 +91,42 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
                 bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (or None: off), got {k!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
+                or not 0 <= self.min_tokens <= self.max_new_tokens:
+            bad(f"min_tokens must be an integer in [0, max_new_tokens = {self.max_new_tokens}], "
+                f"got {self.min_tokens!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    _is_id(t) and not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+                    for t, v in self.logit_bias.items()):
+                bad(f"logit_bias must map token ids (integers >= 0) to numbers, got {self.logit_bias!r}")
+            if any(abs(v) > MAX_LOGIT_BIAS for v in self.logit_bias.values()):
+                bad(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+            self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}  # plain, for TP workers
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids \
+                    or not all(_is_id(t) for t in self.allowed_token_ids):
+                bad(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        if vocab_size is not None:
+            for name, ids in (("logit_bias", self.logit_bias or ()),
+                              ("allowed_token_ids", self.allowed_token_ids or ())):
+                if any(t >= vocab_size for t in ids):
+                    bad(f"{name} token id {max(ids)} is outside the vocabulary of {vocab_size}")
         return self
+
+    @property
+    def biased(self) -> bool:
+        """Whether `bias` (module doc) changes anything for this request."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
 @dataclass
@@ -105,37 +141,66 @@ class SamplingBatch:
     any_sampled: bool
     any_filtered: bool
     any_logprobs: bool = False  # rounds also return the target's log-probabilities (`logprobs_of`)
+    any_biased: bool = False    # rounds apply `bias` (module doc) with the three below
+    bias: torch.Tensor | None = None       # [B, V] float32: logit_bias, -inf outside allowed_token_ids
+    stop_mask: torch.Tensor | None = None  # [B, V] bool: the stop tokens that min_tokens holds back
+    min_end: torch.Tensor | None = None    # [B] long: the first position where they may come
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams], device) -> "SamplingBatch":
+    def from_params(cls, params: list[SamplingParams], device, vocab_size: int | None = None,
+                    prompt_lens: list[int] | None = None, end_ids: list[set[int]] | None = None) -> "SamplingBatch":
+        """`vocab_size`, `prompt_lens` and each request's `end_ids` (its EOS and stop token
+        ids) are needed if a request sets logit_bias, allowed_token_ids or min_tokens."""
         seeds = [p.seed if p.seed is not None else random.getrandbits(63) for p in params]
-        return cls(
+        batch = cls(
             temperature=torch.tensor([float(p.temperature) for p in params], device=device),
             # a top_k past the vocabulary keeps every token, as 2^31 - 1 does (and fits the tensor)
             top_k=torch.tensor([min(p.top_k, 2 ** 31 - 1) for p in params], dtype=torch.long, device=device),
             top_p=torch.tensor([float(p.top_p) for p in params], device=device),
             min_p=torch.tensor([float(p.min_p) for p in params], device=device),
             seed=torch.tensor(seeds, dtype=torch.long, device=device),
-            **dict(zip(("any_sampled", "any_filtered", "any_logprobs"), cls.mode_of(params))),
+            **dict(zip(("any_sampled", "any_filtered", "any_logprobs", "any_biased"), cls.mode_of(params))),
         )
+        if batch.any_biased:
+            bias = torch.zeros(len(params), vocab_size)
+            stop_mask = torch.zeros(len(params), vocab_size, dtype=torch.bool)
+            for b, p in enumerate(params):
+                if p.allowed_token_ids is not None:
+                    bias[b] = float("-inf")
+                    bias[b, p.allowed_token_ids] = 0.0
+                if p.logit_bias:
+                    bias[b, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()))
+                if p.min_tokens:
+                    stop_mask[b, sorted(end_ids[b])] = True
+            batch.bias, batch.stop_mask = bias.to(device), stop_mask.to(device)
+            batch.min_end = torch.tensor([n + p.min_tokens for n, p in zip(prompt_lens, params)], device=device)
+        return batch
 
     @staticmethod
-    def mode_of(params: list[SamplingParams]) -> tuple[bool, bool, bool]:
+    def mode_of(params: list[SamplingParams]) -> tuple[bool, bool, bool, bool]:
         """The `mode` of a batch of these requests."""
         return (any(not p.greedy for p in params),
                 any(not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
-                any(p.logprobs is not None for p in params))
+                any(p.logprobs is not None for p in params),
+                any(p.biased for p in params))
 
     @property
-    def mode(self) -> tuple[bool, bool, bool]:
+    def mode(self) -> tuple[bool, bool, bool, bool]:
         """The host-side flags that choose which code a round runs (and its graph)."""
-        return self.any_sampled, self.any_filtered, self.any_logprobs
+        return self.any_sampled, self.any_filtered, self.any_logprobs, self.any_biased
 
     def copy_(self, other: "SamplingBatch") -> None:
         """Take `other`'s values into these (captured) buffers, and its mode (the host-side
-        flags that choose which code, or which captured graph, runs)."""
-        self.any_sampled, self.any_filtered, self.any_logprobs = other.mode
-        for name in ("temperature", "top_k", "top_p", "min_p", "seed"):
+        flags that choose which code, or which captured graph, runs). The bias buffers
+        are made at the first biased batch and kept: the biased mode's graphs read them."""
+        self.any_sampled, self.any_filtered, self.any_logprobs, self.any_biased = other.mode
+        names = ["temperature", "top_k", "top_p", "min_p", "seed"]
+        if other.any_biased:
+            if self.bias is None:
+                self.bias, self.stop_mask, self.min_end = (torch.empty_like(t) for t in
+                                                           (other.bias, other.stop_mask, other.min_end))
+            names += ["bias", "stop_mask", "min_end"]
+        for name in names:
             getattr(self, name).copy_(getattr(other, name))
 
 
@@ -195,19 +260,32 @@ def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return scaled.masked_fill(~mask, float("-inf"))
 
 
+def apply_bias(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, start: int) -> torch.Tensor:
+    """`bias` (module doc) on logits [B, T, V'] (vocabulary ids start..start + V'), for the
+    tokens at `positions` [B, T]: float32 (float64 stays), with the batch's logit_bias
+    added and the tokens it disallows at -inf."""
+    V = logits.shape[-1]
+    x = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    x = x + sb.bias[:, None, start:start + V]
+    early = (positions < sb.min_end[:, None])[:, :, None] & sb.stop_mask[:, None, start:start + V]
+    return x.masked_fill(early, float("-inf"))
+
+
 def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp: TPGroup = TPGroup()) -> torch.Tensor:
     """Tokens [B, T] for logits [B, T, V], the sampled tokens sitting at `positions` [B, T].
 
     Under tensor parallelism `logits` is this rank's contiguous vocabulary slice (the
     LM head's local output): each rank takes the argmax of its slice and one small
     all-gather of (value, id) picks the winner, ties toward the lowest id exactly as
-    argmax over the whole vocabulary; every rank returns the same global ids. Top-k /
-    top-p / min-p filtering needs whole rows: batches with filtered requests gather the
-    logits.
+    argmax over the whole vocabulary; every rank returns the same global ids (the bias
+    is added to each rank's slice). Top-k / top-p / min-p filtering needs whole rows:
+    batches with filtered requests gather the logits.
     """
     if sb.any_filtered:
         logits, tp = tp.all_gather(logits, dim=-1), TPGroup()  # now whole rows on every rank
     start = tp.rank * logits.shape[-1]
+    if sb.any_biased:
+        logits = apply_bias(logits, positions, sb, start)
     if not sb.any_sampled:
         return tp.argmax(logits, start)
     if logits.is_cuda and not sb.any_filtered and logits.dtype != torch.float64 and triton_available():

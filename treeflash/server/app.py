@@ -74,7 +74,8 @@ class Job:
         self.future: Future = Future()
         self.deltas: asyncio.Queue | None = asyncio.Queue() if req.stream else None
         self.texts = [TextStream(tokenizer, p.stop, end_ids, p.skip_special_tokens, p.include_stop_str_in_output,
-                                 context=prompt) for prompt, p in self.runs] if req.stream else None
+                                 context=prompt, min_tokens=p.min_tokens) for prompt, p in self.runs] \
+            if req.stream else None
         self.offsets = [0] * len(self.runs)  # characters of each choice's streamed token texts (text_offset)
 
     @property

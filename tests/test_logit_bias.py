@@ -1,0 +1,215 @@
+"""logit_bias, allowed_token_ids and min_tokens are part of the target's law, applied
+to the raw logits before the temperature and the filters (vLLM's order), so that every
+method samples them exactly as AR does:
+
+- `sample` draws from the law that transformers' processors give (chi-square), and
+  never a token they remove; greedy decoding takes the biased argmax;
+- min_tokens holds back EOS and stop tokens (not before the min_tokens-th new token)
+  and stop strings that the first min_tokens tokens' text holds, in the engine's text
+  and in a stream's;
+- DFlash and DDTree give AR's tokens with each of them, greedy and sampled, filtered,
+  alone and in a batch with requests that set none of them;
+- bad values get a one-line error.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ENGINE_PROMPTS, SPEC_PROMPTS
+from test_sampling import LOGITS, P_MIN, V, chi2_pvalue
+
+from treeflash import LLM, SamplingParams, UsageError
+from treeflash.engine.llm import builtin_paths
+from treeflash.engine.sampling import SamplingBatch, sample
+from treeflash.tokenizer import TextStream
+
+METHODS = [("dflash", None), ("ddtree", 4), ("ddtree", 32), ("ddtree", 256)]
+PROMPTS = [SPEC_PROMPTS[0], SPEC_PROMPTS[5]]
+SEEDS, POSITIONS = 40, 200
+STOP_IDS = {0, 7}  # EOS and a stop token: what min_tokens holds back in the draws below
+
+
+def oracle(temperature: float, bias: dict[int, float], allowed: list[int] | None, held: bool) -> torch.Tensor:
+    """softmax of transformers' processors over LOGITS: the bias, the allowed tokens,
+    min_tokens' ban of STOP_IDS (`held`: a token before the min_tokens-th), the temperature."""
+    from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor,
+                                                        PrefixConstrainedLogitsProcessor,
+                                                        SequenceBiasLogitsProcessor, TemperatureLogitsWarper)
+    ids = torch.zeros(1, 3, dtype=torch.long)  # 3 tokens so far, all prompt: 0 new ones
+    scores = LOGITS[None].clone()
+    if bias:
+        scores = SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()])(ids, scores)
+    if allowed is not None:
+        scores = PrefixConstrainedLogitsProcessor(lambda batch, sent: allowed, 1)(ids, scores)
+    scores = MinNewTokensLengthLogitsProcessor(3, 1 if held else 0, sorted(STOP_IDS))(ids, scores)
+    return torch.softmax(TemperatureLogitsWarper(temperature)(ids, scores)[0], -1)
+
+
+LAWS = [({1: -2.5, 4: 3.0, 9: 1.0}, None), ({}, [0, 2, 3, 7, 10]), ({6: -100.0, 2: 1.5}, [1, 2, 6, 8, 11])]
+
+
+@pytest.mark.parametrize("bias,allowed", LAWS, ids=["logit_bias", "allowed", "both"])
+@pytest.mark.parametrize("temperature", [0.5, 1.0])
+def test_samples_follow_the_biased_softmax(bias, allowed, temperature):
+    """Positions before prompt + min_tokens (here 100 of 200) never take a stop token;
+    the others may. Both halves fit the oracle's law."""
+    params = [SamplingParams(temperature=temperature, seed=s, logit_bias=bias or None, allowed_token_ids=allowed,
+                             min_tokens=100, max_new_tokens=POSITIONS) for s in range(SEEDS)]
+    sb = SamplingBatch.from_params(params, "cpu", V, [0] * SEEDS, [STOP_IDS] * SEEDS)
+    positions = torch.arange(POSITIONS).expand(SEEDS, POSITIONS)
+    tokens = sample(LOGITS.float().expand(SEEDS, POSITIONS, -1).clone(), positions, sb)
+    for half, held in ((tokens[:, :100], True), (tokens[:, 100:], False)):
+        probs = oracle(temperature, bias, allowed, held)
+        counts = torch.bincount(half.flatten(), minlength=V).double()
+        assert counts[probs == 0].sum() == 0, f"removed tokens sampled: {counts.tolist()}"
+        assert chi2_pvalue(counts, probs) > P_MIN
+        assert held or allowed is not None and not STOP_IDS & set(allowed) or counts[sorted(STOP_IDS)].sum() > 0
+
+
+def test_greedy_takes_the_biased_argmax():
+    top = int(LOGITS.argmax())
+    cases = [({}, None, top), ({top: -100.0}, None, int(LOGITS.topk(2).indices[1])), ({4: 100.0}, None, 4),
+             ({}, [2, 9], 2), ({2: -1.5}, [2, 9], 9)]
+    for bias, allowed, want in cases:
+        params = [SamplingParams(logit_bias=bias or None, allowed_token_ids=allowed)]
+        sb = SamplingBatch.from_params(params, "cpu", V, [5], [set()])
+        assert sample(LOGITS.float()[None, None], torch.tensor([[5]]), sb).item() == want, (bias, allowed)
+
+
+def spec_llm(target, drafter, method, budget=None):
+    return LLM(target, draft_model=drafter, method=method, budget=budget, device="cpu", dtype="float64")
+
+
+@pytest.mark.parametrize("kind", ["warm", "plain"])
+def test_biased_streams_equal_ar(kind, spec_target, spec_drafter, ar_reference):
+    """Greedy, sampled and filtered requests with logit_bias and allowed_token_ids: every
+    method gives AR's tokens, which the bias changed, and which stay among the allowed."""
+    target, drafter = spec_target("qwen3", kind), spec_drafter("qwen3", kind, 8)
+    plain = [SamplingParams(max_new_tokens=24, ignore_eos=True),
+             SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0, top_p=0.9, seed=41)]
+    free = [ar_reference(target, p, sp).token_ids for p, sp in zip(PROMPTS, plain)]
+    allowed = sorted(set(range(0, 259, 3)) | set(free[1][:4]))
+    bias = {free[0][2]: -100.0, free[0][5]: -3.0, 200: 2.5}
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=True, logit_bias=bias),
+              SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0, top_p=0.9, seed=41,
+                             allowed_token_ids=allowed, logit_bias={allowed[1]: 1.0})]
+    refs = [ar_reference(target, p, sp).token_ids for p, sp in zip(PROMPTS, params)]
+    assert refs[0] != free[0] and free[0][2] not in refs[0][2:3], "the bias changed nothing"
+    assert refs[1] != free[1] and set(refs[1]) <= set(allowed)
+    for method, budget in METHODS:
+        outs = spec_llm(target, drafter, method, budget).generate(PROMPTS, params)
+        assert [o.token_ids for o in outs] == refs, f"{kind}: {method} N={budget} differs from AR"
+
+
+def test_min_tokens_holds_back_stop_tokens(spec_target, spec_drafter, ar_reference):
+    """A stop token that AR meets early is held back until min_tokens new tokens came,
+    greedy and sampled; every method gives AR's tokens, and drafts get accepted."""
+    prompt = SPEC_PROMPTS[5]
+    for kind, extra in (("peaked", dict()), ("warm", dict(temperature=0.7, seed=5))):
+        target, drafter = spec_target("qwen3", kind), spec_drafter("qwen3", kind, 8)
+        free = ar_reference(target, prompt, SamplingParams(max_new_tokens=32, ignore_eos=True, **extra)).token_ids
+        stop = free[2]
+        early = ar_reference(target, prompt, SamplingParams(max_new_tokens=32, ignore_eos=True,
+                                                            stop_token_ids=[stop], **extra))
+        assert early.finish_reason == "stop" and len(early.token_ids) == free.index(stop) + 1
+        params = SamplingParams(max_new_tokens=32, ignore_eos=True, stop_token_ids=[stop], min_tokens=12, **extra)
+        ref = ar_reference(target, prompt, params)
+        assert stop not in ref.token_ids[:12] and len(ref.token_ids) > 12
+        assert ref.finish_reason == "length" or ref.token_ids[-1] == stop
+        taus = []
+        for method, budget in METHODS:
+            out = spec_llm(target, drafter, method, budget).generate(prompt, params)[0]
+            assert out.token_ids == ref.token_ids, f"{method} N={budget} {extra} differs from AR"
+            taus.append(out.stats["tau"])
+        assert min(taus) > 1, f"{kind}: no draft accepted ({taus})"
+
+
+def test_min_tokens_holds_back_eos(eos_checkpoint):
+    """The checkpoint's greedy stream ends with EOS at `step`: with min_tokens past it,
+    EOS's tie goes to the other token and the stream runs on."""
+    llm = LLM(eos_checkpoint.path, device="cpu", dtype="float32")
+    k = eos_checkpoint.step
+    out = llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=k + 8, min_tokens=k + 3))[0]
+    assert out.token_ids[:k] == eos_checkpoint.full[:k] and eos_checkpoint.eos not in out.token_ids[:k + 3]
+    assert len(out.token_ids) > k + 3 or out.finish_reason == "length"
+
+
+def test_mixed_batch_with_and_without_bias(spec_target, spec_drafter, ar_reference):
+    target, drafter = spec_target("llama", "warm"), spec_drafter("llama", "warm", 8)
+    params = [SamplingParams(max_new_tokens=20, ignore_eos=True),
+              SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.8, seed=3, logit_bias={9: 2.0}),
+              SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=1.0, top_k=20, seed=4,
+                             allowed_token_ids=list(range(3, 200))),
+              SamplingParams(max_new_tokens=20, ignore_eos=True, temperature=0.5, seed=6)]
+    prompts = [SPEC_PROMPTS[i] for i in (1, 2, 3, 4)]
+    outs = spec_llm(target, drafter, "ddtree", 32).generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, outs):
+        assert out.token_ids == ar_reference(target, prompt, p).token_ids
+
+
+def test_stop_strings_wait_for_min_tokens():
+    """A stop string in the first min_tokens tokens' text does not end the request (nor
+    cut its text); the next one past them does, in the engine's text and in a stream's."""
+    llm = LLM(builtin_paths()[0], device="cpu", dtype="float32")
+    prompt, stop = "def f(x):", "return"
+    context = llm.encode(prompt)
+    full = llm.generate(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
+    pieces = [llm.tokenizer.decode_continuation(full.token_ids[:k + 1], context) for k in range(len(full.token_ids))]
+    done = next(k for k, t in enumerate(pieces) if stop in t)  # the token that completes the first one
+    assert pieces[-1].count(stop) >= 3
+    plain = llm.generate(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True, stop=[stop]))[0]
+    assert len(plain.token_ids) == done + 1 and plain.text == pieces[-1][:pieces[-1].index(stop)]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True, stop=[stop], min_tokens=done + 2)
+    late = llm.generate(prompt, params)[0]
+    second = pieces[-1].index(stop, len(pieces[done + 1]) - len(stop) + 1)  # ends past min_tokens' text
+    assert late.finish_reason == "stop" and late.text == pieces[-1][:second]
+    assert late.token_ids == full.token_ids[:len(late.token_ids)] and len(late.token_ids) > done + 2
+    stream = TextStream(llm.tokenizer, [stop], llm.eos_token_ids, context=context, min_tokens=params.min_tokens)
+    text = "".join(stream.push(late.token_ids[i:i + 3]) for i in range(0, len(late.token_ids), 3))
+    assert text + stream.finish(late.text) == late.text
+    assert len(text) > pieces[-1].index(stop), "the stream stopped at the first stop string"
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(logit_bias={5: 101.0}), "logit_bias values must be in"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias must map token ids"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias must map token ids"),
+    (dict(logit_bias=[5, 1.0]), "logit_bias must map token ids"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty list"),
+    (dict(allowed_token_ids=[1, True]), "allowed_token_ids must be a non-empty list"),
+    (dict(min_tokens=-1), "min_tokens must be an integer in"),
+    (dict(min_tokens=9, max_new_tokens=8), "min_tokens must be an integer in"),
+])
+def test_bad_values_are_refused(kw, message):
+    with pytest.raises(UsageError, match=message):
+        SamplingParams(**kw)
+
+
+def test_ids_outside_the_vocabulary_and_impossible_requests(hf_checkpoint):
+    llm = LLM(hf_checkpoint("qwen3").path, device="cpu", dtype="float32")
+    vocab = llm.config.vocab_size
+    for kw in (dict(logit_bias={vocab: 1.0}), dict(allowed_token_ids=[3, vocab])):
+        with pytest.raises(UsageError, match="outside the vocabulary"):
+            llm.generate("x", SamplingParams(**kw))
+    eos = llm.eos_token_ids[0]
+    with pytest.raises(UsageError, match="min_tokens holds back every one of allowed_token_ids"):
+        llm.generate("x", SamplingParams(allowed_token_ids=[eos], min_tokens=2))
+    assert llm.generate("x", SamplingParams(allowed_token_ids=[eos, 5], min_tokens=2, max_new_tokens=3))[0] \
+        .token_ids[:2] == [5, 5]
+
+
+def test_a_cached_prefix_keeps_min_tokens_counted_from_the_whole_prompt():
+    """With prefix caching a next turn prefills only its new tokens; min_tokens still
+    counts from the end of the whole prompt, and the tokens equal an engine's without."""
+    target, drafter = builtin_paths()
+    cached = LLM(target, draft_model=drafter, method="ddtree", budget=16, device="cpu", dtype="float32",
+                 enable_prefix_caching=True)
+    fresh = LLM(target, draft_model=drafter, method="ddtree", budget=16, device="cpu", dtype="float32")
+    first = cached.encode("def fib(n):")
+    answer = cached.generate(first, SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
+    turn = first + answer.token_ids + cached.encode("\n\ndef")
+    free = fresh.generate(turn, SamplingParams(max_new_tokens=16, ignore_eos=True))[0].token_ids
+    params = SamplingParams(max_new_tokens=16, stop_token_ids=[free[1]], min_tokens=6, logit_bias={free[4]: -100.0})
+    got = cached.generate(turn, params)[0]
+    assert got.stats["cached_tokens"] > 0 and got.token_ids == fresh.generate(turn, params)[0].token_ids
+    assert free[1] not in got.token_ids[:6] and got.token_ids[:1] == free[:1]
