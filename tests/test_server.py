@@ -211,6 +211,15 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "min_p": 1.5}, 400, "min_p"),
     ("/v1/completions", {"prompt": "x", "min_p": -0.1}, 400, "min_p"),
     ("/v1/completions", {"prompt": "x", "min_p": "0.1"}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"five": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": [5]}, 400, "logit_bias"),
+    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"5": NaN}}', 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [99999]}, 400, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "temprature": 0}, 400, "temprature"),  # misspelled: not ignored
     ("/v1/completions", {"prompt": "x", "typical_p": 0.5}, 400, "typical_p"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
@@ -1098,6 +1107,24 @@ def test_chat_templates_get_what_transformers_gives_them(tmp_path):
                          "{{ messages | tojson(separators=(',', ':'), sort_keys=True) }}"}))
     got = ChatTemplate.from_folder(tmp_path).render([{"role": "user", "content": "hi"}])
     assert got == '<P>|<U>|<A>|no mask|hi|[{"content":"hi","role":"user"}]'
+
+
+def test_logit_bias_allowed_token_ids_and_min_tokens(client, llm):
+    """The server's logit_bias (token ids as strings, as OpenAI sends them), allowed_token_ids
+    and min_tokens give the engine's tokens for the same parameters, streamed or not."""
+    free = llm.generate(PROMPT, SamplingParams(max_new_tokens=12, ignore_eos=True))[0].token_ids
+    cases = [({"logit_bias": {str(free[1]): -100, "7": 5.5}}, dict(logit_bias={free[1]: -100.0, 7: 5.5})),
+             ({"allowed_token_ids": sorted(set(free[::2]))}, dict(allowed_token_ids=sorted(set(free[::2])))),
+             ({"min_tokens": 12, "stop_token_ids": [free[2]]}, dict(min_tokens=12, stop_token_ids=[free[2]]))]
+    for sent, kw in cases:
+        want = llm.generate(PROMPT, SamplingParams(max_new_tokens=12, ignore_eos=True, **kw))[0]
+        body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True, **sent}
+        got = client.post("/v1/completions", json=body).json()["choices"][0]
+        assert got["text"] == want.text
+        assert "min_tokens" in sent or want.token_ids != free[:len(want.token_ids)]  # it changed the output
+        streamed = events(client.post("/v1/completions", json={**body, "stream": True}))
+        assert "".join(e["choices"][0]["text"] for e in streamed[:-1] if e["choices"]) == want.text
+    assert len(want.token_ids) == 12 and free[2] not in want.token_ids  # without min_tokens: 3 tokens
 
 
 def test_sampling_defaults_come_from_generation_config(tmp_path, llm):

@@ -18,7 +18,7 @@ class _Parser(argparse.ArgumentParser):
 # Fields of a prompt-file line that look like per-prompt settings. They are not read (the
 # command's flags apply to every prompt); a file that has them gets a note, not silence.
 _PER_PROMPT_SETTINGS = ("max_new_tokens", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
-                        "stop_token_ids", "ignore_eos", "logprobs", "method", "budget")
+                        "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "logprobs", "method", "budget")
 
 
 def _jsonl_prompt(line: str, where: str) -> tuple[str, list[str]]:
@@ -94,6 +94,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids",
                    help="token id that ends generation as EOS does (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--min-tokens", type=int, default=0, help="no EOS, stop token or stop string before this many")
+    p.add_argument("--logit-bias", type=_logit_bias, metavar="JSON",
+                   help='added to those tokens\' logits before sampling, e.g. \'{"50256": -100}\'')
 
 
 def make_llm(args):
@@ -109,7 +112,16 @@ def sampling_from(args):
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop,
                           stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
+                          min_tokens=args.min_tokens, logit_bias=args.logit_bias,
                           logprobs=getattr(args, "logprobs", None)).validate()
+
+
+def _logit_bias(text: str) -> dict[int, float]:
+    """--logit-bias: a JSON object of token id -> bias, as OpenAI's logit_bias."""
+    try:
+        return {int(k): v for k, v in _json_object(text).items()}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"logit bias keys must be token ids: {text!r}") from None
 
 
 def _json_object(text: str) -> dict:

@@ -23,13 +23,10 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 UNSUPPORTED = {
     "prompt_logprobs": ((None,), "prompt_logprobs are not supported (completions: echo with logprobs)"),
     "suffix": ((None, ""), "suffix is not supported"),
-    "logit_bias": ((None, {}), "logit_bias is not supported"),
     "tools": ((None, []), "tool calls are not supported"),
     "tool_choice": ((None, "none", "auto"), "tool calls are not supported"),
     "functions": ((None, []), "function calls are not supported"),
     "response_format": ((None, {"type": "text"}), "response_format is not supported"),
-    "min_tokens": ((None, 0), "min_tokens is not supported"),
-    "allowed_token_ids": ((None,), "allowed_token_ids is not supported"),
     "bad_words": ((None, []), "bad_words is not supported"),
     "spaces_between_special_tokens": ((None, True), "spaces_between_special_tokens = false is not supported"),
     "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens is not supported"),
@@ -45,7 +42,8 @@ UNSUPPORTED = {
 # OpenAI's bookkeeping that does not touch the output. Anything else (a misspelled
 # "temprature", another server's extension) is refused, as OpenAI does, not ignored.
 SAMPLING_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "n",
-                 "best_of", "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+                 "best_of", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias",
+                 "allowed_token_ids", "skip_special_tokens",
                  "include_stop_str_in_output", "stream", "stream_options", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "user", "metadata", "store", "service_tier",
                  "parallel_tool_calls"}
@@ -209,18 +207,17 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
     stop = [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]  # "" stops nothing
     if len(stop) > MAX_STOPS:
         raise APIError(f"at most {MAX_STOPS} stop strings, got {len(stop)}", param="stop")
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None and not (isinstance(stop_ids, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids)):
-        raise APIError(f"'stop_token_ids' must be a list of token ids, got {_short(stop_ids)}", param="stop_token_ids")
+    stop_ids = _token_ids(body, "stop_token_ids", vocab_size, empty=True)
     if stop_ids is not None and len(stop_ids) > MAX_STOPS:
         raise APIError(f"at most {MAX_STOPS} stop token ids, got {len(stop_ids)}", param="stop_token_ids")
-    if stop_ids and vocab_size is not None and max(stop_ids) >= vocab_size:
-        raise APIError(f"stop token id {max(stop_ids)} is outside the vocabulary of {vocab_size}",
-                       param="stop_token_ids")
+    min_tokens = _number(body, "min_tokens", 0, int, 0)
+    if min_tokens > max_tokens:
+        raise APIError(f"'min_tokens' ({min_tokens}) must not exceed the most tokens this request may get "
+                       f"({max_tokens})", param="min_tokens")
     try:
         return SamplingParams(
-            max_new_tokens=max_tokens,
+            max_new_tokens=max_tokens, min_tokens=min_tokens, logit_bias=_logit_bias(body, vocab_size),
+            allowed_token_ids=_token_ids(body, "allowed_token_ids", vocab_size),
             temperature=float(_number(body, "temperature", defaults.temperature, (int, float), 0, 2)),
             top_k=0 if top_k == -1 else top_k,
             top_p=float(_number(body, "top_p", defaults.top_p, (int, float), 0, 1, lo_open=True)),
@@ -231,6 +228,42 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
             include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False))
     except TreeflashError as e:
         raise APIError(str(e)) from None
+
+
+def _logit_bias(body: dict, vocab_size: int | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias: an object of token ids (as strings) -> a bias in [-100, 100]."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise APIError(f"'logit_bias' must be an object of token ids to numbers, got {_short(bias)}",
+                       param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise APIError(f"'logit_bias' keys must be token ids, got {_short(key)}", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise APIError(f"'logit_bias' values must be numbers in [-100, 100], got {_short(value)}",
+                           param="logit_bias")
+        out[int(key)] = float(value)
+    if out and vocab_size is not None and max(out) >= vocab_size:
+        raise APIError(f"'logit_bias' token id {max(out)} is outside the vocabulary of {vocab_size}",
+                       param="logit_bias")
+    return out
+
+
+def _token_ids(body: dict, key: str, vocab_size: int | None, empty: bool = False) -> list[int] | None:
+    """body[key]: a list of token ids in the vocabulary (non-empty unless `empty`), or None."""
+    ids = body.get(key)
+    if ids is None:
+        return None
+    if not (isinstance(ids, list) and (ids or empty) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                             and t >= 0 for t in ids)):
+        what = "a list of token ids" if empty else "a non-empty list of token ids"
+        raise APIError(f"'{key}' must be {what}, got {_short(ids)}", param=key)
+    if ids and vocab_size is not None and max(ids) >= vocab_size:
+        raise APIError(f"'{key}' token id {max(ids)} is outside the vocabulary of {vocab_size}", param=key)
+    return ids
 
 
 def _logprobs(body: dict, kind: str) -> int | None:
