@@ -279,6 +279,8 @@ def test_prompt_longer_than_max_position_embeddings(capsys, broken):
     (["--min-tokens", "5", "--max-new-tokens", "4"], ["min_tokens"]),
     (["--logit-bias", '{"x": 1}'], ["logit-bias"]),
     (["--logit-bias", '{"3": 500}'], ["logit_bias"]),
+    (["--presence-penalty", "3"], ["presence_penalty"]),
+    (["--repetition-penalty", "0"], ["repetition_penalty"]),
     (["--max-new-tokens", "0"], ["max_new_tokens"]),
     (["--temperature", "hot"], ["temperature"]),
     (["--dtype", "float8"], ["dtype"]),
@@ -571,18 +573,21 @@ def test_prompt_file_with_jsonl(capsys, model, api, tmp_path):
 def test_seeded_sampling_on_the_command_line(capsys, model, api):
     args = [ENGINE_PROMPTS[0], "--model", model, "--device", "cpu", "--json", "--max-new-tokens", 10,
             "--ignore-eos", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--min-p", "0.05",
-            "--seed", "11", "--logit-bias", '{"7": 2.5, "12": -100}', "--min-tokens", "3"]
+            "--seed", "11", "--logit-bias", '{"7": 2.5, "12": -100}', "--min-tokens", "3",
+            "--presence-penalty", "0.5", "--frequency-penalty", "0.25", "--repetition-penalty", "1.2"]
     rc, out, _ = run(capsys, *args)
     assert rc == 0
     ids = json.loads(out)["token_ids"]
     assert json.loads(run(capsys, *args)[1])["token_ids"] == ids   # same seed, same tokens
     expected = api.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=10, temperature=0.8, top_k=20,
                                                               top_p=0.9, min_p=0.05, seed=11, ignore_eos=True,
-                                                              logit_bias={7: 2.5, 12: -100.0}, min_tokens=3))[0]
+                                                              logit_bias={7: 2.5, 12: -100.0}, min_tokens=3,
+                                                              presence_penalty=0.5, frequency_penalty=0.25,
+                                                              repetition_penalty=1.2))[0]
     assert ids == expected.token_ids
     unbiased = api.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=10, temperature=0.8, top_k=20, top_p=0.9,
                                                               min_p=0.05, seed=11, ignore_eos=True))[0]
-    assert ids != unbiased.token_ids  # --logit-bias was read
+    assert ids != unbiased.token_ids  # --logit-bias and the penalties were read
 
 
 def test_stop_string(capsys, model, api):

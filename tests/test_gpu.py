@@ -75,10 +75,10 @@ def test_filtered_sampling_graphs_match_ar(warm_pair, method, budget):
         prompts[:1], unfiltered)[0].token_ids != ar[0].token_ids  # min-p removed tokens here
 
 
-def test_biased_requests_on_graphed_rounds_equal_ar(warm_pair):
-    """logit_bias, allowed_token_ids and min_tokens in graphed rounds: a state captured
-    for plain requests takes biased ones (its bias buffers are made then and kept for
-    the biased mode's graphs), replays them all later, and every output equals eager AR's."""
+def test_controls_on_graphed_rounds_equal_ar(warm_pair):
+    """logit_bias, allowed_token_ids, min_tokens and penalties in graphed rounds: a state
+    captured for plain requests takes the others (their buffers are made then and kept for
+    those modes' graphs), replays them all later, and every output equals eager AR's."""
     target, drafter = warm_pair
     llm = LLM(target, draft_model=drafter, method="ddtree", budget=16, device="cuda", dtype="float32")
     ar = LLM(target, method="ar", device="cuda", dtype="float32", cuda_graphs=False)
@@ -86,14 +86,16 @@ def test_biased_requests_on_graphed_rounds_equal_ar(warm_pair):
     modes = [p(temperature=1.0, seed=3),
              p(temperature=1.0, seed=3, logit_bias={5: 3.0, 6: -100.0}, min_tokens=12, stop_token_ids=[4]),
              p(allowed_token_ids=list(range(3, 60)), logit_bias={9: 2.0}),
-             p(temperature=0.8, top_p=0.9, seed=4, logit_bias={7: -2.0})]
+             p(temperature=0.8, top_p=0.9, seed=4, logit_bias={7: -2.0}),
+             p(presence_penalty=0.5, frequency_penalty=0.7, repetition_penalty=1.2),
+             p(temperature=1.0, seed=5, repetition_penalty=1.5, min_tokens=8, stop_token_ids=[5])]
     prompts = PROMPTS[:2]
     captures = []
     for params in modes * 2:
         got = llm.generate(prompts, params)
         assert [o.token_ids for o in got] == [o.token_ids for o in ar.generate(prompts, params)], params
         captures.append(llm.graph_captures)
-    assert captures[4:] == [captures[3]] * 4  # the second pass replays every mode
+    assert captures[6:] == [captures[5]] * 6  # the second pass replays every mode
     assert ar.generate(prompts, modes[1])[0].token_ids != ar.generate(prompts, modes[0])[0].token_ids
 
 

@@ -9,6 +9,7 @@ import torch
 import treeflash.engine.round as round_module
 from treeflash import LLM, SamplingParams
 from treeflash.engine.llm import builtin_paths
+from treeflash.engine.sampling import SamplingBatch
 from treeflash.engine.states import state_key, suffix_chunks
 from treeflash.errors import UsageError
 
@@ -159,7 +160,7 @@ def test_graphed_states_reuse_only_in_a_captured_mode(monkeypatch):
         short = llm.generate([5, 6, 7], params)[0]  # nothing in common: a whole prefill (graphed)
         assert short.stats["cached_tokens"] == 0
         llm.generate(turn, params)  # the state holds this turn again
-    assert set(llm.states.graphed[state_key(1, 1024)].rounds) >= {(True, True, False, False), (False, False, True, False)}
+    assert set(llm.states.graphed[state_key(1, 1024)].rounds) >= {SamplingBatch.mode_of([p]) for p in (SAMPLED, logprobs)}
 
 
 def test_graphed_engines_replay_suffix_prefills(monkeypatch):

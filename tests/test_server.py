@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -192,7 +193,9 @@ BAD = [
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
                               "top_logprobs": 21}, 400, "top_logprobs"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": "1"}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 1024}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop"),
@@ -219,6 +222,9 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [99999]}, 400, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"²": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 2, "allowed_token_ids": [5],
+                         "stop_token_ids": [5], "stream": True}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "temprature": 0}, 400, "temprature"),  # misspelled: not ignored
     ("/v1/completions", {"prompt": "x", "typical_p": 0.5}, 400, "typical_p"),
@@ -1109,19 +1115,25 @@ def test_chat_templates_get_what_transformers_gives_them(tmp_path):
     assert got == '<P>|<U>|<A>|no mask|hi|[{"content":"hi","role":"user"}]'
 
 
-def test_logit_bias_allowed_token_ids_and_min_tokens(client, llm):
-    """The server's logit_bias (token ids as strings, as OpenAI sends them), allowed_token_ids
-    and min_tokens give the engine's tokens for the same parameters, streamed or not."""
+def test_logit_bias_allowed_token_ids_min_tokens_and_penalties(client, llm):
+    """The server's logit_bias (token ids as strings, as OpenAI sends them), allowed_token_ids,
+    min_tokens and penalties give the engine's tokens for the same parameters, streamed or
+    not, and those differ from the tokens without them."""
     free = llm.generate(PROMPT, SamplingParams(max_new_tokens=12, ignore_eos=True))[0].token_ids
-    cases = [({"logit_bias": {str(free[1]): -100, "7": 5.5}}, dict(logit_bias={free[1]: -100.0, 7: 5.5})),
-             ({"allowed_token_ids": sorted(set(free[::2]))}, dict(allowed_token_ids=sorted(set(free[::2])))),
-             ({"min_tokens": 12, "stop_token_ids": [free[2]]}, dict(min_tokens=12, stop_token_ids=[free[2]]))]
-    for sent, kw in cases:
-        want = llm.generate(PROMPT, SamplingParams(max_new_tokens=12, ignore_eos=True, **kw))[0]
-        body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True, **sent}
+    repetitive = "x = x + x + x + x"  # greedy goes on with " + x": the penalties bite
+    cases = [({"logit_bias": {str(free[1]): -100, "7": 5.5}}, dict(logit_bias={free[1]: -100.0, 7: 5.5}), PROMPT),
+             ({"allowed_token_ids": sorted(set(free[::2]))}, dict(allowed_token_ids=sorted(set(free[::2]))), PROMPT),
+             ({"presence_penalty": 2, "frequency_penalty": 2}, dict(presence_penalty=2.0, frequency_penalty=2.0),
+              repetitive),
+             ({"repetition_penalty": 2}, dict(repetition_penalty=2.0), repetitive),
+             ({"min_tokens": 12, "stop_token_ids": [free[2]]}, dict(min_tokens=12), PROMPT)]
+    for sent, kw, prompt in cases:
+        plain = SamplingParams(max_new_tokens=12, ignore_eos=True, stop_token_ids=sent.get("stop_token_ids", []))
+        want = llm.generate(prompt, replace(plain, **kw))[0]
+        assert want.token_ids != llm.generate(prompt, plain)[0].token_ids, sent  # it changed the output
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, **sent}
         got = client.post("/v1/completions", json=body).json()["choices"][0]
         assert got["text"] == want.text
-        assert "min_tokens" in sent or want.token_ids != free[:len(want.token_ids)]  # it changed the output
         streamed = events(client.post("/v1/completions", json={**body, "stream": True}))
         assert "".join(e["choices"][0]["text"] for e in streamed[:-1] if e["choices"]) == want.text
     assert len(want.token_ids) == 12 and free[2] not in want.token_ids  # without min_tokens: 3 tokens
@@ -1138,10 +1150,12 @@ def test_sampling_defaults_come_from_generation_config(tmp_path, llm):
         {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20.0, "min_p": 0.05,
          "repetition_penalty": 1.05}))
     qwen = SamplingDefaults.from_folder(tmp_path)
-    assert (qwen.temperature, qwen.top_p, qwen.top_k, qwen.min_p, qwen.max_tokens, qwen.ignored) == \
-        (0.6, 0.95, 20, 0.05, None, ("repetition_penalty 1.05",))
+    assert (qwen.temperature, qwen.top_p, qwen.top_k, qwen.min_p, qwen.max_tokens, qwen.repetition_penalty) == \
+        (0.6, 0.95, 20, 0.05, None, 1.05)
+    assert "repetition_penalty 1.05" in qwen.describe()
     assert "min_p 0.05" in qwen.describe()
     for bad in ('{"temperature": -1}', '{"top_p": 0}', '{"top_k": 2.5}', '{"min_p": 2}', '{"max_new_tokens": 0}',
+                '{"repetition_penalty": 0}',
                 '[1]', '{'):
         (tmp_path / "generation_config.json").write_text(bad)
         with pytest.raises(UsageError, match="generation_config.json") as e:
@@ -1159,13 +1173,14 @@ def test_sampling_defaults_come_from_generation_config(tmp_path, llm):
         sampled = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=5)
         got = c.post("/v1/completions", json={**body, "temperature": 1.0, "top_p": 0.9, "seed": 5}).json()
         assert got["choices"][0]["text"] == llm.generate(PROMPT, sampled)[0].text
-    # a file's min_p applies to requests that leave it out; a request's own wins
-    min_p = SamplingDefaults(temperature=1.5, min_p=0.2)
+    # a file's min_p and repetition_penalty apply to requests that leave them out; a request's own win
+    min_p = SamplingDefaults(temperature=1.5, min_p=0.2, repetition_penalty=1.4)
     with TestClient(build_app(llm, "t", template, defaults=min_p)) as c:
         body = {"prompt": PROMPT, "max_tokens": 12, "seed": 5, "ignore_eos": True}
-        for sent, want_p in (({}, 0.2), ({"min_p": 0}, 0.0)):
+        for sent, want_p, rep in (({}, 0.2, 1.4), ({"min_p": 0}, 0.0, 1.4), ({"repetition_penalty": 1}, 0.2, 1.0)):
             got = c.post("/v1/completions", json={**body, **sent}).json()["choices"][0]["text"]
-            want = SamplingParams(max_new_tokens=12, temperature=1.5, min_p=want_p, seed=5, ignore_eos=True)
+            want = SamplingParams(max_new_tokens=12, temperature=1.5, min_p=want_p, seed=5, ignore_eos=True,
+                                  repetition_penalty=rep)
             assert got == llm.generate(PROMPT, want)[0].text
 
 

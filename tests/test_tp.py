@@ -47,10 +47,12 @@ def _configs() -> dict[str, list[SamplingParams]]:
         "sampled": [p(temperature=0.9, seed=11), p(temperature=1.0, seed=12), p(temperature=0.7, seed=13)],
         # a mixed batch: greedy, unfiltered and filtered requests together
         "filtered": [p(), p(temperature=0.8, seed=22), p(temperature=1.0, top_k=6, top_p=0.9, min_p=0.05, seed=23)],
-        # logit_bias, and allowed tokens in every rank's vocabulary slice, next to a plain request
-        "biased": [p(logit_bias={**dict.fromkeys(range(5, 11), -100.0), 140: 3.0}), p(temperature=0.9, seed=31),
-                   p(temperature=1.0, top_p=0.9, seed=32, allowed_token_ids=list(range(1, 260, 3)),
-                     logit_bias={64: 1.5})],
+        # logit_bias, allowed tokens in every rank's vocabulary slice, penalties (each tree
+        # node's history, sliced by rank)
+        "controls": [p(logit_bias={**dict.fromkeys(range(5, 11), -100.0), 140: 3.0}),
+                     p(temperature=0.9, seed=31, presence_penalty=0.6, frequency_penalty=0.4),
+                     p(temperature=1.0, top_p=0.9, seed=32, allowed_token_ids=list(range(1, 260, 3)),
+                       logit_bias={64: 1.5}, repetition_penalty=1.3)],
     }
 
 
@@ -142,7 +144,7 @@ def test_tp_tokens_equal_tp1(arch, method, tp, engines, reference):
 def test_tp_coupled_drafts_equal_tp1(tp, engines, reference):
     """Coupled draft mode: each rank noises its vocabulary slice with the global ids' noise."""
     llm = engines("qwen3", "ddtree", tp, "coupled")
-    for config in ("sampled", "filtered", "biased"):
+    for config in ("sampled", "filtered", "controls"):
         assert _run(llm, config) == reference("qwen3", "ddtree", config, "coupled"), config
 
 
@@ -150,11 +152,11 @@ def test_references_exercise_sampling_filters_and_drafts(engines, reference):
     """The comparisons above are not vacuous: sampling changes the stream, the filters
     change it again, and drafts get accepted (τ > 1) on both architectures."""
     for arch in ("qwen3", "llama"):
-        greedy, sampled, filtered, biased = (reference(arch, "ar", c)[0]
-                                             for c in ("greedy", "sampled", "filtered", "biased"))
+        greedy, sampled, filtered, controls = (reference(arch, "ar", c)[0]
+                                               for c in ("greedy", "sampled", "filtered", "controls"))
         assert sampled[1] != greedy[1]
         assert filtered[0] != sampled[0]
-        assert biased[1][0] != greedy[1][0] and set(biased[0]) <= set(range(1, 260, 3))
+        assert controls[1][0] != greedy[1][0] and set(controls[0]) <= set(range(1, 260, 3))
         for method in ("dflash", "ddtree"):
             out = engines(arch, method, 2).generate(BATCH, CONFIGS["greedy"])
             assert max(o.stats["tau"] for o in out) > 1.2, f"{arch} {method}: no draft accepted"

@@ -18,7 +18,8 @@ class _Parser(argparse.ArgumentParser):
 # Fields of a prompt-file line that look like per-prompt settings. They are not read (the
 # command's flags apply to every prompt); a file that has them gets a note, not silence.
 _PER_PROMPT_SETTINGS = ("max_new_tokens", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
-                        "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "logprobs", "method", "budget")
+                        "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "allowed_token_ids", "presence_penalty",
+                        "frequency_penalty", "repetition_penalty", "logprobs", "method", "budget")
 
 
 def _jsonl_prompt(line: str, where: str) -> tuple[str, list[str]]:
@@ -95,6 +96,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="token id that ends generation as EOS does (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--min-tokens", type=int, default=0, help="no EOS, stop token or stop string before this many")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's, > 0 (1 = off)")
     p.add_argument("--logit-bias", type=_logit_bias, metavar="JSON",
                    help='added to those tokens\' logits before sampling, e.g. \'{"50256": -100}\'')
 
@@ -113,15 +117,17 @@ def sampling_from(args):
                           top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop,
                           stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
                           min_tokens=args.min_tokens, logit_bias=args.logit_bias,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          repetition_penalty=args.repetition_penalty,
                           logprobs=getattr(args, "logprobs", None)).validate()
 
 
 def _logit_bias(text: str) -> dict[int, float]:
     """--logit-bias: a JSON object of token id -> bias, as OpenAI's logit_bias."""
-    try:
-        return {int(k): v for k, v in _json_object(text).items()}
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"logit bias keys must be token ids: {text!r}") from None
+    bias = _json_object(text)
+    if not all(k.isascii() and k.isdigit() for k in bias):
+        raise argparse.ArgumentTypeError(f"logit bias keys must be token ids: {text!r}")
+    return {int(k): v for k, v in bias.items()}
 
 
 def _json_object(text: str) -> dict:

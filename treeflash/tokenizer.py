@@ -132,6 +132,15 @@ class Tokenizer:
         whole = self.decode(context + list(ids), skip_special)
         return whole[len(head):] if whole.startswith(head) else self.decode(ids, skip_special)
 
+    def min_tokens_floor(self, ids: list[int], min_tokens: int, context: list[int] = (),
+                         skip_special: bool = True) -> int:
+        """Where stop strings may end from (`stop_cut`'s ends_after): past the text of the
+        first min_tokens of `ids`, less a character that those only begin (a stop string
+        that the next token completes counts)."""
+        if not min_tokens:
+            return 0
+        return len(self.decode_continuation(ids[:min_tokens], context, skip_special).rstrip("\ufffd"))
+
     def whole_characters(self, context: list[int], skip_special: bool = True) -> list[int]:
         """The last CONTEXT_TOKENS tokens of `context`, less any at its end that hold part
         of a character (their text would end in U+FFFD)."""
@@ -201,8 +210,8 @@ class TextStream:
         if self.floor is None:
             self.pushed += ids
             if len(self.pushed) >= self.min_tokens:
-                first = self.pushed[:self.min_tokens]
-                self.floor = len(self.tokenizer.decode_continuation(first, self.context, self.skip_special))
+                self.floor = self.tokenizer.min_tokens_floor(self.pushed, self.min_tokens, self.context,
+                                                             self.skip_special)
         self.ids += ids[:-1] if ids and ids[-1] in self.end_ids else ids
         window = self.tokenizer.decode(self.ids[self.prefix:], self.skip_special)
         known = self.tokenizer.decode(self.ids[self.prefix:self.read], self.skip_special)

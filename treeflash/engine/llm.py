@@ -426,10 +426,7 @@ class LLM:
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise UsageError(f"sampling parameters must be SamplingParams, got {type(p).__name__}")
-            p.validate(self.config.vocab_size)
-            if p.min_tokens and p.allowed_token_ids is not None and set(p.allowed_token_ids) <= self.end_ids(p):
-                raise UsageError("invalid sampling parameters: min_tokens holds back every one of allowed_token_ids "
-                                 "(they all end the request)")
+            self.check_sampling(p)
         ids = [self.encode(p) for p in prompts]
         # seeds are drawn here, so that every tensor-parallel rank samples alike; a subclass
         # becomes a plain SamplingParams (the workers could not unpickle a class of __main__)
@@ -556,6 +553,18 @@ class LLM:
             out.append([TokenLogprob(ids[0], None, [])] + _token_logprobs(ids[1:], rows, p.prompt_logprobs))
         return out
 
+    def check_sampling(self, p: SamplingParams) -> None:
+        """Raise UsageError (one line) if p does not fit this model."""
+        p.validate(self.config.vocab_size)
+        if p.min_tokens and p.allowed_token_ids is not None and set(p.allowed_token_ids) <= self.held_ids(p):
+            raise UsageError("invalid sampling parameters: min_tokens holds back every one of allowed_token_ids "
+                             "(EOS and stop tokens)")
+
+    def held_ids(self, p: SamplingParams) -> set[int]:
+        """The token ids that min_tokens holds back: EOS (even with ignore_eos, as vLLM)
+        and p's stop token ids."""
+        return set(p.stop_token_ids) | set(self.eos_token_ids)
+
     def end_ids(self, p: SamplingParams) -> set[int]:
         """The token ids that end request p (its stop token ids, and EOS unless ignored):
         kept in its tokens, left out of its text (as vLLM does)."""
@@ -573,8 +582,7 @@ class LLM:
         ended_by_token = reason == "stop" and bool(ids) and ids[-1] in self.end_ids(p)
         shown = ids[:-1] if ended_by_token and not p.include_stop_str_in_output else ids
         text = self.tokenizer.decode_continuation(shown, prompt, p.skip_special_tokens)
-        floor = len(self.tokenizer.decode_continuation(ids[:p.min_tokens], prompt, p.skip_special_tokens)) \
-            if p.min_tokens and p.stop else 0
+        floor = self.tokenizer.min_tokens_floor(ids, p.min_tokens, prompt, p.skip_special_tokens) if p.stop else 0
         cut = stop_cut(text, p.stop, p.include_stop_str_in_output, ends_after=floor)
         if cut:
             text = text[:cut[0]]
@@ -608,7 +616,7 @@ class LLM:
         if reuse is not None:  # held before `runner` may replace the eager engine's kept state
             source = self.states.state(reuse[0])
         sampling = SamplingBatch.from_params(params, self.device, self.decoder.target.lm_head.vocab_size,
-                                             [len(p) for p in prompts], [self.end_ids(p) for p in params])
+                                             prompts, [self.held_ids(p) for p in params])
         st, run_round, graphed = self.states.runner(batch, max_len, sampling)
         st.tokens = None  # the caches change from here; the driver records them when the batch is done
         if reuse is not None:  # the rest of each prompt, after what the caches hold
@@ -683,22 +691,14 @@ class LLM:
     def _cut_at_stop_string(self, out: list[int], before: int, p: SamplingParams, prompt: list[int] = ()) -> bool:
         """If one of p's stop strings appeared among the tokens added after `before`, drop
         every token after the one that completed it (as AR would have stopped there).
-        Not before p.min_tokens tokens: then only a stop string that the text of a later
-        token completes counts (as vLLM checks each step's new text)."""
+        Not before p.min_tokens tokens, and then only one that ends past their text."""
         def text(ids):
             return self.tokenizer.decode_continuation(ids, prompt, p.skip_special_tokens)
         if not any(x in text(out) for x in p.stop):
             return False
-        first = max(before, p.min_tokens) + 1
-        if first > len(out):
-            return False
-        # with min_tokens, the text before token k: a stop string must end past it (without,
-        # "": the first token whose text holds one, as before)
-        prev = text(out[:first - 1]) if p.min_tokens else ""
-        for k in range(first, len(out) + 1):
-            now = text(out[:k])
-            if any(now.find(x, max(0, len(prev) - len(x) + 1)) >= 0 for x in p.stop):
+        floor = self.tokenizer.min_tokens_floor(out, p.min_tokens, prompt, p.skip_special_tokens)
+        for k in range(max(before, p.min_tokens) + 1, len(out) + 1):
+            if stop_cut(text(out[:k]), p.stop, False, ends_after=floor):
                 del out[k:]
                 return True
-            prev = now if p.min_tokens else ""
         return False

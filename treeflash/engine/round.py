@@ -168,7 +168,9 @@ class SpeculativeDecoder:
         h, feats = self._target(ids, inputs, st.cache)
         last = h[torch.arange(B, device=dev), lens - 1]
         logits = self.target.logits(last[:, None], gather=False)
+        st.sampling.clear_history()
         first = sample(logits, (begin + lens)[:, None], st.sampling, self.tp)
+        st.sampling.extend_history(first, torch.ones_like(lens))
         st.anchor.copy_(first[:, 0])
         st.n.copy_(begin + lens)
         st.active.fill_(True)
@@ -274,9 +276,10 @@ class SpeculativeDecoder:
         inputs = AttentionInputs(positions, st.n, tree.ancestors, kv_len=kv_len, backend=self.backend)
         h, feats = self._target(tree.tokens, inputs, st.cache)
         logits = self.target.logits(h, gather=False)
-        target_tokens = sample(logits, positions + 1, st.sampling, self.tp)
+        target_tokens = sample(logits, positions + 1, st.sampling, self.tp, path=(tree.tokens, tree.ancestors))
         w = walk(tree, target_tokens, self.depth)
         counts = torch.where(st.active, w.accepted + 1, torch.zeros_like(w.accepted))
+        st.sampling.extend_history(w.new, counts)
         if self.method == "ddtree":
             st.cache.compact(st.n, w.path)  # chains and AR are already in place
         if st.draft_cache is not None:
@@ -392,7 +395,8 @@ class GraphedState:
 
     def use(self, sampling: SamplingBatch) -> GraphedRound:
         """Take the batch's sampling values and mode; the mode's round (captured now if new)."""
-        self.st.sampling.copy_(sampling)
+        with self._counted():  # the first batch of a mode with its own buffers makes them
+            self.st.sampling.copy_(sampling)
         mode = sampling.mode
         if mode not in self.rounds:
             self.st.tokens = None  # the capture's warm-up rounds write the caches from slot 0

@@ -2,15 +2,18 @@
 
 The token at absolute position `p` of a request is
 
-    argmax(filter(bias(logits, p) / T) + g(seed, p))        (no noise when T == 0)
+    argmax(filter(penalize(bias(logits, p), history) / T) + g(seed, p))   (no noise when T == 0)
 
 where `bias` adds the request's logit_bias, masks tokens outside its allowed_token_ids
-and, before its min_tokens-th new token, its stop tokens (to -inf), `filter` applies
+and, before its min_tokens-th new token, its stop tokens (to -inf), `penalize` applies
+the repetition penalty to tokens of the prompt and of the output before p, then the
+frequency and presence penalties to the output's (vLLM's order), `filter` applies
 min-p, top-k and top-p (masked to -inf) and `g(seed, p)` is a Gumbel
 vector that depends only on the request's seed and `p` (a counter-based hash, the
 same on every device and for every batch). Gumbel-max makes this an exact sample of
-softmax(filter(bias(logits) / T)); keying the noise (and min_tokens) by position makes a
-speculative round produce exactly the tokens that autoregressive decoding produces.
+softmax(filter(penalize(bias(logits)) / T)); keying the noise (and min_tokens) by position,
+and the penalties by each tree node's own history, makes a speculative round produce
+exactly the tokens that autoregressive decoding produces.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from treeflash.ops import triton_available
 _M32 = 0xFFFFFFFF
 MAX_LOGPROBS = 20  # most likely alternatives a request may ask for per token (vLLM's default limit)
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value's bound, as OpenAI's
+MAX_PENALTY = 2.0       # presence / frequency penalties' bound, as OpenAI's
 
 
 @dataclass
@@ -46,7 +50,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
     logit_bias: dict[int, float] | None = None  # added to those tokens' logits (before the temperature)
     allowed_token_ids: list[int] | None = None  # sample only among these (None: all)
-    min_tokens: int = 0  # no EOS, stop token or stop string before this many new tokens
+    min_tokens: int = 0  # no EOS (ignored or not), stop token or stop string before this many new tokens
+    presence_penalty: float = 0.0    # subtracted from the logits of tokens the output holds
+    frequency_penalty: float = 0.0   # subtracted once per time the output holds the token
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and output tokens
 
     def __post_init__(self):
         self.validate()  # where the caller makes it, as in vLLM; `generate` checks the vocabulary too
@@ -97,10 +104,10 @@ class SamplingParams:
                 f"got {self.min_tokens!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
-                    _is_id(t) and not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+                    _is_id(t) and not isinstance(v, bool) and isinstance(v, (int, float))
                     for t, v in self.logit_bias.items()):
                 bad(f"logit_bias must map token ids (integers >= 0) to numbers, got {self.logit_bias!r}")
-            if any(abs(v) > MAX_LOGIT_BIAS for v in self.logit_bias.values()):
+            if not all(-MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in self.logit_bias.values()):  # NaN too
                 bad(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
             self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}  # plain, for TP workers
         if self.allowed_token_ids is not None:
@@ -108,6 +115,13 @@ class SamplingParams:
                     or not all(_is_id(t) for t in self.allowed_token_ids):
                 bad(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
             self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                bad(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v!r}")
+        v = self.repetition_penalty
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            bad(f"repetition_penalty must be a finite number > 0 (1 = off), got {v!r}")
         if vocab_size is not None:
             for name, ids in (("logit_bias", self.logit_bias or ()),
                               ("allowed_token_ids", self.allowed_token_ids or ())):
@@ -119,6 +133,11 @@ class SamplingParams:
     def biased(self) -> bool:
         """Whether `bias` (module doc) changes anything for this request."""
         return bool(self.logit_bias) or self.allowed_token_ids is not None or self.min_tokens > 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether `penalize` (module doc) changes anything for this request."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
@@ -145,12 +164,19 @@ class SamplingBatch:
     bias: torch.Tensor | None = None       # [B, V] float32: logit_bias, -inf outside allowed_token_ids
     stop_mask: torch.Tensor | None = None  # [B, V] bool: the stop tokens that min_tokens holds back
     min_end: torch.Tensor | None = None    # [B] long: the first position where they may come
+    any_penalized: bool = False  # rounds apply `penalize` (module doc) with the five below
+    presence: torch.Tensor | None = None     # [B] float
+    frequency: torch.Tensor | None = None    # [B] float
+    repetition: torch.Tensor | None = None   # [B] float, 1 = off
+    prompt_seen: torch.Tensor | None = None  # [B, V] bool: the prompt's tokens
+    out_counts: torch.Tensor | None = None   # [B, V] float32: the committed output's tokens, counted
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device, vocab_size: int | None = None,
-                    prompt_lens: list[int] | None = None, end_ids: list[set[int]] | None = None) -> "SamplingBatch":
-        """`vocab_size`, `prompt_lens` and each request's `end_ids` (its EOS and stop token
-        ids) are needed if a request sets logit_bias, allowed_token_ids or min_tokens."""
+                    prompts: list[list[int]] | None = None, end_ids: list[set[int]] | None = None) -> "SamplingBatch":
+        """`vocab_size`, the `prompts` and each request's `end_ids` (what its min_tokens holds
+        back: EOS and its stop token ids) are needed if a request sets logit_bias,
+        allowed_token_ids, min_tokens or a penalty."""
         seeds = [p.seed if p.seed is not None else random.getrandbits(63) for p in params]
         batch = cls(
             temperature=torch.tensor([float(p.temperature) for p in params], device=device),
@@ -159,7 +185,8 @@ class SamplingBatch:
             top_p=torch.tensor([float(p.top_p) for p in params], device=device),
             min_p=torch.tensor([float(p.min_p) for p in params], device=device),
             seed=torch.tensor(seeds, dtype=torch.long, device=device),
-            **dict(zip(("any_sampled", "any_filtered", "any_logprobs", "any_biased"), cls.mode_of(params))),
+            **dict(zip(("any_sampled", "any_filtered", "any_logprobs", "any_biased", "any_penalized"),
+                       cls.mode_of(params))),
         )
         if batch.any_biased:
             bias = torch.zeros(len(params), vocab_size)
@@ -173,35 +200,62 @@ class SamplingBatch:
                 if p.min_tokens:
                     stop_mask[b, sorted(end_ids[b])] = True
             batch.bias, batch.stop_mask = bias.to(device), stop_mask.to(device)
-            batch.min_end = torch.tensor([n + p.min_tokens for n, p in zip(prompt_lens, params)], device=device)
+            batch.min_end = torch.tensor([len(q) + p.min_tokens for q, p in zip(prompts, params)], device=device)
+        if batch.any_penalized:
+            for name, field_ in (("presence", "presence_penalty"), ("frequency", "frequency_penalty"),
+                                 ("repetition", "repetition_penalty")):
+                setattr(batch, name, torch.tensor([float(getattr(p, field_)) for p in params], device=device))
+            seen = torch.zeros(len(params), vocab_size, dtype=torch.bool)
+            for b, ids in enumerate(prompts):
+                seen[b, ids] = True
+            batch.prompt_seen = seen.to(device)
+            batch.out_counts = torch.zeros(len(params), vocab_size, device=device)
         return batch
 
     @staticmethod
-    def mode_of(params: list[SamplingParams]) -> tuple[bool, bool, bool, bool]:
+    def mode_of(params: list[SamplingParams]) -> tuple[bool, ...]:
         """The `mode` of a batch of these requests."""
         return (any(not p.greedy for p in params),
                 any(not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
                 any(p.logprobs is not None for p in params),
-                any(p.biased for p in params))
+                any(p.biased for p in params),
+                any(p.penalized for p in params))
 
     @property
-    def mode(self) -> tuple[bool, bool, bool, bool]:
+    def mode(self) -> tuple[bool, ...]:
         """The host-side flags that choose which code a round runs (and its graph)."""
-        return self.any_sampled, self.any_filtered, self.any_logprobs, self.any_biased
+        return self.any_sampled, self.any_filtered, self.any_logprobs, self.any_biased, self.any_penalized
 
     def copy_(self, other: "SamplingBatch") -> None:
         """Take `other`'s values into these (captured) buffers, and its mode (the host-side
-        flags that choose which code, or which captured graph, runs). The bias buffers
-        are made at the first biased batch and kept: the biased mode's graphs read them."""
-        self.any_sampled, self.any_filtered, self.any_logprobs, self.any_biased = other.mode
-        names = ["temperature", "top_k", "top_p", "min_p", "seed"]
-        if other.any_biased:
-            if self.bias is None:
-                self.bias, self.stop_mask, self.min_end = (torch.empty_like(t) for t in
-                                                           (other.bias, other.stop_mask, other.min_end))
-            names += ["bias", "stop_mask", "min_end"]
-        for name in names:
-            getattr(self, name).copy_(getattr(other, name))
+        flags that choose which code, or which captured graph, runs). The buffers of the
+        biased and penalized modes are made at the first batch that needs them and kept:
+        those modes' graphs read them."""
+        (self.any_sampled, self.any_filtered, self.any_logprobs, self.any_biased,
+         self.any_penalized) = other.mode
+        for name in ("temperature", "top_k", "top_p", "min_p", "seed", *OPTIONAL_BUFFERS):
+            src = getattr(other, name)
+            if src is None:
+                continue
+            if getattr(self, name) is None:
+                setattr(self, name, torch.empty_like(src))
+            getattr(self, name).copy_(src)
+
+    def clear_history(self) -> None:
+        """Before a prefill samples each request's first token: no output yet (a kept
+        state's counts are the last batch's)."""
+        if self.any_penalized:
+            self.out_counts.zero_()
+
+    def extend_history(self, tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        """A round committed tokens[b, :counts[b]] ([B, K], [B])."""
+        if self.any_penalized:
+            keep = torch.arange(tokens.shape[1], device=tokens.device) < counts[:, None]
+            self.out_counts.scatter_add_(1, tokens, keep.to(self.out_counts.dtype))
+
+
+OPTIONAL_BUFFERS = ("bias", "stop_mask", "min_end", "presence", "frequency", "repetition", "prompt_seen",
+                    "out_counts")
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -271,7 +325,32 @@ def apply_bias(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch,
     return x.masked_fill(early, float("-inf"))
 
 
-def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp: TPGroup = TPGroup()) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, sb: SamplingBatch, start: int, path=None) -> torch.Tensor:
+    """`penalize` (module doc) on logits [B, T, V'] (vocabulary ids start..start + V').
+    Row t's output so far is the committed output, plus, with `path` (a round's tree:
+    tokens [B, T] and ancestors [B, T, T]), the tokens of node t and of its ancestors
+    but the root (the anchor, committed already): each node gets its own history."""
+    B, T, V = logits.shape
+    x = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    counts = sb.out_counts[:, None, start:start + V].expand(B, T, V)
+    if path is not None:
+        tokens, ancestors = path
+        local = tokens - start
+        inside = (local >= 0) & (local < V)
+        on_path = ancestors & inside[:, None, :]
+        on_path[:, :, 0] = False  # the root
+        index = local.clamp(0, V - 1)[:, None, :].expand(B, T, T)
+        counts = counts.clone().scatter_add_(2, index, on_path.to(counts.dtype))
+    counts = counts.to(x.dtype)
+    seen = counts > 0
+    rep = sb.repetition.to(x.dtype)[:, None, None]
+    repeated = seen | sb.prompt_seen[:, None, start:start + V]
+    x = torch.where(repeated, torch.where(x > 0, x / rep, x * rep), x)
+    return x - sb.frequency.to(x.dtype)[:, None, None] * counts - sb.presence.to(x.dtype)[:, None, None] * seen
+
+
+def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp: TPGroup = TPGroup(),
+           path=None) -> torch.Tensor:
     """Tokens [B, T] for logits [B, T, V], the sampled tokens sitting at `positions` [B, T].
 
     Under tensor parallelism `logits` is this rank's contiguous vocabulary slice (the
@@ -279,13 +358,15 @@ def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp:
     all-gather of (value, id) picks the winner, ties toward the lowest id exactly as
     argmax over the whole vocabulary; every rank returns the same global ids (the bias
     is added to each rank's slice). Top-k / top-p / min-p filtering needs whole rows:
-    batches with filtered requests gather the logits.
+    batches with filtered requests gather the logits. `path`: see `apply_penalties`.
     """
     if sb.any_filtered:
         logits, tp = tp.all_gather(logits, dim=-1), TPGroup()  # now whole rows on every rank
     start = tp.rank * logits.shape[-1]
     if sb.any_biased:
         logits = apply_bias(logits, positions, sb, start)
+    if sb.any_penalized:
+        logits = apply_penalties(logits, sb, start, path)
     if not sb.any_sampled:
         return tp.argmax(logits, start)
     if logits.is_cuda and not sb.any_filtered and logits.dtype != torch.float64 and triton_available():

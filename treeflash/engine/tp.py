@@ -588,8 +588,9 @@ class Runtime:
             self.park()
         else:
             # waits for the monitor's abort, if that is under way, longer than the monitor's
-            # grace: if the abort is stuck, the monitor ends the process (exit code 1)
-            # before this returns into an exit that would meet NCCL's abort half done
+            # grace: if the abort is stuck while a command runs (the driver was let go by
+            # the peer flag), the monitor ends the process (exit code 1) before this
+            # returns into an exit that would meet NCCL's abort half done
             self.abort(wait_s=GRACE_S + 15)
         for key, rt in list(_RUNTIMES.items()):
             if rt is self:

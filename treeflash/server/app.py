@@ -29,6 +29,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from treeflash.engine.sampling import SamplingParams
 from treeflash.errors import EngineDeadError, TreeflashError
 from treeflash.server.metrics import ServerMetrics
 from treeflash.server.protocol import (APIError, Request, SamplingDefaults, check_model, chunk, logprobs_body,
@@ -356,6 +357,14 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         return error_response(APIError("invalid or missing API key (send 'Authorization: Bearer <key>')",
                                        status=401, type="authentication_error", code="invalid_api_key"))
 
+    def check(params: SamplingParams) -> None:
+        """What only the engine checks (min_tokens against its EOS; the rest was checked
+        already), before a stream starts."""
+        try:
+            llm.check_sampling(params)
+        except TreeflashError as e:
+            raise APIError(str(e), param="min_tokens") from None
+
     async def serve(request: HTTPRequest, parse) -> JSONResponse | StreamingResponse:
         if (refused := unauthorized(request)) is not None:
             return refused
@@ -363,6 +372,7 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
             body = await _read_json(request)
             # tokenizing a long prompt takes a while: not on the loop that serves the others
             req = await asyncio.get_running_loop().run_in_executor(None, parse, body)
+            check(req.params)
         except APIError as e:
             return error_response(e)
         job = worker().submit(req)

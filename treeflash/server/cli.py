@@ -34,7 +34,8 @@ def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
                    help="origins whose browser pages may call the server (CORS; default: any, as vLLM; "
                         "none given: no CORS headers)")
     s.add_argument("--generation-config", choices=("auto", "none"), default="auto",
-                   help="sampling defaults (temperature, top_p, top_k, min_p) for requests that leave them out: "
+                   help="sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) for requests that "
+                        "leave them out: "
                         "auto takes the model's generation_config.json, as vLLM does; none: OpenAI's "
                         "(temperature 1, top_p 1)")
     s.add_argument("--disable-uvicorn-access-log", action="store_true",
@@ -101,9 +102,6 @@ def cmd_serve(args) -> int:
     if defaults != SamplingDefaults():
         print(f"treeflash: requests that leave them out get {defaults.describe()} (generation_config.json; "
               f"--generation-config none for OpenAI's)", file=sys.stderr, flush=True)
-    for setting in defaults.ignored:
-        print(f"treeflash: generation_config.json's {setting} is not applied (not supported)",
-              file=sys.stderr, flush=True)
     app = build_app(llm, name, template, args.max_batch, defaults, args.api_key or None, aliases,
                     tuple(args.allowed_origins))
 

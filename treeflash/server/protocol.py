@@ -65,17 +65,17 @@ MAX_PROMPTS = 1024  # choices per request: prompts x n
 
 @dataclass(frozen=True)
 class SamplingDefaults:
-    """What a request that leaves temperature, top_p, top_k or min_p out gets: OpenAI's values,
-    or those of the model's generation_config.json, which vLLM and SGLang apply by
-    default (Qwen3, for one, asks for temperature 0.6, top_p 0.95, top_k 20). The file's
-    max_new_tokens bounds a chat request without max_tokens, as in vLLM."""
+    """What a request that leaves temperature, top_p, top_k, min_p or repetition_penalty
+    out gets: OpenAI's values, or those of the model's generation_config.json, which vLLM
+    and SGLang apply by default (Qwen3, for one, asks for temperature 0.6, top_p 0.95,
+    top_k 20). The file's max_new_tokens bounds a chat request without max_tokens, as in vLLM."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0              # 0: off
     min_p: float = 0.0          # 0: off
     max_tokens: int | None = None  # chat without max_tokens (None: what fits the context)
-    ignored: tuple[str, ...] = ()  # the file's sampling settings this engine does not apply
+    repetition_penalty: float = 1.0  # 1: off
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "SamplingDefaults":
@@ -88,7 +88,7 @@ class SamplingDefaults:
             raise UsageError(f"{path}: not readable JSON ({e})") from None
         if not isinstance(config, dict):
             raise UsageError(f"{path}: must hold a JSON object")
-        got = {k: config[k] for k in ("temperature", "top_p", "top_k", "min_p", "max_new_tokens")
+        got = {k: config[k] for k in ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "repetition_penalty")
                if config.get(k) is not None}
         for k in ("top_k", "max_new_tokens"):  # 20.0 is 20
             if isinstance(got.get(k), float) and got[k].is_integer():
@@ -98,18 +98,19 @@ class SamplingDefaults:
         try:
             params = SamplingParams(temperature=got.get("temperature", 1.0), top_p=got.get("top_p", 1.0),
                                     top_k=got.get("top_k", 0), min_p=got.get("min_p", 0.0),
-                                    max_new_tokens=got.get("max_new_tokens", 1))
+                                    max_new_tokens=got.get("max_new_tokens", 1),
+                                    repetition_penalty=got.get("repetition_penalty", 1.0))
         except TreeflashError as e:
             raise UsageError(f"{path}: {e}") from None
-        ignored = tuple(f"{k} {config[k]}" for k, off in (("repetition_penalty", 1),)
-                        if config.get(k) not in (None, off))
         return cls(float(params.temperature), float(params.top_p), params.top_k, float(params.min_p),
-                   got.get("max_new_tokens"), ignored)
+                   got.get("max_new_tokens"), float(params.repetition_penalty))
 
     def describe(self) -> str:
         tokens = f", chat max_tokens {self.max_tokens}" if self.max_tokens else ""
         min_p = f", min_p {self.min_p:g}" if self.min_p else ""
-        return f"temperature {self.temperature:g}, top_p {self.top_p:g}, top_k {self.top_k or 'off'}{min_p}{tokens}"
+        rep = f", repetition_penalty {self.repetition_penalty:g}" if self.repetition_penalty != 1 else ""
+        return (f"temperature {self.temperature:g}, top_p {self.top_p:g}, top_k {self.top_k or 'off'}"
+                f"{min_p}{rep}{tokens}")
 
 
 class APIError(Exception):
@@ -181,12 +182,6 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
             raise APIError(why, param=key)
     if _number(body, "best_of", 1, int, 1) != 1:
         raise APIError("only best_of = 1 is supported (it ranks choices by logprobs)", param="best_of")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if _number(body, key, 0, (int, float), -2, 2) != 0:
-            raise APIError(f"'{key}' is not supported: sampling stays exactly the target model's", param=key)
-    if _number(body, "repetition_penalty", 1, (int, float), 0, lo_open=True) != 1:
-        raise APIError("'repetition_penalty' is not supported: sampling stays exactly the target model's",
-                       param="repetition_penalty")
     for name, type_, what in BOOKKEEPING:  # not read, but not taken whatever they hold
         if body.get(name) is not None and (not isinstance(body[name], type_) or (
                 type_ is dict and not all(isinstance(v, str) for v in body[name].values()))):
@@ -222,6 +217,10 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
             top_k=0 if top_k == -1 else top_k,
             top_p=float(_number(body, "top_p", defaults.top_p, (int, float), 0, 1, lo_open=True)),
             min_p=float(_number(body, "min_p", defaults.min_p, (int, float), 0, 1)),
+            presence_penalty=float(_number(body, "presence_penalty", 0.0, (int, float), -2, 2)),
+            frequency_penalty=float(_number(body, "frequency_penalty", 0.0, (int, float), -2, 2)),
+            repetition_penalty=float(_number(body, "repetition_penalty", defaults.repetition_penalty, (int, float),
+                                             0, lo_open=True)),
             seed=_number(body, "seed", None, int, 0, 2 ** 63 - 1), stop=stop,
             ignore_eos=_flag(body, "ignore_eos", False), stop_token_ids=list(stop_ids or []),
             logprobs=_logprobs(body, kind), skip_special_tokens=_flag(body, "skip_special_tokens", True),
@@ -240,7 +239,7 @@ def _logit_bias(body: dict, vocab_size: int | None) -> dict[int, float] | None:
                        param="logit_bias")
     out = {}
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit()):
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
             raise APIError(f"'logit_bias' keys must be token ids, got {_short(key)}", param="logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise APIError(f"'logit_bias' values must be numbers in [-100, 100], got {_short(value)}",

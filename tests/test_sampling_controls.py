@@ -1,12 +1,14 @@
-"""logit_bias, allowed_token_ids and min_tokens are part of the target's law, applied
-to the raw logits before the temperature and the filters (vLLM's order), so that every
-method samples them exactly as AR does:
+"""logit_bias, allowed_token_ids, min_tokens and the penalties are part of the
+target's law, applied to the raw logits before the temperature and the filters (vLLM's
+order), so that every method samples them exactly as AR does:
 
 - `sample` draws from the law that transformers' processors give (chi-square), and
   never a token they remove; greedy decoding takes the biased argmax;
 - min_tokens holds back EOS and stop tokens (not before the min_tokens-th new token)
   and stop strings that the first min_tokens tokens' text holds, in the engine's text
   and in a stream's;
+- presence, frequency and repetition penalties: AR equals a reference decoding loop over
+  transformers' model, and each tree node gets its own path's history;
 - DFlash and DDTree give AR's tokens with each of them, greedy and sampled, filtered,
   alone and in a batch with requests that set none of them;
 - bad values get a one-line error.
@@ -55,7 +57,7 @@ def test_samples_follow_the_biased_softmax(bias, allowed, temperature):
     the others may. Both halves fit the oracle's law."""
     params = [SamplingParams(temperature=temperature, seed=s, logit_bias=bias or None, allowed_token_ids=allowed,
                              min_tokens=100, max_new_tokens=POSITIONS) for s in range(SEEDS)]
-    sb = SamplingBatch.from_params(params, "cpu", V, [0] * SEEDS, [STOP_IDS] * SEEDS)
+    sb = SamplingBatch.from_params(params, "cpu", V, [[]] * SEEDS, [STOP_IDS] * SEEDS)
     positions = torch.arange(POSITIONS).expand(SEEDS, POSITIONS)
     tokens = sample(LOGITS.float().expand(SEEDS, POSITIONS, -1).clone(), positions, sb)
     for half, held in ((tokens[:, :100], True), (tokens[:, 100:], False)):
@@ -72,7 +74,7 @@ def test_greedy_takes_the_biased_argmax():
              ({}, [2, 9], 2), ({2: -1.5}, [2, 9], 9)]
     for bias, allowed, want in cases:
         params = [SamplingParams(logit_bias=bias or None, allowed_token_ids=allowed)]
-        sb = SamplingBatch.from_params(params, "cpu", V, [5], [set()])
+        sb = SamplingBatch.from_params(params, "cpu", V, [[0] * 5], [set()])
         assert sample(LOGITS.float()[None, None], torch.tensor([[5]]), sb).item() == want, (bias, allowed)
 
 
@@ -172,7 +174,8 @@ def test_stop_strings_wait_for_min_tokens():
 
 @pytest.mark.parametrize("kw,message", [
     (dict(logit_bias={5: 101.0}), "logit_bias values must be in"),
-    (dict(logit_bias={5: float("nan")}), "logit_bias must map token ids"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias values must be in"),
+    (dict(logit_bias={5: 10 ** 400}), "logit_bias values must be in"),
     (dict(logit_bias={-1: 1.0}), "logit_bias must map token ids"),
     (dict(logit_bias=[5, 1.0]), "logit_bias must map token ids"),
     (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty list"),
@@ -213,3 +216,119 @@ def test_a_cached_prefix_keeps_min_tokens_counted_from_the_whole_prompt():
     got = cached.generate(turn, params)[0]
     assert got.stats["cached_tokens"] > 0 and got.token_ids == fresh.generate(turn, params)[0].token_ids
     assert free[1] not in got.token_ids[:6] and got.token_ids[:1] == free[:1]
+
+
+def reference_with_penalties(model, prompt: list[int], n: int, presence: float, frequency: float,
+                             repetition: float) -> list[int]:
+    """Greedy decoding with transformers' model and repetition processor (prompt and
+    output tokens), and OpenAI's presence / frequency penalties over the output."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+    ids, out = torch.tensor([prompt]), []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = model(ids).logits[:, -1].double()
+        logits = RepetitionPenaltyLogitsProcessor(repetition)(ids, logits)[0]
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).double()
+        logits = logits - frequency * counts - presence * (counts > 0).double()
+        out.append(int(logits.argmax()))
+        ids = torch.cat([ids, torch.tensor([[out[-1]]])], dim=1)
+    return out
+
+
+@pytest.mark.parametrize("presence,frequency,repetition", [(1.5, 0.0, 1.0), (0.0, 1.2, 1.0), (0.0, 0.0, 1.5),
+                                                           (0.5, 0.7, 1.3), (-1.0, -0.5, 0.8)])
+def test_penalties_match_a_reference_loop(presence, frequency, repetition, hf_checkpoint, hf_model64):
+    model = hf_model64("qwen3")
+    llm = LLM(hf_checkpoint("qwen3").path, device="cpu", dtype="float64")
+    prompt = ENGINE_PROMPTS[0]
+    ids = llm.encode(prompt)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, presence_penalty=presence,
+                            frequency_penalty=frequency, repetition_penalty=repetition)
+    got = llm.generate(prompt, params)[0].token_ids
+    assert got == reference_with_penalties(model, ids, 24, presence, frequency, repetition)
+    plain = llm.generate(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True))[0].token_ids
+    assert got != plain, "the penalties changed nothing"
+
+
+def test_each_tree_node_gets_its_own_history():
+    """Two siblings under one parent: the penalty of a token depends on the path above
+    each node (its ancestors but the root, and itself), not on other branches."""
+    V = 6
+    params = [SamplingParams(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=2.0)]
+    sb = SamplingBatch.from_params(params, "cpu", V, [[5]], [set()])
+    sb.extend_history(torch.tensor([[1]]), torch.tensor([1]))  # the output so far: token 1
+    # root (anchor 1) -> a (token 2) -> c (token 2); root -> b (token 3)
+    tokens = torch.tensor([[1, 2, 3, 2]])
+    ancestors = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], dtype=torch.bool)
+    logits = torch.full((1, 4, V), 1.0)
+    from treeflash.engine.sampling import apply_penalties
+    got = apply_penalties(logits, sb, 0, (tokens, ancestors))[0]
+    # counts per row (output 1 + the path): root {1}, a {1, 2}, b {1, 3}, c {1, 2, 2}; prompt {5}
+    want = torch.full((4, V), 1.0)
+    for row, counts in enumerate(({1: 1}, {1: 1, 2: 1}, {1: 1, 3: 1}, {1: 1, 2: 2})):
+        want[row, 5] = 0.5
+        for t, n in counts.items():
+            want[row, t] = 1.0 / 2.0 - 0.5 * n - 1.0
+    assert torch.allclose(got, want), got
+
+
+@pytest.mark.parametrize("kind", ["warm", "plain"])
+def test_penalized_streams_equal_ar(kind, spec_target, spec_drafter, ar_reference):
+    """Greedy, sampled and filtered requests with penalties (and one with a bias too):
+    every method gives AR's tokens, which the penalties changed."""
+    target, drafter = spec_target("llama", kind), spec_drafter("llama", kind, 8)
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=True, frequency_penalty=0.8, presence_penalty=0.4),
+              SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0, top_k=30, seed=43,
+                             repetition_penalty=1.4, logit_bias={9: 1.0})]
+    plain = [SamplingParams(max_new_tokens=24, ignore_eos=True),
+             SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0, top_k=30, seed=43)]
+    refs = [ar_reference(target, p, sp).token_ids for p, sp in zip(PROMPTS, params)]
+    assert refs != [ar_reference(target, p, sp).token_ids for p, sp in zip(PROMPTS, plain)]
+    taus = []
+    for method, budget in METHODS:
+        outs = spec_llm(target, drafter, method, budget).generate(PROMPTS, params)
+        assert [o.token_ids for o in outs] == refs, f"{kind}: {method} N={budget} differs from AR"
+        taus.append(max(o.stats["tau"] for o in outs))
+    assert kind == "plain" or min(taus) > 1.1, f"no draft accepted: {taus}"
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(presence_penalty=2.5), "presence_penalty must be in"),
+    (dict(frequency_penalty=-3), "frequency_penalty must be in"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number > 0"),
+])
+def test_bad_penalties_are_refused(kw, message):
+    with pytest.raises(UsageError, match=message):
+        SamplingParams(**kw)
+
+
+def test_a_kept_state_starts_each_request_with_an_empty_history(monkeypatch):
+    """A graphed engine keeps its batch state (and the output counts in it) from request
+    to request: each request's first token must see an empty output, not the last one's."""
+    from test_prefix_caching import _cpu_graphs
+    target, drafter = builtin_paths()
+    llm = _cpu_graphs(monkeypatch, LLM(target, draft_model=drafter, method="ddtree", budget=16, device="cpu",
+                                       dtype="float32", enable_prefix_caching=True))
+    fresh = LLM(target, method="ar", device="cpu", dtype="float32")
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0,
+                            repetition_penalty=2.0)
+    for prompt in ("def fib(n):", "class Stack:", " return x"):
+        assert llm.generate(prompt, params)[0].token_ids == fresh.generate(prompt, params)[0].token_ids, prompt
+    assert llm.graph_captures > 0
+
+
+@pytest.mark.parametrize("min_tokens,want", [(0, [130, 105]), (1, [130, 105]), (2, [130, 105] * 2),
+                                             (3, [130, 105] * 2)])
+def test_a_stop_string_whose_bytes_span_tokens(min_tokens, want):
+    """"é" is two byte tokens (130, 105): a stop string that the token after min_tokens
+    completes counts, even when the first of its bytes came before; one that the first
+    min_tokens tokens complete does not. The stream agrees with the engine's text."""
+    llm = LLM(builtin_paths()[0], device="cpu", dtype="float32")
+    assert llm.tokenizer.decode([130, 105]) == "é"
+    params = SamplingParams(max_new_tokens=24, allowed_token_ids=[130, 105], temperature=1.0, seed=1, stop=["é"],
+                            min_tokens=min_tokens)
+    out = llm.generate("x", params)[0]
+    assert out.token_ids == want and out.finish_reason == "stop" and out.text == "é" * (len(want) // 2 - 1)
+    stream = TextStream(llm.tokenizer, ["é"], llm.eos_token_ids, context=llm.encode("x"), min_tokens=min_tokens)
+    assert "".join(stream.push([t]) for t in out.token_ids) + stream.finish(out.text) == out.text
