@@ -160,7 +160,8 @@ def test_graphed_states_reuse_only_in_a_captured_mode(monkeypatch):
         short = llm.generate([5, 6, 7], params)[0]  # nothing in common: a whole prefill (graphed)
         assert short.stats["cached_tokens"] == 0
         llm.generate(turn, params)  # the state holds this turn again
-    assert set(llm.states.graphed[state_key(1, 1024)].rounds) >= {SamplingBatch.mode_of([p]) for p in (SAMPLED, logprobs)}
+    modes = {SamplingBatch.mode_of([p]) for p in (SAMPLED, logprobs)}
+    assert set(llm.states.graphed[state_key(1, 1024)].rounds) >= modes
 
 
 def test_graphed_engines_replay_suffix_prefills(monkeypatch):

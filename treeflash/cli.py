@@ -18,8 +18,8 @@ class _Parser(argparse.ArgumentParser):
 # Fields of a prompt-file line that look like per-prompt settings. They are not read (the
 # command's flags apply to every prompt); a file that has them gets a note, not silence.
 _PER_PROMPT_SETTINGS = ("max_new_tokens", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
-                        "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "allowed_token_ids", "presence_penalty",
-                        "frequency_penalty", "repetition_penalty", "logprobs", "method", "budget")
+                        "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "allowed_token_ids",
+                        "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "method", "budget")
 
 
 def _jsonl_prompt(line: str, where: str) -> tuple[str, list[str]]:

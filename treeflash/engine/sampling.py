@@ -148,6 +148,11 @@ def _is_id(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
+# SamplingBatch's buffers that only some modes have (None in a batch that does not need them)
+OPTIONAL_BUFFERS = ("bias", "stop_mask", "min_end", "presence", "frequency", "repetition", "prompt_seen",
+                    "out_counts")
+
+
 @dataclass
 class SamplingBatch:
     """Per-request sampling parameters of a batch, as device tensors."""
@@ -253,9 +258,6 @@ class SamplingBatch:
             keep = torch.arange(tokens.shape[1], device=tokens.device) < counts[:, None]
             self.out_counts.scatter_add_(1, tokens, keep.to(self.out_counts.dtype))
 
-
-OPTIONAL_BUFFERS = ("bias", "stop_mask", "min_end", "presence", "frequency", "repetition", "prompt_seen",
-                    "out_counts")
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
