@@ -88,14 +88,16 @@ def test_controls_on_graphed_rounds_equal_ar(warm_pair):
              p(allowed_token_ids=list(range(3, 60)), logit_bias={9: 2.0}),
              p(temperature=0.8, top_p=0.9, seed=4, logit_bias={7: -2.0}),
              p(presence_penalty=0.5, frequency_penalty=0.7, repetition_penalty=1.2),
-             p(temperature=1.0, seed=5, repetition_penalty=1.5, min_tokens=8, stop_token_ids=[5])]
+             p(temperature=1.0, seed=5, repetition_penalty=1.5, min_tokens=8, stop_token_ids=[5]),
+             # fewer allowed tokens than the tree's per-depth candidates: -inf draft scores
+             p(temperature=1.0, seed=6, allowed_token_ids=list(range(3, 13)))]
     prompts = PROMPTS[:2]
     captures = []
     for params in modes * 2:
         got = llm.generate(prompts, params)
         assert [o.token_ids for o in got] == [o.token_ids for o in ar.generate(prompts, params)], params
         captures.append(llm.graph_captures)
-    assert captures[6:] == [captures[5]] * 6  # the second pass replays every mode
+    assert captures[7:] == [captures[6]] * 7  # the second pass replays every mode
     assert ar.generate(prompts, modes[1])[0].token_ids != ar.generate(prompts, modes[0])[0].token_ids
 
 
