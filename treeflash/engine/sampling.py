@@ -144,6 +144,14 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def _scatter(x: torch.Tensor, entries: list[tuple[int, int, float | bool]], accumulate: bool = False) -> None:
+    """x[row, col] = value (or += with `accumulate`) for (row, col, value) entries, in one copy to x's device."""
+    if entries:
+        rows, cols, values = zip(*entries)
+        index = torch.tensor([rows, cols], device=x.device)
+        x.index_put_((index[0], index[1]), torch.tensor(values, dtype=x.dtype, device=x.device), accumulate=accumulate)
+
+
 def _is_id(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
@@ -193,28 +201,24 @@ class SamplingBatch:
             **dict(zip(("any_sampled", "any_filtered", "any_logprobs", "any_biased", "any_penalized"),
                        cls.mode_of(params))),
         )
-        if batch.any_biased:
-            bias = torch.zeros(len(params), vocab_size)
-            stop_mask = torch.zeros(len(params), vocab_size, dtype=torch.bool)
-            for b, p in enumerate(params):
-                if p.allowed_token_ids is not None:
-                    bias[b] = float("-inf")
-                    bias[b, p.allowed_token_ids] = 0.0
-                if p.logit_bias:
-                    bias[b, list(p.logit_bias)] += torch.tensor(list(p.logit_bias.values()))
-                if p.min_tokens:
-                    stop_mask[b, sorted(end_ids[b])] = True
-            batch.bias, batch.stop_mask = bias.to(device), stop_mask.to(device)
+        B = len(params)
+        if batch.any_biased:  # made on the device from the sparse entries (B x V is large)
+            batch.bias = torch.zeros(B, vocab_size, device=device)
+            restricted = [b for b, p in enumerate(params) if p.allowed_token_ids is not None]
+            batch.bias[restricted] = float("-inf")
+            _scatter(batch.bias, [(b, t, 0.0) for b in restricted for t in params[b].allowed_token_ids])
+            _scatter(batch.bias, [(b, t, v) for b, p in enumerate(params) for t, v in (p.logit_bias or {}).items()],
+                     accumulate=True)
+            batch.stop_mask = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)
+            _scatter(batch.stop_mask, [(b, t, True) for b, p in enumerate(params) if p.min_tokens for t in end_ids[b]])
             batch.min_end = torch.tensor([len(q) + p.min_tokens for q, p in zip(prompts, params)], device=device)
         if batch.any_penalized:
             for name, field_ in (("presence", "presence_penalty"), ("frequency", "frequency_penalty"),
                                  ("repetition", "repetition_penalty")):
                 setattr(batch, name, torch.tensor([float(getattr(p, field_)) for p in params], device=device))
-            seen = torch.zeros(len(params), vocab_size, dtype=torch.bool)
-            for b, ids in enumerate(prompts):
-                seen[b, ids] = True
-            batch.prompt_seen = seen.to(device)
-            batch.out_counts = torch.zeros(len(params), vocab_size, device=device)
+            batch.prompt_seen = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)
+            _scatter(batch.prompt_seen, [(b, t, True) for b, q in enumerate(prompts) for t in q])
+            batch.out_counts = torch.zeros(B, vocab_size, device=device)
         return batch
 
     @staticmethod
