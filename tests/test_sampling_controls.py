@@ -272,6 +272,36 @@ def test_each_tree_node_gets_its_own_history():
     assert torch.allclose(got, want), got
 
 
+def test_a_vocabulary_slice_gets_the_same_bias_and_penalties():
+    """Under tensor parallelism each rank holds ids start..start + V': its slice of the
+    biased, penalized logits (tree paths included) equals that slice of the whole."""
+    from treeflash.engine.sampling import apply_bias, apply_penalties
+    gen = torch.Generator().manual_seed(0)
+    B, T = 2, 5
+    params = [SamplingParams(presence_penalty=0.7, frequency_penalty=0.3, repetition_penalty=1.6,
+                             logit_bias={2: 1.0, 9: -2.0}, min_tokens=2, max_new_tokens=8),
+              SamplingParams(repetition_penalty=0.7, allowed_token_ids=[1, 4, 5, 8, 11])]
+    sb = SamplingBatch.from_params(params, "cpu", V, [[3, 9, 9], [0, 11]], [{7}, {0}])
+    sb.extend_history(torch.tensor([[4, 9, 4], [5, 6, 0]]), torch.tensor([3, 2]))
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    parents = torch.tensor([[0, 0, 1, 1, 3], [0, 0, 0, 2, 3]])
+    ancestors = torch.eye(T, dtype=torch.bool).expand(B, T, T).clone()
+    for b in range(B):
+        for n in range(T):
+            a = n
+            while a:
+                a = int(parents[b, a])
+                ancestors[b, n, a] = True
+    logits = torch.randn(B, T, V, generator=gen)
+    positions = torch.tensor([[4, 5, 6, 6, 7], [2, 3, 3, 4, 5]])
+    def law(x, start):
+        return apply_penalties(apply_bias(x, positions, sb, start), sb, start, (tokens, ancestors))
+    whole = law(logits, 0)
+    for start in (0, 4, 8):
+        assert torch.equal(law(logits[..., start:start + 4], start), whole[..., start:start + 4]), start
+    assert torch.isinf(whole[1][:, [0, 2, 3]]).all() and not torch.isinf(whole[0]).all()
+
+
 @pytest.mark.parametrize("kind", ["warm", "plain"])
 def test_penalized_streams_equal_ar(kind, spec_target, spec_drafter, ar_reference):
     """Greedy, sampled and filtered requests with penalties (and one with a bias too):

@@ -381,7 +381,7 @@ class GraphedState:
         self.st = decoder.new_state(batch, bucket, sampling)
         self.cache_bytes = self.nbytes = self.st.cache_bytes  # the caches; captures add their pool
         self.pool = torch.cuda.graph_pool_handle()
-        self.rounds: dict[tuple[bool, bool, bool], GraphedRound] = {}
+        self.rounds: dict[tuple[bool, ...], GraphedRound] = {}  # by SamplingBatch.mode
         self.prefills: dict[tuple, GraphedPrefill] = {}
 
     @contextmanager

@@ -144,12 +144,15 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def _scatter(x: torch.Tensor, entries: list[tuple[int, int, float | bool]], accumulate: bool = False) -> None:
-    """x[row, col] = value (or += with `accumulate`) for (row, col, value) entries, in one copy to x's device."""
-    if entries:
-        rows, cols, values = zip(*entries)
-        index = torch.tensor([rows, cols], device=x.device)
-        x.index_put_((index[0], index[1]), torch.tensor(values, dtype=x.dtype, device=x.device), accumulate=accumulate)
+def _put(x: torch.Tensor, ids: list[list[int]], values, accumulate: bool = False) -> None:
+    """x[b, t] = value (or += with `accumulate`) for every token id t of ids[b]; `values`
+    one for all, or one per id in that order. Only the ids travel to x's device."""
+    cols = torch.tensor([t for row in ids for t in row], dtype=torch.long)
+    if not len(cols):
+        return
+    rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(row) for row in ids]))
+    values = torch.tensor(values, dtype=x.dtype).expand(len(cols))
+    x.index_put_((rows.to(x.device), cols.to(x.device)), values.to(x.device), accumulate=accumulate)
 
 
 def _is_id(t) -> bool:
@@ -204,20 +207,20 @@ class SamplingBatch:
         B = len(params)
         if batch.any_biased:  # made on the device from the sparse entries (B x V is large)
             batch.bias = torch.zeros(B, vocab_size, device=device)
-            restricted = [b for b, p in enumerate(params) if p.allowed_token_ids is not None]
-            batch.bias[restricted] = float("-inf")
-            _scatter(batch.bias, [(b, t, 0.0) for b in restricted for t in params[b].allowed_token_ids])
-            _scatter(batch.bias, [(b, t, v) for b, p in enumerate(params) for t, v in (p.logit_bias or {}).items()],
-                     accumulate=True)
+            allowed = [p.allowed_token_ids or [] for p in params]
+            batch.bias[[b for b, p in enumerate(params) if p.allowed_token_ids is not None]] = float("-inf")
+            _put(batch.bias, allowed, 0.0)
+            _put(batch.bias, [list(p.logit_bias or {}) for p in params],
+                 [v for p in params for v in (p.logit_bias or {}).values()], accumulate=True)
             batch.stop_mask = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)
-            _scatter(batch.stop_mask, [(b, t, True) for b, p in enumerate(params) if p.min_tokens for t in end_ids[b]])
+            _put(batch.stop_mask, [sorted(end_ids[b]) if p.min_tokens else [] for b, p in enumerate(params)], True)
             batch.min_end = torch.tensor([len(q) + p.min_tokens for q, p in zip(prompts, params)], device=device)
         if batch.any_penalized:
             for name, field_ in (("presence", "presence_penalty"), ("frequency", "frequency_penalty"),
                                  ("repetition", "repetition_penalty")):
                 setattr(batch, name, torch.tensor([float(getattr(p, field_)) for p in params], device=device))
             batch.prompt_seen = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)
-            _scatter(batch.prompt_seen, [(b, t, True) for b, q in enumerate(prompts) for t in q])
+            _put(batch.prompt_seen, prompts, True)
             batch.out_counts = torch.zeros(B, vocab_size, device=device)
         return batch
 
