@@ -323,12 +323,17 @@ def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return scaled.masked_fill(~mask, float("-inf"))
 
 
+def _wide(x: torch.Tensor) -> torch.dtype:
+    """The dtype sampling works in: float64 stays, anything else is float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def apply_bias(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, start: int) -> torch.Tensor:
     """`bias` (module doc) on logits [B, T, V'] (vocabulary ids start..start + V'), for the
     tokens at `positions` [B, T]: float32 (float64 stays), with the batch's logit_bias
     added and the tokens it disallows at -inf."""
     V = logits.shape[-1]
-    x = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    x = logits.to(_wide(logits))
     x = x + sb.bias[:, None, start:start + V]
     early = (positions < sb.min_end[:, None])[:, :, None] & sb.stop_mask[:, None, start:start + V]
     return x.masked_fill(early, float("-inf"))
@@ -340,7 +345,7 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch, start: int, path=No
     tokens [B, T] and ancestors [B, T, T]), the tokens of node t and of its ancestors
     but the root (the anchor, committed already): each node gets its own history."""
     B, T, V = logits.shape
-    x = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    x = logits.to(_wide(logits))
     counts = sb.out_counts[:, None, start:start + V].expand(B, T, V)
     if path is not None:
         tokens, ancestors = path
@@ -383,7 +388,7 @@ def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp:
         value, index = gumbel_argmax(logits, sb.seed, positions, sb.temperature, vocab_start=start,
                                      with_values=True)
         return tp.pick_max(value, index + start)
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    dtype = _wide(logits)
     temp = sb.temperature.to(dtype)
     scaled = logits.to(dtype) / temp.clamp_min(1e-6)[:, None, None]
     if sb.any_filtered:
@@ -400,5 +405,5 @@ def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, tp: TPGroup = TPGrou
     token's figure does not depend on how it was sampled. Returns (chosen [B, T],
     top values [B, T, K], top ids [B, T, K]), float32 (float64 for float64 logits),
     identical on every rank."""
-    x = logits if logits.dtype == torch.float64 else logits.float()
+    x = logits.to(_wide(logits))
     return tp.logprobs(x, tokens, min(MAX_LOGPROBS, x.shape[-1] * tp.size), tp.rank * x.shape[-1])
