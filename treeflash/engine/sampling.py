@@ -339,28 +339,45 @@ def apply_bias(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch,
     return x.masked_fill(early, float("-inf"))
 
 
+def _penalize(x: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """`penalize` on logits x [B, ...] given each entry's output count and prompt flag
+    (broadcast against x; the request's penalties per row of B)."""
+    def per_row(v):
+        return v.to(x.dtype).view(-1, *[1] * (x.dim() - 1))
+    seen = counts > 0
+    rep = per_row(sb.repetition)
+    x = torch.where(seen | prompt_seen, torch.where(x > 0, x / rep, x * rep), x)
+    return x - per_row(sb.frequency) * counts - per_row(sb.presence) * seen
+
+
 def apply_penalties(logits: torch.Tensor, sb: SamplingBatch, start: int, path=None) -> torch.Tensor:
     """`penalize` (module doc) on logits [B, T, V'] (vocabulary ids start..start + V').
     Row t's output so far is the committed output, plus, with `path` (a round's tree:
     tokens [B, T] and ancestors [B, T, T]), the tokens of node t and of its ancestors
-    but the root (the anchor, committed already): each node gets its own history."""
+    but the root (the anchor, committed already): each node gets its own history.
+
+    Every row is penalized by the committed output ([B, 1, V] counts, broadcast); a
+    node's path changes only the columns of the round's T tokens, which are then
+    recomputed and written over ([B, T, T] work, never a [B, T, V] count per node)."""
     B, T, V = logits.shape
-    x = logits.to(_wide(logits))
-    counts = sb.out_counts[:, None, start:start + V].expand(B, T, V)
-    if path is not None:
-        tokens, ancestors = path
-        local = tokens - start
-        inside = (local >= 0) & (local < V)
-        on_path = ancestors & inside[:, None, :]
-        on_path[:, :, 0] = False  # the root
-        index = local.clamp(0, V - 1)[:, None, :].expand(B, T, T)
-        counts = counts.clone().scatter_add_(2, index, on_path.to(counts.dtype))
-    counts = counts.to(x.dtype)
-    seen = counts > 0
-    rep = sb.repetition.to(x.dtype)[:, None, None]
-    repeated = seen | sb.prompt_seen[:, None, start:start + V]
-    x = torch.where(repeated, torch.where(x > 0, x / rep, x * rep), x)
-    return x - sb.frequency.to(x.dtype)[:, None, None] * counts - sb.presence.to(x.dtype)[:, None, None] * seen
+    wide = _wide(logits)
+    counts = sb.out_counts[:, start:start + V]
+    prompt_seen = sb.prompt_seen[:, start:start + V]
+    x = _penalize(logits.to(wide), counts[:, None].to(wide), prompt_seen[:, None], sb)
+    if path is None:
+        return x
+    tokens, ancestors = path
+    on_path = ancestors.clone()
+    on_path[:, :, 0] = False  # the root
+    # column of each node's token (a token of another rank's slice: this rank's first
+    # column, recomputed below with its true count, so every write is the right value)
+    col = torch.where((tokens >= start) & (tokens < start + V), tokens - start, 0)
+    same = tokens[:, :, None] == (col + start)[:, None, :]       # [B, T(a'), T(a)]
+    on_path_count = torch.bmm(on_path.to(wide), same.to(wide))  # times col[a] is on t's path
+    idx = col[:, None, :].expand(B, T, T)
+    total = counts.gather(1, col).to(wide)[:, None, :] + on_path_count
+    vals = _penalize(logits.gather(2, idx).to(wide), total, prompt_seen.gather(1, col)[:, None, :], sb)
+    return x.scatter_(2, idx, vals)  # equal columns get equal values
 
 
 def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp: TPGroup = TPGroup(),

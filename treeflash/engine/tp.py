@@ -28,18 +28,19 @@ store while the driver's collectives wait for it: a silent hang, not an error.
 
 Failures. A monitor thread in the driver polls its workers. When one dies it records
 which rank and why (killed by a signal, exit code, or the one-line error the worker
-wrote to the store before exiting), kills the other workers so that no collective
-waits on them (a gloo collective then fails at once; NCCL communicators are aborted, so
-that NCCL kernels waiting on the dead peer end, also inside a replayed CUDA graph),
-and the driver raises one `EngineDeadError` naming the rank, also when the
-command it was in returned normally (its collectives were cut short: the results are
-garbage); if the driver were still stuck 30 s later the monitor prints that line and
-exits the process. Workers exit when their parent dies (a watcher thread) or the store
-goes away; collective and store timeouts (TREEFLASH_TP_TIMEOUT seconds, default 600)
-are the backstop. Workers ignore SIGINT: Ctrl-C interrupts the driver, which then shuts
-them down. Workers are shut down when the last engine on them is closed or
-garbage-collected, and at exit; after a clean shutdown each rank keeps its NCCL
-communicator unreleased until it exits (`Runtime.park`).
+wrote to the store before exiting), kills the other workers so that no collective waits
+on them (a gloo collective then fails at once; the peer all-reduce's kernels see an
+abort flag and NCCL communicators are aborted, so that kernels waiting on the dead peer
+end), and the driver raises one `EngineDeadError` naming the rank, also when the command
+it was in returned normally (its collectives were cut short: the results are garbage).
+If the driver is still stuck 30 s later, or once the abort has hung for 8 s (NCCL's
+abort never returns once CUDA graphs captured collectives on the communicator, torch
+2.11), the monitor prints that line and exits the process. Workers exit when their
+parent dies (a watcher thread) or the store goes away; collective and store timeouts
+(TREEFLASH_TP_TIMEOUT seconds, default 600) are the backstop. Workers ignore SIGINT:
+Ctrl-C interrupts the driver, which then shuts them down. Workers are shut down when the
+last engine on them is closed or garbage-collected, and at exit; after a clean shutdown
+each rank keeps its NCCL communicator unreleased until it exits (`Runtime.park`).
 """
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ from treeflash.errors import EngineDeadError, InStepError, TreeflashError, Usage
 WORKER_ENV = "TREEFLASH_TP_WORKER"   # set by the driver for the workers it starts
 FAULT_ENV = "TREEFLASH_TP_FAULT"     # "<rank>:<command number>": that worker fails there (tests)
 GRACE_S = 30.0                        # after a worker died: how long the driver may stay stuck
+ABORT_S = 8.0  # NCCL's abort returns within ~2 s, or never (CUDA graphs captured collectives on it)
 # NVLink multicast (NVLS) stays off: the machines these run on do not provide it
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -653,9 +655,12 @@ class Runtime:
                     if p.poll() is None:
                         p.kill()
                 # in its own thread: the grace period below runs even if the abort blocks
-                threading.Thread(target=self.abort, daemon=True, name="treeflash-tp-abort").start()
-                deadline = time.monotonic() + GRACE_S
-                while self.busy and time.monotonic() < deadline:
+                aborting = threading.Thread(target=self.abort, daemon=True, name="treeflash-tp-abort")
+                aborting.start()
+                begun = time.monotonic()
+                while self.busy and time.monotonic() < begun + GRACE_S:
+                    if aborting.is_alive() and time.monotonic() > begun + ABORT_S:
+                        break  # the abort is stuck: the driver's kernels will never end
                     time.sleep(0.1)
                 if self.busy:
                     print(f"treeflash: error: {self.failure}", file=sys.stderr, flush=True)
