@@ -279,6 +279,8 @@ def test_prompt_longer_than_max_position_embeddings(capsys, broken):
     (["--min-tokens", "5", "--max-new-tokens", "4"], ["min_tokens"]),
     (["--logit-bias", '{"x": 1}'], ["logit-bias"]),
     (["--logit-bias", '{"3": 500}'], ["logit_bias"]),
+    (["--logit-bias", '{"%s": 1}' % ("1" * 5000)], ["logit_bias keys must be token ids"]),
+    (["--repetition-penalty", "1e39"], ["repetition_penalty"]),
     (["--presence-penalty", "3"], ["presence_penalty"]),
     (["--repetition-penalty", "0"], ["repetition_penalty"]),
     (["--max-new-tokens", "0"], ["max_new_tokens"]),

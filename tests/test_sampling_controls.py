@@ -182,10 +182,31 @@ def test_stop_strings_wait_for_min_tokens():
     (dict(allowed_token_ids=[1, True]), "allowed_token_ids must be a non-empty list"),
     (dict(min_tokens=-1), "min_tokens must be an integer in"),
     (dict(min_tokens=9, max_new_tokens=8), "min_tokens must be an integer in"),
+    # integers too long to print (Python refuses past 4300 digits) still get the message
+    (dict(logit_bias={10 ** 5000: 1.0}), "logit_bias must map token ids"),
+    (dict(allowed_token_ids=[-10 ** 5000]), "allowed_token_ids must be a non-empty list"),
+    (dict(stop_token_ids=[10 ** 5000]), "stop_token_ids must be a list of token ids"),
+    (dict(max_new_tokens=-10 ** 5000), "max_new_tokens must be an integer"),
 ])
 def test_bad_values_are_refused(kw, message):
-    with pytest.raises(UsageError, match=message):
+    with pytest.raises(UsageError, match=message) as e:
         SamplingParams(**kw)
+    assert len(str(e.value)) < 200 and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("mapping,message", [
+    ({"1" * 5000: 1}, "keys must be token ids"),
+    ({"5": 1, "05": 2}, "token id 5 twice"),
+    ({"²": 1}, "keys must be token ids"),
+    ({5: 1}, "keys must be token ids"),
+    ([["5", 1]], "must be an object"),
+])
+def test_logit_bias_as_json_gives_it(mapping, message):
+    """OpenAI's logit_bias (the server's and --logit-bias's): string keys of digits."""
+    from treeflash.engine.sampling import token_bias
+    assert token_bias({"7": 2, "0": -1.5}) == {7: 2, 0: -1.5}
+    with pytest.raises(UsageError, match=message):
+        token_bias(mapping)
 
 
 def test_ids_outside_the_vocabulary_and_impossible_requests(hf_checkpoint):
@@ -325,8 +346,11 @@ def test_penalized_streams_equal_ar(kind, spec_target, spec_drafter, ar_referenc
 @pytest.mark.parametrize("kw,message", [
     (dict(presence_penalty=2.5), "presence_penalty must be in"),
     (dict(frequency_penalty=-3), "frequency_penalty must be in"),
-    (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
-    (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number > 0"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be in"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty must be in"),
+    # past float32's range it would be inf there: 0 * inf is NaN, and NaN wins an argmax
+    (dict(repetition_penalty=1e39), "repetition_penalty must be in"),
+    (dict(repetition_penalty=1e-39), "repetition_penalty must be in"),
 ])
 def test_bad_penalties_are_refused(kw, message):
     with pytest.raises(UsageError, match=message):

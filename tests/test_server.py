@@ -223,6 +223,9 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [99999]}, 400, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"²": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1" * 5000: 1}}, 400, "logit_bias"),  # no int() of it
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1, "005": 2}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 1e39}, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 2, "allowed_token_ids": [5],
                          "stop_token_ids": [5], "stream": True}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),

@@ -7,7 +7,7 @@ import math
 import os
 import sys
 
-from treeflash.errors import TreeflashError, UsageError
+from treeflash.errors import TreeflashError, UsageError, shown
 
 
 class _Parser(argparse.ArgumentParser):
@@ -124,10 +124,11 @@ def sampling_from(args):
 
 def _logit_bias(text: str) -> dict[int, float]:
     """--logit-bias: a JSON object of token id -> bias, as OpenAI's logit_bias."""
-    bias = _json_object(text)
-    if not all(k.isascii() and k.isdigit() for k in bias):
-        raise argparse.ArgumentTypeError(f"logit bias keys must be token ids: {text!r}")
-    return {int(k): v for k, v in bias.items()}
+    from treeflash.engine.sampling import token_bias
+    try:
+        return token_bias(_json_object(text))
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _json_object(text: str) -> dict:
@@ -137,7 +138,7 @@ def _json_object(text: str) -> dict:
     except ValueError:
         value = None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+        raise argparse.ArgumentTypeError(f"not a JSON object: {shown(text)}")
     return value
 
 

@@ -19,3 +19,13 @@ class EngineDeadError(TreeflashError):
     """The engine can serve no more requests (a tensor-parallel rank failed, so the ranks
     are out of step, or its workers were shut down): only a new `LLM` can. A server
     answers 503 and reports itself unhealthy."""
+
+
+def shown(value, limit: int = 80) -> str:
+    """repr(value), cut: an error message does not echo a megabyte of input back (nor
+    fail on an integer too long to print)."""
+    try:
+        text = repr(value)
+    except ValueError:  # past Python's int-to-text limit
+        text = f"<a {type(value).__name__} too long to print>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -364,8 +364,9 @@ class GraphedPrefill:
 
 class GraphedState:
     """One bucketed batch state and every graph captured over its buffers: per sampling
-    mode (greedy, sampled, sampled with top-k/top-p/min-p; each with or without logprobs) a
-    round and the prefills by padded prompt shape. A server whose requests alternate
+    mode (greedy, sampled, sampled with top-k/top-p/min-p; each with or without logprobs,
+    logit bias / allowed tokens / min_tokens, and penalties) a round and the prefills by
+    padded prompt shape. A server whose requests alternate
     between modes replays them instead of recapturing (a capture runs the round three
     times and re-records it).
 

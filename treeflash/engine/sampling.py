@@ -5,7 +5,7 @@ The token at absolute position `p` of a request is
     argmax(filter(penalize(bias(logits, p), history) / T) + g(seed, p))   (no noise when T == 0)
 
 where `bias` adds the request's logit_bias, masks tokens outside its allowed_token_ids
-and, before its min_tokens-th new token, its stop tokens (to -inf), `penalize` applies
+and, for its first min_tokens new tokens, its stop tokens (to -inf), `penalize` applies
 the repetition penalty to tokens of the prompt and of the output before p, then the
 frequency and presence penalties to the output's (vLLM's order), `filter` applies
 min-p, top-k and top-p (masked to -inf) and `g(seed, p)` is a Gumbel
@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 import torch
 
 from treeflash.distributed import TPGroup
-from treeflash.errors import UsageError
+from treeflash.errors import UsageError, shown
 from treeflash.ops import triton_available
 
 _M32 = 0xFFFFFFFF
 MAX_LOGPROBS = 20  # most likely alternatives a request may ask for per token (vLLM's default limit)
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value's bound, as OpenAI's
 MAX_PENALTY = 2.0       # presence / frequency penalties' bound, as OpenAI's
+MAX_REPETITION_PENALTY = 1e30  # it and its reciprocal bound it: both finite and normal in float32
 
 
 @dataclass
@@ -63,65 +64,66 @@ class SamplingParams:
             raise UsageError(f"invalid sampling parameters: {msg}")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
                 or self.max_new_tokens < 1:
-            bad(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+            bad(f"max_new_tokens must be an integer >= 1, got {shown(self.max_new_tokens)}")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not math.isfinite(self.temperature) or self.temperature < 0:
-            bad(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            bad(f"temperature must be a finite number >= 0, got {shown(self.temperature)}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            bad(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+            bad(f"top_k must be an integer >= 0 (0 = off), got {shown(self.top_k)}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+            bad(f"top_p must be in (0, 1], got {shown(self.top_p)}")
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
-            bad(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+            bad(f"min_p must be in [0, 1] (0 = off), got {shown(self.min_p)}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2 ** 63):
-            bad(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+            bad(f"seed must be an integer in [0, 2^63), got {shown(self.seed)}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
-                bad(f"{name} must be true or false, got {getattr(self, name)!r}")
+                bad(f"{name} must be true or false, got {shown(getattr(self, name))}")
         if self.stop is None:
             self.stop = []
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)):
-            bad(f"stop must be a string or a list of strings, got {self.stop!r}")
+            bad(f"stop must be a string or a list of strings, got {shown(self.stop)}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop must be a list of non-empty strings")
         self.stop = [str(s) for s in self.stop]  # plain: a subclass may not unpickle in a TP worker
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(_is_id(t) for t in self.stop_token_ids):
-            bad(f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
+            bad(f"stop_token_ids must be a list of token ids (integers >= 0), got {shown(self.stop_token_ids)}")
         if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
             bad(f"stop token id {max(self.stop_token_ids)} is outside the vocabulary of {vocab_size}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
-                bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (or None: off), got {k!r}")
+                bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (or None: off), got {shown(k)}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
                 or not 0 <= self.min_tokens <= self.max_new_tokens:
             bad(f"min_tokens must be an integer in [0, max_new_tokens = {self.max_new_tokens}], "
-                f"got {self.min_tokens!r}")
+                f"got {shown(self.min_tokens)}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
                     _is_id(t) and not isinstance(v, bool) and isinstance(v, (int, float))
                     for t, v in self.logit_bias.items()):
-                bad(f"logit_bias must map token ids (integers >= 0) to numbers, got {self.logit_bias!r}")
+                bad(f"logit_bias must map token ids (integers >= 0) to numbers, got {shown(self.logit_bias)}")
             if not all(-MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in self.logit_bias.values()):  # NaN too
                 bad(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
             self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}  # plain, for TP workers
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids \
                     or not all(_is_id(t) for t in self.allowed_token_ids):
-                bad(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+                bad(f"allowed_token_ids must be a non-empty list of token ids, got {shown(self.allowed_token_ids)}")
             self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_PENALTY <= v <= MAX_PENALTY:
-                bad(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v!r}")
+                bad(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {shown(v)}")
         v = self.repetition_penalty
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
-            bad(f"repetition_penalty must be a finite number > 0 (1 = off), got {v!r}")
+        lo, hi = 1 / MAX_REPETITION_PENALTY, MAX_REPETITION_PENALTY
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+            bad(f"repetition_penalty must be in [{lo:g}, {hi:g}] (1 = off), got {shown(v)}")
         if vocab_size is not None:
             for name, ids in (("logit_bias", self.logit_bias or ()),
                               ("allowed_token_ids", self.allowed_token_ids or ())):
@@ -156,7 +158,23 @@ def _put(x: torch.Tensor, ids: list[list[int]], values, accumulate: bool = False
 
 
 def _is_id(t) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 63
+
+
+def token_bias(mapping) -> dict[int, float]:
+    """OpenAI's logit_bias as JSON gives it (token ids as strings of digits -> numbers),
+    as SamplingParams takes it; values are checked by `SamplingParams.validate`."""
+    if not isinstance(mapping, dict):
+        raise UsageError(f"logit_bias must be an object of token ids to numbers, got {shown(mapping)}")
+    out = {}
+    for key, value in mapping.items():
+        # at most 19 digits: any longer is no token id (and int() would refuse past 4300)
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19):
+            raise UsageError(f"logit_bias keys must be token ids, got {shown(key)}")
+        if int(key) in out:
+            raise UsageError(f"logit_bias has token id {int(key)} twice")
+        out[int(key)] = value
+    return out
 
 
 # SamplingBatch's buffers that only some modes have (None in a batch that does not need them)
@@ -189,9 +207,9 @@ class SamplingBatch:
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device, vocab_size: int | None = None,
-                    prompts: list[list[int]] | None = None, end_ids: list[set[int]] | None = None) -> "SamplingBatch":
-        """`vocab_size`, the `prompts` and each request's `end_ids` (what its min_tokens holds
-        back: EOS and its stop token ids) are needed if a request sets logit_bias,
+                    prompts: list[list[int]] | None = None, held_ids: list[set[int]] | None = None) -> "SamplingBatch":
+        """`vocab_size`, the `prompts` and each request's `held_ids` (what its min_tokens holds
+        back: EOS, even under ignore_eos, and its stop token ids) are needed if a request sets logit_bias,
         allowed_token_ids, min_tokens or a penalty."""
         seeds = [p.seed if p.seed is not None else random.getrandbits(63) for p in params]
         batch = cls(
@@ -213,7 +231,7 @@ class SamplingBatch:
             _put(batch.bias, [list(p.logit_bias or {}) for p in params],
                  [v for p in params for v in (p.logit_bias or {}).values()], accumulate=True)
             batch.stop_mask = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)
-            _put(batch.stop_mask, [sorted(end_ids[b]) if p.min_tokens else [] for b, p in enumerate(params)], True)
+            _put(batch.stop_mask, [sorted(held_ids[b]) if p.min_tokens else [] for b, p in enumerate(params)], True)
             batch.min_end = torch.tensor([len(q) + p.min_tokens for q, p in zip(prompts, params)], device=device)
         if batch.any_penalized:
             for name, field_ in (("presence", "presence_penalty"), ("frequency", "frequency_penalty"),

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from treeflash.chat import ChatFormat, plain_messages
-from treeflash.engine.sampling import MAX_LOGPROBS, SamplingParams
-from treeflash.errors import TreeflashError, UsageError
+from treeflash.engine.sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
+                                       SamplingParams, token_bias)
+from treeflash.errors import TreeflashError, UsageError, shown
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
@@ -146,12 +147,6 @@ class Request:
                 for p in self.prompts for j in range(self.n)]
 
 
-def _short(value) -> str:
-    """repr(value), cut: an error message does not echo a megabyte of input back."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _number(body: dict, key: str, default, kind, lo=None, hi=None, lo_open=False):
     """body[key] checked (null or absent: the default)."""
     value = body.get(key)
@@ -159,10 +154,10 @@ def _number(body: dict, key: str, default, kind, lo=None, hi=None, lo_open=False
         return default
     if isinstance(value, bool) or not isinstance(value, kind) or (isinstance(value, float) and not math.isfinite(value)):
         what = "an integer" if kind is int else "a finite number"
-        raise APIError(f"'{key}' must be {what}, got {_short(value)}", param=key)
+        raise APIError(f"'{key}' must be {what}, got {shown(value)}", param=key)
     if (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi):
         bounds = f"{'>' if lo_open else '>='} {lo}" if hi is None else f"in {'(' if lo_open else '['}{lo}, {hi}]"
-        raise APIError(f"'{key}' must be {bounds}, got {_short(value)}", param=key)
+        raise APIError(f"'{key}' must be {bounds}, got {shown(value)}", param=key)
     return value
 
 
@@ -171,7 +166,7 @@ def _flag(body: dict, key: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise APIError(f"'{key}' must be true or false, got {_short(value)}", param=key)
+        raise APIError(f"'{key}' must be true or false, got {shown(value)}", param=key)
     return value
 
 
@@ -185,7 +180,7 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
     for name, type_, what in BOOKKEEPING:  # not read, but not taken whatever they hold
         if body.get(name) is not None and (not isinstance(body[name], type_) or (
                 type_ is dict and not all(isinstance(v, str) for v in body[name].values()))):
-            raise APIError(f"'{name}' must be {what}, got {_short(body[name])}", param=name)
+            raise APIError(f"'{name}' must be {what}, got {shown(body[name])}", param=name)
     _number(body, "max_tokens", None, int, 1)  # checked even where max_completion_tokens wins
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     room = max_model_len - max(prompt_lens)
@@ -198,7 +193,7 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
                                                            and all(isinstance(s, str) for s in stop))):
-        raise APIError(f"'stop' must be a string or a list of strings, got {_short(stop)}", param="stop")
+        raise APIError(f"'stop' must be a string or a list of strings, got {shown(stop)}", param="stop")
     stop = [s for s in ([stop] if isinstance(stop, str) else stop or []) if s]  # "" stops nothing
     if len(stop) > MAX_STOPS:
         raise APIError(f"at most {MAX_STOPS} stop strings, got {len(stop)}", param="stop")
@@ -217,10 +212,10 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
             top_k=0 if top_k == -1 else top_k,
             top_p=float(_number(body, "top_p", defaults.top_p, (int, float), 0, 1, lo_open=True)),
             min_p=float(_number(body, "min_p", defaults.min_p, (int, float), 0, 1)),
-            presence_penalty=float(_number(body, "presence_penalty", 0.0, (int, float), -2, 2)),
-            frequency_penalty=float(_number(body, "frequency_penalty", 0.0, (int, float), -2, 2)),
+            presence_penalty=float(_number(body, "presence_penalty", 0.0, (int, float), -MAX_PENALTY, MAX_PENALTY)),
+            frequency_penalty=float(_number(body, "frequency_penalty", 0.0, (int, float), -MAX_PENALTY, MAX_PENALTY)),
             repetition_penalty=float(_number(body, "repetition_penalty", defaults.repetition_penalty, (int, float),
-                                             0, lo_open=True)),
+                                             1 / MAX_REPETITION_PENALTY, MAX_REPETITION_PENALTY)),
             seed=_number(body, "seed", None, int, 0, 2 ** 63 - 1), stop=stop,
             ignore_eos=_flag(body, "ignore_eos", False), stop_token_ids=list(stop_ids or []),
             logprobs=_logprobs(body, kind), skip_special_tokens=_flag(body, "skip_special_tokens", True),
@@ -231,24 +226,20 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
 
 def _logit_bias(body: dict, vocab_size: int | None) -> dict[int, float] | None:
     """OpenAI's logit_bias: an object of token ids (as strings) -> a bias in [-100, 100]."""
-    bias = body.get("logit_bias")
-    if bias is None:
+    if body.get("logit_bias") is None:
         return None
-    if not isinstance(bias, dict):
-        raise APIError(f"'logit_bias' must be an object of token ids to numbers, got {_short(bias)}",
-                       param="logit_bias")
-    out = {}
-    for key, value in bias.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
-            raise APIError(f"'logit_bias' keys must be token ids, got {_short(key)}", param="logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise APIError(f"'logit_bias' values must be numbers in [-100, 100], got {_short(value)}",
-                           param="logit_bias")
-        out[int(key)] = float(value)
+    try:
+        out = token_bias(body["logit_bias"])
+    except UsageError as e:
+        raise APIError(str(e).replace("logit_bias", "'logit_bias'", 1), param="logit_bias") from None
+    for value in out.values():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise APIError(f"'logit_bias' values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                           f"got {shown(value)}", param="logit_bias")
     if out and vocab_size is not None and max(out) >= vocab_size:
         raise APIError(f"'logit_bias' token id {max(out)} is outside the vocabulary of {vocab_size}",
                        param="logit_bias")
-    return out
+    return {t: float(v) for t, v in out.items()}
 
 
 def _token_ids(body: dict, key: str, vocab_size: int | None, empty: bool = False) -> list[int] | None:
@@ -259,7 +250,7 @@ def _token_ids(body: dict, key: str, vocab_size: int | None, empty: bool = False
     if not (isinstance(ids, list) and (ids or empty) and all(isinstance(t, int) and not isinstance(t, bool)
                                                              and t >= 0 for t in ids)):
         what = "a list of token ids" if empty else "a non-empty list of token ids"
-        raise APIError(f"'{key}' must be {what}, got {_short(ids)}", param=key)
+        raise APIError(f"'{key}' must be {what}, got {shown(ids)}", param=key)
     if ids and vocab_size is not None and max(ids) >= vocab_size:
         raise APIError(f"'{key}' token id {max(ids)} is outside the vocabulary of {vocab_size}", param=key)
     return ids
@@ -297,7 +288,7 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     for key in ("include_usage", "continuous_usage_stats"):
         flags[key] = options.get(key)
         if flags[key] is not None and not isinstance(flags[key], bool):
-            raise APIError(f"'stream_options.{key}' must be true or false, got {_short(flags[key])}",
+            raise APIError(f"'stream_options.{key}' must be true or false, got {shown(flags[key])}",
                            param="stream_options")
     if flags["continuous_usage_stats"]:
         raise APIError("'stream_options.continuous_usage_stats' is not supported", param="stream_options")
@@ -312,9 +303,9 @@ def check_model(body: dict, served: str | tuple[str, ...]) -> None:
     names = (served,) if isinstance(served, str) else served
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise APIError(f"'model' must be a string, got {_short(model)}", param="model")
+        raise APIError(f"'model' must be a string, got {shown(model)}", param="model")
     if model is not None and model not in names:
-        raise APIError(f"the model {_short(model)} does not exist (this server serves "
+        raise APIError(f"the model {shown(model)} does not exist (this server serves "
                        f"{', '.join(repr(n) for n in names)})",
                        status=404, param="model", code="model_not_found")
 
@@ -322,7 +313,7 @@ def check_model(body: dict, served: str | tuple[str, ...]) -> None:
 def check_keys(body: dict, kind: str) -> None:
     unknown = sorted(k for k in body if k not in KNOWN_KEYS[kind])
     if unknown:
-        raise APIError(f"unrecognized request argument {_short(unknown[0])}", param=unknown[0][:80])
+        raise APIError(f"unrecognized request argument {shown(unknown[0])}", param=unknown[0][:80])
 
 
 def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_model_len: int,
