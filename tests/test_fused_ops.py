@@ -167,7 +167,31 @@ def test_embedding_rows_match_torch(dtype, rows, H, ids_shape):
     assert torch.equal(gather_rows(weight.to(DEV), ids.to(DEV)).cpu(), F.embedding(ids, weight))
 
 
+@gpu_or_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,per_row", [(5, False), (7, True)])
+def test_penalties_match_torch(dtype, rows, per_row):
+    """The one-launch penalties equal the torch ones (within a rounding of the division):
+    committed counts broadcast over a round's rows, or one count per row (a tree's
+    recomputed columns), a vocabulary past one block, and every sign and flag."""
+    from treeflash.engine.sampling import SamplingBatch, SamplingParams, _penalize
+    from treeflash.ops.penalize import penalize
+    gen = torch.Generator().manual_seed(rows)
+    B, C = 3, 2500
+    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25),
+              SamplingParams(repetition_penalty=0.8), SamplingParams(frequency_penalty=-1.0)]
+    sb = SamplingBatch.from_params(params, "cpu", C, [[0]] * B, [set()] * B)
+    x = (torch.randn(B, rows, C, generator=gen) * 3).to(dtype)
+    x[..., :50] = 0.0  # exactly zero: penalized or not, it stays 0 (no 0 * inf)
+    counts = torch.randint(0, 3, (B, rows if per_row else 1, C), generator=gen).float()
+    seen = torch.rand(B, 1, C, generator=gen) < 0.2
+    want = _penalize(x.float(), counts, seen, sb)
+    got = penalize(*(t.to(DEV) for t in (x, counts, seen, sb.repetition, sb.frequency, sb.presence))).cpu()
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(want, x.float())  # the penalties did something
+
+
 @spawns_interpreter
 def test_ops_in_the_triton_interpreter():
     run_interpreted(__file__, "gemv_matches or rope_into_cache or row_argmax or gumbel_argmax or cos_sin "
-                    "or embedding_rows", 20)
+                    "or embedding_rows or penalties_match", 22)

@@ -25,7 +25,7 @@ import torch
 
 from treeflash.distributed import TPGroup
 from treeflash.errors import UsageError, shown
-from treeflash.ops import triton_available
+from treeflash.ops import fused_enabled, triton_available
 
 _M32 = 0xFFFFFFFF
 MAX_LOGPROBS = 20  # most likely alternatives a request may ask for per token (vLLM's default limit)
@@ -358,14 +358,19 @@ def apply_bias(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch,
 
 
 def _penalize(x: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """`penalize` on logits x [B, ...] given each entry's output count and prompt flag
-    (broadcast against x; the request's penalties per row of B)."""
-    def per_row(v):
-        return v.to(x.dtype).view(-1, *[1] * (x.dim() - 1))
+    """`penalize` on logits x [B, R, C] in the sampling dtype, given each entry's output
+    count and prompt flag ([B, 1 or R, C]) and the request's penalties per row of B; on
+    the fused path one launch (the same kernel for every caller, so equal inputs give
+    bit-equal outputs)."""
+    if fused_enabled(x) and x.dtype != torch.float64:
+        from treeflash.ops.penalize import penalize
+        return penalize(x, counts, prompt_seen, sb.repetition, sb.frequency, sb.presence)
+    wide = _wide(x)
+    x, counts = x.to(wide), counts.to(wide)
     seen = counts > 0
-    rep = per_row(sb.repetition)
+    rep = sb.repetition.to(wide)[:, None, None]
     x = torch.where(seen | prompt_seen, torch.where(x > 0, x / rep, x * rep), x)
-    return x - per_row(sb.frequency) * counts - per_row(sb.presence) * seen
+    return x - sb.frequency.to(wide)[:, None, None] * counts - sb.presence.to(wide)[:, None, None] * seen
 
 
 def apply_penalties(logits: torch.Tensor, sb: SamplingBatch, start: int, path=None) -> torch.Tensor:
@@ -381,7 +386,7 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch, start: int, path=No
     wide = _wide(logits)
     counts = sb.out_counts[:, start:start + V]
     prompt_seen = sb.prompt_seen[:, start:start + V]
-    x = _penalize(logits.to(wide), counts[:, None].to(wide), prompt_seen[:, None], sb)
+    x = _penalize(logits, counts[:, None], prompt_seen[:, None], sb)
     if path is None:
         return x
     tokens, ancestors = path
@@ -394,7 +399,7 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch, start: int, path=No
     on_path_count = torch.bmm(on_path.to(wide), same.to(wide))  # times col[a] is on t's path
     idx = col[:, None, :].expand(B, T, T)
     total = counts.gather(1, col).to(wide)[:, None, :] + on_path_count
-    vals = _penalize(logits.gather(2, idx).to(wide), total, prompt_seen.gather(1, col)[:, None, :], sb)
+    vals = _penalize(logits.gather(2, idx), total, prompt_seen.gather(1, col)[:, None, :], sb)
     return x.scatter_(2, idx, vals)  # equal columns get equal values
 
 
