@@ -169,29 +169,42 @@ def test_embedding_rows_match_torch(dtype, rows, H, ids_shape):
 
 @gpu_or_interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,per_row", [(5, False), (7, True)])
-def test_penalties_match_torch(dtype, rows, per_row):
-    """The one-launch penalties equal the torch ones (within a rounding of the division):
-    committed counts broadcast over a round's rows, or one count per row (a tree's
-    recomputed columns), a vocabulary past one block, and every sign and flag."""
-    from treeflash.engine.sampling import SamplingBatch, SamplingParams, _penalize
-    from treeflash.ops.penalize import penalize
+@pytest.mark.parametrize("rows,per_row,controls", [(5, False, "both"), (7, True, "both"), (4, False, "bias"),
+                                                   (3, True, "penalties")])
+def test_logit_controls_match_torch(dtype, rows, per_row, controls):
+    """The one-launch bias and penalties equal torch's (within a rounding of the
+    division): inputs broadcast over a round's rows from a request's [V] row, or one per
+    row (a tree's recomputed columns), a vocabulary past one block, every sign and flag,
+    stop tokens held back at some positions only."""
+    from treeflash.engine.sampling import SamplingBatch, SamplingParams, _controlled
+    from treeflash.ops.logit_controls import logit_controls
     gen = torch.Generator().manual_seed(rows)
     B, C = 3, 2500
-    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25),
-              SamplingParams(repetition_penalty=0.8), SamplingParams(frequency_penalty=-1.0)]
-    sb = SamplingBatch.from_params(params, "cpu", C, [[0]] * B, [set()] * B)
+    params = [SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25, min_tokens=4,
+                             logit_bias={7: 3.0, 2400: -2.5}),
+              SamplingParams(repetition_penalty=0.8, allowed_token_ids=list(range(0, C, 3))),
+              SamplingParams(frequency_penalty=-1.0, min_tokens=1)]
+    sb = SamplingBatch.from_params(params, "cpu", C, [[0, 1]] * B, [{5, 2000}] * B)
     x = (torch.randn(B, rows, C, generator=gen) * 3).to(dtype)
     x[..., :50] = 0.0  # exactly zero: penalized or not, it stays 0 (no 0 * inf)
-    counts = torch.randint(0, 3, (B, rows if per_row else 1, C), generator=gen).float()
-    seen = torch.rand(B, 1, C, generator=gen) < 0.2
-    want = _penalize(x.float(), counts, seen, sb)
-    got = penalize(*(t.to(DEV) for t in (x, counts, seen, sb.repetition, sb.frequency, sb.presence))).cpu()
-    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
-    assert not torch.equal(want, x.float())  # the penalties did something
+    shape = (B, rows if per_row else 1, C)
+    positions = torch.arange(rows)[None].repeat(B, 1)  # prompt of 2: rows 0-1 early for request 0 (min_end 6)
+    bias = (sb.bias.view(B, 1, C).expand(shape).contiguous(), sb.stop_mask.view(B, 1, C).expand(shape).contiguous(),
+            positions + 3) if controls != "penalties" else None
+    penalties = (torch.randint(0, 3, shape, generator=gen).float(), torch.rand(shape, generator=gen) < 0.2) \
+        if controls != "bias" else None
+    want = _controlled(x, sb, bias, penalties)
+    dev = lambda t: None if t is None else tuple(u.to(DEV) for u in t)  # noqa: E731
+    got = logit_controls(x.to(DEV), None if bias is None else (*dev(bias), sb.min_end.to(DEV)),
+                         None if penalties is None else (*dev(penalties), *dev((sb.repetition, sb.frequency,
+                                                                               sb.presence)))).cpu()
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.isinf(want).any() == (bias is not None)
+    finite = torch.isfinite(want)
+    assert torch.allclose(got[finite], want[finite], rtol=1e-6, atol=1e-6)
+    assert not torch.equal(want, x.float())  # the controls did something
 
 
 @spawns_interpreter
 def test_ops_in_the_triton_interpreter():
     run_interpreted(__file__, "gemv_matches or rope_into_cache or row_argmax or gumbel_argmax or cos_sin "
-                    "or embedding_rows or penalties_match", 22)
+                    "or embedding_rows or logit_controls", 24)

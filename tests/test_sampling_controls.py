@@ -282,8 +282,8 @@ def test_each_tree_node_gets_its_own_history():
     tokens = torch.tensor([[1, 2, 3, 2]])
     ancestors = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], dtype=torch.bool)
     logits = torch.full((1, 4, V), 1.0)
-    from treeflash.engine.sampling import apply_penalties
-    got = apply_penalties(logits, sb, 0, (tokens, ancestors))[0]
+    from treeflash.engine.sampling import apply_controls
+    got = apply_controls(logits, torch.arange(4)[None], sb, 0, (tokens, ancestors))[0]
     # counts per row (output 1 + the path): root {1}, a {1, 2}, b {1, 3}, c {1, 2, 2}; prompt {5}
     want = torch.full((4, V), 1.0)
     for row, counts in enumerate(({1: 1}, {1: 1, 2: 1}, {1: 1, 3: 1}, {1: 1, 2: 2})):
@@ -296,7 +296,7 @@ def test_each_tree_node_gets_its_own_history():
 def test_a_vocabulary_slice_gets_the_same_bias_and_penalties():
     """Under tensor parallelism each rank holds ids start..start + V': its slice of the
     biased, penalized logits (tree paths included) equals that slice of the whole."""
-    from treeflash.engine.sampling import apply_bias, apply_penalties
+    from treeflash.engine.sampling import apply_controls
     gen = torch.Generator().manual_seed(0)
     B, T = 2, 5
     params = [SamplingParams(presence_penalty=0.7, frequency_penalty=0.3, repetition_penalty=1.6,
@@ -316,7 +316,7 @@ def test_a_vocabulary_slice_gets_the_same_bias_and_penalties():
     logits = torch.randn(B, T, V, generator=gen)
     positions = torch.tensor([[4, 5, 6, 6, 7], [2, 3, 3, 4, 5]])
     def law(x, start):
-        return apply_penalties(apply_bias(x, positions, sb, start), sb, start, (tokens, ancestors))
+        return apply_controls(x, positions, sb, start, (tokens, ancestors))
     whole = law(logits, 0)
     for start in (0, 4, 8):
         assert torch.equal(law(logits[..., start:start + 4], start), whole[..., start:start + 4]), start

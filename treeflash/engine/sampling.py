@@ -346,50 +346,59 @@ def _wide(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _controlled(x: torch.Tensor, sb: SamplingBatch, bias=None, penalties=None) -> torch.Tensor:
+    """`bias` then `penalize` (module doc) on logits x [B, R, C], in the sampling dtype:
+    `bias` = (bias, held-back flags: [B, 1 or R, C]; positions [B, R]), `penalties` =
+    (output counts, prompt flags: [B, 1 or R, C]). On the fused path one launch, the same
+    kernel for every caller, so equal inputs give bit-equal outputs."""
+    if fused_enabled(x) and x.dtype != torch.float64:
+        from treeflash.ops.logit_controls import logit_controls
+        return logit_controls(x, None if bias is None else (*bias, sb.min_end),
+                              None if penalties is None else (*penalties, sb.repetition, sb.frequency, sb.presence))
+    wide = _wide(x)
+    x = x.to(wide)
+    if bias is not None:
+        add, held, positions = bias
+        x = (x + add).masked_fill((positions < sb.min_end[:, None])[:, :, None] & held, float("-inf"))
+    if penalties is not None:
+        counts, prompt_seen = penalties
+        counts = counts.to(wide)
+        seen = counts > 0
+        rep = sb.repetition.to(wide)[:, None, None]
+        x = torch.where(seen | prompt_seen, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - sb.frequency.to(wide)[:, None, None] * counts - sb.presence.to(wide)[:, None, None] * seen
+    return x
+
+
 def apply_bias(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, start: int) -> torch.Tensor:
     """`bias` (module doc) on logits [B, T, V'] (vocabulary ids start..start + V'), for the
-    tokens at `positions` [B, T]: float32 (float64 stays), with the batch's logit_bias
-    added and the tokens it disallows at -inf."""
-    V = logits.shape[-1]
-    x = logits.to(_wide(logits))
-    x = x + sb.bias[:, None, start:start + V]
-    early = (positions < sb.min_end[:, None])[:, :, None] & sb.stop_mask[:, None, start:start + V]
-    return x.masked_fill(early, float("-inf"))
+    tokens at `positions` [B, T]: float32 (float64 stays). The drafter's logits get it
+    (not the penalties, which it was not trained with)."""
+    cols = slice(start, start + logits.shape[-1])
+    return _controlled(logits, sb, bias=(sb.bias[:, None, cols], sb.stop_mask[:, None, cols], positions))
 
 
-def _penalize(x: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """`penalize` on logits x [B, R, C] in the sampling dtype, given each entry's output
-    count and prompt flag ([B, 1 or R, C]) and the request's penalties per row of B; on
-    the fused path one launch (the same kernel for every caller, so equal inputs give
-    bit-equal outputs)."""
-    if fused_enabled(x) and x.dtype != torch.float64:
-        from treeflash.ops.penalize import penalize
-        return penalize(x, counts, prompt_seen, sb.repetition, sb.frequency, sb.presence)
-    wide = _wide(x)
-    x, counts = x.to(wide), counts.to(wide)
-    seen = counts > 0
-    rep = sb.repetition.to(wide)[:, None, None]
-    x = torch.where(seen | prompt_seen, torch.where(x > 0, x / rep, x * rep), x)
-    return x - sb.frequency.to(wide)[:, None, None] * counts - sb.presence.to(wide)[:, None, None] * seen
+def apply_controls(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, start: int,
+                   path=None) -> torch.Tensor:
+    """`bias` (if a request of the batch sets one) then `penalize` (if one does; module
+    doc) on logits [B, T, V'] (vocabulary ids start..start + V') for the tokens at
+    `positions` [B, T]: float32 (float64 stays).
 
-
-def apply_penalties(logits: torch.Tensor, sb: SamplingBatch, start: int, path=None) -> torch.Tensor:
-    """`penalize` (module doc) on logits [B, T, V'] (vocabulary ids start..start + V').
     Row t's output so far is the committed output, plus, with `path` (a round's tree:
     tokens [B, T] and ancestors [B, T, T]), the tokens of node t and of its ancestors
-    but the root (the anchor, committed already): each node gets its own history.
-
-    Every row is penalized by the committed output ([B, 1, V] counts, broadcast); a
-    node's path changes only the columns of the round's T tokens, which are then
-    recomputed and written over ([B, T, T] work, never a [B, T, V] count per node)."""
+    but the root (the anchor, committed already): each node gets its own history. Every
+    row is penalized by the committed output ([B, 1, V] counts, broadcast); a node's path
+    changes only the columns of the round's T tokens, which are then recomputed and
+    written over ([B, T, T] work, never a [B, T, V] count per node)."""
     B, T, V = logits.shape
-    wide = _wide(logits)
-    counts = sb.out_counts[:, start:start + V]
-    prompt_seen = sb.prompt_seen[:, start:start + V]
-    x = _penalize(logits, counts[:, None], prompt_seen[:, None], sb)
-    if path is None:
+    cols = slice(start, start + V)
+    bias = (sb.bias[:, None, cols], sb.stop_mask[:, None, cols], positions) if sb.any_biased else None
+    penalties = (sb.out_counts[:, None, cols], sb.prompt_seen[:, None, cols]) if sb.any_penalized else None
+    x = _controlled(logits, sb, bias, penalties)
+    if path is None or penalties is None:
         return x
     tokens, ancestors = path
+    wide = x.dtype
     on_path = ancestors.clone()
     on_path[:, :, 0] = False  # the root
     # column of each node's token (a token of another rank's slice: this rank's first
@@ -397,9 +406,13 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch, start: int, path=No
     col = torch.where((tokens >= start) & (tokens < start + V), tokens - start, 0)
     same = tokens[:, :, None] == (col + start)[:, None, :]       # [B, T(a'), T(a)]
     on_path_count = torch.bmm(on_path.to(wide), same.to(wide))  # times col[a] is on t's path
+
+    def at(row):  # [B, V] -> the path tokens' columns, [B, 1, T]
+        return row[:, cols].gather(1, col)[:, None, :]
+    bias_at = (at(sb.bias), at(sb.stop_mask), positions) if bias is not None else None
     idx = col[:, None, :].expand(B, T, T)
-    total = counts.gather(1, col).to(wide)[:, None, :] + on_path_count
-    vals = _penalize(logits.gather(2, idx), total, prompt_seen.gather(1, col)[:, None, :], sb)
+    vals = _controlled(logits.gather(2, idx), sb, bias_at, (at(sb.out_counts).to(wide) + on_path_count,
+                                                            at(sb.prompt_seen)))
     return x.scatter_(2, idx, vals)  # equal columns get equal values
 
 
@@ -412,15 +425,13 @@ def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp:
     all-gather of (value, id) picks the winner, ties toward the lowest id exactly as
     argmax over the whole vocabulary; every rank returns the same global ids (the bias
     is added to each rank's slice). Top-k / top-p / min-p filtering needs whole rows:
-    batches with filtered requests gather the logits. `path`: see `apply_penalties`.
+    batches with filtered requests gather the logits. `path`: see `apply_controls`.
     """
     if sb.any_filtered:
         logits, tp = tp.all_gather(logits, dim=-1), TPGroup()  # now whole rows on every rank
     start = tp.rank * logits.shape[-1]
-    if sb.any_biased:
-        logits = apply_bias(logits, positions, sb, start)
-    if sb.any_penalized:
-        logits = apply_penalties(logits, sb, start, path)
+    if sb.any_biased or sb.any_penalized:
+        logits = apply_controls(logits, positions, sb, start, path)
     if not sb.any_sampled:
         return tp.argmax(logits, start)
     if logits.is_cuda and not sb.any_filtered and logits.dtype != torch.float64 and triton_available():
