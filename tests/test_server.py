@@ -226,6 +226,9 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"1" * 5000: 1}}, 400, "logit_bias"),  # no int() of it
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1, "005": 2}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 1e39}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),  # no parser
     ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 2, "allowed_token_ids": [5],
                          "stop_token_ids": [5], "stream": True}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
@@ -1188,7 +1191,9 @@ def test_sampling_defaults_come_from_generation_config(tmp_path, llm):
 
 
 @pytest.mark.parametrize("args,words", [(["--max-batch", "0"], "--max-batch"), (["--port", "0"], "--port"),
-                                       (["--generation-config", "x"], "--generation-config")])
+                                       (["--generation-config", "x"], "--generation-config"),
+                                       (["--tool-call-parser", "x"], "--tool-call-parser"),
+                                       (["--tool-call-parser", "hermes"], "chat template")])  # the built-in has none
 def test_serve_refuses_bad_options_in_one_line(capsys, args, words):
     from treeflash.cli import main
     assert main(["serve", *args]) == 2

@@ -36,14 +36,44 @@ def plain_messages(messages) -> list[dict]:
                        for p in content):
                 raise UsageError(f"messages[{i}]: only text content parts are supported")
             content = "\n".join(p["text"] for p in content)
+        calls = m.get("tool_calls")
+        if content is None and calls:  # an assistant's turn that only calls tools
+            content = ""
         if not isinstance(content, str):
             raise UsageError(f"messages[{i}] must have string 'content'")
         try:
             content.encode("utf-8"), m["role"].encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate: a client cut a character in two
             raise UsageError(f"messages[{i}] must be valid Unicode text") from None
-        plain.append({"role": m["role"], "content": content})
+        entry = {"role": m["role"], "content": content}
+        if calls:
+            entry["tool_calls"] = _tool_calls(calls, f"messages[{i}]")
+        for key in ("tool_call_id", "name"):  # a tool's answer: which call it answers
+            if isinstance(m.get(key), str):
+                entry[key] = m[key]
+        plain.append(entry)
     return plain
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's `tool_calls` as templates read them: each function's
+    arguments as an object (OpenAI sends a JSON string; vLLM parses it for the template
+    too), kept as given if it is not JSON."""
+    if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+            for c in calls):
+        raise UsageError(f"{where}: 'tool_calls' must be a list of {{\"function\": {{\"name\": ..., "
+                         f"\"arguments\": ...}}}}")
+    out = []
+    for c in calls:
+        args = c["function"].get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass
+        out.append({**c, "function": {**c["function"], "arguments": args}})
+    return out
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
@@ -146,13 +176,14 @@ class ChatTemplate:
             tokens["additional_special_tokens"] = [_token_text(t) for t in extra]
         return cls(source, tokens)
 
-    def render(self, messages: list[dict], fmt: ChatFormat = ChatFormat()) -> str:
-        """The prompt for `messages`, by default ending where the assistant's answer starts
-        (see `ChatFormat`)."""
+    def render(self, messages: list[dict], fmt: ChatFormat = ChatFormat(), tools: list[dict] | None = None) -> str:
+        """The prompt for `messages` (and the `tools` the model may call), by default ending
+        where the assistant's answer starts (see `ChatFormat`)."""
         import jinja2
         try:
             text = self.template.render(**self.special_tokens, **(fmt.variables or {}), messages=messages,
-                                        add_generation_prompt=fmt.add_generation_prompt)
+                                        add_generation_prompt=fmt.add_generation_prompt,
+                                        **({} if tools is None else {"tools": tools}))
         except jinja2.TemplateError as e:
             raise TreeflashError(str(e)) from None
         except TreeflashError:  # the template's raise_exception(...)
@@ -169,12 +200,12 @@ class ChatTemplate:
                                  "it cannot be continued")
         return text
 
-    def prompt(self, messages, fmt: ChatFormat = ChatFormat()) -> str:
+    def prompt(self, messages, fmt: ChatFormat = ChatFormat(), tools: list[dict] | None = None) -> str:
         """`render` of a conversation checked by `plain_messages` (and `fmt` by its
         `checked`); a UsageError if either is malformed or the template refuses them (say,
         "roles must alternate")."""
         plain, fmt = plain_messages(messages), fmt.checked()
         try:
-            return self.render(plain, fmt)
+            return self.render(plain, fmt, tools)
         except TreeflashError as e:
             raise UsageError(f"the chat template refused the messages: {e}") from None

@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from treeflash.errors import UsageError
+from treeflash.server.tools import PARSERS
 
 
 def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
@@ -38,6 +39,10 @@ def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
                         "leave them out: "
                         "auto takes the model's generation_config.json, as vLLM does; none: OpenAI's "
                         "(temperature 1, top_p 1)")
+    s.add_argument("--tool-call-parser", choices=PARSERS,
+                   help="let chat requests carry tools (OpenAI's 'tools', tool_choice 'auto' or 'none'): the "
+                        "chat template writes them into the prompt and the answer's calls come back as "
+                        "tool_calls (hermes: <tool_call>{...}</tool_call>, as Qwen2.5, Qwen3 and Hermes write them)")
     s.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no line per request on stdout (as vLLM's flag; /health and /metrics are never logged)")
     s.set_defaults(func=cmd_serve)
@@ -91,6 +96,9 @@ def cmd_serve(args) -> int:
     _check_listen(args.host, args.port)
     folder = Path(args.model) if args.model else builtin_paths()[0]
     template = ChatTemplate.from_folder(folder)  # a broken template fails here, before the load
+    if args.tool_call_parser and template is None:
+        raise UsageError("--tool-call-parser needs a model with a chat template (tools are written into the "
+                         "prompt by it)")
     defaults = SamplingDefaults.from_folder(folder) if args.generation_config == "auto" else SamplingDefaults()
     names = args.served_model_name or [folder.resolve().name if args.model else "treeflash-builtin",
                                        *([args.model] if args.model else [])]
@@ -103,7 +111,7 @@ def cmd_serve(args) -> int:
         print(f"treeflash: requests that leave them out get {defaults.describe()} (generation_config.json; "
               f"--generation-config none for OpenAI's)", file=sys.stderr, flush=True)
     app = build_app(llm, name, template, args.max_batch, defaults, args.api_key or None, aliases,
-                    tuple(args.allowed_origins))
+                    tuple(args.allowed_origins), args.tool_call_parser)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGTERM / Ctrl-C: running and queued requests end now (503)

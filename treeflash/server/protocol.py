@@ -16,6 +16,7 @@ from treeflash.chat import ChatFormat, plain_messages
 from treeflash.engine.sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
                                        SamplingParams, token_bias)
 from treeflash.errors import TreeflashError, UsageError, shown
+from treeflash.server.tools import request_tools, split_tool_calls
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
@@ -24,8 +25,8 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 UNSUPPORTED = {
     "prompt_logprobs": ((None,), "prompt_logprobs are not supported (completions: echo with logprobs)"),
     "suffix": ((None, ""), "suffix is not supported"),
-    "tools": ((None, []), "tool calls are not supported"),
-    "tool_choice": ((None, "none", "auto"), "tool calls are not supported"),
+    "tools": ((None, []), "tool calls are for chat completions"),  # chat: `request_tools`
+    "tool_choice": ((None, "none", "auto"), "tool calls are for chat completions"),
     "functions": ((None, []), "function calls are not supported"),
     "response_format": ((None, {"type": "text"}), "response_format is not supported"),
     "bad_words": ((None, []), "bad_words is not supported"),
@@ -136,6 +137,7 @@ class Request:
     include_usage: bool = False
     n: int = 1                 # choices per prompt
     echo: list[str] | None = None  # completions with echo: each prompt's text, put before its choices' text
+    tool_calls: bool = False   # chat with tools: the answers' <tool_call> blocks become tool_calls
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -173,7 +175,7 @@ def _flag(body: dict, key: str, default: bool) -> bool:
 def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_tokens: int | None,
               defaults: SamplingDefaults, vocab_size: int | None, kind: str) -> SamplingParams:
     for key, (harmless, why) in UNSUPPORTED.items():
-        if body.get(key) not in harmless:
+        if body.get(key) not in harmless and not (kind == "chat" and key in ("tools", "tool_choice")):
             raise APIError(why, param=key)
     if _number(body, "best_of", 1, int, 1) != 1:
         raise APIError("only best_of = 1 is supported (it ranks choices by logprobs)", param="best_of")
@@ -360,23 +362,30 @@ def _choices(body: dict, prompts: int) -> int:
 
 
 def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_model_len: int,
-               defaults: SamplingDefaults = SamplingDefaults(), vocab_size: int | None = None) -> Request:
-    """A /v1/chat/completions body: the messages rendered by the model's chat template."""
+               defaults: SamplingDefaults = SamplingDefaults(), vocab_size: int | None = None,
+               tool_parser: str | None = None) -> Request:
+    """A /v1/chat/completions body: the messages (and tools, with a `tool_parser`)
+    rendered by the model's chat template."""
     check_keys(body, "chat")
     check_model(body, served)
     if body.get("echo") not in (None, False):
         raise APIError("echo is supported for completions only", param="echo")
+    try:
+        tools = request_tools(body, tool_parser)
+    except UsageError as e:
+        raise APIError(str(e), param=e.param) from None
     # the template writes its own special tokens; add_special_tokens adds the tokenizer's too (vLLM)
-    ids = [_encode(encode, render_chat(body, template), param="messages",
+    ids = [_encode(encode, render_chat(body, template, tools), param="messages",
                    special=_flag(body, "add_special_tokens", False))]
     stream, include_usage = _stream_flags(body)
     params = _sampling(body, [len(ids[0])], max_model_len, defaults.max_tokens, defaults, vocab_size, "chat")
-    return Request("chat", ids, params, stream, include_usage, _choices(body, 1))
+    return Request("chat", ids, params, stream, include_usage, _choices(body, 1), tool_calls=tools is not None)
 
 
-def render_chat(body: dict, template) -> str:
-    """The body's messages (text only) as the chat template renders them, in the body's
-    `ChatFormat` (vLLM's chat_template_kwargs, add_generation_prompt, continue_final_message)."""
+def render_chat(body: dict, template, tools: list[dict] | None = None) -> str:
+    """The body's messages (text only, and tool calls) as the chat template renders them
+    with `tools`, in the body's `ChatFormat` (vLLM's chat_template_kwargs,
+    add_generation_prompt, continue_final_message)."""
     try:
         plain_messages(body.get("messages"))  # a malformed message is named first, template or not
     except UsageError as e:
@@ -389,7 +398,7 @@ def render_chat(body: dict, template) -> str:
         raise APIError(str(e), param=e.param) from None
     if template is not None:
         try:
-            return template.prompt(body.get("messages"), fmt)
+            return template.prompt(body.get("messages"), fmt, tools)
         except UsageError as e:
             raise APIError(str(e), param="messages") from None
     raise APIError("this model has no chat template (tokenizer_config.json 'chat_template' or "
@@ -483,21 +492,39 @@ def response(req: Request, model: str, outputs, tokenizer=None) -> dict:
     chat = req.kind == "chat"
     choices = [{"index": i, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
                 "logprobs": logprobs_body(req, (out.prompt_logprobs or []) + (out.logprobs or []), tokenizer),
-                **({"message": {"role": "assistant", "content": out.text}} if chat else
+                **({"message": message(req, out)} if chat else
                    {"text": (req.echo[i // req.n] if req.echo else "") + out.text})}
                for i, out in enumerate(outputs)]
+    for choice in choices:
+        if chat and "tool_calls" in choice["message"]:
+            choice["finish_reason"] = tool_finish(choice["finish_reason"])
     return {"id": ("chatcmpl-" if chat else "cmpl-") + req.id,
             "object": "chat.completion" if chat else "text_completion", "created": req.created,
             "model": model, "choices": choices,
             "usage": usage(req, outputs)}
 
 
+def message(req: Request, out) -> dict:
+    """A chat answer's message: its text, or with tools the text outside its tool calls
+    and the calls (`treeflash.server.tools`)."""
+    if not req.tool_calls:
+        return {"role": "assistant", "content": out.text}
+    content, calls = split_tool_calls(out.text)
+    return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+
+
+def tool_finish(reason: str) -> str:
+    """An answer that called tools ends with 'tool_calls' where it would with 'stop'."""
+    return "tool_calls" if reason == "stop" else reason
+
+
 def chunk(req: Request, model: str, text: str | None = None, finish_reason: str | None = None,
           first: bool = False, usage_: dict | None = None, stop_reason: int | str | None = None,
-          index: int = 0, logprobs: dict | None = None) -> dict:
+          index: int = 0, logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
     """One streamed event of choice `index`: a text delta (with its tokens' `logprobs`
-    body, if asked), the finish reason (with vLLM's stop_reason: the stop token id or
-    string), or (choices empty) the usage."""
+    body, if asked) or chat tool calls (each with its `index` among the choice's calls),
+    the finish reason (with vLLM's stop_reason: the stop token id or string), or
+    (choices empty) the usage."""
     chat = req.kind == "chat"
     if usage_ is not None:
         choices = []
@@ -505,6 +532,8 @@ def chunk(req: Request, model: str, text: str | None = None, finish_reason: str 
         delta = {"role": "assistant"} if first else {}
         if text:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choices = [{"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}]
     else:
         choices = [{"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": logprobs}]

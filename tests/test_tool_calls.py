@@ -1,0 +1,182 @@
+"""Tool calls in chat completions (`treeflash serve --tool-call-parser hermes`).
+
+What a client relies on: its tools and its earlier calls reach the chat template; an
+answer's `<tool_call>` blocks come back as `tool_calls` (the text around them as
+content, finish_reason 'tool_calls'), the same whole or streamed however the text is cut;
+a block that is not a call stays text; requests the server cannot honour get a 400.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from treeflash.server.tools import ToolCallStream, split_tool_calls
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+ANSWER = "Let me check.\n" + CALL + "\n" + CALL.replace("Paris", "Oslo")
+
+
+def test_split_tool_calls():
+    content, calls = split_tool_calls(ANSWER)
+    assert content == "Let me check."
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] * 2
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris", "days": 2},
+                                                                       {"city": "Oslo", "days": 2}]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    # no call: the text as it is; a block that is not a call stays text; an unclosed last
+    # block (the model stopped at EOS) is still a call
+    assert split_tool_calls("plain < text <tool") == ("plain < text <tool", [])
+    assert split_tool_calls("a <tool_call>not json</tool_call>") == ("a <tool_call>not json</tool_call>", [])
+    content, calls = split_tool_calls('ok <tool_call>{"name": "f"}')
+    assert content == "ok" and calls[0]["function"] == {"name": "f", "arguments": "{}"}
+    assert split_tool_calls(CALL)[0] is None
+
+
+@pytest.mark.parametrize("piece", [1, 2, 5, 13, len(ANSWER)])
+def test_a_stream_cut_anywhere_gives_the_same_calls(piece):
+    stream, content, calls = ToolCallStream(), "", []
+    for i in range(0, len(ANSWER), piece):
+        text, new = stream.push(ANSWER[i:i + piece])
+        assert "<" not in text  # a tag's beginning is held until it is known
+        content, calls = content + text, calls + new
+    text, new = stream.finish()
+    content, calls = content + text, calls + new
+    whole = split_tool_calls(ANSWER)[1]
+    assert content.strip() == "Let me check." and [c["function"] for c in calls] == [c["function"] for c in whole]
+
+
+# ----------------------------------------------------------------------------- server
+
+pytest.importorskip("starlette")
+pytest.importorskip("httpx")
+from starlette.testclient import TestClient  # noqa: E402
+
+from treeflash import LLM, GenerationOutput  # noqa: E402
+from treeflash.chat import ChatTemplate  # noqa: E402
+from treeflash.engine.llm import builtin_paths  # noqa: E402
+from treeflash.server.app import build_app  # noqa: E402
+
+# writes the tools and earlier calls (arguments as objects), as Qwen's templates do
+TEMPLATE = ("{% if tools %}### tools:\n{% for t in tools %}{{ t.function.name }}: {{ t.function.parameters | tojson }}\n"
+            "{% endfor %}{% endif %}{% for m in messages %}### {{ m.role }}:\n{{ m.content }}"
+            "{% for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': "
+            "c.function.arguments} | tojson }}</tool_call>{% endfor %}\n{% endfor %}"
+            "{% if add_generation_prompt %}### assistant:\n{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the forecast",
+                                           "parameters": {"type": "object", "properties": {"city": {}}}}}]
+MESSAGES = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            {"role": "user", "content": "and Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    """An LLM whose chat answer is ANSWER's tokens (one per on_tokens call), recording
+    the prompts it was given, and a server for it with the hermes parser."""
+    folder = tmp_path_factory.mktemp("tools") / "target"
+    shutil.copytree(builtin_paths()[0], folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    llm = LLM(folder, device="cpu", dtype="float32")
+    ids, prompts = llm.encode(ANSWER), []
+
+    def generate(batch, params, on_tokens=None, on_done=None):
+        outs = []
+        for k, prompt in enumerate(batch):
+            prompts.append(llm.tokenizer.decode(prompt))
+            for t in ids:
+                on_tokens(k, [t], None)
+            outs.append(GenerationOutput(llm.tokenizer.decode(ids), list(ids), "stop"))
+            on_done(k, outs[-1])
+        return outs
+
+    llm.generate = generate
+    with TestClient(build_app(llm, "tiny", ChatTemplate.from_folder(folder), tool_parser="hermes")) as client:
+        yield client, prompts
+
+
+def _stream(client, body) -> tuple[str, list[dict], str]:
+    """(content, tool calls by index, finish_reason) of a streamed chat answer."""
+    r = client.post("/v1/chat/completions", json={**body, "stream": True})
+    assert r.status_code == 200, r.text
+    content, calls, reason = "", {}, None
+    for line in r.text.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        choice = json.loads(line[6:])["choices"][0]
+        content += choice["delta"].get("content") or ""
+        for c in choice["delta"].get("tool_calls") or []:
+            assert c["index"] not in calls
+            calls[c["index"]] = {k: v for k, v in c.items() if k != "index"}
+        reason = choice["finish_reason"] or reason
+    return content, [calls[i] for i in sorted(calls)], reason
+
+
+def test_tools_reach_the_template_and_calls_come_back(scripted):
+    client, prompts = scripted
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 50}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    prompt = prompts[-1]
+    assert 'get_weather: {"type": "object", "properties": {"city": {}}}' in prompt
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>' in prompt
+    assert "### tool:\nsunny" in prompt
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["content"] == "Let me check."
+    assert [json.loads(c["function"]["arguments"])["city"] for c in message["tool_calls"]] == ["Paris", "Oslo"]
+    content, calls, reason = _stream(client, body)
+    assert content.strip() == "Let me check." and reason == "tool_calls"
+    assert [c["function"] for c in calls] == [c["function"] for c in message["tool_calls"]]
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+
+
+@pytest.mark.parametrize("extra", [{}, {"tool_choice": "none"}])
+def test_without_tools_the_answer_is_text(scripted, extra):
+    """No tools, or tool_choice 'none': nothing is written into the prompt, nothing parsed."""
+    client, prompts = scripted
+    body = {"messages": MESSAGES[:1], "max_tokens": 50, **extra, **({"tools": TOOLS} if extra else {})}
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert "### tools" not in prompts[-1]
+    assert choice["message"]["content"] == ANSWER and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "stop"
+    assert _stream(client, body) == (ANSWER, [], "stop")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {}}]}, "tools"),
+    ({"tools": {"get_weather": {}}}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
+])
+def test_tool_requests_the_server_cannot_honour(scripted, body, param):
+    client, _ = scripted
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES[:1], **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    bad_call = [{"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]}]
+    r = client.post("/v1/chat/completions", json={"messages": bad_call})
+    assert r.status_code == 400 and "tool_calls" in r.json()["error"]["message"]
+
+
+def test_tools_need_a_parser():
+    """A server started without --tool-call-parser refuses tools (it would not parse the
+    answer), and an unknown parser is refused at start."""
+    from treeflash.errors import UsageError
+    llm = LLM(builtin_paths()[0], device="cpu", dtype="float32")
+    with TestClient(build_app(llm, "tiny", ChatTemplate("{{ messages[0].content }}"))) as client:
+        r = client.post("/v1/chat/completions", json={"messages": MESSAGES[:1], "tools": TOOLS})
+        assert r.status_code == 400 and "--tool-call-parser" in r.json()["error"]["message"]
+        assert r.json()["error"]["param"] == "tools"
+        r = client.post("/v1/chat/completions", json={"messages": MESSAGES[:1], "tools": TOOLS, "max_tokens": 2,
+                                                      "tool_choice": "none"})  # not to be used: fine
+        assert r.status_code == 200, r.text
+    with pytest.raises(UsageError, match="unknown tool-call parser"):
+        build_app(llm, "tiny", None, tool_parser="mistral")
