@@ -8,6 +8,7 @@ arguments raise `UsageError` before any work.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -380,3 +381,20 @@ def test_sentencepiece_continuations_keep_their_first_space(tmp_path):
     j = len(out.text) - len(out.text.lstrip(" "))  # cut at the first letter: the spaces before it stay
     cut = llm.generate(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True, stop=[out.text[j]]))[0]
     assert 0 < j < len(out.text) and cut.text == out.text[:j]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(hf_checkpoint):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens, whatever its length
+    (-1: as many as fit), so an over-long prompt is read, not refused."""
+    llm = LLM(hf_checkpoint("qwen3").path, device="cpu", dtype="float32", max_model_len=48)
+    ids = [(7 * i) % 50 + 3 for i in range(llm.max_model_len + 20)]
+    params = SamplingParams(max_new_tokens=5)
+    for k, kept in ((12, 12), (-1, llm.max_model_len - 1)):
+        got = llm.generate(ids, replace(params, max_new_tokens=1 if k == -1 else 5, truncate_prompt_tokens=k))[0]
+        want = llm.generate(ids[-kept:], replace(params, max_new_tokens=1 if k == -1 else 5))[0]
+        assert got.token_ids == want.token_ids and len(got.token_ids) >= 1
+    with pytest.raises(UsageError, match="does not fit the context limit"):
+        llm.generate(ids, params)
+    for k in (0, -2, 1.5, True):
+        with pytest.raises(UsageError, match="truncate_prompt_tokens must be"):
+            SamplingParams(truncate_prompt_tokens=k)

@@ -632,7 +632,7 @@ def test_add_special_tokens_reaches_the_tokenizer(chat_model):
     from treeflash.server.protocol import parse_chat, parse_completion
     seen = []
 
-    def encode(prompt, special=True):
+    def encode(prompt, special=True, truncate=None):
         seen.append(special)
         return [5, 6]
     chat = {"messages": [{"role": "user", "content": "hi"}]}
@@ -1274,3 +1274,24 @@ def test_treeflash_serve_shuts_down_promptly():
     last = [line for line in got["streamed"].splitlines() if line.startswith("data: ")][-2:]
     assert json.loads(last[0][6:])["error"]["message"] == "the server is shutting down" and last[1] == "data: [DONE]"
     assert "Traceback" not in proc.stderr.read()
+
+
+def test_truncate_prompt_tokens(client, llm):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (usage counts those; echo
+    shows them), also for chat and for a prompt longer than the context."""
+    ids = llm.encode(PROMPT * 40)
+    body = {"prompt": ids, "max_tokens": 6, "temperature": 0, "truncate_prompt_tokens": 9}
+    got = client.post("/v1/completions", json=body).json()
+    want = llm.generate(ids[-9:], SamplingParams(max_new_tokens=6))[0]
+    assert got["choices"][0]["text"] == want.text and got["usage"]["prompt_tokens"] == 9
+    echo = client.post("/v1/completions", json={**body, "prompt": PROMPT * 40, "echo": True}).json()
+    assert echo["choices"][0]["text"] == llm.tokenizer.decode(ids[-9:]) + want.text
+    huge = [5] * (llm.max_model_len + 10)
+    r = client.post("/v1/completions", json={**body, "prompt": huge, "truncate_prompt_tokens": -1, "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == llm.max_model_len - 1, r.text
+    chat = {"messages": [{"role": "user", "content": PROMPT * 40}], "max_tokens": 3, "temperature": 0}
+    r = client.post("/v1/chat/completions", json={**chat, "truncate_prompt_tokens": 7})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 7
+    for k in (0, -2, "9"):
+        r = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": k})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text

@@ -371,9 +371,10 @@ class LLM:
                              "or chat_template.jinja): use generate")
         return self.encode(self.chat_template.prompt(messages, fmt), special=False)
 
-    def encode(self, prompt: str | list[int], special: bool = True) -> list[int]:
+    def encode(self, prompt: str | list[int], special: bool = True, truncate: int | None = None) -> list[int]:
         """Checked token ids of a prompt; `special`: let the tokenizer add its special
-        tokens (BOS), as for plain text (not for a rendered chat template)."""
+        tokens (BOS), as for plain text (not for a rendered chat template); `truncate`:
+        keep only the last k (-1: as many as fit), SamplingParams.truncate_prompt_tokens."""
         if isinstance(prompt, str):
             try:
                 prompt.encode("utf-8")
@@ -392,6 +393,8 @@ class LLM:
         if max(ids) >= self.config.vocab_size:
             raise TreeflashError(f"the tokenizer produced token id {max(ids)}, outside the model's vocabulary "
                                  f"of {self.config.vocab_size}: tokenizer and checkpoint do not match")
+        if truncate is not None:
+            ids = ids[-(self.max_model_len - 1 if truncate == -1 else truncate):]
         if len(ids) >= self.max_model_len:
             raise UsageError(f"prompt of {len(ids)} tokens does not fit the context limit of "
                              f"{self.max_model_len} tokens")
@@ -427,7 +430,7 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise UsageError(f"sampling parameters must be SamplingParams, got {type(p).__name__}")
             self.check_sampling(p)
-        ids = [self.encode(p) for p in prompts]
+        ids = [self.encode(p, truncate=q.truncate_prompt_tokens) for p, q in zip(prompts, params)]
         # seeds are drawn here, so that every tensor-parallel rank samples alike; a subclass
         # becomes a plain SamplingParams (the workers could not unpickle a class of __main__)
         params = [p if type(p) is SamplingParams else SamplingParams(**{f.name: getattr(p, f.name)

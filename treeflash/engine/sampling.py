@@ -55,6 +55,7 @@ class SamplingParams:
     presence_penalty: float = 0.0    # subtracted from the logits of tokens the output holds
     frequency_penalty: float = 0.0   # subtracted once per time the output holds the token
     repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and output tokens
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as fit)
 
     def __post_init__(self):
         self.validate()  # where the caller makes it, as in vLLM; `generate` checks the vocabulary too
@@ -121,6 +122,9 @@ class SamplingParams:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_PENALTY <= v <= MAX_PENALTY:
                 bad(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {shown(v)}")
         v = self.repetition_penalty
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)):
+            bad(f"truncate_prompt_tokens must be an integer >= 1, or -1 (as many as fit), got {shown(k)}")
         lo, hi = 1 / MAX_REPETITION_PENALTY, MAX_REPETITION_PENALTY
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
             bad(f"repetition_penalty must be in [{lo:g}, {hi:g}] (1 = off), got {shown(v)}")

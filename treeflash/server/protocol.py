@@ -31,7 +31,6 @@ UNSUPPORTED = {
     "response_format": ((None, {"type": "text"}), "response_format is not supported"),
     "bad_words": ((None, []), "bad_words is not supported"),
     "spaces_between_special_tokens": ((None, True), "spaces_between_special_tokens = false is not supported"),
-    "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens is not supported"),
     "use_beam_search": ((None, False), "beam search is not supported"),
     "guided_json": ((None,), "guided decoding is not supported"),
     "guided_regex": ((None,), "guided decoding is not supported"),
@@ -47,8 +46,8 @@ SAMPLING_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", 
                  "best_of", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias",
                  "allowed_token_ids", "skip_special_tokens",
                  "include_stop_str_in_output", "stream", "stream_options", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "user", "metadata", "store", "service_tier",
-                 "parallel_tool_calls"}
+                 "frequency_penalty", "repetition_penalty", "truncate_prompt_tokens", "user", "metadata", "store",
+                 "service_tier", "parallel_tool_calls"}
 # OpenAI's bookkeeping keys in SAMPLING_KEYS, with the type each must have.
 BOOKKEEPING = (("user", str, "a string"), ("metadata", dict, "an object of strings"),
                ("store", bool, "true or false"), ("service_tier", str, "a string"),
@@ -221,7 +220,8 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
             seed=_number(body, "seed", None, int, 0, 2 ** 63 - 1), stop=stop,
             ignore_eos=_flag(body, "ignore_eos", False), stop_token_ids=list(stop_ids or []),
             logprobs=_logprobs(body, kind), skip_special_tokens=_flag(body, "skip_special_tokens", True),
-            include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False))
+            include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
+            truncate_prompt_tokens=_truncation(body))
     except TreeflashError as e:
         raise APIError(str(e)) from None
 
@@ -340,7 +340,8 @@ def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_mode
     if len(prompts) > MAX_PROMPTS:
         raise APIError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
     special = _flag(body, "add_special_tokens", True)  # a text prompt's BOS (vLLM's default: added)
-    ids = [_encode(encode, p, param="prompt", special=special) for p in prompts]
+    truncate = _truncation(body)
+    ids = [_encode(encode, p, param="prompt", special=special, truncate=truncate) for p in prompts]
     stream, include_usage = _stream_flags(body)
     params = _sampling(body, [len(i) for i in ids], max_model_len, DEFAULT_COMPLETION_TOKENS, defaults, vocab_size,
                        "completion")
@@ -348,9 +349,19 @@ def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_mode
     if _flag(body, "echo", False):
         if params.logprobs is not None and stream:
             raise APIError("echo with logprobs is not streamed (the prompt's logprobs come whole)", param="echo")
-        echo = [p if isinstance(p, str) else decode(p, params.skip_special_tokens) for p in prompts]
+        # the prompt as the model read it: a token-id or truncated prompt's text is decoded
+        echo = [p if isinstance(p, str) and truncate is None else decode(i, params.skip_special_tokens)
+                for p, i in zip(prompts, ids)]
         params = replace(params, prompt_logprobs=params.logprobs)  # scoring a text, as lm-eval does
     return Request("completion", ids, params, stream, include_usage, _choices(body, len(ids)), echo=echo)
+
+
+def _truncation(body: dict) -> int | None:
+    """vLLM's truncate_prompt_tokens: keep a prompt's last k tokens (-1: as many as fit)."""
+    k = _number(body, "truncate_prompt_tokens", None, int, -1)
+    if k == 0:
+        raise APIError("'truncate_prompt_tokens' must be >= 1, or -1 (as many as fit)", param="truncate_prompt_tokens")
+    return k
 
 
 def _choices(body: dict, prompts: int) -> int:
@@ -376,7 +387,7 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
         raise APIError(str(e), param=e.param) from None
     # the template writes its own special tokens; add_special_tokens adds the tokenizer's too (vLLM)
     ids = [_encode(encode, render_chat(body, template, tools), param="messages",
-                   special=_flag(body, "add_special_tokens", False))]
+                   special=_flag(body, "add_special_tokens", False), truncate=_truncation(body))]
     stream, include_usage = _stream_flags(body)
     params = _sampling(body, [len(ids[0])], max_model_len, defaults.max_tokens, defaults, vocab_size, "chat")
     return Request("chat", ids, params, stream, include_usage, _choices(body, 1), tool_calls=tools is not None)
