@@ -16,6 +16,12 @@ from treeflash.server.tools import ToolCallStream, split_tool_calls
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 ANSWER = "Let me check.\n" + CALL + "\n" + CALL.replace("Paris", "Oslo")
+# text after the calls, with blank lines; blocks that are not calls (prose, NaN, no name,
+# nested past Python's stack) stay text as written
+ANSWERS = [ANSWER, CALL + "\n\nIt is noon.\n\nAnything else?\n\n- a\n- b\n",
+           "See <tool_call>a tag in prose</tool_call> here.\n\n" + CALL,
+           '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>\n<tool_call>{"name": ""}</tool_call> ',
+           "<tool_call>" + "[" * 5000 + "</tool_call>", "no calls at all \n\n", CALL + " \n"]
 
 
 def test_split_tool_calls():
@@ -35,17 +41,28 @@ def test_split_tool_calls():
     assert split_tool_calls(CALL)[0] is None
 
 
-@pytest.mark.parametrize("piece", [1, 2, 5, 13, len(ANSWER)])
-def test_a_stream_cut_anywhere_gives_the_same_calls(piece):
+@pytest.mark.parametrize("answer", ANSWERS)
+@pytest.mark.parametrize("piece", [1, 2, 5, 13, 10 ** 6])
+def test_a_stream_cut_anywhere_gives_the_whole_answer(answer, piece):
     stream, content, calls = ToolCallStream(), "", []
-    for i in range(0, len(ANSWER), piece):
-        text, new = stream.push(ANSWER[i:i + piece])
-        assert "<" not in text  # a tag's beginning is held until it is known
+    for i in range(0, len(answer), piece):
+        text, new = stream.push(answer[i:i + piece])
+        assert answer is not ANSWER or "<" not in text  # a tag's beginning is held until it is known
         content, calls = content + text, calls + new
     text, new = stream.finish()
     content, calls = content + text, calls + new
-    whole = split_tool_calls(ANSWER)[1]
-    assert content.strip() == "Let me check." and [c["function"] for c in calls] == [c["function"] for c in whole]
+    whole_content, whole = split_tool_calls(answer)
+    assert (content or None if calls else content) == whole_content
+    assert [c["function"] for c in calls] == [c["function"] for c in whole]
+
+
+def test_what_stays_text():
+    assert split_tool_calls(ANSWERS[1])[0] == "It is noon.\n\nAnything else?\n\n- a\n- b"
+    assert split_tool_calls(ANSWERS[2])[0] == "See <tool_call>a tag in prose</tool_call> here."
+    assert split_tool_calls(ANSWERS[3]) == (ANSWERS[3], [])
+    assert split_tool_calls(ANSWERS[4]) == (ANSWERS[4], [])
+    assert split_tool_calls(ANSWERS[5]) == (ANSWERS[5], [])
+    assert split_tool_calls(ANSWERS[6])[0] is None
 
 
 # ----------------------------------------------------------------------------- server
@@ -60,7 +77,7 @@ from treeflash.engine.llm import builtin_paths  # noqa: E402
 from treeflash.server.app import build_app  # noqa: E402
 
 # writes the tools and earlier calls (arguments as objects), as Qwen's templates do
-TEMPLATE = ("{% if tools %}### tools:\n{% for t in tools %}{{ t.function.name }}: {{ t.function.parameters | tojson }}\n"
+TEMPLATE = ("[{{ 'none' if tools is none else 'some' }}]{% if tools %}### tools:\n{% for t in tools %}{{ t.function.name }}: {{ t.function.parameters | tojson }}\n"
             "{% endfor %}{% endif %}{% for m in messages %}### {{ m.role }}:\n{{ m.content }}"
             "{% for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': "
             "c.function.arguments} | tojson }}</tool_call>{% endfor %}\n{% endfor %}"
@@ -140,11 +157,13 @@ def test_tools_reach_the_template_and_calls_come_back(scripted):
 
 @pytest.mark.parametrize("extra", [{}, {"tool_choice": "none"}])
 def test_without_tools_the_answer_is_text(scripted, extra):
-    """No tools, or tool_choice 'none': nothing is written into the prompt, nothing parsed."""
+    """No tools: nothing written into the prompt (the template sees tools = None, as in
+    transformers), nothing parsed; tool_choice 'none': the tools are in the prompt (vLLM's
+    default) but the answer is not parsed."""
     client, prompts = scripted
     body = {"messages": MESSAGES[:1], "max_tokens": 50, **extra, **({"tools": TOOLS} if extra else {})}
     choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
-    assert "### tools" not in prompts[-1]
+    assert ("### tools" in prompts[-1]) == bool(extra) and prompts[-1].startswith("[some]" if extra else "[none]")
     assert choice["message"]["content"] == ANSWER and "tool_calls" not in choice["message"]
     assert choice["finish_reason"] == "stop"
     assert _stream(client, body) == (ANSWER, [], "stop")
@@ -156,6 +175,7 @@ def test_without_tools_the_answer_is_text(scripted, extra):
     ({"tools": [{"type": "function", "function": {}}]}, "tools"),
     ({"tools": {"get_weather": {}}}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tools": TOOLS, "chat_template_kwargs": {"tools": TOOLS}}, "chat_template_kwargs"),
 ])
 def test_tool_requests_the_server_cannot_honour(scripted, body, param):
     client, _ = scripted
@@ -164,6 +184,30 @@ def test_tool_requests_the_server_cannot_honour(scripted, body, param):
     bad_call = [{"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]}]
     r = client.post("/v1/chat/completions", json={"messages": bad_call})
     assert r.status_code == 400 and "tool_calls" in r.json()["error"]["message"]
+
+
+def test_a_deeply_nested_call_is_no_server_error(scripted):
+    """A client's earlier call whose arguments nest past Python's stack: passed as given."""
+    client, prompts = scripted
+    deep = [{"role": "assistant", "content": None,
+             "tool_calls": [{"function": {"name": "f", "arguments": "[" * 1100}}]}]
+    r = client.post("/v1/chat/completions", json={"messages": deep, "tools": TOOLS, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+
+
+def test_a_tool_use_template_is_taken_for_tools(tmp_path):
+    """Hermes checkpoints name two templates, 'default' and 'tool_use': with tools the
+    latter renders (as transformers picks it); a tool with parameters null is taken."""
+    config = {"chat_template": [{"name": "default", "template": "plain {{ messages[0].content }}"},
+                                {"name": "tool_use", "template": "tools {{ tools | length }} {{ messages[0].content }}"}]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    template = ChatTemplate.from_folder(tmp_path)
+    messages = [{"role": "user", "content": "hi"}]
+    assert template.prompt(messages) == "plain hi"
+    assert template.prompt(messages, tools=TOOLS) == "tools 1 hi"
+    from treeflash.server.tools import request_tools
+    nulled = [{"type": "function", "function": {"name": "f", "parameters": None}}]
+    assert request_tools({"tools": nulled}, "hermes") == (nulled, True)
 
 
 def test_tools_need_a_parser():

@@ -70,7 +70,7 @@ def _tool_calls(calls, where: str) -> list[dict]:
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON (or nested past Python's stack): as given
                 pass
         out.append({**c, "function": {**c["function"], "arguments": args}})
     return out
@@ -119,7 +119,7 @@ class ChatFormat:
         v = self.variables
         if v is not None and (not isinstance(v, dict) or not all(isinstance(k, str) for k in v)):
             refuse("chat_template_kwargs", "must be an object of template variables")
-        fixed = sorted(set(v or ()) & {"messages", "add_generation_prompt"})
+        fixed = sorted(set(v or ()) & {"messages", "add_generation_prompt", "tools"})
         if fixed:
             refuse("chat_template_kwargs", f"may not set {', '.join(fixed)}")
         for name in ("add_generation_prompt", "continue_final_message"):
@@ -132,7 +132,10 @@ class ChatFormat:
 
 
 class ChatTemplate:
-    def __init__(self, source: str, special_tokens: dict | None = None):
+    """A checkpoint's template; `tool_source`: the one for conversations with tools, where
+    a checkpoint names one ('tool_use', as Hermes models do; transformers picks it so)."""
+
+    def __init__(self, source: str, special_tokens: dict | None = None, tool_source: str | None = None):
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -142,6 +145,7 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             self.template = env.from_string(source)
+            self.tool_template = env.from_string(tool_source) if tool_source is not None else self.template
         except jinja2.TemplateError as e:
             raise TreeflashError(f"malformed chat template: {e}") from None
         # what a template may name: bos_token, eos_token, ... (unset ones render empty)
@@ -150,7 +154,8 @@ class ChatTemplate:
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ChatTemplate | None":
         """The template of a checkpoint folder (chat_template.jinja, or tokenizer_config.json's
-        'chat_template': a string, or a list of named ones of which 'default'); None without one."""
+        'chat_template': a string, or a list of named ones of which 'default', and
+        'tool_use' for tools if there is one); None without one."""
         folder = Path(folder)
         try:
             config = json.loads((folder / "tokenizer_config.json").read_text())
@@ -162,28 +167,29 @@ class ChatTemplate:
         source = config.get("chat_template")
         if (folder / "chat_template.jinja").exists():
             source = (folder / "chat_template.jinja").read_text()
+        tool_source = None
         if isinstance(source, list):
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default")
+            source, tool_source = named.get("default"), named.get("tool_use")
         if source is None:
             return None
-        if not isinstance(source, str):
+        if not isinstance(source, str) or not isinstance(tool_source, (str, type(None))):
             raise TreeflashError(f"{folder}: 'chat_template' must be a string or a list of named templates")
         # set ones only (null: not defined for the template, as in transformers)
         tokens = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if _token_text(config.get(k))}
         extra = config.get("additional_special_tokens")
         if isinstance(extra, list):
             tokens["additional_special_tokens"] = [_token_text(t) for t in extra]
-        return cls(source, tokens)
+        return cls(source, tokens, tool_source)
 
     def render(self, messages: list[dict], fmt: ChatFormat = ChatFormat(), tools: list[dict] | None = None) -> str:
         """The prompt for `messages` (and the `tools` the model may call), by default ending
         where the assistant's answer starts (see `ChatFormat`)."""
         import jinja2
         try:
-            text = self.template.render(**self.special_tokens, **(fmt.variables or {}), messages=messages,
-                                        add_generation_prompt=fmt.add_generation_prompt,
-                                        **({} if tools is None else {"tools": tools}))
+            template = self.template if tools is None else self.tool_template
+            text = template.render(**self.special_tokens, **(fmt.variables or {}), messages=messages,
+                                   add_generation_prompt=fmt.add_generation_prompt, tools=tools)
         except jinja2.TemplateError as e:
             raise TreeflashError(str(e)) from None
         except TreeflashError:  # the template's raise_exception(...)

@@ -382,7 +382,7 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
     if body.get("echo") not in (None, False):
         raise APIError("echo is supported for completions only", param="echo")
     try:
-        tools = request_tools(body, tool_parser)
+        tools, parsed = request_tools(body, tool_parser)
     except UsageError as e:
         raise APIError(str(e), param=e.param) from None
     # the template writes its own special tokens; add_special_tokens adds the tokenizer's too (vLLM)
@@ -390,7 +390,7 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
                    special=_flag(body, "add_special_tokens", False), truncate=_truncation(body))]
     stream, include_usage = _stream_flags(body)
     params = _sampling(body, [len(ids[0])], max_model_len, defaults.max_tokens, defaults, vocab_size, "chat")
-    return Request("chat", ids, params, stream, include_usage, _choices(body, 1), tool_calls=tools is not None)
+    return Request("chat", ids, params, stream, include_usage, _choices(body, 1), tool_calls=parsed)
 
 
 def render_chat(body: dict, template, tools: list[dict] | None = None) -> str:

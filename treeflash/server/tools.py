@@ -24,37 +24,42 @@ def _refuse(param: str, why: str):
     raise error
 
 
-def request_tools(body: dict, parser: str | None) -> list[dict] | None:
-    """The body's `tools` as the template takes them, or None: no tools, or tool_choice
-    'none' (then neither written into the prompt nor parsed, as vLLM). A UsageError (with
-    `param`) for malformed tools, a tool_choice this server cannot honour (a forced call
-    needs guided decoding), or tools to use on a server started without a parser."""
+def request_tools(body: dict, parser: str | None) -> tuple[list[dict] | None, bool]:
+    """(the body's `tools` as the template takes them, or None; whether the answer's tool
+    calls are parsed): with tool_choice 'none' the tools are written into the prompt but
+    not parsed (vLLM's default). A UsageError (with `param`) for malformed tools, a
+    tool_choice this server cannot honour (a forced call needs guided decoding), or
+    tools to call on a server started without a parser."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if choice not in (None, "none", "auto"):
         _refuse("tool_choice", f"tool_choice {shown(choice)} is not supported (only 'auto' and 'none': a forced "
                                "call needs guided decoding)")
     if tools is None or tools == []:
-        return None
+        return None, False
     if not isinstance(tools, list) or not all(
             isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
             and isinstance(t["function"].get("name"), str) and t["function"]["name"]
-            and isinstance(t["function"].get("parameters", {}), dict) for t in tools):
+            and isinstance(t["function"].get("parameters") or {}, dict) for t in tools):
         _refuse("tools", "'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., "
                          "\"parameters\": {...}}}")
     if choice == "none":
-        return None
+        return tools, False
     if parser is None:
         _refuse("tools", "tool calls need a server started with --tool-call-parser hermes")
-    return tools
+    return tools, True
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")  # NaN, Infinity: json.loads takes them, clients would not
 
 
 def _call(block: str) -> dict | None:
     """OpenAI's tool call for one block's text, or None if it is not a call."""
     try:
-        call = json.loads(block)
-    except ValueError:
+        call = json.loads(block, parse_constant=_no_constant)
+    except (ValueError, RecursionError):  # RecursionError: nested past Python's stack
         return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         return None
     args = call.get("arguments", call.get("parameters", {}))
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
@@ -64,11 +69,15 @@ def _call(block: str) -> dict | None:
 class ToolCallStream:
     """Splits a choice's text, fed in pieces, into content and tool calls: `push` returns
     (content to send now, calls completed now); text that may start a block is held until
-    it does or cannot. `finish` ends the text (an unclosed final block is read as a call,
-    as the model may stop at EOS before closing it)."""
+    it does or cannot, and trailing whitespace until text follows it (whitespace around a
+    call and at the end of an answer with calls is dropped). `finish` ends
+    the text (an unclosed final block is read as a call, as the model may stop at EOS
+    before closing it)."""
 
     def __init__(self):
         self.held, self.in_block, self.calls = "", False, 0
+        self.blank, self.gap = "", ""  # trailing whitespace held back; the whitespace before a block
+        self.fresh = False  # right after a call: the whitespace that follows it is dropped
 
     def push(self, text: str) -> tuple[str, list[dict]]:
         self.held += text
@@ -84,6 +93,7 @@ class ToolCallStream:
                     return content, calls
                 content += self._content(self.held[:at])
                 self.held, self.in_block = self.held[at + len(OPEN):], True
+                self.gap, self.blank = self.blank, ""
             else:
                 at = self.held.find(CLOSE)
                 if at < 0:
@@ -94,17 +104,25 @@ class ToolCallStream:
     def finish(self) -> tuple[str, list[dict]]:
         calls: list[dict] = []
         content = self._block(self.held, calls, closed=False) if self.in_block else self._content(self.held)
-        self.held, self.in_block = "", False
+        if not self.calls:
+            content += self.blank  # an answer without calls is its text as written
+        self.held, self.in_block, self.blank = "", False, ""
         return content, calls
 
     def _content(self, text: str) -> str:
-        return "" if self.calls and not text.strip() else text  # no newlines between calls
+        text = self.blank + text
+        if self.fresh:
+            text = text.lstrip()
+            self.fresh = not text
+        body = text.rstrip()
+        self.blank = text[len(body):]
+        return body
 
     def _block(self, text: str, calls: list, closed: bool) -> str:
         call = _call(text)
-        if call is None:
-            return OPEN + text + (CLOSE if closed else "")
-        self.calls += 1
+        if call is None:  # text as the model wrote it
+            return self._content(self.gap + OPEN + text + (CLOSE if closed else ""))
+        self.calls, self.fresh = self.calls + 1, True
         calls.append(call)
         return ""
 
@@ -114,6 +132,5 @@ def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     stream = ToolCallStream()
     content, calls = stream.push(text)
     rest, more = stream.finish()
-    calls += more
-    content = (content + rest).strip() if calls else content + rest
-    return content or None, calls
+    content, calls = content + rest, calls + more
+    return (content or None) if calls else content, calls
