@@ -1193,7 +1193,8 @@ def test_sampling_defaults_come_from_generation_config(tmp_path, llm):
 @pytest.mark.parametrize("args,words", [(["--max-batch", "0"], "--max-batch"), (["--port", "0"], "--port"),
                                        (["--generation-config", "x"], "--generation-config"),
                                        (["--tool-call-parser", "x"], "--tool-call-parser"),
-                                       (["--tool-call-parser", "hermes"], "chat template")])  # the built-in has none
+                                       (["--tool-call-parser", "hermes"], "chat template"),  # the built-in has none
+                                       (["--reasoning-parser", "qwen3"], "chat template")])
 def test_serve_refuses_bad_options_in_one_line(capsys, args, words):
     from treeflash.cli import main
     assert main(["serve", *args]) == 2

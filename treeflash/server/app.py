@@ -32,10 +32,11 @@ from starlette.routing import Route
 from treeflash.engine.sampling import SamplingParams
 from treeflash.errors import EngineDeadError, TreeflashError, UsageError
 from treeflash.server.metrics import ServerMetrics
-from treeflash.server.protocol import (APIError, Request, SamplingDefaults, check_model, chunk, logprobs_body,
-                                      parse_chat, parse_completion, parse_detokenize, parse_tokenize, response,
-                                      tool_finish, usage)
-from treeflash.server.tools import PARSERS, ToolCallStream
+from treeflash.server.protocol import (APIError, MessageStream, Request, SamplingDefaults, check_model, chunk,
+                                      logprobs_body, parse_chat, parse_completion, parse_detokenize,
+                                      parse_tokenize, response, tool_finish, usage)
+from treeflash.server.reasoning import PARSERS as REASONING_PARSERS
+from treeflash.server.tools import PARSERS as TOOL_PARSERS
 from treeflash.tokenizer import TextStream
 
 _DONE = object()  # end of a streamed job's deltas
@@ -308,16 +309,19 @@ async def _watch_disconnect(request: HTTPRequest, job: Job) -> None:
 def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
               defaults: SamplingDefaults = SamplingDefaults(), api_key: str | None = None,
               aliases: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = ("*",),
-              tool_parser: str | None = None) -> Starlette:
+              tool_parser: str | None = None, reasoning_parser: str | None = None) -> Starlette:
     """The ASGI app serving `llm` as `model_name` (requests may also name one of
     `aliases`), with `defaults` for the sampling
     parameters a request leaves out; with `api_key`, the /v1 routes answer only requests
     that carry it ("Authorization: Bearer <key>"); browsers' cross-origin requests from
     `allowed_origins` (as vLLM: any by default); with `tool_parser` ('hermes'), chat
-    requests may carry tools (`treeflash.server.tools`). Its worker starts with the app's
-    lifespan."""
-    if tool_parser not in (None, *PARSERS):
-        raise UsageError(f"unknown tool-call parser {tool_parser!r} (choose from {', '.join(PARSERS)})")
+    requests may carry tools (`treeflash.server.tools`); with `reasoning_parser`, chat
+    answers' reasoning comes back apart (`treeflash.server.reasoning`). Its worker starts
+    with the app's lifespan."""
+    for what, name, names in (("tool-call", tool_parser, TOOL_PARSERS), ("reasoning", reasoning_parser,
+                                                                          REASONING_PARSERS)):
+        if name not in (None, *names):
+            raise UsageError(f"unknown {what} parser {name!r} (choose from {', '.join(names)})")
     state = {}
     served = (model_name, *aliases)
 
@@ -333,33 +337,21 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
                 for i in range(len(job.runs)):
                     yield _sse(chunk(req, model_name, text=req.echo[i // req.n] if req.echo else None, first=True,
                                      index=i))
-            calls = [ToolCallStream() for _ in job.runs] if req.tool_calls else None
-            sent = [0] * len(job.runs)  # tool calls sent, per choice
-
-            def split(i: int, text: str, final: bool = False) -> tuple[str, list[dict] | None]:
-                """Choice i's text delta as (content, tool call deltas) when it has tools."""
-                if calls is None:
-                    return text, None
-                content, new = calls[i].push(text)
-                if final:
-                    rest, more = calls[i].finish()
-                    content, new = content + rest, new + more
-                sent[i] += len(new)
-                return content, [{"index": sent[i] - len(new) + k, **c} for k, c in enumerate(new)]
-
+            parts = [MessageStream(req) for _ in job.runs] if req.reasoning or req.tool_calls else None
             while (item := await job.deltas.get()) is not _DONE:
                 i, delta, logprobs = item
                 if delta is None:  # choice i is done: the rest of its text, and why it ended
                     out = job.outputs[i]
-                    text, tool_calls = split(i, job.texts[i].finish(out.text), final=True)
-                    reason = tool_finish(out.finish_reason) if sent[i] else out.finish_reason
-                    yield _sse(chunk(req, model_name, text=text, index=i, tool_calls=tool_calls,
+                    text = job.texts[i].finish(out.text)
+                    reasoning, text, calls = parts[i].push(text, final=True) if parts else ("", text, [])
+                    reason = tool_finish(out.finish_reason) if parts and parts[i].calls else out.finish_reason
+                    yield _sse(chunk(req, model_name, text=text, index=i, reasoning=reasoning, tool_calls=calls,
                                      finish_reason=reason, stop_reason=out.stop_reason))
                 else:
-                    text, tool_calls = split(i, delta)
-                    if text or tool_calls or logprobs is not None:
+                    reasoning, text, calls = parts[i].push(delta) if parts else ("", delta, [])
+                    if reasoning or text or calls or logprobs is not None:
                         yield _sse(chunk(req, model_name, text=text, index=i, logprobs=logprobs,
-                                         tool_calls=tool_calls))
+                                         reasoning=reasoning, tool_calls=calls))
             try:
                 outs = job.future.result()
             except BaseException as e:
@@ -423,7 +415,7 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
     async def chat(request: HTTPRequest):
         return await serve(request, lambda body: parse_chat(body, served, chat_template, llm.encode,
                                                             llm.max_model_len, defaults, llm.config.vocab_size,
-                                                            tool_parser))
+                                                            tool_parser, reasoning_parser))
 
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": 0, "owned_by": "treeflash",

@@ -11,7 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from treeflash.errors import UsageError
-from treeflash.server.tools import PARSERS
+from treeflash.server.reasoning import PARSERS as REASONING_PARSERS
+from treeflash.server.tools import PARSERS as TOOL_PARSERS
 
 
 def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
@@ -39,7 +40,10 @@ def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
                         "leave them out: "
                         "auto takes the model's generation_config.json, as vLLM does; none: OpenAI's "
                         "(temperature 1, top_p 1)")
-    s.add_argument("--tool-call-parser", choices=PARSERS,
+    s.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                   help="chat answers' <think>...</think> as the message's reasoning_content, apart from its "
+                        "content (qwen3: when the answer opens the block; deepseek_r1: the prompt opened it)")
+    s.add_argument("--tool-call-parser", choices=TOOL_PARSERS,
                    help="let chat requests carry tools (OpenAI's 'tools', tool_choice 'auto' or 'none'): the "
                         "chat template writes them into the prompt and the answer's calls come back as "
                         "tool_calls (hermes: <tool_call>{...}</tool_call>, as Qwen2.5, Qwen3 and Hermes write them)")
@@ -96,9 +100,9 @@ def cmd_serve(args) -> int:
     _check_listen(args.host, args.port)
     folder = Path(args.model) if args.model else builtin_paths()[0]
     template = ChatTemplate.from_folder(folder)  # a broken template fails here, before the load
-    if args.tool_call_parser and template is None:
-        raise UsageError("--tool-call-parser needs a model with a chat template (tools are written into the "
-                         "prompt by it)")
+    for flag, given in (("--tool-call-parser", args.tool_call_parser), ("--reasoning-parser", args.reasoning_parser)):
+        if given and template is None:
+            raise UsageError(f"{flag} needs a model with a chat template (it acts on chat answers)")
     defaults = SamplingDefaults.from_folder(folder) if args.generation_config == "auto" else SamplingDefaults()
     names = args.served_model_name or [folder.resolve().name if args.model else "treeflash-builtin",
                                        *([args.model] if args.model else [])]
@@ -111,7 +115,7 @@ def cmd_serve(args) -> int:
         print(f"treeflash: requests that leave them out get {defaults.describe()} (generation_config.json; "
               f"--generation-config none for OpenAI's)", file=sys.stderr, flush=True)
     app = build_app(llm, name, template, args.max_batch, defaults, args.api_key or None, aliases,
-                    tuple(args.allowed_origins), args.tool_call_parser)
+                    tuple(args.allowed_origins), args.tool_call_parser, args.reasoning_parser)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGTERM / Ctrl-C: running and queued requests end now (503)

@@ -16,7 +16,8 @@ from treeflash.chat import ChatFormat, plain_messages
 from treeflash.engine.sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
                                        SamplingParams, token_bias)
 from treeflash.errors import TreeflashError, UsageError, shown
-from treeflash.server.tools import request_tools, split_tool_calls
+from treeflash.server.reasoning import ReasoningStream, split_reasoning
+from treeflash.server.tools import ToolCallStream, request_tools, split_tool_calls
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
@@ -137,6 +138,7 @@ class Request:
     n: int = 1                 # choices per prompt
     echo: list[str] | None = None  # completions with echo: each prompt's text, put before its choices' text
     tool_calls: bool = False   # chat with tools: the answers' <tool_call> blocks become tool_calls
+    reasoning: str | None = None  # chat: the reasoning parser that splits <think> off (`server.reasoning`)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -374,9 +376,10 @@ def _choices(body: dict, prompts: int) -> int:
 
 def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_model_len: int,
                defaults: SamplingDefaults = SamplingDefaults(), vocab_size: int | None = None,
-               tool_parser: str | None = None) -> Request:
+               tool_parser: str | None = None, reasoning_parser: str | None = None) -> Request:
     """A /v1/chat/completions body: the messages (and tools, with a `tool_parser`)
-    rendered by the model's chat template."""
+    rendered by the model's chat template; with a `reasoning_parser` its answers'
+    reasoning comes back apart."""
     check_keys(body, "chat")
     check_model(body, served)
     if body.get("echo") not in (None, False):
@@ -390,7 +393,8 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
                    special=_flag(body, "add_special_tokens", False), truncate=_truncation(body))]
     stream, include_usage = _stream_flags(body)
     params = _sampling(body, [len(ids[0])], max_model_len, defaults.max_tokens, defaults, vocab_size, "chat")
-    return Request("chat", ids, params, stream, include_usage, _choices(body, 1), tool_calls=parsed)
+    return Request("chat", ids, params, stream, include_usage, _choices(body, 1), tool_calls=parsed,
+                   reasoning=reasoning_parser)
 
 
 def render_chat(body: dict, template, tools: list[dict] | None = None) -> str:
@@ -516,12 +520,40 @@ def response(req: Request, model: str, outputs, tokenizer=None) -> dict:
 
 
 def message(req: Request, out) -> dict:
-    """A chat answer's message: its text, or with tools the text outside its tool calls
-    and the calls (`treeflash.server.tools`)."""
-    if not req.tool_calls:
-        return {"role": "assistant", "content": out.text}
-    content, calls = split_tool_calls(out.text)
-    return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+    """A chat answer's message: its text; with a reasoning parser, its reasoning apart
+    (`treeflash.server.reasoning`); with tools, the rest's tool calls apart
+    (`treeflash.server.tools`)."""
+    reasoning, content = split_reasoning(out.text, req.reasoning) if req.reasoning else (None, out.text)
+    content, calls = split_tool_calls(content) if req.tool_calls else (content, [])
+    return {"role": "assistant", "content": content, **({"reasoning_content": reasoning} if req.reasoning else {}),
+            **({"tool_calls": calls} if calls else {})}
+
+
+class MessageStream:
+    """A streamed chat answer split as `message` splits a whole one: `push` of a text
+    delta (`final`: the last) gives (reasoning, content, tool call deltas numbered by
+    their `index` among the answer's calls)."""
+
+    def __init__(self, req: Request):
+        self.reasoning = ReasoningStream(req.reasoning) if req.reasoning else None
+        self.tools = ToolCallStream() if req.tool_calls else None
+        self.calls = 0  # sent so far
+
+    def push(self, text: str, final: bool = False) -> tuple[str, str, list[dict]]:
+        reasoning, calls = "", []
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.push(text)
+            if final:
+                more, rest = self.reasoning.finish()
+                reasoning, text = reasoning + more, text + rest
+        if self.tools is not None:
+            text, calls = self.tools.push(text)
+            if final:
+                rest, more = self.tools.finish()
+                text, calls = text + rest, calls + more
+        numbered = [{"index": self.calls + k, **c} for k, c in enumerate(calls)]
+        self.calls += len(calls)
+        return reasoning, text, numbered
 
 
 def tool_finish(reason: str) -> str:
@@ -531,9 +563,11 @@ def tool_finish(reason: str) -> str:
 
 def chunk(req: Request, model: str, text: str | None = None, finish_reason: str | None = None,
           first: bool = False, usage_: dict | None = None, stop_reason: int | str | None = None,
-          index: int = 0, logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+          index: int = 0, logprobs: dict | None = None, tool_calls: list[dict] | None = None,
+          reasoning: str | None = None) -> dict:
     """One streamed event of choice `index`: a text delta (with its tokens' `logprobs`
-    body, if asked) or chat tool calls (each with its `index` among the choice's calls),
+    body, if asked), chat reasoning or tool calls (each with its `index` among the
+    choice's calls),
     the finish reason (with vLLM's stop_reason: the stop token id or string), or
     (choices empty) the usage."""
     chat = req.kind == "chat"
@@ -541,6 +575,8 @@ def chunk(req: Request, model: str, text: str | None = None, finish_reason: str 
         choices = []
     elif chat:
         delta = {"role": "assistant"} if first else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if text:
             delta["content"] = text
         if tool_calls:

@@ -1,9 +1,11 @@
-"""Tool calls in chat completions (`treeflash serve --tool-call-parser hermes`).
+"""Chat answers split into parts (`treeflash serve --tool-call-parser hermes
+--reasoning-parser qwen3`).
 
 What a client relies on: its tools and its earlier calls reach the chat template; an
 answer's `<tool_call>` blocks come back as `tool_calls` (the text around them as
-content, finish_reason 'tool_calls'), the same whole or streamed however the text is cut;
-a block that is not a call stays text; requests the server cannot honour get a 400.
+content, finish_reason 'tool_calls') and its `<think>` block as `reasoning_content`, the
+same whole or streamed however the text is cut; a block that is not a call stays text;
+requests the server cannot honour get a 400.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import shutil
 
 import pytest
 
+from treeflash.server.reasoning import ReasoningStream, split_reasoning
 from treeflash.server.tools import ToolCallStream, split_tool_calls
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
@@ -94,17 +97,18 @@ MESSAGES = [{"role": "user", "content": "weather?"},
 
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
-    """An LLM whose chat answer is ANSWER's tokens (one per on_tokens call), recording
-    the prompts it was given, and a server for it with the hermes parser."""
+    """An LLM whose chat answer is ANSWER's tokens (one per on_tokens call; a test may put
+    another answer in `script`), recording the prompts it was given, and a server for it
+    with the hermes and qwen3 parsers."""
     folder = tmp_path_factory.mktemp("tools") / "target"
     shutil.copytree(builtin_paths()[0], folder)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
     llm = LLM(folder, device="cpu", dtype="float32")
-    ids, prompts = llm.encode(ANSWER), []
+    prompts = []
 
     def generate(batch, params, on_tokens=None, on_done=None):
-        outs = []
+        outs, ids = [], llm.encode(script.get("answer", ANSWER))
         for k, prompt in enumerate(batch):
             prompts.append(llm.tokenizer.decode(prompt))
             for t in ids:
@@ -114,12 +118,24 @@ def scripted(tmp_path_factory):
         return outs
 
     llm.generate = generate
-    with TestClient(build_app(llm, "tiny", ChatTemplate.from_folder(folder), tool_parser="hermes")) as client:
+    app = build_app(llm, "tiny", ChatTemplate.from_folder(folder), tool_parser="hermes", reasoning_parser="qwen3")
+    with TestClient(app) as client:
         yield client, prompts
 
 
-def _stream(client, body) -> tuple[str, list[dict], str]:
-    """(content, tool calls by index, finish_reason) of a streamed chat answer."""
+script: dict = {}  # the scripted engine's answer, when not ANSWER
+
+
+@pytest.fixture
+def answer():
+    """Sets the scripted engine's answer for one test."""
+    yield lambda text: script.update(answer=text)
+    script.clear()
+
+
+def _stream(client, body, parts: dict | None = None) -> tuple[str, list[dict], str]:
+    """(content, tool calls by index, finish_reason) of a streamed chat answer; its
+    reasoning into parts["reasoning"]."""
     r = client.post("/v1/chat/completions", json={**body, "stream": True})
     assert r.status_code == 200, r.text
     content, calls, reason = "", {}, None
@@ -128,6 +144,8 @@ def _stream(client, body) -> tuple[str, list[dict], str]:
             continue
         choice = json.loads(line[6:])["choices"][0]
         content += choice["delta"].get("content") or ""
+        if parts is not None:
+            parts["reasoning"] = parts.get("reasoning", "") + (choice["delta"].get("reasoning_content") or "")
         for c in choice["delta"].get("tool_calls") or []:
             assert c["index"] not in calls
             calls[c["index"]] = {k: v for k, v in c.items() if k != "index"}
@@ -224,3 +242,56 @@ def test_tools_need_a_parser():
         assert r.status_code == 200, r.text
     with pytest.raises(UsageError, match="unknown tool-call parser"):
         build_app(llm, "tiny", None, tool_parser="mistral")
+    with pytest.raises(UsageError, match="unknown reasoning parser"):
+        build_app(llm, "tiny", None, reasoning_parser="o1")
+
+
+# ----------------------------------------------------------------------------- reasoning
+
+THOUGHT = "<think>\nThe user wants Paris.\n</think>\n\n"
+REASONED = [THOUGHT + "It is sunny.", THOUGHT + CALL, "<think>\ncut off before the e", "No thinking here.",
+            "<thin", "", "<think></think>answer", "</think> ends nothing"]
+
+
+@pytest.mark.parametrize("text", REASONED)
+@pytest.mark.parametrize("piece", [1, 3, 7, 10 ** 6])
+def test_reasoning_stream_cut_anywhere_gives_the_whole_answer(text, piece):
+    for parser in ("qwen3", "deepseek_r1"):
+        stream, reasoning, content = ReasoningStream(parser), "", ""
+        for i in range(0, len(text), piece):
+            r, c = stream.push(text[i:i + piece])
+            reasoning, content = reasoning + r, content + c
+        r, c = stream.finish()
+        assert ((reasoning + r) or None, content + c) == split_reasoning(text, parser)
+
+
+def test_split_reasoning():
+    assert split_reasoning(REASONED[0], "qwen3") == ("\nThe user wants Paris.\n", "It is sunny.")
+    assert split_reasoning(REASONED[2], "qwen3") == ("\ncut off before the e", "")  # cut off: all reasoning
+    assert split_reasoning("No thinking here.", "qwen3") == (None, "No thinking here.")
+    # DeepSeek-R1's prompt opens the block: the answer starts inside it
+    assert split_reasoning("step 1\n</think>\nDone.", "deepseek_r1") == ("step 1\n", "Done.")
+    assert split_reasoning("No end tag", "deepseek_r1") == ("No end tag", "")
+    assert split_reasoning(REASONED[6], "qwen3") == (None, "answer")
+
+
+def test_reasoning_comes_back_apart_and_calls_after_it(scripted, answer):
+    client, _ = scripted
+    body = {"messages": MESSAGES[:1], "max_tokens": 80}
+    answer(REASONED[0])
+    message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("\nThe user wants Paris.\n", "It is sunny.")
+    parts = {}
+    assert _stream(client, body, parts) == ("It is sunny.", [], "stop")
+    assert parts["reasoning"] == message["reasoning_content"]
+    answer(REASONED[1])  # thinking, then a call
+    choice = client.post("/v1/chat/completions", json={**body, "tools": TOOLS}).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["reasoning_content"] == "\nThe user wants Paris.\n"
+    parts = {}
+    content, calls, reason = _stream(client, {**body, "tools": TOOLS}, parts)
+    assert content == "" and [c["function"] for c in calls] == [c["function"] for c in choice["message"]["tool_calls"]]
+    assert reason == "tool_calls" and parts["reasoning"] == "\nThe user wants Paris.\n"
+    answer("Plain.")
+    message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert message["reasoning_content"] is None and message["content"] == "Plain."
