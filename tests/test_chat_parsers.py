@@ -14,8 +14,18 @@ import shutil
 
 import pytest
 
-from treeflash.server.reasoning import ReasoningStream, split_reasoning
-from treeflash.server.tools import ToolCallStream, split_tool_calls
+from treeflash.server.answers import MessageStream, ReasoningStream, ToolCallStream
+
+def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+    """(content, calls) of a whole answer, as the server's message has them."""
+    _, content, calls = MessageStream(None, tool_calls=True).push(text, final=True)
+    return content or None if calls else content, calls
+
+
+def split_reasoning(text: str, parser: str) -> tuple[str | None, str]:
+    reasoning, content, _ = MessageStream(parser).push(text, final=True)
+    return reasoning or None, content
+
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 ANSWER = "Let me check.\n" + CALL + "\n" + CALL.replace("Paris", "Oslo")
@@ -24,7 +34,8 @@ ANSWER = "Let me check.\n" + CALL + "\n" + CALL.replace("Paris", "Oslo")
 ANSWERS = [ANSWER, CALL + "\n\nIt is noon.\n\nAnything else?\n\n- a\n- b\n",
            "See <tool_call>a tag in prose</tool_call> here.\n\n" + CALL,
            '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>\n<tool_call>{"name": ""}</tool_call> ',
-           "<tool_call>" + "[" * 5000 + "</tool_call>", "no calls at all \n\n", CALL + " \n"]
+           "<tool_call>" + "[" * 5000 + "</tool_call>", "no calls at all \n\n", CALL + " \n",
+           "Let me check.\n" + CALL + "\nDone.", "A " + CALL + " B"]
 
 
 def test_split_tool_calls():
@@ -45,7 +56,7 @@ def test_split_tool_calls():
 
 
 @pytest.mark.parametrize("answer", ANSWERS)
-@pytest.mark.parametrize("piece", [1, 2, 5, 13, 10 ** 6])
+@pytest.mark.parametrize("piece", [1, 2, 5, 13])
 def test_a_stream_cut_anywhere_gives_the_whole_answer(answer, piece):
     stream, content, calls = ToolCallStream(), "", []
     for i in range(0, len(answer), piece):
@@ -66,6 +77,8 @@ def test_what_stays_text():
     assert split_tool_calls(ANSWERS[4]) == (ANSWERS[4], [])
     assert split_tool_calls(ANSWERS[5]) == (ANSWERS[5], [])
     assert split_tool_calls(ANSWERS[6])[0] is None
+    assert split_tool_calls(ANSWERS[7])[0] == "Let me check.\n\nDone."  # text on both sides of a call
+    assert split_tool_calls(ANSWERS[8])[0] == "A  B"
 
 
 # ----------------------------------------------------------------------------- server
@@ -223,7 +236,7 @@ def test_a_tool_use_template_is_taken_for_tools(tmp_path):
     messages = [{"role": "user", "content": "hi"}]
     assert template.prompt(messages) == "plain hi"
     assert template.prompt(messages, tools=TOOLS) == "tools 1 hi"
-    from treeflash.server.tools import request_tools
+    from treeflash.server.answers import request_tools
     nulled = [{"type": "function", "function": {"name": "f", "parameters": None}}]
     assert request_tools({"tools": nulled}, "hermes") == (nulled, True)
 
@@ -254,7 +267,7 @@ REASONED = [THOUGHT + "It is sunny.", THOUGHT + CALL, "<think>\ncut off before t
 
 
 @pytest.mark.parametrize("text", REASONED)
-@pytest.mark.parametrize("piece", [1, 3, 7, 10 ** 6])
+@pytest.mark.parametrize("piece", [1, 3, 7])
 def test_reasoning_stream_cut_anywhere_gives_the_whole_answer(text, piece):
     for parser in ("qwen3", "deepseek_r1"):
         stream, reasoning, content = ReasoningStream(parser), "", ""

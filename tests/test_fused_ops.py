@@ -186,7 +186,7 @@ def test_logit_controls_match_torch(dtype, rows, per_row, controls):
               SamplingParams(frequency_penalty=-1.0, min_tokens=1)]
     sb = SamplingBatch.from_params(params, "cpu", C, [[0, 1]] * B, [{5, 2000}] * B)
     x = (torch.randn(B, rows, C, generator=gen) * 3).to(dtype)
-    x[..., :50] = 0.0  # exactly zero: penalized or not, it stays 0 (no 0 * inf)
+    x[..., :50] = 0.0  # exactly zero logits (unbiased, penalized: they stay 0, no 0 * inf)
     shape = (B, rows if per_row else 1, C)
     positions = torch.arange(rows)[None].repeat(B, 1)  # prompt of 2: rows 0-1 early for request 0 (min_end 6)
     bias = (sb.bias.view(B, 1, C).expand(shape).contiguous(), sb.stop_mask.view(B, 1, C).expand(shape).contiguous(),

@@ -27,7 +27,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
 
-from treeflash import LLM, SamplingParams  # noqa: E402
+from treeflash import LLM, SamplingParams, UsageError  # noqa: E402
 from treeflash.engine.llm import builtin_paths  # noqa: E402
 from treeflash.server.app import build_app  # noqa: E402
 from treeflash.chat import ChatTemplate  # noqa: E402
@@ -1293,6 +1293,12 @@ def test_truncate_prompt_tokens(client, llm):
     chat = {"messages": [{"role": "user", "content": PROMPT * 40}], "max_tokens": 3, "temperature": 0}
     r = client.post("/v1/chat/completions", json={**chat, "truncate_prompt_tokens": 7})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 7
+    # LLM.chat too, for a conversation longer than the context
+    long_chat = [{"role": "user", "content": PROMPT * 400}]
+    params = SamplingParams(max_new_tokens=3, truncate_prompt_tokens=7)
+    assert llm.chat(long_chat, params)[0].token_ids == llm.generate(llm.chat_prompt(long_chat)[-7:], params)[0].token_ids
+    with pytest.raises(UsageError, match="does not fit the context limit"):
+        llm.chat(long_chat, SamplingParams(max_new_tokens=3))
     for k in (0, -2, "9"):
         r = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": k})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text

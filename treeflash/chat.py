@@ -112,9 +112,7 @@ class ChatFormat:
     def checked(self) -> "ChatFormat":
         """Self, or a UsageError whose `param` names the malformed option."""
         def refuse(param: str, why: str):
-            error = UsageError(f"{param} {why}")
-            error.param = param
-            raise error
+            raise UsageError(f"{param} {why}", param=param)
 
         v = self.variables
         if v is not None and (not isinstance(v, dict) or not all(isinstance(k, str) for k in v)):

@@ -6,7 +6,12 @@ class TreeflashError(Exception):
 
 
 class UsageError(TreeflashError):
-    """A bad command-line or API argument (CLI exit code 2)."""
+    """A bad command-line or API argument (CLI exit code 2); `param`: which, where a
+    server's answer names it."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class InStepError(TreeflashError):

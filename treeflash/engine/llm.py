@@ -365,16 +365,27 @@ class LLM:
 
     def chat_prompt(self, messages: list[dict], fmt: ChatFormat = ChatFormat()) -> list[int]:
         """The token ids of a conversation as the model's chat template renders it, by
-        default up to where the assistant's answer starts (see `ChatFormat`)."""
+        default up to where the assistant's answer starts (see `ChatFormat`); `generate`
+        checks that they fit (after SamplingParams.truncate_prompt_tokens)."""
         if self.chat_template is None:
             raise UsageError(f"{self.model_path} has no chat template (tokenizer_config.json 'chat_template' "
                              "or chat_template.jinja): use generate")
-        return self.encode(self.chat_template.prompt(messages, fmt), special=False)
+        return self.token_ids(self.chat_template.prompt(messages, fmt), special=False)
 
     def encode(self, prompt: str | list[int], special: bool = True, truncate: int | None = None) -> list[int]:
-        """Checked token ids of a prompt; `special`: let the tokenizer add its special
-        tokens (BOS), as for plain text (not for a rendered chat template); `truncate`:
-        keep only the last k (-1: as many as fit), SamplingParams.truncate_prompt_tokens."""
+        """`token_ids` that fit the context; `truncate`: keep only the last k first (-1: as
+        many as fit), SamplingParams.truncate_prompt_tokens."""
+        ids = self.token_ids(prompt, special)
+        if truncate is not None:
+            ids = ids[-(self.max_model_len - 1 if truncate == -1 else truncate):]
+        if len(ids) >= self.max_model_len:
+            raise UsageError(f"prompt of {len(ids)} tokens does not fit the context limit of "
+                             f"{self.max_model_len} tokens")
+        return ids
+
+    def token_ids(self, prompt: str | list[int], special: bool = True) -> list[int]:
+        """Checked token ids of a prompt, of any length; `special`: let the tokenizer add
+        its special tokens (BOS), as for plain text (not for a rendered chat template)."""
         if isinstance(prompt, str):
             try:
                 prompt.encode("utf-8")
@@ -393,11 +404,6 @@ class LLM:
         if max(ids) >= self.config.vocab_size:
             raise TreeflashError(f"the tokenizer produced token id {max(ids)}, outside the model's vocabulary "
                                  f"of {self.config.vocab_size}: tokenizer and checkpoint do not match")
-        if truncate is not None:
-            ids = ids[-(self.max_model_len - 1 if truncate == -1 else truncate):]
-        if len(ids) >= self.max_model_len:
-            raise UsageError(f"prompt of {len(ids)} tokens does not fit the context limit of "
-                             f"{self.max_model_len} tokens")
         return ids
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -122,12 +122,12 @@ class SamplingParams:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_PENALTY <= v <= MAX_PENALTY:
                 bad(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {shown(v)}")
         v = self.repetition_penalty
-        k = self.truncate_prompt_tokens
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)):
-            bad(f"truncate_prompt_tokens must be an integer >= 1, or -1 (as many as fit), got {shown(k)}")
         lo, hi = 1 / MAX_REPETITION_PENALTY, MAX_REPETITION_PENALTY
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
             bad(f"repetition_penalty must be in [{lo:g}, {hi:g}] (1 = off), got {shown(v)}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)):
+            bad(f"truncate_prompt_tokens must be an integer >= 1, or -1 (as many as fit), got {shown(k)}")
         if vocab_size is not None:
             for name, ids in (("logit_bias", self.logit_bias or ()),
                               ("allowed_token_ids", self.allowed_token_ids or ())):
@@ -167,7 +167,8 @@ def _is_id(t) -> bool:
 
 def token_bias(mapping) -> dict[int, float]:
     """OpenAI's logit_bias as JSON gives it (token ids as strings of digits -> numbers),
-    as SamplingParams takes it; values are checked by `SamplingParams.validate`."""
+    as SamplingParams takes it; the keys are checked here, the values where
+    SamplingParams is made (`validate`)."""
     if not isinstance(mapping, dict):
         raise UsageError(f"logit_bias must be an object of token ids to numbers, got {shown(mapping)}")
     out = {}

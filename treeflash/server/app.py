@@ -32,11 +32,10 @@ from starlette.routing import Route
 from treeflash.engine.sampling import SamplingParams
 from treeflash.errors import EngineDeadError, TreeflashError, UsageError
 from treeflash.server.metrics import ServerMetrics
-from treeflash.server.protocol import (APIError, MessageStream, Request, SamplingDefaults, check_model, chunk,
-                                      logprobs_body, parse_chat, parse_completion, parse_detokenize,
-                                      parse_tokenize, response, tool_finish, usage)
-from treeflash.server.reasoning import PARSERS as REASONING_PARSERS
-from treeflash.server.tools import PARSERS as TOOL_PARSERS
+from treeflash.server.answers import REASONING_PARSERS, TOOL_PARSERS, MessageStream
+from treeflash.server.protocol import (APIError, Request, SamplingDefaults, check_model, chunk, logprobs_body,
+                                      parse_chat, parse_completion, parse_detokenize, parse_tokenize, response,
+                                      tool_finish, usage)
 from treeflash.tokenizer import TextStream
 
 _DONE = object()  # end of a streamed job's deltas
@@ -337,18 +336,17 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
                 for i in range(len(job.runs)):
                     yield _sse(chunk(req, model_name, text=req.echo[i // req.n] if req.echo else None, first=True,
                                      index=i))
-            parts = [MessageStream(req) for _ in job.runs] if req.reasoning or req.tool_calls else None
+            parts = [MessageStream(req.reasoning, req.tool_calls) for _ in job.runs]
             while (item := await job.deltas.get()) is not _DONE:
                 i, delta, logprobs = item
                 if delta is None:  # choice i is done: the rest of its text, and why it ended
                     out = job.outputs[i]
-                    text = job.texts[i].finish(out.text)
-                    reasoning, text, calls = parts[i].push(text, final=True) if parts else ("", text, [])
-                    reason = tool_finish(out.finish_reason) if parts and parts[i].calls else out.finish_reason
+                    reasoning, text, calls = parts[i].push(job.texts[i].finish(out.text), final=True)
+                    reason = tool_finish(out.finish_reason) if parts[i].calls else out.finish_reason
                     yield _sse(chunk(req, model_name, text=text, index=i, reasoning=reasoning, tool_calls=calls,
                                      finish_reason=reason, stop_reason=out.stop_reason))
                 else:
-                    reasoning, text, calls = parts[i].push(delta) if parts else ("", delta, [])
+                    reasoning, text, calls = parts[i].push(delta)
                     if reasoning or text or calls or logprobs is not None:
                         yield _sse(chunk(req, model_name, text=text, index=i, logprobs=logprobs,
                                          reasoning=reasoning, tool_calls=calls))

@@ -11,8 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from treeflash.errors import UsageError
-from treeflash.server.reasoning import PARSERS as REASONING_PARSERS
-from treeflash.server.tools import PARSERS as TOOL_PARSERS
+from treeflash.server.answers import REASONING_PARSERS, TOOL_PARSERS
 
 
 def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
@@ -42,7 +41,8 @@ def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
                         "(temperature 1, top_p 1)")
     s.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    help="chat answers' <think>...</think> as the message's reasoning_content, apart from its "
-                        "content (qwen3: when the answer opens the block; deepseek_r1: the prompt opened it)")
+                        "content (qwen3: when the answer opens the block, as Qwen3's hybrid models; deepseek_r1: "
+                        "the prompt opened it, as DeepSeek-R1 and Qwen3-Thinking-2507)")
     s.add_argument("--tool-call-parser", choices=TOOL_PARSERS,
                    help="let chat requests carry tools (OpenAI's 'tools', tool_choice 'auto' or 'none'): the "
                         "chat template writes them into the prompt and the answer's calls come back as "

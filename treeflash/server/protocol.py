@@ -16,8 +16,7 @@ from treeflash.chat import ChatFormat, plain_messages
 from treeflash.engine.sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
                                        SamplingParams, token_bias)
 from treeflash.errors import TreeflashError, UsageError, shown
-from treeflash.server.reasoning import ReasoningStream, split_reasoning
-from treeflash.server.tools import ToolCallStream, request_tools, split_tool_calls
+from treeflash.server.answers import MessageStream, request_tools
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
@@ -222,8 +221,7 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
             seed=_number(body, "seed", None, int, 0, 2 ** 63 - 1), stop=stop,
             ignore_eos=_flag(body, "ignore_eos", False), stop_token_ids=list(stop_ids or []),
             logprobs=_logprobs(body, kind), skip_special_tokens=_flag(body, "skip_special_tokens", True),
-            include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
-            truncate_prompt_tokens=_truncation(body))
+            include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False))
     except TreeflashError as e:
         raise APIError(str(e)) from None
 
@@ -520,40 +518,13 @@ def response(req: Request, model: str, outputs, tokenizer=None) -> dict:
 
 
 def message(req: Request, out) -> dict:
-    """A chat answer's message: its text; with a reasoning parser, its reasoning apart
-    (`treeflash.server.reasoning`); with tools, the rest's tool calls apart
-    (`treeflash.server.tools`)."""
-    reasoning, content = split_reasoning(out.text, req.reasoning) if req.reasoning else (None, out.text)
-    content, calls = split_tool_calls(content) if req.tool_calls else (content, [])
-    return {"role": "assistant", "content": content, **({"reasoning_content": reasoning} if req.reasoning else {}),
+    """A chat answer's message: its text, or with a reasoning parser or tools, its parts
+    (`treeflash.server.answers`); a part that is empty is null."""
+    reasoning, content, calls = MessageStream(req.reasoning, req.tool_calls).push(out.text, final=True)
+    calls = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+    return {"role": "assistant", "content": content or None if calls or req.reasoning else content,
+            **({"reasoning_content": reasoning or None} if req.reasoning else {}),
             **({"tool_calls": calls} if calls else {})}
-
-
-class MessageStream:
-    """A streamed chat answer split as `message` splits a whole one: `push` of a text
-    delta (`final`: the last) gives (reasoning, content, tool call deltas numbered by
-    their `index` among the answer's calls)."""
-
-    def __init__(self, req: Request):
-        self.reasoning = ReasoningStream(req.reasoning) if req.reasoning else None
-        self.tools = ToolCallStream() if req.tool_calls else None
-        self.calls = 0  # sent so far
-
-    def push(self, text: str, final: bool = False) -> tuple[str, str, list[dict]]:
-        reasoning, calls = "", []
-        if self.reasoning is not None:
-            reasoning, text = self.reasoning.push(text)
-            if final:
-                more, rest = self.reasoning.finish()
-                reasoning, text = reasoning + more, text + rest
-        if self.tools is not None:
-            text, calls = self.tools.push(text)
-            if final:
-                rest, more = self.tools.finish()
-                text, calls = text + rest, calls + more
-        numbered = [{"index": self.calls + k, **c} for k, c in enumerate(calls)]
-        self.calls += len(calls)
-        return reasoning, text, numbered
 
 
 def tool_finish(reason: str) -> str:

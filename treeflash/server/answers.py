@@ -1,0 +1,204 @@
+"""A chat answer split into the parts OpenAI's message has: reasoning, content and tool
+calls, whole or streamed. Decoding is not touched: the parts are text like any other,
+so every method stays exact.
+
+- Reasoning (vLLM's `--reasoning-parser`): a thinking model's `<think>...</think>`
+  becomes `reasoning_content`. `qwen3`: Qwen3's hybrid models open the block themselves
+  (with enable_thinking false their template writes an empty one into the prompt and
+  the answer has none): reasoning only if the answer starts with `<think>`.
+  `deepseek_r1`: the template's generation prompt opens the block (DeepSeek-R1,
+  Qwen3-Thinking-2507), so the answer starts inside it. An answer cut off before
+  `</think>` is all reasoning.
+- Tool calls (vLLM's `--tool-call-parser hermes`): the request's tools go to the chat
+  template, and the model's `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+  blocks (Qwen2.5, Qwen3, Hermes) become `tool_calls`. The content is the rest of the
+  text; with calls, the whitespace that ends it, or starts it after a call, is dropped.
+  A block that is not such JSON stays content, as written.
+
+Streamed, each part is sent as soon as it is known: text that may begin a tag is held
+until it does or cannot, and a call is one delta when its block closes.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+
+from treeflash.errors import UsageError, shown
+
+TOOL_PARSERS = ("hermes",)
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+THINK, END_THINK = "<think>", "</think>"
+CALL, END_CALL = "<tool_call>", "</tool_call>"
+
+
+def request_tools(body: dict, parser: str | None) -> tuple[list[dict] | None, bool]:
+    """(the body's `tools` as the template takes them, or None; whether the answer's tool
+    calls are parsed): with tool_choice 'none' the tools are written into the prompt but
+    not parsed (vLLM's default). A UsageError (with `param`) for malformed tools, a
+    tool_choice this server cannot honour (a forced call needs guided decoding), or
+    tools to call on a server started without a parser."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise UsageError(f"tool_choice {shown(choice)} is not supported (only 'auto' and 'none': a forced call "
+                         "needs guided decoding)", param="tool_choice")
+    if tools is None or tools == []:
+        return None, False
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) and t["function"]["name"]
+            and isinstance(t["function"].get("parameters") or {}, dict) for t in tools):
+        raise UsageError("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., "
+                         "\"parameters\": {...}}}", param="tools")
+    if choice == "none":
+        return tools, False
+    if parser is None:
+        raise UsageError("tool calls need a server started with --tool-call-parser hermes", param="tools")
+    return tools, True
+
+
+def _tag_start(text: str, tag: str) -> int:
+    """How many of text's last characters could begin `tag` (held back until known)."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
+
+
+class ReasoningStream:
+    """Splits text, fed in pieces, into (reasoning, the rest); the whitespace between
+    `</think>` and the rest is dropped."""
+
+    def __init__(self, parser: str):
+        assert parser in REASONING_PARSERS
+        self.parser, self.held = parser, ""
+        self.state = "start"  # start (is there an opening tag?), thinking, lead (whitespace after it), answer
+
+    def push(self, text: str) -> tuple[str, str]:
+        self.held += text
+        reasoning = rest = ""
+        while True:
+            if self.state == "start":
+                if len(self.held) < len(THINK) and THINK.startswith(self.held):
+                    return reasoning, rest  # not yet known
+                opened = self.held.startswith(THINK)
+                if opened:
+                    self.held = self.held[len(THINK):]
+                self.state = "thinking" if opened or self.parser == "deepseek_r1" else "answer"
+            elif self.state == "thinking":
+                at = self.held.find(END_THINK)
+                if at < 0:
+                    keep = len(self.held) - _tag_start(self.held, END_THINK)
+                    reasoning, self.held = reasoning + self.held[:keep], self.held[keep:]
+                    return reasoning, rest
+                reasoning += self.held[:at]
+                self.held, self.state = self.held[at + len(END_THINK):], "lead"
+            elif self.state == "lead":
+                self.held = self.held.lstrip()
+                if not self.held:
+                    return reasoning, rest
+                self.state = "answer"
+            else:
+                rest, self.held = rest + self.held, ""
+                return reasoning, rest
+
+    def finish(self) -> tuple[str, str]:
+        """What is held at the end: a partial tag is text of the part it was in."""
+        held, self.held = self.held, ""
+        if self.state == "start":
+            return ("", held) if self.parser == "qwen3" else (held, "")
+        return (held, "") if self.state == "thinking" else ("", held if self.state == "answer" else "")
+
+
+def _call(block: str) -> dict | None:
+    """OpenAI's tool call for one block's text, or None if it is not a call."""
+    def no_constant(name: str):
+        raise ValueError(f"{name} is not JSON")  # NaN, Infinity: json.loads takes them, clients would not
+    try:
+        call = json.loads(block, parse_constant=no_constant)
+    except (ValueError, RecursionError):  # RecursionError: nested past Python's stack
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        return None
+    args = call.get("arguments", call.get("parameters", {}))
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+class ToolCallStream:
+    """Splits text, fed in pieces, into (content, calls completed now). Trailing
+    whitespace is held until text follows it; whitespace after a call is dropped while no
+    content was sent, and at the end of an answer with calls."""
+
+    def __init__(self):
+        self.held, self.in_block, self.calls = "", False, 0
+        self.blank, self.sent = "", False  # trailing whitespace held back; any content sent yet
+
+    def push(self, text: str) -> tuple[str, list[dict]]:
+        self.held += text
+        content, calls = "", []
+        while True:
+            if not self.in_block:
+                at = self.held.find(CALL)
+                if at < 0:
+                    keep = len(self.held) - _tag_start(self.held, CALL)
+                    content += self._content(self.held[:keep])
+                    self.held = self.held[keep:]
+                    return content, calls
+                content += self._content(self.held[:at])
+                self.held, self.in_block = self.held[at + len(CALL):], True
+            else:
+                at = self.held.find(END_CALL)
+                if at < 0:
+                    return content, calls
+                content += self._block(self.held[:at], calls, closed=True)
+                self.held, self.in_block = self.held[at + len(END_CALL):], False
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """The rest: an unclosed final block is read as a call (a model may stop at EOS
+        before closing it)."""
+        calls: list[dict] = []
+        content = self._block(self.held, calls, closed=False) if self.in_block else self._content(self.held)
+        if not self.calls:
+            content += self.blank  # an answer without calls is its text as written
+        self.held, self.in_block, self.blank = "", False, ""
+        return content, calls
+
+    def _content(self, text: str) -> str:
+        text = self.blank + text
+        if self.calls and not self.sent:
+            text = text.lstrip()
+        body = text.rstrip()
+        self.blank, self.sent = text[len(body):], self.sent or bool(body)
+        return body
+
+    def _block(self, text: str, calls: list, closed: bool) -> str:
+        call = _call(text)
+        if call is None:  # text as the model wrote it
+            return self._content(CALL + text + (END_CALL if closed else ""))
+        self.calls += 1
+        calls.append(call)
+        return ""
+
+
+class MessageStream:
+    """A chat answer's parts: `push` of its text in pieces (`final`: the last) gives
+    (reasoning, content, tool call deltas numbered by their `index` among its calls).
+    A whole answer is one final push."""
+
+    def __init__(self, reasoning_parser: str | None = None, tool_calls: bool = False):
+        self.reasoning = ReasoningStream(reasoning_parser) if reasoning_parser else None
+        self.tools = ToolCallStream() if tool_calls else None
+        self.calls = 0  # sent so far
+
+    def push(self, text: str, final: bool = False) -> tuple[str, str, list[dict]]:
+        reasoning, calls = "", []
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.push(text)
+            if final:
+                more, rest = self.reasoning.finish()
+                reasoning, text = reasoning + more, text + rest
+        if self.tools is not None:
+            text, calls = self.tools.push(text)
+            if final:
+                rest, more = self.tools.finish()
+                text, calls = text + rest, calls + more
+        numbered = [{"index": self.calls + k, **c} for k, c in enumerate(calls)]
+        self.calls += len(calls)
+        return reasoning, text, numbered
