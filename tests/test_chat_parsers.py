@@ -308,3 +308,18 @@ def test_reasoning_comes_back_apart_and_calls_after_it(scripted, answer):
     answer("Plain.")
     message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
     assert message["reasoning_content"] is None and message["content"] == "Plain."
+
+
+def test_tokenize_counts_the_tools(scripted):
+    """vLLM's /tokenize takes a chat's tools: the ids of the prompt the chat would get."""
+    client, prompts = scripted
+    client.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, "max_tokens": 2})
+    r = client.post("/tokenize", json={"messages": MESSAGES, "tools": TOOLS})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    without = client.post("/tokenize", json={"messages": MESSAGES}).json()
+    assert body["count"] > without["count"]
+    assert client.post("/detokenize", json={"tokens": body["tokens"]}).json()["prompt"] == prompts[-1]
+    for bad in ({"messages": MESSAGES, "tools": [{"type": "x"}]}, {"prompt": "x", "tools": TOOLS}):
+        r = client.post("/tokenize", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text

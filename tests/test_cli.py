@@ -261,6 +261,24 @@ def test_prompt_longer_than_the_context_limit(capsys, model):
                  "context limit", "8")  # bad input, as an empty prompt: a usage error
 
 
+@pytest.mark.parametrize("json_out", [False, True])
+def test_truncate_prompt_tokens_reads_a_long_prompt(capsys, model, json_out):
+    """--truncate-prompt-tokens K: a prompt past the context is read from its last K tokens
+    (streamed or as JSON), as the API's truncate_prompt_tokens reads it."""
+    from treeflash import LLM, SamplingParams
+    long = ENGINE_PROMPTS[1]
+    code, out, err = run(capsys, long, "--model", model, "--device", "cpu", "--max-model-len", 8,
+                         "--max-new-tokens", 2, "--ignore-eos", "--truncate-prompt-tokens", 4,
+                         *(["--json"] if json_out else []))
+    assert code == 0, err
+    want = LLM(model, device="cpu", max_model_len=8).generate(
+        long, SamplingParams(max_new_tokens=2, ignore_eos=True, truncate_prompt_tokens=4))[0]
+    if json_out:
+        assert json.loads(out.splitlines()[0])["token_ids"] == want.token_ids
+    else:
+        assert out.rstrip("\n") == want.text
+
+
 def test_prompt_longer_than_max_position_embeddings(capsys, broken):
     edit_config(broken, lambda c: c.update(max_position_embeddings=6))
     assert_error(*run(capsys, ENGINE_PROMPTS[1], "--model", broken, "--device", "cpu"), 2,

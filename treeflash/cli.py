@@ -96,6 +96,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="token id that ends generation as EOS does (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--min-tokens", type=int, default=0, help="no EOS, stop token or stop string before this many")
+    p.add_argument("--truncate-prompt-tokens", type=int, metavar="K",
+                   help="keep only each prompt's last K tokens (-1: as many as fit the context)")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's, > 0 (1 = off)")
@@ -118,7 +120,7 @@ def sampling_from(args):
                           stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
                           min_tokens=args.min_tokens, logit_bias=args.logit_bias,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          repetition_penalty=args.repetition_penalty,
+                          repetition_penalty=args.repetition_penalty, truncate_prompt_tokens=args.truncate_prompt_tokens,
                           logprobs=getattr(args, "logprobs", None)).validate()
 
 
@@ -180,7 +182,7 @@ def cmd_generate(args) -> int:
                   flush=True)
         return 0
     stream = len(prompts) == 1 and not params.stop
-    shown = TextStream(llm.tokenizer, end_ids=llm.end_ids(params), context=llm.encode(prompts[0]) if stream else ())
+    shown = TextStream(llm.tokenizer, end_ids=llm.end_ids(params), context=llm.encode(prompts[0], truncate=params.truncate_prompt_tokens) if stream else ())
 
     def on_tokens(_, ids):
         sys.stdout.write(shown.push(ids))

@@ -57,7 +57,7 @@ CHAT_FORMAT_KEYS = ("chat_template_kwargs", "add_generation_prompt", "continue_f
 KNOWN_KEYS = {"completion": SAMPLING_KEYS | {"prompt", "logprobs", "echo", "add_special_tokens"} | set(UNSUPPORTED),
               "chat": SAMPLING_KEYS | {"messages", "logprobs", "top_logprobs", "echo", "add_special_tokens",
                                        *CHAT_FORMAT_KEYS} | set(UNSUPPORTED),
-              "tokenize": {"model", "prompt", "messages", "add_special_tokens", *CHAT_FORMAT_KEYS},
+              "tokenize": {"model", "prompt", "messages", "tools", "add_special_tokens", *CHAT_FORMAT_KEYS},
               "detokenize": {"model", "tokens"}}
 MAX_STOPS = 64
 LOGPROB_FLOOR = -9999.0  # what a log-probability of -inf is reported as (JSON has no infinity), as in vLLM
@@ -419,16 +419,20 @@ def render_chat(body: dict, template, tools: list[dict] | None = None) -> str:
 
 
 def parse_tokenize(body: dict, served: str | tuple[str, ...], template, tokenizer) -> list[int]:
-    """A /tokenize body (vLLM's): the token ids of a prompt, or of chat messages as the
-    template renders them; `add_special_tokens` (default true for a prompt, false for
-    messages, whose template writes its own)."""
+    """A /tokenize body (vLLM's): the token ids of a prompt, or of chat messages (and
+    tools) as the template renders them; `add_special_tokens` (default true for a prompt,
+    false for messages, whose template writes its own)."""
     check_keys(body, "tokenize")
     check_model(body, served)
     if ("prompt" in body) == ("messages" in body):
         raise APIError("give either 'prompt' or 'messages'", param="prompt")
     if "messages" in body:
-        return tokenizer.encode(render_chat(body, template), _flag(body, "add_special_tokens", False))
-    for key in CHAT_FORMAT_KEYS:
+        try:  # checked as a chat request's tools (counting their tokens calls nothing)
+            tools, _ = request_tools({"tools": body.get("tools"), "tool_choice": "none"}, None)
+        except UsageError as e:
+            raise APIError(str(e), param=e.param) from None
+        return tokenizer.encode(render_chat(body, template, tools), _flag(body, "add_special_tokens", False))
+    for key in (*CHAT_FORMAT_KEYS, "tools"):
         if body.get(key) is not None:
             raise APIError(f"{key} applies to 'messages'", param=key)
     if not isinstance(body["prompt"], str):
