@@ -93,7 +93,8 @@ from treeflash.engine.llm import builtin_paths  # noqa: E402
 from treeflash.server.app import build_app  # noqa: E402
 
 # writes the tools and earlier calls (arguments as objects), as Qwen's templates do
-TEMPLATE = ("[{{ 'none' if tools is none else 'some' }}]{% if tools %}### tools:\n{% for t in tools %}{{ t.function.name }}: {{ t.function.parameters | tojson }}\n"
+TEMPLATE = ("[{{ 'none' if tools is none else 'some' }}]{% if tools %}### tools:\n"
+            "{% for t in tools %}{{ t.function.name }}: {{ t.function.parameters | tojson }}\n"
             "{% endfor %}{% endif %}{% for m in messages %}### {{ m.role }}:\n{{ m.content }}"
             "{% for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': "
             "c.function.arguments} | tojson }}</tool_call>{% endfor %}\n{% endfor %}"
@@ -230,7 +231,8 @@ def test_a_tool_use_template_is_taken_for_tools(tmp_path):
     """Hermes checkpoints name two templates, 'default' and 'tool_use': with tools the
     latter renders (as transformers picks it); a tool with parameters null is taken."""
     config = {"chat_template": [{"name": "default", "template": "plain {{ messages[0].content }}"},
-                                {"name": "tool_use", "template": "tools {{ tools | length }} {{ messages[0].content }}"}]}
+                                {"name": "tool_use",
+                                 "template": "tools {{ tools | length }} {{ messages[0].content }}"}]}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     template = ChatTemplate.from_folder(tmp_path)
     messages = [{"role": "user", "content": "hi"}]

@@ -1296,7 +1296,8 @@ def test_truncate_prompt_tokens(client, llm):
     # LLM.chat too, for a conversation longer than the context
     long_chat = [{"role": "user", "content": PROMPT * 400}]
     params = SamplingParams(max_new_tokens=3, truncate_prompt_tokens=7)
-    assert llm.chat(long_chat, params)[0].token_ids == llm.generate(llm.chat_prompt(long_chat)[-7:], params)[0].token_ids
+    want = llm.generate(llm.chat_prompt(long_chat)[-7:], params)[0]
+    assert llm.chat(long_chat, params)[0].token_ids == want.token_ids
     with pytest.raises(UsageError, match="does not fit the context limit"):
         llm.chat(long_chat, SamplingParams(max_new_tokens=3))
     for k in (0, -2, "9"):

@@ -120,7 +120,8 @@ def sampling_from(args):
                           stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
                           min_tokens=args.min_tokens, logit_bias=args.logit_bias,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          repetition_penalty=args.repetition_penalty, truncate_prompt_tokens=args.truncate_prompt_tokens,
+                          repetition_penalty=args.repetition_penalty,
+                          truncate_prompt_tokens=args.truncate_prompt_tokens,
                           logprobs=getattr(args, "logprobs", None)).validate()
 
 
@@ -182,15 +183,16 @@ def cmd_generate(args) -> int:
                   flush=True)
         return 0
     stream = len(prompts) == 1 and not params.stop
-    shown = TextStream(llm.tokenizer, end_ids=llm.end_ids(params), context=llm.encode(prompts[0], truncate=params.truncate_prompt_tokens) if stream else ())
+    context = llm.encode(prompts[0], truncate=params.truncate_prompt_tokens) if stream else ()
+    printed = TextStream(llm.tokenizer, end_ids=llm.end_ids(params), context=context)
 
     def on_tokens(_, ids):
-        sys.stdout.write(shown.push(ids))
+        sys.stdout.write(printed.push(ids))
         sys.stdout.flush()
 
     for i, out in enumerate(outputs(on_tokens if stream else None)):
         if stream:
-            sys.stdout.write(shown.finish(out.text) + "\n")
+            sys.stdout.write(printed.finish(out.text) + "\n")
         else:
             print(("\n" if i else "") + out.text)
         s = out.stats

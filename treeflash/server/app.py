@@ -314,9 +314,8 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
     parameters a request leaves out; with `api_key`, the /v1 routes answer only requests
     that carry it ("Authorization: Bearer <key>"); browsers' cross-origin requests from
     `allowed_origins` (as vLLM: any by default); with `tool_parser` ('hermes'), chat
-    requests may carry tools (`treeflash.server.tools`); with `reasoning_parser`, chat
-    answers' reasoning comes back apart (`treeflash.server.reasoning`). Its worker starts
-    with the app's lifespan."""
+    requests may carry tools, and with `reasoning_parser` chat answers' reasoning comes
+    back apart (`treeflash.server.answers`). Its worker starts with the app's lifespan."""
     for what, name, names in (("tool-call", tool_parser, TOOL_PARSERS), ("reasoning", reasoning_parser,
                                                                           REASONING_PARSERS)):
         if name not in (None, *names):

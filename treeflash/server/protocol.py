@@ -137,7 +137,7 @@ class Request:
     n: int = 1                 # choices per prompt
     echo: list[str] | None = None  # completions with echo: each prompt's text, put before its choices' text
     tool_calls: bool = False   # chat with tools: the answers' <tool_call> blocks become tool_calls
-    reasoning: str | None = None  # chat: the reasoning parser that splits <think> off (`server.reasoning`)
+    reasoning: str | None = None  # chat: the reasoning parser that splits <think> off (`server.answers`)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -235,7 +235,8 @@ def _logit_bias(body: dict, vocab_size: int | None) -> dict[int, float] | None:
     except UsageError as e:
         raise APIError(str(e).replace("logit_bias", "'logit_bias'", 1), param="logit_bias") from None
     for value in out.values():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise APIError(f"'logit_bias' values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
                            f"got {shown(value)}", param="logit_bias")
     if out and vocab_size is not None and max(out) >= vocab_size:
@@ -360,7 +361,8 @@ def _truncation(body: dict) -> int | None:
     """vLLM's truncate_prompt_tokens: keep a prompt's last k tokens (-1: as many as fit)."""
     k = _number(body, "truncate_prompt_tokens", None, int, -1)
     if k == 0:
-        raise APIError("'truncate_prompt_tokens' must be >= 1, or -1 (as many as fit)", param="truncate_prompt_tokens")
+        raise APIError("'truncate_prompt_tokens' must be >= 1, or -1 (as many as fit)",
+                       param="truncate_prompt_tokens")
     return k
 
 
@@ -526,7 +528,7 @@ def message(req: Request, out) -> dict:
     (`treeflash.server.answers`); a part that is empty is null."""
     reasoning, content, calls = MessageStream(req.reasoning, req.tool_calls).push(out.text, final=True)
     calls = [{k: v for k, v in c.items() if k != "index"} for c in calls]
-    return {"role": "assistant", "content": content or None if calls or req.reasoning else content,
+    return {"role": "assistant", "content": (content or None) if calls or req.reasoning else content,
             **({"reasoning_content": reasoning or None} if req.reasoning else {}),
             **({"tool_calls": calls} if calls else {})}
 
@@ -542,9 +544,8 @@ def chunk(req: Request, model: str, text: str | None = None, finish_reason: str 
           reasoning: str | None = None) -> dict:
     """One streamed event of choice `index`: a text delta (with its tokens' `logprobs`
     body, if asked), chat reasoning or tool calls (each with its `index` among the
-    choice's calls),
-    the finish reason (with vLLM's stop_reason: the stop token id or string), or
-    (choices empty) the usage."""
+    choice's calls), the finish reason (with vLLM's stop_reason: the stop token id or
+    string), or (choices empty) the usage."""
     chat = req.kind == "chat"
     if usage_ is not None:
         choices = []
