@@ -1303,3 +1303,19 @@ def test_truncate_prompt_tokens(client, llm):
     for k in (0, -2, "9"):
         r = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": k})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+def test_treeflash_serve_with_chat_parsers(chat_model):
+    """--tool-call-parser and --reasoning-parser reach the real server: tools are taken
+    and the message has its reasoning field."""
+    proc, _, base, _ = _serve("--model", str(chat_model), "--draft-model", str(builtin_paths()[1]),
+                              "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    try:
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        got = _post(base + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                    "tools": tools, "max_tokens": 4})
+        message = got["choices"][0]["message"]
+        assert "reasoning_content" in message and isinstance(message["content"], (str, type(None)))
+    finally:
+        proc.terminate()
+        proc.wait(30)
