@@ -400,7 +400,7 @@ def apply_controls(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBa
     bias = (sb.bias[:, None, cols], sb.stop_mask[:, None, cols], positions) if sb.any_biased else None
     penalties = (sb.out_counts[:, None, cols], sb.prompt_seen[:, None, cols]) if sb.any_penalized else None
     x = _controlled(logits, sb, bias, penalties)
-    if path is None or penalties is None:
+    if path is None or penalties is None or T == 1:  # T == 1: the root alone (AR), no path tokens
         return x
     tokens, ancestors = path
     wide = x.dtype
