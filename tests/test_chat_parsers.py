@@ -126,14 +126,17 @@ def scripted(tmp_path_factory):
         for k, prompt in enumerate(batch):
             prompts.append(llm.tokenizer.decode(prompt))
             for t in ids:
-                on_tokens(k, [t], None)
+                if on_tokens is not None:
+                    on_tokens(k, [t], None)
             outs.append(GenerationOutput(llm.tokenizer.decode(ids), list(ids), "stop"))
-            on_done(k, outs[-1])
+            if on_done is not None:
+                on_done(k, outs[-1])
         return outs
 
     llm.generate = generate
     app = build_app(llm, "tiny", ChatTemplate.from_folder(folder), tool_parser="hermes", reasoning_parser="qwen3")
     with TestClient(app) as client:
+        client.llm = llm  # the scripted engine, for LLM.chat
         yield client, prompts
 
 
@@ -325,3 +328,19 @@ def test_tokenize_counts_the_tools(scripted):
     for bad in ({"messages": MESSAGES, "tools": [{"type": "x"}]}, {"prompt": "x", "tools": TOOLS}):
         r = client.post("/tokenize", json=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
+def test_llm_chat_writes_the_tools_into_the_prompt(scripted):
+    """LLM.chat(tools=...), as vLLM's: the prompt the server's chat gets; bad tools are
+    refused before anything is rendered."""
+    from treeflash.errors import UsageError
+    client, prompts = scripted
+    client.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, "max_tokens": 2})
+    served = prompts[-1]
+    assert served.startswith("[some]### tools:")
+    client.llm.chat(MESSAGES, tools=TOOLS)
+    assert prompts[-1] == served
+    client.llm.chat(MESSAGES)
+    assert prompts[-1].startswith("[none]")
+    with pytest.raises(UsageError, match="'tools' must be a list"):
+        client.llm.chat(MESSAGES, tools=[{"type": "retrieval"}])

@@ -55,6 +55,20 @@ def plain_messages(messages) -> list[dict]:
     return plain
 
 
+def checked_tools(tools) -> list[dict] | None:
+    """OpenAI's `tools` as a template takes them (None for none); a UsageError naming
+    'tools' if they are not a list of functions."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) and t["function"]["name"]
+            and isinstance(t["function"].get("parameters") or {}, dict) for t in tools):
+        raise UsageError("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., "
+                         "\"parameters\": {...}}}", param="tools")
+    return tools
+
+
 def _tool_calls(calls, where: str) -> list[dict]:
     """An assistant message's `tool_calls` as templates read them: each function's
     arguments as an object (OpenAI sends a JSON string; vLLM parses it for the template

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from treeflash.chat import ChatFormat, ChatTemplate
+from treeflash.chat import ChatFormat, ChatTemplate, checked_tools
 from treeflash.config import DTYPES, DraftConfig, ModelConfig
 from treeflash.engine.round import METHODS, BatchState, SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
@@ -349,28 +349,34 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              on_tokens=None, on_done=None, chat_template_kwargs: dict | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[GenerationOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None) -> list[GenerationOutput]:
         """The assistant's answers to a conversation ([{"role": ..., "content": ...}, ...])
         or to each of a list of them: rendered by the model's chat template (which writes
-        its own special tokens; the last three arguments as vLLM's `LLM.chat` takes them,
-        see `ChatFormat`), then `generate`d, as the server's /v1/chat/completions does.
-        Returns one output per conversation."""
+        its own special tokens; the last four arguments as vLLM's `LLM.chat` takes them:
+        see `ChatFormat`, and `tools`, OpenAI's, which the template writes into the prompt),
+        then `generate`d, as the server's /v1/chat/completions does. Returns one output per
+        conversation (its text as the model wrote it: the server splits tool calls off)."""
         one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if one else messages
         if not isinstance(conversations, (list, tuple)) or not conversations:
             raise UsageError("messages must be a conversation (a list of {'role', 'content'} messages) "
                              "or a list of conversations")
         fmt = ChatFormat(chat_template_kwargs, add_generation_prompt, continue_final_message)
-        return self.generate([self.chat_prompt(c, fmt) for c in conversations], sampling_params, on_tokens, on_done)
+        tools = checked_tools(tools)
+        return self.generate([self.chat_prompt(c, fmt, tools) for c in conversations], sampling_params, on_tokens,
+                             on_done)
 
-    def chat_prompt(self, messages: list[dict], fmt: ChatFormat = ChatFormat()) -> list[int]:
-        """The token ids of a conversation as the model's chat template renders it, by
-        default up to where the assistant's answer starts (see `ChatFormat`); `generate`
-        checks that they fit (after SamplingParams.truncate_prompt_tokens)."""
+    def chat_prompt(self, messages: list[dict], fmt: ChatFormat = ChatFormat(),
+                    tools: list[dict] | None = None) -> list[int]:
+        """The token ids of a conversation (and its `tools`) as the model's chat template
+        renders it, by default up to where the assistant's answer starts (see
+        `ChatFormat`); `generate` checks that they fit (after
+        SamplingParams.truncate_prompt_tokens)."""
         if self.chat_template is None:
             raise UsageError(f"{self.model_path} has no chat template (tokenizer_config.json 'chat_template' "
                              "or chat_template.jinja): use generate")
-        return self.token_ids(self.chat_template.prompt(messages, fmt), special=False)
+        return self.token_ids(self.chat_template.prompt(messages, fmt, tools), special=False)
 
     def encode(self, prompt: str | list[int], special: bool = True, truncate: int | None = None) -> list[int]:
         """`token_ids` that fit the context; `truncate`: keep only the last k first (-1: as

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import uuid
 
+from treeflash.chat import checked_tools
 from treeflash.errors import UsageError, shown
 
 TOOL_PARSERS = ("hermes",)
@@ -41,14 +42,9 @@ def request_tools(body: dict, parser: str | None) -> tuple[list[dict] | None, bo
     if choice not in (None, "none", "auto"):
         raise UsageError(f"tool_choice {shown(choice)} is not supported (only 'auto' and 'none': a forced call "
                          "needs guided decoding)", param="tool_choice")
-    if tools is None or tools == []:
+    tools = checked_tools(tools)
+    if tools is None:
         return None, False
-    if not isinstance(tools, list) or not all(
-            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-            and isinstance(t["function"].get("name"), str) and t["function"]["name"]
-            and isinstance(t["function"].get("parameters") or {}, dict) for t in tools):
-        raise UsageError("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., "
-                         "\"parameters\": {...}}}", param="tools")
     if choice == "none":
         return tools, False
     if parser is None:

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from treeflash.chat import ChatFormat, plain_messages
+from treeflash.chat import ChatFormat, checked_tools, plain_messages
 from treeflash.engine.sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
                                        SamplingParams, token_bias)
 from treeflash.errors import TreeflashError, UsageError, shown
@@ -429,8 +429,8 @@ def parse_tokenize(body: dict, served: str | tuple[str, ...], template, tokenize
     if ("prompt" in body) == ("messages" in body):
         raise APIError("give either 'prompt' or 'messages'", param="prompt")
     if "messages" in body:
-        try:  # checked as a chat request's tools (counting their tokens calls nothing)
-            tools, _ = request_tools({"tools": body.get("tools"), "tool_choice": "none"}, None)
+        try:
+            tools = checked_tools(body.get("tools"))
         except UsageError as e:
             raise APIError(str(e), param=e.param) from None
         return tokenizer.encode(render_chat(body, template, tools), _flag(body, "add_special_tokens", False))
