@@ -106,6 +106,25 @@ def test_streamed_deltas_add_up_to_the_whole_text(client, stop):
         assert len(got) > 4  # streamed in several deltas, not one at the end
 
 
+@pytest.mark.parametrize("path,extra", [("/v1/completions", {"prompt": [PROMPT, "import os"]}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})])
+def test_continuous_usage_in_every_event(client, path, extra):
+    """vLLM's stream_options.continuous_usage_stats: every choice's event carries its
+    usage so far (its prompt, its tokens), ending at what the final usage counts."""
+    body = {**extra, "max_tokens": 12, "temperature": 0.8, "seed": 1, "n": 2, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    got = events(client.post(path, json=body))
+    final = got[-2]["usage"]
+    seen = {}
+    for e in got[:-2]:
+        i, usage = e["choices"][0]["index"], e["usage"]
+        assert usage["completion_tokens"] >= seen.get(i, 0)
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        seen[i] = usage["completion_tokens"]
+    assert sorted(seen) == list(range(len(seen))) and all(n == 12 for n in seen.values())
+    assert final["completion_tokens"] == sum(seen.values())
+
+
 @pytest.mark.parametrize("stop", [["\n"], ["(n).is_p"]])
 def test_stop_strings_kept_in_the_text_on_request(client, stop):
     """include_stop_str_in_output: the text runs to the stop string's end, streamed or

@@ -61,7 +61,8 @@ class AsciiJSONResponse(JSONResponse):
 class Job:
     """A request on its way through the worker: a future for its outputs and, when
     streamed, a queue filled from the worker thread with (choice, text delta, logprobs
-    body or None) and (choice, None, None) once that choice has finished."""
+    body or None, its tokens so far) and (choice, None, None, its tokens) once that choice
+    has finished."""
 
     def __init__(self, req: Request, loop: asyncio.AbstractEventLoop, tokenizer, metrics: ServerMetrics | None = None,
                  end_ids=()):
@@ -79,6 +80,7 @@ class Job:
                                  context=prompt, min_tokens=p.min_tokens) for prompt, p in self.runs] \
             if req.stream else None
         self.offsets = [0] * len(self.runs)  # characters of each choice's streamed token texts (text_offset)
+        self.generated = [0] * len(self.runs)  # each choice's tokens so far
 
     @property
     def cancelled(self) -> bool:
@@ -96,12 +98,13 @@ class Job:
             self.metrics.first_token(time.monotonic() - self.arrived)
         self.started = True
         if self.texts:
+            self.generated[i] += len(ids)
             delta = self.texts[i].push(ids)
             body = logprobs_body(self.req, logprobs, self.tokenizer, self.offsets[i]) if logprobs else None
             if body is not None and self.req.kind == "completion":
                 self.offsets[i] += sum(map(len, body["tokens"]))
             if delta or body is not None:
-                self._to_loop((i, delta, body))
+                self._to_loop((i, delta, body, self.generated[i]))
         return self.cancelled
 
     def _to_loop(self, item) -> None:
@@ -113,7 +116,7 @@ class Job:
     def on_done(self, i: int, output) -> None:  # worker thread
         self.outputs[i] = output
         if self.deltas is not None:
-            self._to_loop((i, None, None))
+            self._to_loop((i, None, None, len(output.token_ids)))
         if self.metrics is not None:  # a prompt's tokens count once, however many choices it has
             self.metrics.choice_done(len(self.runs[i][0]) if i % self.req.n == 0 else 0, output)
         if all(o is not None for o in self.outputs):
@@ -337,18 +340,18 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
                                      index=i))
             parts = [MessageStream(req.reasoning, req.tool_calls) for _ in job.runs]
             while (item := await job.deltas.get()) is not _DONE:
-                i, delta, logprobs = item
+                i, delta, logprobs, generated = item
                 if delta is None:  # choice i is done: the rest of its text, and why it ended
                     out = job.outputs[i]
                     reasoning, text, calls = parts[i].push(job.texts[i].finish(out.text), final=True)
                     reason = tool_finish(out.finish_reason) if parts[i].calls else out.finish_reason
                     yield _sse(chunk(req, model_name, text=text, index=i, reasoning=reasoning, tool_calls=calls,
-                                     finish_reason=reason, stop_reason=out.stop_reason))
+                                     finish_reason=reason, stop_reason=out.stop_reason, generated=generated))
                 else:
                     reasoning, text, calls = parts[i].push(delta)
                     if reasoning or text or calls or logprobs is not None:
                         yield _sse(chunk(req, model_name, text=text, index=i, logprobs=logprobs,
-                                         reasoning=reasoning, tool_calls=calls))
+                                         reasoning=reasoning, tool_calls=calls, generated=generated))
             try:
                 outs = job.future.result()
             except BaseException as e:

@@ -138,6 +138,7 @@ class Request:
     echo: list[str] | None = None  # completions with echo: each prompt's text, put before its choices' text
     tool_calls: bool = False   # chat with tools: the answers' <tool_call> blocks become tool_calls
     reasoning: str | None = None  # chat: the reasoning parser that splits <think> off (`server.answers`)
+    continuous_usage: bool = False  # streamed: every choice's event has its usage so far (vLLM's)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -276,13 +277,14 @@ def _logprobs(body: dict, kind: str) -> int | None:
     return None
 
 
-def _stream_flags(body: dict) -> tuple[bool, bool]:
-    """`stream` and `stream_options.include_usage`; options need a stream (as OpenAI
-    answers), and an option this server does not honour is refused."""
+def _stream_flags(body: dict) -> tuple[bool, bool, bool]:
+    """`stream`, `stream_options.include_usage` and vLLM's `continuous_usage_stats`
+    (usage in every event; it needs include_usage, as in vLLM); options need a stream
+    (as OpenAI answers), and an option this server does not know is refused."""
     stream = _flag(body, "stream", False)
     options = body.get("stream_options")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not isinstance(options, dict):
         raise APIError("'stream_options' must be an object", param="stream_options")
     if not stream:
@@ -293,11 +295,11 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
         if flags[key] is not None and not isinstance(flags[key], bool):
             raise APIError(f"'stream_options.{key}' must be true or false, got {shown(flags[key])}",
                            param="stream_options")
-    if flags["continuous_usage_stats"]:
-        raise APIError("'stream_options.continuous_usage_stats' is not supported", param="stream_options")
+    if flags["continuous_usage_stats"] and not flags["include_usage"]:
+        raise APIError("'stream_options.continuous_usage_stats' needs 'include_usage': true", param="stream_options")
     if unknown := sorted(set(options) - set(flags)):
         raise APIError(f"unknown stream option '{unknown[0]}'", param="stream_options")
-    return stream, bool(flags["include_usage"])
+    return stream, bool(flags["include_usage"]), bool(flags["continuous_usage_stats"])
 
 
 def check_model(body: dict, served: str | tuple[str, ...]) -> None:
@@ -343,7 +345,7 @@ def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_mode
     special = _flag(body, "add_special_tokens", True)  # a text prompt's BOS (vLLM's default: added)
     truncate = _truncation(body)
     ids = [_encode(encode, p, param="prompt", special=special, truncate=truncate) for p in prompts]
-    stream, include_usage = _stream_flags(body)
+    stream, include_usage, continuous = _stream_flags(body)
     params = _sampling(body, [len(i) for i in ids], max_model_len, DEFAULT_COMPLETION_TOKENS, defaults, vocab_size,
                        "completion")
     echo = None
@@ -354,7 +356,8 @@ def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_mode
         echo = [p if isinstance(p, str) and truncate is None else decode(i, params.skip_special_tokens)
                 for p, i in zip(prompts, ids)]
         params = replace(params, prompt_logprobs=params.logprobs)  # scoring a text, as lm-eval does
-    return Request("completion", ids, params, stream, include_usage, _choices(body, len(ids)), echo=echo)
+    return Request("completion", ids, params, stream, include_usage, _choices(body, len(ids)), echo=echo,
+                   continuous_usage=continuous)
 
 
 def _truncation(body: dict) -> int | None:
@@ -391,10 +394,10 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
     # the template writes its own special tokens; add_special_tokens adds the tokenizer's too (vLLM)
     ids = [_encode(encode, render_chat(body, template, tools), param="messages",
                    special=_flag(body, "add_special_tokens", False), truncate=_truncation(body))]
-    stream, include_usage = _stream_flags(body)
+    stream, include_usage, continuous = _stream_flags(body)
     params = _sampling(body, [len(ids[0])], max_model_len, defaults.max_tokens, defaults, vocab_size, "chat")
     return Request("chat", ids, params, stream, include_usage, _choices(body, 1), tool_calls=parsed,
-                   reasoning=reasoning_parser)
+                   reasoning=reasoning_parser, continuous_usage=continuous)
 
 
 def render_chat(body: dict, template, tools: list[dict] | None = None) -> str:
@@ -541,11 +544,12 @@ def tool_finish(reason: str) -> str:
 def chunk(req: Request, model: str, text: str | None = None, finish_reason: str | None = None,
           first: bool = False, usage_: dict | None = None, stop_reason: int | str | None = None,
           index: int = 0, logprobs: dict | None = None, tool_calls: list[dict] | None = None,
-          reasoning: str | None = None) -> dict:
+          reasoning: str | None = None, generated: int = 0) -> dict:
     """One streamed event of choice `index`: a text delta (with its tokens' `logprobs`
     body, if asked), chat reasoning or tool calls (each with its `index` among the
     choice's calls), the finish reason (with vLLM's stop_reason: the stop token id or
-    string), or (choices empty) the usage."""
+    string), or (choices empty) the usage; with continuous usage, a choice's event has
+    its usage so far (`generated` tokens)."""
     chat = req.kind == "chat"
     if usage_ is not None:
         choices = []
@@ -565,6 +569,9 @@ def chunk(req: Request, model: str, text: str | None = None, finish_reason: str 
     out = {"id": ("chatcmpl-" if chat else "cmpl-") + req.id,
            "object": "chat.completion.chunk" if chat else "text_completion", "created": req.created,
            "model": model, "choices": choices}
+    if usage_ is None and req.continuous_usage:
+        prompt = len(req.prompts[index // req.n])
+        usage_ = {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
     if usage_ is not None:
         out["usage"] = usage_
     return out
