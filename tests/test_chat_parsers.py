@@ -16,9 +16,9 @@ import pytest
 
 from treeflash.server.answers import MessageStream, ReasoningStream, ToolCallStream
 
-def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+def split_tool_calls(text: str, parser: str = "hermes") -> tuple[str | None, list[dict]]:
     """(content, calls) of a whole answer, as the server's message has them."""
-    _, content, calls = MessageStream(None, tool_calls=True).push(text, final=True)
+    _, content, calls = MessageStream(None, parser).push(text, final=True)
     return content or None if calls else content, calls
 
 
@@ -344,3 +344,51 @@ def test_llm_chat_writes_the_tools_into_the_prompt(scripted):
     assert prompts[-1].startswith("[none]")
     with pytest.raises(UsageError, match="'tools' must be a list"):
         client.llm.chat(MESSAGES, tools=[{"type": "retrieval"}])
+
+
+# ----------------------------------------------------------------------------- llama3_json
+
+LLAMA_ANSWERS = ['{"name": "get_weather", "parameters": {"city": "Paris"}}',
+                 '<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "arguments": {"x": [1, 2]}}',
+                 ' \n{"name": "f"}', "Hello {\"name\": \"f\"}", '{"name": "f", "parameters": {', "{not json}",
+                 '{"name": "f"} and more', "<|python", ""]
+
+
+def test_llama3_json_calls():
+    """Llama 3.1-3.3 answer a call with the whole answer: JSON objects, ';' between them,
+    after an optional <|python_tag|>; anything else is text."""
+    content, calls = split_tool_calls(LLAMA_ANSWERS[0], "llama3_json")
+    assert content is None and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    content, calls = split_tool_calls(LLAMA_ANSWERS[1], "llama3_json")
+    assert [c["function"]["name"] for c in calls] == ["f", "g"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"x": [1, 2]}
+    assert split_tool_calls(LLAMA_ANSWERS[2], "llama3_json")[1][0]["function"]["name"] == "f"
+    for text in LLAMA_ANSWERS[3:]:
+        assert split_tool_calls(text, "llama3_json") == (text, []), text
+
+
+@pytest.mark.parametrize("text", LLAMA_ANSWERS)
+@pytest.mark.parametrize("piece", [1, 4])
+def test_llama3_json_stream_cut_anywhere_gives_the_whole_answer(text, piece):
+    stream, content, calls = MessageStream(None, "llama3_json"), "", []
+    for i in range(0, len(text), piece):
+        _, c, new = stream.push(text[i:i + piece], final=False)
+        content, calls = content + c, calls + new
+    _, c, new = stream.push("", final=True)
+    content, calls = content + c, calls + new
+    whole_content, whole = split_tool_calls(text, "llama3_json")
+    assert ((content or None) if calls else content) == whole_content
+    assert [c["function"] for c in calls] == [c["function"] for c in whole]
+
+
+def test_llama3_json_through_the_server(scripted, answer):
+    client, _ = scripted
+    answer(LLAMA_ANSWERS[1])
+    with TestClient(build_app(client.llm, "tiny", ChatTemplate(TEMPLATE), tool_parser="llama3_json")) as llama:
+        body = {"messages": MESSAGES[:1], "tools": TOOLS, "max_tokens": 50}
+        choice = llama.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["f", "g"]
+        content, calls, reason = _stream(llama, body)
+        assert (content, reason) == ("", "tool_calls")
+        assert [c["function"] for c in calls] == [c["function"] for c in choice["message"]["tool_calls"]]

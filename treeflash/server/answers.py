@@ -9,11 +9,14 @@ so every method stays exact.
   `deepseek_r1`: the template's generation prompt opens the block (DeepSeek-R1,
   Qwen3-Thinking-2507), so the answer starts inside it. An answer cut off before
   `</think>` is all reasoning.
-- Tool calls (vLLM's `--tool-call-parser hermes`): the request's tools go to the chat
-  template, and the model's `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-  blocks (Qwen2.5, Qwen3, Hermes) become `tool_calls`. The content is the rest of the
-  text; with calls, the whitespace that ends it, or starts it after a call, is dropped.
-  A block that is not such JSON stays content, as written.
+- Tool calls (vLLM's `--tool-call-parser`): the request's tools go to the chat
+  template, and the model's calls become `tool_calls`. `hermes`: `<tool_call>{"name":
+  ..., "arguments": {...}}</tool_call>` blocks (Qwen2.5, Qwen3, Hermes); the content is
+  the rest of the text, and with calls the whitespace that ends it, or starts it after a
+  call, is dropped; a block that is not such JSON stays content, as written.
+  `llama3_json`: an answer that is JSON calls, `{"name": ..., "parameters": {...}}`,
+  separated by ';' and after an optional `<|python_tag|>` (Llama 3.1-3.3); an answer
+  that does not start so, or does not parse, is content.
 
 Streamed, each part is sent as soon as it is known: text that may begin a tag is held
 until it does or cannot, and a call is one delta when its block closes.
@@ -26,10 +29,11 @@ import uuid
 from treeflash.chat import checked_tools
 from treeflash.errors import UsageError, shown
 
-TOOL_PARSERS = ("hermes",)
+TOOL_PARSERS = ("hermes", "llama3_json")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 THINK, END_THINK = "<think>", "</think>"
 CALL, END_CALL = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
 
 
 def request_tools(body: dict, parser: str | None) -> tuple[list[dict] | None, bool]:
@@ -48,7 +52,8 @@ def request_tools(body: dict, parser: str | None) -> tuple[list[dict] | None, bo
     if choice == "none":
         return tools, False
     if parser is None:
-        raise UsageError("tool calls need a server started with --tool-call-parser hermes", param="tools")
+        raise UsageError(f"tool calls need a server started with --tool-call-parser ({' or '.join(TOOL_PARSERS)})",
+                         param="tools")
     return tools, True
 
 
@@ -102,14 +107,21 @@ class ReasoningStream:
         return (held, "") if self.state == "thinking" else ("", held if self.state == "answer" else "")
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")  # NaN, Infinity: json.loads takes them, clients would not
+
+
 def _call(block: str) -> dict | None:
     """OpenAI's tool call for one block's text, or None if it is not a call."""
-    def no_constant(name: str):
-        raise ValueError(f"{name} is not JSON")  # NaN, Infinity: json.loads takes them, clients would not
     try:
-        call = json.loads(block, parse_constant=no_constant)
+        call = json.loads(block, parse_constant=_no_constant)
     except (ValueError, RecursionError):  # RecursionError: nested past Python's stack
         return None
+    return _openai_call(call)
+
+
+def _openai_call(call) -> dict | None:
+    """OpenAI's tool call for a model's {"name", "arguments" or "parameters"}, or None."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         return None
     args = call.get("arguments", call.get("parameters", {}))
@@ -173,14 +185,52 @@ class ToolCallStream:
         return ""
 
 
+class JsonCallStream:
+    """`llama3_json`: holds an answer that may be calls (it starts with '{' or the python
+    tag) to its end, then reads it as calls separated by ';', or gives it back as content
+    if it is not; any other answer streams as content."""
+
+    def __init__(self):
+        self.held, self.calls_maybe = "", None  # None: not yet known
+
+    def push(self, text: str) -> tuple[str, list[dict]]:
+        self.held += text
+        if self.calls_maybe is None:
+            start = self.held.lstrip()
+            if not start or (len(start) < len(PYTHON_TAG) and PYTHON_TAG.startswith(start)):
+                return "", []
+            self.calls_maybe = start.startswith("{") or start.startswith(PYTHON_TAG)
+        if self.calls_maybe:
+            return "", []
+        content, self.held = self.held, ""
+        return content, []
+
+    def finish(self) -> tuple[str, list[dict]]:
+        held, self.held = self.held, ""
+        body = held.strip()
+        body = body[len(PYTHON_TAG):] if body.startswith(PYTHON_TAG) else body
+        calls, decoder, at = [], json.JSONDecoder(parse_constant=_no_constant), 0
+        try:
+            while at < len(body):
+                obj, at = decoder.raw_decode(body, at)
+                calls.append(_openai_call(obj))
+                at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
+        except (ValueError, RecursionError):
+            calls = [None]
+        if self.calls_maybe and calls and None not in calls:
+            return "", calls
+        return held, []
+
+
 class MessageStream:
     """A chat answer's parts: `push` of its text in pieces (`final`: the last) gives
     (reasoning, content, tool call deltas numbered by their `index` among its calls).
     A whole answer is one final push."""
 
-    def __init__(self, reasoning_parser: str | None = None, tool_calls: bool = False):
+    def __init__(self, reasoning_parser: str | None = None, tool_parser: str | None = None):
         self.reasoning = ReasoningStream(reasoning_parser) if reasoning_parser else None
-        self.tools = ToolCallStream() if tool_calls else None
+        streams = {"hermes": ToolCallStream, "llama3_json": JsonCallStream}
+        self.tools = streams[tool_parser]() if tool_parser else None
         self.calls = 0  # sent so far
 
     def push(self, text: str, final: bool = False) -> tuple[str, str, list[dict]]:

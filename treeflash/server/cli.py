@@ -46,7 +46,8 @@ def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
     s.add_argument("--tool-call-parser", choices=TOOL_PARSERS,
                    help="let chat requests carry tools (OpenAI's 'tools', tool_choice 'auto' or 'none'): the "
                         "chat template writes them into the prompt and the answer's calls come back as "
-                        "tool_calls (hermes: <tool_call>{...}</tool_call>, as Qwen2.5, Qwen3 and Hermes write them)")
+                        "tool_calls (hermes: <tool_call>{...}</tool_call>, as Qwen2.5, Qwen3 and Hermes write them; "
+                        "llama3_json: an answer of JSON calls, as Llama 3.1-3.3)")
     s.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no line per request on stdout (as vLLM's flag; /health and /metrics are never logged)")
     s.set_defaults(func=cmd_serve)

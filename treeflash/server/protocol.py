@@ -136,7 +136,7 @@ class Request:
     include_usage: bool = False
     n: int = 1                 # choices per prompt
     echo: list[str] | None = None  # completions with echo: each prompt's text, put before its choices' text
-    tool_calls: bool = False   # chat with tools: the answers' <tool_call> blocks become tool_calls
+    tool_calls: str | None = None  # chat with tools: the parser whose calls become tool_calls (`server.answers`)
     reasoning: str | None = None  # chat: the reasoning parser that splits <think> off (`server.answers`)
     continuous_usage: bool = False  # streamed: every choice's event has its usage so far (vLLM's)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -396,7 +396,8 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
                    special=_flag(body, "add_special_tokens", False), truncate=_truncation(body))]
     stream, include_usage, continuous = _stream_flags(body)
     params = _sampling(body, [len(ids[0])], max_model_len, defaults.max_tokens, defaults, vocab_size, "chat")
-    return Request("chat", ids, params, stream, include_usage, _choices(body, 1), tool_calls=parsed,
+    return Request("chat", ids, params, stream, include_usage, _choices(body, 1),
+                   tool_calls=tool_parser if parsed else None,
                    reasoning=reasoning_parser, continuous_usage=continuous)
 
 
