@@ -349,7 +349,7 @@ def test_llm_chat_writes_the_tools_into_the_prompt(scripted):
 # ----------------------------------------------------------------------------- llama3_json
 
 LLAMA_ANSWERS = ['{"name": "get_weather", "parameters": {"city": "Paris"}}',
-                 '<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "arguments": {"x": [1, 2]}}',
+                 '<|python_tag|> {"name": "f", "parameters": {}}; {"name": "g", "arguments": {"x": [1, 2]}}',
                  ' \n{"name": "f"}', "Hello {\"name\": \"f\"}", '{"name": "f", "parameters": {', "{not json}",
                  '{"name": "f"} and more', "<|python", ""]
 

@@ -207,8 +207,7 @@ class JsonCallStream:
 
     def finish(self) -> tuple[str, list[dict]]:
         held, self.held = self.held, ""
-        body = held.strip()
-        body = body[len(PYTHON_TAG):] if body.startswith(PYTHON_TAG) else body
+        body = held.strip().removeprefix(PYTHON_TAG).lstrip()
         calls, decoder, at = [], json.JSONDecoder(parse_constant=_no_constant), 0
         try:
             while at < len(body):
