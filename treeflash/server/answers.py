@@ -58,7 +58,8 @@ def request_tools(body: dict, parser: str | None) -> tuple[list[dict] | None, bo
 
 
 def _tag_start(text: str, tag: str) -> int:
-    """How many of text's last characters could begin `tag` (held back until known)."""
+    """How many of text's last characters could begin `tag` (held back until known);
+    all of them while the whole text may still become the tag."""
     return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
 
 
@@ -76,7 +77,7 @@ class ReasoningStream:
         reasoning = rest = ""
         while True:
             if self.state == "start":
-                if len(self.held) < len(THINK) and THINK.startswith(self.held):
+                if _tag_start(self.held, THINK) == len(self.held):
                     return reasoning, rest  # not yet known
                 opened = self.held.startswith(THINK)
                 if opened:
@@ -197,7 +198,7 @@ class JsonCallStream:
         self.held += text
         if self.calls_maybe is None:
             start = self.held.lstrip()
-            if not start or (len(start) < len(PYTHON_TAG) and PYTHON_TAG.startswith(start)):
+            if _tag_start(start, PYTHON_TAG) == len(start):  # not yet known
                 return "", []
             self.calls_maybe = start.startswith("{") or start.startswith(PYTHON_TAG)
         if self.calls_maybe:
