@@ -1,0 +1,543 @@
+"""JSON Schema to regex (`treeflash.structured.json_schema`), for structured outputs.
+
+What a client relies on: every JSON text a supported schema accepts, written compactly
+or with a space after `:` and `,`, matches the regex, and texts the schema rejects do
+not; the regex stays in the dialect the DFA compiler reads; a keyword that constrains
+values and is not supported is refused, naming the keyword and where it is.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import re
+
+import pytest
+
+from treeflash.errors import UsageError
+from treeflash.structured.json_schema import schema_regex
+
+
+def in_dialect(regex: str) -> None:
+    """Fails on what the DFA compiler's dialect lacks: anchors, lookarounds, named groups,
+    flags, backreferences, lazy quantifiers."""
+    i, after_quantifier = 0, False
+    while i < len(regex):
+        c, quantifier = regex[i], False
+        if c == "\\":
+            assert not regex[i + 1].isdigit(), f"backreference at {i} in {regex!r}"
+            i += 2
+        elif c == "[":  # to its ']', past a leading ^ and a leading literal ]
+            i += 1
+            i += regex[i] == "^"
+            i += regex[i] == "]"
+            while regex[i] != "]":
+                i += 2 if regex[i] == "\\" else 1
+            i += 1
+        elif regex.startswith("(?", i):
+            assert regex[i + 2] == ":", f"(?{regex[i + 2]} at {i} in {regex!r}"
+            i += 3
+        else:
+            assert c not in "^$", f"anchor at {i} in {regex!r}"
+            assert not (c == "?" and after_quantifier), f"lazy quantifier at {i} in {regex!r}"
+            quantifier = c in "*+?}"
+            i += 1
+        after_quantifier = quantifier
+
+
+@pytest.mark.parametrize("regex, ok", [("a*", True), ("[^]^$]+", True), ("\\^\\$\\??", True), ("(?:a|b){2}", True),
+                                       ("^a", False), ("a$", False), ("a*?", False), ("a{2}?", False),
+                                       ("(?=a)", False), ("(?P<x>a)", False), ("(a)\\1", False)])
+def test_the_dialect_check(regex, ok):
+    if ok:
+        in_dialect(regex)
+    else:
+        with pytest.raises(AssertionError):
+            in_dialect(regex)
+
+
+def regex_of(schema) -> str:
+    regex = schema_regex(schema)
+    in_dialect(regex)
+    re.compile(regex)
+    return regex
+
+
+def texts(value) -> list[str]:
+    """`value` as JSON, compact and with the optional spaces."""
+    return [json.dumps(value, separators=(",", ":"), ensure_ascii=False),
+            json.dumps(value, separators=(", ", ": "), ensure_ascii=False)]
+
+
+def check(schema, good=(), bad=(), bad_texts=()):
+    """Values in `good` match in both spacings; values in `bad` and texts in `bad_texts` do not."""
+    regex = regex_of(schema)
+    for value in good:
+        for text in texts(value):
+            assert re.fullmatch(regex, text), (text, regex)
+    for value in bad:
+        for text in texts(value):
+            assert not re.fullmatch(regex, text), (text, regex)
+    for text in bad_texts:
+        assert not re.fullmatch(regex, text), (text, regex)
+    return regex
+
+
+def refused(schema, *words):
+    with pytest.raises(UsageError) as info:
+        schema_regex(schema)
+    message = str(info.value)
+    assert message.startswith("json schema: ") and "\n" not in message
+    for word in words:
+        assert word in message, message
+    return message
+
+
+# --- scalars ---
+
+def test_string():
+    check({"type": "string"},
+          good=["", "abc", 'say "hi"', "back\\slash", "tab\tnew\nline", "\x00\x1f", "é ü 日本 🎉", "a/b"],
+          bad=[1, None, True, ["a"]],
+          bad_texts=['"a"b"', '"a\\"', '"\\x41"', '"\\u12"', '"\\u12g4"', '"a\nb"', '"\t"', '"abc', 'abc"',
+                     "'abc'", ' "a"', '"a" '])
+    regex = regex_of({"type": "string"})
+    for text in ['"\\u00e9\\uD83D\\uDE00"', '"\\/\\b\\f\\n\\r\\t\\"\\\\"']:
+        assert re.fullmatch(regex, text)
+
+
+def test_string_length_counts_characters_and_escapes_as_one():
+    check({"type": "string", "minLength": 2, "maxLength": 3},
+          good=["ab", "abc", "\n\n", "日本", '""'], bad=["a", "abcd", "", "\n\n\n\n"],
+          bad_texts=['"\\u00e9"'])
+    regex = regex_of({"type": "string", "minLength": 2, "maxLength": 3})
+    assert re.fullmatch(regex, '"\\u00e9\\u00e9"') and re.fullmatch(regex, '"\\t\\u00e9x"')
+    check({"type": "string", "minLength": 1}, good=["a", "a" * 50], bad=[""])
+    check({"type": "string", "maxLength": 0}, good=[""], bad=["a"])
+    check({"type": "string", "maxLength": 1}, good=["", "x"], bad=["xy"])
+
+
+@pytest.mark.parametrize("fmt, good, bad", [
+    ("date", ["2024-02-29", "1999-12-31", "0001-01-01"], ["2024-13-01", "2024-1-01", "2024-01-32", "24-01-01", ""]),
+    ("time", ["12:30:00", "23:59:60", "00:00:00.123", "12:30:00Z", "12:30:00+05:30", "12:30:00.5-08:00"],
+     ["24:00:00", "12:60:00", "12:30", "12:30:00+5:30", "12:30:00 Z"]),
+    ("date-time", ["2024-02-29T12:30:00Z", "2024-02-29T12:30:00.25+01:00", "2024-02-29T12:30:00"],
+     ["2024-02-29 12:30:00", "2024-02-29T12:30", "2024-02-29"]),
+    ("uuid", ["123e4567-e89b-12d3-a456-426614174000", "123E4567-E89B-12D3-A456-426614174000"],
+     ["123e4567e89b12d3a456426614174000", "123e4567-e89b-12d3-a456-42661417400", "g23e4567-e89b-12d3-a456-426614174000"]),
+])
+def test_string_formats(fmt, good, bad):
+    check({"type": "string", "format": fmt}, good=good, bad=bad)
+
+
+def test_string_pattern():
+    check({"type": "string", "pattern": "^[a-z]+-\\d{3}$"}, good=["abc-123"], bad=["abc-12", "ABC-123", "abc123"])
+    # the same language with lazy quantifiers, which the dialect does not have
+    check({"type": "string", "pattern": "^a+?b*?c??$"}, good=["ab", "aaabbbc", "a"], bad=["", "b"])
+    # alternation inside a group; escaped metacharacters; braces that are not quantifiers
+    check({"type": "string", "pattern": "^(?:cat|dog)s?\\.(x|y){1,2}\\{z}$"},
+          good=["cat.x{z}", "dogs.yx{z}"], bad=["cat", "cats.xyz{z}", "bird.x{z}"])
+    check({"type": "string", "pattern": "^a{,2}$"}, good=["", "a", "aa"], bad=["aaa"])
+    check({"type": "string", "pattern": "^$"}, good=[""], bad=["a"])
+
+
+def test_pattern_never_produces_what_json_must_escape():
+    """Wildcards and negated classes leave out quote, backslash and control characters,
+    so every text the regex allows is valid JSON whose value matches the pattern."""
+    for pattern in ["^.{1,3}$", "^[^@]+@[^@]+$", "^\\D\\W\\S$", "^[ -~]+$", "^[^]a]+$", "^[^a-]+$"]:
+        regex = regex_of({"type": "string", "pattern": pattern})
+        for text in ['"\\""', '"\\\\"', '"\\n"', '"a"b"', '"\n"', '"\x01"']:
+            assert not re.fullmatch(regex, text), (pattern, text)
+    check({"type": "string", "pattern": "^[^@]+@[^@]+$"}, good=["me@example.org"], bad=["me@", "a@b@c"])
+    check({"type": "string", "pattern": "^[ -~]+$"}, good=["Hello, World!"], bad=["é"])
+    check({"type": "string", "pattern": "^[^]a]+$"}, good=["bcd"], bad=["a", "b]"])
+    check({"type": "string", "pattern": "^[^a-]+$"}, good=["bcd"], bad=["-", "a"])
+    check({"type": "string", "pattern": "^\\w+\\s\\w+$"}, good=["hello world"], bad=["hello\tworld"])
+    check({"type": "string", "pattern": "^[\\s\\d]+$"}, good=["1 2"], bad=["1\t2"])
+    check({"type": "string", "pattern": "^\\x41\\u00e9[\\x00-\\x7f]$"}, good=["Aéz"], bad=["Aé\x01", 'Aé"'])
+
+
+@pytest.mark.parametrize("pattern, words", [
+    ("[a-z]+", ["anchored with ^ and $"]),
+    ("^[a-z]+", ["anchored"]),
+    ("[a-z]+$", ["anchored"]),
+    ("^abc\\$", ["anchored"]),
+    ("^a|b$", ["alternatives in a group"]),
+    ("^(?=a)a$", ["no lookaround or flags"]),
+    ("^(?!a)b$", ["no lookaround or flags"]),
+    ("^(?<=a)b$", ["no lookaround or flags"]),
+    ("^(?i)a$", ["no lookaround or flags"]),
+    ("^(a)\\1$", ["backreferences"]),
+    ("^\\bword$", ["\\b is not supported"]),
+    ("^\\p{L}$", ["\\p is not supported"]),
+    ("^a^b$", ["anchors are only allowed"]),
+    ("^a$b$", ["anchors are only allowed"]),
+    ("^a)(b$", ["unbalanced ')'"]),
+    ("^(a$", ["missing ')'"]),
+    ("^[ab$", ["missing ']'"]),
+    ("^*a$", ["nothing to repeat"]),
+    ("^(*a)$", ["nothing to repeat"]),
+    ('^say "hi"$', ["not allowed here"]),
+    ("^a\\nb$", ["not allowed here"]),
+    ("^\\\\$", ["not allowed here"]),
+    ("^\\x22$", ["not allowed here"]),
+    ("^[\\n\\t]$", ["not allowed here"]),
+    ("^[z-a]$", ["out of order"]),
+])
+def test_pattern_refusals(pattern, words):
+    refused({"type": "string", "pattern": pattern}, "'pattern' at $", *words)
+
+
+def test_integer():
+    check({"type": "integer"}, good=[0, 7, -7, 1234567890123456789], bad=[1.5, "1", True, None],
+          bad_texts=["01", "-01", "00", "+1", "1.0", "1e3", "", " 1", "1 ", "-"])
+    check({"type": "integer", "minimum": 0}, good=[0, 1, 10], bad=[-1, -10], bad_texts=["-0", "01"])
+    check({"type": "integer", "exclusiveMinimum": -1}, good=[0, 5], bad=[-1])
+    check({"type": "integer", "minimum": 1}, good=[1, 10, 20], bad=[0, -1])
+    check({"type": "integer", "exclusiveMinimum": 0}, good=[1, 100], bad=[0])
+    check({"type": "integer", "minimum": 0.5}, good=[1], bad=[0])
+
+
+def test_number():
+    check({"type": "number"}, good=[0, -0.5, 3.25, 1e100, -1.5e-7, 10, 0.001],
+          bad=["1", None], bad_texts=[".5", "1.", "01.5", "1e", "1e+", "NaN", "Infinity", "-", "+1", "0x10"])
+    regex = regex_of({"type": "number"})
+    assert all(re.fullmatch(regex, t) for t in ["1E5", "1e+5", "-0", "0.0e-0"])
+
+
+def test_boolean_null_and_type_lists():
+    check({"type": "boolean"}, good=[True, False], bad=[None, 0, "true"], bad_texts=["True", "tru", "truefalse"])
+    check({"type": "null"}, good=[None], bad=[False, 0, "null"])
+    check({"type": ["string", "null"]}, good=["x", None], bad=[0, False])
+    check({"type": ["integer", "boolean"]}, good=[1, True], bad=[1.5, None])
+    check({"type": ["string", "integer"], "minLength": 2}, good=["ab", 1], bad=["a"])
+    check({"type": "string", "nullable": True, "maxLength": 1}, good=["a", None], bad=["ab"])
+
+
+# --- enum, const ---
+
+def test_enum_and_const():
+    values = ["red", "a.b", "(x)|[y]", "c++", "^$", 'say "hi"', "tab\there", "日本", "a b #", 1, 2.5, -3, None, True,
+              {"k": [1, {"z": None}]}, [], {}]
+    check({"enum": values}, good=values,
+          bad=["aXb", "Red", "red ", "x", 0, 2, 2.50001, False, {"k": [1]}, [None], {"k": [1, {"z": 0}]}],
+          bad_texts=['"a\\u002eb"', "2.50"])
+    check({"const": "yes"}, good=["yes"], bad=["no", "yes!"])
+    check({"const": {"a": 1, "b": [True]}}, good=[{"a": 1, "b": [True]}], bad=[{"b": [True], "a": 1}])
+    # the type, when given, filters the values; null by nullable
+    check({"enum": ["a", 1, None], "type": "string"}, good=["a"], bad=[1, None])
+    check({"enum": ["a", 1, 2.0, 2.5], "type": "integer"}, good=[1, 2.0], bad=["a", 2.5])
+    check({"enum": ["a", "b"], "nullable": True}, good=["a", "b", None], bad=["c"])
+
+
+def test_enum_refusals():
+    refused({"enum": []}, "'enum' at $", "non-empty list")
+    refused({"enum": "a"}, "'enum' at $")
+    refused({"enum": [1, 2], "type": "string"}, "no value of 'enum' at $")
+    refused({"enum": [float("nan")]}, "is not JSON")
+    refused({"enum": [{1: 2}]}, "not a string")
+    refused({"enum": ["a"], "minLength": 3}, "'minLength' at $ next to 'enum'")
+    refused({"enum": ["a"], "const": "a"}, "'const' at $ next to 'enum'")
+
+
+# --- arrays ---
+
+def test_array():
+    schema = {"type": "array", "items": {"type": "integer"}}
+    check(schema, good=[[], [1], [1, 2, 3], list(range(30))], bad=[[1.5], ["1"], {}, None, [[1]]],
+          bad_texts=["[1,]", "[,1]", "[1 ,2]", "[ 1]", "[1,  2]", "[1 2]", "[", "[1,2", "[] "])
+    check({**schema, "minItems": 2, "maxItems": 3}, good=[[1, 2], [1, 2, 3]], bad=[[], [1], [1, 2, 3, 4]])
+    check({**schema, "minItems": 1}, good=[[1], [1, 2, 3, 4, 5]], bad=[[]])
+    check({**schema, "maxItems": 2}, good=[[], [1], [1, 2]], bad=[[1, 2, 3]])
+    check({**schema, "maxItems": 0}, good=[[]], bad=[[1]])
+    check({**schema, "minItems": 3, "maxItems": 3}, good=[[1, 2, 3]], bad=[[1, 2], [1, 2, 3, 4]])
+    check({**schema, "uniqueItems": False}, good=[[1, 1]])
+    nested = {"type": "array", "items": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}}
+    check(nested, good=[[], [[]], [[True], [False, True], []]], bad=[[[True, True, True]], [True]])
+
+
+def test_array_refusals():
+    refused({"type": "array"}, "without 'items' at $")
+    refused({"type": "array", "items": [{"type": "string"}]}, "'items' at $", "tuple form")
+    refused({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "'uniqueItems' at $")
+    refused({"type": "array", "items": {"type": "string"}, "contains": {"const": "a"}}, "'contains' at $")
+    refused({"type": "array", "prefixItems": [{"type": "string"}], "items": {"type": "string"}}, "'prefixItems' at $")
+    refused({"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 2}, "'maxItems' at $")
+    refused({"type": "array", "items": {"type": "string"}, "minItems": -1}, "'minItems' at $")
+    refused({"type": "array", "items": {"type": "string"}, "maxItems": 2.5}, "'maxItems' at $")
+    refused({"type": "array", "items": True}, "any JSON value at $.items")
+
+
+# --- objects ---
+
+def test_object_order_and_required():
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    check(schema, good=[{"name": "Ann", "age": 30}],
+          bad=[{"age": 30, "name": "Ann"}, {"name": "Ann"}, {"name": "Ann", "age": 30, "x": 1}, {"name": 1, "age": 30},
+               {}, [], None],
+          bad_texts=['{"name":"Ann","age":30,}', '{ "name":"Ann","age":30}', '{"name" :"Ann","age":30}',
+                     '{"name":"Ann" ,"age":30}', '{"name":  "Ann","age":30}', '{"name":"Ann","age":30} '])
+
+
+@pytest.mark.parametrize("required", [set(), {"a"}, {"b"}, {"d"}, {"a", "d"}, {"b", "c"}, {"a", "b", "c", "d"}])
+def test_object_optional_properties_every_subset(required):
+    """Every subset of the properties, in order, matches exactly when it holds the
+    required ones; commas sit only between the present ones."""
+    names = ["a", "b", "c", "d"]
+    schema = {"type": "object", "properties": {n: {"type": "integer"} for n in names}, "required": sorted(required)}
+    regex = regex_of(schema)
+    for k in range(len(names) + 1):
+        for present in itertools.combinations(names, k):
+            value = {n: i for i, n in enumerate(present)}
+            for text in texts(value):
+                assert bool(re.fullmatch(regex, text)) == required.issubset(present), (text, regex)
+            if len(present) > 1:  # out of order
+                swapped = dict(reversed(list(value.items())))
+                assert not re.fullmatch(regex, json.dumps(swapped)), swapped
+    for text in ['{,"a":1}', '{"a":1,}', '{"a":1,,"b":2}', '{"b":1"c":2}']:
+        assert not re.fullmatch(regex, text)
+
+
+def test_object_keys_are_escaped():
+    odd = {"a.b": {"type": "null"}, 'q"uote': {"type": "null"}, "(x)": {"type": "null"}, "日本": {"type": "null"}}
+    check({"type": "object", "properties": odd, "required": list(odd)},
+          good=[{k: None for k in odd}], bad_texts=['{"aXb":null,"q\\"uote":null,"(x)":null,"日本":null}'])
+    check({"type": "object", "properties": {}}, good=[{}], bad=[{"a": 1}])
+
+
+def test_many_optional_properties():
+    """Quadratic, not exponential: 40 optional properties are fine, 400 are refused."""
+    props = {f"p{i}": {"type": "boolean"} for i in range(40)}
+    regex = regex_of({"type": "object", "properties": props})
+    assert len(regex) < 100_000
+    assert re.fullmatch(regex, json.dumps({"p3": True, "p39": False}))
+    assert not re.fullmatch(regex, json.dumps({"p39": True, "p3": False}))
+    refused({"type": "object", "properties": {f"p{i}": {"type": "boolean"} for i in range(400)}},
+            "too many optional properties", "$")
+
+
+def test_object_refusals():
+    props = {"a": {"type": "string"}}
+    refused({"type": "object"}, "without 'properties' at $")
+    refused({"type": "object", "properties": props, "additionalProperties": True}, "'additionalProperties' at $")
+    refused({"type": "object", "properties": props, "additionalProperties": {"type": "string"}},
+            "'additionalProperties' at $", "only the listed properties")
+    refused({"type": "object", "properties": props, "required": ["b"]}, "'required' at $", "'b'")
+    refused({"type": "object", "properties": props, "required": "a"}, "'required' at $")
+    refused({"type": "object", "properties": props, "patternProperties": {}}, "'patternProperties' at $")
+    refused({"type": "object", "properties": props, "minProperties": 1}, "'minProperties' at $")
+    refused({"type": "object", "properties": {"a": {"type": "integer", "maximum": 3}}},
+            "'maximum' at $.properties.a is not supported")
+    refused({"type": "object", "properties": {"my key": {"type": "integer", "multipleOf": 3}}},
+            "'multipleOf' at $.properties[\"my key\"]")
+
+
+# --- combinations, references ---
+
+def test_any_of_one_of_all_of_nullable():
+    two = [{"type": "integer"}, {"type": "string", "maxLength": 1}]
+    for kw in ("anyOf", "oneOf"):
+        check({kw: two}, good=[1, "a"], bad=["ab", None, 1.5])
+    check({"allOf": [{"type": "integer"}]}, good=[1], bad=["1"])
+    check({"anyOf": two, "nullable": True, "description": "ignored"}, good=[1, None], bad=[False])
+    check({"type": "object", "properties": {"x": {"type": "integer", "nullable": True}}, "required": ["x"]},
+          good=[{"x": None}, {"x": 3}], bad=[{}])
+
+
+def test_refs():
+    defs = {"Point": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+                      "required": ["x", "y"]}}
+    schema = {"$defs": defs, "type": "array", "items": {"$ref": "#/$defs/Point"}}
+    check(schema, good=[[{"x": 1, "y": 2.5}, {"x": 0, "y": 0}]], bad=[[{"x": 1}]])
+    check({"definitions": defs, "$ref": "#/definitions/Point"}, good=[{"x": 1, "y": 2}])
+    check({"$defs": {"a/b~c": {"type": "null"}}, "$ref": "#/$defs/a~1b~0c"}, good=[None])
+
+
+def test_reference_and_combination_refusals():
+    node = {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}}}
+    refused({"$defs": {"Node": node}, "$ref": "#/$defs/Node"}, "'$ref' at $.$defs.Node.properties.next", "recursive")
+    refused({"$ref": "#/$defs/Missing"}, "'$ref' at $", "not defined")
+    refused({"$ref": "https://example.org/schema.json"}, "'$ref' at $", "only '#/$defs/NAME'")
+    refused({"$ref": "#/properties/a"}, "'$ref' at $")
+    refused({"$defs": {"A": {"type": "null"}}, "$ref": "#/$defs/A", "type": "null"}, "'type' at $ next to '$ref'")
+    refused({"anyOf": [{"type": "null"}], "minLength": 1}, "'minLength' at $ next to 'anyOf'")
+    refused({"allOf": [{"type": "null"}, {"type": "null"}]}, "'allOf' at $", "more than one")
+    refused({"anyOf": []}, "'anyOf' at $")
+    refused({"oneOf": [{"type": "null"}, {}]}, "at $.oneOf[1]", "give a type")
+    refused({"not": {"type": "null"}, "type": "string"}, "'not' at $")
+    refused({"if": {"type": "null"}, "type": "string"}, "'if' at $")
+
+
+@pytest.mark.parametrize("schema, words", [
+    ({}, ["without 'type' at $", "give a type"]),
+    ({"title": "x", "description": "y"}, ["give a type"]),
+    ({"nullable": True}, ["give a type"]),
+    ({"minLength": 1}, ["without 'type'"]),
+    ({"type": "string", "format": "email"}, ["'format' at $", "'email'"]),
+    ({"type": "string", "format": "date", "maxLength": 3}, ["'maxLength' at $ next to 'format'"]),
+    ({"type": "string", "pattern": "^a$", "minLength": 3}, ["'minLength' at $ next to 'pattern'"]),
+    ({"type": "string", "minLength": 3, "maxLength": 2}, ["'maxLength' at $"]),
+    ({"type": "string", "minimum": 1}, ["'minimum' at $", "with type 'string'"]),
+    ({"type": "integer", "minimum": 5}, ["'minimum' at $", ">= 0 or >= 1"]),
+    ({"type": "integer", "minimum": -1}, ["'minimum' at $"]),
+    ({"type": "integer", "exclusiveMinimum": 3}, ["'exclusiveMinimum' at $"]),
+    ({"type": "integer", "minimum": 0, "exclusiveMinimum": True}, ["'exclusiveMinimum' at $", "must be a number"]),
+    ({"type": "integer", "minimum": float("inf")}, ["'minimum' at $", "must be a number"]),
+    ({"type": "integer", "exclusiveMinimum": float("nan")}, ["'exclusiveMinimum' at $", "must be a number"]),
+    ({"type": "integer", "minimum": 10 ** 400}, ["'minimum' at $", ">= 0 or >= 1"]),
+    ({"type": "integer", "maximum": 10}, ["'maximum' at $ is not supported"]),
+    ({"type": "integer", "exclusiveMaximum": 10}, ["'exclusiveMaximum' at $"]),
+    ({"type": "integer", "multipleOf": 2}, ["'multipleOf' at $"]),
+    ({"type": "number", "minimum": 0}, ["'minimum' at $", "numbers"]),
+    ({"type": ["integer", "number"], "minimum": 0}, ["'minimum' at $", "numbers"]),
+    ({"type": "number", "maximum": 1.5}, ["'maximum' at $"]),
+    ({"type": "decimal"}, ["'type' at $"]),
+    ({"type": []}, ["'type' at $"]),
+    ({"type": "string", "nullable": "yes"}, ["'nullable' at $"]),
+    ({"type": "string", "contentEncoding": "base64"}, ["'contentEncoding' at $"]),
+    (True, ["must be an object"]),
+    (None, ["must be an object"]),
+    ([{"type": "string"}], ["must be an object"]),
+    ("{not json", ["not valid JSON"]),
+    ("true", ["must be an object"]),
+])
+def test_refusals(schema, words):
+    refused(schema, *words)
+
+
+def test_deep_nesting_is_refused_not_a_crash():
+    deep = {"type": "null"}
+    for _ in range(2000):
+        deep = {"type": "array", "items": deep}
+    refused(deep, "nested too deeply")
+    deep = {"type": "null"}
+    for _ in range(30):  # each level writes its items twice: 2**30 would not fit in memory
+        deep = {"type": "array", "items": deep}
+    refused(deep, "over 100000 characters")
+    defs = {"L0": {"type": "null"}}
+    for i in range(1, 40):  # each definition used twice: the same growth through $ref
+        defs[f"L{i}"] = {"anyOf": [{"type": "array", "items": {"$ref": f"#/$defs/L{i - 1}"}},
+                                   {"type": "object", "properties": {"a": {"$ref": f"#/$defs/L{i - 1}"}}}]}
+    refused({"$defs": defs, "$ref": "#/$defs/L39"}, "over 100000 characters")
+
+
+def test_descriptive_keywords_are_ignored_and_json_text_is_accepted():
+    schema = {"type": "string", "title": "T", "description": "d", "examples": ["x"], "default": "x", "deprecated": False,
+              "readOnly": True, "writeOnly": False, "$comment": "c", "$id": "urn:x",
+              "$schema": "https://json-schema.org/draft/2020-12/schema"}
+    assert schema_regex(schema) == schema_regex({"type": "string"})
+    assert schema_regex(json.dumps(schema)) == schema_regex({"type": "string"})
+
+
+# --- a realistic schema, as pydantic writes one ---
+
+ORDER = {
+    "$defs": {
+        "Status": {"enum": ["pending", "shipped", "delivered"], "title": "Status", "type": "string"},
+        "Item": {"properties": {"sku": {"pattern": "^[A-Z]{3}-\\d{4}$", "title": "Sku", "type": "string"},
+                                "quantity": {"exclusiveMinimum": 0, "title": "Quantity", "type": "integer"},
+                                "price": {"title": "Price", "type": "number"}},
+                 "required": ["sku", "quantity", "price"], "title": "Item", "type": "object"},
+    },
+    "properties": {
+        "id": {"format": "uuid", "title": "Id", "type": "string"},
+        "customer": {"maxLength": 40, "minLength": 1, "title": "Customer", "type": "string"},
+        "status": {"$ref": "#/$defs/Status"},
+        "items": {"items": {"$ref": "#/$defs/Item"}, "minItems": 1, "title": "Items", "type": "array"},
+        "note": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "Note"},
+        "gift": {"default": False, "title": "Gift", "type": "boolean"},
+        "placed": {"format": "date-time", "title": "Placed", "type": "string"},
+    },
+    "required": ["id", "customer", "status", "items", "placed"],
+    "title": "Order", "type": "object", "additionalProperties": False,
+}
+GOOD_ORDER = {"id": "123e4567-e89b-12d3-a456-426614174000", "customer": 'Zoë "Z" Müller',
+              "status": "shipped",
+              "items": [{"sku": "ABC-1234", "quantity": 2, "price": 9.99}, {"sku": "XYZ-0001", "quantity": 1, "price": 100}],
+              "note": "leave at the door\nplease", "gift": True, "placed": "2024-05-01T10:00:00Z"}
+
+
+def bad_orders():
+    def changed(**kw):
+        return {k: v for k, v in {**GOOD_ORDER, **kw}.items() if v is not ...}
+    item = GOOD_ORDER["items"][0]
+    return [changed(status="lost"), changed(items=[]), changed(items=[{**item, "quantity": 0}]),
+            changed(items=[{**item, "sku": "abc-1234"}]), changed(items=[{**item, "quantity": -1}]),
+            changed(customer=""), changed(customer="x" * 41), changed(id="not-a-uuid"), changed(placed=...),
+            changed(note=3), changed(gift="yes"), changed(extra=1), {"customer": "A", **GOOD_ORDER}]
+
+
+def test_realistic_schema():
+    good = [GOOD_ORDER, {k: v for k, v in GOOD_ORDER.items() if k not in ("note", "gift")},
+            {**GOOD_ORDER, "note": None}, {k: v for k, v in GOOD_ORDER.items() if k != "note"}]
+    check(ORDER, good=good, bad=bad_orders())
+    check(json.dumps(ORDER), good=good)
+
+
+def test_the_dfa_compiler_reads_the_regexes():
+    """The engine's own compiler agrees with Python's `re` on the realistic schema."""
+    compile_regex = pytest.importorskip("treeflash.structured.regex").compile_regex
+    schema = {"type": "object", "properties": {"status": ORDER["$defs"]["Status"],
+                                               "sku": ORDER["$defs"]["Item"]["properties"]["sku"],
+                                               "n": {"type": "integer", "minimum": 0}, "x": {"type": "number"},
+                                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}},
+                                               "when": {"type": "string", "format": "date", "nullable": True}},
+              "required": ["status", "tags"]}
+    regex = regex_of(schema)
+    dfa = compile_regex(regex)
+    samples = [{"status": "pending", "tags": []}, {"status": "pending", "sku": "ABC-1234", "n": 3, "tags": ["a", "日本"]},
+               {"status": "delivered", "x": -1.5e3, "tags": ["\n"], "when": None},
+               {"status": "shipped", "tags": [], "when": "2024-01-31"},
+               {"status": "lost", "tags": []}, {"tags": [], "status": "pending"}, {"status": "pending", "n": -1, "tags": []},
+               {"status": "pending", "tags": ["abcd"]}, {"status": "pending", "sku": "AB-1234", "tags": []}]
+    for value in samples:
+        for text in texts(value):
+            assert dfa.matches(text.encode()) == bool(re.fullmatch(regex, text)), text
+
+
+def test_a_pydantic_model():
+    """pydantic's own schema for a model: what pydantic writes matches, and whatever the
+    regex accepts, pydantic validates."""
+    pydantic = pytest.importorskip("pydantic")
+    import datetime
+    import typing
+    import uuid
+
+    class Cat(pydantic.BaseModel):
+        kind: typing.Literal["cat"]
+        lives: int = pydantic.Field(ge=0)
+
+    class Dog(pydantic.BaseModel):
+        kind: typing.Literal["dog"]
+        good: bool
+
+    class Line(pydantic.BaseModel):
+        sku: str = pydantic.Field(pattern=r"^[A-Z]{3}-\d{4}$")
+        quantity: int = pydantic.Field(gt=0)
+
+    class Order(pydantic.BaseModel):
+        id: uuid.UUID
+        customer: str = pydantic.Field(min_length=1, max_length=20)
+        lines: list[Line] = pydantic.Field(min_length=1, max_length=3)
+        note: typing.Optional[str] = None
+        placed: datetime.datetime
+        pet: typing.Union[Cat, Dog] = pydantic.Field(discriminator="kind")
+
+    regex = regex_of(Order.model_json_schema())
+    order = Order(id=uuid.UUID(int=7), customer='Zoë "Z"', lines=[Line(sku="ABC-1234", quantity=2)],
+                  placed=datetime.datetime(2024, 5, 1, 10, 0, 0, 250000), pet=Cat(kind="cat", lives=9))
+    good = [order, order.model_copy(update={"note": "a\nb", "pet": Dog(kind="dog", good=True)})]
+    for value in good:
+        text = value.model_dump_json()
+        assert re.fullmatch(regex, text), text
+        assert re.fullmatch(regex, json.dumps(json.loads(text), separators=(", ", ": "), ensure_ascii=False))
+    text = good[0].model_dump_json()
+    without_note = text.replace('"note":null,', "")
+    assert re.fullmatch(regex, without_note) and Order.model_validate_json(without_note)
+    assert not re.fullmatch(regex, text.replace('"note":null,', '"note":null,"extra":1,'))  # pydantic ignores extras
+    for old, new in [("ABC-1234", "ABC-12345"), ('"quantity":2', '"quantity":0'), ('"lives":9', '"lives":-1'),
+                     ('"kind":"cat"', '"kind":"cow"'), ('"note":null', '"note":3'), ('"customer":"Zoë \\"Z\\""', '"customer":""')]:
+        assert old in text
+        assert not re.fullmatch(regex, text.replace(old, new)), new
+        with pytest.raises(pydantic.ValidationError):
+            Order.model_validate_json(text.replace(old, new))

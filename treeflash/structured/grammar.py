@@ -1,0 +1,141 @@
+"""A request's structured output as a token automaton the rounds run on the device.
+
+A constraint (a regex, a choice among strings, or a JSON schema) becomes a minimal DFA
+over bytes (`treeflash.structured.regex`), then a table over the vocabulary: for every
+state and token, the state after the token's bytes, or -1 where the token would leave
+the language. Sampling masks the logits of a row to the tokens its state allows, and a
+round finds each tree node's state from its parent's with one table lookup, so a
+constrained request keeps every property of the round: one target forward, the walk,
+and output equal to autoregressive decoding under the same constraint.
+
+End tokens (EOS, stop token ids) are allowed exactly in accepting states; special
+tokens never otherwise. States from which no token sequence reaches an accepting state
+are removed, so every reachable state allows at least one token.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from treeflash.errors import UsageError, shown
+from treeflash.structured.regex import ByteDFA, escape, live_states, prune
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What a request's text must be, as vLLM's StructuredOutputsParams: exactly one of a
+    JSON schema (a dict, or its JSON text), a regex (full match), or a choice among
+    strings."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+
+    def validate(self) -> "StructuredOutputs":
+        given = [name for name in ("json", "regex", "choice") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise UsageError(f"structured outputs take exactly one of json, regex and choice, got "
+                             f"{', '.join(given) or 'none'}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise UsageError(f"structured outputs: regex must be a string, got {shown(self.regex)}")
+        if self.choice is not None and not (isinstance(self.choice, (list, tuple)) and self.choice
+                                            and all(isinstance(c, str) for c in self.choice)):
+            raise UsageError(f"structured outputs: choice must be a non-empty list of strings, got {shown(self.choice)}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise UsageError(f"structured outputs: json must be a JSON schema (an object, or its text), "
+                             f"got {shown(self.json)}")
+        if isinstance(self.json, dict):
+            try:
+                json.dumps(self.json)
+            except (TypeError, ValueError) as e:
+                raise UsageError(f"structured outputs: json is not a JSON value ({e})") from None
+        return self
+
+    def pattern(self) -> str:
+        """The regex of the dialect that the text must match."""
+        if self.regex is not None:
+            return self.regex
+        if self.choice is not None:
+            return "(?:" + "|".join(escape(c) for c in self.choice) + ")"
+        from treeflash.structured.json_schema import schema_regex
+        schema = self.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise UsageError(f"structured outputs: json is not valid JSON ({e})") from None
+        return schema_regex(schema)
+
+    def key(self) -> str:
+        """One text per constraint, for caching its automaton."""
+        value = self.json
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:  # refused when compiled
+                pass
+        return json.dumps([value, self.regex, None if self.choice is None else list(self.choice)], sort_keys=True)
+
+
+@dataclass(frozen=True)
+class TokenAutomaton:
+    """next [S, V] int32: the state after each token (-1: not allowed), state 0 first;
+    accepting [S] bool: the text so far matches (end tokens may come)."""
+
+    next: np.ndarray
+    accepting: np.ndarray
+
+    @property
+    def num_states(self) -> int:
+        return len(self.accepting)
+
+    @property
+    def nbytes(self) -> int:
+        return self.next.nbytes
+
+
+def token_automaton(dfa: ByteDFA, vocab: list[bytes | None], max_bytes: int | None = None) -> TokenAutomaton:
+    """The token table of `dfa` over `vocab` (each id's bytes; None for ids that never
+    take part: special tokens, ids past the tokenizer's). Refused if no token sequence
+    reaches an accepting state, or (after pruning) the table is over `max_bytes`."""
+    V = len(vocab)
+    lens = np.array([len(b) if b else 0 for b in vocab], dtype=np.int64)
+    order = np.argsort(-lens, kind="stable")  # longest first: tokens still walking are a prefix
+    data = np.zeros((V, max(1, int(lens.max()))), dtype=np.uint8)
+    for i, b in enumerate(vocab):
+        if b:
+            data[i, :len(b)] = np.frombuffer(b, dtype=np.uint8)
+    data = data[order]
+    still = [int((lens > j).sum()) for j in range(data.shape[1])]
+    S = dfa.num_states
+    dead = S
+    trans = np.vstack([np.where(dfa.trans >= 0, dfa.trans, dead), np.full((1, 256), dead)]).astype(np.int32)
+    table = np.empty((S, V), dtype=np.int32)
+    chunk = max(1, (1 << 24) // max(V, 1))
+    for s0 in range(0, S, chunk):
+        cur = np.repeat(np.arange(s0, min(S, s0 + chunk), dtype=np.int32)[:, None], V, axis=1)
+        for j, k in enumerate(still):
+            cur[:, :k] = trans[cur[:, :k], data[:k, j]]
+        table[s0:s0 + len(cur), order] = cur
+    table[table == dead] = -1
+    table[:, lens == 0] = -1  # no progress, no end: a token of no bytes could repeat forever
+    if not live_states(table, dfa.accepting)[0]:
+        raise UsageError("the structured output cannot be written with this model's tokens")
+    table, accepting = prune(table, dfa.accepting)
+    if max_bytes is not None and table.nbytes > max_bytes:
+        raise UsageError(f"the structured output is too complex for this vocabulary: its automaton has "
+                         f"{len(table)} states, {table.nbytes / 2 ** 20:.0f} MiB of token table "
+                         f"(at most {max_bytes / 2 ** 20:.0f} MiB)")
+    return TokenAutomaton(table, accepting)
+
+
+def with_ends(automaton: TokenAutomaton, end_ids, vocab_size: int) -> np.ndarray:
+    """The table with the end tokens allowed (staying put) in accepting states only:
+    [S, vocab_size] (a model's vocabulary may be larger than its tokenizer's)."""
+    table = np.full((automaton.num_states, vocab_size), -1, dtype=np.int32)
+    table[:, :automaton.next.shape[1]] = automaton.next
+    ends = sorted(end_ids)
+    states = np.arange(automaton.num_states, dtype=np.int32)
+    table[:, ends] = np.where(automaton.accepting, states, -1)[:, None]
+    return table

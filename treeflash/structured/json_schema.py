@@ -1,0 +1,324 @@
+"""JSON Schema to a regular expression, for structured outputs (vLLM's `guided_json`,
+OpenAI's `response_format: {"type": "json_schema"}`).
+
+The engine constrains text to a regex (`treeflash.structured.regex`), so a schema must
+become one; only what a regex can express exactly is supported, and every keyword that
+constrains values and is not supported is refused, never ignored (ignoring it would
+generate text the schema rejects). Descriptive keywords (title, description, examples,
+default, ...) are ignored.
+
+The text accepted is compact JSON: one optional space after each `:` and `,`, and no
+other whitespace. Objects hold exactly their `properties` in the order the schema lists
+them; absent `additionalProperties` is treated as false. Numbers are written as JSON
+writes them (no leading zeros); enum and const values as `json.dumps` writes them
+(non-ASCII characters raw). Strings take any JSON string, escapes included.
+
+Supported: `type` (one or a list); string `minLength`, `maxLength`, `format` (date,
+time, date-time, uuid; days 01-31 whatever the month) and `pattern`; integer `minimum`
+or `exclusiveMinimum` meaning >= 0 or >= 1; array `items`, `minItems`, `maxItems`;
+object `properties`, `required`; `enum`, `const`, `anyOf`, `oneOf` (treated as anyOf:
+exclusivity is not enforced), `allOf` of one schema, `$ref` to `#/$defs/...` or
+`#/definitions/...` (not recursive), OpenAPI's `nullable`.
+
+A `pattern` must be anchored with ^ and $ and use the regex dialect (no lookarounds,
+backreferences or flags; no alternation outside a group). Its characters are generated
+unescaped: `.`, negated classes and \\D \\W \\S leave out `"`, `\\` and control characters,
+\\s stands for a space, classes lose those characters, and a pattern that names one
+elsewhere is refused.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from urllib.parse import unquote
+
+from treeflash.errors import UsageError, shown
+from treeflash.structured.regex import escape, restricted
+
+MAX_REGEX_CHARS = 100_000  # optional properties and nested arrays multiply a regex's size
+
+DESCRIPTIVE = {"title", "description", "examples", "default", "deprecated", "readOnly", "writeOnly",
+               "$schema", "$id", "$comment", "$defs", "definitions", "discriminator"}  # (OpenAPI's hint)
+# the keywords each type supports (some values of them are still refused)
+TYPE_KEYWORDS = {"string": {"minLength", "maxLength", "pattern", "format"},
+                 "integer": {"minimum", "exclusiveMinimum"}, "number": {"minimum", "exclusiveMinimum"},
+                 "boolean": set(), "null": set(), "array": {"items", "minItems", "maxItems", "uniqueItems"},
+                 "object": {"properties", "required", "additionalProperties"}}
+COMBINATORS = ("$ref", "anyOf", "oneOf", "allOf", "enum", "const")
+
+UNSAFE = '"\\\\\\x00-\\x1f'  # class members for what a JSON string must escape: " \ U+0000-U+001F
+STRING_CHAR = f'(?:[^{UNSAFE}]|\\\\["\\\\/bfnrt]|\\\\u[0-9a-fA-F]{{4}})'
+NATURAL = "(?:0|[1-9][0-9]*)"
+INTEGER = "-?" + NATURAL
+NUMBER = INTEGER + "(?:\\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+DATE = "[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
+TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])?"
+FORMATS = {"date": DATE, "time": TIME, "date-time": DATE + "T" + TIME,
+           "uuid": "-".join(f"[0-9a-fA-F]{{{n}}}" for n in (8, 4, 4, 4, 12))}
+JSON_ESCAPED = [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]  # what a JSON string must escape
+
+
+def schema_regex(schema) -> str:
+    """The regex (treeflash's dialect, always matched whole) for the JSON texts that
+    satisfy `schema`: a dict, or the JSON text of one."""
+    try:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                _refuse(f"not valid JSON ({e})")
+        if not isinstance(schema, dict):
+            _refuse(f"a schema must be an object, got {shown(schema)}")
+        return _Compiler(schema).node(schema, "$")
+    except RecursionError:
+        _refuse("nested too deeply")
+
+
+def _refuse(message: str):
+    raise UsageError(f"json schema: {message}")
+
+
+def _at(path: str, key: str) -> str:
+    return f"{path}.{key}" if re.fullmatch(r"[A-Za-z_$][\w$]*", key) else f"{path}[{json.dumps(key)}]"
+
+
+def _alt(options: list[str]) -> str:
+    options = list(dict.fromkeys(options))
+    return options[0] if len(options) == 1 else "(?:" + "|".join(options) + ")"
+
+
+def _repeat(atom: str, lo: int, hi: int | None) -> str:
+    """`atom` (a group) lo to hi times (None: no limit)."""
+    if hi is None:
+        return atom + ("*" if lo == 0 else "+" if lo == 1 else f"{{{lo},}}")
+    if lo == hi:
+        return "" if lo == 0 else atom if lo == 1 else f"{atom}{{{lo}}}"
+    return atom + ("?" if (lo, hi) == (0, 1) else f"{{{lo},{hi}}}")
+
+
+def _count(schema: dict, key: str, path: str) -> int | None:
+    value = schema.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        _refuse(f"'{key}' at {path} must be a non-negative integer, got {shown(value)}")
+    return value
+
+
+def _literal(value, path: str) -> str:
+    """An enum or const value as JSON, with the optional spaces of every generated text."""
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            _refuse(f"a value at {path} has a key that is not a string")
+        return "\\{" + ", ?".join(_literal(k, path) + ": ?" + _literal(v, path) for k, v in value.items()) + "\\}"
+    if isinstance(value, (list, tuple)):
+        return "\\[" + ", ?".join(_literal(v, path) for v in value) + "\\]"
+    try:
+        return escape(json.dumps(value, ensure_ascii=False, allow_nan=False))
+    except (TypeError, ValueError):
+        _refuse(f"the value {shown(value)} at {path} is not JSON")
+
+
+def _json_types(value) -> set[str]:
+    if value is None:
+        return {"null"}
+    if isinstance(value, bool):
+        return {"boolean"}
+    if isinstance(value, (int, float)):
+        return {"number", "integer"} if isinstance(value, int) or value.is_integer() else {"number"}
+    return {str: {"string"}, list: {"array"}, tuple: {"array"}, dict: {"object"}}.get(type(value), set())
+
+
+class _Compiler:
+    """One schema's compilation: its root (for $ref) and the definitions compiled so far."""
+
+    def __init__(self, root: dict):
+        self.root, self.done, self.expanding = root, {}, []
+
+    def node(self, schema, path: str) -> str:
+        if schema is True:
+            _refuse(f"any JSON value at {path} is not supported: give a type")
+        if not isinstance(schema, dict):
+            _refuse(f"the schema at {path} must be an object, got {shown(schema)}")
+        nullable = schema.get("nullable", False)
+        if not isinstance(nullable, bool):
+            _refuse(f"'nullable' at {path} must be true or false")
+        keys = [k for k in schema if k not in DESCRIPTIVE and k != "nullable"]
+        regex = self.value(schema, keys, path)
+        regex = _alt([regex, "null"]) if nullable else regex
+        if len(regex) > MAX_REGEX_CHARS:
+            _refuse(f"the schema at {path} makes a regex over {MAX_REGEX_CHARS} characters "
+                    "(optional properties and nested arrays multiply it)")
+        return regex
+
+    def value(self, schema: dict, keys: list[str], path: str) -> str:
+        combinators = [k for k in keys if k in COMBINATORS]
+        if combinators:
+            kw = combinators[0]
+            extra = [k for k in keys if k != kw and not (k == "type" and kw in ("enum", "const"))]
+            if extra:
+                _refuse(f"'{extra[0]}' at {path} next to '{kw}' is not supported")
+            return self.combined(schema, kw, path)
+        if "type" not in keys:
+            _refuse(f"a schema without 'type' at {path} is not supported (any JSON value is not regular): "
+                    "give a type")
+        types = _types(schema, path)
+        for k in keys:
+            if k != "type" and not any(k in TYPE_KEYWORDS[t] for t in types):
+                known = any(k in words for words in TYPE_KEYWORDS.values())
+                _refuse(f"'{k}' at {path} is not supported" + (f" with type {shown(schema['type'])}" if known else ""))
+        return _alt([self.typed(t, schema, path) for t in types])
+
+    def combined(self, schema: dict, kw: str, path: str) -> str:
+        arg = schema[kw]
+        if kw == "$ref":
+            return self.ref(arg, path)
+        if kw in ("enum", "const"):
+            values = [arg] if kw == "const" else arg
+            if not isinstance(values, list) or not values:
+                _refuse(f"'enum' at {path} must be a non-empty list")
+            types = set(_types(schema, path)) if "type" in schema else None
+            fitting = [v for v in values if types is None or _json_types(v) & types]
+            if not fitting:
+                _refuse(f"no value of '{kw}' at {path} has the type {shown(schema['type'])}")
+            return _alt([_literal(v, _at(path, kw)) for v in fitting])
+        if not isinstance(arg, list) or not arg:
+            _refuse(f"'{kw}' at {path} must be a non-empty list of schemas")
+        if kw == "allOf" and len(arg) > 1:
+            _refuse(f"'allOf' at {path} with more than one schema is not supported")
+        return _alt([self.node(sub, f"{_at(path, kw)}[{i}]") for i, sub in enumerate(arg)])
+
+    def ref(self, ref, path: str) -> str:
+        where = f"'$ref' at {path}"
+        match = re.fullmatch(r"#/(\$defs|definitions)/([^/]+)", ref) if isinstance(ref, str) else None
+        if not match:
+            _refuse(f"{where} is not supported: only '#/$defs/NAME' and '#/definitions/NAME' are, got {shown(ref)}")
+        defs, name = match.group(1), unquote(match.group(2)).replace("~1", "/").replace("~0", "~")
+        if name not in (self.root.get(defs) or {}):
+            _refuse(f"{where}: {shown(ref)} is not defined")
+        if ref in self.expanding:
+            _refuse(f"{where}: recursive $ref {shown(ref)} is not regular")
+        if ref not in self.done:
+            self.expanding.append(ref)
+            self.done[ref] = self.node(self.root[defs][name], _at(_at("$", defs), name))
+            self.expanding.pop()
+        return self.done[ref]
+
+    def typed(self, kind: str, schema: dict, path: str) -> str:
+        if kind == "string":
+            return '"' + _string_contents(schema, path) + '"'
+        if kind == "integer":
+            return _integer(schema, path)
+        if kind == "number":
+            for k in ("minimum", "exclusiveMinimum"):
+                if k in schema:
+                    _refuse(f"'{k}' at {path} is not supported on numbers")
+            return NUMBER
+        if kind == "array":
+            return self.array(schema, path)
+        if kind == "object":
+            return self.object(schema, path)
+        return "(?:true|false)" if kind == "boolean" else "null"
+
+    def array(self, schema: dict, path: str) -> str:
+        if "items" not in schema:
+            _refuse(f"an array without 'items' at {path} is not supported")
+        if isinstance(schema["items"], list):
+            _refuse(f"'items' at {path} as a list (tuple form) is not supported")
+        if schema.get("uniqueItems", False) is not False:
+            _refuse(f"'uniqueItems' at {path} is not supported")
+        item = self.node(schema["items"], _at(path, "items"))
+        lo, hi = _count(schema, "minItems", path) or 0, _count(schema, "maxItems", path)
+        if hi is not None and hi < lo:
+            _refuse(f"'maxItems' at {path} is below 'minItems'")
+        if hi == 0:
+            return "\\[\\]"
+        body = item + _repeat(f"(?:, ?{item})", max(lo - 1, 0), None if hi is None else hi - 1)
+        return "\\[" + (body if lo else f"(?:{body})?") + "\\]"
+
+    def object(self, schema: dict, path: str) -> str:
+        props, required = schema.get("properties"), schema.get("required", [])
+        if not isinstance(props, dict):
+            _refuse(f"an object without 'properties' at {path} is not supported")
+        if schema.get("additionalProperties", False) is not False:
+            _refuse(f"'additionalProperties' at {path} is not supported: only the listed properties are generated")
+        if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
+            _refuse(f"'required' at {path} must be a list of names")
+        for name in required:
+            if name not in props:
+                _refuse(f"'required' at {path} names {shown(name)}, which is not in 'properties'")
+        members = [(_literal(name, path) + ": ?" + self.node(sub, _at(_at(path, "properties"), name)),
+                    name in required) for name, sub in props.items()]
+        # after[i]: members i.. once one has been written: each behind a comma, optional ones in (?: )?
+        after = [""] * (len(members) + 1)
+        for i in reversed(range(len(members))):
+            member, needed = members[i]
+            after[i] = (f", ?{member}" if needed else f"(?:, ?{member})?") + after[i + 1]
+        # first: members i.. when none has been written yet: i is the first written, or i is
+        # optional, absent, and the first written comes later (or none: the empty object)
+        first = None
+        for i in reversed(range(len(members))):
+            member, needed = members[i]
+            written = member + after[i + 1]
+            first = written if needed else f"(?:{written})?" if first is None else f"(?:{written}|{first})"
+            if len(first) > MAX_REGEX_CHARS:
+                _refuse(f"the object at {path} has too many optional properties "
+                        f"(its regex grows past {MAX_REGEX_CHARS} characters)")
+        return "\\{" + (first or "") + "\\}"
+
+
+def _types(schema: dict, path: str) -> list[str]:
+    types = schema["type"]
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list) or not types or not all(t in TYPE_KEYWORDS for t in types):
+        _refuse(f"'type' at {path} must be one of {sorted(TYPE_KEYWORDS)} or a list of them, got {shown(types)}")
+    return types
+
+
+def _integer(schema: dict, path: str) -> str:
+    """Integers, or the non-negative or positive ones: the only bounds a regex keeps small."""
+    low = -math.inf
+    for key, to_inclusive in (("minimum", math.ceil), ("exclusiveMinimum", lambda x: math.floor(x) + 1)):
+        if key in schema:
+            bound = schema[key]
+            if not (isinstance(bound, int) and not isinstance(bound, bool)
+                    or isinstance(bound, float) and math.isfinite(bound)):
+                _refuse(f"'{key}' at {path} must be a number, got {shown(bound)}")
+            low = max(low, to_inclusive(bound))
+    if low == -math.inf:
+        return INTEGER
+    if low not in (0, 1):
+        key = "minimum" if "minimum" in schema else "exclusiveMinimum"
+        _refuse(f"'{key}' at {path} is not supported: integers can only be bounded to >= 0 or >= 1")
+    return NATURAL if low == 0 else "[1-9][0-9]*"
+
+
+def _string_contents(schema: dict, path: str) -> str:
+    given = [k for k in ("format", "pattern", "minLength", "maxLength") if k in schema]
+    if given and given[0] in ("format", "pattern") and len(given) > 1:
+        _refuse(f"'{given[1]}' at {path} next to '{given[0]}' is not supported")
+    if "format" in schema:
+        if schema["format"] not in FORMATS:
+            _refuse(f"'format' at {path}: {shown(schema['format'])} is not supported (only {', '.join(FORMATS)})")
+        return FORMATS[schema["format"]]
+    if "pattern" in schema:
+        return _pattern(schema["pattern"], f"'pattern' at {path}")
+    lo, hi = _count(schema, "minLength", path) or 0, _count(schema, "maxLength", path)
+    if hi is not None and hi < lo:
+        _refuse(f"'maxLength' at {path} is below 'minLength'")
+    return _repeat(STRING_CHAR, lo, hi)
+
+
+def _pattern(pattern, where: str) -> str:
+    """A `pattern` as the regex of a JSON string's contents: its texts without the
+    characters a JSON string must escape, so that they are written as they are."""
+    if not (isinstance(pattern, str) and len(pattern) >= 2 and pattern[0] == "^" and pattern[-1] == "$"
+            and (len(pattern) - 1 - len(pattern[:-1].rstrip("\\"))) % 2 == 0):
+        _refuse(f"{where} must be a string anchored with ^ and $ (an unanchored pattern matches "
+                f"anywhere in the string), got {shown(pattern)}")
+    try:
+        regex, alternatives = restricted(pattern, JSON_ESCAPED)
+    except UsageError as e:
+        _refuse(f"{where}: {e}")
+    if alternatives:
+        _refuse(f"{where}: put alternatives in a group, ^(?:a|b)$ (^a|b$ anchors each one separately)")
+    return regex

@@ -1,0 +1,462 @@
+"""Regular expressions to minimal DFAs over UTF-8 bytes.
+
+Structured outputs constrain a request's text to a regular language. The engine needs
+it as a deterministic automaton over the bytes that tokens stand for, so that every
+token's effect on every state can be tabulated once (`treeflash.structured.grammar`).
+Python's `re` has no automaton to give, so this module parses a subset of its syntax
+and builds one: Thompson NFA, subset construction over byte classes, Moore minimisation.
+
+The dialect (a pattern always matches the whole text):
+literals and escaped punctuation; \\n \\t \\r \\f \\v \\0 \\xHH \\uHHHH \\UHHHHHHHH;
+\\d \\w \\s and their negations (ASCII meanings, as JSON-schema tools use them); `.` (any
+character but newline); classes [...] and [^...]; groups ( ), (?: ), (?P<name> );
+alternation; quantifiers * + ? {m} {m,} {,n} {m,n}, greedy or lazy (the same language).
+A leading ^ and a trailing $ are allowed and mean nothing more. Refused, with the
+reason: other anchors, backreferences, lookarounds, inline flags, possessive quantifiers.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from treeflash.errors import UsageError, shown
+
+MAX_CODE = 0x10FFFF
+SURROGATES = (0xD800, 0xDFFF)  # not characters: UTF-8 has no encoding for them
+MAX_REPEAT = 1000              # a bound past this in {m,n} is refused (the automaton copies the item)
+MAX_DFA_STATES = 20000         # a pattern whose automaton grows past this is refused
+
+_DIGIT = [(0x30, 0x39)]
+_WORD = [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)]
+_SPACE = [(0x09, 0x0D), (0x20, 0x20)]
+_CLASS_ESCAPES = {"d": _DIGIT, "w": _WORD, "s": _SPACE}
+_CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a", "0": "\0"}
+_SPECIAL = set("\\.^$*+?()[]{}|-/")
+_QUANTIFIER = re.compile(r"\{(\d*)(,?)(\d*)\}")
+
+
+def _normal(ranges) -> list[tuple[int, int]]:
+    """Sorted, merged code point intervals, surrogates taken out."""
+    out: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        for a, b in ((lo, min(hi, SURROGATES[0] - 1)), (max(lo, SURROGATES[1] + 1), hi)):
+            if a > b:
+                continue
+            if out and a <= out[-1][1] + 1:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _complement(ranges) -> list[tuple[int, int]]:
+    out, at = [], 0
+    for lo, hi in _normal(ranges):
+        if lo > at:
+            out.append((at, lo - 1))
+        at = hi + 1
+    if at <= MAX_CODE:
+        out.append((at, MAX_CODE))
+    return _normal(out)
+
+
+class _Parser:
+    """Recursive descent to a small tree: ("set", ranges), ("cat", items),
+    ("alt", items), ("rep", item, min, max or None)."""
+
+    def __init__(self, pattern: str):
+        self.p, self.i = pattern, 0
+
+    def fail(self, why: str):
+        raise UsageError(f"regex {shown(self.p, 60)}: {why} (at character {self.i})")
+
+    def peek(self, k: int = 0) -> str:
+        return self.p[self.i + k] if self.i + k < len(self.p) else ""
+
+    def parse(self):
+        if self.peek() == "^":
+            self.i += 1
+        node = self.alternation()
+        if self.i < len(self.p):
+            self.fail("unbalanced ')'")
+        return node
+
+    def alternation(self):
+        items = [self.sequence()]
+        while self.peek() == "|":
+            self.i += 1
+            items.append(self.sequence())
+        return items[0] if len(items) == 1 else ("alt", items)
+
+    def sequence(self):
+        items = []
+        while self.peek() not in ("", "|", ")"):
+            if self.peek() == "$" and self.i == len(self.p) - 1:  # the trailing anchor
+                self.i += 1
+                break
+            items.append(self.quantified(self.atom()))
+        return ("cat", items)
+
+    def quantified(self, node):
+        while True:
+            c = self.peek()
+            if c in ("*", "+", "?"):
+                lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+                self.i += 1
+            elif c == "{" and (m := _QUANTIFIER.match(self.p, self.i)) and (m.group(1) or m.group(3)):
+                lo = int(m.group(1) or 0)
+                hi = lo if not m.group(2) else (int(m.group(3)) if m.group(3) else None)
+                if max(lo, hi or 0) > MAX_REPEAT:
+                    self.fail(f"a repetition bound above {MAX_REPEAT}")
+                if hi is not None and hi < lo:
+                    self.fail("a repetition {m,n} with n < m")
+                self.i = m.end()
+            else:
+                return node
+            if self.peek() == "?":    # lazy: the same language
+                self.i += 1
+            elif self.peek() == "+":
+                self.fail("possessive quantifiers are not supported")
+            node = ("rep", node, lo, hi)
+
+    def atom(self):
+        c = self.peek()
+        self.i += 1
+        if c == "(":
+            if self.peek() == "?":
+                if self.p.startswith("?:", self.i):
+                    self.i += 2
+                elif (m := re.compile(r"\?P<[A-Za-z_]\w*>").match(self.p, self.i)):
+                    self.i = m.end()
+                else:
+                    self.fail("only (?: ) and (?P<name> ) groups are supported (no lookaround or flags)")
+            node = self.alternation()
+            if self.peek() != ")":
+                self.fail("missing ')'")
+            self.i += 1
+            return node
+        if c in ("*", "+", "?") or (c == "{" and _QUANTIFIER.match(self.p, self.i - 1)):
+            self.fail("nothing to repeat")
+        if c in ("^", "$"):
+            self.fail("anchors are only allowed at the start (^) and the end ($)")
+        if c == "[":
+            return ("set", self.char_class())
+        if c == ".":
+            return ("set", _complement([(0x0A, 0x0A)]))
+        if c == "\\":
+            return ("set", self.escape(in_class=False))
+        return ("set", [(ord(c), ord(c))])
+
+    def escape(self, in_class: bool) -> list[tuple[int, int]]:
+        c = self.peek()
+        self.i += 1
+        if not c:
+            self.fail("a trailing backslash")
+        if c.lower() in _CLASS_ESCAPES:
+            ranges = _CLASS_ESCAPES[c.lower()]
+            return ranges if c.islower() else _complement(ranges)
+        if c in _CHAR_ESCAPES:
+            return [(ord(_CHAR_ESCAPES[c]),) * 2]
+        if c == "b" and in_class:
+            return [(8, 8)]
+        if c in ("x", "u", "U"):
+            width = {"x": 2, "u": 4, "U": 8}[c]
+            digits = self.p[self.i:self.i + width]
+            if len(digits) != width or not all(d in "0123456789abcdefABCDEF" for d in digits):
+                self.fail(f"\\{c} needs {width} hex digits")
+            self.i += width
+            code = int(digits, 16)
+            if code > MAX_CODE:
+                self.fail(f"\\{c}{digits} is not a character")
+            return [(code, code)]
+        if c.isdigit():
+            self.fail("backreferences are not supported")
+        if c.isalnum():
+            self.fail(f"\\{c} is not supported (word boundaries and other anchors are not regular here)")
+        return [(ord(c), ord(c))]
+
+    def char_class(self) -> list[tuple[int, int]]:
+        negate = self.peek() == "^"
+        self.i += negate
+        ranges, first = [], True
+        while True:
+            c = self.peek()
+            if not c:
+                self.fail("missing ']'")
+            if c == "]" and not first:
+                self.i += 1
+                break
+            first = False
+            item = self.class_item()
+            if self.peek() == "-" and self.peek(1) not in ("]", ""):
+                self.i += 1
+                end = self.class_item()
+                if len(item) != 1 or len(end) != 1 or item[0][0] != item[0][1] or end[0][0] != end[0][1]:
+                    self.fail("a class range needs single characters at both ends")
+                if end[0][0] < item[0][0]:
+                    self.fail("a class range out of order")
+                item = [(item[0][0], end[0][0])]
+            ranges += item
+        return _complement(ranges) if negate else _normal(ranges)
+
+    def class_item(self) -> list[tuple[int, int]]:
+        c = self.peek()
+        self.i += 1
+        if c == "\\":
+            return self.escape(in_class=True)
+        return [(ord(c), ord(c))]
+
+
+# --- code points to UTF-8 byte ranges ---
+
+def _utf8(code: int) -> list[int]:
+    if code < 0x80:
+        return [code]
+    if code < 0x800:
+        return [0xC0 | code >> 6, 0x80 | code & 0x3F]
+    if code < 0x10000:
+        return [0xE0 | code >> 12, 0x80 | code >> 6 & 0x3F, 0x80 | code & 0x3F]
+    return [0xF0 | code >> 18, 0x80 | code >> 12 & 0x3F, 0x80 | code >> 6 & 0x3F, 0x80 | code & 0x3F]
+
+
+def _byte_sequences(lo: int, hi: int):
+    """Sequences of byte ranges whose products are exactly the encodings of lo..hi."""
+    for a, b in ((0, 0x7F), (0x80, 0x7FF), (0x800, 0xFFFF), (0x10000, MAX_CODE)):
+        if lo <= b and hi >= a:
+            yield from _same_length(max(lo, a), min(hi, b))
+
+
+def _same_length(lo: int, hi: int):
+    """lo..hi encode to the same length: split until each piece is a product of ranges
+    (the free low bits of a piece span whole continuation bytes)."""
+    for tail in range(1, len(_utf8(lo))):
+        mask = (1 << 6 * tail) - 1
+        if lo & ~mask != hi & ~mask:
+            if lo & mask:
+                yield from _same_length(lo, lo | mask)
+                yield from _same_length((lo | mask) + 1, hi)
+                return
+            if hi & mask != mask:
+                yield from _same_length(lo, (hi & ~mask) - 1)
+                yield from _same_length(hi & ~mask, hi)
+                return
+    yield list(zip(_utf8(lo), _utf8(hi)))
+
+
+# --- NFA, DFA ---
+
+class _NFA:
+    """Thompson construction: byte-range edges and epsilon edges."""
+
+    def __init__(self):
+        self.edges: list[list[tuple[int, int, int]]] = []
+        self.eps: list[list[int]] = []
+
+    def state(self) -> int:
+        self.edges.append([])
+        self.eps.append([])
+        return len(self.eps) - 1
+
+    def build(self, node, start: int) -> int:
+        """Add `node` from `start`; its end state."""
+        kind = node[0]
+        if kind == "set":
+            end = self.state()
+            for lo, hi in node[1]:
+                for seq in _byte_sequences(lo, hi):
+                    at = start
+                    for k, (a, b) in enumerate(seq):
+                        nxt = end if k == len(seq) - 1 else self.state()
+                        self.edges[at].append((a, b, nxt))
+                        at = nxt
+            return end
+        if kind == "cat":
+            for item in node[1]:
+                start = self.build(item, start)
+            return start
+        if kind == "alt":
+            end = self.state()
+            for item in node[1]:
+                self.eps[self.build(item, start)].append(end)
+            return end
+        _, item, lo, hi = node
+        for _ in range(lo):
+            start = self.build(item, start)
+        if hi is None:  # a loop: start -> item -> start
+            loop = self.state()
+            self.eps[start].append(loop)
+            self.eps[self.build(item, loop)].append(loop)
+            return loop
+        end = self.state()
+        for _ in range(hi - lo):
+            self.eps[start].append(end)
+            start = self.build(item, start)
+        self.eps[start].append(end)
+        return end
+
+    def closure(self, states) -> frozenset[int]:
+        seen, todo = set(states), list(states)
+        while todo:
+            for t in self.eps[todo.pop()]:
+                if t not in seen:
+                    seen.add(t)
+                    todo.append(t)
+        return frozenset(seen)
+
+
+@dataclass(frozen=True)
+class ByteDFA:
+    """trans [S, 256] int32 (-1: no match can continue), accepting [S] bool; start 0.
+    Minimal, and every state can still reach an accepting one."""
+
+    trans: np.ndarray
+    accepting: np.ndarray
+
+    @property
+    def num_states(self) -> int:
+        return len(self.accepting)
+
+    def matches(self, data: bytes) -> bool:
+        s = 0
+        for byte in data:
+            s = int(self.trans[s, byte])
+            if s < 0:
+                return False
+        return bool(self.accepting[s])
+
+
+def compile_regex(pattern: str) -> ByteDFA:
+    if not isinstance(pattern, str):
+        raise UsageError(f"a regex must be a string, got {shown(pattern)}")
+    tree = _Parser(pattern).parse()
+    nfa = _NFA()
+    start = nfa.state()
+    final = nfa.build(tree, start)
+    # byte classes: bytes no edge tells apart move alike
+    cuts = sorted({0, 256} | {x for edges in nfa.edges for a, b, _ in edges for x in (a, b + 1)})
+    reps = cuts[:-1]  # one byte per class
+    first = nfa.closure([start])
+    index, sets, rows = {first: 0}, [first], []
+    while len(rows) < len(sets):
+        here = sets[len(rows)]
+        row = []
+        for byte in reps:
+            moved = [t for s in here for a, b, t in nfa.edges[s] if a <= byte <= b]
+            if not moved:
+                row.append(-1)
+                continue
+            nxt = nfa.closure(moved)
+            if nxt not in index:
+                if len(sets) >= MAX_DFA_STATES:
+                    raise UsageError(f"regex {shown(pattern, 60)} is too complex (over {MAX_DFA_STATES} states)")
+                index[nxt] = len(sets)
+                sets.append(nxt)
+            row.append(index[nxt])
+        rows.append(row)
+    by_class = np.array(rows, dtype=np.int64).reshape(len(sets), len(reps))
+    accepting = np.array([final in s for s in sets])
+    trans, accepting = _minimal(by_class, accepting)
+    owner = np.searchsorted(np.array(cuts), np.arange(256), side="right") - 1  # byte -> class
+    return ByteDFA(trans[:, owner].astype(np.int32), accepting)
+
+
+def live_states(trans: np.ndarray, accepting: np.ndarray) -> np.ndarray:
+    """[S] bool: the states from which some path of transitions reaches an accepting one."""
+    live = accepting.copy()
+    while True:
+        grown = live | (np.where(trans >= 0, live[trans], False)).any(axis=1)
+        if (grown == live).all():
+            return live
+        live = grown
+
+
+def reachable_states(trans: np.ndarray) -> np.ndarray:
+    """[S] bool: the states some path from state 0 reaches."""
+    seen = np.zeros(len(trans), dtype=bool)
+    seen[0] = True
+    while True:
+        targets = np.unique(trans[seen])
+        grown = seen.copy()
+        grown[targets[targets >= 0]] = True
+        if (grown == seen).all():
+            return seen
+        seen = grown
+
+
+def prune(trans: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Drop the states that are unreachable or cannot reach an accepting one (edges to
+    them become -1) and renumber, state 0 first. An empty language is refused."""
+    live = live_states(trans, accepting)
+    if not live[0]:
+        raise UsageError("the structured output's pattern matches no text")
+    trans = np.where((trans >= 0) & live[np.maximum(trans, 0)], trans, -1)
+    keep = live & reachable_states(trans)
+    new = np.cumsum(keep) - 1
+    return np.where(trans[keep] >= 0, new[np.maximum(trans[keep], 0)], -1), accepting[keep]
+
+
+def _minimal(trans: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Moore's partition refinement on the pruned automaton; the start state stays 0."""
+    trans, accepting = prune(trans, accepting)
+    part = np.unique(accepting, return_inverse=True)[1].reshape(-1)
+    while True:
+        target = np.where(trans >= 0, part[np.maximum(trans, 0)], -1)
+        refined = np.unique(np.concatenate([part[:, None], target], axis=1), axis=0,
+                            return_inverse=True)[1].reshape(-1)
+        if refined.max() == part.max():  # refinement only splits blocks: no new block, done
+            break
+        part = refined
+    key = np.arange(part.max() + 1)
+    key[part[0]] = -1
+    relabel = np.empty_like(key)
+    relabel[np.argsort(key)] = np.arange(key.size)
+    block = relabel[part]
+    reps = np.empty(key.size, dtype=np.int64)
+    reps[block] = np.arange(len(part))  # any member stands for its block
+    return np.where(trans[reps] >= 0, block[np.maximum(trans[reps], 0)], -1), accepting[reps]
+
+
+# --- patterns rewritten ---
+
+def restricted(pattern: str, excluded: list[tuple[int, int]]) -> tuple[str, bool]:
+    """`pattern` with the characters `excluded` (code point intervals) taken out of every
+    character set, written back in the dialect: it matches the texts `pattern` matches
+    that hold none of them (a JSON string's pattern, generated without escapes). Also
+    says whether its top level is an alternation (what `^a|b$` means depends on the
+    anchors). A set left empty is refused: the pattern named an excluded character."""
+    parser = _Parser(pattern)
+    tree = parser.parse()
+    return _written(tree, _normal(excluded), parser), tree[0] == "alt"
+
+
+def escape(text: str) -> str:
+    """`text` as a literal of the dialect."""
+    return "".join("\\" + c if c in _SPECIAL else c if c.isprintable() else f"\\U{ord(c):08x}" for c in text)
+
+
+def _written(node, excluded, parser) -> str:
+    kind = node[0]
+    if kind == "set":
+        ranges = _normal(node[1])
+        kept = _normal(r for r in _complement(excluded) for r in [(max(r[0], a), min(r[1], b)) for a, b in ranges]
+                       if r[0] <= r[1])
+        if ranges and not kept:
+            raise UsageError(f"regex {shown(parser.p, 60)} names a character that is not allowed here "
+                             f"({shown(chr(ranges[0][0]))})")
+        if len(kept) == 1 and kept[0][0] == kept[0][1]:
+            return _class_char(kept[0][0])
+        return "[" + "".join(_class_char(a) if a == b else f"{_class_char(a)}-{_class_char(b)}"
+                             for a, b in kept) + "]" if kept else "[^\\s\\S]"
+    if kind == "cat":
+        return "".join(_written(item, excluded, parser) for item in node[1])
+    if kind == "alt":
+        return "(?:" + "|".join(_written(item, excluded, parser) for item in node[1]) + ")"
+    _, item, lo, hi = node
+    return f"(?:{_written(item, excluded, parser)}){{{lo},{'' if hi is None else hi}}}"
+
+
+def _class_char(code: int) -> str:
+    c = chr(code)
+    return c if c.isalnum() and c.isascii() else f"\\U{code:08x}"
