@@ -268,3 +268,34 @@ def test_prefix_caching_on_graphed_engines(pair):
         if i == 0:  # a sampling mode new to the only state is captured there (warm-up rounds
             assert got.stats["cached_tokens"] == 0  # from slot 0): nothing to reuse
     assert any(key[-3] for g in llm.states.graphed.values() for key in g.prefills)  # a suffix prefill graph ran
+
+def test_structured_outputs_on_graphed_rounds_equal_ar():
+    """Structured outputs in graphed rounds (tree nodes' states, the masks, a table that
+    grows between batches, beside unconstrained requests): graphed DFlash and DDTree give
+    eager AR's tokens, and finished texts match their constraint."""
+    import re
+
+    from treeflash import StructuredOutputs
+    from treeflash.engine.llm import builtin_paths
+    target, drafter = builtin_paths()
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                        "maxItems": 3}},
+              "required": ["name"]}
+    constraints = [StructuredOutputs(choice=["yes", "no"]), StructuredOutputs(regex=r"(    [a-z_]+ = [a-z0-9_.()]+\n){2,4}"),
+                   StructuredOutputs(json=schema)]
+    batches = [[SamplingParams(max_new_tokens=48, structured_outputs=so, temperature=t, seed=7) for t in (0.0, 1.0)]
+               for so in constraints]
+    batches.append([b[0] for b in batches] + [SamplingParams(max_new_tokens=48, temperature=1.0, seed=8)])
+    prompts = ["def add(a, b):\n", "class Config:\n"]
+    ar = LLM(target, method="ar", device="cuda", dtype="float32", cuda_graphs=False)
+    for method, budget in (("dflash", None), ("ddtree", 32)):
+        llm = LLM(target, draft_model=drafter, method=method, budget=budget, device="cuda", dtype="float32")
+        for params in batches * 2:
+            for prompt in prompts:
+                got = llm.generate([prompt] * len(params), params)
+                want = ar.generate([prompt] * len(params), params)
+                assert [o.token_ids for o in got] == [o.token_ids for o in want], (method, prompt, params[0])
+                for o, p in zip(got, params):
+                    if p.structured_outputs is not None and o.finish_reason == "stop":
+                        assert re.fullmatch(p.structured_outputs.pattern(), o.text, flags=re.ASCII), o.text

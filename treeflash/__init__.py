@@ -1,7 +1,7 @@
 """treeflash: lossless speculative decoding with DFlash drafters and DDTree verification."""
 from treeflash.errors import EngineDeadError, TreeflashError, UsageError
 
-__all__ = ["LLM", "GenerationOutput", "TokenLogprob", "SamplingParams", "TreeflashError", "UsageError", "EngineDeadError"]
+__all__ = ["LLM", "GenerationOutput", "TokenLogprob", "SamplingParams", "StructuredOutputs", "TreeflashError", "UsageError", "EngineDeadError"]
 __version__ = "0.1.0"
 
 
@@ -15,4 +15,7 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from treeflash.engine.sampling import SamplingParams
         return SamplingParams
+    if name == "StructuredOutputs":
+        from treeflash.structured.grammar import StructuredOutputs
+        return StructuredOutputs
     raise AttributeError(f"module 'treeflash' has no attribute {name!r}")

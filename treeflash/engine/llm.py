@@ -8,6 +8,7 @@ import random
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from pathlib import Path
@@ -19,6 +20,8 @@ from treeflash.config import DTYPES, DraftConfig, ModelConfig
 from treeflash.engine.round import METHODS, BatchState, SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
 from treeflash.engine.states import GRAPHED_PREFILL_MAX, KeptStates, suffix_chunks
+from treeflash.structured.grammar import TokenAutomaton, token_automaton
+from treeflash.structured.regex import compile_regex
 from treeflash.engine.tp import attach as tp_attach
 from treeflash.engine.tp import peak_rss_bytes, reset_peak_rss, rss_bytes
 from treeflash.errors import TreeflashError, UsageError
@@ -28,6 +31,8 @@ from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer, stop_cut
 
 DEFAULT_BUDGET = 64
+AUTOMATA_KEPT = 32                # structured outputs' compiled automata kept per engine
+MAX_AUTOMATON_BYTES = 512 << 20   # a structured output's token table (states x vocabulary) at most
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
 
 
@@ -299,6 +304,8 @@ class LLM:
             self.method = method
             self.use_graphs(cuda_graphs)
             self._run = None      # `_Batch`: state, round and result pipeline of the batch in flight
+            self._automata: OrderedDict[str, TokenAutomaton] = OrderedDict()  # see `automaton`
+            self._automata_lock = threading.Lock()
             self._tp.built()      # the workers' slices are loaded too
         except BaseException:
             self._tp.close()
@@ -479,7 +486,8 @@ class LLM:
         max_len = max(len(i) + m for i, m in zip(ids, limits)) + headroom
         start = time.perf_counter()
         drop = self.states.to_drop(len(ids), max_len)
-        reuse = self.states.prefix_to_reuse(len(ids), max_len, ids, params, drop)
+        reuse = self.states.prefix_to_reuse(len(ids), max_len, ids, params, drop,
+                                            [self.automaton(p) for p in params])
         starts = None if reuse is None else reuse[1]
         first, lp, plp = self._tp.call(self, "_start", (len(ids), max_len, params, ids, drop, reuse))
         state = self._run.st
@@ -574,6 +582,38 @@ class LLM:
         if p.min_tokens and p.allowed_token_ids is not None and set(p.allowed_token_ids) <= self.held_ids(p):
             raise UsageError("invalid sampling parameters: min_tokens holds back every one of allowed_token_ids "
                              "(EOS and stop tokens)")
+        if p.structured_outputs is not None and not self.held_ids(p):
+            raise UsageError("structured outputs need an end token: this model has no EOS, give stop_token_ids")
+        self.automaton(p)
+
+    def automaton(self, p: SamplingParams) -> TokenAutomaton | None:
+        """p's structured output as a token automaton (None without one), compiled once
+        per constraint (the AUTOMATA_KEPT last ones are kept)."""
+        if p.structured_outputs is None:
+            return None
+        key = p.structured_outputs.key()
+        with self._automata_lock:  # a server's requests come from its threads
+            if key in self._automata:
+                self._automata.move_to_end(key)
+                return self._automata[key]
+            try:
+                dfa = compile_regex(p.structured_outputs.pattern())
+                made = token_automaton(dfa, self._grammar_vocab, MAX_AUTOMATON_BYTES)
+            except UsageError as e:
+                raise UsageError(str(e), param="structured_outputs") from None
+            self._automata[key] = made
+            while len(self._automata) > AUTOMATA_KEPT:
+                self._automata.popitem(last=False)
+            return made
+
+    @cached_property
+    def _grammar_vocab(self) -> list[bytes | None]:
+        """Each model token id's bytes for structured outputs; None for special tokens
+        and ids past the tokenizer's."""
+        special = {i for i, t in self.tokenizer.tok.get_added_tokens_decoder().items() if t.special}
+        known = self.tokenizer.vocab_size
+        return [None if i in special or i >= known else self.tokenizer.token_bytes(i)
+                for i in range(self.config.vocab_size)]
 
     def held_ids(self, p: SamplingParams) -> set[int]:
         """The token ids that min_tokens holds back: EOS (even with ignore_eos, as vLLM)
@@ -631,7 +671,8 @@ class LLM:
         if reuse is not None:  # held before `runner` may replace the eager engine's kept state
             source = self.states.state(reuse[0])
         sampling = SamplingBatch.from_params(params, self.device, self.decoder.target.lm_head.vocab_size,
-                                             prompts, [self.held_ids(p) for p in params])
+                                             prompts, [self.held_ids(p) for p in params],
+                                             [self.automaton(p) for p in params])
         st, run_round, graphed = self.states.runner(batch, max_len, sampling)
         st.tokens = None  # the caches change from here; the driver records them when the batch is done
         if reuse is not None:  # the rest of each prompt, after what the caches hold

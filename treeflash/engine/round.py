@@ -168,9 +168,12 @@ class SpeculativeDecoder:
         h, feats = self._target(ids, inputs, st.cache)
         last = h[torch.arange(B, device=dev), lens - 1]
         logits = self.target.logits(last[:, None], gather=False)
-        st.sampling.clear_history()
-        first = sample(logits, (begin + lens)[:, None], st.sampling, self.tp)
-        st.sampling.extend_history(first, torch.ones_like(lens))
+        sb = st.sampling
+        sb.clear_history()
+        states = sb.grammar_state[:, None] if sb.any_guided else None
+        first = sample(logits, (begin + lens)[:, None], sb, self.tp, states=states)
+        sb.extend_history(first, torch.ones_like(lens))
+        sb.advance_grammar(sb.grammar_start, first[:, 0], torch.ones_like(st.active))
         st.anchor.copy_(first[:, 0])
         st.n.copy_(begin + lens)
         st.active.fill_(True)
@@ -230,7 +233,22 @@ class SpeculativeDecoder:
             if self.draft_mode == "coupled":
                 noise = gumbel_noise(sb.seed, positions[:, 1:], self.tp.rank * logits.shape[-1], logits.shape[-1])
                 logits = logits + torch.where(sb.temperature[:, None, None] > 0, noise, 0.0)
+        if sb.any_guided:
+            logits = self.guided_draft(logits, sb)
         return logits
+
+    def guided_draft(self, logits: torch.Tensor, sb) -> torch.Tensor:
+        """Draft scores [B, D, V/N] masked, depth by depth, to the tokens that the state
+        after the drafter's own top-1 path allows: exact for the chain, a guide for the
+        tree's other branches (the output stays AR's: the target's sampling is masked)."""
+        start = self.tp.rank * logits.shape[-1]
+        cols = slice(start, start + logits.shape[-1])
+        state, depths = sb.grammar_state, []
+        for d in range(logits.shape[1]):
+            row = logits[:, d].masked_fill(sb.grammar[:, cols][state] < 0, float("-inf"))
+            depths.append(row)
+            state = sb.grammar_next(state, self.tp.argmax(row[:, None], start)[:, 0])
+        return torch.stack(depths, dim=1)
 
     @torch.inference_mode()
     def build(self, st: BatchState) -> DraftTree:
@@ -276,10 +294,15 @@ class SpeculativeDecoder:
         inputs = AttentionInputs(positions, st.n, tree.ancestors, kv_len=kv_len, backend=self.backend)
         h, feats = self._target(tree.tokens, inputs, st.cache)
         logits = self.target.logits(h, gather=False)
-        target_tokens = sample(logits, positions + 1, st.sampling, self.tp, path=(tree.tokens, tree.ancestors))
+        sb = st.sampling
+        states = sb.node_states(tree.tokens, tree.parents, tree.depths, self.depth) if sb.any_guided else None
+        target_tokens = sample(logits, positions + 1, sb, self.tp, path=(tree.tokens, tree.ancestors),
+                               states=states)
         w = walk(tree, target_tokens, self.depth)
         counts = torch.where(st.active, w.accepted + 1, torch.zeros_like(w.accepted))
-        st.sampling.extend_history(w.new, counts)
+        sb.extend_history(w.new, counts)
+        if sb.any_guided:  # the bonus was sampled at the deepest accepted node
+            sb.advance_grammar(states.gather(1, w.best[:, None])[:, 0], w.bonus, st.active)
         if self.method == "ddtree":
             st.cache.compact(st.n, w.path)  # chains and AR are already in place
         if st.draft_cache is not None:
@@ -365,8 +388,8 @@ class GraphedPrefill:
 class GraphedState:
     """One bucketed batch state and every graph captured over its buffers: per sampling
     mode (greedy, sampled, sampled with top-k/top-p/min-p; each with or without logprobs,
-    logit bias / allowed tokens / min_tokens, and penalties) a round and the prefills by
-    padded prompt shape. A server whose requests alternate
+    logit bias / allowed tokens / min_tokens, penalties, and structured outputs by their
+    table's rows) a round and the prefills by padded prompt shape. A server whose requests alternate
     between modes replays them instead of recapturing (a capture runs the round three
     times and re-records it).
 
@@ -382,7 +405,7 @@ class GraphedState:
         self.st = decoder.new_state(batch, bucket, sampling)
         self.cache_bytes = self.nbytes = self.st.cache_bytes  # the caches; captures add their pool
         self.pool = torch.cuda.graph_pool_handle()
-        self.rounds: dict[tuple[bool, ...], GraphedRound] = {}  # by SamplingBatch.mode
+        self.rounds: dict[tuple, GraphedRound] = {}  # by SamplingBatch.mode
         self.prefills: dict[tuple, GraphedPrefill] = {}
 
     @contextmanager
@@ -396,15 +419,28 @@ class GraphedState:
 
     def use(self, sampling: SamplingBatch) -> GraphedRound:
         """Take the batch's sampling values and mode; the mode's round (captured now if new)."""
+        table = self.st.sampling.grammar
         with self._counted():  # the first batch of a mode with its own buffers makes them
             self.st.sampling.copy_(sampling)
-        mode = sampling.mode
+        mode = self.st.sampling.mode
+        if table is not None and self.st.sampling.grammar is not table:  # a larger structured-output
+            fresh = (0, mode[-1])                                        # table: graphs of the old one go
+            self.rounds = {m: g for m, g in self.rounds.items() if m[-1] in fresh}
+            self.prefills = {k: g for k, g in self.prefills.items() if k[len(mode) - 1] in fresh}
         if mode not in self.rounds:
             self.st.tokens = None  # the capture's warm-up rounds write the caches from slot 0
             with self._counted():
                 self.rounds[mode] = GraphedRound(self.decoder, self.st, pool=self.pool)
             self.captures += 1
         return self.rounds[mode]
+
+    def captured(self, mode: tuple) -> bool:
+        """Whether a batch of `mode` (`SamplingBatch.mode_of`) replays a round captured
+        already (a capture's warm-up rounds would write over the caches)."""
+        table = self.st.sampling.grammar
+        if mode[-1] and table is not None and len(table) >= mode[-1]:  # it would use the table held
+            mode = (*mode[:-1], len(table))
+        return mode in self.rounds
 
     def prefill(self, ids: torch.Tensor, lens: torch.Tensor, begin: torch.Tensor | None = None):
         """The prefill of padded ids [B, T] (after `begin` cached tokens per request, if

@@ -26,6 +26,7 @@ import torch
 from treeflash.distributed import TPGroup
 from treeflash.errors import UsageError, shown
 from treeflash.ops import fused_enabled, triton_available
+from treeflash.structured.grammar import StructuredOutputs, TokenAutomaton, with_ends
 
 _M32 = 0xFFFFFFFF
 MAX_LOGPROBS = 20  # most likely alternatives a request may ask for per token (vLLM's default limit)
@@ -56,6 +57,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0   # subtracted once per time the output holds the token
     repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and output tokens
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as fit)
+    structured_outputs: StructuredOutputs | None = None  # the text must match a JSON schema, regex or choice
 
     def __post_init__(self):
         self.validate()  # where the caller makes it, as in vLLM; `generate` checks the vocabulary too
@@ -128,6 +130,13 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)):
             bad(f"truncate_prompt_tokens must be an integer >= 1, or -1 (as many as fit), got {shown(k)}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                bad(f"structured_outputs must be StructuredOutputs, got {shown(self.structured_outputs)}")
+            self.structured_outputs.validate()
+            for name in ("min_tokens", "allowed_token_ids"):  # either could leave a state no token
+                if getattr(self, name):
+                    bad(f"structured outputs cannot be combined with {name}")
         if vocab_size is not None:
             for name, ids in (("logit_bias", self.logit_bias or ()),
                               ("allowed_token_ids", self.allowed_token_ids or ())):
@@ -148,6 +157,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def grammar_rows(automata: list[TokenAutomaton | None]) -> int:
+    """Rows of a batch's stacked token table (`SamplingBatch.grammar`): a power of two,
+    so that a captured graph serves later batches of up to as many states; 0 if no
+    request of the batch is constrained."""
+    if all(a is None for a in automata):
+        return 0
+    return 1 << max(4, sum(a.num_states for a in automata if a is not None).bit_length())
 
 
 def _put(x: torch.Tensor, ids: list[list[int]], values, accumulate: bool = False) -> None:
@@ -184,7 +202,7 @@ def token_bias(mapping) -> dict[int, float]:
 
 # SamplingBatch's buffers that only some modes have (None in a batch that does not need them)
 OPTIONAL_BUFFERS = ("bias", "stop_mask", "min_end", "presence", "frequency", "repetition", "prompt_seen",
-                    "out_counts")
+                    "out_counts", "grammar", "grammar_start", "grammar_state")
 
 
 @dataclass
@@ -209,13 +227,20 @@ class SamplingBatch:
     repetition: torch.Tensor | None = None   # [B] float, 1 = off
     prompt_seen: torch.Tensor | None = None  # [B, V] bool: the prompt's tokens
     out_counts: torch.Tensor | None = None   # [B, V] float32: the committed output's tokens, counted
+    guided_rows: int = 0  # rounds mask tokens by structured-output states (`grammar_rows`; 0 = off)
+    grammar: torch.Tensor | None = None        # [guided_rows, V] int32: the next state (-1: not allowed);
+                                               # row 0 allows every token (unconstrained requests)
+    grammar_start: torch.Tensor | None = None  # [B] long: each request's first state
+    grammar_state: torch.Tensor | None = None  # [B] long: its state after the anchor token
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device, vocab_size: int | None = None,
-                    prompts: list[list[int]] | None = None, held_ids: list[set[int]] | None = None) -> "SamplingBatch":
+                    prompts: list[list[int]] | None = None, held_ids: list[set[int]] | None = None,
+                    automata: list[TokenAutomaton | None] | None = None) -> "SamplingBatch":
         """`vocab_size`, the `prompts` and each request's `held_ids` (what its min_tokens holds
         back: EOS, even under ignore_eos, and its stop token ids) are needed if a request sets logit_bias,
-        allowed_token_ids, min_tokens or a penalty."""
+        allowed_token_ids, min_tokens or a penalty; `automata` (with `held_ids`: the end
+        tokens) if one sets structured outputs."""
         seeds = [p.seed if p.seed is not None else random.getrandbits(63) for p in params]
         batch = cls(
             temperature=torch.tensor([float(p.temperature) for p in params], device=device),
@@ -224,8 +249,8 @@ class SamplingBatch:
             top_p=torch.tensor([float(p.top_p) for p in params], device=device),
             min_p=torch.tensor([float(p.min_p) for p in params], device=device),
             seed=torch.tensor(seeds, dtype=torch.long, device=device),
-            **dict(zip(("any_sampled", "any_filtered", "any_logprobs", "any_biased", "any_penalized"),
-                       cls.mode_of(params))),
+            **dict(zip(("any_sampled", "any_filtered", "any_logprobs", "any_biased", "any_penalized", "guided_rows"),
+                       cls.mode_of(params, automata))),
         )
         B = len(params)
         if batch.any_biased:  # made on the device from the sparse entries (B x V is large)
@@ -245,48 +270,99 @@ class SamplingBatch:
             batch.prompt_seen = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)
             _put(batch.prompt_seen, prompts, True)
             batch.out_counts = torch.zeros(B, vocab_size, device=device)
+        if batch.guided_rows:  # every request's table, its state ids offset to its rows
+            table = torch.zeros(batch.guided_rows, vocab_size, dtype=torch.int32)
+            starts, at = [], 1
+            for a, ends in zip(automata, held_ids):
+                if a is None:
+                    starts.append(0)
+                    continue
+                rows = torch.from_numpy(with_ends(a, ends, vocab_size))
+                table[at:at + len(rows)] = torch.where(rows >= 0, rows + at, -1)
+                starts.append(at)
+                at += len(rows)
+            batch.grammar = table.to(device)
+            batch.grammar_start = torch.tensor(starts, dtype=torch.long, device=device)
+            batch.grammar_state = batch.grammar_start.clone()
         return batch
 
     @staticmethod
-    def mode_of(params: list[SamplingParams]) -> tuple[bool, ...]:
-        """The `mode` of a batch of these requests."""
+    def mode_of(params: list[SamplingParams], automata: list[TokenAutomaton | None] | None = None) -> tuple:
+        """The `mode` of a batch of these requests (`automata`: their structured outputs')."""
         return (any(not p.greedy for p in params),
                 any(not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
                 any(p.logprobs is not None for p in params),
                 any(p.biased for p in params),
-                any(p.penalized for p in params))
+                any(p.penalized for p in params),
+                grammar_rows(automata or [None]))
 
     @property
-    def mode(self) -> tuple[bool, ...]:
-        """The host-side flags that choose which code a round runs (and its graph)."""
-        return self.any_sampled, self.any_filtered, self.any_logprobs, self.any_biased, self.any_penalized
+    def mode(self) -> tuple:
+        """The host-side values that choose which code a round runs (and its graph)."""
+        return (self.any_sampled, self.any_filtered, self.any_logprobs, self.any_biased, self.any_penalized,
+                self.guided_rows)
+
+    @property
+    def any_guided(self) -> bool:
+        return self.guided_rows > 0
 
     def copy_(self, other: "SamplingBatch") -> None:
         """Take `other`'s values into these (captured) buffers, and its mode (the host-side
         flags that choose which code, or which captured graph, runs). The buffers of the
-        biased and penalized modes are made at the first batch that needs them and kept:
-        those modes' graphs read them."""
+        biased, penalized and guided modes are made at the first batch that needs them and
+        kept: those modes' graphs read them. A structured-output table is made anew only
+        to grow (the mode then names the rows of the table held)."""
         (self.any_sampled, self.any_filtered, self.any_logprobs, self.any_biased,
-         self.any_penalized) = other.mode
+         self.any_penalized, self.guided_rows) = other.mode
         for name in ("temperature", "top_k", "top_p", "min_p", "seed", *OPTIONAL_BUFFERS):
-            src = getattr(other, name)
+            src, dst = getattr(other, name), getattr(self, name)
             if src is None:
                 continue
-            if getattr(self, name) is None:
+            if name == "grammar" and dst is not None and len(dst) >= len(src):  # a table's rows only grow
+                dst[:len(src)].copy_(src)
+                continue
+            if dst is None or dst.shape != src.shape:
                 setattr(self, name, torch.empty_like(src))
             getattr(self, name).copy_(src)
+        if self.guided_rows:  # the rows of the table the graphs read
+            self.guided_rows = len(self.grammar)
 
     def clear_history(self) -> None:
         """Before a prefill samples each request's first token: no output yet (a kept
         state's counts are the last batch's)."""
         if self.any_penalized:
             self.out_counts.zero_()
+        if self.any_guided:
+            self.grammar_state.copy_(self.grammar_start)
 
     def extend_history(self, tokens: torch.Tensor, counts: torch.Tensor) -> None:
         """A round committed tokens[b, :counts[b]] ([B, K], [B])."""
         if self.any_penalized:
             keep = torch.arange(tokens.shape[1], device=tokens.device) < counts[:, None]
             self.out_counts.scatter_add_(1, tokens, keep.to(self.out_counts.dtype))
+
+    def grammar_next(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The structured-output states after `tokens` from `states` (same shape); a token
+        the state does not allow leads to row 0, which allows all (such a tree node is
+        never accepted: the target's own choice at its parent is masked)."""
+        V = self.grammar.shape[1]
+        return self.grammar.view(-1)[states * V + tokens].clamp_min(0).long()
+
+    def advance_grammar(self, states: torch.Tensor, tokens: torch.Tensor, moved: torch.Tensor) -> None:
+        """Where `moved` [B]: the committed state becomes the one after tokens [B] from
+        states [B] (a round: the accepted path's last node and the bonus token)."""
+        if self.any_guided:
+            self.grammar_state.copy_(torch.where(moved, self.grammar_next(states, tokens), self.grammar_state))
+
+    def node_states(self, tree_tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                    max_depth: int) -> torch.Tensor:
+        """[B, T]: every tree node's structured-output state after its token (the root's
+        is the committed state), level by level from its parent's."""
+        states = self.grammar_state[:, None].expand_as(tree_tokens).clone()
+        for d in range(1, max_depth + 1):
+            step = self.grammar_next(states.gather(1, parents), tree_tokens)
+            states = torch.where(depths == d, step, states)
+        return states
 
 
 
@@ -384,10 +460,11 @@ def apply_bias(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch,
 
 
 def apply_controls(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, start: int,
-                   path=None) -> torch.Tensor:
+                   path=None, states: torch.Tensor | None = None) -> torch.Tensor:
     """`bias` (if a request of the batch sets one) then `penalize` (if one does; module
     doc) on logits [B, T, V'] (vocabulary ids start..start + V') for the tokens at
-    `positions` [B, T]: float32 (float64 stays).
+    `positions` [B, T]: float32 (float64 stays). Then, if a request has structured
+    outputs, -inf where the row's state (`states` [B, T]) allows no token.
 
     Row t's output so far is the committed output, plus, with `path` (a round's tree:
     tokens [B, T] and ancestors [B, T, T]), the tokens of node t and of its ancestors
@@ -399,9 +476,19 @@ def apply_controls(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBa
     cols = slice(start, start + V)
     bias = (sb.bias[:, None, cols], sb.stop_mask[:, None, cols], positions) if sb.any_biased else None
     penalties = (sb.out_counts[:, None, cols], sb.prompt_seen[:, None, cols]) if sb.any_penalized else None
-    x = _controlled(logits, sb, bias, penalties)
-    if path is None or penalties is None or T == 1:  # T == 1: the root alone (AR), no path tokens
-        return x
+    x = _controlled(logits, sb, bias, penalties) if bias or penalties else logits.to(_wide(logits))
+    if path is not None and penalties is not None and T > 1:  # T == 1: the root alone (AR), no path tokens
+        x = _path_penalized(x, logits, positions, sb, start, path, bias is not None)
+    if sb.any_guided:
+        x = x.masked_fill(sb.grammar[:, cols][states] < 0, float("-inf"))
+    return x
+
+
+def _path_penalized(x, logits, positions, sb, start, path, biased):
+    """`apply_controls`' penalties with each node's own path: the columns of the round's
+    tokens recomputed and written over x."""
+    B, T, V = logits.shape
+    cols = slice(start, start + V)
     tokens, ancestors = path
     wide = x.dtype
     on_path = ancestors.clone()
@@ -414,7 +501,7 @@ def apply_controls(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBa
 
     def at(row):  # [B, V] -> the path tokens' columns, [B, 1, T]
         return row[:, cols].gather(1, col)[:, None, :]
-    bias_at = (at(sb.bias), at(sb.stop_mask), positions) if bias is not None else None
+    bias_at = (at(sb.bias), at(sb.stop_mask), positions) if biased else None
     idx = col[:, None, :].expand(B, T, T)
     vals = _controlled(logits.gather(2, idx), sb, bias_at, (at(sb.out_counts).to(wide) + on_path_count,
                                                             at(sb.prompt_seen)))
@@ -422,7 +509,7 @@ def apply_controls(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBa
 
 
 def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp: TPGroup = TPGroup(),
-           path=None) -> torch.Tensor:
+           path=None, states: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens [B, T] for logits [B, T, V], the sampled tokens sitting at `positions` [B, T].
 
     Under tensor parallelism `logits` is this rank's contiguous vocabulary slice (the
@@ -430,13 +517,13 @@ def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp:
     all-gather of (value, id) picks the winner, ties toward the lowest id exactly as
     argmax over the whole vocabulary; every rank returns the same global ids (the bias
     is added to each rank's slice). Top-k / top-p / min-p filtering needs whole rows:
-    batches with filtered requests gather the logits. `path`: see `apply_controls`.
+    batches with filtered requests gather the logits. `path`, `states`: see `apply_controls`.
     """
     if sb.any_filtered:
         logits, tp = tp.all_gather(logits, dim=-1), TPGroup()  # now whole rows on every rank
     start = tp.rank * logits.shape[-1]
-    if sb.any_biased or sb.any_penalized:
-        logits = apply_controls(logits, positions, sb, start, path)
+    if sb.any_biased or sb.any_penalized or sb.any_guided:
+        logits = apply_controls(logits, positions, sb, start, path, states)
     if not sb.any_sampled:
         return tp.argmax(logits, start)
     if logits.is_cuda and not sb.any_filtered and logits.dtype != torch.float64 and triton_available():

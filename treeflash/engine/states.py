@@ -131,21 +131,22 @@ class KeptStates:
         return drop
 
     def prefix_to_reuse(self, batch: int, max_len: int, prompts: list[list[int]], params: list[SamplingParams],
-                        drop: list[Key]) -> tuple[Key, list[int]] | None:
+                        drop: list[Key], automata=None) -> tuple[Key, list[int]] | None:
         """Prefix caching, on the driver: the kept state to reuse (its key) and per request
         how many of its prompt's first tokens that state holds already (its last token is
         always prefilled: it makes the first new one); None to prefill the whole prompts.
         Of the kept states of this batch size, the one that holds most; not one that `drop`
         frees first, nor, if it is the state this batch runs on, a graphed one whose
         capture of a new sampling mode would run warm-up rounds over it from slot 0.
-        Prompt logprobs need every position: no reuse. Another state's prefix is copied
+        Prompt logprobs need every position: no reuse. `automata`: the requests' structured
+        outputs' (part of the mode). Another state's prefix is copied
         over before the rest prefills (a conversation outgrows its cache bucket)."""
         if not self.prefix_caching or any(p.prompt_logprobs is not None for p in params):
             return None
         key = state_key(batch, max_len)
         if self.graphs:
-            mode = SamplingBatch.mode_of(params)
-            kept = {k: g.st for k, g in self.graphed.items() if k not in drop and (k != key or mode in g.rounds)}
+            mode = SamplingBatch.mode_of(params, automata)
+            kept = {k: g.st for k, g in self.graphed.items() if k not in drop and (k != key or g.captured(mode))}
         else:
             kept = {} if self.kept is None else {key_of(self.kept): self.kept}
         best = None

@@ -1,0 +1,292 @@
+"""Structured outputs: a request's text matches its regex, choice or JSON schema.
+
+- the regex dialect's automaton accepts exactly what Python's `re` full-matches, as
+  UTF-8 bytes, and refuses what it cannot do with a one-line reason;
+- the token table is the byte automaton run over each token's bytes, without tokens
+  that lead where no text can be finished;
+- every method gives AR's tokens under the constraint (float32, CPU), greedy and
+  sampled, alone and beside unconstrained or penalized requests, and the text
+  matches; CUDA-graph states recapture when a larger table comes;
+- the API, the server and the command line take it as vLLM's users send it.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import numpy as np
+import pytest
+
+from treeflash import LLM, SamplingParams, StructuredOutputs, UsageError
+from treeflash.engine.llm import builtin_paths
+from treeflash.structured.grammar import token_automaton
+from treeflash.structured.regex import compile_regex, escape
+
+PATTERNS = [r"[a-c]+x?", r"(ab|a)*b{2,3}", r"\d{3}-\d{4}", r"[^a]*", r".{0,3}", r"héllo|wörld[α-ω]+",
+            r"(?:yes|no)", r"a{,2}b", r"\w+@\w+\.(com|org)", r"[\u0100-\uFFFF]\U0001F600", r"^(?P<x>[ab])c?$",
+            r"[\s\S]{2}", r"(a|)+b*?", r"[-a\]]+", r"\.\*\x41"]
+ALPHABET = list("abcxyz-0123@.comorg_ \n]*A") + ["é", "ö", "α", "ω", "\u0100", "\uffff", "\U0001F600", "\U0001F601"]
+
+
+def _strings(rng, n):
+    return ["".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 7))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_the_automaton_matches_what_python_re_matches(pattern):
+    dfa = compile_regex(pattern)
+    rng = random.Random(pattern)
+    samples = _strings(rng, 3000) + ["abbb", "555-1234", "wörldαβ", "a@b.com", "Ā\U0001F600", "ac", "-]a",
+                                     ".*A", "aab", "bb", "yes", "no", "Ab", "b"]
+    hits = 0
+    for s in samples:
+        want = re.fullmatch(pattern, s, flags=re.ASCII) is not None
+        assert dfa.matches(s.encode()) == want, (pattern, s)
+        hits += want
+    assert hits > 0, "no sample matched: the test would not notice a wrong automaton"
+
+
+def test_the_automaton_reads_utf8_bytes():
+    dfa = compile_regex(".*")
+    assert dfa.matches("é€😀".encode())
+    for bad in (b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xc0\xaf", b"\xf4\x90\x80\x80"):  # invalid UTF-8
+        assert not dfa.matches(bad), bad
+
+
+def test_the_automaton_is_minimal():
+    assert compile_regex("(a|b)*c").num_states == 2
+    assert compile_regex("a{3}").num_states == 4
+    assert compile_regex("(?:yes|no)").num_states == compile_regex("yes|no").num_states == 5
+
+
+@pytest.mark.parametrize("pattern,reason", [
+    ("(a", "missing '\\)'"), ("a)", "unbalanced"), ("a{3,2}", "n < m"), ("(?=a)", "lookaround"),
+    (r"(a)\1", "backreferences"), (r"\bword", "not supported"), ("a*+", "possessive"), ("*a", "nothing to repeat"),
+    ("[a", "missing '\\]'"), ("[z-a]", "out of order"), ("a^b", "anchors"), ("a{2000}", "above 1000"),
+    ("(?i)a", "flags"), (r"\x4", "hex digits"), ("[^\\s\\S]", "matches no text"), ("a\\", "trailing backslash"),
+])
+def test_bad_patterns_are_refused_in_one_line(pattern, reason):
+    with pytest.raises(UsageError, match=reason) as err:
+        compile_regex(pattern)
+    assert "\n" not in str(err.value)
+
+
+def test_choices_are_matched_literally():
+    choices = ["a.b", "(x)", "1+1", "[y]", "a|b", "c\\d", "new\nline", "ünï"]
+    dfa = compile_regex("(?:" + "|".join(escape(c) for c in choices) + ")")
+    for c in choices:
+        assert dfa.matches(c.encode()), c
+    for other in ("aXb", "x", "11", "a", "cd", "c\\\\d"):
+        assert not dfa.matches(other.encode()), other
+
+
+def test_the_token_table_walks_each_tokens_bytes():
+    """Against a brute-force walk, over tokens of several lengths, an empty one and a
+    special one (None); tokens that lead only where no text can end are not allowed."""
+    vocab = [b"a", b"b", b"ab", b"ba", b"abc", b"c", b"", None, b"cc", b"x"]
+    dfa = compile_regex("(ab)+c?")
+    auto = token_automaton(dfa, vocab)
+
+    def walk(state_text: str, token: bytes) -> bool:  # can text + token still grow into a match?
+        text = state_text + token.decode()
+        return any(re.fullmatch("(ab)+c?", text + tail) for tail in ("", "b", "c", "bc", "ab", "abc"))
+
+    texts = {0: ""}  # a text that reaches each state, found breadth first
+    todo = [0]
+    while todo:
+        s = todo.pop(0)
+        for t, b in enumerate(vocab):
+            nxt = int(auto.next[s, t])
+            want = bool(b) and walk(texts[s], b)
+            assert (nxt >= 0) == want, (texts[s], b)
+            if nxt >= 0 and nxt not in texts:
+                texts[nxt] = texts[s] + b.decode()
+                todo.append(nxt)
+    assert len(texts) == auto.num_states
+    assert [bool(re.fullmatch("(ab)+c?", texts[s])) for s in range(auto.num_states)] == auto.accepting.tolist()
+
+
+def test_a_constraint_the_tokens_cannot_spell_is_refused():
+    with pytest.raises(UsageError, match="cannot be written with this model's tokens"):
+        token_automaton(compile_regex("z+"), [b"a", b"b", None])
+    with pytest.raises(UsageError, match="too complex"):
+        token_automaton(compile_regex("[ab]{0,50}"), [b"a", b"b"] * 100, max_bytes=1000)
+
+
+# --- the engine ---
+
+@pytest.fixture(scope="module")
+def engines():
+    target, drafter = builtin_paths()
+    return {m: LLM(target, draft_model=None if m == "ar" else drafter, method=m, device="cpu", dtype="float32",
+                   **({"budget": b} if m == "ddtree" else {}))
+            for m, b in (("ar", None), ("dflash", None), ("ddtree", 24))}
+
+
+CONSTRAINTS = [StructuredOutputs(regex=r"(    [a-z_]+ = [a-z0-9_.()]+\n){2,4}"),
+               StructuredOutputs(choice=["yes", "no", "maybe so"]),
+               StructuredOutputs(regex=r"[0-9]{3}(\.[0-9]+)?"),
+               StructuredOutputs(json={"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                                      "n": {"type": "integer"}},
+                                       "required": ["name", "n"]})]
+
+
+def _pattern(so: StructuredOutputs) -> str:
+    return so.pattern()
+
+
+def test_every_method_gives_ar_tokens_under_a_constraint(engines):
+    """Greedy and sampled, constrained requests beside unconstrained and penalized ones
+    in one batch: DFlash and DDTree give AR's tokens, and each finished text matches."""
+    params = []
+    for i, so in enumerate(CONSTRAINTS):
+        for t in (0.0, 1.0):
+            params.append(SamplingParams(max_new_tokens=40, structured_outputs=so, temperature=t, seed=i))
+    params += [SamplingParams(max_new_tokens=20, temperature=1.0, seed=5),
+               SamplingParams(max_new_tokens=20, repetition_penalty=1.3, structured_outputs=CONSTRAINTS[0])]
+    for prompt in ("def add(a, b):\n", "import os\n"):
+        outs = {m: e.generate([prompt] * len(params), params) for m, e in engines.items()}
+        ar = [o.token_ids for o in outs["ar"]]
+        for m in ("dflash", "ddtree"):
+            assert [o.token_ids for o in outs[m]] == ar, m
+        for o, p in zip(outs["ar"], params):
+            so = p.structured_outputs
+            if so is None:
+                continue
+            assert o.finish_reason in ("stop", "length")
+            if o.finish_reason == "stop":
+                assert re.fullmatch(_pattern(so), o.text, flags=re.ASCII), (so, o.text)
+                if so.json is not None:
+                    value = json.loads(o.text)
+                    assert isinstance(value["name"], str) and isinstance(value["n"], int)
+            else:  # cut by max_new_tokens: still a prefix of a match
+                dfa = compile_regex(_pattern(so))
+                s = 0
+                for byte in o.text.encode():
+                    s = int(dfa.trans[s, byte])
+                    assert s >= 0, o.text
+        free = engines["ar"].generate(prompt, SamplingParams(max_new_tokens=40, seed=0))[0]
+        assert free.text != outs["ar"][0].text, "the constraint changed nothing"
+
+
+def test_a_choice_ends_at_the_choice(engines):
+    out = engines["ddtree"].generate("def f(x):\n", SamplingParams(
+        max_new_tokens=30, structured_outputs=StructuredOutputs(choice=["return x", "pass"])))[0]
+    assert out.text in ("return x", "pass") and out.finish_reason == "stop"
+
+
+def test_automata_are_compiled_once_per_constraint(engines):
+    llm = engines["ar"]
+    a = llm.automaton(SamplingParams(structured_outputs=StructuredOutputs(json={"type": "integer"})))
+    b = llm.automaton(SamplingParams(structured_outputs=StructuredOutputs(json='{ "type":"integer"}')))
+    assert a is not None and a.next.shape[1] == llm.config.vocab_size
+    assert b is a  # the schema as text is the same constraint
+    c = llm.automaton(SamplingParams(structured_outputs=StructuredOutputs(regex="-?(?:0|[1-9][0-9]*)")))
+    assert c is not a
+    np.testing.assert_array_equal(a.next, c.next)
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(structured_outputs=StructuredOutputs()), "exactly one of json, regex and choice, got none"),
+    (dict(structured_outputs=StructuredOutputs(regex="a", choice=["b"])), "got regex, choice"),
+    (dict(structured_outputs=StructuredOutputs(choice=[])), "non-empty list of strings"),
+    (dict(structured_outputs=StructuredOutputs(choice=["a", 3])), "non-empty list of strings"),
+    (dict(structured_outputs=StructuredOutputs(regex=5)), "regex must be a string"),
+    (dict(structured_outputs=StructuredOutputs(json=[1])), "json must be a JSON schema"),
+    (dict(structured_outputs=StructuredOutputs(json={"type": object})), "not a JSON value"),
+    (dict(structured_outputs={"regex": "a"}), "must be StructuredOutputs"),
+    (dict(structured_outputs=StructuredOutputs(regex="a"), min_tokens=2), "combined with min_tokens"),
+    (dict(structured_outputs=StructuredOutputs(regex="a"), allowed_token_ids=[1]), "combined with allowed_token_ids"),
+])
+def test_bad_structured_outputs_are_refused(kw, message):
+    with pytest.raises(UsageError, match=message):
+        SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("so,message", [
+    (StructuredOutputs(regex="(a"), "missing"), (StructuredOutputs(json='{"type": '), "not valid JSON"),
+    (StructuredOutputs(json={"type": "integer", "multipleOf": 3}), "multipleOf"),
+    (StructuredOutputs(regex="[ab]*a[ab]{16}"), "too complex"),  # 2^17 states
+])
+def test_the_engine_refuses_what_it_cannot_compile(engines, so, message):
+    llm = engines["ar"]
+    with pytest.raises(UsageError, match=message) as err:
+        llm.generate("x", SamplingParams(structured_outputs=so))
+    assert err.value.param == "structured_outputs"
+
+
+def test_graphed_states_recapture_for_a_larger_table(monkeypatch):
+    """A graphed state's table grows with the batch's automata: graphs that read the
+    smaller one are dropped and the mode recaptured; the tokens stay AR's."""
+    from test_prefix_caching import _cpu_graphs
+    target, drafter = builtin_paths()
+    llm = _cpu_graphs(monkeypatch, LLM(target, draft_model=drafter, method="ddtree", budget=16, device="cpu",
+                                       dtype="float32"))
+    ar = LLM(target, method="ar", device="cpu", dtype="float32")
+    small = SamplingParams(max_new_tokens=12, structured_outputs=StructuredOutputs(choice=["yes", "no"]))
+    large = SamplingParams(max_new_tokens=12, structured_outputs=StructuredOutputs(regex=r"[a-z ]{1,40}"))
+    rows = []
+    for params in (small, large, small, SamplingParams(max_new_tokens=12), large, small):
+        assert llm.generate("def f(x):", params)[0].token_ids == ar.generate("def f(x):", params)[0].token_ids
+        (state,) = llm.states.graphed.values()
+        rows.append(sorted(mode[-1] for mode in state.rounds))
+    # small's table (16 rows) is dropped when large's (64) comes; small then runs in the larger
+    assert rows == [[16], [64], [64], [0, 64], [0, 64], [0, 64]]
+
+
+# --- server and command line ---
+
+def test_the_server_takes_vllm_and_openai_forms(engines):
+    from starlette.testclient import TestClient
+
+    from treeflash.server.app import build_app
+    client = TestClient(build_app(engines["ddtree"], "m"))
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    forms = [({"guided_choice": ["alpha", "beta"]}, lambda t: t in ("alpha", "beta")),
+             ({"guided_regex": "[0-9]{4}"}, lambda t: re.fullmatch("[0-9]{4}", t)),
+             ({"structured_outputs": {"choice": ["up", "down"]}}, lambda t: t in ("up", "down")),
+             ({"guided_json": schema}, lambda t: json.loads(t) in ({"ok": True}, {"ok": False})),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+              lambda t: json.loads(t) in ({"ok": True}, {"ok": False}))]
+    for extra, ok in forms:
+        r = client.post("/v1/completions", json={"prompt": "def f():", "max_tokens": 30, **extra})
+        assert r.status_code == 200, r.text
+        assert ok(r.json()["choices"][0]["text"]), (extra, r.json())
+    r = client.post("/v1/completions", json={"prompt": "def f():", "max_tokens": 30, "stream": True,
+                                             "guided_choice": ["alpha", "beta"]})
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
+                   if line.startswith("data: {") and json.loads(line[6:])["choices"])
+    assert text in ("alpha", "beta")
+
+
+@pytest.mark.parametrize("extra,param,message", [
+    ({"response_format": {"type": "json_object"}}, "response_format", "json_object is not supported"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "must be"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "not both"),
+    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs", "regular constraints only"),
+    ({"structured_outputs": "a"}, "structured_outputs", "must be an object"),
+    ({"guided_grammar": "root ::= x"}, "guided_grammar", "not supported"),
+    ({"guided_regex": "(a"}, "guided_regex", "missing"),
+    ({"guided_json": {"type": "object"}}, "guided_json", "properties"),
+    ({"guided_choice": "yes"}, "guided_choice", "list of strings"),
+])
+def test_the_server_refuses_bad_constraints_and_keeps_serving(engines, extra, param, message):
+    from starlette.testclient import TestClient
+
+    from treeflash.server.app import build_app
+    client = TestClient(build_app(engines["ar"], "m"))
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and message in err["message"], err
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_the_command_line_constrains_its_text(capsys):
+    from treeflash.cli import main
+    assert main(["generate", "def f(x):", "--device", "cpu", "--choice", "pass", "--choice", "return x",
+                 "--max-new-tokens", "20"]) == 0
+    assert capsys.readouterr().out.strip() in ("pass", "return x")
+    assert main(["generate", "x", "--device", "cpu", "--regex", "(a"]) == 2
+    assert "missing ')'" in capsys.readouterr().err
