@@ -88,6 +88,19 @@ def test_pair_mode_with_logprobs(pair, tmp_path, capsys):
     assert "--logprobs applies to model-pair mode" in capsys.readouterr().err
 
 
+def test_pair_mode_with_structured_outputs(tmp_path, capsys):
+    """--choice (and --regex, --json-schema) constrain every request: the built-in pair's
+    texts are the choices, and every method gives AR's tokens (float32 on CPU)."""
+    out = tmp_path / "rows.jsonl"
+    rc = main(["bench", "--num-prompts", "2", "--batch-sizes", "1", "--budgets", "8", "--temperatures", "0",
+               "--max-new-tokens", "12", "--device", "cpu", "--graphs", "off", "--eos", "--out", str(out),
+               "--choice", "return None", "--choice", "pass"])
+    assert rc == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(r["same_as_ar"] == 1.0 for r in rows[1:])
+    assert all(r["new_tokens"] < 2 * 12 for r in rows)  # a choice, then EOS: before the token limit
+
+
 def test_pair_mode_builtin_prompts_fill_batches(pair, tmp_path, capsys):
     """3 prompts in batches of 2: the last batch wraps around (no new graph shape mid-timing)."""
     target, _ = pair
@@ -188,6 +201,8 @@ def test_shape_mode_tiny(tmp_path, capsys):
     (["--draft-layers", "2"], "--draft-layers applies to --shape only"),
     (["--attention", "triton"], "--attention applies to --shape only"),
     (["--copy-mib", "8"], "--copy-mib applies to --shape only"),
+    (["--shape", "tiny", "--regex", "a+"], "--json-schema, --regex or --choice applies to model-pair mode"),
+    (["--choice", "a", "--device", "cpu"], "need --eos"),
     # request i samples with seed S + i < 2^63: refused before the model loads
     (["--seed", str(2 ** 63 - 1), "--num-prompts", "2", "--device", "cpu"], "--seed must be in [0, 2^63 - 2]"),
     (["--seed", "-1", "--device", "cpu"], "--seed must be in"),

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from treeflash.cli import read_prompts
+from treeflash.cli import add_structured_args, read_prompts, structured_from
 from treeflash.config import DraftConfig, ModelConfig, default_target_layer_ids
 from treeflash.distributed import TPGroup
 from treeflash.engine.llm import LLM, RoundPipeline, attention_backend, builtin_paths, resolve_device, resolve_dtype
@@ -109,6 +109,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                                                       "--max-new-tokens, so every method does the same work)")
     p.add_argument("--draft-mode", default="coupled", choices=["scaled", "coupled"],
                    help="how trees are drafted at T > 0 (see SpeculativeDecoder)")
+    add_structured_args(p)  # every request of model-pair mode constrained alike
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype; --shape: bfloat16 on CUDA, "
                                                    "float32 on CPU), float32, bfloat16, float16")
@@ -251,7 +252,8 @@ def measure_pair(llm, prompts: list[str], bs: int, temperature: float, args) -> 
     """Warm up on one full batch (a CUDA graph is captured there), then time all batches."""
     def params(i):
         return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature,
-                              seed=args.seed + i, ignore_eos=not args.eos, logprobs=args.logprobs)
+                              seed=args.seed + i, ignore_eos=not args.eos, logprobs=args.logprobs,
+                              structured_outputs=structured_from(args))
 
     def generate(batch):
         return llm.generate([prompts[i] for i in batch], [params(i) for i in batch])
@@ -298,6 +300,8 @@ def bench_pairs(args) -> int:
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     SamplingParams(logprobs=args.logprobs).validate()
+    if structured_from(args) is not None and not args.eos:  # past its end a text could only repeat EOS
+        raise UsageError("--json-schema, --regex and --choice need --eos: a constrained text ends at its end token")
     graphs = parse_graphs(args.graphs or "on,off")
     prompts = load_prompts(args)
     check_seed(args.seed, len(prompts))
@@ -667,7 +671,9 @@ def bench_shape(args) -> int:
     pair_only = [flag for flag, given in (("--methods", args.methods != PAIR_METHODS),
                                           ("--num-prompts", args.num_prompts is not None),
                                           ("--max-new-tokens", args.max_new_tokens != PAIR_NEW_TOKENS),
-                                          ("--eos", args.eos)) if given]
+                                          ("--eos", args.eos),
+                                          ("--json-schema, --regex or --choice", structured_from(args) is not None))
+                 if given]
     if pair_only:
         raise UsageError(f"{pair_only[0]} applies to model-pair mode (--shape times AR steps, drafts and "
                          f"verify rounds of every budget)")

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 
 from treeflash.errors import TreeflashError, UsageError, shown
 
@@ -103,6 +104,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's, > 0 (1 = off)")
     p.add_argument("--logit-bias", type=_logit_bias, metavar="JSON",
                    help='added to those tokens\' logits before sampling, e.g. \'{"50256": -100}\'')
+    add_structured_args(p)
+
+
+def add_structured_args(p) -> None:
+    """Structured outputs: the text must match one of these (`structured_from`)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", type=_schema, metavar="JSON|FILE",
+                   help="the text is JSON that this schema (inline, or a file's) describes")
+    g.add_argument("--regex", help="the text matches this regular expression (whole)")
+    g.add_argument("--choice", action="append", help="the text is one of these strings (repeatable)")
 
 
 def make_llm(args):
@@ -122,7 +133,26 @@ def sampling_from(args):
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                           repetition_penalty=args.repetition_penalty,
                           truncate_prompt_tokens=args.truncate_prompt_tokens,
-                          logprobs=getattr(args, "logprobs", None)).validate()
+                          logprobs=getattr(args, "logprobs", None),
+                          structured_outputs=structured_from(args)).validate()
+
+
+def structured_from(args):
+    if args.json_schema is None and args.regex is None and args.choice is None:
+        return None
+    from treeflash import StructuredOutputs
+    return StructuredOutputs(json=args.json_schema, regex=args.regex, choice=args.choice)
+
+
+def _schema(text: str) -> dict:
+    """--json-schema: a JSON object, or the path of a file holding one."""
+    if not text.lstrip().startswith("{"):
+        try:
+            text = Path(text).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise argparse.ArgumentTypeError(f"cannot read the schema file {shown(text)}: "
+                                             f"{getattr(e, 'strerror', None) or e}") from None
+    return _json_object(text)
 
 
 def _logit_bias(text: str) -> dict[int, float]:

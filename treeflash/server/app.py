@@ -29,13 +29,12 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from treeflash.engine.sampling import SamplingParams
 from treeflash.errors import EngineDeadError, TreeflashError, UsageError
 from treeflash.server.metrics import ServerMetrics
 from treeflash.server.answers import REASONING_PARSERS, TOOL_PARSERS, MessageStream
-from treeflash.server.protocol import (APIError, Request, SamplingDefaults, check_model, chunk, logprobs_body,
-                                      parse_chat, parse_completion, parse_detokenize, parse_tokenize, response,
-                                      tool_finish, usage)
+from treeflash.server.protocol import (STRUCTURED_KEYS, APIError, Request, SamplingDefaults, check_model, chunk,
+                                      logprobs_body, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
+                                      response, tool_finish, usage)
 from treeflash.tokenizer import TextStream
 
 _DONE = object()  # end of a streamed job's deltas
@@ -374,22 +373,26 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         return error_response(APIError("invalid or missing API key (send 'Authorization: Bearer <key>')",
                                        status=401, type="authentication_error", code="invalid_api_key"))
 
-    def check(params: SamplingParams) -> None:
-        """What only the engine checks (min_tokens against its EOS; the rest was checked
-        already), before a stream starts."""
+    def checked(parse, body: dict) -> Request:
+        """The request, with what only the engine checks (min_tokens against its EOS, and
+        structured outputs compiled for its vocabulary; the rest is checked in `parse`),
+        before a stream starts."""
+        req = parse(body)
         try:
-            llm.check_sampling(params)
+            llm.check_sampling(req.params)
         except TreeflashError as e:
-            raise APIError(str(e), param="min_tokens") from None
+            asked = [k for k in STRUCTURED_KEYS if body.get(k) is not None][:1]
+            raise APIError(str(e), param=asked[0] if asked else "min_tokens") from None
+        return req
 
     async def serve(request: HTTPRequest, parse) -> JSONResponse | StreamingResponse:
         if (refused := unauthorized(request)) is not None:
             return refused
         try:
             body = await _read_json(request)
-            # tokenizing a long prompt takes a while: not on the loop that serves the others
-            req = await asyncio.get_running_loop().run_in_executor(None, parse, body)
-            check(req.params)
+            # tokenizing a long prompt, or compiling a structured output, takes a while: not
+            # on the loop that serves the others
+            req = await asyncio.get_running_loop().run_in_executor(None, checked, parse, body)
         except APIError as e:
             return error_response(e)
         job = worker().submit(req)

@@ -17,6 +17,7 @@ from treeflash.engine.sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
                                        SamplingParams, token_bias)
 from treeflash.errors import TreeflashError, UsageError, shown
 from treeflash.server.answers import MessageStream, request_tools
+from treeflash.structured.grammar import StructuredOutputs
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
@@ -28,17 +29,15 @@ UNSUPPORTED = {
     "tools": ((None, []), "tool calls are for chat completions"),  # chat: `request_tools`
     "tool_choice": ((None, "none", "auto"), "tool calls are for chat completions"),
     "functions": ((None, []), "function calls are not supported"),
-    "response_format": ((None, {"type": "text"}), "response_format is not supported"),
     "bad_words": ((None, []), "bad_words is not supported"),
     "spaces_between_special_tokens": ((None, True), "spaces_between_special_tokens = false is not supported"),
     "use_beam_search": ((None, False), "beam search is not supported"),
-    "guided_json": ((None,), "guided decoding is not supported"),
-    "guided_regex": ((None,), "guided decoding is not supported"),
-    "guided_choice": ((None,), "guided decoding is not supported"),
-    "guided_grammar": ((None,), "guided decoding is not supported"),
-    "structured_outputs": ((None,), "structured outputs are not supported"),
+    "guided_grammar": ((None,), "guided_grammar is not supported (regular constraints only: guided_regex, "
+                                "guided_json, guided_choice)"),
     "chat_template": ((None,), "a request's own chat_template is not supported"),
 }
+# The ways to ask for structured outputs: vLLM's (current and older) and OpenAI's
+STRUCTURED_KEYS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "response_format")
 # What a request may hold besides UNSUPPORTED's keys: the parameters this server reads, and
 # OpenAI's bookkeeping that does not touch the output. Anything else (a misspelled
 # "temprature", another server's extension) is refused, as OpenAI does, not ignored.
@@ -47,7 +46,7 @@ SAMPLING_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", 
                  "allowed_token_ids", "skip_special_tokens",
                  "include_stop_str_in_output", "stream", "stream_options", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "truncate_prompt_tokens", "user", "metadata", "store",
-                 "service_tier", "parallel_tool_calls"}
+                 "service_tier", "parallel_tool_calls", *STRUCTURED_KEYS}
 # OpenAI's bookkeeping keys in SAMPLING_KEYS, with the type each must have.
 BOOKKEEPING = (("user", str, "a string"), ("metadata", dict, "an object of strings"),
                ("store", bool, "true or false"), ("service_tier", str, "a string"),
@@ -222,9 +221,49 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
             seed=_number(body, "seed", None, int, 0, 2 ** 63 - 1), stop=stop,
             ignore_eos=_flag(body, "ignore_eos", False), stop_token_ids=list(stop_ids or []),
             logprobs=_logprobs(body, kind), skip_special_tokens=_flag(body, "skip_special_tokens", True),
-            include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False))
+            include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
+            structured_outputs=structured_outputs(body))
     except TreeflashError as e:
-        raise APIError(str(e)) from None
+        raise APIError(str(e), param=getattr(e, "param", None)) from None
+
+
+def structured_outputs(body: dict) -> StructuredOutputs | None:
+    """The request's constraint on its text, however it asks: vLLM's structured_outputs
+    ({"json" | "regex" | "choice": ...}) or guided_json / guided_regex / guided_choice,
+    or OpenAI's response_format ({"type": "json_schema", "json_schema": {"schema": ...}};
+    "text" asks for nothing). At most one of them."""
+    given = [k for k in STRUCTURED_KEYS if body.get(k) is not None
+             and not (k == "response_format" and body[k] == {"type": "text"})]
+    if len(given) > 1:
+        raise APIError(f"give one of {' and '.join(given)}, not both", param=given[1])
+    if not given:
+        return None
+    key, value = given[0], body[given[0]]
+    if key == "structured_outputs":
+        if not isinstance(value, dict):
+            raise APIError(f"'structured_outputs' must be an object, got {shown(value)}", param=key)
+        extra = sorted(set(value) - {"json", "regex", "choice"})
+        if extra:
+            why = ("any JSON is not a regular language: give a schema" if extra[0] == "json_object"
+                   else "regular constraints only" if extra[0] == "grammar" else "unknown")
+            raise APIError(f"structured_outputs.{extra[0]} is not supported ({why})", param=key)
+        spec = StructuredOutputs(**value)
+    elif key == "response_format":
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "json_object":
+            raise APIError("response_format json_object is not supported (any JSON is not a regular "
+                           "language): give a json_schema", param=key)
+        schema = value.get("json_schema") if kind == "json_schema" else None
+        if not isinstance(schema, dict) or not isinstance(schema.get("schema"), dict):
+            raise APIError("'response_format' must be {\"type\": \"text\"} or {\"type\": \"json_schema\", "
+                           "\"json_schema\": {\"name\": ..., \"schema\": {...}}}", param=key)
+        spec = StructuredOutputs(json=schema["schema"])
+    else:
+        spec = StructuredOutputs(**{key.removeprefix("guided_"): value})
+    try:
+        return spec.validate()
+    except UsageError as e:
+        raise APIError(str(e), param=key) from None
 
 
 def _logit_bias(body: dict, vocab_size: int | None) -> dict[int, float] | None:
