@@ -207,4 +207,56 @@ def test_logit_controls_match_torch(dtype, rows, per_row, controls):
 @spawns_interpreter
 def test_ops_in_the_triton_interpreter():
     run_interpreted(__file__, "gemv_matches or rope_into_cache or row_argmax or gumbel_argmax or cos_sin "
-                    "or embedding_rows or logit_controls", 24)
+                    "or embedding_rows or logit_controls or node_states or path_states", 29)
+
+
+def _grammar_batch(V: int, B: int, seed: int):
+    """A SamplingBatch of B requests under one random token automaton over V tokens
+    (-1: not allowed), at random committed states."""
+    from treeflash.engine.sampling import SamplingBatch
+    gen = torch.Generator().manual_seed(seed)
+    S = 9
+    table = torch.randint(0, S, (S, V), generator=gen, dtype=torch.int32)
+    table[torch.rand(S, V, generator=gen) < 0.6] = -1
+    table[:, 0] = torch.arange(S, dtype=torch.int32)  # every state allows something
+    sb = SamplingBatch(*(torch.zeros(B),) * 5, any_sampled=False, any_filtered=False, guided_rows=S)
+    sb.grammar = table
+    sb.grammar_state = torch.randint(0, S, (B,), generator=gen)
+    return sb
+
+
+@gpu_or_interpreter
+@pytest.mark.parametrize("budget", [1, 15, 40])
+def test_node_states_match_torch(budget):
+    """Each tree node's automaton state, one program per request, equals the torch
+    walk level by level (random trees from random draft scores, tokens often disallowed)."""
+    from dataclasses import replace
+
+    from treeflash.engine.tree import build_tree
+    from treeflash.ops.structured import node_states
+    B, D, V = 3, 6, 50
+    sb = _grammar_batch(V, B, budget)
+    gen = torch.Generator().manual_seed(budget)
+    tree = build_tree(torch.randn(B, D, V, generator=gen).log_softmax(-1), torch.randint(0, V, (B,), generator=gen),
+                      budget)
+    want = sb.node_states(tree.tokens, tree.parents, tree.depths, D)
+    dev = replace(sb, grammar=sb.grammar.to(DEV), grammar_state=sb.grammar_state.to(DEV))
+    got = node_states(dev.grammar, dev.grammar_state, *(t.to(DEV) for t in (tree.tokens, tree.parents, tree.depths)),
+                      D)
+    assert torch.equal(got.cpu(), want)
+    assert (want > 0).float().mean() > 0.2 and (want[:, 1:] == 0).any()  # moved, and dead nodes
+
+
+@gpu_or_interpreter
+@pytest.mark.parametrize("K", [1, 16])
+def test_path_states_match_torch(K):
+    """The drafter's guided path, one program per request: at each depth the first of its
+    candidates the state allows (else the first) moves the state; equal to the torch walk."""
+    from treeflash.ops.structured import path_states
+    B, D, V = 4, 9, 60
+    sb = _grammar_batch(V, B, K)
+    candidates = torch.randint(1, V, (B, D, K), generator=torch.Generator().manual_seed(K))
+    want = sb.path_states(candidates)
+    got = path_states(sb.grammar.to(DEV), sb.grammar_state.to(DEV), candidates.to(DEV)).cpu()
+    assert torch.equal(got, want)
+    assert len(set(want.flatten().tolist())) > 3  # the walk moves through states

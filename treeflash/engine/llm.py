@@ -31,7 +31,8 @@ from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer, stop_cut
 
 DEFAULT_BUDGET = 64
-AUTOMATA_KEPT = 32                # structured outputs' compiled automata kept per engine
+AUTOMATA_KEPT = 32                # structured outputs' compiled automata kept per engine,
+AUTOMATA_BYTES = 1 << 30          # and their tables (host and device) at most (the last one always)
 MAX_AUTOMATON_BYTES = 512 << 20   # a structured output's token table (states x vocabulary) at most
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
 
@@ -588,7 +589,7 @@ class LLM:
 
     def automaton(self, p: SamplingParams) -> TokenAutomaton | None:
         """p's structured output as a token automaton (None without one), compiled once
-        per constraint (the AUTOMATA_KEPT last ones are kept)."""
+        per constraint (the last AUTOMATA_KEPT ones are kept, within AUTOMATA_BYTES)."""
         if p.structured_outputs is None:
             return None
         key = p.structured_outputs.key()
@@ -602,7 +603,8 @@ class LLM:
             except UsageError as e:
                 raise UsageError(str(e), param="structured_outputs") from None
             self._automata[key] = made
-            while len(self._automata) > AUTOMATA_KEPT:
+            while len(self._automata) > 1 and (len(self._automata) > AUTOMATA_KEPT or sum(
+                    a.nbytes for a in self._automata.values()) > AUTOMATA_BYTES):
                 self._automata.popitem(last=False)
             return made
 

@@ -37,6 +37,7 @@ METHODS = ("ar", "dflash", "ddtree")
 DRAFT_MODES = ("scaled", "coupled")
 PREFILL_ALIGN = 32  # prompts are padded to a multiple of this: a few prefill shapes (and graphs)
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose [positions, vocab] logits are made at a time
+GUIDE_CANDIDATES = 64  # draft tokens per depth the structured-output guide may take (`guided_draft`)
 
 
 def prefill_width(longest: int, room: int) -> int:
@@ -239,16 +240,15 @@ class SpeculativeDecoder:
 
     def guided_draft(self, logits: torch.Tensor, sb) -> torch.Tensor:
         """Draft scores [B, D, V/N] masked, depth by depth, to the tokens that the state
-        after the drafter's own top-1 path allows: exact for the chain, a guide for the
-        tree's other branches (the output stays AR's: the target's sampling is masked)."""
+        after the drafter's own path allows; the path takes at each depth the best of its
+        GUIDE_CANDIDATES top tokens that the state allows. Exact for a chain whose tokens
+        are among them, a guide for the tree's other branches (the output stays AR's: the
+        target's sampling is masked). Top-k and the mask are parallel; only the walk
+        along the candidates is sequential (`SamplingBatch.path_states`)."""
         start = self.tp.rank * logits.shape[-1]
-        cols = slice(start, start + logits.shape[-1])
-        state, depths = sb.grammar_state, []
-        for d in range(logits.shape[1]):
-            row = logits[:, d].masked_fill(sb.grammar[:, cols][state] < 0, float("-inf"))
-            depths.append(row)
-            state = sb.grammar_next(state, self.tp.argmax(row[:, None], start)[:, 0])
-        return torch.stack(depths, dim=1)
+        _, ids = self.tp.topk(logits, min(GUIDE_CANDIDATES, logits.shape[-1] * self.tp.size), start)
+        states = sb.path_states(ids)
+        return logits.masked_fill(sb.grammar[:, start:start + logits.shape[-1]][states] < 0, float("-inf"))
 
     @torch.inference_mode()
     def build(self, st: BatchState) -> DraftTree:

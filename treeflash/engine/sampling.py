@@ -26,7 +26,7 @@ import torch
 from treeflash.distributed import TPGroup
 from treeflash.errors import UsageError, shown
 from treeflash.ops import fused_enabled, triton_available
-from treeflash.structured.grammar import StructuredOutputs, TokenAutomaton, with_ends
+from treeflash.structured.grammar import StructuredOutputs, TokenAutomaton
 
 _M32 = 0xFFFFFFFF
 MAX_LOGPROBS = 20  # most likely alternatives a request may ask for per token (vLLM's default limit)
@@ -271,17 +271,17 @@ class SamplingBatch:
             _put(batch.prompt_seen, prompts, True)
             batch.out_counts = torch.zeros(B, vocab_size, device=device)
         if batch.guided_rows:  # every request's table, its state ids offset to its rows
-            table = torch.zeros(batch.guided_rows, vocab_size, dtype=torch.int32)
+            table = torch.zeros(batch.guided_rows, vocab_size, dtype=torch.int32, device=device)
             starts, at = [], 1
             for a, ends in zip(automata, held_ids):
                 if a is None:
                     starts.append(0)
                     continue
-                rows = torch.from_numpy(with_ends(a, ends, vocab_size))
+                rows = a.table(ends, vocab_size, device)
                 table[at:at + len(rows)] = torch.where(rows >= 0, rows + at, -1)
                 starts.append(at)
                 at += len(rows)
-            batch.grammar = table.to(device)
+            batch.grammar = table
             batch.grammar_start = torch.tensor(starts, dtype=torch.long, device=device)
             batch.grammar_state = batch.grammar_start.clone()
         return batch
@@ -354,10 +354,33 @@ class SamplingBatch:
         if self.any_guided:
             self.grammar_state.copy_(torch.where(moved, self.grammar_next(states, tokens), self.grammar_state))
 
+    def path_states(self, candidates: torch.Tensor) -> torch.Tensor:
+        """[B, D]: the structured-output state before each depth of a draft path that takes,
+        at each depth, the first of its candidates [B, D, K] the state allows (the first
+        candidate if none is; the state after the last depth is not needed). One launch on
+        the fused path."""
+        if fused_enabled(candidates):
+            from treeflash.ops.structured import path_states
+            return path_states(self.grammar, self.grammar_state, candidates)
+        B, D, K = candidates.shape
+        state, states = self.grammar_state, []
+        V = self.grammar.shape[1]
+        for d in range(D):
+            states.append(state)
+            allowed = self.grammar.view(-1)[state[:, None] * V + candidates[:, d]] >= 0        # [B, K]
+            first = torch.where(allowed, torch.arange(K, device=state.device), K).min(-1).values
+            token = candidates[:, d].gather(1, (first % K)[:, None])[:, 0]
+            state = self.grammar_next(state, token)
+        return torch.stack(states, dim=1)
+
     def node_states(self, tree_tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
                     max_depth: int) -> torch.Tensor:
         """[B, T]: every tree node's structured-output state after its token (the root's
-        is the committed state), level by level from its parent's."""
+        is the committed state), level by level from its parent's. One launch on the fused
+        path."""
+        if fused_enabled(tree_tokens):
+            from treeflash.ops.structured import node_states
+            return node_states(self.grammar, self.grammar_state, tree_tokens, parents, depths, max_depth)
         states = self.grammar_state[:, None].expand_as(tree_tokens).clone()
         for d in range(1, max_depth + 1):
             step = self.grammar_next(states.gather(1, parents), tree_tokens)

@@ -15,9 +15,10 @@ are removed, so every reachable state allows at least one token.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from treeflash.errors import UsageError, shown
 from treeflash.structured.regex import ByteDFA, escape, live_states, prune
@@ -85,6 +86,7 @@ class TokenAutomaton:
 
     next: np.ndarray
     accepting: np.ndarray
+    _tables: dict = field(default_factory=dict, compare=False, repr=False)  # see `table`
 
     @property
     def num_states(self) -> int:
@@ -92,7 +94,18 @@ class TokenAutomaton:
 
     @property
     def nbytes(self) -> int:
-        return self.next.nbytes
+        """Its host table and the device table kept with it."""
+        return self.next.nbytes + sum(t.numel() * t.element_size() for t in self._tables.values())
+
+    def table(self, end_ids, vocab_size: int, device) -> torch.Tensor:
+        """`with_ends` on the device, kept (for the last end tokens asked): a request of a
+        constraint seen before costs no host work and no upload (a JSON schema's table
+        is megabytes: ~15 ms a request on the host)."""
+        key = (tuple(sorted(end_ids)), vocab_size, str(device))
+        if key not in self._tables:
+            self._tables.clear()
+            self._tables[key] = torch.from_numpy(with_ends(self, end_ids, vocab_size)).to(device)
+        return self._tables[key]
 
 
 def token_automaton(dfa: ByteDFA, vocab: list[bytes | None], max_bytes: int | None = None) -> TokenAutomaton:
