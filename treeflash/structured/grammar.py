@@ -139,7 +139,8 @@ def token_automaton(dfa: ByteDFA, vocab: list[bytes | None], max_bytes: int | No
     if max_bytes is not None and table.nbytes > max_bytes:
         raise UsageError(f"the structured output is too complex for this vocabulary: its automaton has "
                          f"{len(table)} states, {table.nbytes / 2 ** 20:.0f} MiB of token table "
-                         f"(at most {max_bytes / 2 ** 20:.0f} MiB)")
+                         f"(at most {max_bytes / 2 ** 20:.0f} MiB; bounded lengths such as maxLength, maxItems "
+                         f"or {{m,n}} multiply the states)")
     return TokenAutomaton(table, accepting)
 
 
