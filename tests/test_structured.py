@@ -290,3 +290,10 @@ def test_the_command_line_constrains_its_text(capsys):
     assert capsys.readouterr().out.strip() in ("pass", "return x")
     assert main(["generate", "x", "--device", "cpu", "--regex", "(a"]) == 2
     assert "missing ')'" in capsys.readouterr().err
+
+
+def test_the_table_is_int32_and_its_limit_is_in_those_bytes():
+    vocab = [bytes([c]) for c in b"ab"] * 8
+    auto = token_automaton(compile_regex("[ab]{0,20}"), vocab)
+    assert auto.next.dtype == np.int32 and auto.nbytes == auto.num_states * len(vocab) * 4
+    token_automaton(compile_regex("[ab]{0,20}"), vocab, max_bytes=auto.nbytes)  # exactly at the limit: taken

@@ -136,6 +136,7 @@ def token_automaton(dfa: ByteDFA, vocab: list[bytes | None], max_bytes: int | No
     if not live_states(table, dfa.accepting)[0]:
         raise UsageError("the structured output cannot be written with this model's tokens")
     table, accepting = prune(table, dfa.accepting)
+    table = table.astype(np.int32)
     if max_bytes is not None and table.nbytes > max_bytes:
         raise UsageError(f"the structured output is too complex for this vocabulary: its automaton has "
                          f"{len(table)} states, {table.nbytes / 2 ** 20:.0f} MiB of token table "
