@@ -205,8 +205,14 @@ def test_without_tools_the_answer_is_text(scripted, extra):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools to call
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "number", "maximum": 3}}}}}], "tool_choice": "required"},
+     "tool_choice"),  # a parameter schema that structured outputs cannot keep
     ({"tools": [{"type": "function", "function": {}}]}, "tools"),
     ({"tools": {"get_weather": {}}}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
@@ -243,7 +249,7 @@ def test_a_tool_use_template_is_taken_for_tools(tmp_path):
     assert template.prompt(messages, tools=TOOLS) == "tools 1 hi"
     from treeflash.server.answers import request_tools
     nulled = [{"type": "function", "function": {"name": "f", "parameters": None}}]
-    assert request_tools({"tools": nulled}, "hermes") == (nulled, True)
+    assert request_tools({"tools": nulled}, "hermes") == (nulled, "hermes", None)
 
 
 def test_tools_need_a_parser():
@@ -392,3 +398,40 @@ def test_llama3_json_through_the_server(scripted, answer):
         content, calls, reason = _stream(llama, body)
         assert (content, reason) == ("", "tool_calls")
         assert [c["function"] for c in calls] == [c["function"] for c in choice["message"]["tool_calls"]]
+
+
+# ----------------------------------------------------------------------------- forced calls
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "days": {"type": "integer", "minimum": 1}}, "required": ["city"]}
+FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+                {"type": "function", "function": {"name": "get_time", "parameters": None}}]
+
+
+@pytest.mark.parametrize("choice,names", [("required", {"get_weather", "get_time"}),
+                                          ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"})])
+def test_a_forced_call_is_a_call_without_a_parser(choice, names):
+    """tool_choice 'required' or a named function (vLLM's): the answer is constrained to
+    a JSON list of calls of the tools (the named one: exactly one), whatever the model
+    would say, and comes back as tool_calls, whole or streamed, on a server without a
+    tool-call parser; parallel_tool_calls false allows one call."""
+    llm = LLM(builtin_paths()[0], device="cpu", dtype="float32")
+    with TestClient(build_app(llm, "tiny", ChatTemplate("{{ messages[0].content }}"))) as client:
+        body = {"messages": [{"role": "user", "content": "def weather(city):"}], "tools": FORCED_TOOLS,
+                "tool_choice": choice, "max_tokens": 60, "temperature": 0}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()["choices"][0]
+        calls = out["message"]["tool_calls"]
+        assert out["finish_reason"] == "tool_calls" and out["message"]["content"] is None
+        assert calls and {c["function"]["name"] for c in calls} <= names
+        assert len(calls) == 1 or choice == "required"
+        for c in calls:
+            args = json.loads(c["function"]["arguments"])
+            assert isinstance(args, dict) and (c["function"]["name"] == "get_time" and args == {}
+                                               or isinstance(args["city"], str) and len(args["city"]) <= 12)
+        content, streamed, reason = _stream(client, body)
+        assert (content, reason) == ("", "tool_calls")
+        assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+        one = client.post("/v1/chat/completions", json={**body, "parallel_tool_calls": False}).json()
+        assert len(one["choices"][0]["message"]["tool_calls"]) == 1

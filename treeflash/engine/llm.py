@@ -20,14 +20,14 @@ from treeflash.config import DTYPES, DraftConfig, ModelConfig
 from treeflash.engine.round import METHODS, BatchState, SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
 from treeflash.engine.states import GRAPHED_PREFILL_MAX, KeptStates, suffix_chunks
-from treeflash.structured.grammar import TokenAutomaton, token_automaton
-from treeflash.structured.regex import compile_regex
 from treeflash.engine.tp import attach as tp_attach
 from treeflash.engine.tp import peak_rss_bytes, reset_peak_rss, rss_bytes
 from treeflash.errors import TreeflashError, UsageError
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import build_on, load_weights, weights_dtype
 from treeflash.models.transformer import CausalLM
+from treeflash.structured.grammar import TokenAutomaton, token_automaton
+from treeflash.structured.regex import compile_regex
 from treeflash.tokenizer import Tokenizer, stop_cut
 
 DEFAULT_BUDGET = 64

@@ -36,25 +36,53 @@ CALL, END_CALL = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 
 
-def request_tools(body: dict, parser: str | None) -> tuple[list[dict] | None, bool]:
-    """(the body's `tools` as the template takes them, or None; whether the answer's tool
-    calls are parsed): with tool_choice 'none' the tools are written into the prompt but
-    not parsed (vLLM's default). A UsageError (with `param`) for malformed tools, a
-    tool_choice this server cannot honour (a forced call needs guided decoding), or
-    tools to call on a server started without a parser."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
-        raise UsageError(f"tool_choice {shown(choice)} is not supported (only 'auto' and 'none': a forced call "
-                         "needs guided decoding)", param="tool_choice")
-    tools = checked_tools(tools)
+def request_tools(body: dict, parser: str | None) -> tuple[list[dict] | None, str | None, dict | None]:
+    """(the body's `tools` as the template takes them, or None; what reads the answer's
+    calls: a parser's name, FORCED, or None; for a forced call, the JSON schema the
+    answer must follow). tool_choice 'none': the tools are written into the prompt, the
+    answer is not read for calls (vLLM's default); 'auto': the parser reads them;
+    'required' or a named function: the answer is constrained to a JSON list of calls
+    (`forced_calls_schema`), with or without a parser. A UsageError (with `param`) for
+    malformed tools or tool_choice, or automatic calls on a server without a parser."""
+    tools, choice = checked_tools(body.get("tools")), body.get("tool_choice")
+    named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
+        choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)
+    if not (choice in (None, "none", "auto", "required") or named):
+        raise UsageError(f"tool_choice must be 'none', 'auto', 'required' or {{\"type\": \"function\", "
+                         f"\"function\": {{\"name\": ...}}}}, got {shown(choice)}", param="tool_choice")
     if tools is None:
-        return None, False
+        if choice not in (None, "none", "auto"):
+            raise UsageError("tool_choice forces a call, but the request has no tools", param="tool_choice")
+        return None, None, None
     if choice == "none":
-        return tools, False
-    if parser is None:
-        raise UsageError(f"tool calls need a server started with --tool-call-parser ({' or '.join(TOOL_PARSERS)})",
-                         param="tools")
-    return tools, True
+        return tools, None, None
+    if choice in (None, "auto"):
+        if parser is None:
+            raise UsageError(f"tool calls need a server started with --tool-call-parser "
+                             f"({' or '.join(TOOL_PARSERS)}), or a tool_choice that forces them", param="tools")
+        return tools, parser, None
+    one = body.get("parallel_tool_calls") is False
+    return tools, FORCED, forced_calls_schema(tools, choice["function"]["name"] if named else None, one)
+
+
+FORCED = "forced"  # the reader of answers that tool_choice constrained to a JSON list of calls
+
+
+def forced_calls_schema(tools: list[dict], name: str | None = None, one: bool = False) -> dict:
+    """The JSON schema of an answer that must call a tool (vLLM's form for tool_choice
+    'required'): a list of at least one {"name", "parameters"}, each the name of one of
+    the tools (or `name`, then exactly one call) with its parameters' schema; `one`: at
+    most one call (parallel_tool_calls false)."""
+    functions = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    if not functions:
+        raise UsageError(f"tool_choice names the function {shown(name)}, which is not among the tools",
+                         param="tool_choice")
+    calls = [{"type": "object", "required": ["name", "parameters"],
+              "properties": {"name": {"enum": [f["name"]]},
+                             "parameters": f.get("parameters") or {"type": "object", "properties": {}}}}
+             for f in functions]
+    return {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1,
+            **({"maxItems": 1} if name is not None or one else {})}
 
 
 def _tag_start(text: str, tag: str) -> int:
@@ -222,6 +250,26 @@ class JsonCallStream:
         return held, []
 
 
+class ForcedCallStream:
+    """An answer constrained to a JSON list of calls (`forced_calls_schema`): held to its
+    end, then its calls; as content if it is not such a list (cut by max_tokens)."""
+
+    def __init__(self):
+        self.held = ""
+
+    def push(self, text: str) -> tuple[str, list[dict]]:
+        self.held += text
+        return "", []
+
+    def finish(self) -> tuple[str, list[dict]]:
+        held, self.held = self.held, ""
+        try:
+            calls = [_openai_call(c) for c in json.loads(held, parse_constant=_no_constant)]
+        except (ValueError, TypeError, RecursionError):
+            calls = [None]
+        return ("", calls) if calls and None not in calls else (held, [])
+
+
 class MessageStream:
     """A chat answer's parts: `push` of its text in pieces (`final`: the last) gives
     (reasoning, content, tool call deltas numbered by their `index` among its calls).
@@ -229,7 +277,7 @@ class MessageStream:
 
     def __init__(self, reasoning_parser: str | None = None, tool_parser: str | None = None):
         self.reasoning = ReasoningStream(reasoning_parser) if reasoning_parser else None
-        streams = {"hermes": ToolCallStream, "llama3_json": JsonCallStream}
+        streams = {"hermes": ToolCallStream, "llama3_json": JsonCallStream, FORCED: ForcedCallStream}
         self.tools = streams[tool_parser]() if tool_parser else None
         self.calls = 0  # sent so far
 

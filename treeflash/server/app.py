@@ -381,7 +381,8 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         try:
             llm.check_sampling(req.params)
         except TreeflashError as e:
-            asked = [k for k in STRUCTURED_KEYS if body.get(k) is not None][:1]
+            asked = [k for k in (*STRUCTURED_KEYS, "tool_choice")
+                     if body.get(k) not in (None, "none", "auto", {"type": "text"})][:1]
             raise APIError(str(e), param=asked[0] if asked else "min_tokens") from None
         return req
 

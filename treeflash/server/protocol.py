@@ -427,7 +427,7 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
     if body.get("echo") not in (None, False):
         raise APIError("echo is supported for completions only", param="echo")
     try:
-        tools, parsed = request_tools(body, tool_parser)
+        tools, reader, forced = request_tools(body, tool_parser)
     except UsageError as e:
         raise APIError(str(e), param=e.param) from None
     # the template writes its own special tokens; add_special_tokens adds the tokenizer's too (vLLM)
@@ -435,8 +435,15 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
                    special=_flag(body, "add_special_tokens", False), truncate=_truncation(body))]
     stream, include_usage, continuous = _stream_flags(body)
     params = _sampling(body, [len(ids[0])], max_model_len, defaults.max_tokens, defaults, vocab_size, "chat")
-    return Request("chat", ids, params, stream, include_usage, _choices(body, 1),
-                   tool_calls=tool_parser if parsed else None,
+    if forced is not None:  # tool_choice 'required' or a named function: the answer is the calls
+        if params.structured_outputs is not None:
+            asked = next(k for k in STRUCTURED_KEYS if body.get(k) is not None)
+            raise APIError(f"give tool_choice that forces a call or {asked}, not both", param=asked)
+        try:
+            params = replace(params, structured_outputs=StructuredOutputs(json=forced))
+        except UsageError as e:
+            raise APIError(str(e), param="tool_choice") from None
+    return Request("chat", ids, params, stream, include_usage, _choices(body, 1), tool_calls=reader,
                    reasoning=reasoning_parser, continuous_usage=continuous)
 
 
