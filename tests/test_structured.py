@@ -188,7 +188,8 @@ def test_automata_are_compiled_once_per_constraint(engines):
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(structured_outputs=StructuredOutputs()), "exactly one of json, regex and choice, got none"),
+    (dict(structured_outputs=StructuredOutputs()), "exactly one of json, regex, choice and json_object, got none"),
+    (dict(structured_outputs=StructuredOutputs(regex="a", json_object=True)), "got regex, json_object"),
     (dict(structured_outputs=StructuredOutputs(regex="a", choice=["b"])), "got regex, choice"),
     (dict(structured_outputs=StructuredOutputs(choice=[])), "non-empty list of strings"),
     (dict(structured_outputs=StructuredOutputs(choice=["a", 3])), "non-empty list of strings"),
@@ -248,9 +249,12 @@ def test_the_server_takes_vllm_and_openai_forms(engines):
              ({"structured_outputs": {"choice": ["up", "down"]}}, lambda t: t in ("up", "down")),
              ({"guided_json": schema}, lambda t: json.loads(t) in ({"ok": True}, {"ok": False})),
              ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
-              lambda t: json.loads(t) in ({"ok": True}, {"ok": False}))]
+              lambda t: json.loads(t) in ({"ok": True}, {"ok": False})),
+             ({"response_format": {"type": "json_object"}, "max_tokens": 200}, lambda t: isinstance(json.loads(t), dict)),
+             ({"structured_outputs": {"json_object": True}, "max_tokens": 200},
+              lambda t: isinstance(json.loads(t), dict))]
     for extra, ok in forms:
-        r = client.post("/v1/completions", json={"prompt": "def f():", "max_tokens": 30, **extra})
+        r = client.post("/v1/completions", json={"prompt": "def f():", "max_tokens": 30, "seed": 1, **extra})
         assert r.status_code == 200, r.text
         assert ok(r.json()["choices"][0]["text"]), (extra, r.json())
     r = client.post("/v1/completions", json={"prompt": "def f():", "max_tokens": 30, "stream": True,
@@ -261,8 +265,8 @@ def test_the_server_takes_vllm_and_openai_forms(engines):
 
 
 @pytest.mark.parametrize("extra,param,message", [
-    ({"response_format": {"type": "json_object"}}, "response_format", "json_object is not supported"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "must be"),
+    ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs", "json_object must be true or false"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "not both"),
     ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs", "regular constraints only"),
     ({"structured_outputs": "a"}, "structured_outputs", "must be an object"),
@@ -297,3 +301,15 @@ def test_the_table_is_int32_and_its_limit_is_in_those_bytes():
     auto = token_automaton(compile_regex("[ab]{0,20}"), vocab)
     assert auto.next.dtype == np.int32 and auto.nbytes == auto.num_states * len(vocab) * 4
     token_automaton(compile_regex("[ab]{0,20}"), vocab, max_bytes=auto.nbytes)  # exactly at the limit: taken
+
+
+def test_json_object_is_any_object_nesting_at_most_four_deep():
+    from treeflash.structured.json_schema import json_object_regex
+    dfa = compile_regex(json_object_regex())
+    for text, ok in [('{}', True), ('{"a": 1, "b": "x\\"y"}', True), ('{"a": {"b": [1, {"c": null}]}}', True),
+                     ('{"a":{"b":{"c":[]}}}', True), ('{"a":{"b":{"c":{"d":[]}}}}', False),
+                     ('{"a":{"b":{"c":{"d":{"e":1}}}}}', False),
+                     ('{"a": [[[[1]]]]}', False), ('[1]', False), ('"x"', False), ('{"a": 01}', False),
+                     ('{"a" : 1}', False), ('{"a": 1,}', False)]:
+        assert dfa.matches(text.encode()) == ok, text
+        assert not ok or isinstance(json.loads(text), dict)

@@ -114,6 +114,7 @@ def add_structured_args(p) -> None:
                    help="the text is JSON that this schema (inline, or a file's) describes")
     g.add_argument("--regex", help="the text matches this regular expression (whole)")
     g.add_argument("--choice", action="append", help="the text is one of these strings (repeatable)")
+    g.add_argument("--json-object", action="store_true", help="the text is a JSON object (nesting at most 4 deep)")
 
 
 def make_llm(args):
@@ -138,10 +139,10 @@ def sampling_from(args):
 
 
 def structured_from(args):
-    if args.json_schema is None and args.regex is None and args.choice is None:
+    if args.json_schema is None and args.regex is None and args.choice is None and not args.json_object:
         return None
     from treeflash import StructuredOutputs
-    return StructuredOutputs(json=args.json_schema, regex=args.regex, choice=args.choice)
+    return StructuredOutputs(json=args.json_schema, regex=args.regex, choice=args.choice, json_object=args.json_object)
 
 
 def _schema(text: str) -> dict:

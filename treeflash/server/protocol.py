@@ -242,22 +242,22 @@ def structured_outputs(body: dict) -> StructuredOutputs | None:
     if key == "structured_outputs":
         if not isinstance(value, dict):
             raise APIError(f"'structured_outputs' must be an object, got {shown(value)}", param=key)
-        extra = sorted(set(value) - {"json", "regex", "choice"})
+        extra = sorted(set(value) - {"json", "regex", "choice", "json_object"})
         if extra:
-            why = ("any JSON is not a regular language: give a schema" if extra[0] == "json_object"
-                   else "regular constraints only" if extra[0] == "grammar" else "unknown")
+            why = "regular constraints only" if extra[0] == "grammar" else "unknown"
             raise APIError(f"structured_outputs.{extra[0]} is not supported ({why})", param=key)
         spec = StructuredOutputs(**value)
     elif key == "response_format":
         kind = value.get("type") if isinstance(value, dict) else None
-        if kind == "json_object":
-            raise APIError("response_format json_object is not supported (any JSON is not a regular "
-                           "language): give a json_schema", param=key)
         schema = value.get("json_schema") if kind == "json_schema" else None
-        if not isinstance(schema, dict) or not isinstance(schema.get("schema"), dict):
-            raise APIError("'response_format' must be {\"type\": \"text\"} or {\"type\": \"json_schema\", "
-                           "\"json_schema\": {\"name\": ..., \"schema\": {...}}}", param=key)
-        spec = StructuredOutputs(json=schema["schema"])
+        if kind == "json_object":
+            spec = StructuredOutputs(json_object=True)
+        elif isinstance(schema, dict) and isinstance(schema.get("schema"), dict):
+            spec = StructuredOutputs(json=schema["schema"])
+        else:
+            raise APIError("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                           "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+                           param=key)
     else:
         spec = StructuredOutputs(**{key.removeprefix("guided_"): value})
     try:

@@ -26,17 +26,21 @@ from treeflash.structured.regex import ByteDFA, escape, live_states, prune
 @dataclass(frozen=True)
 class StructuredOutputs:
     """What a request's text must be, as vLLM's StructuredOutputsParams: exactly one of a
-    JSON schema (a dict, or its JSON text), a regex (full match), or a choice among
-    strings."""
+    JSON schema (a dict, or its JSON text), a regex (full match), a choice among strings,
+    or json_object (any JSON object nesting at most JSON_OBJECT_DEPTH deep)."""
 
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
+    json_object: bool = False
 
     def validate(self) -> "StructuredOutputs":
-        given = [name for name in ("json", "regex", "choice") if getattr(self, name) is not None]
+        if not isinstance(self.json_object, bool):
+            raise UsageError(f"structured outputs: json_object must be true or false, got {shown(self.json_object)}")
+        given = [name for name in ("json", "regex", "choice", "json_object")
+                 if getattr(self, name) is not None and getattr(self, name) is not False]
         if len(given) != 1:
-            raise UsageError(f"structured outputs take exactly one of json, regex and choice, got "
+            raise UsageError(f"structured outputs take exactly one of json, regex, choice and json_object, got "
                              f"{', '.join(given) or 'none'}")
         if self.regex is not None and not isinstance(self.regex, str):
             raise UsageError(f"structured outputs: regex must be a string, got {shown(self.regex)}")
@@ -59,7 +63,9 @@ class StructuredOutputs:
             return self.regex
         if self.choice is not None:
             return "(?:" + "|".join(escape(c) for c in self.choice) + ")"
-        from treeflash.structured.json_schema import schema_regex
+        from treeflash.structured.json_schema import json_object_regex, schema_regex
+        if self.json_object:
+            return json_object_regex()
         schema = self.json
         if isinstance(schema, str):
             try:
@@ -76,7 +82,8 @@ class StructuredOutputs:
                 value = json.loads(value)
             except ValueError:  # refused when compiled
                 pass
-        return json.dumps([value, self.regex, None if self.choice is None else list(self.choice)], sort_keys=True)
+        return json.dumps([value, self.regex, None if self.choice is None else list(self.choice), self.json_object],
+                          sort_keys=True)
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,21 @@ FORMATS = {"date": DATE, "time": TIME, "date-time": DATE + "T" + TIME,
 JSON_ESCAPED = [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]  # what a JSON string must escape
 
 
+JSON_OBJECT_DEPTH = 4  # `json_object`: objects and lists nest at most this deep (the answer's own included)
+
+
+def json_object_regex(depth: int = JSON_OBJECT_DEPTH) -> str:
+    """Any JSON object whose objects and lists nest at most `depth` deep (OpenAI's
+    json_object; nesting without a bound is not regular), in the same compact form."""
+    string = f'"{STRING_CHAR}*"'
+    scalars = [string, NUMBER, "true", "false", "null"]
+    value = _alt(scalars)
+    for _ in range(depth):  # containers one level deeper than the last
+        obj = f"\\{{(?:{string}: ?{value}(?:, ?{string}: ?{value})*)?\\}}"
+        value = _alt([*scalars, obj, f"\\[(?:{value}(?:, ?{value})*)?\\]"])
+    return obj
+
+
 def schema_regex(schema) -> str:
     """The regex (treeflash's dialect, always matched whole) for the JSON texts that
     satisfy `schema`: a dict, or the JSON text of one."""
