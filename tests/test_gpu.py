@@ -299,3 +299,23 @@ def test_structured_outputs_on_graphed_rounds_equal_ar():
                 for o, p in zip(got, params):
                     if p.structured_outputs is not None and o.finish_reason == "stop":
                         assert re.fullmatch(p.structured_outputs.pattern(), o.text, flags=re.ASCII), o.text
+
+
+def test_bad_words_on_graphed_rounds_equal_ar():
+    """bad_words in graphed rounds (each tree node matched against its own path; a kept
+    state's recent tokens reset per request): graphed DFlash and DDTree give eager AR's
+    tokens, greedy and sampled, beside a request without them."""
+    from treeflash.engine.llm import builtin_paths
+    target, drafter = builtin_paths()
+    prompts = ["def add(a, b):\n    ", "def f(x):\n    if x:\n        return x\n    "]
+    params = [SamplingParams(max_new_tokens=40, bad_words=["a + b", "return x", "self"]),
+              SamplingParams(max_new_tokens=40, bad_words=["return"], temperature=1.0, seed=3),
+              SamplingParams(max_new_tokens=40, temperature=1.0, seed=4)]
+    ar = LLM(target, method="ar", device="cuda", dtype="float32", cuda_graphs=False)
+    want = [[o.token_ids for o in ar.generate([p] * 3, params)] for p in prompts]
+    free = ar.generate(prompts[0], SamplingParams(max_new_tokens=40))[0].token_ids
+    assert want[0][0] != free  # the ban changed the greedy stream
+    for method, budget in (("dflash", None), ("ddtree", 32)):
+        llm = LLM(target, draft_model=drafter, method=method, budget=budget, device="cuda", dtype="float32")
+        for _ in range(2):
+            assert [[o.token_ids for o in llm.generate([p] * 3, params)] for p in prompts] == want, method

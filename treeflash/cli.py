@@ -102,6 +102,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's, > 0 (1 = off)")
+    p.add_argument("--bad-word", action="append", dest="bad_words", metavar="WORD",
+                   help="never generated (repeatable; vLLM's bad_words)")
     p.add_argument("--logit-bias", type=_logit_bias, metavar="JSON",
                    help='added to those tokens\' logits before sampling, e.g. \'{"50256": -100}\'')
     add_structured_args(p)
@@ -135,7 +137,7 @@ def sampling_from(args):
                           repetition_penalty=args.repetition_penalty,
                           truncate_prompt_tokens=args.truncate_prompt_tokens,
                           logprobs=getattr(args, "logprobs", None),
-                          structured_outputs=structured_from(args)).validate()
+                          structured_outputs=structured_from(args), bad_words=args.bad_words).validate()
 
 
 def structured_from(args):

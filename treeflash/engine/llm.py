@@ -18,11 +18,11 @@ import torch
 from treeflash.chat import ChatFormat, ChatTemplate, checked_tools
 from treeflash.config import DTYPES, DraftConfig, ModelConfig
 from treeflash.engine.round import METHODS, BatchState, SpeculativeDecoder
-from treeflash.engine.sampling import SamplingBatch, SamplingParams
+from treeflash.engine.sampling import BAD_WORD_TOKENS, MAX_BAD_SEQUENCES, SamplingBatch, SamplingParams
 from treeflash.engine.states import GRAPHED_PREFILL_MAX, KeptStates, suffix_chunks
 from treeflash.engine.tp import attach as tp_attach
 from treeflash.engine.tp import peak_rss_bytes, reset_peak_rss, rss_bytes
-from treeflash.errors import TreeflashError, UsageError
+from treeflash.errors import TreeflashError, UsageError, shown
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import build_on, load_weights, weights_dtype
 from treeflash.models.transformer import CausalLM
@@ -583,6 +583,7 @@ class LLM:
         if p.min_tokens and p.allowed_token_ids is not None and set(p.allowed_token_ids) <= self.held_ids(p):
             raise UsageError("invalid sampling parameters: min_tokens holds back every one of allowed_token_ids "
                              "(EOS and stop tokens)")
+        self.bad_sequences(p)
         if p.structured_outputs is not None and not self.held_ids(p):
             raise UsageError("structured outputs need an end token: this model has no EOS, give stop_token_ids")
         self.automaton(p)
@@ -616,6 +617,25 @@ class LLM:
         known = self.tokenizer.vocab_size
         return [None if i in special or i >= known else self.tokenizer.token_bytes(i)
                 for i in range(self.config.vocab_size)]
+
+    def bad_sequences(self, p: SamplingParams) -> list[list[int]]:
+        """p's bad words as token sequences, as vLLM's: each word as the tokenizer writes
+        it, and after a space where that gives another first token and as many tokens (a
+        word inside a text)."""
+        out = []
+        for word in p.bad_words or []:
+            for prefix in ("", " "):
+                ids = self.tokenizer.encode(prefix + word.lstrip(), special=False)
+                if prefix and (ids[0] == out[-1][0] or len(ids) != len(out[-1])):
+                    continue
+                if len(ids) > BAD_WORD_TOKENS:
+                    raise UsageError(f"invalid sampling parameters: bad word {shown(word)} is {len(ids)} tokens "
+                                     f"(at most {BAD_WORD_TOKENS})", param="bad_words")
+                out.append(ids)
+        if len(out) > MAX_BAD_SEQUENCES:
+            raise UsageError(f"invalid sampling parameters: bad_words make {len(out)} token sequences "
+                             f"(at most {MAX_BAD_SEQUENCES})", param="bad_words")
+        return out
 
     def held_ids(self, p: SamplingParams) -> set[int]:
         """The token ids that min_tokens holds back: EOS (even with ignore_eos, as vLLM)
@@ -674,7 +694,8 @@ class LLM:
             source = self.states.state(reuse[0])
         sampling = SamplingBatch.from_params(params, self.device, self.decoder.target.lm_head.vocab_size,
                                              prompts, [self.held_ids(p) for p in params],
-                                             [self.automaton(p) for p in params])
+                                             [self.automaton(p) for p in params],
+                                             [self.bad_sequences(p) for p in params])
         st, run_round, graphed = self.states.runner(batch, max_len, sampling)
         st.tokens = None  # the caches change from here; the driver records them when the batch is done
         if reuse is not None:  # the rest of each prompt, after what the caches hold

@@ -7,12 +7,14 @@ The token at absolute position `p` of a request is
 where `bias` adds the request's logit_bias, masks tokens outside its allowed_token_ids
 and, for its first min_tokens new tokens, its stop tokens (to -inf), `penalize` applies
 the repetition penalty to tokens of the prompt and of the output before p, then the
-frequency and presence penalties to the output's (vLLM's order), `filter` applies
+frequency and presence penalties to the output's (vLLM's order), then bans (-inf) each
+bad word's last token where the output before p ends with the word's other tokens (and
+structured outputs mask what the text's automaton does not allow), `filter` applies
 min-p, top-k and top-p (masked to -inf) and `g(seed, p)` is a Gumbel
 vector that depends only on the request's seed and `p` (a counter-based hash, the
 same on every device and for every batch). Gumbel-max makes this an exact sample of
 softmax(filter(penalize(bias(logits)) / T)); keying the noise (and min_tokens) by position,
-and the penalties by each tree node's own history, makes a speculative round produce
+and the penalties and bad words by each tree node's own history, makes a speculative round produce
 exactly the tokens that autoregressive decoding produces.
 """
 from __future__ import annotations
@@ -33,6 +35,8 @@ MAX_LOGPROBS = 20  # most likely alternatives a request may ask for per token (v
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value's bound, as OpenAI's
 MAX_PENALTY = 2.0       # presence / frequency penalties' bound, as OpenAI's
 MAX_REPETITION_PENALTY = 1e30  # it and its reciprocal bound it: both finite and normal in float32
+BAD_WORD_TOKENS = 8      # a bad word's token sequence at most (the last is banned after the others)
+MAX_BAD_SEQUENCES = 128  # a request's bad words' token sequences at most (two spellings per word)
 
 
 @dataclass
@@ -58,6 +62,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and output tokens
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as fit)
     structured_outputs: StructuredOutputs | None = None  # the text must match a JSON schema, regex or choice
+    bad_words: list[str] | None = None  # never generated: a word's last token is banned where it would end it
 
     def __post_init__(self):
         self.validate()  # where the caller makes it, as in vLLM; `generate` checks the vocabulary too
@@ -130,6 +135,11 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)):
             bad(f"truncate_prompt_tokens must be an integer >= 1, or -1 (as many as fit), got {shown(k)}")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in self.bad_words):
+                bad(f"bad_words must be a list of words (non-blank strings), got {shown(self.bad_words)}")
+            self.bad_words = [str(w) for w in self.bad_words]
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 bad(f"structured_outputs must be StructuredOutputs, got {shown(self.structured_outputs)}")
@@ -148,6 +158,11 @@ class SamplingParams:
     def biased(self) -> bool:
         """Whether `bias` (module doc) changes anything for this request."""
         return bool(self.logit_bias) or self.allowed_token_ids is not None or self.min_tokens > 0
+
+    @property
+    def banned(self) -> bool:
+        """Whether bad words (module doc) change anything for this request."""
+        return bool(self.bad_words)
 
     @property
     def penalized(self) -> bool:
@@ -202,7 +217,7 @@ def token_bias(mapping) -> dict[int, float]:
 
 # SamplingBatch's buffers that only some modes have (None in a batch that does not need them)
 OPTIONAL_BUFFERS = ("bias", "stop_mask", "min_end", "presence", "frequency", "repetition", "prompt_seen",
-                    "out_counts", "grammar", "grammar_start", "grammar_state")
+                    "out_counts", "ban_before", "ban_token", "recent", "grammar", "grammar_start", "grammar_state")
 
 
 @dataclass
@@ -227,6 +242,12 @@ class SamplingBatch:
     repetition: torch.Tensor | None = None   # [B] float, 1 = off
     prompt_seen: torch.Tensor | None = None  # [B, V] bool: the prompt's tokens
     out_counts: torch.Tensor | None = None   # [B, V] float32: the committed output's tokens, counted
+    any_banned: bool = False  # rounds ban bad words' last tokens with the three below
+    ban_before: torch.Tensor | None = None  # [B, W, BAD_WORD_TOKENS - 1] long: the tokens before each
+                                            # banned one, right-aligned (-2: any token)
+    ban_token: torch.Tensor | None = None   # [B, W] long: the banned token (-1: no sequence)
+    recent: torch.Tensor | None = None      # [B, BAD_WORD_TOKENS - 1] long: the committed output's last
+                                            # tokens, oldest first (-1: before the output)
     guided_rows: int = 0  # rounds mask tokens by structured-output states (`grammar_rows`; 0 = off)
     grammar: torch.Tensor | None = None        # [guided_rows, V] int32: the next state (-1: not allowed);
                                                # row 0 allows every token (unconstrained requests)
@@ -236,11 +257,13 @@ class SamplingBatch:
     @classmethod
     def from_params(cls, params: list[SamplingParams], device, vocab_size: int | None = None,
                     prompts: list[list[int]] | None = None, held_ids: list[set[int]] | None = None,
-                    automata: list[TokenAutomaton | None] | None = None) -> "SamplingBatch":
+                    automata: list[TokenAutomaton | None] | None = None,
+                    bad_sequences: list[list[list[int]]] | None = None) -> "SamplingBatch":
         """`vocab_size`, the `prompts` and each request's `held_ids` (what its min_tokens holds
         back: EOS, even under ignore_eos, and its stop token ids) are needed if a request sets logit_bias,
         allowed_token_ids, min_tokens or a penalty; `automata` (with `held_ids`: the end
-        tokens) if one sets structured outputs."""
+        tokens) if one sets structured outputs; `bad_sequences` (each request's bad words
+        as token sequences) if one sets bad words."""
         seeds = [p.seed if p.seed is not None else random.getrandbits(63) for p in params]
         batch = cls(
             temperature=torch.tensor([float(p.temperature) for p in params], device=device),
@@ -249,8 +272,8 @@ class SamplingBatch:
             top_p=torch.tensor([float(p.top_p) for p in params], device=device),
             min_p=torch.tensor([float(p.min_p) for p in params], device=device),
             seed=torch.tensor(seeds, dtype=torch.long, device=device),
-            **dict(zip(("any_sampled", "any_filtered", "any_logprobs", "any_biased", "any_penalized", "guided_rows"),
-                       cls.mode_of(params, automata))),
+            **dict(zip(("any_sampled", "any_filtered", "any_logprobs", "any_biased", "any_penalized", "any_banned",
+                        "guided_rows"), cls.mode_of(params, automata))),
         )
         B = len(params)
         if batch.any_biased:  # made on the device from the sparse entries (B x V is large)
@@ -270,6 +293,17 @@ class SamplingBatch:
             batch.prompt_seen = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)
             _put(batch.prompt_seen, prompts, True)
             batch.out_counts = torch.zeros(B, vocab_size, device=device)
+        if batch.any_banned:
+            K = BAD_WORD_TOKENS - 1
+            before = torch.full((B, MAX_BAD_SEQUENCES, K), -2, dtype=torch.long)
+            last = torch.full((B, MAX_BAD_SEQUENCES), -1, dtype=torch.long)
+            for b, seqs in enumerate(bad_sequences):
+                for w, seq in enumerate(seqs):
+                    last[b, w] = seq[-1]
+                    if len(seq) > 1:
+                        before[b, w, K - len(seq) + 1:] = torch.tensor(seq[:-1])
+            batch.ban_before, batch.ban_token = before.to(device), last.to(device)
+            batch.recent = torch.full((B, K), -1, dtype=torch.long, device=device)
         if batch.guided_rows:  # every request's table, its state ids offset to its rows
             table = torch.zeros(batch.guided_rows, vocab_size, dtype=torch.int32, device=device)
             starts, at = [], 1
@@ -294,13 +328,14 @@ class SamplingBatch:
                 any(p.logprobs is not None for p in params),
                 any(p.biased for p in params),
                 any(p.penalized for p in params),
+                any(p.banned for p in params),
                 grammar_rows(automata or [None]))
 
     @property
     def mode(self) -> tuple:
         """The host-side values that choose which code a round runs (and its graph)."""
         return (self.any_sampled, self.any_filtered, self.any_logprobs, self.any_biased, self.any_penalized,
-                self.guided_rows)
+                self.any_banned, self.guided_rows)
 
     @property
     def any_guided(self) -> bool:
@@ -313,7 +348,7 @@ class SamplingBatch:
         kept: those modes' graphs read them. A structured-output table is made anew only
         to grow (the mode then names the rows of the table held)."""
         (self.any_sampled, self.any_filtered, self.any_logprobs, self.any_biased,
-         self.any_penalized, self.guided_rows) = other.mode
+         self.any_penalized, self.any_banned, self.guided_rows) = other.mode
         for name in ("temperature", "top_k", "top_p", "min_p", "seed", *OPTIONAL_BUFFERS):
             src, dst = getattr(other, name), getattr(self, name)
             if src is None:
@@ -332,6 +367,8 @@ class SamplingBatch:
         state's counts are the last batch's)."""
         if self.any_penalized:
             self.out_counts.zero_()
+        if self.any_banned:
+            self.recent.fill_(-1)
         if self.any_guided:
             self.grammar_state.copy_(self.grammar_start)
 
@@ -340,6 +377,10 @@ class SamplingBatch:
         if self.any_penalized:
             keep = torch.arange(tokens.shape[1], device=tokens.device) < counts[:, None]
             self.out_counts.scatter_add_(1, tokens, keep.to(self.out_counts.dtype))
+        if self.any_banned:  # the last of (recent, the new tokens): from counts[b] on
+            K = self.recent.shape[1]
+            both = torch.cat([self.recent, tokens], dim=1)
+            self.recent.copy_(both.gather(1, counts[:, None] + torch.arange(K, device=tokens.device)))
 
     def grammar_next(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The structured-output states after `tokens` from `states` (same shape); a token
@@ -486,8 +527,9 @@ def apply_controls(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBa
                    path=None, states: torch.Tensor | None = None) -> torch.Tensor:
     """`bias` (if a request of the batch sets one) then `penalize` (if one does; module
     doc) on logits [B, T, V'] (vocabulary ids start..start + V') for the tokens at
-    `positions` [B, T]: float32 (float64 stays). Then, if a request has structured
-    outputs, -inf where the row's state (`states` [B, T]) allows no token.
+    `positions` [B, T]: float32 (float64 stays). Then, if a request has bad words, -inf
+    where one would end (`_ban_words`), and if one has structured outputs, where the row's
+    state (`states` [B, T]) allows no token.
 
     Row t's output so far is the committed output, plus, with `path` (a round's tree:
     tokens [B, T] and ancestors [B, T, T]), the tokens of node t and of its ancestors
@@ -502,9 +544,45 @@ def apply_controls(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBa
     x = _controlled(logits, sb, bias, penalties) if bias or penalties else logits.to(_wide(logits))
     if path is not None and penalties is not None and T > 1:  # T == 1: the root alone (AR), no path tokens
         x = _path_penalized(x, logits, positions, sb, start, path, bias is not None)
+    if sb.any_banned:
+        x = _ban_words(x, sb, start, path)
     if sb.any_guided:
         x = x.masked_fill(sb.grammar[:, cols][states] < 0, float("-inf"))
     return x
+
+
+def _ban_words(x: torch.Tensor, sb: SamplingBatch, start: int, path) -> torch.Tensor:
+    """-inf at each bad word's last token in the rows whose output ends with the tokens
+    before it (vLLM's bad_words: the output, not the prompt). A row's output is the
+    committed one, then with `path` its node's path below the root."""
+    B, T, V = x.shape
+    context = _recent_tokens(sb.recent, path, T)                                   # [B, T, K]
+    before = sb.ban_before[:, None]                                                # [B, 1, W, K]
+    hit = ((context[:, :, None] == before) | (before == -2)).all(-1)               # [B, T, W]
+    col = sb.ban_token - start
+    mine = (sb.ban_token >= 0) & (col >= 0) & (col < V)                            # this rank's columns
+    ban = torch.where(hit & mine[:, None], float("-inf"), float("inf")).to(x.dtype)
+    # the lowest of the current value and each sequence's verdict: a token several sequences
+    # end in is banned if any of them is complete (a plain scatter would keep one at random)
+    return x.scatter_reduce_(2, col.clamp(0, V - 1)[:, None].expand(B, T, -1), ban, "amin")
+
+
+def _recent_tokens(recent: torch.Tensor, path, T: int) -> torch.Tensor:
+    """[B, T, K]: each row's output's last K tokens, oldest first (-1 before the output):
+    the committed output's `recent` [B, K], then (`path`: tokens and ancestors) the tokens
+    of the node's path below the root, itself last."""
+    B, K = recent.shape
+    if path is None or T == 1:
+        return recent[:, None].expand(B, T, K)
+    tokens, ancestors = path
+    depths = ancestors.sum(-1) - 1                                                 # [B, T]
+    back = []  # the j-th token back, j = 0 (the node's own) .. K - 1
+    for j in range(K):
+        on_path = ancestors & (depths[:, None, :] == (depths - j)[:, :, None])      # that ancestor
+        from_tree = (on_path.long() * tokens[:, None, :]).sum(-1)
+        from_output = recent.gather(1, (K - 1 - (j - depths)).clamp(0, K - 1))
+        back.append(torch.where(j < depths, from_tree, from_output))
+    return torch.stack(back[::-1], dim=-1)
 
 
 def _path_penalized(x, logits, positions, sb, start, path, biased):
@@ -545,7 +623,7 @@ def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp:
     if sb.any_filtered:
         logits, tp = tp.all_gather(logits, dim=-1), TPGroup()  # now whole rows on every rank
     start = tp.rank * logits.shape[-1]
-    if sb.any_biased or sb.any_penalized or sb.any_guided:
+    if sb.any_biased or sb.any_penalized or sb.any_banned or sb.any_guided:
         logits = apply_controls(logits, positions, sb, start, path, states)
     if not sb.any_sampled:
         return tp.argmax(logits, start)

@@ -374,16 +374,18 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
                                        status=401, type="authentication_error", code="invalid_api_key"))
 
     def checked(parse, body: dict) -> Request:
-        """The request, with what only the engine checks (min_tokens against its EOS, and
-        structured outputs compiled for its vocabulary; the rest is checked in `parse`),
+        """The request, with what only the engine checks (min_tokens against its EOS, bad
+        words and structured outputs in its vocabulary; the rest is checked in `parse`),
         before a stream starts."""
         req = parse(body)
         try:
             llm.check_sampling(req.params)
         except TreeflashError as e:
-            asked = [k for k in (*STRUCTURED_KEYS, "tool_choice")
-                     if body.get(k) not in (None, "none", "auto", {"type": "text"})][:1]
-            raise APIError(str(e), param=asked[0] if asked else "min_tokens") from None
+            param = getattr(e, "param", None)
+            if param == "structured_outputs":  # named as the request asked for it
+                param = next(k for k in (*STRUCTURED_KEYS, "tool_choice")
+                             if body.get(k) not in (None, "none", "auto", {"type": "text"}))
+            raise APIError(str(e), param=param or "min_tokens") from None
         return req
 
     async def serve(request: HTTPRequest, parse) -> JSONResponse | StreamingResponse:

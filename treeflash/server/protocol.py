@@ -29,7 +29,6 @@ UNSUPPORTED = {
     "tools": ((None, []), "tool calls are for chat completions"),  # chat: `request_tools`
     "tool_choice": ((None, "none", "auto"), "tool calls are for chat completions"),
     "functions": ((None, []), "function calls are not supported"),
-    "bad_words": ((None, []), "bad_words is not supported"),
     "spaces_between_special_tokens": ((None, True), "spaces_between_special_tokens = false is not supported"),
     "use_beam_search": ((None, False), "beam search is not supported"),
     "guided_grammar": ((None,), "guided_grammar is not supported (regular constraints only: guided_regex, "
@@ -46,7 +45,7 @@ SAMPLING_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", 
                  "allowed_token_ids", "skip_special_tokens",
                  "include_stop_str_in_output", "stream", "stream_options", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "truncate_prompt_tokens", "user", "metadata", "store",
-                 "service_tier", "parallel_tool_calls", *STRUCTURED_KEYS}
+                 "service_tier", "parallel_tool_calls", "bad_words", *STRUCTURED_KEYS}
 # OpenAI's bookkeeping keys in SAMPLING_KEYS, with the type each must have.
 BOOKKEEPING = (("user", str, "a string"), ("metadata", dict, "an object of strings"),
                ("store", bool, "true or false"), ("service_tier", str, "a string"),
@@ -202,6 +201,9 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
     stop_ids = _token_ids(body, "stop_token_ids", vocab_size, empty=True)
     if stop_ids is not None and len(stop_ids) > MAX_STOPS:
         raise APIError(f"at most {MAX_STOPS} stop token ids, got {len(stop_ids)}", param="stop_token_ids")
+    bad_words = body.get("bad_words")
+    if bad_words is not None and not (isinstance(bad_words, list) and all(isinstance(w, str) for w in bad_words)):
+        raise APIError(f"'bad_words' must be a list of strings, got {shown(bad_words)}", param="bad_words")
     min_tokens = _number(body, "min_tokens", 0, int, 0)
     if min_tokens > max_tokens:
         raise APIError(f"'min_tokens' ({min_tokens}) must not exceed the most tokens this request may get "
@@ -222,7 +224,7 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
             ignore_eos=_flag(body, "ignore_eos", False), stop_token_ids=list(stop_ids or []),
             logprobs=_logprobs(body, kind), skip_special_tokens=_flag(body, "skip_special_tokens", True),
             include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
-            structured_outputs=structured_outputs(body))
+            structured_outputs=structured_outputs(body), bad_words=[w for w in bad_words or [] if w.strip()] or None)
     except TreeflashError as e:
         raise APIError(str(e), param=getattr(e, "param", None)) from None
 

@@ -1,0 +1,134 @@
+"""bad_words (vLLM's): a word's last token is banned where the output so far ends with
+its other tokens, so no output holds a bad word's tokens (as the tokenizer writes the
+word, alone or after a space).
+
+What a user relies on: the output never holds them (the prompt may); the ban changes
+the output only where a word would complete; every method gives AR's tokens with them
+(each tree node matched against its own path), greedy and sampled, beside requests
+without; the API, the server and the command line take them, and refuse what they
+cannot hold with a one-line error.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treeflash import LLM, SamplingParams, UsageError
+from treeflash.engine.llm import builtin_paths
+from treeflash.engine.sampling import _recent_tokens
+from treeflash.engine.tree import build_tree
+
+PROMPTS = ["def add(a, b):\n    ", "def f(x):\n    if x:\n        return x\n    "]
+WORDS = [["return"], ["a + b", "return x"], ["self", " x"]]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    target, drafter = builtin_paths()
+    return {m: LLM(target, draft_model=None if m == "ar" else drafter, method=m, device="cpu", dtype="float32",
+                   **({"budget": b} if m == "ddtree" else {}))
+            for m, b in (("ar", None), ("dflash", None), ("ddtree", 24))}
+
+
+def _holds(tokens: list[int], seq: list[int]) -> bool:
+    return any(tokens[i:i + len(seq)] == seq for i in range(len(tokens) - len(seq) + 1))
+
+
+@pytest.mark.parametrize("words", WORDS)
+def test_every_method_gives_ar_tokens_without_the_words(engines, words):
+    """Greedy and sampled, beside a request without bad words: DFlash and DDTree give
+    AR's tokens, no output holds a banned sequence, and the ban changed something."""
+    ar = engines["ar"]
+    params = [SamplingParams(max_new_tokens=32, bad_words=words),
+              SamplingParams(max_new_tokens=32, bad_words=words, temperature=1.0, seed=3),
+              SamplingParams(max_new_tokens=32, temperature=1.0, seed=3)]
+    sequences = ar.bad_sequences(params[0])
+    changed = False
+    for prompt in PROMPTS:
+        outs = {m: [o.token_ids for o in e.generate([prompt] * 3, params)] for m, e in engines.items()}
+        assert outs["dflash"] == outs["ar"] and outs["ddtree"] == outs["ar"], prompt
+        for out in outs["ar"][:2]:
+            assert not any(_holds(out, s) for s in sequences), (prompt, out)
+        free = ar.generate(prompt, SamplingParams(max_new_tokens=32))[0].token_ids
+        changed |= free != outs["ar"][0]
+    assert changed, "no bad word would have come: the test checks nothing"
+
+
+def test_the_prompt_may_hold_them(engines):
+    """Matching looks at the output only (vLLM's): a word the prompt ends with half
+    written is not completed against it."""
+    ar = engines["ar"]
+    seq = ar.bad_sequences(SamplingParams(bad_words=["return x"]))[0]
+    prompt = ar.tokenizer.encode("def f(x):\n    if x:\n        ", special=False) + seq[:-1]
+    free = ar.generate(prompt, SamplingParams(max_new_tokens=4))[0].token_ids
+    banned = ar.generate(prompt, SamplingParams(max_new_tokens=4, bad_words=["return x"]))[0].token_ids
+    assert free[0] == seq[-1] and banned == free
+
+
+def test_recent_tokens_follow_each_nodes_path():
+    """A row's last K output tokens: the committed ones, then its path below the root,
+    against a walk up the parents, on random trees."""
+    gen = torch.Generator().manual_seed(0)
+    B, D, V, K = 3, 6, 40, 5
+    tree = build_tree(torch.randn(B, D, V, generator=gen).log_softmax(-1), torch.randint(0, V, (B,), generator=gen), 30)
+    recent = torch.randint(0, V, (B, K), generator=gen)
+    recent[0, :2] = -1  # a short output
+    got = _recent_tokens(recent, (tree.tokens, tree.ancestors), tree.tokens.shape[1])
+    for b in range(B):
+        for t in range(tree.tokens.shape[1]):
+            path, node = [], t
+            while node != 0:
+                path.append(int(tree.tokens[b, node]))
+                node = int(tree.parents[b, node])
+            want = (recent[b].tolist() + path[::-1])[-K:]
+            assert got[b, t].tolist() == want, (b, t)
+
+
+def test_a_word_the_tokenizer_writes_two_ways(engines):
+    """As vLLM: the word as written, and after a space where that is another first token
+    of as many tokens; a word longer than the limit is refused."""
+    ar = engines["ar"]
+    seqs = ar.bad_sequences(SamplingParams(bad_words=["return", "  return"]))
+    assert seqs[0] == ar.tokenizer.encode("return", special=False)
+    assert ar.tokenizer.encode(" return", special=False) in seqs and len(seqs) == 4  # leading blanks: the same
+    with pytest.raises(UsageError, match="is 10 tokens") as err:
+        ar.generate("x", SamplingParams(bad_words=["a b c d e f g h i j"]))
+    assert err.value.param == "bad_words"
+
+
+@pytest.mark.parametrize("value", [["ok", ""], ["   "], "word", [3], [None]])
+def test_bad_words_must_be_words(value):
+    with pytest.raises(UsageError, match="bad_words must be a list of words"):
+        SamplingParams(bad_words=value)
+
+
+def test_a_graphed_state_starts_each_request_with_no_output(monkeypatch):
+    """A kept (graphed) state's recent tokens are the last request's: a new request's
+    first tokens must not be matched against them."""
+    from test_prefix_caching import _cpu_graphs
+    target, drafter = builtin_paths()
+    llm = _cpu_graphs(monkeypatch, LLM(target, draft_model=drafter, method="ddtree", budget=16, device="cpu",
+                                       dtype="float32"))
+    fresh = LLM(target, method="ar", device="cpu", dtype="float32")
+    params = SamplingParams(max_new_tokens=16, bad_words=["a + b", "return x"])
+    for prompt in PROMPTS + ["def add(a, b):\n    return a + ", PROMPTS[0]]:
+        assert llm.generate(prompt, params)[0].token_ids == fresh.generate(prompt, params)[0].token_ids, prompt
+    assert llm.graph_captures > 0
+
+
+def test_server_and_command_line(engines, capsys):
+    from starlette.testclient import TestClient
+
+    from treeflash.cli import main
+    from treeflash.server.app import build_app
+    client = TestClient(build_app(engines["ddtree"], "m"))
+    body = {"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0}
+    free = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    banned = client.post("/v1/completions", json={**body, "bad_words": ["return x"]}).json()["choices"][0]["text"]
+    assert "return x" in free and "return x" not in banned
+    for bad, message in ((["a b c d e f g h i j"], "tokens (at most 8)"), ("return", "list of strings")):
+        r = client.post("/v1/completions", json={**body, "bad_words": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
+        assert message in r.json()["error"]["message"]
+    assert main(["generate", PROMPTS[1], "--device", "cpu", "--max-new-tokens", "12", "--bad-word", "return x"]) == 0
+    assert "return x" not in capsys.readouterr().out
