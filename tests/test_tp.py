@@ -377,6 +377,26 @@ def test_tp_logprobs_equal_tp1(engines):
             assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-12)
 
 
+def test_tp_structured_outputs_equal_tp1(engines):
+    """Every rank compiles the constraint itself and masks its own vocabulary slice (the
+    drafter's too): TP = 2 gives TP = 1's tokens, which keep to the constraint."""
+    from treeflash import StructuredOutputs
+    from treeflash.structured.regex import compile_regex
+    so = StructuredOutputs(regex=r"(?:[a-z]+ ){2,5}[0-9]+")
+    params = [SamplingParams(max_new_tokens=N_NEW, structured_outputs=so),
+              SamplingParams(max_new_tokens=N_NEW, temperature=1.0, seed=3, structured_outputs=so)]
+    dfa = compile_regex(so.regex)
+    for method in ("ar", "ddtree"):
+        want = engines("qwen3", method, 1).generate(BATCH[1:3], params)
+        got = engines("qwen3", method, 2).generate(BATCH[1:3], params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want], method
+    for o in want:
+        state = 0
+        for byte in o.text.encode():
+            state = int(dfa.trans[state, byte])
+            assert state >= 0, o.text
+        assert o.finish_reason == "length" or dfa.accepting[state]
+
 def test_tp1_topk_is_the_plain_topk():
     x = torch.randn(2, 3, 50)
     vals, ids = TPGroup().topk(x, 7, log_softmax=True)
@@ -727,23 +747,3 @@ def test_close_stops_the_workers(engines):
     with pytest.raises(TreeflashError, match="shut down"):
         tp2[0].generate(SINGLE, SamplingParams(max_new_tokens=2))
 
-
-def test_tp_structured_outputs_equal_tp1(engines):
-    """Every rank compiles the constraint itself and masks its own vocabulary slice (the
-    drafter's too): TP = 2 gives TP = 1's tokens, which keep to the constraint."""
-    from treeflash import StructuredOutputs
-    from treeflash.structured.regex import compile_regex
-    so = StructuredOutputs(regex=r"(?:[a-z]+ ){2,5}[0-9]+")
-    params = [SamplingParams(max_new_tokens=N_NEW, structured_outputs=so),
-              SamplingParams(max_new_tokens=N_NEW, temperature=1.0, seed=3, structured_outputs=so)]
-    dfa = compile_regex(so.regex)
-    for method in ("ar", "ddtree"):
-        want = engines("qwen3", method, 1).generate(BATCH[1:3], params)
-        got = engines("qwen3", method, 2).generate(BATCH[1:3], params)
-        assert [o.token_ids for o in got] == [o.token_ids for o in want], method
-    for o in want:
-        state = 0
-        for byte in o.text.encode():
-            state = int(dfa.trans[state, byte])
-            assert state >= 0, o.text
-        assert o.finish_reason == "length" or dfa.accepting[state]
