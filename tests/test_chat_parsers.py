@@ -405,7 +405,29 @@ def test_llama3_json_through_the_server(scripted, answer):
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "days": {"type": "integer", "minimum": 1}}, "required": ["city"]}
 FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-                {"type": "function", "function": {"name": "get_time", "parameters": None}}]
+                {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+
+
+def test_forced_calls_schema_keeps_each_tools_definitions():
+    """A tool's own $defs (pydantic's) resolve in the schema of the whole answer; a tool
+    that lists no parameters is called with {}."""
+    import re
+
+    from treeflash.server.answers import forced_calls_schema
+    from treeflash.structured.json_schema import schema_regex
+    loc = {"type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
+           "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    other = {"type": "object", "properties": {"loc": {"$ref": "#/definitions/Loc"}}, "required": ["loc"],
+             "definitions": {"Loc": {"type": "object", "properties": {"zip": {"type": "integer"}},
+                                     "required": ["zip"]}}}
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}}
+             for n, p in (("f", loc), ("g", other), ("h", None))]
+    regex = schema_regex(forced_calls_schema(tools))
+    good = [{"name": "f", "parameters": {"loc": {"city": "x"}}}, {"name": "g", "parameters": {"loc": {"zip": 1}}},
+            {"name": "h", "parameters": {}}]
+    assert re.fullmatch(regex, json.dumps(good))
+    for bad in ([{"name": "f", "parameters": {"loc": {"zip": 1}}}], [{"name": "h", "parameters": {"a": 1}}], []):
+        assert not re.fullmatch(regex, json.dumps(bad)), bad
 
 
 @pytest.mark.parametrize("choice,names", [("required", {"get_weather", "get_time"}),

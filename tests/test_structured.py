@@ -23,7 +23,7 @@ from treeflash.engine.llm import builtin_paths
 from treeflash.structured.grammar import token_automaton
 from treeflash.structured.regex import compile_regex, escape
 
-PATTERNS = [r"[a-c]+x?", r"(ab|a)*b{2,3}", r"\d{3}-\d{4}", r"[^a]*", r".{0,3}", r"héllo|wörld[α-ω]+",
+PATTERNS = [r"[a-c]+x?", r"(ab|a)*b{2,3}", r"a{,}b{}", r"\d{3}-\d{4}", r"[^a]*", r".{0,3}", r"héllo|wörld[α-ω]+",
             r"(?:yes|no)", r"a{,2}b", r"\w+@\w+\.(com|org)", r"[\u0100-\uFFFF]\U0001F600", r"^(?P<x>[ab])c?$",
             r"[\s\S]{2}", r"(a|)+b*?", r"[-a\]]+", r"\.\*\x41"]
 ALPHABET = list("abcxyz-0123@.comorg_ \n]*A") + ["é", "ö", "α", "ω", "\u0100", "\uffff", "\U0001F600", "\U0001F601"]
@@ -38,7 +38,7 @@ def test_the_automaton_matches_what_python_re_matches(pattern):
     dfa = compile_regex(pattern)
     rng = random.Random(pattern)
     samples = _strings(rng, 3000) + ["abbb", "555-1234", "wörldαβ", "a@b.com", "Ā\U0001F600", "ac", "-]a",
-                                     ".*A", "aab", "bb", "yes", "no", "Ab", "b"]
+                                     ".*A", "aab", "bb", "yes", "no", "Ab", "b", "aab{}"]
     hits = 0
     for s in samples:
         want = re.fullmatch(pattern, s, flags=re.ASCII) is not None
@@ -65,6 +65,8 @@ def test_the_automaton_is_minimal():
     (r"(a)\1", "backreferences"), (r"\bword", "not supported"), ("a*+", "possessive"), ("*a", "nothing to repeat"),
     ("[a", "missing '\\]'"), ("[z-a]", "out of order"), ("a^b", "anchors"), ("a{2000}", "above 1000"),
     ("(?i)a", "flags"), (r"\x4", "hex digits"), ("[^\\s\\S]", "matches no text"), ("a\\", "trailing backslash"),
+    ("(?:(?:a{1000}){1000}){1000}", "expand past"), (r"\012", "octal"), (r"\ud800", "surrogate"),
+    ("\ud800", "surrogate"), ("(" * 2000 + ")" * 2000, "nests too deeply"),
 ])
 def test_bad_patterns_are_refused_in_one_line(pattern, reason):
     with pytest.raises(UsageError, match=reason) as err:
@@ -313,3 +315,84 @@ def test_json_object_is_any_object_nesting_at_most_four_deep():
                      ('{"a" : 1}', False), ('{"a": 1,}', False)]:
         assert dfa.matches(text.encode()) == ok, text
         assert not ok or isinstance(json.loads(text), dict)
+
+
+def test_requests_of_one_constraint_share_its_rows(engines):
+    """A batch holds each distinct table once (the table would grow with the batch)."""
+    from treeflash.engine.sampling import SamplingBatch
+    llm = engines["ar"]
+    so = StructuredOutputs(regex="[a-z]{1,30}")
+    params = [SamplingParams(structured_outputs=so)] * 8 + [SamplingParams(structured_outputs=so, stop_token_ids=[5])]
+    automata = [llm.automaton(p) for p in params]
+    sb = SamplingBatch.from_params(params, "cpu", llm.config.vocab_size, [[1]] * 9, [llm.held_ids(p) for p in params],
+                                   automata)
+    S = automata[0].num_states
+    assert sb.guided_rows == 1 << (1 + 2 * S).bit_length() and sb.grammar_start.tolist() == [1] * 8 + [1 + S]
+
+
+def test_a_schema_keeps_its_property_order(engines):
+    """Two schemas that differ only in the order of their properties are two constraints
+    (the text follows the order given)."""
+    llm = engines["ar"]
+    props = {"answer": {"type": "integer"}, "reason": {"type": "boolean"}}
+    first = {"type": "object", "properties": props, "required": ["answer", "reason"]}
+    second = {**first, "properties": dict(reversed(list(props.items())))}
+    texts = [llm.generate("x = ", SamplingParams(max_new_tokens=30, structured_outputs=StructuredOutputs(json=s)))[0]
+             .text for s in (first, second)]
+    assert [list(json.loads(t)) for t in texts] == [["answer", "reason"], ["reason", "answer"]]
+
+
+def test_a_stop_token_that_is_also_text(engines):
+    """Stop tokens end the text: where one was a constraint's only way on, it may not be
+    taken as text, and a constraint only they can finish is refused up front."""
+    llm = engines["ar"]
+    x = llm.tokenizer.encode("x", special=False)
+    assert len(x) == 1
+    with pytest.raises(UsageError, match="without its stop tokens") as err:
+        llm.generate("a", SamplingParams(structured_outputs=StructuredOutputs(regex="x"), stop_token_ids=x))
+    assert err.value.param == "stop_token_ids"
+    out = llm.generate("a", SamplingParams(max_new_tokens=12, structured_outputs=StructuredOutputs(regex="x*y"),
+                                           stop_token_ids=x))[0]
+    assert out.finish_reason == "length" or re.fullmatch("x*y", out.text), out.text
+
+
+def test_one_constraint_compiling_does_not_hold_up_another(engines, monkeypatch):
+    """A server's requests compile their constraints on their own threads: a slow one
+    (a large vocabulary's table takes seconds) does not hold up one compiled already,
+    and a second request of the slow one waits for the same compile."""
+    import threading
+    import time
+
+    import treeflash.engine.llm as llm_module
+    llm = engines["ar"]
+    fast = SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]"))
+    llm.automaton(fast)
+    slow = SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]{2}"))
+    compiled, plain = [], llm_module.compile_regex
+
+    def slow_compile(pattern):
+        compiled.append(pattern)
+        time.sleep(1.0)
+        return plain(pattern)
+    monkeypatch.setattr(llm_module, "compile_regex", slow_compile)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(llm.automaton(slow))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    start = time.perf_counter()
+    assert llm.automaton(fast) is not None and time.perf_counter() - start < 0.5
+    for t in threads:
+        t.join()
+    assert len(compiled) == 1 and got[0] is got[1]
+
+
+def test_vllm_clients_send_unset_fields(engines):
+    from starlette.testclient import TestClient
+
+    from treeflash.server.app import build_app
+    client = TestClient(build_app(engines["ar"], "m"))
+    so = {"json": None, "regex": "[0-9]{3}", "choice": None, "grammar": None, "json_object": None,
+          "disable_fallback": False, "disable_any_whitespace": False, "whitespace_pattern": None}
+    r = client.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 8, "structured_outputs": so})
+    assert r.status_code == 200 and re.fullmatch("[0-9]{3}", r.json()["choices"][0]["text"]), r.text

@@ -9,6 +9,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from pathlib import Path
@@ -32,7 +33,7 @@ from treeflash.tokenizer import Tokenizer, stop_cut
 
 DEFAULT_BUDGET = 64
 AUTOMATA_KEPT = 32                # structured outputs' compiled automata kept per engine,
-AUTOMATA_BYTES = 1 << 30          # and their tables (host and device) at most (the last one always)
+AUTOMATA_BYTES = 4 << 30          # and their tables (host and device) at most (those in use always)
 MAX_AUTOMATON_BYTES = 512 << 20   # a structured output's token table (states x vocabulary) at most
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
 
@@ -306,6 +307,8 @@ class LLM:
             self.use_graphs(cuda_graphs)
             self._run = None      # `_Batch`: state, round and result pipeline of the batch in flight
             self._automata: OrderedDict[str, TokenAutomaton] = OrderedDict()  # see `automaton`
+            self._compiling: dict[str, Future] = {}  # automata being compiled, by key
+            self._in_use: set[str] = set()           # the keys of the batch being generated: kept
             self._automata_lock = threading.Lock()
             self._tp.built()      # the workers' slices are loaded too
         except BaseException:
@@ -467,7 +470,12 @@ class LLM:
         with self._generating:  # one call at a time: a batch's state and graphs are the engine's
             for s in range(0, len(ids), step):
                 e = s + step
-                results += self._generate_batch(ids[s:e], params[s:e], _shifted(on_tokens, s), _shifted(on_done, s))
+                self._in_use = {p.structured_outputs.key() for p in params[s:e] if p.structured_outputs}
+                try:
+                    results += self._generate_batch(ids[s:e], params[s:e], _shifted(on_tokens, s),
+                                                    _shifted(on_done, s))
+                finally:
+                    self._in_use = set()
         return results
 
     def _generate_batch(self, ids: list[list[int]], params: list[SamplingParams], on_tokens, on_done):
@@ -586,7 +594,8 @@ class LLM:
         self.bad_sequences(p)
         if p.structured_outputs is not None and not self.held_ids(p):
             raise UsageError("structured outputs need an end token: this model has no EOS, give stop_token_ids")
-        self.automaton(p)
+        if (automaton := self.automaton(p)) is not None:
+            automaton.check_ends(self.held_ids(p))
 
     def automaton(self, p: SamplingParams) -> TokenAutomaton | None:
         """p's structured output as a token automaton (None without one), compiled once
@@ -594,20 +603,36 @@ class LLM:
         if p.structured_outputs is None:
             return None
         key = p.structured_outputs.key()
-        with self._automata_lock:  # a server's requests come from its threads
-            if key in self._automata:
+        with self._automata_lock:  # a server's requests come from its threads: one compiles a
+            if key in self._automata:  # constraint, the others wait for it, the rest go on
                 self._automata.move_to_end(key)
                 return self._automata[key]
-            try:
-                dfa = compile_regex(p.structured_outputs.pattern())
-                made = token_automaton(dfa, self._grammar_vocab, MAX_AUTOMATON_BYTES)
-            except UsageError as e:
-                raise UsageError(str(e), param="structured_outputs") from None
+            pending, mine = self._compiling.get(key), key not in self._compiling
+            if mine:
+                pending = self._compiling[key] = Future()
+        if not mine:
+            return pending.result()
+        try:
+            made = token_automaton(compile_regex(p.structured_outputs.pattern()), self._grammar_vocab,
+                                   MAX_AUTOMATON_BYTES)
+        except (UsageError, RecursionError, TypeError, ValueError) as e:  # one line, never a crash
+            failed = UsageError(str(e) if isinstance(e, UsageError) else f"the structured output cannot be "
+                                f"compiled: {type(e).__name__}: {e}", param="structured_outputs")
+            with self._automata_lock:
+                del self._compiling[key]
+            pending.set_exception(failed)
+            raise failed from None
+        with self._automata_lock:
+            del self._compiling[key]
             self._automata[key] = made
-            while len(self._automata) > 1 and (len(self._automata) > AUTOMATA_KEPT or sum(
-                    a.nbytes for a in self._automata.values()) > AUTOMATA_BYTES):
-                self._automata.popitem(last=False)
-            return made
+            for old in list(self._automata):
+                if len(self._automata) <= AUTOMATA_KEPT and sum(
+                        a.nbytes for a in self._automata.values()) <= AUTOMATA_BYTES:
+                    break
+                if old not in self._in_use and old != key:
+                    del self._automata[old]
+        pending.set_result(made)
+        return made
 
     @cached_property
     def _grammar_vocab(self) -> list[bytes | None]:

@@ -174,13 +174,18 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def grammar_rows(automata: list[TokenAutomaton | None]) -> int:
-    """Rows of a batch's stacked token table (`SamplingBatch.grammar`): a power of two,
-    so that a captured graph serves later batches of up to as many states; 0 if no
-    request of the batch is constrained."""
-    if all(a is None for a in automata):
-        return 0
-    return 1 << max(4, sum(a.num_states for a in automata if a is not None).bit_length())
+def _block(p: SamplingParams, automaton: TokenAutomaton) -> tuple:
+    """Which rows of a batch's table a request reads: requests of one automaton and the
+    same stop tokens (its end tokens) share them."""
+    return id(automaton), tuple(sorted(p.stop_token_ids))
+
+
+def grammar_rows(params: list[SamplingParams], automata: list[TokenAutomaton | None]) -> int:
+    """Rows of a batch's stacked token table (`SamplingBatch.grammar`): row 0 and every
+    distinct table's, rounded up to a power of two, so that a captured graph serves
+    later batches of up to as many states; 0 if no request of the batch is constrained."""
+    blocks = {_block(p, a): a for p, a in zip(params, automata) if a is not None}
+    return 1 << max(4, sum(a.num_states for a in blocks.values()).bit_length()) if blocks else 0
 
 
 def _put(x: torch.Tensor, ids: list[list[int]], values, accumulate: bool = False) -> None:
@@ -304,17 +309,16 @@ class SamplingBatch:
                         before[b, w, K - len(seq) + 1:] = torch.tensor(seq[:-1])
             batch.ban_before, batch.ban_token = before.to(device), last.to(device)
             batch.recent = torch.full((B, K), -1, dtype=torch.long, device=device)
-        if batch.guided_rows:  # every request's table, its state ids offset to its rows
+        if batch.guided_rows:  # every distinct table once, its state ids offset to its rows
             table = torch.zeros(batch.guided_rows, vocab_size, dtype=torch.int32, device=device)
-            starts, at = [], 1
-            for a, ends in zip(automata, held_ids):
-                if a is None:
-                    starts.append(0)
-                    continue
-                rows = a.table(ends, vocab_size, device)
-                table[at:at + len(rows)] = torch.where(rows >= 0, rows + at, -1)
-                starts.append(at)
-                at += len(rows)
+            offsets, at, starts = {}, 1, []
+            for p, a, ends in zip(params, automata, held_ids):
+                key = None if a is None else _block(p, a)
+                if key is not None and key not in offsets:
+                    rows = a.table(ends, vocab_size, device)
+                    table[at:at + len(rows)] = torch.where(rows >= 0, rows + at, -1)
+                    offsets[key], at = at, at + len(rows)
+                starts.append(offsets.get(key, 0))
             batch.grammar = table
             batch.grammar_start = torch.tensor(starts, dtype=torch.long, device=device)
             batch.grammar_state = batch.grammar_start.clone()
@@ -329,7 +333,7 @@ class SamplingBatch:
                 any(p.biased for p in params),
                 any(p.penalized for p in params),
                 any(p.banned for p in params),
-                grammar_rows(automata or [None]))
+                grammar_rows(params, automata or [None] * len(params)))
 
     @property
     def mode(self) -> tuple:

@@ -77,12 +77,35 @@ def forced_calls_schema(tools: list[dict], name: str | None = None, one: bool = 
     if not functions:
         raise UsageError(f"tool_choice names the function {shown(name)}, which is not among the tools",
                          param="tool_choice")
-    calls = [{"type": "object", "required": ["name", "parameters"],
-              "properties": {"name": {"enum": [f["name"]]},
-                             "parameters": f.get("parameters") or {"type": "object", "properties": {}}}}
-             for f in functions]
+    calls, defs = [], {}
+    for i, f in enumerate(functions):
+        params = f.get("parameters") or {}
+        if params.get("type", "object") == "object" and not {"properties", "$ref", "anyOf", "oneOf"} & set(params):
+            params = {"type": "object", "properties": {}}  # no parameters listed: called with {}
+        params, own = _hoisted(params, f"f{i}_")
+        defs.update(own)
+        calls.append({"type": "object", "required": ["name", "parameters"],
+                      "properties": {"name": {"enum": [f["name"]]}, "parameters": params}})
     return {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1,
-            **({"maxItems": 1} if name is not None or one else {})}
+            **({"maxItems": 1} if name is not None or one else {}), **({"$defs": defs} if defs else {})}
+
+
+def _hoisted(schema: dict, prefix: str) -> tuple[dict, dict]:
+    """A tool's parameter schema without its own definitions, and those definitions
+    renamed with `prefix`: its `#/$defs/X` (or `#/definitions/X`) references then resolve
+    in the schema of the whole answer, which holds every tool's."""
+    own = {}
+    for defs in (schema.get("definitions"), schema.get("$defs")):
+        own.update(defs if isinstance(defs, dict) else {})
+
+    def renamed(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
+                node = {**node, "$ref": "#/$defs/" + prefix + ref.split("/", 2)[2]}
+            return {k: renamed(v) for k, v in node.items() if k not in ("$defs", "definitions")}
+        return [renamed(v) for v in node] if isinstance(node, list) else node
+    return renamed(schema), {prefix + k: renamed(v) for k, v in own.items()}
 
 
 def _tag_start(text: str, tag: str) -> int:

@@ -37,6 +37,8 @@ UNSUPPORTED = {
 }
 # The ways to ask for structured outputs: vLLM's (current and older) and OpenAI's
 STRUCTURED_KEYS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "response_format")
+# vLLM's structured_outputs flags that ask for nothing when false
+VLLM_STRUCTURED_FLAGS = ("json_object", "disable_fallback", "disable_any_whitespace", "disable_additional_properties")
 # What a request may hold besides UNSUPPORTED's keys: the parameters this server reads, and
 # OpenAI's bookkeeping that does not touch the output. Anything else (a misspelled
 # "temprature", another server's extension) is refused, as OpenAI does, not ignored.
@@ -244,6 +246,8 @@ def structured_outputs(body: dict) -> StructuredOutputs | None:
     if key == "structured_outputs":
         if not isinstance(value, dict):
             raise APIError(f"'structured_outputs' must be an object, got {shown(value)}", param=key)
+        # a client that sends vLLM's whole parameter object sends its unset fields too
+        value = {k: v for k, v in value.items() if v is not None and not (k in VLLM_STRUCTURED_FLAGS and v is False)}
         extra = sorted(set(value) - {"json", "regex", "choice", "json_object"})
         if extra:
             why = "regular constraints only" if extra[0] == "grammar" else "unknown"

@@ -82,8 +82,8 @@ class StructuredOutputs:
                 value = json.loads(value)
             except ValueError:  # refused when compiled
                 pass
-        return json.dumps([value, self.regex, None if self.choice is None else list(self.choice), self.json_object],
-                          sort_keys=True)
+        # not sorted: a schema's properties are written in their order
+        return json.dumps([value, self.regex, None if self.choice is None else list(self.choice), self.json_object])
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,14 @@ class TokenAutomaton:
     @property
     def nbytes(self) -> int:
         """Its host table and the device table kept with it."""
-        return self.next.nbytes + sum(t.numel() * t.element_size() for t in self._tables.values())
+        return self.next.nbytes + sum(t.numel() * t.element_size() for t in list(self._tables.values()))
+
+    def check_ends(self, end_ids) -> None:
+        """Raise `with_ends`' UsageError now if these end tokens leave the text no way to
+        be finished (only end tokens that are also text can)."""
+        ends = [e for e in end_ids if e < self.next.shape[1] and (self.next[:, e] >= 0).any()]
+        if ends:
+            with_ends(self, ends, self.next.shape[1])
 
     def table(self, end_ids, vocab_size: int, device) -> torch.Tensor:
         """`with_ends` on the device, kept (for the last end tokens asked): a request of a
@@ -120,6 +127,8 @@ def token_automaton(dfa: ByteDFA, vocab: list[bytes | None], max_bytes: int | No
     take part: special tokens, ids past the tokenizer's). Refused if no token sequence
     reaches an accepting state, or (after pruning) the table is over `max_bytes`."""
     V = len(vocab)
+    if max_bytes is not None and dfa.num_states * V * 4 > max_bytes:  # refused before it is built
+        _too_large(dfa.num_states, V, max_bytes)
     lens = np.array([len(b) if b else 0 for b in vocab], dtype=np.int64)
     order = np.argsort(-lens, kind="stable")  # longest first: tokens still walking are a prefix
     data = np.zeros((V, max(1, int(lens.max()))), dtype=np.uint8)
@@ -144,20 +153,29 @@ def token_automaton(dfa: ByteDFA, vocab: list[bytes | None], max_bytes: int | No
         raise UsageError("the structured output cannot be written with this model's tokens")
     table, accepting = prune(table, dfa.accepting)
     table = table.astype(np.int32)
-    if max_bytes is not None and table.nbytes > max_bytes:
-        raise UsageError(f"the structured output is too complex for this vocabulary: its automaton has "
-                         f"{len(table)} states, {table.nbytes / 2 ** 20:.0f} MiB of token table "
-                         f"(at most {max_bytes / 2 ** 20:.0f} MiB; bounded lengths such as maxLength, maxItems "
-                         f"or {{m,n}} multiply the states)")
     return TokenAutomaton(table, accepting)
+
+
+def _too_large(states: int, vocab_size: int, max_bytes: int):
+    raise UsageError(f"the structured output is too complex for this vocabulary: its automaton has {states} "
+                     f"states, {states * vocab_size * 4 / 2 ** 20:.0f} MiB of token table (at most "
+                     f"{max_bytes / 2 ** 20:.0f} MiB; bounded lengths such as maxLength, maxItems or {{m,n}} "
+                     f"multiply the states)")
 
 
 def with_ends(automaton: TokenAutomaton, end_ids, vocab_size: int) -> np.ndarray:
     """The table with the end tokens allowed (staying put) in accepting states only:
-    [S, vocab_size] (a model's vocabulary may be larger than its tokenizer's)."""
+    [S, vocab_size] (a model's vocabulary may be larger than its tokenizer's). An end
+    token is no text: where a state's only way on was one, the edges into it are cut
+    (states left that no edge reaches are never used); a UsageError if the start is
+    left no way to an accepting state."""
     table = np.full((automaton.num_states, vocab_size), -1, dtype=np.int32)
     table[:, :automaton.next.shape[1]] = automaton.next
     ends = sorted(end_ids)
     states = np.arange(automaton.num_states, dtype=np.int32)
     table[:, ends] = np.where(automaton.accepting, states, -1)[:, None]
-    return table
+    live = live_states(table, automaton.accepting)
+    if not live[0]:
+        raise UsageError("the structured output cannot be written with this model's tokens without its stop "
+                         "tokens (stop_token_ids end the text)", param="stop_token_ids")
+    return np.where(live[np.maximum(table, 0)], table, -1).astype(np.int32)

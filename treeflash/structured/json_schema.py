@@ -53,7 +53,7 @@ NATURAL = "(?:0|[1-9][0-9]*)"
 INTEGER = "-?" + NATURAL
 NUMBER = INTEGER + "(?:\\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 DATE = "[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
-TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])?"
+TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"  # RFC 3339: with its offset
 FORMATS = {"date": DATE, "time": TIME, "date-time": DATE + "T" + TIME,
            "uuid": "-".join(f"[0-9a-fA-F]{{{n}}}" for n in (8, 4, 4, 4, 12))}
 JSON_ESCAPED = [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]  # what a JSON string must escape
@@ -208,7 +208,7 @@ class _Compiler:
         if not match:
             _refuse(f"{where} is not supported: only '#/$defs/NAME' and '#/definitions/NAME' are, got {shown(ref)}")
         defs, name = match.group(1), unquote(match.group(2)).replace("~1", "/").replace("~0", "~")
-        if name not in (self.root.get(defs) or {}):
+        if not isinstance(self.root.get(defs), dict) or name not in self.root[defs]:
             _refuse(f"{where}: {shown(ref)} is not defined")
         if ref in self.expanding:
             _refuse(f"{where}: recursive $ref {shown(ref)} is not regular")
@@ -254,6 +254,8 @@ class _Compiler:
         props, required = schema.get("properties"), schema.get("required", [])
         if not isinstance(props, dict):
             _refuse(f"an object without 'properties' at {path} is not supported")
+        if not all(isinstance(name, str) for name in props):
+            _refuse(f"'properties' at {path} must be named by strings")
         if schema.get("additionalProperties", False) is not False:
             _refuse(f"'additionalProperties' at {path} is not supported: only the listed properties are generated")
         if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
@@ -284,7 +286,7 @@ class _Compiler:
 def _types(schema: dict, path: str) -> list[str]:
     types = schema["type"]
     types = [types] if isinstance(types, str) else types
-    if not isinstance(types, list) or not types or not all(t in TYPE_KEYWORDS for t in types):
+    if not isinstance(types, list) or not types or not all(isinstance(t, str) and t in TYPE_KEYWORDS for t in types):
         _refuse(f"'type' at {path} must be one of {sorted(TYPE_KEYWORDS)} or a list of them, got {shown(types)}")
     return types
 
@@ -312,7 +314,7 @@ def _string_contents(schema: dict, path: str) -> str:
     if given and given[0] in ("format", "pattern") and len(given) > 1:
         _refuse(f"'{given[1]}' at {path} next to '{given[0]}' is not supported")
     if "format" in schema:
-        if schema["format"] not in FORMATS:
+        if not isinstance(schema["format"], str) or schema["format"] not in FORMATS:
             _refuse(f"'format' at {path}: {shown(schema['format'])} is not supported (only {', '.join(FORMATS)})")
         return FORMATS[schema["format"]]
     if "pattern" in schema:

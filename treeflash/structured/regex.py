@@ -27,6 +27,7 @@ MAX_CODE = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)  # not characters: UTF-8 has no encoding for them
 MAX_REPEAT = 1000              # a bound past this in {m,n} is refused (the automaton copies the item)
 MAX_DFA_STATES = 20000         # a pattern whose automaton grows past this is refused
+MAX_NFA_STATES = 200000        # and one whose repetitions expand past this, before any is built
 
 _DIGIT = [(0x30, 0x39)]
 _WORD = [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)]
@@ -105,7 +106,7 @@ class _Parser:
             if c in ("*", "+", "?"):
                 lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
                 self.i += 1
-            elif c == "{" and (m := _QUANTIFIER.match(self.p, self.i)) and (m.group(1) or m.group(3)):
+            elif c == "{" and (m := _QUANTIFIER.match(self.p, self.i)) and (m.group(1) or m.group(2)):
                 lo = int(m.group(1) or 0)
                 hi = lo if not m.group(2) else (int(m.group(3)) if m.group(3) else None)
                 if max(lo, hi or 0) > MAX_REPEAT:
@@ -137,7 +138,8 @@ class _Parser:
                 self.fail("missing ')'")
             self.i += 1
             return node
-        if c in ("*", "+", "?") or (c == "{" and _QUANTIFIER.match(self.p, self.i - 1)):
+        if c in ("*", "+", "?") or (c == "{" and (m := _QUANTIFIER.match(self.p, self.i - 1))
+                                    and (m.group(1) or m.group(2))):
             self.fail("nothing to repeat")
         if c in ("^", "$"):
             self.fail("anchors are only allowed at the start (^) and the end ($)")
@@ -147,7 +149,13 @@ class _Parser:
             return ("set", _complement([(0x0A, 0x0A)]))
         if c == "\\":
             return ("set", self.escape(in_class=False))
-        return ("set", [(ord(c), ord(c))])
+        return ("set", self.char(ord(c)))
+
+    def char(self, code: int) -> list[tuple[int, int]]:
+        """One code point as a set; a surrogate is no character (UTF-8 cannot write it)."""
+        if SURROGATES[0] <= code <= SURROGATES[1]:
+            self.fail(f"U+{code:04X} is a surrogate, not a character")
+        return [(code, code)]
 
     def escape(self, in_class: bool) -> list[tuple[int, int]]:
         c = self.peek()
@@ -157,6 +165,8 @@ class _Parser:
         if c.lower() in _CLASS_ESCAPES:
             ranges = _CLASS_ESCAPES[c.lower()]
             return ranges if c.islower() else _complement(ranges)
+        if c == "0" and self.peek().isdigit():
+            self.fail("octal escapes are not supported (write \\xHH)")
         if c in _CHAR_ESCAPES:
             return [(ord(_CHAR_ESCAPES[c]),) * 2]
         if c == "b" and in_class:
@@ -170,12 +180,12 @@ class _Parser:
             code = int(digits, 16)
             if code > MAX_CODE:
                 self.fail(f"\\{c}{digits} is not a character")
-            return [(code, code)]
+            return self.char(code)
         if c.isdigit():
             self.fail("backreferences are not supported")
         if c.isalnum():
             self.fail(f"\\{c} is not supported (word boundaries and other anchors are not regular here)")
-        return [(ord(c), ord(c))]
+        return self.char(ord(c))
 
     def char_class(self) -> list[tuple[int, int]]:
         negate = self.peek() == "^"
@@ -206,7 +216,19 @@ class _Parser:
         self.i += 1
         if c == "\\":
             return self.escape(in_class=True)
-        return [(ord(c), ord(c))]
+        return self.char(ord(c))
+
+
+def _size(node) -> int:
+    """About how many NFA states `node` builds (a set: a few per range; a repetition: its
+    item times its largest count)."""
+    kind = node[0]
+    if kind == "set":
+        return 1 + 4 * len(node[1])
+    if kind in ("cat", "alt"):
+        return 1 + sum(_size(item) for item in node[1])
+    _, item, lo, hi = node
+    return 2 + _size(item) * max(lo, hi or 0, 1)
 
 
 # --- code points to UTF-8 byte ranges ---
@@ -330,7 +352,13 @@ class ByteDFA:
 def compile_regex(pattern: str) -> ByteDFA:
     if not isinstance(pattern, str):
         raise UsageError(f"a regex must be a string, got {shown(pattern)}")
-    tree = _Parser(pattern).parse()
+    try:
+        tree = _Parser(pattern).parse()
+        if _size(tree) > MAX_NFA_STATES:  # repetitions nest: the automaton would copy items past any bound
+            raise UsageError(f"regex {shown(pattern, 60)} is too complex (its repetitions expand past "
+                             f"{MAX_NFA_STATES} states)")
+    except RecursionError:
+        raise UsageError(f"regex {shown(pattern, 60)} nests too deeply") from None
     nfa = _NFA()
     start = nfa.state()
     final = nfa.build(tree, start)
