@@ -259,7 +259,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [99999], "stream": True}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "include_stop_str_in_output": 1}, 400, "include_stop_str_in_output"),
     ("/v1/completions", {"prompt": "x", "skip_special_tokens": "no"}, 400, "skip_special_tokens"),
-    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "xml"}}, 400, "response_format"),
     ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": "no"}}, 400,
      "stream_options"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),

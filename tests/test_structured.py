@@ -372,7 +372,7 @@ def test_one_constraint_compiling_does_not_hold_up_another(engines, monkeypatch)
 
     def slow_compile(pattern):
         compiled.append(pattern)
-        time.sleep(1.0)
+        time.sleep(3.0)
         return plain(pattern)
     monkeypatch.setattr(llm_module, "compile_regex", slow_compile)
     got = []
@@ -381,7 +381,7 @@ def test_one_constraint_compiling_does_not_hold_up_another(engines, monkeypatch)
         t.start()
     time.sleep(0.2)
     start = time.perf_counter()
-    assert llm.automaton(fast) is not None and time.perf_counter() - start < 0.5
+    assert llm.automaton(fast) is not None and time.perf_counter() - start < 2.0
     for t in threads:
         t.join()
     assert len(compiled) == 1 and got[0] is got[1]
