@@ -132,3 +132,16 @@ def test_server_and_command_line(engines, capsys):
         assert message in r.json()["error"]["message"]
     assert main(["generate", PROMPTS[1], "--device", "cpu", "--max-new-tokens", "12", "--bad-word", "return x"]) == 0
     assert "return x" not in capsys.readouterr().out
+
+
+def test_logprobs_stay_those_of_the_raw_logits(engines):
+    """The ban writes into a copy: a banned token's reported log-probability is the
+    model's (vLLM's raw logprobs), not -inf."""
+    ar = engines["ar"]
+    prompt = ar.tokenizer.encode(PROMPTS[1], special=False)
+    free = ar.generate(prompt, SamplingParams(max_new_tokens=3, logprobs=2))[0]
+    banned = ar.generate(prompt, SamplingParams(max_new_tokens=3, logprobs=2, bad_words=["return x"]))[0]
+    (seq,) = [s for s in ar.bad_sequences(SamplingParams(bad_words=["return x"])) if s == free.token_ids[:2]]
+    assert banned.token_ids[0] == seq[0] and banned.token_ids[1] != seq[1]
+    top = dict(banned.logprobs[1].top)
+    assert seq[1] in top and top[seq[1]] > -1e30

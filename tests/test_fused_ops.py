@@ -207,7 +207,7 @@ def test_logit_controls_match_torch(dtype, rows, per_row, controls):
 @spawns_interpreter
 def test_ops_in_the_triton_interpreter():
     run_interpreted(__file__, "gemv_matches or rope_into_cache or row_argmax or gumbel_argmax or cos_sin "
-                    "or embedding_rows or logit_controls or node_states or path_states", 29)
+                    "or embedding_rows or logit_controls or node_states or path_states or grammar_mask", 31)
 
 
 def _grammar_batch(V: int, B: int, seed: int):
@@ -260,3 +260,20 @@ def test_path_states_match_torch(K):
     got = path_states(sb.grammar.to(DEV), sb.grammar_state.to(DEV), candidates.to(DEV)).cpu()
     assert torch.equal(got, want)
     assert len(set(want.flatten().tolist())) > 3  # the walk moves through states
+
+
+@gpu_or_interpreter
+@pytest.mark.parametrize("start,C", [(0, 50), (20, 30)])
+def test_grammar_mask_matches_torch(start, C):
+    """Rows masked in place by their states' table rows (a vocabulary slice from `start`,
+    as under tensor parallelism): equal to torch's gather and masked_fill."""
+    from treeflash.engine.sampling import grammar_masked
+    from treeflash.ops.structured import grammar_mask_
+    B, R, V = 3, 5, 50
+    sb = _grammar_batch(V, B, start + C)
+    gen = torch.Generator().manual_seed(C)
+    states = torch.randint(0, sb.grammar.shape[0], (B, R), generator=gen)
+    x = torch.randn(B, R, C, generator=gen)
+    want = grammar_masked(x, sb, states, start)
+    got = grammar_mask_(x.clone().to(DEV), sb.grammar.to(DEV), states.to(DEV), start).cpu()
+    assert torch.equal(got, want) and torch.isinf(want).any() and not torch.isinf(x).any()

@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from treeflash.engine.kv_cache import DraftContextCache, KVCache
-from treeflash.engine.sampling import MAX_LOGPROBS, SamplingBatch, apply_bias, gumbel_noise, logprobs_of, sample
+from treeflash.engine.sampling import (MAX_LOGPROBS, SamplingBatch, apply_bias, grammar_masked, gumbel_noise,
+                                       logprobs_of, sample)
 from treeflash.engine.tree import DraftTree, build_chain_from_tokens, build_tree_from_topk, walk
 from treeflash.errors import UsageError
 from treeflash.layers.attention import AttentionInputs
@@ -247,8 +248,7 @@ class SpeculativeDecoder:
         along the candidates is sequential (`SamplingBatch.path_states`)."""
         start = self.tp.rank * logits.shape[-1]
         _, ids = self.tp.topk(logits, min(GUIDE_CANDIDATES, logits.shape[-1] * self.tp.size), start)
-        states = sb.path_states(ids)
-        return logits.masked_fill(sb.grammar[:, start:start + logits.shape[-1]][states] < 0, float("-inf"))
+        return grammar_masked(logits, sb, sb.path_states(ids), start)
 
     @torch.inference_mode()
     def build(self, st: BatchState) -> DraftTree:

@@ -545,14 +545,26 @@ def apply_controls(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBa
     cols = slice(start, start + V)
     bias = (sb.bias[:, None, cols], sb.stop_mask[:, None, cols], positions) if sb.any_biased else None
     penalties = (sb.out_counts[:, None, cols], sb.prompt_seen[:, None, cols]) if sb.any_penalized else None
-    x = _controlled(logits, sb, bias, penalties) if bias or penalties else logits.to(_wide(logits))
+    # a new tensor either way: what follows writes into it, and the raw logits stay (logprobs)
+    x = _controlled(logits, sb, bias, penalties) if bias or penalties else logits.to(_wide(logits), copy=True)
     if path is not None and penalties is not None and T > 1:  # T == 1: the root alone (AR), no path tokens
         x = _path_penalized(x, logits, positions, sb, start, path, bias is not None)
     if sb.any_banned:
         x = _ban_words(x, sb, start, path)
     if sb.any_guided:
-        x = x.masked_fill(sb.grammar[:, cols][states] < 0, float("-inf"))
+        x = grammar_masked(x, sb, states, start, in_place=True)
     return x
+
+
+def grammar_masked(x: torch.Tensor, sb: SamplingBatch, states: torch.Tensor, start: int,
+                   in_place: bool = False) -> torch.Tensor:
+    """x [B, R, C] (vocabulary ids start..start + C) with -inf where each row's structured-
+    output state (states [B, R]) allows no token; one launch on the fused path (in place
+    with `in_place`), without gathering [B, R, C] rows of the table."""
+    if fused_enabled(x) and x.dtype == torch.float32 and x.is_contiguous():
+        from treeflash.ops.structured import grammar_mask_
+        return grammar_mask_(x if in_place else x.clone(), sb.grammar, states, start)
+    return x.masked_fill(sb.grammar[:, start:start + x.shape[-1]][states] < 0, float("-inf"))
 
 
 def _ban_words(x: torch.Tensor, sb: SamplingBatch, start: int, path) -> torch.Tensor:

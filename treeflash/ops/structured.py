@@ -65,3 +65,26 @@ def path_states(table: torch.Tensor, root: torch.Tensor, candidates: torch.Tenso
     _path_states_kernel[(B,)](table, table.shape[1], root, candidates.contiguous(), out, D, K=K,
                               BLOCK_K=max(16, triton.next_power_of_2(K)))
     return out
+
+
+@triton.jit
+def _grammar_mask_kernel(x_ptr, table_ptr, states_ptr, V, start, C, BLOCK: tl.constexpr):
+    """Program (row, block): x[row, c] = -inf where table[state of the row, start + c] < 0."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < C
+    state = tl.load(states_ptr + row)
+    allowed = tl.load(table_ptr + state * V + start + cols, mask=inside, other=0) >= 0
+    x = tl.load(x_ptr + row * C + cols, mask=inside)
+    tl.store(x_ptr + row * C + cols, tl.where(allowed, x, float("-inf")), mask=inside)
+
+
+def grammar_mask_(x: torch.Tensor, table: torch.Tensor, states: torch.Tensor, start: int) -> torch.Tensor:
+    """x [B, R, C] (contiguous; vocabulary ids start..start + C) masked in place where each
+    row's state (states [B, R]) allows no token: no [B, R, C] table rows gathered (at 32
+    requests of 65 rows and 152K tokens, 1.3 GB a round)."""
+    B, R, C = x.shape
+    BLOCK = 2048
+    _grammar_mask_kernel[(B * R, triton.cdiv(C, BLOCK))](x, table, states.contiguous(), table.shape[1], start, C,
+                                                         BLOCK=BLOCK)
+    return x
