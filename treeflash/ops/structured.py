@@ -1,9 +1,10 @@
-"""Structured outputs' per-round walks in one launch each (torch references:
-`SamplingBatch.node_states` and `SamplingBatch.path_states`).
+"""Structured outputs' per-round steps in one launch each (torch references:
+`SamplingBatch.node_states`, `SamplingBatch.path_states` and `grammar_masked`).
 
-Both follow a chain of states depth by depth: in torch each depth is ~5-8 small
-kernels, and a round of a 16-token block ran ~200 of them (built-in pair on an H200:
-a DFlash round 0.39 -> 1.06 ms). Here one program per request walks the chain.
+The two walks follow a chain of states depth by depth: in torch each depth is ~5-8
+small kernels, and a round of a 16-token block ran ~200 of them (built-in pair on an
+H200: a DFlash round 0.39 -> 1.06 ms). Here one program per request walks the chain.
+The mask writes -inf in place instead of gathering the rows' table rows.
 """
 from __future__ import annotations
 
