@@ -368,13 +368,13 @@ def test_one_constraint_compiling_does_not_hold_up_another(engines, monkeypatch)
     fast = SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]"))
     llm.automaton(fast)
     slow = SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]{2}"))
-    compiled, plain = [], llm_module.compile_regex
+    compiled, plain = [], llm_module.token_automaton
 
-    def slow_compile(pattern):
-        compiled.append(pattern)
+    def slow_compile(dfa, *args):
+        compiled.append(dfa)
         time.sleep(3.0)
-        return plain(pattern)
-    monkeypatch.setattr(llm_module, "compile_regex", slow_compile)
+        return plain(dfa, *args)
+    monkeypatch.setattr(llm_module, "token_automaton", slow_compile)
     got = []
     threads = [threading.Thread(target=lambda: got.append(llm.automaton(slow))) for _ in range(2)]
     for t in threads:
@@ -396,3 +396,93 @@ def test_vllm_clients_send_unset_fields(engines):
           "disable_fallback": False, "disable_any_whitespace": False, "whitespace_pattern": None}
     r = client.post("/v1/completions", json={"prompt": "x = ", "max_tokens": 8, "structured_outputs": so})
     assert r.status_code == 200 and re.fullmatch("[0-9]{3}", r.json()["choices"][0]["text"]), r.text
+
+
+# --- reasoning before the constrained text ---
+
+@pytest.mark.parametrize("tags", [(None, "</think>"), ("<think>", "</think>"), (None, "abac")])
+def test_reasoning_is_free_text_up_to_the_first_closing_tag(tags):
+    """The answer's reasoning is any text (not only what the pattern allows) up to and
+    with the first closing tag (also one that overlaps itself, as abac in ababac), then whitespace
+    (what str.lstrip drops), then a match; with an opening tag, an answer that does not
+    open it is a match alone. The same texts as Python's re with a lookahead."""
+    opening, closing = tags
+    space = "[\t-\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]*"
+    thought = "(?:(?!" + re.escape(closing) + ").)*" + re.escape(closing) + space
+    if opening is not None:
+        thought = "(?:" + re.escape(opening) + thought + ")?"
+    pattern = "[0-9a]{1,3}"
+    dfa = compile_regex(pattern, tags)
+    want = re.compile(thought + pattern, re.S)
+    rng = random.Random(str(tags))
+    alphabet = list("<>/thinkabc0 \n\xa0é") + ["</think>", "<think>", "ab", "abac"]
+    text = lambda n: "".join(rng.choice(alphabet) for _ in range(rng.randint(0, n)))  # noqa: E731
+    samples = [text(12) for _ in range(10000)]
+    samples += [rng.choice(["", opening or "", "<th"]) + text(4) + rng.choice(["", closing, closing[:-1]])
+                + rng.choice(["", " ", "\n\xa0"]) + "".join(rng.choice("0ab") for _ in range(rng.randint(0, 4)))
+                for _ in range(10000)]
+    hits = 0
+    for s in samples + ["<think>a</think>\n\n12", "x</think>12", "</think>ab", "ababac0", "aba0abac 1"]:
+        assert dfa.matches(s.encode()) == (want.fullmatch(s) is not None), (tags, s)
+        hits += dfa.matches(s.encode()) and not re.fullmatch(pattern, s)
+    assert hits > 50, "too few samples reasoned first: the test would not notice a wrong automaton"
+    assert not dfa.matches(f"a{closing}b{closing}0".encode())  # the reasoning ends at the first tag
+
+
+# prompts on which the built-in model writes a <think> block, then text (found by trying)
+REASONING_PROMPTS = {"<think>a</think>\n# x = 1\n<think>b</think>\n# y = 2\n<think>c</think>\n# z = 3\n":
+                     ("c", "# z = 3"),
+                     "<think>\nok\n</think>\n# x = 1\n<think>\nok\n</think>\n# y = 2\n<think>\nok\n</think>\n# z = 3\n":
+                     ("\n<think>\n\n", "# x = 1")}
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_a_constraint_holds_after_the_reasoning(engines, parser):
+    """With a reasoning parser's tags, the model reasons freely first and the text after
+    it matches the constraint: every method gives AR's tokens, and the parser splits the
+    answer into that reasoning and a match. Without them the constraint holds from the
+    first token."""
+    from treeflash.server.answers import MessageStream
+    pattern = r"# [a-z] = [0-9]"
+    for prompt, (thought, content) in REASONING_PROMPTS.items():
+        params = SamplingParams(max_new_tokens=40, structured_outputs=StructuredOutputs(regex=pattern,
+                                                                                          reasoning=parser))
+        outs = {m: e.generate(prompt, params)[0] for m, e in engines.items()}
+        assert outs["dflash"].token_ids == outs["ddtree"].token_ids == outs["ar"].token_ids
+        out = outs["ar"]
+        reasoning, text, _ = MessageStream(parser).push(out.text, final=True)
+        assert (out.finish_reason, reasoning, text) == ("stop", thought, content), out.text
+        free = engines["ar"].generate(prompt, SamplingParams(max_new_tokens=40))[0].text
+        assert not re.fullmatch(pattern, MessageStream(parser).push(free, final=True)[1]), "the constraint did nothing"
+        plain = engines["ar"].generate(prompt, SamplingParams(max_new_tokens=40, structured_outputs=StructuredOutputs(
+            regex=pattern)))[0]
+        assert re.fullmatch(pattern, plain.text), plain.text
+    with pytest.raises(UsageError, match="reasoning must be one of qwen3, deepseek_r1"):
+        StructuredOutputs(regex="a", reasoning="o1").validate()
+
+
+def test_the_server_constrains_chat_after_the_reasoning(engines):
+    """A server with --reasoning-parser: a chat answer reasons, then its content is
+    what response_format asks for (whole and streamed); completions stay constrained
+    from the first token."""
+    from starlette.testclient import TestClient
+
+    from treeflash.chat import ChatTemplate
+    from treeflash.server.app import build_app
+    prompt, (thought, content) = next(iter(REASONING_PROMPTS.items()))
+    app = build_app(engines["ddtree"], "m", ChatTemplate("{{ messages[0].content }}"), reasoning_parser="deepseek_r1")
+    client = TestClient(app)
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 40, "temperature": 0,
+            "guided_regex": r"# [a-z] = [0-9]"}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (thought, content)
+    r = client.post("/v1/chat/completions", json={**body, "stream": True})
+    deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.text.splitlines()
+              if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == content
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == thought
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 40, "temperature": 0,
+                                             "guided_regex": r"# [a-z] = [0-9]"})
+    assert re.fullmatch(r"# [a-z] = [0-9]", r.json()["choices"][0]["text"]), r.text

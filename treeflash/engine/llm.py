@@ -28,7 +28,6 @@ from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import build_on, load_weights, weights_dtype
 from treeflash.models.transformer import CausalLM
 from treeflash.structured.grammar import TokenAutomaton, token_automaton
-from treeflash.structured.regex import compile_regex
 from treeflash.tokenizer import Tokenizer, stop_cut
 
 DEFAULT_BUDGET = 64
@@ -613,7 +612,7 @@ class LLM:
         if not mine:
             return pending.result()
         try:
-            made = token_automaton(compile_regex(p.structured_outputs.pattern()), self._grammar_vocab,
+            made = token_automaton(p.structured_outputs.automaton(), self._grammar_vocab,
                                    MAX_AUTOMATON_BYTES)
         except (UsageError, RecursionError, TypeError, ValueError) as e:  # one line, never a crash
             failed = UsageError(str(e) if isinstance(e, UsageError) else f"the structured output cannot be "

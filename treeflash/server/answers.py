@@ -28,10 +28,11 @@ import uuid
 
 from treeflash.chat import checked_tools
 from treeflash.errors import UsageError, shown
+from treeflash.structured.grammar import REASONING_TAGS
 
 TOOL_PARSERS = ("hermes", "llama3_json")
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
-THINK, END_THINK = "<think>", "</think>"
+REASONING_PARSERS = tuple(REASONING_TAGS)  # structured outputs wait for the reasoning these split off
+THINK, END_THINK = REASONING_TAGS["qwen3"]
 CALL, END_CALL = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 

@@ -427,7 +427,7 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
                tool_parser: str | None = None, reasoning_parser: str | None = None) -> Request:
     """A /v1/chat/completions body: the messages (and tools, with a `tool_parser`)
     rendered by the model's chat template; with a `reasoning_parser` its answers'
-    reasoning comes back apart."""
+    reasoning comes back apart, and a structured output constrains what follows it."""
     check_keys(body, "chat")
     check_model(body, served)
     if body.get("echo") not in (None, False):
@@ -449,6 +449,8 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
             params = replace(params, structured_outputs=StructuredOutputs(json=forced))
         except UsageError as e:
             raise APIError(str(e), param="tool_choice") from None
+    if reasoning_parser is not None and params.structured_outputs is not None:  # the answer reasons first (vLLM's)
+        params = replace(params, structured_outputs=replace(params.structured_outputs, reasoning=reasoning_parser))
     return Request("chat", ids, params, stream, include_usage, _choices(body, 1), tool_calls=reader,
                    reasoning=reasoning_parser, continuous_usage=continuous)
 

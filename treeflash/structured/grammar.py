@@ -21,18 +21,27 @@ import numpy as np
 import torch
 
 from treeflash.errors import UsageError, shown
-from treeflash.structured.regex import ByteDFA, escape, live_states, prune
+from treeflash.structured.regex import ByteDFA, compile_regex, escape, live_states, prune
+
+# vLLM's reasoning parsers, whose answers' reasoning comes before the constrained text:
+# (the tag with which the answer opens it, or None where the prompt does; the tag that
+# closes it). `treeflash.server.answers` splits answers with the same tags.
+REASONING_TAGS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": (None, "</think>")}
 
 @dataclass(frozen=True)
 class StructuredOutputs:
     """What a request's text must be, as vLLM's StructuredOutputsParams: exactly one of a
     JSON schema (a dict, or its JSON text), a regex (full match), a choice among strings,
-    or json_object (any JSON object nesting at most JSON_OBJECT_DEPTH deep)."""
+    or json_object (any JSON object nesting at most JSON_OBJECT_DEPTH deep). With
+    `reasoning` (a REASONING_TAGS parser's name) the constraint holds after the answer's
+    reasoning and the whitespace after it, as vLLM's with a reasoning parser: the
+    reasoning itself is free (for qwen3, an answer that does not open it has none)."""
 
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     json_object: bool = False
+    reasoning: str | None = None
 
     def validate(self) -> "StructuredOutputs":
         if not isinstance(self.json_object, bool):
@@ -42,6 +51,9 @@ class StructuredOutputs:
         if len(given) != 1:
             raise UsageError(f"structured outputs take exactly one of json, regex, choice and json_object, got "
                              f"{', '.join(given) or 'none'}")
+        if self.reasoning is not None and self.reasoning not in REASONING_TAGS:
+            raise UsageError(f"structured outputs: reasoning must be one of {', '.join(REASONING_TAGS)}, got "
+                             f"{shown(self.reasoning)}")
         if self.regex is not None and not isinstance(self.regex, str):
             raise UsageError(f"structured outputs: regex must be a string, got {shown(self.regex)}")
         if self.choice is not None and not (isinstance(self.choice, (list, tuple)) and self.choice
@@ -74,6 +86,10 @@ class StructuredOutputs:
                 raise UsageError(f"structured outputs: json is not valid JSON ({e})") from None
         return schema_regex(schema)
 
+    def automaton(self) -> ByteDFA:
+        """The byte DFA of the whole answer: the reasoning, if any, then the pattern."""
+        return compile_regex(self.pattern(), None if self.reasoning is None else REASONING_TAGS[self.reasoning])
+
     def key(self) -> str:
         """One text per constraint, for caching its automaton."""
         value = self.json
@@ -83,7 +99,8 @@ class StructuredOutputs:
             except ValueError:  # refused when compiled
                 pass
         # not sorted: a schema's properties are written in their order
-        return json.dumps([value, self.regex, None if self.choice is None else list(self.choice), self.json_object])
+        return json.dumps([value, self.regex, None if self.choice is None else list(self.choice), self.json_object,
+                           self.reasoning])
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,10 @@ character but newline); classes [...] and [^...]; groups ( ), (?: ), (?P<name> )
 alternation; quantifiers * + ? {m} {m,} {,n} {m,n}, greedy or lazy (the same language).
 A leading ^ and a trailing $ are allowed and mean nothing more. Refused, with the
 reason: other anchors, backreferences, lookarounds, inline flags, possessive quantifiers.
+
+A thinking model's answer may put its reasoning before the constrained text
+(`compile_regex`'s `reasoning`): free text up to the first closing tag, a language no
+pattern of this dialect can write without lookarounds, built as its own automaton.
 """
 from __future__ import annotations
 
@@ -32,6 +36,9 @@ MAX_NFA_STATES = 200000        # and one whose repetitions expand past this, bef
 _DIGIT = [(0x30, 0x39)]
 _WORD = [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)]
 _SPACE = [(0x09, 0x0D), (0x20, 0x20)]
+# what str.lstrip removes (Unicode whitespace): the reasoning parser drops it after the closing tag
+_PY_SPACE = [(0x09, 0x0D), (0x1C, 0x20), (0x85, 0x85), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
+             (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000)]
 _CLASS_ESCAPES = {"d": _DIGIT, "w": _WORD, "s": _SPACE}
 _CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a", "0": "\0"}
 _SPECIAL = set("\\.^$*+?()[]{}|-/")
@@ -65,7 +72,8 @@ def _complement(ranges) -> list[tuple[int, int]]:
 
 class _Parser:
     """Recursive descent to a small tree: ("set", ranges), ("cat", items),
-    ("alt", items), ("rep", item, min, max or None)."""
+    ("alt", items), ("rep", item, min, max or None). (`compile_regex` adds ("until",
+    text): any text up to and with the first `text`.)"""
 
     def __init__(self, pattern: str):
         self.p, self.i = pattern, 0
@@ -227,6 +235,8 @@ def _size(node) -> int:
         return 1 + 4 * len(node[1])
     if kind in ("cat", "alt"):
         return 1 + sum(_size(item) for item in node[1])
+    if kind == "until":
+        return (len(node[1]) + 1) * (6 + 4 * len(set(node[1])))
     _, item, lo, hi = node
     return 2 + _size(item) * max(lo, hi or 0, 1)
 
@@ -303,6 +313,18 @@ class _NFA:
             for item in node[1]:
                 self.eps[self.build(item, start)].append(end)
             return end
+        if kind == "until":  # Knuth-Morris-Pratt: state i = the text ends with word[:i], and not before
+            word = node[1]
+            here = [self.state() for _ in word] + [self.state()]
+            self.eps[start].append(here[0])  # its own first state: the loops back must not reach start's
+            others = _complement([(ord(c), ord(c)) for c in set(word)])
+            for i in range(len(word)):
+                for c in set(word):
+                    seen = word[:i] + c
+                    k = next(k for k in range(len(seen), -1, -1) if seen.endswith(word[:k]))
+                    self.eps[self.build(("set", [(ord(c), ord(c))]), here[i])].append(here[k])
+                self.eps[self.build(("set", others), here[i])].append(here[0])
+            return here[-1]
         _, item, lo, hi = node
         for _ in range(lo):
             start = self.build(item, start)
@@ -349,11 +371,20 @@ class ByteDFA:
         return bool(self.accepting[s])
 
 
-def compile_regex(pattern: str) -> ByteDFA:
+def compile_regex(pattern: str, reasoning: tuple[str | None, str] | None = None) -> ByteDFA:
+    """The minimal DFA of texts that `pattern` matches whole. With `reasoning` (opening,
+    closing tag): texts that first hold reasoning, then whitespace, then a match: the
+    reasoning is any text up to and with the first closing tag; with an opening tag it
+    must start with that tag, and a text that does not is a match alone."""
     if not isinstance(pattern, str):
         raise UsageError(f"a regex must be a string, got {shown(pattern)}")
     try:
         tree = _Parser(pattern).parse()
+        if reasoning is not None:
+            opening, closing = reasoning
+            thought = ("cat", [*(("set", [(ord(c), ord(c))]) for c in opening or ""), ("until", closing),
+                               ("rep", ("set", _PY_SPACE), 0, None)])
+            tree = ("cat", [thought if opening is None else ("rep", thought, 0, 1), tree])
         if _size(tree) > MAX_NFA_STATES:  # repetitions nest: the automaton would copy items past any bound
             raise UsageError(f"regex {shown(pattern, 60)} is too complex (its repetitions expand past "
                              f"{MAX_NFA_STATES} states)")
