@@ -133,9 +133,14 @@ def test_unsupported_rope_scaling(capsys, broken):
     (lambda c: c.update(eos_token_id="x"), ["eos_token_id"]),
     (lambda c: c.update(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0}), ["factor"]),
     (lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": "big"}), ["rope_theta"]),
-    (lambda c: c.update(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
-     ["quantized", "fp8"]),
-], ids=["eps", "kv-heads", "max-pos", "eos", "llama3-no-factor", "theta", "fp8"])
+    (lambda c: c.update(quantization_config={"quant_method": "awq", "bits": 4}), ["quantized", "awq"]),
+    (lambda c: c.update(quantization_config={"quant_method": "fp8"}), ["per-tensor", "block-scaled FP8"]),
+    (lambda c: c.update(quantization_config={"quant_method": "fp8", "weight_block_size": [128]}),
+     ["weight_block_size", "two positive integers"]),
+    (lambda c: c.update(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128],
+                                             "activation_scheme": "static"}), ["static", "dynamic"]),
+], ids=["eps", "kv-heads", "max-pos", "eos", "llama3-no-factor", "theta", "awq", "fp8-per-tensor", "fp8-block",
+        "fp8-static"])
 def test_bad_config_values(capsys, broken, change, words):
     """Values of the wrong type or range: a clear error naming the key, not an
     "internal error" from deep inside the engine (or a silently wrong model)."""

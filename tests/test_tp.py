@@ -397,6 +397,24 @@ def test_tp_structured_outputs_equal_tp1(engines):
             assert state >= 0, o.text
         assert o.finish_reason == "length" or dfa.accepting[state]
 
+def test_tp_fp8_tokens_equal_tp1(tp_models, tmp_path):
+    """An FP8 target: each rank reads its slice of the weights and of their block scales
+    (16 x 16 blocks: whole blocks per rank at TP = 2 and 4)."""
+    from treeflash.checkpoints import write_fp8_copy
+    target = write_fp8_copy(tp_models["qwen3"][0], tmp_path / "fp8", block=(16, 16))
+    params = CONFIGS["filtered"]
+    outs = {}
+    for tp in (1, 2, 4):
+        llm = LLM(target, draft_model=tp_models["qwen3"][1], method="ddtree", budget=12, device="cpu",
+                  dtype="float64", tp=tp)
+        try:
+            assert llm.target.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+            outs[tp] = [o.token_ids for o in llm.generate(BATCH, params)]
+        finally:
+            llm.close()
+    assert outs[2] == outs[1] and outs[4] == outs[1]
+
+
 def test_tp1_topk_is_the_plain_topk():
     x = torch.randn(2, 3, 50)
     vals, ids = TPGroup().topk(x, 7, log_softmax=True)

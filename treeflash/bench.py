@@ -61,6 +61,7 @@ SHAPE_CONTEXTS = "1024,4096,16384"
 SHAPE_DRAFT_LAYERS = 5
 SHAPE_ITERS = 50
 BLOCK_SIZE = 16          # drafter block of the shape mode (the published DFlash drafters)
+FP8_BLOCK = "128x128"    # --fp8: the weight blocks of the published FP8 checkpoints
 WARMUP = 3               # eager calls (or side-stream calls before a capture) before timing
 ALLREDUCE_RUN = 16       # all-reduces per timed call when measuring one's latency
 
@@ -117,6 +118,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a PNG plot to this file (needs matplotlib)")
     s = p.add_argument_group("shape mode")
     s.add_argument("--shape", help=f"random-weight model shape: {', '.join(SHAPES)}")
+    s.add_argument("--fp8", nargs="?", const=FP8_BLOCK, metavar="ROWSxCOLS",
+                   help="the target's linear layers in block-scaled FP8, one scale per block of ROWS x COLS "
+                        "(default 128x128, as Qwen3-FP8 and DeepSeek-V3 publish them)")
     s.add_argument("--contexts", default=SHAPE_CONTEXTS, help="committed tokens C per request")
     s.add_argument("--draft-layers", type=int, default=SHAPE_DRAFT_LAYERS)
     s.add_argument("--iters", type=int, default=SHAPE_ITERS, help="timed calls per op (median)")
@@ -287,7 +291,8 @@ def bench_pairs(args) -> int:
                                            ("--draft-layers", args.draft_layers != SHAPE_DRAFT_LAYERS),
                                            ("--iters", args.iters != SHAPE_ITERS),
                                            ("--attention", args.attention != "auto"),
-                                           ("--copy-mib", args.copy_mib is not None)) if given]
+                                           ("--copy-mib", args.copy_mib is not None), ("--fp8", args.fp8 is not None))
+                  if given]
     if shape_only:
         raise UsageError(f"{shape_only[0]} applies to --shape only (model-pair mode times whole requests "
                          f"on a real model pair, in one process)")
@@ -405,6 +410,17 @@ SHAPES = {
 }
 
 
+def fp8_block(text: str) -> tuple[int, int]:
+    """--fp8's ROWSxCOLS."""
+    try:
+        rows, cols = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise UsageError(f"--fp8 takes ROWSxCOLS, e.g. 128x128; got {text!r}") from None
+    if rows < 1 or cols < 1:
+        raise UsageError(f"--fp8 block sizes must be positive, got {text!r}")
+    return rows, cols
+
+
 def draft_config(target, layers: int):
     """A DFlash drafter for `target` as published: Qwen3 layers of the target's width,
     block 16, default taps, mask token = last vocabulary id."""
@@ -416,11 +432,17 @@ def draft_config(target, layers: int):
 
 @torch.no_grad()
 def init_random_(model: torch.nn.Module) -> None:
-    """normal(0, 0.02) weights, unit norms: no checkpoint needed, and the values keep
-    activations finite (the cost of a kernel does not depend on them)."""
+    """normal(0, 0.02) weights (FP8 ones: normal(0, 1) times a scale of 0.02), unit
+    norms: no checkpoint needed, and the values keep activations finite (the cost of a
+    kernel does not depend on them)."""
     for name, p in model.named_parameters():
         if "norm" in name:
             p.fill_(1.0)
+        elif p.dtype == torch.float8_e4m3fn:
+            for rows in p.split(1024):  # a float32 copy of some rows at a time, not of the whole matrix
+                rows.copy_(torch.randn(rows.shape, device=rows.device))
+        elif name.endswith("weight_scale_inv"):
+            p.fill_(0.02)
         else:
             p.normal_(0.0, 0.02)
 
@@ -707,7 +729,7 @@ def bench_shape(args) -> int:
         backend = available
     if backend == "triton" and available != "triton":
         raise UsageError("--attention triton needs a CUDA device, the triton package and head_dim 64 or 128")
-    cfg = dataclasses.replace(SHAPES[args.shape])
+    cfg = dataclasses.replace(SHAPES[args.shape], fp8_block=None if args.fp8 is None else fp8_block(args.fp8))
     dcfg = draft_config(cfg, args.draft_layers)
 
     rt = None
@@ -730,7 +752,8 @@ def bench_shape(args) -> int:
         allreduce = allreduce_timer(group, cfg.hidden_size, dtype, device, args.iters) if group.size > 1 else None
         if lead:
             ranks = f" per rank of tp {group.size}" if group.size > 1 else ""
-            print(f"bench: shape {args.shape} ({_size(_bytes(target))} target, {_size(_bytes(drafter))} "
+            print(f"bench: shape {args.shape}{f' fp8 {args.fp8}' if args.fp8 else ''} ({_size(_bytes(target))} target, "
+                  f"{_size(_bytes(drafter))} "
                   f"drafter of {args.draft_layers} layers{ranks}), {str(dtype).replace('torch.', '')} on {device}, "
                   f"attention {backend}; copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write, {mib} MiB)")
 

@@ -133,3 +133,45 @@ def write_random_target(out_dir: str | Path, arch: str = "qwen3", hidden_size: i
         config["rope_scaling"] = rope_scaling
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+FP8_MAX = 448.0  # the largest float8 e4m3fn value
+
+
+def fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] as block-scaled FP8 (DeepSeek-V3's format): (float8 e4m3 [N, K],
+    float32 scales [ceil(N / rows), ceil(K / cols)]), each block's scale its largest
+    magnitude over FP8_MAX, so that fp8 * scale is the weight, rounded."""
+    (bn, bk), (N, K) = block, weight.shape
+    w = torch.nn.functional.pad(weight.float(), (0, -K % bk, 0, -N % bn))
+    blocks = w.view(w.shape[0] // bn, bn, w.shape[1] // bk, bk)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(w.shape)[:N, :K]
+    return q.contiguous(), scale
+
+
+def write_fp8_copy(src: str | Path, out_dir: str | Path, block: tuple[int, int] = (128, 128),
+                   skip: tuple[str, ...] = ()) -> Path:
+    """A copy of the checkpoint in `src` with its layers' linear weights (every 2-D
+    `*_proj.weight` under `layers.`, but those whose names hold an entry of `skip`) in
+    block-scaled FP8 with `weight_scale_inv`, and config.json's quantization_config
+    saying so: a checkpoint as Qwen3-FP8 and DeepSeek-V3 publish them."""
+    from safetensors.torch import load_file
+    src, out = Path(src), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    for name in [n for n in tensors if ".layers." in n and n.endswith("_proj.weight") and tensors[n].dim() == 2
+                 and not any(s in n for s in skip)]:
+        tensors[name], tensors[name + "_scale_inv"] = fp8_blocks(tensors[name], block)
+    save_file(tensors, str(out / "model.safetensors"))
+    for f in src.iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith((".safetensors", ".index.json")):
+            (out / f.name).write_bytes(f.read_bytes())
+    cfg = read_config_json(src)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block), **({"modules_to_not_convert": list(skip)}
+                                                                       if skip else {})}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out

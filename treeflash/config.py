@@ -211,6 +211,33 @@ def _check_full_attention(data: dict, arch: str, num_layers: int, where: str) ->
                          f"sliding_window {window!r}) is not supported")
 
 
+def _fp8_blocks(quant, where: str) -> dict:
+    """ModelConfig's fp8 fields from a quantization_config: the block-scaled FP8 format
+    (weights e4m3, `weight_scale_inv` per block, activations left in the model's dtype);
+    any other quantization is refused, never loaded as garbage."""
+    if not quant:
+        return {}
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+    block = quant.get("weight_block_size") if isinstance(quant, dict) else None
+    if method != "fp8" or block is None:
+        what = f"quant_method '{method}'" + (" without weight_block_size (per-tensor scales)" if method == "fp8" else "")
+        raise TreeflashError(f"quantized checkpoints are supported only as block-scaled FP8 (quant_method fp8 with "
+                             f"weight_block_size, as DeepSeek-V3 and Qwen3-FP8); {where} has {what}")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and not isinstance(b, bool)
+                                                                and b > 0 for b in block)):
+        raise TreeflashError(f"config.json in {where}: quantization_config.weight_block_size must be two positive "
+                             f"integers, got {block!r}")
+    if quant.get("fmt", "e4m3") != "e4m3" or quant.get("activation_scheme", "dynamic") != "dynamic":
+        raise TreeflashError(f"config.json in {where}: FP8 {quant.get('fmt')} weights with "
+                             f"{quant.get('activation_scheme')} activation scales are not supported (only e4m3, "
+                             f"dynamic)")
+    skip = quant.get("modules_to_not_convert") or quant.get("ignored_layers") or []
+    if not (isinstance(skip, list) and all(isinstance(m, str) for m in skip)):
+        raise TreeflashError(f"config.json in {where}: quantization_config.modules_to_not_convert must be a list "
+                             f"of module names, got {skip!r}")
+    return {"fp8_block": tuple(block), "fp8_skip": tuple(skip)}
+
+
 @dataclass
 class ModelConfig:
     """A decoder-only target: Qwen3 (q/k norms), Llama, or Qwen3-MoE (Qwen3 whose MLP is
@@ -241,6 +268,11 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
     n_shared_experts: int = 0         # always-on experts of moe_intermediate_size each
+    # FP8 weights (quantization_config fp8 with weight_block_size, as DeepSeek-V3's and
+    # Qwen3-FP8's): each linear layer's weight in float8 e4m3 with one float scale per
+    # block of (rows, columns) (`layers.linear`), except modules named in fp8_skip
+    fp8_block: tuple[int, int] | None = None
+    fp8_skip: tuple[str, ...] = ()
 
     @property
     def qk_norm(self) -> bool:
@@ -254,11 +286,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict, where: str = "config") -> "ModelConfig":
         archs = _architectures(data, where)
-        quant = data.get("quantization_config")
-        if quant:
-            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-            raise TreeflashError(f"quantized checkpoints are not supported ({where} has a "
-                                 f"quantization_config, quant_method '{method}')")
+        fp8 = _fp8_blocks(data.get("quantization_config"), where)
         arch = None
         for a in archs:
             if a in TARGET_ARCHITECTURES:
@@ -307,7 +335,7 @@ class ModelConfig:
             mlp_bias=_flag(data, "mlp_bias", where),
             torch_dtype=data.get("torch_dtype") or data.get("dtype"),
             eos_token_ids=_eos_ids(data.get("eos_token_id"), where),
-            **moe,
+            **moe, **fp8,
         )
 
     @classmethod
@@ -353,6 +381,9 @@ class DraftConfig:
         dflash = data.get("dflash_config") or {}
         if not isinstance(dflash, dict):
             raise TreeflashError(f"drafter {where}: dflash_config must be a JSON object, got {dflash!r}")
+        if data.get("quantization_config"):
+            raise TreeflashError(f"drafter {where} is quantized (quantization_config): drafters are loaded in "
+                                 f"the model's dtype only")
         layers = ModelConfig.from_dict({**data, "architectures": ["Qwen3ForCausalLM"]}, where)
         block = dflash.get("block_size", data.get("block_size", 16))
         if isinstance(block, bool) or not isinstance(block, int) or not 2 <= block <= MAX_BLOCK_SIZE:

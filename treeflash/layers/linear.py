@@ -4,6 +4,11 @@ Each layer knows how its weight is cut from the full checkpoint tensors
 (`shard_dim`): column-parallel layers keep a slice of the output features,
 row-parallel layers a slice of the input features and all-reduce their output.
 Merged layers (QKV, gate/up) hold several checkpoint tensors side by side.
+
+A layer of an FP8 checkpoint (`to_fp8`) holds its weight in float8 e4m3 and one
+float32 scale per block of (rows, columns), `weight_scale_inv` as the checkpoint names
+it (the weight is `fp8 * scale`, the name notwithstanding): half the bytes a decode
+step streams. Activations stay in the model's dtype.
 """
 from __future__ import annotations
 
@@ -11,10 +16,49 @@ import torch
 from torch import nn
 
 from treeflash.distributed import TPGroup
-from treeflash.ops import gated_linear, linear
+from treeflash.errors import TreeflashError
+from treeflash.ops import Fp8Weight, gated_linear, linear
 
 
-class ColumnParallelLinear(nn.Module):
+class ShardedLinear(nn.Module):
+    """What both kinds share: weight [N, K] (this rank's), `parts`, optional bias, and
+    the FP8 form."""
+
+    shard_dim: int
+    block: tuple[int, int] | None = None  # FP8: the rows and columns each scale covers
+
+    def to_fp8(self, block: tuple[int, int], name: str) -> None:
+        """Hold the weight as FP8 with block scales (`name`: the layer's, for errors).
+        Every checkpoint tensor merged here, and every rank's slice, must start on a
+        block boundary: a block may not straddle two of them."""
+        bn, bk = block
+        N, K = self.weight.shape
+        cut = [("output features", p, bn) for p in self.parts[:-1]] if len(self.parts) > 1 else []
+        if self.tp.size > 1:
+            cut += [("output features", p, bn) for p in self.parts] if self.shard_dim == 0 else \
+                   [("input features", K, bk)]
+        for what, n, b in cut:
+            if n % b:
+                raise TreeflashError(f"{name}: FP8 block size {b} does not divide its {n} {what}"
+                                     + (" per rank: the scales cannot be cut there (choose another "
+                                        "tensor-parallel size)" if self.tp.size > 1 else
+                                        " of one merged part: a scale block would straddle two tensors"))
+        self.block = (bn, bk)
+        self.weight = nn.Parameter(torch.empty(N, K, dtype=torch.float8_e4m3fn, device=self.weight.device),
+                                   requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty(-(-N // bn), -(-K // bk), dtype=torch.float32,
+                                                         device=self.weight.device), requires_grad=False)
+
+    def parts_of(self, leaf: str) -> list[int]:
+        """How parameter `leaf` splits into the checkpoint tensors merged in it."""
+        return [-(-p // self.block[0]) for p in self.parts] if leaf == "weight_scale_inv" else self.parts
+
+    @property
+    def fp8(self) -> Fp8Weight | None:
+        return None if self.block is None else Fp8Weight(self.weight_scale_inv, self.block)
+
+
+class ColumnParallelLinear(ShardedLinear):
     """y = x W^T for this rank's slice of every part's output features.
 
     `parts` lists the output sizes of the checkpoint tensors stored side by side
@@ -32,16 +76,17 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(sum(self.parts)), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.fp8)
 
     def kv_only(self, x: torch.Tensor) -> torch.Tensor:
         """The output of all parts but the first (k and v of a QKV layer), reading only
         their rows of the weight: the drafter's context projection needs no q."""
         q = self.parts[0]
-        return linear(x, self.weight[q:], None if self.bias is None else self.bias[q:])
+        fp8 = self.fp8 and Fp8Weight(self.fp8.scale[q // self.block[0]:], self.block)
+        return linear(x, self.weight[q:], None if self.bias is None else self.bias[q:], fp8)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ShardedLinear):
     """y = sum over ranks of x_r W_r^T (+ bias once).
 
     The input is this rank's slice of the features (the output of a column-parallel
@@ -61,10 +106,13 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, cols), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """`gated`: x is one row of [gate | up] and the input is silu(gate) * up (the
-        MLP's batch-1 fused path)."""
+    def partial(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """This rank's x_r W_r^T, before the all-reduce and the bias. `gated`: x is one
+        row of [gate | up] and the input is silu(gate) * up (the MLP's batch-1 fused path)."""
         if self.input_slice is not None and self.tp.size > 1:
             x = x[..., self.input_slice[0]:self.input_slice[1]]
-        y = self.tp.all_reduce(gated_linear(x, self.weight) if gated else linear(x, self.weight))
+        return gated_linear(x, self.weight, self.fp8) if gated else linear(x, self.weight, None, self.fp8)
+
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        y = self.tp.all_reduce(self.partial(x, gated))
         return y + self.bias if self.bias is not None else y

@@ -109,16 +109,20 @@ def _pieces(model: nn.Module, name: str, param: torch.Tensor) -> tuple[list[tupl
     shard_dim = getattr(owner, "shard_dim", None)
     if shard_dim == 1 and param.dim() == 1:
         shard_dim = None  # a row-parallel bias is added once, after the all-reduce
-    dests = param.split(owner.parts) if len(keys) > 1 else [param]
+    dests = param.split(owner.parts_of(leaf) if hasattr(owner, "parts_of") else owner.parts) if len(keys) > 1 \
+        else [param]
     return [(model.checkpoint_key(k), d, shard_dim) for k, d in zip(keys, dests)], tp
 
 
 # safetensors dtype names of the weights we can load; integer or float8 tensors are
-# quantized data that a plain cast would silently turn into garbage.
+# quantized data that a plain cast would silently turn into garbage (float8 goes only
+# into the FP8 weights of an FP8 checkpoint's layers, as it is).
 FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+FP8 = "F8_E4M3"
 
 
-def _read_slice(st, key: str, full_shape: tuple, shard_dim: int | None, rank: int, size: int) -> torch.Tensor:
+def _read_slice(st, key: str, full_shape: tuple, shard_dim: int | None, rank: int, size: int,
+                fp8: bool = False) -> torch.Tensor:
     try:
         sl = st.get_slice(key)
     except Exception as e:  # e.g. an index naming the wrong shard for this tensor
@@ -126,9 +130,13 @@ def _read_slice(st, key: str, full_shape: tuple, shard_dim: int | None, rank: in
     shape = tuple(sl.get_shape())
     if shape != full_shape:
         raise TreeflashError(f"weight {key} has shape {list(shape)}, expected {list(full_shape)}")
-    if sl.get_dtype() not in FLOAT_DTYPES:
+    if fp8 and sl.get_dtype() != FP8:
+        raise TreeflashError(f"weight {key} has dtype {sl.get_dtype()}, but config.json's quantization_config "
+                             f"says it is FP8 ({FP8}): list its module in modules_to_not_convert")
+    if not fp8 and sl.get_dtype() not in FLOAT_DTYPES:
         raise TreeflashError(f"weight {key} has dtype {sl.get_dtype()}; only float16, bfloat16, float32 "
-                             f"and float64 weights are supported (quantized checkpoints are not)")
+                             f"and float64 weights are supported here (quantized weights only where "
+                             f"config.json's quantization_config says: block-scaled FP8)")
     if shard_dim is None or size == 1:
         return sl[:]
     n = full_shape[shard_dim] // size
@@ -142,7 +150,7 @@ def _read_piece(st, key: str, dest: torch.Tensor, shard_dim: int | None, tp) -> 
     full = list(dest.shape)
     if shard_dim is not None and size > 1:
         full[shard_dim] *= size
-    return _read_slice(st, key, tuple(full), shard_dim, rank, size)
+    return _read_slice(st, key, tuple(full), shard_dim, rank, size, fp8=dest.dtype == torch.float8_e4m3fn)
 
 
 def load_weights(model: nn.Module, folder: str | Path) -> None:
@@ -172,7 +180,11 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
                     # NaN weights decode as a normal early stop (NaN logits pick token 0),
                     # and a float32 value past the float16 range becomes inf in the cast.
                     # Through the extremes (NaN propagates): no bool copy of a GB-sized slab.
-                    if dest.numel() and not all(torch.isfinite(x) for x in torch.aminmax(dest)):
+                    if dest.dtype == torch.float8_e4m3fn:  # no infinity; NaN is every bit of 0x7f set
+                        bad = dest.numel() and bool(((dest.view(torch.uint8) & 0x7F) == 0x7F).any())
+                    else:
+                        bad = dest.numel() and not all(torch.isfinite(x) for x in torch.aminmax(dest))
+                    if bad:
                         raise TreeflashError(f"weight {key} in {folder} holds NaN or infinite values "
                                              f"(a corrupt checkpoint, or values too large for {dest.dtype})")
             # Unmap the files after every parameter: pages a read touched stay resident (and

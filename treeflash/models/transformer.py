@@ -17,7 +17,8 @@ from treeflash.distributed import TPGroup
 from treeflash.engine.kv_cache import KVCache
 from treeflash.layers.attention import AttentionInputs, attention_kernel, dense_attention, write_block
 from treeflash.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from treeflash.layers.linear import ColumnParallelLinear, RowParallelLinear
+from treeflash.errors import TreeflashError
+from treeflash.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardedLinear
 from treeflash.layers.norm import RMSNorm
 from treeflash.layers.rotary import RotaryEmbedding, apply_rotary
 from treeflash.models.moe import SparseMoE
@@ -111,7 +112,7 @@ class MLP(nn.Module):
 
     def partial(self, x):
         """This rank's share of the output, before the all-reduce (bias-free MLPs only)."""
-        return F.linear(self.gated(x), self.down_proj.weight)
+        return self.down_proj.partial(self.gated(x))
 
     def forward(self, x):
         if fused_enabled(x) and single_row(x):  # batch-1 decode: the gate is applied inside the down GEMV
@@ -185,6 +186,26 @@ class CausalLM(nn.Module):
         self.model = DecoderStack(cfg, tp)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        if cfg.fp8_block is not None:
+            self._to_fp8(cfg.fp8_block, cfg.fp8_skip)
+
+    def _to_fp8(self, block: tuple[int, int], skip: tuple[str, ...]) -> None:
+        """FP8 weights in every linear layer but those whose checkpoint names hold an
+        entry of `skip` (HF's modules_to_not_convert)."""
+        if self.config.num_experts:
+            raise TreeflashError("FP8 checkpoints of mixture-of-experts models are not supported yet "
+                                 "(dense Qwen3 and Llama are)")
+        for name, module in self.named_modules():
+            if not isinstance(module, ShardedLinear):
+                continue
+            prefix, _, local = name.rpartition(".")
+            names = [f"{prefix}.{m}" for m in self.merged_weights.get(local, (local,))]
+            kept = {any(s in n for s in skip) for n in names}
+            if len(kept) > 1:
+                raise TreeflashError(f"modules_to_not_convert keeps some of {', '.join(names)} unquantized but not "
+                                     f"all: they are one merged layer here")
+            if not kept.pop():
+                module.to_fp8(block, name)
 
     def checkpoint_key(self, name: str) -> str:
         if name == "lm_head.weight" and self.config.tie_word_embeddings:

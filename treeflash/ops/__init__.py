@@ -1,5 +1,6 @@
 """Fused GPU versions (Triton) of engine steps whose torch reference lives elsewhere."""
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,18 +27,53 @@ def single_row(x: torch.Tensor) -> bool:
     return x.numel() == x.shape[-1]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; on the fused path a single row goes through the Triton GEMV."""
-    if fused_enabled(x) and single_row(x) and weight.is_contiguous():
-        from treeflash.kernels.gemv import gemv
-        return gemv(x, weight, bias)
+class Fp8Weight(NamedTuple):
+    """The scales of an FP8 weight [N, K]: scale [ceil(N / rows), ceil(K / cols)] float32,
+    one per block of `block` = (rows, cols); the weight is fp8 * scale."""
+
+    scale: torch.Tensor
+    block: tuple[int, int]
+
+    @property
+    def fits_kernels(self) -> bool:
+        """The Triton kernels take scale blocks a power of two of 16 columns or more."""
+        cols = self.block[1]
+        return cols >= 16 and cols & (cols - 1) == 0
+
+
+def dequantized(weight: torch.Tensor, fp8: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 weight as `dtype` values (fp8 * its block's scale, in float32)."""
+    (bn, bk), (N, K) = fp8.block, weight.shape
+    scale = fp8.scale.repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]
+    return (weight.float() * scale).to(dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           fp8: Fp8Weight | None = None) -> torch.Tensor:
+    """F.linear (of the dequantized weight, with `fp8`: the activations stay in their
+    dtype); on the fused path a single row goes through the Triton GEMV, and FP8 weights
+    through Triton kernels that read them as they are."""
+    if fused_enabled(x) and weight.is_contiguous():
+        if fp8 is not None and fp8.fits_kernels:
+            from treeflash.kernels.fp8_linear import fp8_linear
+            return fp8_linear(x, weight, fp8.scale, fp8.block, bias)
+        if fp8 is None and single_row(x):
+            from treeflash.kernels.gemv import gemv
+            return gemv(x, weight, bias)
+    if fp8 is not None:
+        weight = dequantized(weight, fp8, x.dtype)
     return F.linear(x, weight, bias)
 
 
-def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, fp8: Fp8Weight | None = None) -> torch.Tensor:
     """F.linear(silu(gate) * up, weight) of one row [..., 2I] = [gate | up] in one
     launch (fused path, single row: see `treeflash.kernels.gemv`)."""
+    if fp8 is not None and not fp8.fits_kernels:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, weight, None, fp8)
     from treeflash.kernels.gemv import gemv
+    if fp8 is not None:
+        return gemv(gate_up, weight, gated=True, scale=fp8.scale, block=fp8.block)
     return gemv(gate_up, weight, gated=True)
 
 

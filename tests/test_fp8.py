@@ -1,0 +1,209 @@
+"""Block-scaled FP8 checkpoints (quantization_config fp8 with weight_block_size, as
+Qwen3-FP8 and DeepSeek-V3 publish them) load as they are and run:
+
+- the logits equal transformers' on the dequantized weights (float32), with blocks that
+  do not divide the matrices, and with modules_to_not_convert;
+- DFlash and DDTree give AR's tokens on an FP8 target, greedy and sampled;
+- what cannot be loaded is refused in one line: other quantizations, a missing or
+  misshapen scale, a block that straddles merged tensors, a quantized drafter.
+
+On a GPU (skipped without CUDA): the Triton kernels that read FP8 weights as they are
+match the product with the dequantized weights, and CUDA-graph rounds on an FP8 target
+give the eager tokens.
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from conftest import ENGINE_PROMPTS
+from safetensors.torch import load_file, save_file
+
+from treeflash import LLM, SamplingParams
+from treeflash.checkpoints import fp8_blocks, write_fp8_copy
+from treeflash.errors import TreeflashError
+from treeflash.ops import Fp8Weight, dequantized
+
+
+def _dequantized_model(hf_model, folder):
+    """transformers' model (in float64) with every FP8 weight of `folder` put back."""
+    model = copy.deepcopy(hf_model).double()
+    stored = load_file(str(folder / "model.safetensors"))
+    block = tuple(json.loads((folder / "config.json").read_text())["quantization_config"]["weight_block_size"])
+    quantized = [k for k, v in stored.items() if v.dtype == torch.float8_e4m3fn]
+    assert quantized
+    with torch.no_grad():
+        for key in quantized:
+            layer = model.get_submodule(key.removesuffix(".weight"))
+            layer.weight.copy_(dequantized(stored[key], Fp8Weight(stored[key + "_scale_inv"], block), torch.float64))
+    return model, quantized
+
+
+def test_blocks_round_trip():
+    """fp8 * scale is the weight to FP8's precision (3 mantissa bits), for blocks that
+    do not divide the matrix too."""
+    w = torch.randn(40, 70)
+    for block in ((16, 32), (128, 128), (7, 9)):
+        q, scale = fp8_blocks(w, block)
+        assert q.dtype == torch.float8_e4m3fn and scale.shape == (-(-40 // block[0]), -(-70 // block[1]))
+        back = dequantized(q, Fp8Weight(scale, block), torch.float32)
+        assert ((back - w).abs() <= w.abs() / 16 + 1e-6).all()
+
+
+@pytest.mark.parametrize("name,block,skip", [("qwen3", (16, 32), ()), ("qwen3", (32, 48), ()),
+                                             ("llama-tied-bias", (16, 16), ("mlp",))])
+def test_logits_equal_transformers_on_the_dequantized_weights(hf_checkpoint, tmp_path, name, block, skip):
+    from test_models import hf_logits, padded, rel_err, tf_logits
+    ck = hf_checkpoint(name)
+    folder = write_fp8_copy(ck.path, tmp_path / "fp8", block=block, skip=skip)
+    reference, quantized = _dequantized_model(ck.model, folder)
+    assert all(not any(s in k for s in skip) for k in quantized) and (not skip or len(quantized) < 7 * 2)
+    llm = LLM(folder, device="cpu", dtype="float64")
+    qkv = llm.target.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.block == block
+    mlp = llm.target.model.layers[0].mlp.down_proj
+    assert (mlp.weight.dtype == torch.float64) == bool(skip)
+    prompts = [llm.encode(p) for p in ENGINE_PROMPTS]
+    batch = padded(prompts)
+    cached = tf_logits(llm, batch, llm.target.new_cache(3, batch.shape[1] + 4))
+    for b, ids in enumerate(prompts):
+        want = hf_logits(reference, ids)
+        assert rel_err(cached[b, :len(ids)], want) < 1e-5, b
+        assert rel_err(hf_logits(ck.model, ids), want) > 1e-3, "the FP8 rounding changed nothing: a vacuous test"
+    out = llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=12))[0]
+    assert out.token_ids == reference.generate(torch.tensor([llm.encode(ENGINE_PROMPTS[0])]), do_sample=False,
+                                               max_new_tokens=12)[0, len(llm.encode(ENGINE_PROMPTS[0])):].tolist()
+
+
+def test_speculative_methods_give_ar_tokens_on_an_fp8_target(spec_target, spec_drafter, tmp_path):
+    target = write_fp8_copy(spec_target(), tmp_path / "fp8", block=(16, 32))
+    drafter = spec_drafter()
+    params = [SamplingParams(max_new_tokens=40), SamplingParams(max_new_tokens=40, temperature=1.0, seed=3),
+              SamplingParams(max_new_tokens=40, temperature=0.8, top_p=0.9, seed=5)]
+    prompts = [[5, 6, 7, 8], [100, 3, 9], [42]]
+    ar = [o.token_ids for o in LLM(target, device="cpu", dtype="float32").generate(prompts, params)]
+    taus = []
+    for method in ("dflash", "ddtree"):
+        outs = LLM(target, draft_model=drafter, method=method, device="cpu", dtype="float32").generate(prompts, params)
+        assert [o.token_ids for o in outs] == ar, method
+        taus += [o.stats["tau"] for o in outs]
+    assert max(taus) > 1.2, "no draft was accepted: the comparison would not see a wrong verify"
+
+
+def _damaged(tmp_path, hf_checkpoint, change, block=(16, 32)):
+    folder = write_fp8_copy(hf_checkpoint("qwen3").path, tmp_path / "fp8", block=block)
+    w = load_file(str(folder / "model.safetensors"))
+    change(w)
+    save_file(w, str(folder / "model.safetensors"))
+    return folder
+
+
+SCALE = "model.layers.0.self_attn.k_proj.weight_scale_inv"
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda w: w.pop(SCALE), [SCALE, "missing"]),
+    (lambda w: w.update({SCALE: w[SCALE][:1]}), [SCALE, "shape"]),
+    (lambda w: w.update({SCALE.replace("_scale_inv", ""): w[SCALE.replace("_scale_inv", "")].float()}),
+     ["k_proj.weight", "F32", "modules_to_not_convert"]),
+    (lambda w: w.update({"model.layers.0.self_attn.o_proj.weight": w["model.layers.0.self_attn.o_proj.weight"]
+                         .view(torch.uint8).to(torch.float8_e4m3fn).view(torch.uint8).fill_(0x7F)
+                         .view(torch.float8_e4m3fn)}), ["o_proj.weight", "NaN"]),
+], ids=["missing-scale", "scale-shape", "not-fp8", "nan"])
+def test_a_damaged_fp8_checkpoint_is_refused_in_one_line(tmp_path, hf_checkpoint, change, words):
+    folder = _damaged(tmp_path, hf_checkpoint, change)
+    with pytest.raises(TreeflashError) as e:
+        LLM(folder, device="cpu", dtype="float32")
+    assert all(w in str(e.value) for w in words) and "\n" not in str(e.value), str(e.value)
+
+
+def test_what_fp8_cannot_hold_is_refused(tmp_path, hf_checkpoint, spec_target, spec_drafter):
+    ck = hf_checkpoint("qwen3")  # q 128, k and v 64 rows: a 48-row block straddles q and k
+    with pytest.raises(TreeflashError, match="block size 48 does not divide its 128 output features of one merged"):
+        LLM(write_fp8_copy(ck.path, tmp_path / "a", block=(48, 32)), device="cpu")
+    with pytest.raises(TreeflashError, match="keeps some of .*q_proj.* unquantized but not all"):
+        LLM(write_fp8_copy(ck.path, tmp_path / "b", block=(16, 32), skip=("q_proj",)), device="cpu")
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    for f in spec_drafter().iterdir():
+        (drafter / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((drafter / "config.json").read_text())
+    (drafter / "config.json").write_text(json.dumps({**cfg, "quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [16, 16]}}))
+    with pytest.raises(TreeflashError, match="drafter .* is quantized"):
+        LLM(spec_target(), draft_model=drafter, method="dflash", device="cpu")
+
+
+def test_bench_times_an_fp8_shape(capsys):
+    from treeflash.cli import main
+    assert main(["bench", "--shape", "tiny", "--fp8", "16x16", "--contexts", "32", "--budgets", "0,7",
+                 "--iters", "1", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "shape tiny fp8 16x16" in out and "verify" in out
+    assert main(["bench", "--shape", "tiny", "--fp8", "big", "--device", "cpu"]) == 2
+    assert "ROWSxCOLS" in capsys.readouterr().err
+    assert main(["bench", "--fp8", "--device", "cpu"]) == 2
+    assert "--fp8 applies to --shape only" in capsys.readouterr().err
+
+
+# --- GPU ---
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N,K,block", [(1000, 700, (128, 128)), (256, 512, (16, 32)), (96, 4096, (128, 128)),
+                                       (4096, 1024, (128, 64)), (200, 96, (64, 32))])
+def test_fp8_kernels_match_the_dequantized_product(dtype, N, K, block):
+    """Every row count a round uses (one row: the GEMV, gated too; 2-300: the tiled
+    product), with and without bias, sizes off the tiles and the scale blocks."""
+    from treeflash.kernels.fp8_linear import fp8_linear
+    from treeflash.ops import gated_linear
+    torch.manual_seed(N + K)
+    w, scale = fp8_blocks(torch.randn(N, K) / K ** 0.5, block)
+    w, scale, b = w.cuda(), scale.cuda(), torch.randn(N, device="cuda", dtype=dtype)
+    ref_w = dequantized(w, Fp8Weight(scale, block), torch.float32)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for M in (1, 2, 17, 64, 300):
+        x = torch.randn(M, K, device="cuda", dtype=dtype)
+        x[0, :K // 2] *= 50  # the first token's first blocks of features on a larger scale
+        for bias in (None, b):
+            want = torch.nn.functional.linear(x.float(), ref_w, None if bias is None else bias.float())
+            got = fp8_linear(x[:, None] if M == 1 else x, w, scale, block, bias).view(M, N)
+            assert got.dtype == dtype
+            assert (got.float() - want).abs().max() <= tol * want.abs().max(), (M, bias is not None)
+    gu = torch.randn(1, 2 * K, device="cuda", dtype=dtype)
+    g, u = gu.float().chunk(2, -1)
+    want = torch.nn.functional.linear((torch.nn.functional.silu(g) * u).to(dtype).float(), ref_w)
+    got = gated_linear(gu, w, Fp8Weight(scale, block))
+    assert (got.float() - want).abs().max() <= tol * want.abs().max()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_graphs_match_eager(tmp_path, dtype):
+    """An FP8 target (128 x 128 blocks) on the device: graphed rounds give the eager
+    tokens for every method, and in float32 DFlash and DDTree give AR's."""
+    from treeflash.checkpoints import write_random_drafter, write_random_target
+    target = write_random_target(tmp_path / "t", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                                 head_dim=64, intermediate_size=512, peaked_tokens=8, std=0.2)
+    drafter = write_random_drafter(target, tmp_path / "d", num_layers=2, block_size=8)
+    target = write_fp8_copy(target, tmp_path / "fp8", block=(128, 128))
+    prompts = [[5, 6, 7], [100, 3, 9, 12, 40], [42]]
+    params = [SamplingParams(max_new_tokens=40, temperature=t, seed=i, ignore_eos=True)
+              for i, t in enumerate((0.0, 1.0, 0.7))]
+    ar = None
+    for method, budget in (("ar", None), ("dflash", None), ("ddtree", 16)):
+        kw = dict(draft_model=None if method == "ar" else drafter, method=method, budget=budget, device="cuda",
+                  dtype=dtype)
+        eager = [o.token_ids for o in LLM(target, cuda_graphs=False, **kw).generate(prompts, params)]
+        graphed = [o.token_ids for o in LLM(target, cuda_graphs=True, **kw).generate(prompts, params)]
+        assert graphed == eager, method
+        ar = ar or eager
+        if dtype == "float32":
+            assert eager == ar, method
