@@ -115,7 +115,7 @@ def test_logprobs_follow_the_tokens_kept_and_stream_with_them(pair, oracle):
 
 def test_prompt_logprobs_are_the_targets(pair, oracle, monkeypatch):
     """prompt_logprobs: each prompt token's log-probability given the ones before it
-    (None for the first) and the k most likely alternatives, for the requests that ask
+    (None for the first), its rank and the k most likely alternatives, for the requests that ask
     only, computed a few positions at a time (3 here: chunks cross from one request's
     prompt to the next); a one-token prompt has only its None; the generated tokens do
     not change."""
@@ -133,8 +133,10 @@ def test_prompt_logprobs_are_the_targets(pair, oracle, monkeypatch):
         got = out.prompt_logprobs
         assert [e.token_id for e in got] == ids and got[0].logprob is None and got[0].top == []
         ref = oracle(llm.tokenizer.decode(ids[:1]), ids[1:])  # position i predicts ids[i + 1]
+        assert got[0].rank is None
         for i, e in enumerate(got[1:]):
             assert e.logprob == pytest.approx(ref[i, ids[i + 1]].item(), abs=1e-7)
+            assert e.rank == 1 + int((ref[i] > ref[i, ids[i + 1]]).sum())  # its place in the vocabulary
             top = ref[i].topk(k)
             assert [t for t, _ in e.top] == top.indices.tolist()
             assert [v for _, v in e.top] == pytest.approx(top.values.tolist(), abs=1e-7)

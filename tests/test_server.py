@@ -204,7 +204,10 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "logprobs": True}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "top_logprobs": 2}, 400, "top_logprobs"),  # a chat argument
-    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": True}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
      "top_logprobs"),
@@ -415,6 +418,37 @@ def test_echo_with_logprobs_scores_the_prompt(client, llm):
     assert lp["token_logprobs"][1:] == [e.logprob for e in want.prompt_logprobs[1:] + want.logprobs]
     assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(ids) + 1)]
     assert all(2 <= len(t) <= 3 for t in lp["top_logprobs"][1:])
+
+
+def test_prompt_logprobs_as_vllm_returns_them(client, llm):
+    """vLLM's prompt_logprobs: per prompt token null for the first, then {id: {logprob,
+    rank, decoded_token}} for the token (its rank in the vocabulary) and the k most likely
+    ids; in each completion choice (beside an echo's logprobs, which keep their own k),
+    and beside a chat answer's choices."""
+    tok, ids = llm.tokenizer, llm.encode(PROMPT)
+    want = llm.generate(PROMPT, SamplingParams(max_new_tokens=2, prompt_logprobs=3))[0].prompt_logprobs
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3}
+    for extra in ({}, {"echo": True, "logprobs": 1}, {"n": 2}):
+        got = client.post("/v1/completions", json={**body, **extra}).json()
+        for choice in got["choices"]:
+            plp = choice["prompt_logprobs"]
+            assert len(plp) == len(ids) and plp[0] is None
+            for entry, e, t in zip(plp[1:], want[1:], ids[1:]):
+                assert list(entry)[0] == str(t) and entry[str(t)] == {
+                    "logprob": e.logprob, "rank": e.rank, "decoded_token": tok.token_text(t)}
+                top = {str(i): (lp, r) for r, (i, lp) in enumerate(e.top, 1)}
+                assert {k: (v["logprob"], v["rank"]) for k, v in entry.items() if k != str(t)} == \
+                    {k: v for k, v in top.items() if k != str(t)}
+            assert any(e.rank > 3 for e in want[1:]), "every prompt token among the top 3: ranks not tested"
+        if extra.get("echo"):
+            assert all(len(t) <= 2 for t in got["choices"][0]["logprobs"]["top_logprobs"][1:])
+        else:
+            assert got["choices"][0].get("logprobs") is None
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT}],
+                                                     "max_tokens": 2, "prompt_logprobs": 0}).json()
+    plp = chat["prompt_logprobs"]
+    assert plp[0] is None and all(len(entry) == 1 for entry in plp[1:]) and "prompt_logprobs" not in chat["choices"][0]
+    assert len(plp) == len(llm.chat_prompt([{"role": "user", "content": PROMPT}]))
 
 
 def test_token_bytes_rebuild_split_characters(llm, tmp_path):

@@ -345,19 +345,21 @@ def test_sharded_draft_topk_and_tree(n):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_sharded_logprobs_equal_whole_vocabulary(n):
-    """Logprobs of given tokens (on any rank's slice) and the top k, over the whole
-    vocabulary, bit-identical on every rank."""
+    """Logprobs and vocabulary ranks of given tokens (on any rank's slice) and the top k,
+    over the whole vocabulary, bit-identical on every rank."""
     gen = torch.Generator().manual_seed(3)
     B, T, V, k = 3, 4, 40, 6
     logits = torch.randn(B, T, V, generator=gen, dtype=torch.float64) * 3
     tokens = torch.randint(0, V, (B, T), generator=gen)
     whole = torch.log_softmax(logits, -1)
     want_vals, want_ids = whole.topk(k, -1)
-    results = on_ranks(n, lambda tp: tp.logprobs(_shard(logits, tp), tokens, k, tp.rank * (V // n)))
-    for chosen, vals, ids in results:
+    results = on_ranks(n, lambda tp: tp.logprobs(_shard(logits, tp), tokens, k, tp.rank * (V // n), ranks=True))
+    want_ranks = 1 + (logits > logits.gather(-1, tokens[..., None])).sum(-1)
+    assert want_ranks.max() > k  # ranks past the top k too
+    for chosen, vals, ids, ranks in results:
         torch.testing.assert_close(chosen, whole.gather(-1, tokens[..., None])[..., 0], rtol=0, atol=1e-12)
         torch.testing.assert_close(vals, want_vals, rtol=0, atol=1e-12)
-        assert torch.equal(ids, want_ids)
+        assert torch.equal(ids, want_ids) and torch.equal(ranks, want_ranks)
     for got in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(got, results[0]))
 

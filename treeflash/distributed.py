@@ -98,11 +98,13 @@ class TPGroup:
         vals, ids, lse, _ = self._top(x, k, start, log_softmax)
         return (vals - lse if log_softmax else vals), ids
 
-    def logprobs(self, x: torch.Tensor, tokens: torch.Tensor, k: int, start: int = 0):
+    def logprobs(self, x: torch.Tensor, tokens: torch.Tensor, k: int, start: int = 0, ranks: bool = False):
         """Log-probabilities over the whole vocabulary of x [..., V/N] (this rank's slice
         from id `start`): of the global ids `tokens` [...], and the top k (values and
         global ids [..., k]), identical on every rank. The rank holding a token offers
-        its logit, the others -inf, in the same all-gather as the top-k candidates."""
+        its logit, the others -inf, in the same all-gather as the top-k candidates.
+        With `ranks`, also each token's rank [...] in the vocabulary (1 + how many ids
+        have a larger logit: one more all-reduce)."""
         if self.size == 1:
             picked = x.gather(-1, tokens[..., None])
         else:
@@ -111,7 +113,10 @@ class TPGroup:
             picked = x.gather(-1, local.clamp(0, x.shape[-1] - 1)[..., None])
             picked = picked.masked_fill(~mine[..., None], float("-inf"))
         vals, ids, lse, picked = self._top(x, k, start, True, picked)
-        return (picked - lse)[..., 0], vals - lse, ids
+        if not ranks:
+            return (picked - lse)[..., 0], vals - lse, ids
+        above = (x > picked).sum(-1)
+        return (picked - lse)[..., 0], vals - lse, ids, 1 + (self.all_reduce(above) if self.size > 1 else above)
 
     def _top(self, x: torch.Tensor, k: int, start: int, log_softmax: bool, picked: torch.Tensor | None = None):
         """(top-k values, global ids, log-sum-exp [..., 1] (with log_softmax, else None),

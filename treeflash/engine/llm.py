@@ -45,6 +45,7 @@ class TokenLogprob:
     token_id: int
     logprob: float | None  # None: a prompt's first token, which nothing before it predicts
     top: list[tuple[int, float]]
+    rank: int | None = None  # a prompt token's rank in the vocabulary (1: the most likely)
 
 
 @dataclass
@@ -137,10 +138,11 @@ def _shifted(callback, offset: int):
 
 def _token_logprobs(tokens: list[int], rows, k: int) -> list[TokenLogprob]:
     """The `TokenLogprob`s of `tokens` from one request's logprobs read back as lists
-    (chosen [T], top values [T][K], top ids [T][K]; `tokens` are its first T' <= T);
-    `k` alternatives each."""
-    chosen, top_vals, top_ids = rows
-    return [TokenLogprob(t, chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k]))) for i, t in enumerate(tokens)]
+    (chosen [T], top values [T][K], top ids [T][K], and for a prompt ranks [T]; `tokens`
+    are its first T' <= T); `k` alternatives each."""
+    chosen, top_vals, top_ids, *ranks = rows
+    return [TokenLogprob(t, chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k])), ranks[0][i] if ranks else None)
+            for i, t in enumerate(tokens)]
 
 
 class RoundPipeline:
@@ -573,7 +575,8 @@ class LLM:
     def _prompt_logprobs(prompts: list[list[int]], params: list[SamplingParams], plp: list):
         """Per request, its prompt's `TokenLogprob`s (None for requests that did not ask)
         from `prefill_tokens`' flat rows read back as lists (chosen [N], top values
-        [N][K], top ids [N][K]: the asking requests' tokens but their first, in order)."""
+        [N][K], top ids [N][K], ranks [N]: the asking requests' tokens but their first, in
+        order)."""
         out, at = [], 0
         for ids, p in zip(prompts, params):
             if p.prompt_logprobs is None:

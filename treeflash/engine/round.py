@@ -186,8 +186,8 @@ class SpeculativeDecoder:
         return lp, (self._prompt_logprobs(h, ids, prompt_logprobs) if prompt_logprobs else None)
 
     def _prompt_logprobs(self, h: torch.Tensor, ids: torch.Tensor, rows: list[tuple[int, int]]):
-        """`logprobs_of` each prompt token but the first of the requests `rows` ((row,
-        length) pairs), from the prefill's hidden states h [B, T, H] at the positions
+        """`logprobs_of` (with ranks) each prompt token but the first of the requests `rows`
+        ((row, length) pairs), from the prefill's hidden states h [B, T, H] at the positions
         before them: only those positions (not the padding, nor other requests'), and
         PROMPT_LOGPROB_ROWS of them at a time (a long prompt's logits over the whole
         vocabulary would not fit at once)."""
@@ -197,9 +197,9 @@ class SpeculativeDecoder:
         if not len(at):  # one-token prompts: nothing predicts their only token
             k = min(MAX_LOGPROBS, self.target.lm_head.vocab_size)
             empty = torch.empty(0, k, device=ids.device)
-            return empty[:, 0], empty, empty.long()
+            return empty[:, 0], empty, empty.long(), empty[:, 0].long()
         parts = [logprobs_of(self.target.logits(states[s:s + PROMPT_LOGPROB_ROWS, None], gather=False),
-                             tokens[s:s + PROMPT_LOGPROB_ROWS, None], self.tp)
+                             tokens[s:s + PROMPT_LOGPROB_ROWS, None], self.tp, ranks=True)
                  for s in range(0, len(at), PROMPT_LOGPROB_ROWS)]
         return tuple(torch.cat(x, dim=0).flatten(0, 1) for x in zip(*parts))
 

@@ -24,7 +24,6 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completion
 # Parameters (OpenAI's and vLLM's) this engine cannot honour, with the values that ask
 # for nothing: anything else is refused, never silently ignored.
 UNSUPPORTED = {
-    "prompt_logprobs": ((None,), "prompt_logprobs are not supported (completions: echo with logprobs)"),
     "suffix": ((None, ""), "suffix is not supported"),
     "tools": ((None, []), "tool calls are for chat completions"),  # chat: `request_tools`
     "tool_choice": ((None, "none", "auto"), "tool calls are for chat completions"),
@@ -47,7 +46,7 @@ SAMPLING_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", 
                  "allowed_token_ids", "skip_special_tokens",
                  "include_stop_str_in_output", "stream", "stream_options", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "truncate_prompt_tokens", "user", "metadata", "store",
-                 "service_tier", "parallel_tool_calls", "bad_words", *STRUCTURED_KEYS}
+                 "service_tier", "parallel_tool_calls", "bad_words", "prompt_logprobs", *STRUCTURED_KEYS}
 # OpenAI's bookkeeping keys in SAMPLING_KEYS, with the type each must have.
 BOOKKEEPING = (("user", str, "a string"), ("metadata", dict, "an object of strings"),
                ("store", bool, "true or false"), ("service_tier", str, "a string"),
@@ -139,6 +138,7 @@ class Request:
     tool_calls: str | None = None  # chat with tools: the parser whose calls become tool_calls (`server.answers`)
     reasoning: str | None = None  # chat: the reasoning parser that splits <think> off (`server.answers`)
     continuous_usage: bool = False  # streamed: every choice's event has its usage so far (vLLM's)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives per prompt token
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -401,8 +401,24 @@ def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_mode
         echo = [p if isinstance(p, str) and truncate is None else decode(i, params.skip_special_tokens)
                 for p, i in zip(prompts, ids)]
         params = replace(params, prompt_logprobs=params.logprobs)  # scoring a text, as lm-eval does
+    params, k = _with_prompt_logprobs(body, params, stream)
     return Request("completion", ids, params, stream, include_usage, _choices(body, len(ids)), echo=echo,
-                   continuous_usage=continuous)
+                   continuous_usage=continuous, prompt_logprobs=k)
+
+
+def _with_prompt_logprobs(body: dict, params: SamplingParams, stream: bool) -> tuple[SamplingParams, int | None]:
+    """vLLM's prompt_logprobs (0 to MAX_LOGPROBS alternatives per prompt token, besides
+    the token itself): params that compute them (as many as echo's logprobs also need),
+    and how many to report."""
+    k = body.get("prompt_logprobs")
+    if k is None:
+        return params, None
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
+        raise APIError(f"'prompt_logprobs' must be an integer from 0 to {MAX_LOGPROBS} (-1, the whole vocabulary, "
+                       f"is not supported), got {shown(k)}", param="prompt_logprobs")
+    if stream:
+        raise APIError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+    return replace(params, prompt_logprobs=max(k, params.prompt_logprobs or 0)), k
 
 
 def _truncation(body: dict) -> int | None:
@@ -451,8 +467,9 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
             raise APIError(str(e), param="tool_choice") from None
     if reasoning_parser is not None and params.structured_outputs is not None:  # the answer reasons first (vLLM's)
         params = replace(params, structured_outputs=replace(params.structured_outputs, reasoning=reasoning_parser))
+    params, k = _with_prompt_logprobs(body, params, stream)
     return Request("chat", ids, params, stream, include_usage, _choices(body, 1), tool_calls=reader,
-                   reasoning=reasoning_parser, continuous_usage=continuous)
+                   reasoning=reasoning_parser, continuous_usage=continuous, prompt_logprobs=k)
 
 
 def render_chat(body: dict, template, tools: list[dict] | None = None) -> str:
@@ -557,8 +574,9 @@ def logprobs_body(req: Request, entries, tokenizer, offset: int = 0) -> dict | N
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
+    k = req.params.logprobs  # prompt_logprobs may have computed more alternatives for the echoed prompt
     top = [None if e.logprob is None else
-           {tokenizer.token_text(i): value(lp) for i, lp in [*e.top, (e.token_id, e.logprob)]} for e in entries]
+           {tokenizer.token_text(i): value(lp) for i, lp in [*e.top[:k], (e.token_id, e.logprob)]} for e in entries]
     return {"tokens": tokens, "token_logprobs": [None if e.logprob is None else value(e.logprob) for e in entries],
             "top_logprobs": top, "text_offset": offsets}
 
@@ -567,10 +585,14 @@ def response(req: Request, model: str, outputs, tokenizer=None) -> dict:
     """The whole (non-streamed) answer to `req` from its GenerationOutputs (`tokenizer`
     names the tokens of logprobs, if asked)."""
     chat = req.kind == "chat"
+    echoed = req.echo is not None and req.params.logprobs is not None
     choices = [{"index": i, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
-                "logprobs": logprobs_body(req, (out.prompt_logprobs or []) + (out.logprobs or []), tokenizer),
+                "logprobs": logprobs_body(req, (out.prompt_logprobs if echoed else []) + (out.logprobs or []),
+                                          tokenizer),
                 **({"message": message(req, out)} if chat else
-                   {"text": (req.echo[i // req.n] if req.echo else "") + out.text})}
+                   {"text": (req.echo[i // req.n] if req.echo else "") + out.text}),
+                **({"prompt_logprobs": prompt_logprobs_body(req, out, tokenizer)} if not chat
+                   and req.prompt_logprobs is not None else {})}
                for i, out in enumerate(outputs)]
     for choice in choices:
         if chat and "tool_calls" in choice["message"]:
@@ -578,7 +600,23 @@ def response(req: Request, model: str, outputs, tokenizer=None) -> dict:
     return {"id": ("chatcmpl-" if chat else "cmpl-") + req.id,
             "object": "chat.completion" if chat else "text_completion", "created": req.created,
             "model": model, "choices": choices,
+            **({"prompt_logprobs": prompt_logprobs_body(req, outputs[0], tokenizer)} if chat
+               and req.prompt_logprobs is not None else {}),
             "usage": usage(req, outputs)}
+
+
+def prompt_logprobs_body(req: Request, out, tokenizer) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token, null for the first (nothing predicts
+    it), then {token id: {logprob, rank, decoded_token}} for the token itself (its rank
+    in the vocabulary) and the `req.prompt_logprobs` most likely ids (ranks 1, 2, ...)."""
+    def item(token_id: int, lp: float, rank: int | None) -> dict:
+        return {"logprob": None if math.isnan(lp) else max(lp, LOGPROB_FLOOR), "rank": rank,
+                "decoded_token": tokenizer.token_text(token_id)}
+
+    return [None if e.logprob is None else
+            {str(e.token_id): item(e.token_id, e.logprob, e.rank),
+             **{str(i): item(i, lp, r) for r, (i, lp) in enumerate(e.top[:req.prompt_logprobs], 1) if i != e.token_id}}
+            for e in out.prompt_logprobs]
 
 
 def message(req: Request, out) -> dict:
