@@ -463,8 +463,8 @@ def test_a_constraint_holds_after_the_reasoning(engines, parser):
 
 def test_the_server_constrains_chat_after_the_reasoning(engines):
     """A server with --reasoning-parser: a chat answer reasons, then its content is
-    what response_format asks for (whole and streamed); completions stay constrained
-    from the first token."""
+    what the constraint asks for (whole and streamed); completions, and answers whose
+    prompt closed the reasoning, are constrained from the first token."""
     from starlette.testclient import TestClient
 
     from treeflash.chat import ChatTemplate
@@ -486,3 +486,24 @@ def test_the_server_constrains_chat_after_the_reasoning(engines):
     r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 40, "temperature": 0,
                                              "guided_regex": r"# [a-z] = [0-9]"})
     assert re.fullmatch(r"# [a-z] = [0-9]", r.json()["choices"][0]["text"]), r.text
+    # a prompt that closed the reasoning block itself (Qwen3 with enable_thinking false):
+    # the answer is content, constrained from its first token, with either parser
+    for parser in ("deepseek_r1", "qwen3"):
+        closed = ChatTemplate("{{ messages[0].content }}<think>\n\n</think>\n\n")
+        client = TestClient(build_app(engines["ddtree"], "m", closed, reasoning_parser=parser))
+        message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        assert message["reasoning_content"] is None and re.fullmatch(r"# [a-z] = [0-9]", message["content"]), message
+
+
+def test_a_forced_call_waits_for_the_reasoning_too(engines):
+    """tool_choice 'required' on a server with a reasoning parser: the JSON list of calls
+    is constrained after the reasoning, unless the prompt closed it."""
+    from treeflash.chat import ChatTemplate
+    from treeflash.server.protocol import parse_chat
+    llm = engines["ar"]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": "required"}
+    for template, reasoned in (("{{ messages[0].content }}", True), ("{{ messages[0].content }}</think>\n", False)):
+        req = parse_chat(body, "m", ChatTemplate(template), llm.encode, llm.max_model_len, reasoning_parser="qwen3")
+        so = req.params.structured_outputs
+        assert so.json is not None and so.reasoning == ("qwen3" if reasoned else None) and req.reasoned == reasoned

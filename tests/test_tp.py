@@ -351,11 +351,14 @@ def test_sharded_logprobs_equal_whole_vocabulary(n):
     B, T, V, k = 3, 4, 40, 6
     logits = torch.randn(B, T, V, generator=gen, dtype=torch.float64) * 3
     tokens = torch.randint(0, V, (B, T), generator=gen)
+    # a tie on the first and last ranks' slices (below the top k): ranked after every id it ties with
+    logits[0, 0, [0, 1, V - 2, V - 1]] = logits[0, 0].min() - 1
+    tokens[0, 0] = 0
     whole = torch.log_softmax(logits, -1)
     want_vals, want_ids = whole.topk(k, -1)
     results = on_ranks(n, lambda tp: tp.logprobs(_shard(logits, tp), tokens, k, tp.rank * (V // n), ranks=True))
-    want_ranks = 1 + (logits > logits.gather(-1, tokens[..., None])).sum(-1)
-    assert want_ranks.max() > k  # ranks past the top k too
+    want_ranks = (logits >= logits.gather(-1, tokens[..., None])).sum(-1)
+    assert want_ranks[0, 0] == V and want_ranks.max() > k  # ranks past the top k too
     for chosen, vals, ids, ranks in results:
         torch.testing.assert_close(chosen, whole.gather(-1, tokens[..., None])[..., 0], rtol=0, atol=1e-12)
         torch.testing.assert_close(vals, want_vals, rtol=0, atol=1e-12)
@@ -415,6 +418,9 @@ def test_tp_fp8_tokens_equal_tp1(tp_models, tmp_path):
         finally:
             llm.close()
     assert outs[2] == outs[1] and outs[4] == outs[1]
+    uneven = write_fp8_copy(tp_models["qwen3"][0], tmp_path / "fp8-32", block=(32, 16))
+    with pytest.raises(TreeflashError, match="block size 32 does not divide its 16 output features per rank"):
+        LLM(uneven, device="cpu", dtype="float64", tp=4)  # 64 query features over 4 ranks
 
 
 def test_tp1_topk_is_the_plain_topk():

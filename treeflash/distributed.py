@@ -103,8 +103,9 @@ class TPGroup:
         from id `start`): of the global ids `tokens` [...], and the top k (values and
         global ids [..., k]), identical on every rank. The rank holding a token offers
         its logit, the others -inf, in the same all-gather as the top-k candidates.
-        With `ranks`, also each token's rank [...] in the vocabulary (1 + how many ids
-        have a larger logit: one more all-reduce)."""
+        With `ranks`, also each token's rank [...] in the vocabulary: how many ids have a
+        logit at least as large, itself included (vLLM's: a tie ranks after every id it
+        ties with); one more all-reduce."""
         if self.size == 1:
             picked = x.gather(-1, tokens[..., None])
         else:
@@ -115,8 +116,8 @@ class TPGroup:
         vals, ids, lse, picked = self._top(x, k, start, True, picked)
         if not ranks:
             return (picked - lse)[..., 0], vals - lse, ids
-        above = (x > picked).sum(-1)
-        return (picked - lse)[..., 0], vals - lse, ids, 1 + (self.all_reduce(above) if self.size > 1 else above)
+        at_least = (x >= picked).sum(-1)
+        return (picked - lse)[..., 0], vals - lse, ids, self.all_reduce(at_least) if self.size > 1 else at_least
 
     def _top(self, x: torch.Tensor, k: int, start: int, log_softmax: bool, picked: torch.Tensor | None = None):
         """(top-k values, global ids, log-sum-exp [..., 1] (with log_softmax, else None),

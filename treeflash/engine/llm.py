@@ -45,7 +45,7 @@ class TokenLogprob:
     token_id: int
     logprob: float | None  # None: a prompt's first token, which nothing before it predicts
     top: list[tuple[int, float]]
-    rank: int | None = None  # a prompt token's rank in the vocabulary (1: the most likely)
+    rank: int | None = None  # a prompt token's rank in the vocabulary (1: the most likely; ties: the last)
 
 
 @dataclass

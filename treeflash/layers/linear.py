@@ -12,12 +12,14 @@ step streams. Activations stay in the model's dtype.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
 from treeflash.distributed import TPGroup
 from treeflash.errors import TreeflashError
-from treeflash.ops import Fp8Weight, gated_linear, linear
+from treeflash.ops import Fp8Weight, fp8_kernels_fit, gated_linear, linear
 
 
 class ShardedLinear(nn.Module):
@@ -43,6 +45,9 @@ class ShardedLinear(nn.Module):
                                      + (" per rank: the scales cannot be cut there (choose another "
                                         "tensor-parallel size)" if self.tp.size > 1 else
                                         " of one merged part: a scale block would straddle two tensors"))
+        if self.weight.is_cuda and not fp8_kernels_fit(block):
+            warnings.warn(f"{name}: FP8 blocks {bk} columns wide do not fit the GPU kernels (a power of two of "
+                          f"16 or more): each product dequantizes the weight first, which is slow")
         self.block = (bn, bk)
         self.weight = nn.Parameter(torch.empty(N, K, dtype=torch.float8_e4m3fn, device=self.weight.device),
                                    requires_grad=False)

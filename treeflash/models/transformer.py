@@ -163,21 +163,50 @@ def run_layers(layers, h, cos, sin, inputs, kvs, final_norm, taps=(), prefix_kvs
     return h, tapped
 
 
+# Checkpoint tensors stored side by side in one of our parameters.
+MERGED_WEIGHTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def to_fp8(module: nn.Module, prefix: str, cfg: ModelConfig) -> None:
+    """FP8 weights (cfg.fp8_block) in every linear layer of `module` (named `prefix` in
+    the checkpoint) but those whose checkpoint names hold an entry of cfg.fp8_skip (HF's
+    modules_to_not_convert)."""
+    for name, layer in module.named_modules(prefix=prefix):
+        if not isinstance(layer, ShardedLinear):
+            continue
+        parent, _, local = name.rpartition(".")
+        names = [f"{parent}.{m}" for m in MERGED_WEIGHTS.get(local, (local,))]
+        kept = {any(s in n for s in cfg.fp8_skip) for n in names}
+        if len(kept) > 1:
+            raise TreeflashError(f"modules_to_not_convert keeps some of {', '.join(names)} unquantized but not "
+                                 f"all: they are one merged layer here")
+        if not kept.pop():
+            layer.to_fp8(cfg.fp8_block, name)
+
+
 class DecoderStack(nn.Module):
-    """HF's `model.*` module: embeddings, layers, final norm."""
+    """HF's `model.*` module: embeddings, layers, final norm. An FP8 checkpoint's layers
+    take their FP8 form one by one as they are made: the device never holds the whole
+    model in the higher precision."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
+        if cfg.fp8_block is not None and cfg.num_experts:
+            raise TreeflashError("FP8 checkpoints of mixture-of-experts models are not supported yet "
+                                 "(dense Qwen3 and Llama are)")
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, tp, cfg.sparse_layer(i)) for i in range(cfg.num_layers)])
+        self.layers = nn.ModuleList()
+        for i in range(cfg.num_layers):
+            self.layers.append(DecoderLayer(cfg, tp, cfg.sparse_layer(i)))
+            if cfg.fp8_block is not None:
+                to_fp8(self.layers[i], f"model.layers.{i}", cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
     """A Qwen3ForCausalLM / LlamaForCausalLM / Qwen3MoeForCausalLM target."""
 
-    # Checkpoint tensors stored side by side in one of our parameters.
-    merged_weights = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    merged_weights = MERGED_WEIGHTS
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup()):
         super().__init__()
@@ -186,26 +215,6 @@ class CausalLM(nn.Module):
         self.model = DecoderStack(cfg, tp)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        if cfg.fp8_block is not None:
-            self._to_fp8(cfg.fp8_block, cfg.fp8_skip)
-
-    def _to_fp8(self, block: tuple[int, int], skip: tuple[str, ...]) -> None:
-        """FP8 weights in every linear layer but those whose checkpoint names hold an
-        entry of `skip` (HF's modules_to_not_convert)."""
-        if self.config.num_experts:
-            raise TreeflashError("FP8 checkpoints of mixture-of-experts models are not supported yet "
-                                 "(dense Qwen3 and Llama are)")
-        for name, module in self.named_modules():
-            if not isinstance(module, ShardedLinear):
-                continue
-            prefix, _, local = name.rpartition(".")
-            names = [f"{prefix}.{m}" for m in self.merged_weights.get(local, (local,))]
-            kept = {any(s in n for s in skip) for n in names}
-            if len(kept) > 1:
-                raise TreeflashError(f"modules_to_not_convert keeps some of {', '.join(names)} unquantized but not "
-                                     f"all: they are one merged layer here")
-            if not kept.pop():
-                module.to_fp8(block, name)
 
     def checkpoint_key(self, name: str) -> str:
         if name == "lm_head.weight" and self.config.tie_word_embeddings:

@@ -36,9 +36,13 @@ class Fp8Weight(NamedTuple):
 
     @property
     def fits_kernels(self) -> bool:
-        """The Triton kernels take scale blocks a power of two of 16 columns or more."""
-        cols = self.block[1]
-        return cols >= 16 and cols & (cols - 1) == 0
+        return fp8_kernels_fit(self.block)
+
+
+def fp8_kernels_fit(block: tuple[int, int]) -> bool:
+    """The Triton kernels take scale blocks a power of two of 16 columns or more."""
+    cols = block[1]
+    return cols >= 16 and cols & (cols - 1) == 0
 
 
 def dequantized(weight: torch.Tensor, fp8: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:

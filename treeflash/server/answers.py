@@ -8,7 +8,9 @@ so every method stays exact.
   the answer has none): reasoning only if the answer starts with `<think>`.
   `deepseek_r1`: the template's generation prompt opens the block (DeepSeek-R1,
   Qwen3-Thinking-2507), so the answer starts inside it. An answer cut off before
-  `</think>` is all reasoning.
+  `</think>` is all reasoning. With either, a prompt that ends with `</think>` (Qwen3
+  with enable_thinking false) leaves the answer none: it is all content
+  (`Request.reasoned` in `server.protocol`).
 - Tool calls (vLLM's `--tool-call-parser`): the request's tools go to the chat
   template, and the model's calls become `tool_calls`. `hermes`: `<tool_call>{"name":
   ..., "arguments": {...}}</tool_call>` blocks (Qwen2.5, Qwen3, Hermes); the content is

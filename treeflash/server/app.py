@@ -31,7 +31,7 @@ from starlette.routing import Route
 
 from treeflash.errors import EngineDeadError, TreeflashError, UsageError
 from treeflash.server.metrics import ServerMetrics
-from treeflash.server.answers import REASONING_PARSERS, TOOL_PARSERS, MessageStream
+from treeflash.server.answers import REASONING_PARSERS, TOOL_PARSERS
 from treeflash.server.protocol import (STRUCTURED_KEYS, APIError, Request, SamplingDefaults, check_model, chunk,
                                       logprobs_body, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
                                       response, tool_finish, usage)
@@ -337,7 +337,7 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
                 for i in range(len(job.runs)):
                     yield _sse(chunk(req, model_name, text=req.echo[i // req.n] if req.echo else None, first=True,
                                      index=i))
-            parts = [MessageStream(req.reasoning, req.tool_calls) for _ in job.runs]
+            parts = [req.message_stream() for _ in job.runs]
             while (item := await job.deltas.get()) is not _DONE:
                 i, delta, logprobs, generated = item
                 if delta is None:  # choice i is done: the rest of its text, and why it ended

@@ -17,7 +17,7 @@ from treeflash.engine.sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
                                        SamplingParams, token_bias)
 from treeflash.errors import TreeflashError, UsageError, shown
 from treeflash.server.answers import MessageStream, request_tools
-from treeflash.structured.grammar import StructuredOutputs
+from treeflash.structured.grammar import REASONING_TAGS, StructuredOutputs
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
@@ -137,10 +137,15 @@ class Request:
     echo: list[str] | None = None  # completions with echo: each prompt's text, put before its choices' text
     tool_calls: str | None = None  # chat with tools: the parser whose calls become tool_calls (`server.answers`)
     reasoning: str | None = None  # chat: the reasoning parser that splits <think> off (`server.answers`)
+    reasoned: bool = True  # whether the answer may reason (not if the prompt closed the reasoning block)
     continuous_usage: bool = False  # streamed: every choice's event has its usage so far (vLLM's)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives per prompt token
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def message_stream(self) -> MessageStream:
+        """What splits a chat answer into reasoning, content and tool calls."""
+        return MessageStream(self.reasoning if self.reasoned else None, self.tool_calls)
 
     def runs(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt, params) of each choice, prompt-major (choice index = prompt * n + j).
@@ -453,8 +458,9 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
     except UsageError as e:
         raise APIError(str(e), param=e.param) from None
     # the template writes its own special tokens; add_special_tokens adds the tokenizer's too (vLLM)
-    ids = [_encode(encode, render_chat(body, template, tools), param="messages",
-                   special=_flag(body, "add_special_tokens", False), truncate=_truncation(body))]
+    text = render_chat(body, template, tools)
+    ids = [_encode(encode, text, param="messages", special=_flag(body, "add_special_tokens", False),
+                   truncate=_truncation(body))]
     stream, include_usage, continuous = _stream_flags(body)
     params = _sampling(body, [len(ids[0])], max_model_len, defaults.max_tokens, defaults, vocab_size, "chat")
     if forced is not None:  # tool_choice 'required' or a named function: the answer is the calls
@@ -465,11 +471,13 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
             params = replace(params, structured_outputs=StructuredOutputs(json=forced))
         except UsageError as e:
             raise APIError(str(e), param="tool_choice") from None
-    if reasoning_parser is not None and params.structured_outputs is not None:  # the answer reasons first (vLLM's)
+    # a prompt that ends with the closing tag (Qwen3 with enable_thinking false) leaves the answer no reasoning
+    reasoned = reasoning_parser is not None and not text.rstrip().endswith(REASONING_TAGS[reasoning_parser][1])
+    if reasoned and params.structured_outputs is not None:  # the answer reasons first (vLLM's)
         params = replace(params, structured_outputs=replace(params.structured_outputs, reasoning=reasoning_parser))
     params, k = _with_prompt_logprobs(body, params, stream)
     return Request("chat", ids, params, stream, include_usage, _choices(body, 1), tool_calls=reader,
-                   reasoning=reasoning_parser, continuous_usage=continuous, prompt_logprobs=k)
+                   reasoning=reasoning_parser, reasoned=reasoned, continuous_usage=continuous, prompt_logprobs=k)
 
 
 def render_chat(body: dict, template, tools: list[dict] | None = None) -> str:
@@ -622,7 +630,7 @@ def prompt_logprobs_body(req: Request, out, tokenizer) -> list[dict | None]:
 def message(req: Request, out) -> dict:
     """A chat answer's message: its text, or with a reasoning parser or tools, its parts
     (`treeflash.server.answers`); a part that is empty is null."""
-    reasoning, content, calls = MessageStream(req.reasoning, req.tool_calls).push(out.text, final=True)
+    reasoning, content, calls = req.message_stream().push(out.text, final=True)
     calls = [{k: v for k, v in c.items() if k != "index"} for c in calls]
     return {"role": "assistant", "content": (content or None) if calls or req.reasoning else content,
             **({"reasoning_content": reasoning or None} if req.reasoning else {}),

@@ -51,7 +51,7 @@ class StructuredOutputs:
         if len(given) != 1:
             raise UsageError(f"structured outputs take exactly one of json, regex, choice and json_object, got "
                              f"{', '.join(given) or 'none'}")
-        if self.reasoning is not None and self.reasoning not in REASONING_TAGS:
+        if self.reasoning is not None and (not isinstance(self.reasoning, str) or self.reasoning not in REASONING_TAGS):
             raise UsageError(f"structured outputs: reasoning must be one of {', '.join(REASONING_TAGS)}, got "
                              f"{shown(self.reasoning)}")
         if self.regex is not None and not isinstance(self.regex, str):
