@@ -201,7 +201,7 @@ def test_shape_mode_tiny(tmp_path, capsys):
     (["--draft-layers", "2"], "--draft-layers applies to --shape only"),
     (["--attention", "triton"], "--attention applies to --shape only"),
     (["--copy-mib", "8"], "--copy-mib applies to --shape only"),
-    (["--shape", "tiny", "--regex", "a+"], "--json-schema, --regex, --choice or --json-object applies to model-pair mode"),
+    (["--shape", "tiny", "--regex", "a+"], "--json-schema, --regex, --choice, --grammar or --json-object applies to model-pair mode"),
     (["--choice", "a", "--device", "cpu"], "need --eos"),
     # request i samples with seed S + i < 2^63: refused before the model loads
     (["--seed", str(2 ** 63 - 1), "--num-prompts", "2", "--device", "cpu"], "--seed must be in [0, 2^63 - 2]"),

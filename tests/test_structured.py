@@ -190,7 +190,7 @@ def test_automata_are_compiled_once_per_constraint(engines):
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(structured_outputs=StructuredOutputs()), "exactly one of json, regex, choice and json_object, got none"),
+    (dict(structured_outputs=StructuredOutputs()), "exactly one of json, regex, choice, grammar and json_object, got none"),
     (dict(structured_outputs=StructuredOutputs(regex="a", json_object=True)), "got regex, json_object"),
     (dict(structured_outputs=StructuredOutputs(regex="a", choice=["b"])), "got regex, choice"),
     (dict(structured_outputs=StructuredOutputs(choice=[])), "non-empty list of strings"),
@@ -270,9 +270,10 @@ def test_the_server_takes_vllm_and_openai_forms(engines):
     ({"response_format": {"type": "json_schema"}}, "response_format", "must be"),
     ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs", "json_object must be true or false"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "not both"),
-    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs", "regular constraints only"),
+    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs", "'x', which no rule defines"),
+    ({"structured_outputs": {"grammar_x": "root ::= x"}}, "structured_outputs", "not supported"),
     ({"structured_outputs": "a"}, "structured_outputs", "must be an object"),
-    ({"guided_grammar": "root ::= x"}, "guided_grammar", "not supported"),
+    ({"guided_grammar": "start: \"x\""}, "guided_grammar", "Lark"),
     ({"guided_regex": "(a"}, "guided_regex", "missing"),
     ({"guided_json": {"type": "object"}}, "guided_json", "properties"),
     ({"guided_choice": "yes"}, "guided_choice", "list of strings"),
@@ -507,3 +508,149 @@ def test_a_forced_call_waits_for_the_reasoning_too(engines):
         req = parse_chat(body, "m", ChatTemplate(template), llm.encode, llm.max_model_len, reasoning_parser="qwen3")
         so = req.params.structured_outputs
         assert so.json is not None and so.reasoning == ("qwen3" if reasoned else None) and req.reasoned == reasoned
+
+
+# --- EBNF grammars ---
+
+ARITHMETIC = """
+# an expression; rules may span lines
+root   ::= expr
+expr   ::= term (("+" | "-") term)*
+term   ::= factor
+           (("*" | "/") factor)*
+factor ::= [0-9]{1,3} | "(" expr ")" | 'x'
+"""
+
+
+def _arithmetic(text: str, depth: int) -> bool:
+    """Whether `text` is an ARITHMETIC expression with at most depth - 1 nested parentheses."""
+    pos, deepest, level = 0, 0, 0
+
+    def expr():
+        nonlocal pos
+        term()
+        while pos < len(text) and text[pos] in "+-":
+            pos += 1
+            term()
+
+    def term():
+        nonlocal pos
+        factor()
+        while pos < len(text) and text[pos] in "*/":
+            pos += 1
+            factor()
+
+    def factor():
+        nonlocal pos, deepest, level
+        m = re.match(r"[0-9]{1,3}|x", text[pos:])
+        if m:
+            pos += m.end()
+        elif text[pos:pos + 1] == "(":
+            pos, level = pos + 1, level + 1
+            deepest = max(deepest, level)
+            expr()
+            if text[pos:pos + 1] != ")":
+                raise ValueError
+            pos, level = pos + 1, level - 1
+        else:
+            raise ValueError
+    try:
+        expr()
+    except (ValueError, IndexError):
+        return False
+    return pos == len(text) and deepest < depth
+
+
+def test_a_grammar_matches_what_it_derives_up_to_its_depth():
+    """GBNF rules (comments, rules over several lines, 'single' and "double" quotes,
+    classes, {m,n}) whose recursion is unrolled: an expression nests parentheses
+    MAX_DEPTH - 1 deep at most (the outer expression counts), every such text matches."""
+    from treeflash.structured.ebnf import MAX_DEPTH, grammar_regex
+    dfa = StructuredOutputs(grammar=ARITHMETIC).validate().automaton()
+    assert dfa.num_states < 40  # nesting is counted in states: the unrolled copies minimise away
+    rng = random.Random(7)
+    samples = ["".join(rng.choice("0123x+-*/()") for _ in range(rng.randint(1, 14))) for _ in range(20000)]
+    samples += ["(" * k + "1" + ")" * k for k in range(6)] + ["1000", "12*(3+x)/4", "((1)+(2))"]
+    hits = 0
+    for t in samples:
+        assert dfa.matches(t.encode()) == _arithmetic(t, MAX_DEPTH), t
+        hits += dfa.matches(t.encode())
+    assert hits > 200
+    assert dfa.matches(b"(((1)))") and not dfa.matches(b"((((1))))")
+    assert compile_regex(grammar_regex(ARITHMETIC, 1)).matches(b"1+2") and \
+        not compile_regex(grammar_regex(ARITHMETIC, 1)).matches(b"(1)")
+    other = StructuredOutputs(grammar='root ::= "a" [^a-c\\n]+ . ("b"? "\\x41"){2}').validate().automaton()
+    assert other.matches("adé\nAbA".encode()) and not other.matches(b"aaxAA")
+
+
+JSON_GBNF = r"""
+root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
+array  ::= "[" ws ( value ("," ws value)* )? "]" ws
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+ws ::= | " " | "\n" [ \t]{0,20}
+"""
+
+
+def test_a_grammar_too_large_to_unroll_deep_unrolls_less_deep():
+    """llama.cpp's JSON grammar: 4 levels would pass the automaton's limits, so it is
+    unrolled 3 deep (values nest 3 deep), never refused for it."""
+    dfa = StructuredOutputs(grammar=JSON_GBNF).validate().automaton()
+    for text, ok in (('{"a": [1, {"b": null}]}', True), ("{}", True), ('{"a": [[1]]}', True),
+                     ('{"a": [[[1]]]}', False), ('{"a":1,}', False)):
+        assert dfa.matches(text.encode()) == ok, text
+
+
+@pytest.mark.parametrize("grammar,message", [
+    ('expr ::= "a"', "no `root` rule"),
+    ("root ::= x", "'x', which no rule defines"),
+    ('start: "a"', "Lark"),
+    ('root ::= "a', "missing closing"),
+    ("root ::= []", "empty character class"),
+    ('root ::= "\\q"', "unknown escape"),
+    ('root ::= "a"\nroot ::= "b"', "defined twice"),
+    ('root ::= "a" | (', "missing ')'"),
+    ('root ::= "a"{3,1}', "n < m"),
+    ("", "non-empty string"),
+    ('root ::= "a" "b" {2000}', "above 1000"),
+    ("root ::= root", "matches no text"),
+])
+def test_bad_grammars_are_refused_in_one_line(grammar, message):
+    with pytest.raises(UsageError, match=re.escape(message)) as e:
+        StructuredOutputs(grammar=grammar).validate().automaton()
+    assert "\n" not in str(e.value)
+
+
+def test_every_method_gives_ar_tokens_under_a_grammar(engines):
+    """Greedy and sampled: DFlash and DDTree give AR's tokens, and the text is one the
+    grammar derives (or, cut by max_new_tokens, the start of one)."""
+    so = StructuredOutputs(grammar=ARITHMETIC)
+    dfa = so.automaton()
+    params = [SamplingParams(max_new_tokens=30, structured_outputs=so, temperature=t, seed=3) for t in (0.0, 1.0)]
+    outs = {m: e.generate(["x = ", "def f(a):\n    return "], params * 1) for m, e in engines.items()}
+    for m in ("dflash", "ddtree"):
+        assert [o.token_ids for o in outs[m]] == [o.token_ids for o in outs["ar"]], m
+    for o in outs["ar"]:
+        if o.finish_reason == "stop":
+            assert dfa.matches(o.text.encode()), o.text
+        state = 0
+        for byte in o.text.encode():
+            state = int(dfa.trans[state, byte])
+            assert state >= 0, o.text
+
+
+def test_the_server_and_command_line_take_grammars(engines, capsys, tmp_path):
+    from starlette.testclient import TestClient
+
+    from treeflash.cli import main
+    from treeflash.server.app import build_app
+    client = TestClient(build_app(engines["ar"], "m"))
+    for extra in ({"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}}, {"guided_grammar": 'root ::= "yes" | "no"'}):
+        r = client.post("/v1/completions", json={"prompt": "ok? ", "max_tokens": 5, **extra})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no"), r.text
+    (tmp_path / "g.gbnf").write_text('root ::= "pass" | "return x"\n')
+    for given in (str(tmp_path / "g.gbnf"), 'root ::= "pass" | "return x"'):
+        assert main(["generate", "def f(x):", "--device", "cpu", "--grammar", given, "--max-new-tokens", "10"]) == 0
+        assert capsys.readouterr().out.strip() in ("pass", "return x")

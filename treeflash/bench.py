@@ -309,8 +309,8 @@ def bench_pairs(args) -> int:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     SamplingParams(logprobs=args.logprobs).validate()
     if structured_from(args) is not None and not args.eos:  # past its end a text could only repeat EOS
-        raise UsageError("--json-schema, --regex, --choice and --json-object need --eos: a constrained text ends "
-                         "at its end token")
+        raise UsageError("--json-schema, --regex, --choice, --grammar and --json-object need --eos: a constrained "
+                         "text ends at its end token")
     graphs = parse_graphs(args.graphs or "on,off")
     prompts = load_prompts(args)
     check_seed(args.seed, len(prompts))
@@ -698,7 +698,7 @@ def bench_shape(args) -> int:
                                           ("--num-prompts", args.num_prompts is not None),
                                           ("--max-new-tokens", args.max_new_tokens != PAIR_NEW_TOKENS),
                                           ("--eos", args.eos),
-                                          ("--json-schema, --regex, --choice or --json-object",
+                                          ("--json-schema, --regex, --choice, --grammar or --json-object",
                                            structured_from(args) is not None))
                  if given]
     if pair_only:

@@ -116,6 +116,9 @@ def add_structured_args(p) -> None:
                    help="the text is JSON that this schema (inline, or a file's) describes")
     g.add_argument("--regex", help="the text matches this regular expression (whole)")
     g.add_argument("--choice", action="append", help="the text is one of these strings (repeatable)")
+    g.add_argument("--grammar", type=_grammar, metavar="EBNF|FILE",
+                   help="the text is what this GBNF grammar's root rule derives (inline, or a file's; recursion "
+                        "at most 4 deep)")
     g.add_argument("--json-object", action="store_true", help="the text is a JSON object (nesting at most 4 deep)")
 
 
@@ -141,10 +144,12 @@ def sampling_from(args):
 
 
 def structured_from(args):
-    if args.json_schema is None and args.regex is None and args.choice is None and not args.json_object:
+    if args.json_schema is None and args.regex is None and args.choice is None and args.grammar is None \
+            and not args.json_object:
         return None
     from treeflash import StructuredOutputs
-    return StructuredOutputs(json=args.json_schema, regex=args.regex, choice=args.choice, json_object=args.json_object)
+    return StructuredOutputs(json=args.json_schema, regex=args.regex, choice=args.choice, grammar=args.grammar,
+                             json_object=args.json_object)
 
 
 def _schema(text: str) -> dict:
@@ -156,6 +161,17 @@ def _schema(text: str) -> dict:
             raise argparse.ArgumentTypeError(f"cannot read the schema file {shown(text)}: "
                                              f"{getattr(e, 'strerror', None) or e}") from None
     return _json_object(text)
+
+
+def _grammar(text: str) -> str:
+    """--grammar: GBNF rules, or the path of a file holding them."""
+    if "::=" in text:
+        return text
+    try:
+        return Path(text).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read the grammar file {shown(text)}: "
+                                         f"{getattr(e, 'strerror', None) or e}") from None
 
 
 def _logit_bias(text: str) -> dict[int, float]:

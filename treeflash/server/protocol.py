@@ -30,12 +30,11 @@ UNSUPPORTED = {
     "functions": ((None, []), "function calls are not supported"),
     "spaces_between_special_tokens": ((None, True), "spaces_between_special_tokens = false is not supported"),
     "use_beam_search": ((None, False), "beam search is not supported"),
-    "guided_grammar": ((None,), "guided_grammar is not supported (regular constraints only: guided_regex, "
-                                "guided_json, guided_choice)"),
     "chat_template": ((None,), "a request's own chat_template is not supported"),
 }
 # The ways to ask for structured outputs: vLLM's (current and older) and OpenAI's
-STRUCTURED_KEYS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "response_format")
+STRUCTURED_KEYS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                   "response_format")
 # vLLM's structured_outputs flags that ask for nothing when false
 VLLM_STRUCTURED_FLAGS = ("json_object", "disable_fallback", "disable_any_whitespace", "disable_additional_properties")
 # What a request may hold besides UNSUPPORTED's keys: the parameters this server reads, and
@@ -253,10 +252,9 @@ def structured_outputs(body: dict) -> StructuredOutputs | None:
             raise APIError(f"'structured_outputs' must be an object, got {shown(value)}", param=key)
         # a client that sends vLLM's whole parameter object sends its unset fields too
         value = {k: v for k, v in value.items() if v is not None and not (k in VLLM_STRUCTURED_FLAGS and v is False)}
-        extra = sorted(set(value) - {"json", "regex", "choice", "json_object"})
+        extra = sorted(set(value) - {"json", "regex", "choice", "grammar", "json_object"})
         if extra:
-            why = "regular constraints only" if extra[0] == "grammar" else "unknown"
-            raise APIError(f"structured_outputs.{extra[0]} is not supported ({why})", param=key)
+            raise APIError(f"structured_outputs.{extra[0]} is not supported (unknown)", param=key)
         spec = StructuredOutputs(**value)
     elif key == "response_format":
         kind = value.get("type") if isinstance(value, dict) else None

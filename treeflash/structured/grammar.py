@@ -32,7 +32,8 @@ REASONING_TAGS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": (None, "</thi
 class StructuredOutputs:
     """What a request's text must be, as vLLM's StructuredOutputsParams: exactly one of a
     JSON schema (a dict, or its JSON text), a regex (full match), a choice among strings,
-    or json_object (any JSON object nesting at most JSON_OBJECT_DEPTH deep). With
+    an EBNF grammar (`treeflash.structured.ebnf`: recursion unrolled MAX_DEPTH deep), or
+    json_object (any JSON object nesting at most JSON_OBJECT_DEPTH deep). With
     `reasoning` (a REASONING_TAGS parser's name) the constraint holds after the answer's
     reasoning and the whitespace after it, as vLLM's with a reasoning parser: the
     reasoning itself is free (for qwen3, an answer that does not open it has none)."""
@@ -40,17 +41,20 @@ class StructuredOutputs:
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
+    grammar: str | None = None
     json_object: bool = False
     reasoning: str | None = None
 
     def validate(self) -> "StructuredOutputs":
         if not isinstance(self.json_object, bool):
             raise UsageError(f"structured outputs: json_object must be true or false, got {shown(self.json_object)}")
-        given = [name for name in ("json", "regex", "choice", "json_object")
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
                  if getattr(self, name) is not None and getattr(self, name) is not False]
         if len(given) != 1:
-            raise UsageError(f"structured outputs take exactly one of json, regex, choice and json_object, got "
-                             f"{', '.join(given) or 'none'}")
+            raise UsageError(f"structured outputs take exactly one of json, regex, choice, grammar and json_object, "
+                             f"got {', '.join(given) or 'none'}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise UsageError(f"structured outputs: grammar must be a string, got {shown(self.grammar)}")
         if self.reasoning is not None and (not isinstance(self.reasoning, str) or self.reasoning not in REASONING_TAGS):
             raise UsageError(f"structured outputs: reasoning must be one of {', '.join(REASONING_TAGS)}, got "
                              f"{shown(self.reasoning)}")
@@ -75,6 +79,9 @@ class StructuredOutputs:
             return self.regex
         if self.choice is not None:
             return "(?:" + "|".join(escape(c) for c in self.choice) + ")"
+        if self.grammar is not None:  # unrolled MAX_DEPTH deep (`automaton` may go less deep)
+            from treeflash.structured.ebnf import grammar_regex
+            return grammar_regex(self.grammar)
         from treeflash.structured.json_schema import json_object_regex, schema_regex
         if self.json_object:
             return json_object_regex()
@@ -88,7 +95,11 @@ class StructuredOutputs:
 
     def automaton(self) -> ByteDFA:
         """The byte DFA of the whole answer: the reasoning, if any, then the pattern."""
-        return compile_regex(self.pattern(), None if self.reasoning is None else REASONING_TAGS[self.reasoning])
+        tags = None if self.reasoning is None else REASONING_TAGS[self.reasoning]
+        if self.grammar is not None:
+            from treeflash.structured.ebnf import grammar_automaton
+            return grammar_automaton(self.grammar, tags)
+        return compile_regex(self.pattern(), tags)
 
     def key(self) -> str:
         """One text per constraint, for caching its automaton."""
@@ -99,8 +110,8 @@ class StructuredOutputs:
             except ValueError:  # refused when compiled
                 pass
         # not sorted: a schema's properties are written in their order
-        return json.dumps([value, self.regex, None if self.choice is None else list(self.choice), self.json_object,
-                           self.reasoning])
+        return json.dumps([value, self.regex, None if self.choice is None else list(self.choice), self.grammar,
+                           self.json_object, self.reasoning])
 
 
 @dataclass(frozen=True)

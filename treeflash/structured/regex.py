@@ -45,6 +45,10 @@ _SPECIAL = set("\\.^$*+?()[]{}|-/")
 _QUANTIFIER = re.compile(r"\{(\d*)(,?)(\d*)\}")
 
 
+class TooComplex(UsageError):
+    """A pattern past the automaton's size limits (a grammar unrolls less deep, then)."""
+
+
 def _normal(ranges) -> list[tuple[int, int]]:
     """Sorted, merged code point intervals, surrogates taken out."""
     out: list[list[int]] = []
@@ -386,10 +390,10 @@ def compile_regex(pattern: str, reasoning: tuple[str | None, str] | None = None)
                                ("rep", ("set", _PY_SPACE), 0, None)])
             tree = ("cat", [thought if opening is None else ("rep", thought, 0, 1), tree])
         if _size(tree) > MAX_NFA_STATES:  # repetitions nest: the automaton would copy items past any bound
-            raise UsageError(f"regex {shown(pattern, 60)} is too complex (its repetitions expand past "
+            raise TooComplex(f"regex {shown(pattern, 60)} is too complex (its repetitions expand past "
                              f"{MAX_NFA_STATES} states)")
     except RecursionError:
-        raise UsageError(f"regex {shown(pattern, 60)} nests too deeply") from None
+        raise TooComplex(f"regex {shown(pattern, 60)} nests too deeply") from None
     nfa = _NFA()
     start = nfa.state()
     final = nfa.build(tree, start)
@@ -409,7 +413,7 @@ def compile_regex(pattern: str, reasoning: tuple[str | None, str] | None = None)
             nxt = nfa.closure(moved)
             if nxt not in index:
                 if len(sets) >= MAX_DFA_STATES:
-                    raise UsageError(f"regex {shown(pattern, 60)} is too complex (over {MAX_DFA_STATES} states)")
+                    raise TooComplex(f"regex {shown(pattern, 60)} is too complex (over {MAX_DFA_STATES} states)")
                 index[nxt] = len(sets)
                 sets.append(nxt)
             row.append(index[nxt])
