@@ -10,6 +10,8 @@ cannot hold with a one-line error.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -126,8 +128,10 @@ def test_server_and_command_line(engines, capsys):
     free = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
     banned = client.post("/v1/completions", json={**body, "bad_words": ["return x"]}).json()["choices"][0]["text"]
     assert "return x" in free and "return x" not in banned
-    for bad, message in ((["a b c d e f g h i j"], "tokens (at most 8)"), ("return", "list of strings")):
-        r = client.post("/v1/completions", json={**body, "bad_words": bad})
+    for bad, message in ((["a b c d e f g h i j"], "tokens (at most 8)"), ("return", "list of strings"),
+                         (["\ud800"], "not valid Unicode")):  # a lone surrogate: a client cut a character
+        r = client.post("/v1/completions", content=json.dumps({**body, "bad_words": bad}),
+                        headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
         assert message in r.json()["error"]["message"]
     assert main(["generate", PROMPTS[1], "--device", "cpu", "--max-new-tokens", "12", "--bad-word", "return x"]) == 0

@@ -67,6 +67,8 @@ def test_the_automaton_is_minimal():
     ("(?i)a", "flags"), (r"\x4", "hex digits"), ("[^\\s\\S]", "matches no text"), ("a\\", "trailing backslash"),
     ("(?:(?:a{1000}){1000}){1000}", "expand past"), (r"\012", "octal"), (r"\ud800", "surrogate"),
     ("\ud800", "surrogate"), ("(" * 2000 + ")" * 2000, "nests too deeply"),
+    ("(" + "a?" * 5000 + ")", "takes too long to build"),  # each within the NFA's size, seconds to compile
+    ("(?:, ?-?(?:0|[1-9][0-9]*)){999}", "takes too long to minimise"),
 ])
 def test_bad_patterns_are_refused_in_one_line(pattern, reason):
     with pytest.raises(UsageError, match=reason) as err:
@@ -276,6 +278,7 @@ def test_the_server_takes_vllm_and_openai_forms(engines):
     ({"guided_grammar": "start: \"x\""}, "guided_grammar", "Lark"),
     ({"guided_regex": "(a"}, "guided_regex", "missing"),
     ({"guided_json": {"type": "object"}}, "guided_json", "properties"),
+    ({"guided_json": {"type": "text"}}, "guided_json", "'type' at $ must be one of"),  # once never answered
     ({"guided_choice": "yes"}, "guided_choice", "list of strings"),
 ])
 def test_the_server_refuses_bad_constraints_and_keeps_serving(engines, extra, param, message):
@@ -654,3 +657,22 @@ def test_the_server_and_command_line_take_grammars(engines, capsys, tmp_path):
     for given in (str(tmp_path / "g.gbnf"), 'root ::= "pass" | "return x"'):
         assert main(["generate", "def f(x):", "--device", "cpu", "--grammar", given, "--max-new-tokens", "10"]) == 0
         assert capsys.readouterr().out.strip() in ("pass", "return x")
+
+
+def test_a_failed_compile_leaves_no_request_waiting(engines, monkeypatch):
+    """A compile that fails in an unexpected way raises in the request that compiled and
+    leaves nothing pending: the next request of that constraint compiles again (and
+    fails the same), instead of waiting for good."""
+    import treeflash.engine.llm as llm_module
+    llm = engines["ar"]
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise KeyError("boom")
+    monkeypatch.setattr(llm_module, "token_automaton", broken)
+    p = SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]{5}"))
+    for _ in range(2):
+        with pytest.raises(KeyError):
+            llm.automaton(p)
+    assert len(calls) == 2 and not llm._compiling

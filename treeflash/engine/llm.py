@@ -617,12 +617,16 @@ class LLM:
         try:
             made = token_automaton(p.structured_outputs.automaton(), self._grammar_vocab,
                                    MAX_AUTOMATON_BYTES)
-        except (UsageError, RecursionError, TypeError, ValueError) as e:  # one line, never a crash
-            failed = UsageError(str(e) if isinstance(e, UsageError) else f"the structured output cannot be "
-                                f"compiled: {type(e).__name__}: {e}", param="structured_outputs")
+        except BaseException as e:  # every waiter gets the error: none waits for good
+            failed = e
+            if isinstance(e, (UsageError, RecursionError, TypeError, ValueError)):  # one line, never a crash
+                failed = UsageError(str(e) if isinstance(e, UsageError) else f"the structured output cannot be "
+                                    f"compiled: {type(e).__name__}: {e}", param="structured_outputs")
             with self._automata_lock:
                 del self._compiling[key]
             pending.set_exception(failed)
+            if failed is e:
+                raise
             raise failed from None
         with self._automata_lock:
             del self._compiling[key]
@@ -651,6 +655,11 @@ class LLM:
         word inside a text)."""
         out = []
         for word in p.bad_words or []:
+            try:
+                word.encode("utf-8")
+            except UnicodeEncodeError:
+                raise UsageError(f"invalid sampling parameters: bad word {shown(word)} is not valid Unicode text",
+                                 param="bad_words") from None
             for prefix in ("", " "):
                 ids = self.tokenizer.encode(prefix + word.lstrip(), special=False)
                 if prefix and (ids[0] == out[-1][0] or len(ids) != len(out[-1])):

@@ -383,8 +383,9 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         except TreeflashError as e:
             param = getattr(e, "param", None)
             if param == "structured_outputs":  # named as the request asked for it
-                param = next(k for k in (*STRUCTURED_KEYS, "tool_choice")
-                             if body.get(k) not in (None, "none", "auto", {"type": "text"}))
+                param = next((k for k in (*STRUCTURED_KEYS, "tool_choice") if body.get(k) is not None
+                              and not (k == "response_format" and body[k] == {"type": "text"})
+                              and not (k == "tool_choice" and body[k] in ("none", "auto"))), param)
             raise APIError(str(e), param=param or "min_tokens") from None
         return req
 

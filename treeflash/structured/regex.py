@@ -32,6 +32,10 @@ SURROGATES = (0xD800, 0xDFFF)  # not characters: UTF-8 has no encoding for them
 MAX_REPEAT = 1000              # a bound past this in {m,n} is refused (the automaton copies the item)
 MAX_DFA_STATES = 20000         # a pattern whose automaton grows past this is refused
 MAX_NFA_STATES = 200000        # and one whose repetitions expand past this, before any is built
+# and one that would take seconds to build (deterministic budgets, in units of NFA states
+# visited per byte class, and of DFA cells compared per minimisation round)
+MAX_SUBSET_WORK = 20_000_000
+MAX_MINIMIZE_WORK = 25_000_000
 
 _DIGIT = [(0x30, 0x39)]
 _WORD = [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)]
@@ -401,9 +405,12 @@ def compile_regex(pattern: str, reasoning: tuple[str | None, str] | None = None)
     cuts = sorted({0, 256} | {x for edges in nfa.edges for a, b, _ in edges for x in (a, b + 1)})
     reps = cuts[:-1]  # one byte per class
     first = nfa.closure([start])
-    index, sets, rows = {first: 0}, [first], []
+    index, sets, rows, work = {first: 0}, [first], [], 0
     while len(rows) < len(sets):
         here = sets[len(rows)]
+        work += len(here) * len(reps)
+        if work > MAX_SUBSET_WORK:
+            raise TooComplex(f"regex {shown(pattern, 60)} is too complex (its automaton takes too long to build)")
         row = []
         for byte in reps:
             moved = [t for s in here for a, b, t in nfa.edges[s] if a <= byte <= b]
@@ -420,32 +427,50 @@ def compile_regex(pattern: str, reasoning: tuple[str | None, str] | None = None)
         rows.append(row)
     by_class = np.array(rows, dtype=np.int64).reshape(len(sets), len(reps))
     accepting = np.array([final in s for s in sets])
-    trans, accepting = _minimal(by_class, accepting)
+    trans, accepting = _minimal(by_class, accepting, pattern)
     owner = np.searchsorted(np.array(cuts), np.arange(256), side="right") - 1  # byte -> class
     return ByteDFA(trans[:, owner].astype(np.int32), accepting)
 
 
+def _edges(trans: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct edges (sources, targets) of a transition table [S, C] (-1: none),
+    sorted by source. One sort of the allowed entries: a token table's rows repeat a
+    few targets over the whole vocabulary."""
+    src, col = np.nonzero(trans >= 0)
+    key = np.unique(src.astype(np.int64) * len(trans) + trans[src, col])
+    return key // len(trans), key % len(trans)
+
+
+def _searched(start: np.ndarray, frm: np.ndarray, to: np.ndarray, n: int) -> np.ndarray:
+    """[n] bool: the states that edges frm -> to lead to from `start` (breadth first, each
+    state's edges once)."""
+    order = np.argsort(frm, kind="stable")
+    frm, to = frm[order], to[order]
+    bounds = np.searchsorted(frm, np.arange(n + 1)).tolist()
+    to = to.tolist()
+    seen = start.tolist()
+    todo = np.nonzero(start)[0].tolist()
+    while todo:
+        s = todo.pop()
+        for t in to[bounds[s]:bounds[s + 1]]:
+            if not seen[t]:
+                seen[t] = True
+                todo.append(t)
+    return np.array(seen, dtype=bool)
+
+
 def live_states(trans: np.ndarray, accepting: np.ndarray) -> np.ndarray:
     """[S] bool: the states from which some path of transitions reaches an accepting one."""
-    live = accepting.copy()
-    while True:
-        grown = live | (np.where(trans >= 0, live[trans], False)).any(axis=1)
-        if (grown == live).all():
-            return live
-        live = grown
+    src, dst = _edges(trans)
+    return _searched(accepting.astype(bool), dst, src, len(trans))
 
 
 def reachable_states(trans: np.ndarray) -> np.ndarray:
     """[S] bool: the states some path from state 0 reaches."""
-    seen = np.zeros(len(trans), dtype=bool)
-    seen[0] = True
-    while True:
-        targets = np.unique(trans[seen])
-        grown = seen.copy()
-        grown[targets[targets >= 0]] = True
-        if (grown == seen).all():
-            return seen
-        seen = grown
+    src, dst = _edges(trans)
+    start = np.zeros(len(trans), dtype=bool)
+    start[0] = True
+    return _searched(start, src, dst, len(trans))
 
 
 def prune(trans: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -460,11 +485,18 @@ def prune(trans: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndar
     return np.where(trans[keep] >= 0, new[np.maximum(trans[keep], 0)], -1), accepting[keep]
 
 
-def _minimal(trans: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Moore's partition refinement on the pruned automaton; the start state stays 0."""
+def _minimal(trans: np.ndarray, accepting: np.ndarray, pattern: str) -> tuple[np.ndarray, np.ndarray]:
+    """Moore's partition refinement on the pruned automaton; the start state stays 0.
+    A round per length of the longest run of states only a suffix tells apart: a
+    bounded repetition of n items takes n rounds (MAX_MINIMIZE_WORK bounds them)."""
     trans, accepting = prune(trans, accepting)
     part = np.unique(accepting, return_inverse=True)[1].reshape(-1)
+    work = 0
     while True:
+        work += trans.size + len(trans)
+        if work > MAX_MINIMIZE_WORK:
+            raise TooComplex(f"regex {shown(pattern, 60)} is too complex (its automaton takes too long to "
+                             f"minimise: long bounded repetitions)")
         target = np.where(trans >= 0, part[np.maximum(trans, 0)], -1)
         refined = np.unique(np.concatenate([part[:, None], target], axis=1), axis=0,
                             return_inverse=True)[1].reshape(-1)
