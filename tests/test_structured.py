@@ -529,19 +529,15 @@ def _arithmetic(text: str, depth: int) -> bool:
     """Whether `text` is an ARITHMETIC expression with at most depth - 1 nested parentheses."""
     pos, deepest, level = 0, 0, 0
 
-    def expr():
+    def operands(ops: str, operand):  # operand (op operand)*
         nonlocal pos
-        term()
-        while pos < len(text) and text[pos] in "+-":
+        operand()
+        while pos < len(text) and text[pos] in ops:
             pos += 1
-            term()
+            operand()
 
-    def term():
-        nonlocal pos
-        factor()
-        while pos < len(text) and text[pos] in "*/":
-            pos += 1
-            factor()
+    def expr():
+        operands("+-", lambda: operands("*/", factor))
 
     def factor():
         nonlocal pos, deepest, level
