@@ -25,6 +25,7 @@ NOTHING = r"[^\x00-\U0010FFFF]"  # a class no character is in: the empty languag
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 _RULE_START = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_-]*)\s*::=")
+_BOUNDS = re.compile(r"\{\s*(\d*)\s*(,?)\s*(\d*)\s*\}")
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'", "[": "[", "]": "]", "-": "-",
             "/": "/", "0": "\0", "f": "\f", "v": "\v", "^": "^"}
 
@@ -94,8 +95,7 @@ class _Parser:
             if c in ("*", "+", "?"):
                 self.i += 1
                 lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
-            elif c == "{" and (m := re.compile(r"\{\s*(\d*)\s*(,?)\s*(\d*)\s*\}").match(self.s, self.i)) \
-                    and (m.group(1) or m.group(2)):
+            elif c == "{" and (m := _BOUNDS.match(self.s, self.i)) and (m.group(1) or m.group(2)):
                 self.i = m.end()
                 lo = int(m.group(1) or 0)
                 hi = lo if not m.group(2) else (int(m.group(3)) if m.group(3) else None)

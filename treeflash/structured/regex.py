@@ -442,7 +442,7 @@ def _edges(trans: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _searched(start: np.ndarray, frm: np.ndarray, to: np.ndarray, n: int) -> np.ndarray:
-    """[n] bool: the states that edges frm -> to lead to from `start` (breadth first, each
+    """[n] bool: the states that edges frm -> to lead to from `start` (a graph search, each
     state's edges once)."""
     order = np.argsort(frm, kind="stable")
     frm, to = frm[order], to[order]
