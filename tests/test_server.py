@@ -716,7 +716,9 @@ def test_values_that_ask_for_nothing_are_accepted(client, llm):
 
 
 def test_routes_and_errors_outside_the_api(client, llm, chat_model):
+    from treeflash import __version__
     assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/version").json() == {"version": __version__}  # vLLM's probe
     models = client.get("/v1/models").json()["data"]
     assert [m["id"] for m in models] == ["tiny"] and models[0]["max_model_len"] == llm.max_model_len
     r = client.get("/v1/nope")

@@ -29,6 +29,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from treeflash import __version__
 from treeflash.errors import EngineDeadError, TreeflashError, UsageError
 from treeflash.server.metrics import ServerMetrics
 from treeflash.server.answers import REASONING_PARSERS, TOOL_PARSERS
@@ -451,6 +452,10 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
             return error_response(api_error(e))
         return AsciiJSONResponse({"status": "ok"})
 
+    async def version(_):
+        """vLLM's /version: the engine's version, for clients that probe it."""
+        return AsciiJSONResponse({"version": __version__})
+
     async def tokenize(request: HTTPRequest):
         try:
             body = await _read_json(request)
@@ -496,7 +501,8 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         shutdown()
 
     routes = [Route("/health", guarded(health)), Route("/metrics", guarded(metrics)),
-              Route("/v1/models", guarded(models)), Route("/v1/models/{name:path}", guarded(model)),
+              Route("/version", guarded(version)), Route("/v1/models", guarded(models)),
+              Route("/v1/models/{name:path}", guarded(model)),
               Route("/v1/completions", guarded(completions), methods=["POST"]),
               Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
               Route("/tokenize", guarded(tokenize), methods=["POST"]),
