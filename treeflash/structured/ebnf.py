@@ -17,11 +17,11 @@ from __future__ import annotations
 import re
 
 from treeflash.errors import UsageError, shown
-from treeflash.structured.regex import ByteDFA, TooComplex, compile_regex, escape
+from treeflash.structured.regex import ByteDFA, TooComplex, char_class, compile_regex, escape
 
 MAX_DEPTH = 4            # times one derivation may be inside a rule at once
 MAX_PATTERN = 1_000_000  # characters of the unrolled regex
-NOTHING = r"[^\x00-\U0010FFFF]"  # a class no character is in: the empty language
+NOTHING = char_class([])  # a class no character is in: the empty language
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 _RULE_START = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_-]*)\s*::=")
@@ -110,7 +110,7 @@ class _Parser:
         if c in ('"', "'"):
             return ("lit", self.string(c))
         if c == "[":
-            return self.char_class()
+            return self.class_node()
         if c == ".":
             self.i += 1
             return ("any",)
@@ -158,7 +158,7 @@ class _Parser:
         self.i += 1
         return "".join(out)
 
-    def char_class(self):
+    def class_node(self):
         self.i += 1
         negated = self.peek() == "^"
         self.i += negated
@@ -222,8 +222,7 @@ def _unrolled(rules: dict[str, tuple], depth: int) -> str:
         elif kind == "any":
             out = r"[\s\S]"
         elif kind == "class":
-            out = "[" + "^" * node[1] + "".join(_class_char(lo) + ("" if lo == hi else "-" + _class_char(hi))
-                                                 for lo, hi in node[2]) + "]"
+            out = char_class(node[2], negated=node[1])
         elif kind == "cat":
             out = "".join(written(item, nesting) for item in node[1])
         elif kind == "alt":
@@ -257,6 +256,3 @@ def _refs(node):
     elif kind == "rep":
         yield from _refs(node[1])
 
-
-def _class_char(code: int) -> str:
-    return f"\\U{code:08x}"

@@ -74,14 +74,13 @@ class StructuredOutputs:
         return self
 
     def pattern(self) -> str:
-        """The regex of the dialect that the text must match."""
+        """The regex of the dialect that the text must match (not for a grammar: how deep
+        it unrolls is settled as it compiles, in `automaton`)."""
+        assert self.grammar is None, "a grammar's language is its automaton's"
         if self.regex is not None:
             return self.regex
         if self.choice is not None:
             return "(?:" + "|".join(escape(c) for c in self.choice) + ")"
-        if self.grammar is not None:  # unrolled MAX_DEPTH deep (`automaton` may go less deep)
-            from treeflash.structured.ebnf import grammar_regex
-            return grammar_regex(self.grammar)
         from treeflash.structured.json_schema import json_object_regex, schema_regex
         if self.json_object:
             return json_object_regex()

@@ -540,16 +540,23 @@ def _written(node, excluded, parser) -> str:
         if ranges and not kept:
             raise UsageError(f"regex {shown(parser.p, 60)} names a character that is not allowed here "
                              f"({shown(chr(ranges[0][0]))})")
-        if len(kept) == 1 and kept[0][0] == kept[0][1]:
-            return _class_char(kept[0][0])
-        return "[" + "".join(_class_char(a) if a == b else f"{_class_char(a)}-{_class_char(b)}"
-                             for a, b in kept) + "]" if kept else "[^\\s\\S]"
+        return char_class(kept)
     if kind == "cat":
         return "".join(_written(item, excluded, parser) for item in node[1])
     if kind == "alt":
         return "(?:" + "|".join(_written(item, excluded, parser) for item in node[1]) + ")"
     _, item, lo, hi = node
     return f"(?:{_written(item, excluded, parser)}){{{lo},{'' if hi is None else hi}}}"
+
+
+def char_class(ranges, negated: bool = False) -> str:
+    """The dialect's set of the code point intervals `ranges` (all others with
+    `negated`): one character as itself, an empty set as a class nothing is in."""
+    ranges = _complement(ranges) if negated else _normal(ranges)
+    if len(ranges) == 1 and ranges[0][0] == ranges[0][1]:
+        return _class_char(ranges[0][0])
+    return "[" + "".join(_class_char(a) if a == b else f"{_class_char(a)}-{_class_char(b)}"
+                         for a, b in ranges) + "]" if ranges else "[^\\s\\S]"
 
 
 def _class_char(code: int) -> str:
