@@ -6,6 +6,7 @@ from __future__ import annotations
 # transformers itself, with a small byte-level BPE tokenizer, built once per session.
 # ---------------------------------------------------------------------------
 import copy
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,8 +186,6 @@ def spec_drafter(tmp_path_factory, spec_target):
 def clone_checkpoint(tmp_path_factory):
     """clone_checkpoint(src, **config_overrides) -> a new folder holding checkpoint `src`
     (weights and tokenizer linked) with those config.json keys changed."""
-    import json
-
     def make(src: Path, **config_overrides) -> Path:
         dest = tmp_path_factory.mktemp(f"clone-{Path(src).name}")
         for f in Path(src).iterdir():
@@ -198,6 +197,73 @@ def clone_checkpoint(tmp_path_factory):
         return dest
 
     return make
+
+
+# Mixture-of-experts targets (tests/test_moe.py, and FP8 experts in tests/test_fp8.py)
+
+MOE_TINY = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, max_position_embeddings=256,
+                bos_token_id=0, eos_token_id=0, pad_token_id=1, initializer_range=0.3)
+
+# name -> (config overrides, save_pretrained kwargs)
+MOE_VARIANTS = {
+    # dense first layer (as Kimi-K2 / DeepSeek), 8 experts, top-2 renormalized (as Qwen3-30B-A3B)
+    "moe": (dict(num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True), {}),
+    # every second layer sparse, top-3 of 4 not renormalized; tied embeddings, sharded files
+    "moe-step2": (dict(num_experts=4, num_experts_per_tok=3, decoder_sparse_step=2, norm_topk_prob=False,
+                       tie_word_embeddings=True), {"max_shard_size": "40KB"}),
+}
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoint(tmp_path_factory):
+    """moe_checkpoint(name) -> HFCheckpoint written by transformers (float32)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from treeflash.checkpoints import write_tiny_tokenizer
+    built: dict[str, HFCheckpoint] = {}
+
+    def get(name: str) -> HFCheckpoint:
+        if name not in built:
+            folder = tmp_path_factory.mktemp(f"hf-{name}")
+            write_tiny_tokenizer(folder)
+            overrides, save_kwargs = MOE_VARIANTS[name]
+            torch.manual_seed(list(MOE_VARIANTS).index(name))
+            model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**MOE_TINY, **overrides)).eval()
+            model.save_pretrained(folder, **save_kwargs)
+            model.generation_config.eos_token_id = None
+            model.generation_config.pad_token_id = 1
+            built[name] = HFCheckpoint(name, folder, model)
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def spec_moe(moe_checkpoint, tmp_path_factory):
+    """(target, drafter): the "moe" checkpoint with a shared expert added (DeepSeek's key
+    names) and a peaked LM head (ids 3..10 boosted: random drafts get accepted), and a
+    random 1-layer DFlash drafter of block size 8."""
+    from safetensors.torch import load_file, save_file
+
+    from treeflash.checkpoints import write_random_drafter
+    src = moe_checkpoint("moe").path
+    root = tmp_path_factory.mktemp("spec-moe")
+    target = root / "target"
+    target.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (target / f).write_bytes((src / f).read_bytes())
+    cfg = json.loads((src / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**cfg, "n_shared_experts": 1}))
+    w = load_file(str(src / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    for i in range(1, cfg["num_hidden_layers"]):
+        for name, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            w[f"model.layers.{i}.mlp.shared_experts.{name}.weight"] = torch.randn(shape, generator=gen) * 0.3
+    w["lm_head.weight"][3:11] *= 10
+    save_file(w, str(target / "model.safetensors"))
+    return target, write_random_drafter(target, root / "drafter", num_layers=1, block_size=8, seed=2)
 
 
 @pytest.fixture(scope="session")

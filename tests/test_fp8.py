@@ -4,17 +4,21 @@ Qwen3-FP8 and DeepSeek-V3 publish them) load as they are and run:
 - the logits equal transformers' on the dequantized weights (float32), with blocks that
   do not divide the matrices, and with modules_to_not_convert;
 - DFlash and DDTree give AR's tokens on an FP8 target, greedy and sampled;
+- mixture-of-experts targets (Qwen3-MoE-FP8's per-expert layout) too: transformers'
+  logits, speculative = AR, TP = 2 = TP = 1 with half the expert bytes per rank;
 - what cannot be loaded is refused in one line: other quantizations, a missing or
-  misshapen scale, a block that straddles merged tensors, a quantized drafter.
+  misshapen scale, a block that straddles merged tensors (or experts' gate and up, or
+  ranks), a quantized drafter.
 
 On a GPU (skipped without CUDA): the Triton kernels that read FP8 weights as they are
-match the product with the dequantized weights, and CUDA-graph rounds on an FP8 target
-give the eager tokens.
+(dense and grouped experts) match the product with the dequantized weights, and
+CUDA-graph rounds on an FP8 target (dense and MoE) give the eager tokens.
 """
 from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -27,17 +31,29 @@ from treeflash.errors import TreeflashError
 from treeflash.ops import Fp8Weight, dequantized
 
 
-def _dequantized_model(hf_model, folder):
-    """transformers' model (in float64) with every FP8 weight of `folder` put back."""
-    model = copy.deepcopy(hf_model).double()
+def _hf_weight(model, key: str) -> torch.Tensor:
+    """The tensor of transformers' `model` that checkpoint tensor `key` loads into: a
+    layer's weight, or one expert's slice of the experts' stacked gate_up / down."""
+    expert = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", key)
+    if expert is None:
+        return model.get_submodule(key.removesuffix(".weight")).weight
+    experts, e = model.get_submodule(expert[1]), int(expert[2])
+    if expert[3] == "down":
+        return experts.down_proj[e]
+    return experts.gate_up_proj[e].chunk(2)[expert[3] == "up"]
+
+
+def _dequantized_model(hf_model, folder, dtype=torch.float64):
+    """transformers' model (in `dtype`) with every FP8 weight of `folder` put back."""
+    model = copy.deepcopy(hf_model).to(dtype)
     stored = load_file(str(folder / "model.safetensors"))
     block = tuple(json.loads((folder / "config.json").read_text())["quantization_config"]["weight_block_size"])
     quantized = [k for k, v in stored.items() if v.dtype == torch.float8_e4m3fn]
     assert quantized
     with torch.no_grad():
         for key in quantized:
-            layer = model.get_submodule(key.removesuffix(".weight"))
-            layer.weight.copy_(dequantized(stored[key], Fp8Weight(stored[key + "_scale_inv"], block), torch.float64))
+            _hf_weight(model, key).copy_(dequantized(stored[key], Fp8Weight(stored[key + "_scale_inv"], block),
+                                                     dtype))
     return model, quantized
 
 
@@ -90,6 +106,87 @@ def test_speculative_methods_give_ar_tokens_on_an_fp8_target(spec_target, spec_d
         assert [o.token_ids for o in outs] == ar, method
         taus += [o.stats["tau"] for o in outs]
     assert max(taus) > 1.2, "no draft was accepted: the comparison would not see a wrong verify"
+
+
+# --- mixture of experts ---
+
+def test_moe_logits_equal_transformers_on_the_dequantized_weights(moe_checkpoint, tmp_path):
+    """Experts stored per expert in FP8 with their scales (Qwen3-MoE-FP8's layout), the
+    router unquantized as published (it is not a `*_proj`), a dense first layer in FP8
+    too. In float32: transformers' experts have no float64 path."""
+    from test_models import hf_logits, padded, rel_err, tf_logits
+    ck = moe_checkpoint("moe")
+    folder = write_fp8_copy(ck.path, tmp_path / "fp8", block=(16, 16))
+    reference, quantized = _dequantized_model(ck.model, folder, torch.float32)
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in quantized
+    assert "model.layers.0.mlp.gate_proj.weight" in quantized and "model.layers.1.mlp.gate.weight" not in quantized
+    llm = LLM(folder, device="cpu", dtype="float32")
+    experts = llm.target.model.layers[1].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.gate_up_proj_scale_inv.shape == (8, 4, 4)
+    prompts = [llm.encode(p) for p in ENGINE_PROMPTS]
+    batch = padded(prompts)
+    cached = tf_logits(llm, batch, llm.target.new_cache(3, batch.shape[1] + 4))
+    for b, ids in enumerate(prompts):
+        want = hf_logits(reference, ids)
+        assert rel_err(cached[b, :len(ids)], want) < 1e-5, b
+        assert rel_err(hf_logits(ck.model, ids), want) > 1e-3, "the FP8 rounding changed nothing: a vacuous test"
+    ids = llm.encode(ENGINE_PROMPTS[1])
+    out = llm.generate([ids], SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
+    assert out.token_ids == reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=16,
+                                               eos_token_id=None, pad_token_id=1)[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def fp8_spec_moe(spec_moe, tmp_path_factory):
+    """The shared-expert MoE target of test_moe in FP8 (16 x 16 blocks), and its drafter."""
+    target, drafter = spec_moe
+    return write_fp8_copy(target, tmp_path_factory.mktemp("fp8-moe"), block=(16, 16)), drafter
+
+
+def test_speculative_methods_give_ar_tokens_on_an_fp8_moe_target(fp8_spec_moe):
+    target, drafter = fp8_spec_moe
+    params = [SamplingParams(max_new_tokens=32, ignore_eos=True),
+              SamplingParams(max_new_tokens=32, temperature=1.0, seed=3, ignore_eos=True)]
+    prompts = [[5, 6, 7, 8], [100, 3, 9]]
+    ar = [o.token_ids for o in LLM(target, device="cpu", dtype="float64").generate(prompts, params)]
+    taus = []
+    for method in ("dflash", "ddtree"):
+        outs = LLM(target, draft_model=drafter, method=method, device="cpu", dtype="float64").generate(prompts, params)
+        assert [o.token_ids for o in outs] == ar, method
+        taus += [o.stats["tau"] for o in outs]
+    assert max(taus) > 1.2, "no draft was accepted: the comparison would not see a wrong verify"
+
+
+def test_fp8_moe_tp2_equals_tp1_with_half_the_experts_per_rank(fp8_spec_moe):
+    from test_tp import _run
+    target, drafter = fp8_spec_moe
+    engines = {tp: LLM(target, draft_model=drafter, method="ddtree", budget=12, device="cpu", dtype="float64", tp=tp)
+               for tp in (1, 2)}
+    try:
+        for config in ("greedy", "sampled"):
+            assert _run(engines[2], config) == _run(engines[1], config), config
+        whole = engines[1].target.model.layers[1].mlp.experts
+        assert whole.down_proj.dtype == torch.float8_e4m3fn and whole.down_proj_scale_inv.shape == (8, 4, 2)
+        total = engines[1].rank_stats()[0]["param_bytes"]
+        models = (engines[1].target, engines[1].drafter)
+        replicated = sum(p.numel() * p.element_size() for m in models for n, p in m.named_parameters()
+                         if "norm" in n or n.endswith("mlp.gate.weight"))   # norms and routers
+        assert [s["param_bytes"] for s in engines[2].rank_stats()] == [(total - replicated) // 2 + replicated] * 2
+    finally:
+        for llm in engines.values():
+            llm.close()
+
+
+def test_fp8_experts_that_a_block_would_straddle_are_refused(moe_checkpoint, tmp_path):
+    ck = moe_checkpoint("moe")   # moe_intermediate_size 32; attention and layer 0 left unquantized
+    with pytest.raises(TreeflashError, match=r"experts\.\*\.gate_proj and up_proj: FP8 block size 64 does not "
+                                             r"divide its 32 output features of one merged part"):
+        LLM(write_fp8_copy(ck.path, tmp_path / "a", block=(64, 16), skip=("self_attn", "layers.0.")), device="cpu")
+    with pytest.raises(TreeflashError, match=r"experts\.\*\.down_proj: FP8 block size 32 does not divide its 16 "
+                                             r"input features per rank"):
+        LLM(write_fp8_copy(ck.path, tmp_path / "b", block=(16, 32)), device="cpu", tp=2)
+    with pytest.raises(TreeflashError, match="keeps some of the experts of model.layers.1.mlp.experts unquantized"):
+        LLM(write_fp8_copy(ck.path, tmp_path / "c", block=(16, 16), skip=("experts.3.",)), device="cpu")
 
 
 def _damaged(tmp_path, hf_checkpoint, change, block=(16, 32)):
@@ -181,6 +278,31 @@ def test_fp8_kernels_match_the_dequantized_product(dtype, N, K, block):
     want = torch.nn.functional.linear((torch.nn.functional.silu(g) * u).to(dtype).float(), ref_w)
     got = gated_linear(gu, w, Fp8Weight(scale, block))
     assert (got.float() - want).abs().max() <= tol * want.abs().max()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T,E,k,H,I,block", [(1, 384, 8, 1024, 256, (128, 128)), (16, 64, 8, 512, 128, (128, 128)),
+                                             (256, 384, 8, 1024, 256, (128, 128)), (7, 16, 4, 200, 96, (32, 64)),
+                                             (40, 4, 2, 96, 48, (16, 32))])
+def test_fp8_experts_kernel_matches_the_dequantized_reference(dtype, T, E, k, H, I, block):
+    """The grouped-experts kernel on FP8 experts: decode (T = 1), a tree (16, 256 tokens)
+    at Kimi-K2-like widths cut down, and scale blocks that do not divide H or are
+    narrower than the kernel's tiles."""
+    from test_moe import _case
+
+    from treeflash.kernels.fused_moe import fused_experts
+    from treeflash.models.moe import experts_reference
+    x, w, ids, gu, dn = _case(T, E, k, H, I, dtype, skew=T == 40, seed=T, device="cuda")
+    (gu, gu_s), (dn, dn_s) = ([torch.stack(t) for t in zip(*(fp8_blocks(m.float(), block) for m in mats))]
+                              for mats in (gu, dn))
+    fp8 = (Fp8Weight(gu_s, block), Fp8Weight(dn_s, block))
+    out = fused_experts(x, w, ids, gu, dn, fp8)
+    ref = experts_reference(x.double(), w.double(), ids, gu, dn, fp8)
+    assert out.shape == x.shape and out.dtype == dtype
+    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
 
 
 @pytest.mark.gpu

@@ -13,12 +13,13 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
 import pytest
 import torch
-from conftest import ENGINE_PROMPTS, HFCheckpoint
+from conftest import ENGINE_PROMPTS, MOE_TINY, MOE_VARIANTS
 from interpreter import CUDA, run_interpreted, spawns_interpreter
 from interpreter import kernel as kernel_test
 from test_models import hf_greedy, hf_logits, padded, rel_err, tf_logits
@@ -33,71 +34,6 @@ from treeflash.models.moe import (KIMI_K2_4L, Experts, Router, SparseMoE, expect
                                   weight_bytes_read)
 from treeflash.models.transformer import MLP, CausalLM
 
-_TINY = dict(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, max_position_embeddings=256,
-             bos_token_id=0, eos_token_id=0, pad_token_id=1, initializer_range=0.3)
-
-# name -> (config overrides, save_pretrained kwargs)
-VARIANTS = {
-    # dense first layer (as Kimi-K2 / DeepSeek), 8 experts, top-2 renormalized (as Qwen3-30B-A3B)
-    "moe": (dict(num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True), {}),
-    # every second layer sparse, top-3 of 4 not renormalized; tied embeddings, sharded files
-    "moe-step2": (dict(num_experts=4, num_experts_per_tok=3, decoder_sparse_step=2, norm_topk_prob=False,
-                       tie_word_embeddings=True), {"max_shard_size": "40KB"}),
-}
-
-
-@pytest.fixture(scope="module")
-def moe_checkpoint(tmp_path_factory):
-    """moe_checkpoint(name) -> HFCheckpoint written by transformers (float32)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from treeflash.checkpoints import write_tiny_tokenizer
-    built: dict[str, HFCheckpoint] = {}
-
-    def get(name: str) -> HFCheckpoint:
-        if name not in built:
-            folder = tmp_path_factory.mktemp(f"hf-{name}")
-            write_tiny_tokenizer(folder)
-            overrides, save_kwargs = VARIANTS[name]
-            torch.manual_seed(list(VARIANTS).index(name))
-            model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**_TINY, **overrides)).eval()
-            model.save_pretrained(folder, **save_kwargs)
-            model.generation_config.eos_token_id = None
-            model.generation_config.pad_token_id = 1
-            built[name] = HFCheckpoint(name, folder, model)
-        return built[name]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def spec_moe(moe_checkpoint, tmp_path_factory):
-    """(target, drafter): the "moe" checkpoint with a shared expert added (DeepSeek's key
-    names) and a peaked LM head (ids 3..10 boosted: random drafts get accepted), and a
-    random 1-layer DFlash drafter of block size 8."""
-    from safetensors.torch import load_file, save_file
-
-    from treeflash.checkpoints import write_random_drafter
-    src = moe_checkpoint("moe").path
-    root = tmp_path_factory.mktemp("spec-moe")
-    target = root / "target"
-    target.mkdir()
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        (target / f).write_bytes((src / f).read_bytes())
-    cfg = json.loads((src / "config.json").read_text())
-    (target / "config.json").write_text(json.dumps({**cfg, "n_shared_experts": 1}))
-    w = load_file(str(src / "model.safetensors"))
-    gen = torch.Generator().manual_seed(5)
-    H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
-    for i in range(1, cfg["num_hidden_layers"]):
-        for name, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
-            w[f"model.layers.{i}.mlp.shared_experts.{name}.weight"] = torch.randn(shape, generator=gen) * 0.3
-    w["lm_head.weight"][3:11] *= 10
-    save_file(w, str(target / "model.safetensors"))
-    return target, write_random_drafter(target, root / "drafter", num_layers=1, block_size=8, seed=2)
-
-
 # ----------------------------------------------------------------------------- transformers parity
 
 def test_config_and_layer_kinds_follow_transformers(moe_checkpoint):
@@ -108,7 +44,7 @@ def test_config_and_layer_kinds_follow_transformers(moe_checkpoint):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     for kw in (dict(decoder_sparse_step=2, mlp_only_layers=[3]), dict(decoder_sparse_step=3), dict(mlp_only_layers=[0, 4])):
-        hf_cfg = Qwen3MoeConfig(**{**_TINY, "num_hidden_layers": 6}, num_experts=4, num_experts_per_tok=2, **kw)
+        hf_cfg = Qwen3MoeConfig(**{**MOE_TINY, "num_hidden_layers": 6}, num_experts=4, num_experts_per_tok=2, **kw)
         with torch.device("meta"):
             hf = Qwen3MoeForCausalLM(hf_cfg)
         cfg = ModelConfig.from_dict(json.loads(hf_cfg.to_json_string()))
@@ -127,7 +63,7 @@ def test_config_and_layer_kinds_follow_transformers(moe_checkpoint):
     assert "model.layers.0.mlp.gate_proj.weight" in keys
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("name", list(MOE_VARIANTS))
 def test_logits_and_greedy_tokens_match_transformers(moe_checkpoint, name):
     """A padded batch of 3 prompts, cache-free and through the KV cache, against
     transformers per prompt; then 32 greedy tokens per prompt."""
@@ -351,6 +287,13 @@ def test_kimi_shape_fits_one_h200_and_counts_picked_experts():
     assert weight_bytes_read(model, 10 ** 6) == pytest.approx(body)
     with torch.device("meta"):  # TP 8 shards it
         CausalLM(cfg, TPGroup(0, 8))
+    # in FP8 (128 x 128 blocks) a picked expert reads 1 byte per weight and its scales
+    with build_on("meta", torch.bfloat16):
+        fp8 = CausalLM(dataclasses.replace(cfg, fp8_block=(128, 128)))
+    H, I = cfg.hidden_size, cfg.moe_intermediate_size
+    per_expert = 3 * H * I + 4 * (2 * I // 128 * H // 128 + H // 128 * I // 128)
+    assert weight_bytes_read(fp8, 1) == weight_bytes_read(fp8, 10 ** 6) - len(experts) * (384 - 8) * per_expert
+    assert 0.5 < weight_bytes_read(fp8, 1) / weight_bytes_read(model, 1) < 0.51
 
 
 def test_weight_bytes_of_a_dense_model_are_its_body():
@@ -407,8 +350,13 @@ def test_gpu_reference_without_host_sync_equals_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("method,budget", [("ar", None), ("ddtree", 24)])
-def test_gpu_engine_graphs_match_eager(spec_moe, method, budget):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-experts", "fp8-experts"])
+def test_gpu_engine_graphs_match_eager(spec_moe, method, budget, fp8, tmp_path):
+    """Also with the target's experts (and other layers) in block-scaled FP8."""
+    from treeflash.checkpoints import write_fp8_copy
     target, drafter = spec_moe
+    if fp8:
+        target = write_fp8_copy(target, tmp_path / "fp8", block=(16, 16))
     prompts = ["def fib(n):", "import os", "x"]
     params = [SamplingParams(max_new_tokens=32, temperature=t, seed=i, ignore_eos=True)
               for i, t in enumerate((0.0, 1.0, 0.0))]

@@ -439,9 +439,9 @@ def init_random_(model: torch.nn.Module) -> None:
         if "norm" in name:
             p.fill_(1.0)
         elif p.dtype == torch.float8_e4m3fn:
-            for rows in p.split(1024):  # a float32 copy of some rows at a time, not of the whole matrix
+            for rows in p.flatten(0, -2).split(1024):  # a float32 copy of some rows at a time, not of all
                 rows.copy_(torch.randn(rows.shape, device=rows.device))
-        elif name.endswith("weight_scale_inv"):
+        elif name.endswith("scale_inv"):
             p.fill_(0.02)
         else:
             p.normal_(0.0, 0.02)

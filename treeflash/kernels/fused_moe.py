@@ -11,6 +11,11 @@ Two launches: gate/up with SiLU(gate) * up fused (pairs x I), then down with the
 routing weight applied (pairs x H, float32); torch sums each token's k rows. Sizes
 are compile-time constants (one model, one compile per tile shape). The reference is
 `treeflash.models.moe.experts_reference`.
+
+FP8 experts (block-scaled, as DeepSeek-V3 and Qwen3-FP8 publish them) are read as
+they are: a K tile never crosses a scale block (BLOCK_K divides the block's columns),
+so each tile's product is scaled once per output column (its block's scale) and
+added up in float32. The activations stay in their dtype (weight-only).
 """
 from __future__ import annotations
 
@@ -42,10 +47,11 @@ def _row_block(bounds_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, act_ptr, order_ptr, bounds_ptr,
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, order_ptr, bounds_ptr,
                     E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_E: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
+                    SCALED: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr):
     e, rows, valid = _row_block(bounds_ptr, E, BLOCK_M, BLOCK_E)
     if e >= E:
         return
@@ -55,6 +61,10 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, order_ptr, bounds_ptr,
     col_ok = cols < I
     w_gate = w_ptr + e.to(tl.int64) * 2 * I * H + cols[None, :] * H     # [E, 2I, H]: gate rows, then up
     w_up = w_gate + I * H
+    # FP8: the scale grid [E, cdiv(2I, SN), cdiv(H, SK)]; row blocks of the gate, then the up rows
+    KB: tl.constexpr = (H + SK - 1) // SK
+    s_gate = s_ptr + e.to(tl.int64) * ((2 * I + SN - 1) // SN) * KB + (cols // SN) * KB
+    s_up = s_gate + (I // SN) * KB
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -63,19 +73,27 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, order_ptr, bounds_ptr,
         a = tl.load(x_ptr + tok[:, None] * H + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         w_ok = k_ok[:, None] & col_ok[None, :]
         g = tl.load(w_gate + ks[:, None], mask=w_ok, other=0.0)
-        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
         u = tl.load(w_up + ks[:, None], mask=w_ok, other=0.0)
-        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        if SCALED:
+            kb = k0 // SK
+            acc_g += tl.dot(a, g.to(a.dtype), input_precision=PRECISION) * \
+                tl.load(s_gate + kb, mask=col_ok, other=0.0)[None, :]
+            acc_u += tl.dot(a, u.to(a.dtype), input_precision=PRECISION) * \
+                tl.load(s_up + kb, mask=col_ok, other=0.0)[None, :]
+        else:
+            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
     act = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(act_ptr + pair[:, None] * I + cols[None, :], act.to(act_ptr.dtype.element_ty),
              mask=valid[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, rw_ptr, out_ptr, order_ptr, bounds_ptr,
+def _down_kernel(act_ptr, w_ptr, s_ptr, rw_ptr, out_ptr, order_ptr, bounds_ptr,
                  E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 BLOCK_E: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
+                 SCALED: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr):
     e, rows, valid = _row_block(bounds_ptr, E, BLOCK_M, BLOCK_E)
     if e >= E:
         return
@@ -83,56 +101,73 @@ def _down_kernel(act_ptr, w_ptr, rw_ptr, out_ptr, order_ptr, bounds_ptr,
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     w = w_ptr + e.to(tl.int64) * H * I + cols[None, :] * I                # [E, H, I]
+    KB: tl.constexpr = (I + SK - 1) // SK
+    s_row = s_ptr + e.to(tl.int64) * ((H + SN - 1) // SN) * KB + (cols // SN) * KB  # FP8 scales
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < I
         a = tl.load(act_ptr + pair[:, None] * I + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if SCALED:
+            acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * \
+                tl.load(s_row + k0 // SK, mask=col_ok, other=0.0)[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
     acc = acc * tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + pair[:, None] * H + cols[None, :], acc, mask=valid[:, None] & col_ok[None, :])
 
 
-def _tiles(pairs: int, experts: int, n: int, k: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+def _tiles(pairs: int, experts: int, n: int, k: int, dtype: torch.dtype,
+           block_k: int | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, stages) of a launch with n output columns, k inputs.
 
     BLOCK_M: the pairs an expert gets on average, at least 16 (tensor cores). BLOCK_N:
     the widest tile that still gives about two programs per SM of an H200 (at T = 1 only
     k experts have work). BLOCK_K: long enough that a narrow tile still keeps ~16 KB of
-    weights in flight per stage, within shared memory."""
+    weights in flight per stage, within shared memory; at most an FP8 scale block's
+    columns (`block_k`, a power of two), so that a tile has one scale per column."""
     avg = pairs / experts
     bm = 16 if avg <= 16 else 32 if avg <= 32 else 64
     active = min(pairs, experts)
     bn = next((b for b in (128, 64, 32) if active * triton.cdiv(n, b) >= 264), 16)
     bk = max(16, min(8192 // bn, 8192 // bm, triton.next_power_of_2(k)))
+    bk = min(bk, block_k) if block_k else bk
     return bm, bn, bk, 3 if dtype.itemsize <= 2 else 2
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                  gate_up: torch.Tensor, down: torch.Tensor, fp8=None) -> torch.Tensor:
     """sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])), e = ids[t, j].
 
     x [T, H]; weights, ids [T, k]; gate_up [E, 2I, H] (gate rows, then up rows);
-    down [E, H, I]. Returns [T, H] in x's dtype."""
+    down [E, H, I]. `fp8`: (gate_up's, down's) `Fp8Weight` for float8 weights, scales
+    [E, rows / block rows, columns / block columns] float32, where the block's columns
+    are a power of two of 16 or more and its rows divide I. Returns [T, H] in x's dtype."""
     T, H = x.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     k = ids.shape[1]
     P = T * k
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    if fp8 is None:
+        scales, (sn, sk), block_k = (gate_up, down), (1, 1), None   # SCALED off: the pointers are never read
+    else:
+        scales, (sn, sk) = (fp8[0].scale.contiguous(), fp8[1].scale.contiguous()), fp8[0].block
+        block_k = sk
     sorted_ids, order = ids.reshape(-1).sort(stable=True)
     bounds = torch.searchsorted(sorted_ids, torch.arange(E + 1, device=x.device), out_int32=True)
     BE = triton.next_power_of_2(E)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    bm, bn, bk, stages = _tiles(P, E, I, H, x.dtype)
+    bm, bn, bk, stages = _tiles(P, E, I, H, x.dtype, block_k)
     blocks = P // bm + min(E, P)        # >= sum over experts of cdiv(count, bm)
     _gate_up_kernel[(blocks, triton.cdiv(I, bn))](
-        x, gate_up, act, order, bounds, E, H, I, TOPK=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        BLOCK_E=BE, PRECISION=precision, num_warps=4, num_stages=stages)
+        x, gate_up, scales[0], act, order, bounds, E, H, I, TOPK=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        BLOCK_E=BE, PRECISION=precision, SCALED=fp8 is not None, SN=sn, SK=sk, num_warps=4, num_stages=stages)
     out = torch.empty(P, H, dtype=torch.float32, device=x.device)
-    _, bn, bk, stages = _tiles(P, E, H, I, x.dtype)
+    _, bn, bk, stages = _tiles(P, E, H, I, x.dtype, block_k)
     _down_kernel[(blocks, triton.cdiv(H, bn))](
-        act, down, weights.reshape(-1).contiguous(), out, order, bounds, E, H, I, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=bk, BLOCK_E=BE, PRECISION=precision, num_warps=4, num_stages=stages)
+        act, down, scales[1], weights.reshape(-1).contiguous(), out, order, bounds, E, H, I, BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=BE, PRECISION=precision, SCALED=fp8 is not None, SN=sn, SK=sk,
+        num_warps=4, num_stages=stages)
     return out.view(T, k, H).sum(1).to(x.dtype)

@@ -22,6 +22,23 @@ from treeflash.errors import TreeflashError
 from treeflash.ops import Fp8Weight, fp8_kernels_fit, gated_linear, linear
 
 
+def check_fp8_cuts(name: str, block: tuple[int, int], rows: list[int], cols: list[int], sharded: bool,
+                   cuda: bool) -> None:
+    """Every checkpoint tensor merged into one weight, and every rank's slice, must start
+    on a scale block's boundary: a block may not straddle two of them. `rows` / `cols`:
+    the sizes (output / input features) that must be whole blocks."""
+    bn, bk = block
+    for what, n, b in [("output features", n, bn) for n in rows] + [("input features", n, bk) for n in cols]:
+        if n % b:
+            raise TreeflashError(f"{name}: FP8 block size {b} does not divide its {n} {what}"
+                                 + (" per rank: the scales cannot be cut there (choose another tensor-parallel "
+                                    "size)" if sharded else
+                                    " of one merged part: a scale block would straddle two tensors"))
+    if cuda and not fp8_kernels_fit(block):
+        warnings.warn(f"{name}: FP8 blocks {bk} columns wide do not fit the GPU kernels (a power of two of "
+                      f"16 or more): each product dequantizes the weight first, which is slow")
+
+
 class ShardedLinear(nn.Module):
     """What both kinds share: weight [N, K] (this rank's), `parts`, optional bias, and
     the FP8 form."""
@@ -30,24 +47,12 @@ class ShardedLinear(nn.Module):
     block: tuple[int, int] | None = None  # FP8: the rows and columns each scale covers
 
     def to_fp8(self, block: tuple[int, int], name: str) -> None:
-        """Hold the weight as FP8 with block scales (`name`: the layer's, for errors).
-        Every checkpoint tensor merged here, and every rank's slice, must start on a
-        block boundary: a block may not straddle two of them."""
+        """Hold the weight as FP8 with block scales (`name`: the layer's, for errors)."""
         bn, bk = block
         N, K = self.weight.shape
-        cut = [("output features", p, bn) for p in self.parts[:-1]] if len(self.parts) > 1 else []
-        if self.tp.size > 1:
-            cut += [("output features", p, bn) for p in self.parts] if self.shard_dim == 0 else \
-                   [("input features", K, bk)]
-        for what, n, b in cut:
-            if n % b:
-                raise TreeflashError(f"{name}: FP8 block size {b} does not divide its {n} {what}"
-                                     + (" per rank: the scales cannot be cut there (choose another "
-                                        "tensor-parallel size)" if self.tp.size > 1 else
-                                        " of one merged part: a scale block would straddle two tensors"))
-        if self.weight.is_cuda and not fp8_kernels_fit(block):
-            warnings.warn(f"{name}: FP8 blocks {bk} columns wide do not fit the GPU kernels (a power of two of "
-                          f"16 or more): each product dequantizes the weight first, which is slow")
+        sharded = self.tp.size > 1
+        check_fp8_cuts(name, block, rows=self.parts[:-1] + (self.parts if sharded and self.shard_dim == 0 else []),
+                       cols=[K] if sharded and self.shard_dim == 1 else [], sharded=sharded, cuda=self.weight.is_cuda)
         self.block = (bn, bk)
         self.weight = nn.Parameter(torch.empty(N, K, dtype=torch.float8_e4m3fn, device=self.weight.device),
                                    requires_grad=False)

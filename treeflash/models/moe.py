@@ -18,7 +18,8 @@ from torch import nn
 
 from treeflash.config import ModelConfig
 from treeflash.distributed import TPGroup
-from treeflash.ops import fused_enabled
+from treeflash.layers.linear import check_fp8_cuts
+from treeflash.ops import Fp8Weight, dequantized, fused_enabled
 
 try:  # Triton kernel, used only when `fused_enabled` (CUDA inference)
     from treeflash.kernels.fused_moe import fused_experts
@@ -47,8 +48,11 @@ class Router(nn.Module):
 
 
 def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                      gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                      gate_up: torch.Tensor, down: torch.Tensor,
+                      fp8: tuple[Fp8Weight, Fp8Weight] | None = None) -> torch.Tensor:
     """The experts in plain torch: exact, any dtype (the CPU path and the kernel's oracle).
+    `fp8`: the scales of FP8 `gate_up` and `down` (one block grid per expert); each
+    expert's weights are dequantized when it runs.
 
     On the CPU only the experts that were picked run (the host reads which), on their
     tokens. Elsewhere every expert runs on every token, weighted 0 where it was not
@@ -60,16 +64,27 @@ def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         w = (weights * hit).sum(-1)              # e's weight per token: a token picks e at most once
         rows = hit.any(-1).nonzero()[:, 0] if cpu else None
         xe, we = (x, w) if rows is None else (x[rows], w[rows])
-        gate, up = F.linear(xe, gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[e]) * we[:, None]
+        w_gate_up, w_down = gate_up[e], down[e]
+        if fp8 is not None:
+            w_gate_up, w_down = (dequantized(m, Fp8Weight(f.scale[e], f.block), x.dtype)
+                                 for m, f in ((w_gate_up, fp8[0]), (w_down, fp8[1])))
+        gate, up = F.linear(xe, w_gate_up).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w_down) * we[:, None]
         out = out + y if rows is None else out.index_add_(0, rows, y)
     return out
+
+
+MATRICES = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 class Experts(nn.Module):
     """All experts' weights in two tensors (transformers' in-memory layout): gate_up
     [E, 2I, H] (each expert's gate rows, then its up rows) and down [E, H, I], where I is
-    this rank's slice of `moe_intermediate_size`."""
+    this rank's slice of `moe_intermediate_size`. From an FP8 checkpoint (`to_fp8`) both
+    are float8 e4m3 with one float32 scale per block of every expert's matrix
+    (`gate_up_proj_scale_inv`, `down_proj_scale_inv`)."""
+
+    block: tuple[int, int] | None = None  # FP8: the rows and columns each scale covers
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
@@ -79,20 +94,48 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(E, H, I), requires_grad=False)
 
+    def to_fp8(self, block: tuple[int, int], name: str) -> None:
+        """Hold the experts as FP8 with block scales (`name`: the module's, for errors).
+        Gate and up rows, and every rank's slice of I, must start on a block boundary."""
+        (bn, bk), (E, I2, H) = block, self.gate_up_proj.shape
+        I = I2 // 2
+        sharded = self.tp.size > 1
+        check_fp8_cuts(f"{name}.*.gate_proj and up_proj", block, rows=[I], cols=[], sharded=sharded,
+                       cuda=self.gate_up_proj.is_cuda)
+        check_fp8_cuts(f"{name}.*.down_proj", block, rows=[], cols=[I] if sharded else [], sharded=sharded,
+                       cuda=False)
+        self.block = (bn, bk)
+        for leaf, (rows, cols) in (("gate_up_proj", (2 * I, H)), ("down_proj", (H, I))):
+            device = getattr(self, leaf).device
+            setattr(self, leaf, nn.Parameter(torch.empty(E, rows, cols, dtype=torch.float8_e4m3fn, device=device),
+                                             requires_grad=False))
+            setattr(self, f"{leaf}_scale_inv", nn.Parameter(
+                torch.empty(E, -(-rows // bn), -(-cols // bk), dtype=torch.float32, device=device),
+                requires_grad=False))
+
+    @property
+    def fp8(self) -> tuple[Fp8Weight, Fp8Weight] | None:
+        if self.block is None:
+            return None
+        return Fp8Weight(self.gate_up_proj_scale_inv, self.block), Fp8Weight(self.down_proj_scale_inv, self.block)
+
     def checkpoint_pieces(self, leaf: str) -> list[tuple[str, torch.Tensor, int]]:
         """(checkpoint key below this module, the part of parameter `leaf` it fills, the
-        dim the ranks slice it along): checkpoints hold one tensor per expert and matrix."""
-        if leaf == "gate_up_proj":
-            I = self.gate_up_proj.shape[1] // 2
-            return [piece for e, w in enumerate(self.gate_up_proj)
-                    for piece in ((f"{e}.gate_proj.weight", w[:I], 0), (f"{e}.up_proj.weight", w[I:], 0))]
-        return [(f"{e}.down_proj.weight", w, 1) for e, w in enumerate(self.down_proj)]
+        dim the ranks slice it along): checkpoints hold one tensor per expert and matrix
+        (and one scale tensor each, `*.weight_scale_inv`, in FP8)."""
+        matrix, scales = leaf.removesuffix("_scale_inv"), leaf.endswith("_scale_inv")
+        suffix = "weight_scale_inv" if scales else "weight"
+        names = MATRICES[matrix]
+        dim = 0 if matrix == "gate_up_proj" else 1
+        return [(f"{e}.{n}.{suffix}", part, dim) for e, w in enumerate(getattr(self, leaf))
+                for n, part in zip(names, w.chunk(len(names)))]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sums [T, H] (before the all-reduce)."""
-        if fused_enabled(x) and x.dtype in KERNEL_DTYPES:
-            return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj)
-        return experts_reference(x, weights, ids, self.gate_up_proj, self.down_proj)
+        fp8 = self.fp8
+        if fused_enabled(x) and x.dtype in KERNEL_DTYPES and (fp8 is None or fp8[0].fits_kernels):
+            return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj, fp8)
+        return experts_reference(x, weights, ids, self.gate_up_proj, self.down_proj, fp8)
 
 
 class SparseMoE(nn.Module):
@@ -133,9 +176,9 @@ def weight_bytes_read(model: nn.Module, tokens: int) -> float:
     total = float(sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name not in skip))
     for m in model.modules():
         if isinstance(m, SparseMoE):
-            gu, dn = m.experts.gate_up_proj, m.experts.down_proj
-            E = gu.shape[0]
-            per_expert = (gu[0].numel() * gu.element_size() + dn[0].numel() * dn.element_size())
+            params = list(m.experts.parameters())   # [E, ...] each: weights, and FP8 scales
+            E = params[0].shape[0]
+            per_expert = sum(p[0].numel() * p.element_size() for p in params)
             total -= (E - expected_experts(E, m.gate.top_k, tokens)) * per_expert
     return total
 

@@ -21,7 +21,7 @@ from treeflash.errors import TreeflashError
 from treeflash.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardedLinear
 from treeflash.layers.norm import RMSNorm
 from treeflash.layers.rotary import RotaryEmbedding, apply_rotary
-from treeflash.models.moe import SparseMoE
+from treeflash.models.moe import Experts, SparseMoE
 from treeflash.ops import fused_enabled, single_row
 
 try:  # Triton kernels, used only when `fused_enabled` (CUDA inference)
@@ -168,17 +168,22 @@ MERGED_WEIGHTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("
 
 
 def to_fp8(module: nn.Module, prefix: str, cfg: ModelConfig) -> None:
-    """FP8 weights (cfg.fp8_block) in every linear layer of `module` (named `prefix` in
-    the checkpoint) but those whose checkpoint names hold an entry of cfg.fp8_skip (HF's
-    modules_to_not_convert)."""
+    """FP8 weights (cfg.fp8_block) in every linear layer and every experts module of
+    `module` (named `prefix` in the checkpoint) but those whose checkpoint names hold an
+    entry of cfg.fp8_skip (HF's modules_to_not_convert)."""
     for name, layer in module.named_modules(prefix=prefix):
-        if not isinstance(layer, ShardedLinear):
-            continue
         parent, _, local = name.rpartition(".")
-        names = [f"{parent}.{m}" for m in MERGED_WEIGHTS.get(local, (local,))]
+        if isinstance(layer, Experts):
+            names = [f"{name}.{e}.{m}" for e in range(layer.gate_up_proj.shape[0])
+                     for m in ("gate_proj", "up_proj", "down_proj")]
+        elif isinstance(layer, ShardedLinear):
+            names = [f"{parent}.{m}" for m in MERGED_WEIGHTS.get(local, (local,))]
+        else:
+            continue
         kept = {any(s in n for s in cfg.fp8_skip) for n in names}
         if len(kept) > 1:
-            raise TreeflashError(f"modules_to_not_convert keeps some of {', '.join(names)} unquantized but not "
+            shown = ", ".join(names) if len(names) <= 3 else f"the experts of {name}"
+            raise TreeflashError(f"modules_to_not_convert keeps some of {shown} unquantized but not "
                                  f"all: they are one merged layer here")
         if not kept.pop():
             layer.to_fp8(cfg.fp8_block, name)
@@ -191,9 +196,6 @@ class DecoderStack(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
-        if cfg.fp8_block is not None and cfg.num_experts:
-            raise TreeflashError("FP8 checkpoints of mixture-of-experts models are not supported yet "
-                                 "(dense Qwen3 and Llama are)")
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList()
         for i in range(cfg.num_layers):
