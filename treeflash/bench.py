@@ -392,7 +392,8 @@ PAIR_COLUMNS = [("method", "label", "{}"), ("graphs", "graphs", "onoff"), ("bs",
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
 
-# Published shapes (random weights: only the shapes matter), a Kimi-K2-like MoE cut to 4 layers
+# Published shapes (random weights: only the shapes matter; Qwen3-30B-A3B: 128 experts, 8 per token, in
+# every layer), a Kimi-K2-like MoE cut to 4 layers
 # (one dense, three of 384 experts; GQA in place of MLA: see treeflash.models.moe), and one for CPU tests.
 SHAPES = {
     "qwen3-8b": ModelConfig("qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -404,6 +405,10 @@ SHAPES = {
     "qwen3-32b": ModelConfig("qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
                              num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128,
                              rope_theta=1e6, max_position_embeddings=40960),
+    "qwen3-30b-a3b": ModelConfig("qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                 num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1e6,
+                                 max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
+                                 moe_intermediate_size=768, norm_topk_prob=True),
     "kimi-k2-4l": KIMI_K2_4L,
     "tiny": ModelConfig("qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4,
                         num_heads=4, num_kv_heads=2, head_dim=16),

@@ -118,21 +118,26 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, rw_ptr, out_ptr, order_ptr, bounds_ptr,
     tl.store(out_ptr + pair[:, None] * H + cols[None, :], acc, mask=valid[:, None] & col_ok[None, :])
 
 
-def _tiles(pairs: int, experts: int, n: int, k: int, dtype: torch.dtype,
-           block_k: int | None = None) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, stages) of a launch with n output columns, k inputs.
+def _tiles(pairs: int, experts: int, n: int, k: int, dtype: torch.dtype, block_k: int | None = None,
+           operands: int = 1) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, stages) of a launch with n output columns, k inputs,
+    and `operands` weight tiles per step (gate/up: 2).
 
     BLOCK_M: the pairs an expert gets on average, at least 16 (tensor cores). BLOCK_N:
     the widest tile that still gives about two programs per SM of an H200 (at T = 1 only
     k experts have work). BLOCK_K: long enough that a narrow tile still keeps ~16 KB of
-    weights in flight per stage, within shared memory; at most an FP8 scale block's
-    columns (`block_k`, a power of two), so that a tile has one scale per column."""
+    weights in flight per stage, within shared memory. FP8 (`block_k`: the scale
+    block's columns, a power of two): BLOCK_K is that block (128 at most), BLOCK_N at
+    most 8 KB of weights per stage, 4 stages: the best of a sweep at Kimi-K2's expert
+    sizes (E = 384, H = 7168, I = 2048; T = 1, 16, 64; BENCHMARKS.md section 11)."""
     avg = pairs / experts
     bm = 16 if avg <= 16 else 32 if avg <= 32 else 64
     active = min(pairs, experts)
     bn = next((b for b in (128, 64, 32) if active * triton.cdiv(n, b) >= 264), 16)
+    if block_k:
+        bk = min(block_k, 128)
+        return bm, max(16, min(bn, 8192 // (bk * operands))), bk, 4
     bk = max(16, min(8192 // bn, 8192 // bm, triton.next_power_of_2(k)))
-    bk = min(bk, block_k) if block_k else bk
     return bm, bn, bk, 3 if dtype.itemsize <= 2 else 2
 
 
@@ -159,7 +164,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     BE = triton.next_power_of_2(E)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    bm, bn, bk, stages = _tiles(P, E, I, H, x.dtype, block_k)
+    bm, bn, bk, stages = _tiles(P, E, I, H, x.dtype, block_k, operands=2)
     blocks = P // bm + min(E, P)        # >= sum over experts of cdiv(count, bm)
     _gate_up_kernel[(blocks, triton.cdiv(I, bn))](
         x, gate_up, scales[0], act, order, bounds, E, H, I, TOPK=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
