@@ -23,6 +23,8 @@ import re
 import pytest
 import torch
 from conftest import ENGINE_PROMPTS
+from interpreter import DEV, run_interpreted, spawns_interpreter
+from interpreter import kernel as kernel_test
 from safetensors.torch import load_file, save_file
 
 from treeflash import LLM, SamplingParams
@@ -280,21 +282,14 @@ def test_fp8_kernels_match_the_dequantized_product(dtype, N, K, block):
     assert (got.float() - want).abs().max() <= tol * want.abs().max()
 
 
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("T,E,k,H,I,block", [(1, 384, 8, 1024, 256, (128, 128)), (16, 64, 8, 512, 128, (128, 128)),
-                                             (256, 384, 8, 1024, 256, (128, 128)), (7, 16, 4, 200, 96, (32, 64)),
-                                             (40, 4, 2, 96, 48, (16, 32))])
-def test_fp8_experts_kernel_matches_the_dequantized_reference(dtype, T, E, k, H, I, block):
-    """The grouped-experts kernel on FP8 experts: decode (T = 1), a tree (16, 256 tokens)
-    at Kimi-K2-like widths cut down, and scale blocks that do not divide H or are
-    narrower than the kernel's tiles."""
+def _check_fp8_experts(T, E, k, H, I, block, dtype, device):
+    """The grouped-experts kernel on FP8 experts against the reference on the dequantized
+    experts (float64)."""
     from test_moe import _case
 
     from treeflash.kernels.fused_moe import fused_experts
     from treeflash.models.moe import experts_reference
-    x, w, ids, gu, dn = _case(T, E, k, H, I, dtype, skew=T == 40, seed=T, device="cuda")
+    x, w, ids, gu, dn = _case(T, E, k, H, I, dtype, skew=T == 40, seed=T, device=device)
     (gu, gu_s), (dn, dn_s) = ([torch.stack(t) for t in zip(*(fp8_blocks(m.float(), block) for m in mats))]
                               for mats in (gu, dn))
     fp8 = (Fp8Weight(gu_s, block), Fp8Weight(dn_s, block))
@@ -303,6 +298,30 @@ def test_fp8_experts_kernel_matches_the_dequantized_reference(dtype, T, E, k, H,
     assert out.shape == x.shape and out.dtype == dtype
     err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
     assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
+
+
+# Scale blocks narrower than the kernel's 128-column step (read one sub-step per block),
+# one as wide, sizes off the tiles and the blocks, skewed routing (T = 40)
+@kernel_test
+@pytest.mark.parametrize("T,E,k,H,I,block", [(7, 16, 4, 200, 96, (32, 64)), (40, 4, 2, 96, 48, (16, 32)),
+                                             (3, 4, 2, 96, 64, (32, 128))])
+def test_fp8_experts_kernel_matches_the_dequantized_reference(T, E, k, H, I, block):
+    _check_fp8_experts(T, E, k, H, I, block, torch.float32, DEV)
+
+
+@spawns_interpreter
+def test_fp8_experts_kernel_in_the_triton_interpreter():
+    run_interpreted(__file__, "fp8_experts_kernel_matches", 3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T", [1, 16, 256])
+def test_gpu_fp8_experts_kernel_at_model_sizes(dtype, T):
+    """Kimi-K2-like experts (384, 8 per token; widths cut to H = 1024, I = 256: K2's
+    expert at TP 8), 128 x 128 blocks: decode and trees of 16 and 256 tokens."""
+    _check_fp8_experts(T, 384, 8, 1024, 256, (128, 128), dtype, "cuda")
 
 
 @pytest.mark.gpu

@@ -13,9 +13,9 @@ are compile-time constants (one model, one compile per tile shape). The referenc
 `treeflash.models.moe.experts_reference`.
 
 FP8 experts (block-scaled, as DeepSeek-V3 and Qwen3-FP8 publish them) are read as
-they are: a K tile never crosses a scale block (BLOCK_K divides the block's columns),
-so each tile's product is scaled once per output column (its block's scale) and
-added up in float32. The activations stay in their dtype (weight-only).
+they are: each K step lies in one scale block, or spans whole narrower blocks read
+one sub-step each, so each product is scaled once per output column (its block's
+scale) and added up in float32. The activations stay in their dtype (weight-only).
 """
 from __future__ import annotations
 
@@ -47,6 +47,39 @@ def _row_block(bounds_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
+def _k_step(acc1, acc2, x_rows, row_ok, w1, w2, s1, s2, col_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
+            TWO: tl.constexpr, SCALED: tl.constexpr, SK: tl.constexpr, PRECISION: tl.constexpr):
+    """One BLOCK_K step over the inputs: acc1 += x W1^T (and acc2 += x W2^T with TWO),
+    where x_rows / w1, w2 point at the rows of x and the weights' columns, and s1, s2 at
+    the columns' FP8 scale rows. FP8 weights are converted in registers (exact: e4m3
+    values are bf16 and fp16 values), and a step over several scale blocks (where K is
+    short, more bytes in flight per step) is read as one sub-step per block, each
+    product scaled by its block's scales."""
+    KT: tl.constexpr = SK if SCALED and BLOCK_K > SK else BLOCK_K
+    for j in tl.static_range(BLOCK_K // KT):
+        ks = k0 + j * KT + tl.arange(0, KT)
+        k_ok = ks < K
+        a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        b1 = tl.load(w1 + ks[:, None], mask=w_ok, other=0.0)
+        if TWO:
+            b2 = tl.load(w2 + ks[:, None], mask=w_ok, other=0.0)
+        if SCALED:  # a sub-step past K reads no scale (it could be NaN): its product is 0
+            s_ok = col_ok & (k0 + j * KT < K)
+            kb = (k0 + j * KT) // SK
+            acc1 += tl.dot(a, b1.to(a.dtype), input_precision=PRECISION) * \
+                tl.load(s1 + kb, mask=s_ok, other=0.0)[None, :]
+            if TWO:
+                acc2 += tl.dot(a, b2.to(a.dtype), input_precision=PRECISION) * \
+                    tl.load(s2 + kb, mask=s_ok, other=0.0)[None, :]
+        else:
+            acc1 = tl.dot(a, b1, acc1, input_precision=PRECISION)
+            if TWO:
+                acc2 = tl.dot(a, b2, acc2, input_precision=PRECISION)
+    return acc1, acc2
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, order_ptr, bounds_ptr,
                     E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -60,29 +93,14 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, order_ptr, bounds_ptr,
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     w_gate = w_ptr + e.to(tl.int64) * 2 * I * H + cols[None, :] * H     # [E, 2I, H]: gate rows, then up
-    w_up = w_gate + I * H
     # FP8: the scale grid [E, cdiv(2I, SN), cdiv(H, SK)]; row blocks of the gate, then the up rows
     KB: tl.constexpr = (H + SK - 1) // SK
     s_gate = s_ptr + e.to(tl.int64) * ((2 * I + SN - 1) // SN) * KB + (cols // SN) * KB
-    s_up = s_gate + (I // SN) * KB
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < H
-        a = tl.load(x_ptr + tok[:, None] * H + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w_ok = k_ok[:, None] & col_ok[None, :]
-        g = tl.load(w_gate + ks[:, None], mask=w_ok, other=0.0)
-        u = tl.load(w_up + ks[:, None], mask=w_ok, other=0.0)
-        if SCALED:
-            kb = k0 // SK
-            acc_g += tl.dot(a, g.to(a.dtype), input_precision=PRECISION) * \
-                tl.load(s_gate + kb, mask=col_ok, other=0.0)[None, :]
-            acc_u += tl.dot(a, u.to(a.dtype), input_precision=PRECISION) * \
-                tl.load(s_up + kb, mask=col_ok, other=0.0)[None, :]
-        else:
-            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        acc_g, acc_u = _k_step(acc_g, acc_u, x_ptr + tok[:, None] * H, valid, w_gate, w_gate + I * H,
+                               s_gate, s_gate + (I // SN) * KB, col_ok, k0, H, BLOCK_K, True, SCALED, SK, PRECISION)
     act = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(act_ptr + pair[:, None] * I + cols[None, :], act.to(act_ptr.dtype.element_ty),
              mask=valid[:, None] & col_ok[None, :])
@@ -105,20 +123,13 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, rw_ptr, out_ptr, order_ptr, bounds_ptr,
     s_row = s_ptr + e.to(tl.int64) * ((H + SN - 1) // SN) * KB + (cols // SN) * KB  # FP8 scales
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < I
-        a = tl.load(act_ptr + pair[:, None] * I + ks[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if SCALED:
-            acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * \
-                tl.load(s_row + k0 // SK, mask=col_ok, other=0.0)[None, :]
-        else:
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc, _ = _k_step(acc, acc, act_ptr + pair[:, None] * I, valid, w, w, s_row, s_row, col_ok, k0, I, BLOCK_K,
+                         False, SCALED, SK, PRECISION)
     acc = acc * tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + pair[:, None] * H + cols[None, :], acc, mask=valid[:, None] & col_ok[None, :])
 
 
-def _tiles(pairs: int, experts: int, n: int, k: int, dtype: torch.dtype, block_k: int | None = None,
+def _tiles(pairs: int, experts: int, n: int, k: int, dtype: torch.dtype, fp8: bool = False,
            operands: int = 1) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, stages) of a launch with n output columns, k inputs,
     and `operands` weight tiles per step (gate/up: 2).
@@ -126,17 +137,15 @@ def _tiles(pairs: int, experts: int, n: int, k: int, dtype: torch.dtype, block_k
     BLOCK_M: the pairs an expert gets on average, at least 16 (tensor cores). BLOCK_N:
     the widest tile that still gives about two programs per SM of an H200 (at T = 1 only
     k experts have work). BLOCK_K: long enough that a narrow tile still keeps ~16 KB of
-    weights in flight per stage, within shared memory. FP8 (`block_k`: the scale
-    block's columns, a power of two): BLOCK_K is that block (128 at most), BLOCK_N at
-    most 8 KB of weights per stage, 4 stages: the best of a sweep at Kimi-K2's expert
-    sizes (E = 384, H = 7168, I = 2048; T = 1, 16, 64; BENCHMARKS.md section 11)."""
+    weights in flight per stage, within shared memory. FP8: BLOCK_K 128 and 32 to 8 KB ÷
+    128 columns, the best of a sweep (timed in CUDA graphs) at the expert sizes of
+    Qwen3-30B-A3B and Kimi-K2, T = 1, 4, 16, 64 (BENCHMARKS.md section 11)."""
     avg = pairs / experts
     bm = 16 if avg <= 16 else 32 if avg <= 32 else 64
     active = min(pairs, experts)
     bn = next((b for b in (128, 64, 32) if active * triton.cdiv(n, b) >= 264), 16)
-    if block_k:
-        bk = min(block_k, 128)
-        return bm, max(16, min(bn, 8192 // (bk * operands))), bk, 4
+    if fp8:
+        return bm, max(32, min(bn, 64 // operands)), 128, 3
     bk = max(16, min(8192 // bn, 8192 // bm, triton.next_power_of_2(k)))
     return bm, bn, bk, 3 if dtype.itemsize <= 2 else 2
 
@@ -155,22 +164,21 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     P = T * k
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
     if fp8 is None:
-        scales, (sn, sk), block_k = (gate_up, down), (1, 1), None   # SCALED off: the pointers are never read
+        scales, (sn, sk) = (gate_up, down), (1, 1)   # SCALED off: the pointers are never read
     else:
         scales, (sn, sk) = (fp8[0].scale.contiguous(), fp8[1].scale.contiguous()), fp8[0].block
-        block_k = sk
     sorted_ids, order = ids.reshape(-1).sort(stable=True)
     bounds = torch.searchsorted(sorted_ids, torch.arange(E + 1, device=x.device), out_int32=True)
     BE = triton.next_power_of_2(E)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    bm, bn, bk, stages = _tiles(P, E, I, H, x.dtype, block_k, operands=2)
+    bm, bn, bk, stages = _tiles(P, E, I, H, x.dtype, fp8 is not None, operands=2)
     blocks = P // bm + min(E, P)        # >= sum over experts of cdiv(count, bm)
     _gate_up_kernel[(blocks, triton.cdiv(I, bn))](
         x, gate_up, scales[0], act, order, bounds, E, H, I, TOPK=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         BLOCK_E=BE, PRECISION=precision, SCALED=fp8 is not None, SN=sn, SK=sk, num_warps=4, num_stages=stages)
     out = torch.empty(P, H, dtype=torch.float32, device=x.device)
-    _, bn, bk, stages = _tiles(P, E, H, I, x.dtype, block_k)
+    _, bn, bk, stages = _tiles(P, E, H, I, x.dtype, fp8 is not None)
     _down_kernel[(blocks, triton.cdiv(H, bn))](
         act, down, scales[1], weights.reshape(-1).contiguous(), out, order, bounds, E, H, I, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=BE, PRECISION=precision, SCALED=fp8 is not None, SN=sn, SK=sk,
