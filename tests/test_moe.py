@@ -263,9 +263,44 @@ def test_kernel_matches_reference(T, E, k, H, I, skew, dtype):
     _check_kernel(case, 1e-5 if dtype == torch.float32 else 5e-3)
 
 
+# (T, E, k, skew): one token; a tree's worth; more pairs than one chunk of the grouping
+# (E = 384: 8 pairs per chunk), pairs piled on two experts, E not a power of two
+ROUTING_CASES = [(1, 8, 2, False), (16, 128, 8, False), (40, 384, 8, True), (33, 6, 3, True)]
+
+
+@kernel_test
+@pytest.mark.parametrize("T,E,k,skew", ROUTING_CASES)
+def test_group_pairs_kernel_matches_a_stable_sort(T, E, k, skew):
+    from treeflash.kernels.fused_moe import group_pairs
+    ids = _case(T, E, k, 8, 8, torch.float32, skew, seed=T, device="cuda" if CUDA else "cpu")[2]
+    order, bounds = group_pairs(ids, E)
+    sorted_ids, want = ids.reshape(-1).sort(stable=True)
+    assert torch.equal(order.cpu(), want.cpu())
+    assert torch.equal(bounds.cpu(), torch.searchsorted(sorted_ids, torch.arange(E + 1, device=ids.device),
+                                                         out_int32=True).cpu())
+
+
+@kernel_test
+@pytest.mark.parametrize("T,E,k,skew", ROUTING_CASES)
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_route_kernel_matches_the_router(T, E, k, skew, renormalize):
+    """The kernel's picks and weights are the torch Router's (float32 logits; skewed: a
+    few experts far ahead of the rest)."""
+    from treeflash.kernels.fused_moe import route
+    gen = torch.Generator().manual_seed(T + E)
+    logits = torch.randn(T, E, generator=gen) * (4 if skew else 1)
+    probs = logits.softmax(-1)
+    want = probs.topk(k, -1)
+    want_w = want.values / want.values.sum(-1, keepdim=True) if renormalize else want.values
+    w, ids = route(logits.to("cuda" if CUDA else "cpu"), k, renormalize)
+    assert torch.equal(ids.cpu(), want.indices)
+    torch.testing.assert_close(w.cpu(), want_w, rtol=1e-5, atol=1e-7)
+
+
 @spawns_interpreter
 def test_kernel_in_the_triton_interpreter():
-    run_interpreted(__file__, "kernel_matches_reference", 2 * len(KERNEL_CASES))
+    run_interpreted(__file__, "kernel_matches_reference or group_pairs_kernel or route_kernel",
+                    2 * len(KERNEL_CASES) + 3 * len(ROUTING_CASES))
 
 
 # ----------------------------------------------------------------------------- bench shape

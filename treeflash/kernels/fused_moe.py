@@ -2,9 +2,11 @@
 
 A round runs 1 to a few hundred tokens through each MoE layer and every token picks
 k of E experts, so the cost is reading the weights of the experts that were picked.
-The (token, slot) pairs are grouped by expert with one sort and one searchsorted on
-the device (no host sync, static shapes); each program then computes one
-BLOCK_M x BLOCK_N tile for one expert, for up to BLOCK_M of the pairs routed to it.
+At batch-1 decode the weights read per layer are few and the launches count: routing
+(softmax, top-k, renormalisation: `route`) is one launch, and grouping the (token,
+slot) pairs by expert (a stable counting sort on the device, no host sync, static
+shapes: `group_pairs`) another, where torch took about ten. Each program then computes
+one BLOCK_M x BLOCK_N tile for one expert, for up to BLOCK_M of the pairs routed to it.
 At small T an expert's pairs fit in one row block, so its weights are read once.
 
 Two launches: gate/up with SiLU(gate) * up fused (pairs x I), then down with the
@@ -22,6 +24,79 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr, RENORM: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token: softmax over its E router logits (float32), the k largest (the lowest
+    expert id first among equal ones), optionally renormalised to sum to 1."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    logits = tl.load(logits_ptr + t * E + e, mask=e < E, other=-float("inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, 0))
+    p = p / tl.sum(p, 0)
+    slot = tl.arange(0, BLOCK_K)
+    vals = tl.zeros([BLOCK_K], tl.float32)
+    ids = tl.zeros([BLOCK_K], tl.int64)
+    for j in tl.static_range(K):
+        best = tl.max(p, 0)
+        pick = tl.minimum(tl.min(tl.where(p == best, e, BLOCK_E), 0), E - 1)  # NaN logits: still an expert
+        vals = tl.where(slot == j, best, vals)
+        ids = tl.where(slot == j, pick, ids)
+        p = tl.where(e == pick, -1.0, p)   # probabilities are >= 0: taken
+    if RENORM:
+        vals = vals / tl.sum(vals, 0)
+    tl.store(w_ptr + t * K + slot, vals.to(w_ptr.dtype.element_ty), mask=slot < K)
+    tl.store(ids_ptr + t * K + slot, ids, mask=slot < K)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k] in the logits' dtype, expert ids [T, k]):
+    what `treeflash.models.moe.Router` computes in torch, in one launch."""
+    T, E = logits.shape
+    weights = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    if T:
+        _route_kernel[(T,)](logits.contiguous(), weights, ids, E, top_k, RENORM=renormalize,
+                            BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
+    return weights, ids
+
+
+@triton.jit
+def _group_kernel(ids_ptr, order_ptr, bounds_ptr, P, E: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: count the pairs per expert, then place each pair after the earlier
+    pairs of its expert (a chunk at a time: those of earlier chunks, counted as they
+    pass, and those earlier in its chunk, a cumulative sum over the chunk)."""
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for p0 in range(0, P, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)
+    seen = tl.cumsum(counts, 0) - counts   # where each expert's pairs start; lane E: P
+    tl.store(bounds_ptr + e, seen, mask=e <= E)
+    for p0 in range(0, P, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        hit = (ids[:, None] == e[None, :]).to(tl.int32)
+        place = tl.sum((seen[None, :] + tl.cumsum(hit, 0) - hit) * hit, 1)
+        tl.store(order_ptr + place, p, mask=p < P)
+        seen += tl.sum(hit, 0)
+
+
+def group_pairs(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, bounds) of the T x k (token, slot) pairs grouped by expert: order [T k]
+    lists the pairs expert by expert, each expert's in pair order (a stable sort of the
+    ids: torch's `sort(stable=True)` indices), and expert e owns order[bounds[e]:bounds[e + 1]]
+    (bounds [E + 1] int32: torch's `searchsorted` of 0..E in the sorted ids)."""
+    P = ids.numel()
+    order = torch.empty(P, dtype=torch.int64, device=ids.device)
+    bounds = torch.empty(experts + 1, dtype=torch.int32, device=ids.device)
+    block_e = triton.next_power_of_2(experts + 1)
+    _group_kernel[(1,)](ids.contiguous(), order, bounds, P, experts, BLOCK_E=block_e,
+                        CHUNK=max(1, 4096 // block_e), num_warps=8)
+    return order, bounds
 
 
 @triton.jit
@@ -167,8 +242,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         scales, (sn, sk) = (gate_up, down), (1, 1)   # SCALED off: the pointers are never read
     else:
         scales, (sn, sk) = (fp8[0].scale.contiguous(), fp8[1].scale.contiguous()), fp8[0].block
-    sorted_ids, order = ids.reshape(-1).sort(stable=True)
-    bounds = torch.searchsorted(sorted_ids, torch.arange(E + 1, device=x.device), out_int32=True)
+    order, bounds = group_pairs(ids, E)
     BE = triton.next_power_of_2(E)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty(P, I, dtype=x.dtype, device=x.device)

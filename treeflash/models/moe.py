@@ -21,17 +21,18 @@ from treeflash.distributed import TPGroup
 from treeflash.layers.linear import check_fp8_cuts
 from treeflash.ops import Fp8Weight, dequantized, fused_enabled
 
-try:  # Triton kernel, used only when `fused_enabled` (CUDA inference)
-    from treeflash.kernels.fused_moe import fused_experts
+try:  # Triton kernels, used only when `fused_enabled` (CUDA inference)
+    from treeflash.kernels.fused_moe import fused_experts, route
 except ImportError:
-    fused_experts = None
+    fused_experts = route = None
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class Router(nn.Module):
     """HF's `mlp.gate`: softmax of x W^T (in float32 at least), top-k, optionally
-    renormalized to sum to 1; weights in x's dtype, as transformers casts them."""
+    renormalized to sum to 1; weights in x's dtype, as transformers casts them. After
+    the product, one Triton launch on the fused path (`kernels.fused_moe.route`)."""
 
     def __init__(self, hidden: int, experts: int, top_k: int, renormalize: bool):
         super().__init__()
@@ -40,6 +41,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> routing weights [T, k], expert ids [T, k]."""
+        if fused_enabled(x) and x.dtype in KERNEL_DTYPES:
+            return route(F.linear(x, self.weight), self.top_k, self.renormalize)
         probs = F.linear(x, self.weight).softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32))
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
