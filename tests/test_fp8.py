@@ -59,6 +59,24 @@ def _dequantized_model(hf_model, folder, dtype=torch.float64):
     return model, quantized
 
 
+def _check_against_dequantized(llm, reference, original):
+    """The engine's logits (a padded batch through the KV cache) are transformers' on the
+    dequantized weights (`reference`) to 1e-5, visibly not the unquantized `original`'s,
+    and its greedy tokens are the reference's."""
+    from test_models import hf_logits, padded, rel_err, tf_logits
+    prompts = [llm.encode(p) for p in ENGINE_PROMPTS]
+    batch = padded(prompts)
+    cached = tf_logits(llm, batch, llm.target.new_cache(3, batch.shape[1] + 4))
+    for b, ids in enumerate(prompts):
+        want = hf_logits(reference, ids)
+        assert rel_err(cached[b, :len(ids)], want) < 1e-5, b
+        assert rel_err(hf_logits(original, ids), want) > 1e-3, "the FP8 rounding changed nothing: a vacuous test"
+    ids = prompts[1]
+    out = llm.generate([ids], SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
+    assert out.token_ids == reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=16,
+                                               eos_token_id=None, pad_token_id=1)[0, len(ids):].tolist()
+
+
 def test_blocks_round_trip():
     """fp8 * scale is the weight to FP8's precision (3 mantissa bits), for blocks that
     do not divide the matrix too."""
@@ -73,7 +91,6 @@ def test_blocks_round_trip():
 @pytest.mark.parametrize("name,block,skip", [("qwen3", (16, 32), ()), ("qwen3", (32, 48), ()),
                                              ("llama-tied-bias", (16, 16), ("mlp",))])
 def test_logits_equal_transformers_on_the_dequantized_weights(hf_checkpoint, tmp_path, name, block, skip):
-    from test_models import hf_logits, padded, rel_err, tf_logits
     ck = hf_checkpoint(name)
     folder = write_fp8_copy(ck.path, tmp_path / "fp8", block=block, skip=skip)
     reference, quantized = _dequantized_model(ck.model, folder)
@@ -83,16 +100,7 @@ def test_logits_equal_transformers_on_the_dequantized_weights(hf_checkpoint, tmp
     assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.block == block
     mlp = llm.target.model.layers[0].mlp.down_proj
     assert (mlp.weight.dtype == torch.float64) == bool(skip)
-    prompts = [llm.encode(p) for p in ENGINE_PROMPTS]
-    batch = padded(prompts)
-    cached = tf_logits(llm, batch, llm.target.new_cache(3, batch.shape[1] + 4))
-    for b, ids in enumerate(prompts):
-        want = hf_logits(reference, ids)
-        assert rel_err(cached[b, :len(ids)], want) < 1e-5, b
-        assert rel_err(hf_logits(ck.model, ids), want) > 1e-3, "the FP8 rounding changed nothing: a vacuous test"
-    out = llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=12))[0]
-    assert out.token_ids == reference.generate(torch.tensor([llm.encode(ENGINE_PROMPTS[0])]), do_sample=False,
-                                               max_new_tokens=12)[0, len(llm.encode(ENGINE_PROMPTS[0])):].tolist()
+    _check_against_dequantized(llm, reference, ck.model)
 
 
 def test_speculative_methods_give_ar_tokens_on_an_fp8_target(spec_target, spec_drafter, tmp_path):
@@ -116,7 +124,6 @@ def test_moe_logits_equal_transformers_on_the_dequantized_weights(moe_checkpoint
     """Experts stored per expert in FP8 with their scales (Qwen3-MoE-FP8's layout), the
     router unquantized as published (it is not a `*_proj`), a dense first layer in FP8
     too. In float32: transformers' experts have no float64 path."""
-    from test_models import hf_logits, padded, rel_err, tf_logits
     ck = moe_checkpoint("moe")
     folder = write_fp8_copy(ck.path, tmp_path / "fp8", block=(16, 16))
     reference, quantized = _dequantized_model(ck.model, folder, torch.float32)
@@ -125,17 +132,7 @@ def test_moe_logits_equal_transformers_on_the_dequantized_weights(moe_checkpoint
     llm = LLM(folder, device="cpu", dtype="float32")
     experts = llm.target.model.layers[1].mlp.experts
     assert experts.gate_up_proj.dtype == torch.float8_e4m3fn and experts.gate_up_proj_scale_inv.shape == (8, 4, 4)
-    prompts = [llm.encode(p) for p in ENGINE_PROMPTS]
-    batch = padded(prompts)
-    cached = tf_logits(llm, batch, llm.target.new_cache(3, batch.shape[1] + 4))
-    for b, ids in enumerate(prompts):
-        want = hf_logits(reference, ids)
-        assert rel_err(cached[b, :len(ids)], want) < 1e-5, b
-        assert rel_err(hf_logits(ck.model, ids), want) > 1e-3, "the FP8 rounding changed nothing: a vacuous test"
-    ids = llm.encode(ENGINE_PROMPTS[1])
-    out = llm.generate([ids], SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
-    assert out.token_ids == reference.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=16,
-                                               eos_token_id=None, pad_token_id=1)[0, len(ids):].tolist()
+    _check_against_dequantized(llm, reference, ck.model)
 
 
 @pytest.fixture(scope="module")
