@@ -263,15 +263,18 @@ def test_kernel_matches_reference(T, E, k, H, I, skew, dtype):
     _check_kernel(case, 1e-5 if dtype == torch.float32 else 5e-3)
 
 
-# (T, E, k, skew): one token; a tree's worth; more pairs than one chunk of the grouping
-# (E = 384: 8 pairs per chunk), pairs piled on two experts, E not a power of two
-ROUTING_CASES = [(1, 8, 2, False), (16, 128, 8, False), (40, 384, 8, True), (33, 6, 3, True)]
+# (T, E, k, skew, one launch): one token; a tree's worth; the most pairs the grouping
+# kernel takes (E = 384: 8 pairs per chunk, 16 chunks), pairs piled on two experts, E not
+# a power of two; past the kernel's pairs (torch sorts)
+ROUTING_CASES = [(1, 8, 2, False, True), (16, 128, 8, False, True), (16, 384, 8, True, True),
+                 (33, 6, 3, True, True), (40, 384, 8, False, False)]
 
 
 @kernel_test
-@pytest.mark.parametrize("T,E,k,skew", ROUTING_CASES)
-def test_group_pairs_kernel_matches_a_stable_sort(T, E, k, skew):
-    from treeflash.kernels.fused_moe import group_pairs
+@pytest.mark.parametrize("T,E,k,skew,one_launch", ROUTING_CASES)
+def test_group_pairs_kernel_matches_a_stable_sort(T, E, k, skew, one_launch):
+    from treeflash.kernels.fused_moe import group_pairs, groups_in_one_launch
+    assert groups_in_one_launch(T * k, E) == one_launch
     ids = _case(T, E, k, 8, 8, torch.float32, skew, seed=T, device="cuda" if CUDA else "cpu")[2]
     order, bounds = group_pairs(ids, E)
     sorted_ids, want = ids.reshape(-1).sort(stable=True)
@@ -281,9 +284,9 @@ def test_group_pairs_kernel_matches_a_stable_sort(T, E, k, skew):
 
 
 @kernel_test
-@pytest.mark.parametrize("T,E,k,skew", ROUTING_CASES)
+@pytest.mark.parametrize("T,E,k,skew,_", ROUTING_CASES)
 @pytest.mark.parametrize("renormalize", [False, True])
-def test_route_kernel_matches_the_router(T, E, k, skew, renormalize):
+def test_route_kernel_matches_the_router(T, E, k, skew, _, renormalize):
     """The kernel's picks and weights are the torch Router's (float32 logits; skewed: a
     few experts far ahead of the rest)."""
     from treeflash.kernels.fused_moe import route

@@ -85,17 +85,31 @@ def _group_kernel(ids_ptr, order_ptr, bounds_ptr, P, E: tl.constexpr, BLOCK_E: t
         seen += tl.sum(hit, 0)
 
 
+def _group_chunk(experts: int) -> tuple[int, int]:
+    """(BLOCK_E, CHUNK) of the grouping program: CHUNK pairs x BLOCK_E experts per step."""
+    block_e = triton.next_power_of_2(experts + 1)
+    return block_e, max(1, 4096 // block_e)
+
+
+def groups_in_one_launch(pairs: int, experts: int) -> bool:
+    """Whether `group_pairs` runs its one program: it walks the pairs serially, 16 chunks
+    at most (decode, a small tree); more (a long prefill) go to torch's parallel sort."""
+    return pairs <= 16 * _group_chunk(experts)[1]
+
+
 def group_pairs(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(order, bounds) of the T x k (token, slot) pairs grouped by expert: order [T k]
     lists the pairs expert by expert, each expert's in pair order (a stable sort of the
     ids: torch's `sort(stable=True)` indices), and expert e owns order[bounds[e]:bounds[e + 1]]
     (bounds [E + 1] int32: torch's `searchsorted` of 0..E in the sorted ids)."""
     P = ids.numel()
+    if not groups_in_one_launch(P, experts):
+        sorted_ids, order = ids.reshape(-1).sort(stable=True)
+        return order, torch.searchsorted(sorted_ids, torch.arange(experts + 1, device=ids.device), out_int32=True)
+    block_e, chunk = _group_chunk(experts)
     order = torch.empty(P, dtype=torch.int64, device=ids.device)
     bounds = torch.empty(experts + 1, dtype=torch.int32, device=ids.device)
-    block_e = triton.next_power_of_2(experts + 1)
-    _group_kernel[(1,)](ids.contiguous(), order, bounds, P, experts, BLOCK_E=block_e,
-                        CHUNK=max(1, 4096 // block_e), num_warps=8)
+    _group_kernel[(1,)](ids.contiguous(), order, bounds, P, experts, BLOCK_E=block_e, CHUNK=chunk, num_warps=8)
     return order, bounds
 
 
