@@ -186,6 +186,15 @@ def test_fp8_experts_that_a_block_would_straddle_are_refused(moe_checkpoint, tmp
         LLM(write_fp8_copy(ck.path, tmp_path / "b", block=(16, 32)), device="cpu", tp=2)
     with pytest.raises(TreeflashError, match="keeps some of the experts of model.layers.1.mlp.experts unquantized"):
         LLM(write_fp8_copy(ck.path, tmp_path / "c", block=(16, 16), skip=("experts.3.",)), device="cpu")
+    # a block that no tensor-parallel size could cut is not blamed on the size
+    from treeflash.config import ModelConfig
+    from treeflash.distributed import TPGroup
+    from treeflash.models.moe import Experts
+    cfg = ModelConfig.from_pretrained(ck.path)
+    with torch.device("meta"):
+        experts = Experts(cfg, TPGroup(0, 2))
+    with pytest.raises(TreeflashError, match="64 does not divide its 32 output features of one merged part"):
+        experts.to_fp8((64, 16), "x")
 
 
 def _damaged(tmp_path, hf_checkpoint, change, block=(16, 32)):
@@ -314,11 +323,14 @@ def test_fp8_experts_kernel_in_the_triton_interpreter():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("T", [1, 16, 256])
-def test_gpu_fp8_experts_kernel_at_model_sizes(dtype, T):
+@pytest.mark.parametrize("T,E,k,H,I,block", [(1, 384, 8, 1024, 256, (128, 128)), (16, 384, 8, 1024, 256, (128, 128)),
+                                             (256, 384, 8, 1024, 256, (128, 128)), (7, 16, 4, 200, 96, (32, 64)),
+                                             (5, 8, 2, 136, 80, (16, 16))])
+def test_gpu_fp8_experts_kernel_at_model_sizes(dtype, T, E, k, H, I, block):
     """Kimi-K2-like experts (384, 8 per token; widths cut to H = 1024, I = 256: K2's
-    expert at TP 8), 128 x 128 blocks: decode and trees of 16 and 256 tokens."""
-    _check_fp8_experts(T, 384, 8, 1024, 256, (128, 128), dtype, "cuda")
+    expert at TP 8), 128 x 128 blocks: decode and trees of 16 and 256 tokens; and blocks
+    narrower than the kernel's step, with partial last blocks, in bf16 too."""
+    _check_fp8_experts(T, E, k, H, I, block, dtype, "cuda")
 
 
 @pytest.mark.gpu

@@ -264,10 +264,12 @@ def test_kernel_matches_reference(T, E, k, H, I, skew, dtype):
 
 
 # (T, E, k, skew, one launch): one token; a tree's worth; the most pairs the grouping
-# kernel takes (E = 384: 8 pairs per chunk, 16 chunks), pairs piled on two experts, E not
-# a power of two; past the kernel's pairs (torch sorts)
-ROUTING_CASES = [(1, 8, 2, False, True), (16, 128, 8, False, True), (16, 384, 8, True, True),
-                 (33, 6, 3, True, True), (40, 384, 8, False, False)]
+# kernel takes (E = 384: 8 pairs per chunk, 64 chunks), pairs piled on two experts, E not
+# a power of two; several chunks and a ragged last one; every expert picked (k = E);
+# past the kernel's pairs (torch sorts)
+ROUTING_CASES = [(1, 8, 2, False, True), (16, 128, 8, False, True), (64, 384, 8, True, True),
+                 (33, 6, 3, True, True), (13, 384, 3, False, True), (5, 7, 7, False, True),
+                 (65, 384, 8, False, False)]
 
 
 @kernel_test
@@ -300,10 +302,22 @@ def test_route_kernel_matches_the_router(T, E, k, skew, _, renormalize):
     torch.testing.assert_close(w.cpu(), want_w, rtol=1e-5, atol=1e-7)
 
 
+@kernel_test
+def test_route_kernel_on_ties_and_nan():
+    """Equal logits: the lowest expert ids first. A NaN logit makes every probability NaN
+    (as in torch): the weights are NaN, and the picks are still k distinct experts."""
+    from treeflash.kernels.fused_moe import route
+    dev = "cuda" if CUDA else "cpu"
+    w, ids = route(torch.zeros(2, 6, device=dev), 3, False)
+    assert ids.tolist() == [[0, 1, 2]] * 2 and torch.allclose(w.cpu(), torch.full((2, 3), 1 / 6))
+    w, ids = route(torch.tensor([[0.0, float("nan"), 1.0, 2.0]], device=dev), 2, False)
+    assert len(set(ids[0].tolist())) == 2 and w.isnan().all()
+
+
 @spawns_interpreter
 def test_kernel_in_the_triton_interpreter():
     run_interpreted(__file__, "kernel_matches_reference or group_pairs_kernel or route_kernel",
-                    2 * len(KERNEL_CASES) + 3 * len(ROUTING_CASES))
+                    2 * len(KERNEL_CASES) + 3 * len(ROUTING_CASES) + 1)
 
 
 # ----------------------------------------------------------------------------- bench shape

@@ -22,21 +22,21 @@ from treeflash.errors import TreeflashError
 from treeflash.ops import Fp8Weight, fp8_kernels_fit, gated_linear, linear
 
 
-def check_fp8_cuts(name: str, block: tuple[int, int], rows: list[int], cols: list[int], sharded: bool,
-                   cuda: bool) -> None:
+def check_fp8_cuts(name: str, block: tuple[int, int], merged_rows: list[int], rank_rows: list[int],
+                   rank_cols: list[int]) -> None:
     """Every checkpoint tensor merged into one weight, and every rank's slice, must start
-    on a scale block's boundary: a block may not straddle two of them. `rows` / `cols`:
-    the sizes (output / input features) that must be whole blocks."""
+    on a scale block's boundary: a block may not straddle two of them. `merged_rows`: the
+    output sizes of the merged tensors but the last (whole, as the checkpoint has them);
+    `rank_rows` / `rank_cols`: the output / input sizes of this rank's slices."""
     bn, bk = block
-    for what, n, b in [("output features", n, bn) for n in rows] + [("input features", n, bk) for n in cols]:
+    for n in merged_rows:
+        if n % bn:
+            raise TreeflashError(f"{name}: FP8 block size {bn} does not divide its {n} output features of one "
+                                 f"merged part: a scale block would straddle two tensors")
+    for what, n, b in [("output features", n, bn) for n in rank_rows] + [("input features", n, bk) for n in rank_cols]:
         if n % b:
-            raise TreeflashError(f"{name}: FP8 block size {b} does not divide its {n} {what}"
-                                 + (" per rank: the scales cannot be cut there (choose another tensor-parallel "
-                                    "size)" if sharded else
-                                    " of one merged part: a scale block would straddle two tensors"))
-    if cuda and not fp8_kernels_fit(block):
-        warnings.warn(f"{name}: FP8 blocks {bk} columns wide do not fit the GPU kernels (a power of two of "
-                      f"16 or more): each product dequantizes the weight first, which is slow")
+            raise TreeflashError(f"{name}: FP8 block size {b} does not divide its {n} {what} per rank: the scales "
+                                 f"cannot be cut there (choose another tensor-parallel size)")
 
 
 class ShardedLinear(nn.Module):
@@ -51,8 +51,12 @@ class ShardedLinear(nn.Module):
         bn, bk = block
         N, K = self.weight.shape
         sharded = self.tp.size > 1
-        check_fp8_cuts(name, block, rows=self.parts[:-1] + (self.parts if sharded and self.shard_dim == 0 else []),
-                       cols=[K] if sharded and self.shard_dim == 1 else [], sharded=sharded, cuda=self.weight.is_cuda)
+        check_fp8_cuts(name, block, [p * self.tp.size for p in self.parts[:-1]],
+                       self.parts if sharded and self.shard_dim == 0 else [],
+                       [K] if sharded and self.shard_dim == 1 else [])
+        if self.weight.is_cuda and not fp8_kernels_fit(block):
+            warnings.warn(f"{name}: FP8 blocks {bk} columns wide do not fit the GPU kernels (a power of two of "
+                          f"16 or more): each product dequantizes the weight first, which is slow")
         self.block = (bn, bk)
         self.weight = nn.Parameter(torch.empty(N, K, dtype=torch.float8_e4m3fn, device=self.weight.device),
                                    requires_grad=False)

@@ -12,6 +12,8 @@ Also here: what the bench needs to count an MoE model's memory floor
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,7 +21,7 @@ from torch import nn
 from treeflash.config import ModelConfig
 from treeflash.distributed import TPGroup
 from treeflash.layers.linear import check_fp8_cuts
-from treeflash.ops import Fp8Weight, dequantized, fused_enabled
+from treeflash.ops import Fp8Weight, dequantized, fp8_kernels_fit, fused_enabled
 
 try:  # Triton kernels, used only when `fused_enabled` (CUDA inference)
     from treeflash.kernels.fused_moe import fused_experts, route
@@ -103,10 +105,11 @@ class Experts(nn.Module):
         (bn, bk), (E, I2, H) = block, self.gate_up_proj.shape
         I = I2 // 2
         sharded = self.tp.size > 1
-        check_fp8_cuts(f"{name}.*.gate_proj and up_proj", block, rows=[I], cols=[], sharded=sharded,
-                       cuda=self.gate_up_proj.is_cuda)
-        check_fp8_cuts(f"{name}.*.down_proj", block, rows=[], cols=[I] if sharded else [], sharded=sharded,
-                       cuda=False)
+        check_fp8_cuts(f"{name}.*.gate_proj and up_proj", block, [I * self.tp.size], [I] if sharded else [], [])
+        check_fp8_cuts(f"{name}.*.down_proj", block, [], [], [I] if sharded else [])
+        if self.gate_up_proj.is_cuda and not fp8_kernels_fit(block):
+            warnings.warn(f"{name}: FP8 blocks {bk} columns wide do not fit the GPU kernels (a power of two of "
+                          f"16 or more): every expert runs on every token, dequantized first, which is very slow")
         self.block = (bn, bk)
         for leaf, (rows, cols) in (("gate_up_proj", (2 * I, H)), ("down_proj", (H, I))):
             device = getattr(self, leaf).device
