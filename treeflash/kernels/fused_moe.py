@@ -229,9 +229,10 @@ def _tiles(pairs: int, experts: int, n: int, k: int, dtype: torch.dtype, fp8: bo
     BLOCK_M: the pairs an expert gets on average, at least 16 (tensor cores). BLOCK_N:
     the widest tile that still gives about two programs per SM of an H200 (at T = 1 only
     k experts have work). BLOCK_K: long enough that a narrow tile still keeps ~16 KB of
-    weights in flight per stage, within shared memory. FP8: BLOCK_K 128 and 32 to 8 KB ÷
-    128 columns, the best of a sweep (timed in CUDA graphs) at the expert sizes of
-    Qwen3-30B-A3B and Kimi-K2, T = 1, 4, 16, 64 (BENCHMARKS.md section 11)."""
+    weights in flight per stage, within shared memory. FP8: BLOCK_K 128, and BLOCK_N 32
+    for gate/up (two weight tiles per step), 32 or 64 for down: the best of sweeps (timed
+    in CUDA graphs at T = 1 and 4) at the expert sizes of Qwen3-30B-A3B and Kimi-K2, for
+    T = 1 to 64 (BENCHMARKS.md section 11)."""
     avg = pairs / experts
     bm = 16 if avg <= 16 else 32 if avg <= 32 else 64
     active = min(pairs, experts)
