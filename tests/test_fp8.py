@@ -108,11 +108,15 @@ def test_speculative_methods_give_ar_tokens_on_an_fp8_target(spec_target, spec_d
     drafter = spec_drafter()
     params = [SamplingParams(max_new_tokens=40), SamplingParams(max_new_tokens=40, temperature=1.0, seed=3),
               SamplingParams(max_new_tokens=40, temperature=0.8, top_p=0.9, seed=5)]
-    prompts = [[5, 6, 7, 8], [100, 3, 9], [42]]
-    ar = [o.token_ids for o in LLM(target, device="cpu", dtype="float32").generate(prompts, params)]
+    _check_speculative_equals_ar(target, drafter, [[5, 6, 7, 8], [100, 3, 9], [42]], params, "float32")
+
+
+def _check_speculative_equals_ar(target, drafter, prompts, params, dtype):
+    """DFlash and DDTree give AR's tokens, and some drafts were accepted."""
+    ar = [o.token_ids for o in LLM(target, device="cpu", dtype=dtype).generate(prompts, params)]
     taus = []
     for method in ("dflash", "ddtree"):
-        outs = LLM(target, draft_model=drafter, method=method, device="cpu", dtype="float32").generate(prompts, params)
+        outs = LLM(target, draft_model=drafter, method=method, device="cpu", dtype=dtype).generate(prompts, params)
         assert [o.token_ids for o in outs] == ar, method
         taus += [o.stats["tau"] for o in outs]
     assert max(taus) > 1.2, "no draft was accepted: the comparison would not see a wrong verify"
@@ -146,14 +150,7 @@ def test_speculative_methods_give_ar_tokens_on_an_fp8_moe_target(fp8_spec_moe):
     target, drafter = fp8_spec_moe
     params = [SamplingParams(max_new_tokens=32, ignore_eos=True),
               SamplingParams(max_new_tokens=32, temperature=1.0, seed=3, ignore_eos=True)]
-    prompts = [[5, 6, 7, 8], [100, 3, 9]]
-    ar = [o.token_ids for o in LLM(target, device="cpu", dtype="float64").generate(prompts, params)]
-    taus = []
-    for method in ("dflash", "ddtree"):
-        outs = LLM(target, draft_model=drafter, method=method, device="cpu", dtype="float64").generate(prompts, params)
-        assert [o.token_ids for o in outs] == ar, method
-        taus += [o.stats["tau"] for o in outs]
-    assert max(taus) > 1.2, "no draft was accepted: the comparison would not see a wrong verify"
+    _check_speculative_equals_ar(target, drafter, [[5, 6, 7, 8], [100, 3, 9]], params, "float64")
 
 
 def test_fp8_moe_tp2_equals_tp1_with_half_the_experts_per_rank(fp8_spec_moe):
