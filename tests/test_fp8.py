@@ -194,6 +194,90 @@ def test_fp8_experts_that_a_block_would_straddle_are_refused(moe_checkpoint, tmp
         experts.to_fp8((64, 16), "x")
 
 
+# --- quantization="fp8": a checkpoint in higher precision, quantized while loading ---
+
+def _same_parameters(a, b):
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    for name, p in pa.items():
+        assert p.dtype == pb[name].dtype, name
+        bits = (lambda t: t.view(torch.uint8)) if p.dtype == torch.float8_e4m3fn else (lambda t: t)
+        assert torch.equal(bits(p), bits(pb[name])), name
+
+
+@pytest.fixture(scope="module")
+def wide_pair(tmp_path_factory):
+    """A dense target and an MoE target (its experts 128 wide) whose layers cut into 128 x
+    128 blocks, also per rank at TP = 2, and a drafter for the dense one."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from conftest import MOE_TINY
+    from treeflash.checkpoints import write_random_drafter, write_random_target, write_tiny_tokenizer
+    root = tmp_path_factory.mktemp("wide")
+    write_tiny_tokenizer(root / "dense")
+    dense = write_random_target(root / "dense", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=4,
+                                head_dim=64, intermediate_size=512, vocab_size=260, peaked_tokens=8, std=0.2)
+    moe = root / "moe"
+    write_tiny_tokenizer(moe)
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(**{**MOE_TINY, "hidden_size": 128, "num_key_value_heads": 4, "head_dim": 32,
+                            "intermediate_size": 256, "moe_intermediate_size": 128, "num_hidden_layers": 2},
+                         num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(moe)
+    return dense, moe, write_random_drafter(dense, root / "drafter", num_layers=1, block_size=8)
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_quantization_fp8_holds_what_an_fp8_checkpoint_holds(wide_pair, tmp_path, which):
+    """Quantized while loading, the layers (attention, MLP, experts) are bit for bit
+    those of the same checkpoint converted to FP8 128 x 128 blocks beforehand; so are
+    the generated tokens."""
+    src = wide_pair[0] if which == "dense" else wide_pair[1]
+    online = LLM(src, device="cpu", dtype="float32", quantization="fp8")
+    stored = LLM(write_fp8_copy(src, tmp_path / "fp8", block=(128, 128)), device="cpu", dtype="float32")
+    plain = LLM(src, device="cpu", dtype="float32")
+    assert online.target.model.layers[-1].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    if which == "moe":
+        assert online.target.model.layers[1].mlp.experts.down_proj.dtype == torch.float8_e4m3fn
+    _same_parameters(online.target, stored.target)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    tokens = [o.token_ids for o in online.generate([[5, 6, 7], [42]], params)]
+    assert tokens == [o.token_ids for o in stored.generate([[5, 6, 7], [42]], params)]
+    bytes_of = [sum(p.numel() * p.element_size() for p in m.target.parameters()) for m in (online, plain)]
+    assert bytes_of[0] < 0.6 * bytes_of[1]   # float32 layers became one byte per weight
+
+
+def test_quantization_fp8_under_tp_and_with_a_drafter(wide_pair):
+    """Each rank quantizes its own slice (TP = 2 gives TP = 1's tokens); the drafter
+    stays as it is stored; DDTree gives AR's tokens."""
+    from test_tp import _run
+    dense, _, drafter = wide_pair
+    engines = {tp: LLM(dense, draft_model=drafter, method="ddtree", budget=12, device="cpu", dtype="float64", tp=tp,
+                       quantization="fp8") for tp in (1, 2)}
+    try:
+        for config in ("greedy", "sampled"):
+            assert _run(engines[2], config) == _run(engines[1], config), config
+        assert engines[1].drafter.fc.weight.dtype == torch.float64
+    finally:
+        for llm in engines.values():
+            llm.close()
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    _check_speculative_equals_ar(dense, drafter, [[5, 6, 7, 8], [100, 3, 9]], params, "float64")
+
+
+def test_quantization_fp8_is_refused_where_blocks_cannot_cut(hf_checkpoint, wide_pair, capsys):
+    from treeflash.cli import main
+    from treeflash.errors import UsageError
+    with pytest.raises(UsageError, match="unknown quantization 'int4' \\(supported: fp8\\)"):
+        LLM(wide_pair[0], device="cpu", quantization="int4")
+    # q 64 rows, k and v 32: a 128-row block would straddle them
+    with pytest.raises(TreeflashError, match="qkv_proj: FP8 block size 128 does not divide its 64 output features"):
+        LLM(hf_checkpoint("qwen3").path, device="cpu", quantization="fp8")
+    assert main(["generate", "--model", str(wide_pair[0]), "--quantization", "fp8", "--device", "cpu",
+                 "--max-new-tokens", "4", "--method", "ar", "x"]) == 0
+    assert main(["generate", "--model", str(wide_pair[0]), "--quantization", "awq", "--device", "cpu", "x"]) == 2
+
+
 def _damaged(tmp_path, hf_checkpoint, change, block=(16, 32)):
     folder = write_fp8_copy(hf_checkpoint("qwen3").path, tmp_path / "fp8", block=block)
     w = load_file(str(folder / "model.safetensors"))

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from treeflash.cli import add_structured_args, read_prompts, structured_from
-from treeflash.config import DraftConfig, ModelConfig, default_target_layer_ids
+from treeflash.config import FP8_BLOCK, DraftConfig, ModelConfig, default_target_layer_ids
 from treeflash.distributed import TPGroup
 from treeflash.engine.llm import LLM, RoundPipeline, attention_backend, builtin_paths, resolve_device, resolve_dtype
 from treeflash.engine.round import SpeculativeDecoder
@@ -61,7 +61,7 @@ SHAPE_CONTEXTS = "1024,4096,16384"
 SHAPE_DRAFT_LAYERS = 5
 SHAPE_ITERS = 50
 BLOCK_SIZE = 16          # drafter block of the shape mode (the published DFlash drafters)
-FP8_BLOCK = "128x128"    # --fp8: the weight blocks of the published FP8 checkpoints
+FP8_DEFAULT = "x".join(map(str, FP8_BLOCK))    # --fp8: the blocks of the published FP8 checkpoints
 WARMUP = 3               # eager calls (or side-stream calls before a capture) before timing
 ALLREDUCE_RUN = 16       # all-reduces per timed call when measuring one's latency
 
@@ -118,7 +118,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a PNG plot to this file (needs matplotlib)")
     s = p.add_argument_group("shape mode")
     s.add_argument("--shape", help=f"random-weight model shape: {', '.join(SHAPES)}")
-    s.add_argument("--fp8", nargs="?", const=FP8_BLOCK, metavar="ROWSxCOLS",
+    s.add_argument("--fp8", nargs="?", const=FP8_DEFAULT, metavar="ROWSxCOLS",
                    help="the target's linear layers in block-scaled FP8, one scale per block of ROWS x COLS "
                         "(default 128x128, as Qwen3-FP8 and DeepSeek-V3 publish them)")
     s.add_argument("--contexts", default=SHAPE_CONTEXTS, help="committed tokens C per request")

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from treeflash.config import ModelConfig, default_target_layer_ids, read_config_json
+from treeflash.ops import fp8_blocks
 
 
 def _normal(gen: torch.Generator, *shape, std: float = 0.02) -> torch.Tensor:
@@ -133,21 +134,6 @@ def write_random_target(out_dir: str | Path, arch: str = "qwen3", hidden_size: i
         config["rope_scaling"] = rope_scaling
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
-
-
-FP8_MAX = 448.0  # the largest float8 e4m3fn value
-
-
-def fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] as block-scaled FP8 (DeepSeek-V3's format): (float8 e4m3 [N, K],
-    float32 scales [ceil(N / rows), ceil(K / cols)]), each block's scale its largest
-    magnitude over FP8_MAX, so that fp8 * scale is the weight, rounded."""
-    (bn, bk), (N, K) = block, weight.shape
-    w = torch.nn.functional.pad(weight.float(), (0, -K % bk, 0, -N % bn))
-    blocks = w.view(w.shape[0] // bn, bn, w.shape[1] // bk, bk)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / FP8_MAX
-    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(w.shape)[:N, :K]
-    return q.contiguous(), scale
 
 
 def write_fp8_copy(src: str | Path, out_dir: str | Path, block: tuple[int, int] = (128, 128),

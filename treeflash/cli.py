@@ -82,6 +82,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="trees at T > 0: temperature-scaled draft, or coupled to the target's noise")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: N processes, one per GPU "
                                                      "(gloo on CPU); under torchrun, WORLD_SIZE")
+    p.add_argument("--quantization", choices=["fp8"],
+                   help="fp8: the target's layers in FP8 (128 x 128 blocks), quantized while loading a checkpoint "
+                        "in higher precision (an FP8 checkpoint loads as it is)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -127,7 +130,8 @@ def make_llm(args):
     return LLM(args.model, draft_model=args.draft_model, method=args.method, budget=args.budget,
                device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, tp=getattr(args, "tp", 1),
                draft_mode=args.draft_mode, cuda_graphs=not args.eager, max_budget=args.max_budget,
-               enable_prefix_caching=getattr(args, "enable_prefix_caching", False), max_batch=args.max_batch)
+               enable_prefix_caching=getattr(args, "enable_prefix_caching", False), max_batch=args.max_batch,
+               quantization=args.quantization)
 
 
 def sampling_from(args):

@@ -211,6 +211,9 @@ def _check_full_attention(data: dict, arch: str, num_layers: int, where: str) ->
                          f"sliding_window {window!r}) is not supported")
 
 
+FP8_BLOCK = (128, 128)  # the blocks of DeepSeek-V3 and Qwen3-FP8, and of `quantization="fp8"`
+
+
 def _fp8_blocks(quant, where: str) -> dict:
     """ModelConfig's fp8 fields from a quantization_config: the block-scaled FP8 format
     (weights e4m3, `weight_scale_inv` per block, activations left in the model's dtype);

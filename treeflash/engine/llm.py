@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from treeflash.chat import ChatFormat, ChatTemplate, checked_tools
-from treeflash.config import DTYPES, DraftConfig, ModelConfig
+from treeflash.config import DTYPES, FP8_BLOCK, DraftConfig, ModelConfig
 from treeflash.engine.round import METHODS, BatchState, SpeculativeDecoder
 from treeflash.engine.sampling import BAD_WORD_TOKENS, MAX_BAD_SEQUENCES, SamplingBatch, SamplingParams
 from treeflash.engine.states import GRAPHED_PREFILL_MAX, KeptStates, suffix_chunks
@@ -212,13 +212,17 @@ class LLM:
     turn needs one), in chunks that replay CUDA graphs. The tokens are those of a
     prefill over the whole prompt up to rounding: a reused position's K/V came from the
     forward that committed it.
+    quantization: "fp8" holds the target's layers (attention, MLPs, experts) in FP8 with
+    128 x 128 blocks, quantized from a checkpoint in higher precision while loading, as
+    an FP8 checkpoint would hold them (vLLM's `--quantization fp8`, with DeepSeek-V3's
+    blocks); an FP8 checkpoint loads as it is either way.
     """
 
     def __init__(self, model: str | Path | None = None, draft_model: str | Path | None = None,
                  method: str | None = None, budget: int | None = None, device: str = "auto",
                  dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
                  max_budget: int = 512, tp: int = 1, cuda_graphs: bool = True, draft_mode: str = "coupled",
-                 enable_prefix_caching: bool = False, max_batch: int = 256):
+                 enable_prefix_caching: bool = False, max_batch: int = 256, quantization: str | None = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise UsageError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.max_batch = max_batch
@@ -241,8 +245,15 @@ class LLM:
         self.enable_prefix_caching = enable_prefix_caching
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise UsageError(f"tp must be an integer >= 1, got {tp!r}")
+        if quantization not in (None, "fp8"):
+            raise UsageError(f"unknown quantization {quantization!r} (supported: fp8)")
         self.device = resolve_device(device)
         self.config = ModelConfig.from_pretrained(model)
+        # quantization="fp8" of a checkpoint in higher precision: its layers' weights are
+        # quantized to FP8 blocks while loading (an FP8 checkpoint stays as it is)
+        quantize = quantization == "fp8" and self.config.fp8_block is None
+        if quantize:
+            self.config = replace(self.config, fp8_block=FP8_BLOCK)
         # the weights' headers are read only when "auto" needs them
         stored = self.config.torch_dtype or (weights_dtype(model) if dtype == "auto" else None)
         self.dtype = resolve_dtype(dtype, stored, self.device)
@@ -276,7 +287,7 @@ class LLM:
                     draft_model=None if draft_model is None else os.path.abspath(draft_model),
                     method=method, budget=budget, device=device, dtype=dtype, max_model_len=max_model_len,
                     max_budget=max_budget, tp=tp, cuda_graphs=cuda_graphs, draft_mode=draft_mode,
-                    enable_prefix_caching=enable_prefix_caching)
+                    enable_prefix_caching=enable_prefix_caching, quantization=quantization)
         self.model_path = Path(args["model"])
         self._tp = tp_attach(tp, self.device, args, self.config, dcfg)
         self.tp_size, self.device = tp, self._tp.device
@@ -285,7 +296,7 @@ class LLM:
             reset_peak_rss()
             with build_on(self.device, self.dtype):
                 self.target = CausalLM(self.config, self._tp.group)
-            load_weights(self.target, model)
+            load_weights(self.target, model, quantize=quantize)
             self.target.eval()
             self.drafter = None
             if dcfg is not None:

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from treeflash.errors import TreeflashError
+from treeflash.ops import fp8_blocks
 
 
 def checkpoint_files(folder: str | Path) -> dict[str, Path]:
@@ -144,29 +145,41 @@ def _read_slice(st, key: str, full_shape: tuple, shard_dim: int | None, rank: in
     return sl[lo:hi] if shard_dim == 0 else sl[:, lo:hi]
 
 
-def _read_piece(st, key: str, dest: torch.Tensor, shard_dim: int | None, tp) -> torch.Tensor:
-    """This rank's slice of checkpoint tensor `key`, the shape of `dest`."""
+def _read_piece(st, key: str, dest: torch.Tensor, shard_dim: int | None, tp, stored_fp8: bool | None = None
+                ) -> torch.Tensor:
+    """This rank's slice of checkpoint tensor `key`, the shape of `dest` (stored in FP8
+    where `dest` is FP8, unless `stored_fp8` says otherwise)."""
     rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
     full = list(dest.shape)
     if shard_dim is not None and size > 1:
         full[shard_dim] *= size
-    return _read_slice(st, key, tuple(full), shard_dim, rank, size, fp8=dest.dtype == torch.float8_e4m3fn)
+    fp8 = dest.dtype == torch.float8_e4m3fn if stored_fp8 is None else stored_fp8
+    return _read_slice(st, key, tuple(full), shard_dim, rank, size, fp8=fp8)
 
 
-def load_weights(model: nn.Module, folder: str | Path) -> None:
+def load_weights(model: nn.Module, folder: str | Path, quantize: bool = False) -> None:
     """Fill every parameter of `model` from the checkpoint in `folder`, and refuse a
     checkpoint with tensors the model has no place for: a config.json that says fewer
-    layers than the weights hold would otherwise run a different model."""
+    layers than the weights hold would otherwise run a different model.
+
+    `quantize`: the model's FP8 weights come from a checkpoint in higher precision, each
+    tensor (this rank's slice of it) quantized to blocks as it is read, its scales made
+    alongside (vLLM's `--quantization fp8`, with DeepSeek-V3's blocks)."""
     files = checkpoint_files(folder)
     # a tensor the checkpoint may store under another name (tied embeddings saved only
     # as lm_head.weight, which transformers loads and ties)
     aliases = getattr(model, "checkpoint_aliases", {})
+    params = dict(model.named_parameters())
     used: set[str] = set()
     handles: dict[Path, object] = {}
     try:
-        for name, param in model.named_parameters():
+        for name, param in params.items():
+            online = quantize and param.dtype == torch.float8_e4m3fn
+            if quantize and name.endswith("_scale_inv"):
+                continue   # made with its weight
             pieces, tp = _pieces(model, name, param)
-            for key, dest, shard_dim in pieces:
+            scales = _pieces(model, name + "_scale_inv", params[name + "_scale_inv"])[0] if online else pieces
+            for (key, dest, shard_dim), (_, scale, _) in zip(pieces, scales):
                 if key not in files and aliases.get(key) in files:
                     key = aliases[key]
                 if key not in files:
@@ -176,7 +189,12 @@ def load_weights(model: nn.Module, folder: str | Path) -> None:
                 if f not in handles:
                     handles[f] = _open(f)
                 with torch.no_grad():
-                    dest.copy_(_read_piece(handles[f], key, dest, shard_dim, tp))
+                    value = _read_piece(handles[f], key, dest, shard_dim, tp, stored_fp8=False if online else None)
+                    if online:
+                        block = model.get_submodule(name.rpartition(".")[0]).block
+                        value, blocks = fp8_blocks(value.to(dest.device), block)
+                        scale.copy_(blocks)
+                    dest.copy_(value)
                     # NaN weights decode as a normal early stop (NaN logits pick token 0),
                     # and a float32 value past the float16 range becomes inf in the cast.
                     # Through the extremes (NaN propagates): no bool copy of a GB-sized slab.

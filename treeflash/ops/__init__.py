@@ -45,6 +45,21 @@ def fp8_kernels_fit(block: tuple[int, int]) -> bool:
     return cols >= 16 and cols & (cols - 1) == 0
 
 
+FP8_MAX = 448.0  # the largest float8 e4m3fn value
+
+
+def fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] as block-scaled FP8 (DeepSeek-V3's format): (float8 e4m3 [N, K],
+    float32 scales [ceil(N / rows), ceil(K / cols)]), each block's scale its largest
+    magnitude over FP8_MAX, so that fp8 * scale is the weight, rounded."""
+    (bn, bk), (N, K) = block, weight.shape
+    w = torch.nn.functional.pad(weight.float(), (0, -K % bk, 0, -N % bn))
+    blocks = w.view(w.shape[0] // bn, bn, w.shape[1] // bk, bk)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(w.shape)[:N, :K]
+    return q.contiguous(), scale
+
+
 def dequantized(weight: torch.Tensor, fp8: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
     """The FP8 weight as `dtype` values (fp8 * its block's scale, in float32)."""
     (bn, bk), (N, K) = fp8.block, weight.shape
