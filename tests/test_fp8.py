@@ -276,6 +276,11 @@ def test_quantization_fp8_is_refused_where_blocks_cannot_cut(hf_checkpoint, wide
     assert main(["generate", "--model", str(wide_pair[0]), "--quantization", "fp8", "--device", "cpu",
                  "--max-new-tokens", "4", "--method", "ar", "x"]) == 0
     assert main(["generate", "--model", str(wide_pair[0]), "--quantization", "awq", "--device", "cpu", "x"]) == 2
+    capsys.readouterr()
+    assert main(["bench", "--model", str(wide_pair[0]), "--draft-model", str(wide_pair[2]), "--methods", "ar,ddtree",
+                 "--budgets", "8", "--num-prompts", "1", "--max-new-tokens", "8", "--batch-sizes", "1",
+                 "--graphs", "off", "--temperatures", "0", "--quantization", "fp8", "--device", "cpu"]) == 0
+    assert "ddtree" in capsys.readouterr().out
 
 
 def _damaged(tmp_path, hf_checkpoint, change, block=(16, 32)):
@@ -332,6 +337,8 @@ def test_bench_times_an_fp8_shape(capsys):
     assert "ROWSxCOLS" in capsys.readouterr().err
     assert main(["bench", "--fp8", "--device", "cpu"]) == 2
     assert "--fp8 applies to --shape only" in capsys.readouterr().err
+    assert main(["bench", "--shape", "tiny", "--quantization", "fp8", "--device", "cpu"]) == 2
+    assert "--quantization applies to model-pair mode" in capsys.readouterr().err
 
 
 # --- GPU ---

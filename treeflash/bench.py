@@ -114,6 +114,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype; --shape: bfloat16 on CUDA, "
                                                    "float32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--quantization", choices=["fp8"], help="model-pair mode: the target's layers quantized to FP8 "
+                                                           "blocks while loading (--shape: --fp8)")
     p.add_argument("--out", help="write one JSON object per row to this file")
     p.add_argument("--plot", help="write a PNG plot to this file (needs matplotlib)")
     s = p.add_argument_group("shape mode")
@@ -326,7 +328,7 @@ def bench_pairs(args) -> int:
     # A speculative method, if any is asked for, so that the built-in model brings its drafter.
     base = LLM(args.model, draft_model=args.draft_model, method=next((m for m in methods if m != "ar"), "ar"),
                device=args.device, dtype=args.dtype, max_budget=max([512] + budgets), cuda_graphs=False,
-               max_batch=max(batch_sizes))  # each timed batch is one engine batch
+               max_batch=max(batch_sizes), quantization=args.quantization)  # each timed batch: one engine batch
     if base.drafter is None and set(methods) - {"ar"}:
         raise UsageError(f"methods {', '.join(m for m in methods if m != 'ar')} need a drafter (--draft-model)")
     print(f"bench: {len(prompts)} prompts, {args.max_new_tokens} new tokens each, on {base.device} "
@@ -702,7 +704,7 @@ def bench_shape(args) -> int:
     pair_only = [flag for flag, given in (("--methods", args.methods != PAIR_METHODS),
                                           ("--num-prompts", args.num_prompts is not None),
                                           ("--max-new-tokens", args.max_new_tokens != PAIR_NEW_TOKENS),
-                                          ("--eos", args.eos),
+                                          ("--eos", args.eos), ("--quantization", args.quantization is not None),
                                           ("--json-schema, --regex, --choice, --grammar or --json-object",
                                            structured_from(args) is not None))
                  if given]
