@@ -220,6 +220,8 @@ def test_reference_equals_a_plain_per_token_loop():
             g, u = (gu[e] @ x[t]).chunk(2)
             want[t] += w[t, j] * (dn[e] @ (torch.nn.functional.silu(g) * u))
     torch.testing.assert_close(experts_reference(x, w, ids, gu, dn), want)
+    # every expert on every token (what a CUDA graph captures): the same sums
+    torch.testing.assert_close(experts_reference(x, w, ids, gu, dn, every_expert=True), want)
 
 
 # ----------------------------------------------------------------------------- the kernel
@@ -393,9 +395,10 @@ def test_gpu_kernel_replays_from_a_cuda_graph():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_gpu_reference_without_host_sync_equals_cpu():
-    """The GPU torch path (float64 models) runs every expert, weighted 0 where not picked."""
+    """The GPU torch path under graph capture (float64 models) runs every expert,
+    weighted 0 where not picked."""
     case = _case(9, 6, 2, 32, 16, torch.float64, seed=4)
-    got = experts_reference(*(t.cuda() for t in case))
+    got = experts_reference(*(t.cuda() for t in case), every_expert=True)
     torch.testing.assert_close(got.cpu(), experts_reference(*case))
 
 

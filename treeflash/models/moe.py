@@ -54,20 +54,20 @@ class Router(nn.Module):
 
 def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                       gate_up: torch.Tensor, down: torch.Tensor,
-                      fp8: tuple[Fp8Weight, Fp8Weight] | None = None) -> torch.Tensor:
-    """The experts in plain torch: exact, any dtype (the CPU path and the kernel's oracle).
-    `fp8`: the scales of FP8 `gate_up` and `down` (one block grid per expert); each
-    expert's weights are dequantized when it runs.
+                      fp8: tuple[Fp8Weight, Fp8Weight] | None = None, every_expert: bool = False) -> torch.Tensor:
+    """The experts in plain torch: exact, any dtype (the CPU path, the training path under
+    autocast, and the kernel's oracle). `fp8`: the scales of FP8 `gate_up` and `down` (one
+    block grid per expert); each expert's weights are dequantized when it runs.
 
-    On the CPU only the experts that were picked run (the host reads which), on their
-    tokens. Elsewhere every expert runs on every token, weighted 0 where it was not
-    picked: slow, but without a host sync, so a float64 GPU model can still be captured."""
+    Only the experts that were picked run (the host reads which), on their tokens. With
+    `every_expert`, every expert runs on every token, weighted 0 where it was not picked:
+    E / k times the work, but no host sync, so a CUDA graph can capture it (a float64
+    model on the GPU)."""
     out = torch.zeros_like(x)
-    cpu = x.device.type == "cpu"
-    for e in ids.unique().tolist() if cpu else range(gate_up.shape[0]):
+    for e in range(gate_up.shape[0]) if every_expert else ids.unique().tolist():
         hit = ids == e
         w = (weights * hit).sum(-1)              # e's weight per token: a token picks e at most once
-        rows = hit.any(-1).nonzero()[:, 0] if cpu else None
+        rows = None if every_expert else hit.any(-1).nonzero()[:, 0]
         xe, we = (x, w) if rows is None else (x[rows], w[rows])
         w_gate_up, w_down = gate_up[e], down[e]
         if fp8 is not None:
@@ -141,7 +141,8 @@ class Experts(nn.Module):
         fp8 = self.fp8
         if fused_enabled(x) and x.dtype in KERNEL_DTYPES and (fp8 is None or fp8[0].fits_kernels):
             return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj, fp8)
-        return experts_reference(x, weights, ids, self.gate_up_proj, self.down_proj, fp8)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        return experts_reference(x, weights, ids, self.gate_up_proj, self.down_proj, fp8, every_expert=capturing)
 
 
 class SparseMoE(nn.Module):
