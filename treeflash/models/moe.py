@@ -109,7 +109,8 @@ class Experts(nn.Module):
         check_fp8_cuts(f"{name}.*.down_proj", block, [], [], [I] if sharded else [])
         if self.gate_up_proj.is_cuda and not fp8_kernels_fit(block):
             warnings.warn(f"{name}: FP8 blocks {bk} columns wide do not fit the GPU kernels (a power of two of "
-                          f"16 or more): every expert runs on every token, dequantized first, which is very slow")
+                          f"16 or more): the experts run in torch, each dequantized first (in CUDA graphs every "
+                          f"expert on every token), which is very slow")
         self.block = (bn, bk)
         for leaf, (rows, cols) in (("gate_up_proj", (2 * I, H)), ("down_proj", (H, I))):
             device = getattr(self, leaf).device
