@@ -39,6 +39,15 @@ def check_fp8_cuts(name: str, block: tuple[int, int], merged_rows: list[int], ra
                                  f"cannot be cut there (choose another tensor-parallel size)")
 
 
+def fp8_parameters(shape: tuple[int, ...], block: tuple[int, int], device) -> tuple[nn.Parameter, nn.Parameter]:
+    """An FP8 weight of `shape` (its last two dims a matrix, or one per expert) and its
+    float32 scales, one per block of (rows, columns) of each matrix."""
+    *lead, n, k = shape
+    weight = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty(*lead, -(-n // block[0]), -(-k // block[1]), dtype=torch.float32, device=device)
+    return nn.Parameter(weight, requires_grad=False), nn.Parameter(scale, requires_grad=False)
+
+
 class ShardedLinear(nn.Module):
     """What both kinds share: weight [N, K] (this rank's), `parts`, optional bias, and
     the FP8 form."""
@@ -48,20 +57,16 @@ class ShardedLinear(nn.Module):
 
     def to_fp8(self, block: tuple[int, int], name: str) -> None:
         """Hold the weight as FP8 with block scales (`name`: the layer's, for errors)."""
-        bn, bk = block
         N, K = self.weight.shape
         sharded = self.tp.size > 1
         check_fp8_cuts(name, block, [p * self.tp.size for p in self.parts[:-1]],
                        self.parts if sharded and self.shard_dim == 0 else [],
                        [K] if sharded and self.shard_dim == 1 else [])
         if self.weight.is_cuda and not fp8_kernels_fit(block):
-            warnings.warn(f"{name}: FP8 blocks {bk} columns wide do not fit the GPU kernels (a power of two of "
-                          f"16 or more): each product dequantizes the weight first, which is slow")
-        self.block = (bn, bk)
-        self.weight = nn.Parameter(torch.empty(N, K, dtype=torch.float8_e4m3fn, device=self.weight.device),
-                                   requires_grad=False)
-        self.weight_scale_inv = nn.Parameter(torch.empty(-(-N // bn), -(-K // bk), dtype=torch.float32,
-                                                         device=self.weight.device), requires_grad=False)
+            warnings.warn(f"{name}: FP8 blocks {block[1]} columns wide do not fit the GPU kernels (a power of two "
+                          f"of 16 or more): each product dequantizes the weight first, which is slow")
+        self.block = tuple(block)
+        self.weight, self.weight_scale_inv = fp8_parameters((N, K), block, self.weight.device)
 
     def parts_of(self, leaf: str) -> list[int]:
         """How parameter `leaf` splits into the checkpoint tensors merged in it."""

@@ -178,8 +178,9 @@ def load_weights(model: nn.Module, folder: str | Path, quantize: bool = False) -
             if quantize and name.endswith("_scale_inv"):
                 continue   # made with its weight
             pieces, tp = _pieces(model, name, param)
-            scales = _pieces(model, name + "_scale_inv", params[name + "_scale_inv"])[0] if online else pieces
-            for (key, dest, shard_dim), (_, scale, _) in zip(pieces, scales):
+            scales = [s for _, s, _ in _pieces(model, name + "_scale_inv", params[name + "_scale_inv"])[0]] \
+                if online else [None] * len(pieces)
+            for (key, dest, shard_dim), scale in zip(pieces, scales):
                 if key not in files and aliases.get(key) in files:
                     key = aliases[key]
                 if key not in files:

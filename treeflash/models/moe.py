@@ -20,7 +20,7 @@ from torch import nn
 
 from treeflash.config import ModelConfig
 from treeflash.distributed import TPGroup
-from treeflash.layers.linear import check_fp8_cuts
+from treeflash.layers.linear import check_fp8_cuts, fp8_parameters
 from treeflash.ops import Fp8Weight, dequantized, fp8_kernels_fit, fused_enabled
 
 try:  # Triton kernels, used only when `fused_enabled` (CUDA inference)
@@ -102,23 +102,19 @@ class Experts(nn.Module):
     def to_fp8(self, block: tuple[int, int], name: str) -> None:
         """Hold the experts as FP8 with block scales (`name`: the module's, for errors).
         Gate and up rows, and every rank's slice of I, must start on a block boundary."""
-        (bn, bk), (E, I2, H) = block, self.gate_up_proj.shape
+        E, I2, H = self.gate_up_proj.shape
         I = I2 // 2
         sharded = self.tp.size > 1
         check_fp8_cuts(f"{name}.*.gate_proj and up_proj", block, [I * self.tp.size], [I] if sharded else [], [])
         check_fp8_cuts(f"{name}.*.down_proj", block, [], [], [I] if sharded else [])
         if self.gate_up_proj.is_cuda and not fp8_kernels_fit(block):
-            warnings.warn(f"{name}: FP8 blocks {bk} columns wide do not fit the GPU kernels (a power of two of "
-                          f"16 or more): the experts run in torch, each dequantized first (in CUDA graphs every "
+            warnings.warn(f"{name}: FP8 blocks {block[1]} columns wide do not fit the GPU kernels (a power of two "
+                          f"of 16 or more): the experts run in torch, each dequantized first (in CUDA graphs every "
                           f"expert on every token), which is very slow")
-        self.block = (bn, bk)
-        for leaf, (rows, cols) in (("gate_up_proj", (2 * I, H)), ("down_proj", (H, I))):
-            device = getattr(self, leaf).device
-            setattr(self, leaf, nn.Parameter(torch.empty(E, rows, cols, dtype=torch.float8_e4m3fn, device=device),
-                                             requires_grad=False))
-            setattr(self, f"{leaf}_scale_inv", nn.Parameter(
-                torch.empty(E, -(-rows // bn), -(-cols // bk), dtype=torch.float32, device=device),
-                requires_grad=False))
+        self.block = tuple(block)
+        device = self.gate_up_proj.device
+        self.gate_up_proj, self.gate_up_proj_scale_inv = fp8_parameters((E, 2 * I, H), block, device)
+        self.down_proj, self.down_proj_scale_inv = fp8_parameters((E, H, I), block, device)
 
     @property
     def fp8(self) -> tuple[Fp8Weight, Fp8Weight] | None:
