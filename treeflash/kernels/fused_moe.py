@@ -12,7 +12,9 @@ At small T an expert's pairs fit in one row block, so its weights are read once.
 Two launches: gate/up with SiLU(gate) * up fused (pairs x I), then down with the
 routing weight applied (pairs x H, float32); torch sums each token's k rows. Sizes
 are compile-time constants (one model, one compile per tile shape). The reference is
-`treeflash.models.moe.experts_reference`.
+`treeflash.models.moe.experts_reference`. gpt-oss's expert biases and clamped SwiGLU
+(`models.moe.swiglu`) are compile-time options of the same two kernels, applied to the
+float32 accumulators.
 
 FP8 experts (block-scaled, as DeepSeek-V3 and Qwen3-FP8 publish them) are read as
 they are: each K step lies in one scale block, or spans whole narrower blocks read
@@ -172,11 +174,14 @@ def _k_step(acc1, acc2, x_rows, row_ok, w1, w2, s1, s2, col_ok, k0, K: tl.conste
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, order_ptr, bounds_ptr,
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, act_ptr, order_ptr, bounds_ptr, alpha, limit,
                     E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
-                    SCALED: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr):
+                    SCALED: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr):
+    """act = silu(gate) * up of one tile; HAS_BIAS: gate and up get their bias (b [E, 2I],
+    gate's then up's) first; CLAMP: gpt-oss's SwiGLU with `alpha` and `limit`."""
     e, rows, valid = _row_block(bounds_ptr, E, BLOCK_M, BLOCK_E)
     if e >= E:
         return
@@ -193,17 +198,28 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, act_ptr, order_ptr, bounds_ptr,
     for k0 in range(0, H, BLOCK_K):
         acc_g, acc_u = _k_step(acc_g, acc_u, x_ptr + tok[:, None] * H, valid, w_gate, w_gate + I * H,
                                s_gate, s_gate + (I // SN) * KB, col_ok, k0, H, BLOCK_K, True, SCALED, SK, PRECISION)
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    if HAS_BIAS:
+        b_gate = b_ptr + e.to(tl.int64) * 2 * I + cols
+        acc_g += tl.load(b_gate, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_gate + I, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if CLAMP:
+        acc_g = tl.minimum(acc_g, limit)
+        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        act = acc_g * tl.sigmoid(alpha * acc_g) * (acc_u + 1)
+    else:
+        act = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(act_ptr + pair[:, None] * I + cols[None, :], act.to(act_ptr.dtype.element_ty),
              mask=valid[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, s_ptr, rw_ptr, out_ptr, order_ptr, bounds_ptr,
+def _down_kernel(act_ptr, w_ptr, s_ptr, b_ptr, rw_ptr, out_ptr, order_ptr, bounds_ptr,
                  E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
-                 SCALED: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr):
+                 SCALED: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """out = routing weight * (act @ down^T (+ the expert's bias b [E, H] with HAS_BIAS))
+    of one tile, in float32."""
     e, rows, valid = _row_block(bounds_ptr, E, BLOCK_M, BLOCK_E)
     if e >= E:
         return
@@ -217,6 +233,8 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, rw_ptr, out_ptr, order_ptr, bounds_ptr,
     for k0 in range(0, I, BLOCK_K):
         acc, _ = _k_step(acc, acc, act_ptr + pair[:, None] * I, valid, w, w, s_row, s_row, col_ok, k0, I, BLOCK_K,
                          False, SCALED, SK, PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + e.to(tl.int64) * H + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     acc = acc * tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + pair[:, None] * H + cols[None, :], acc, mask=valid[:, None] & col_ok[None, :])
 
@@ -244,13 +262,17 @@ def _tiles(pairs: int, experts: int, n: int, k: int, dtype: torch.dtype, fp8: bo
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  gate_up: torch.Tensor, down: torch.Tensor, fp8=None) -> torch.Tensor:
+                  gate_up: torch.Tensor, down: torch.Tensor, fp8=None,
+                  bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  clamp: tuple[float, float] | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])), e = ids[t, j].
 
     x [T, H]; weights, ids [T, k]; gate_up [E, 2I, H] (gate rows, then up rows);
     down [E, H, I]. `fp8`: (gate_up's, down's) `Fp8Weight` for float8 weights, scales
     [E, rows / block rows, columns / block columns] float32, where the block's columns
-    are a power of two of 16 or more and its rows divide I. Returns [T, H] in x's dtype."""
+    are a power of two of 16 or more and its rows divide I. `bias`: gate_up's [E, 2I]
+    and down's [E, H], the latter added before the routing weight; `clamp`: (alpha,
+    limit) of gpt-oss's SwiGLU (`models.moe.swiglu`). Returns [T, H] in x's dtype."""
     T, H = x.shape
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     k = ids.shape[1]
@@ -260,6 +282,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         scales, (sn, sk) = (gate_up, down), (1, 1)   # SCALED off: the pointers are never read
     else:
         scales, (sn, sk) = (fp8[0].scale.contiguous(), fp8[1].scale.contiguous()), fp8[0].block
+    b_gate_up, b_down = (gate_up, down) if bias is None else (b.contiguous() for b in bias)  # HAS_BIAS off: unread
+    alpha, limit = clamp or (0.0, 0.0)
     order, bounds = group_pairs(ids, E)
     BE = triton.next_power_of_2(E)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
@@ -267,12 +291,13 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     bm, bn, bk, stages = _tiles(P, E, I, H, x.dtype, fp8 is not None, operands=2)
     blocks = P // bm + min(E, P)        # >= sum over experts of cdiv(count, bm)
     _gate_up_kernel[(blocks, triton.cdiv(I, bn))](
-        x, gate_up, scales[0], act, order, bounds, E, H, I, TOPK=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        BLOCK_E=BE, PRECISION=precision, SCALED=fp8 is not None, SN=sn, SK=sk, num_warps=4, num_stages=stages)
+        x, gate_up, scales[0], b_gate_up, act, order, bounds, alpha, limit, E, H, I, TOPK=k, BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=BE, PRECISION=precision, SCALED=fp8 is not None, SN=sn, SK=sk,
+        HAS_BIAS=bias is not None, CLAMP=clamp is not None, num_warps=4, num_stages=stages)
     out = torch.empty(P, H, dtype=torch.float32, device=x.device)
     _, bn, bk, stages = _tiles(P, E, H, I, x.dtype, fp8 is not None)
     _down_kernel[(blocks, triton.cdiv(H, bn))](
-        act, down, scales[1], weights.reshape(-1).contiguous(), out, order, bounds, E, H, I, BLOCK_M=bm,
+        act, down, scales[1], b_down, weights.reshape(-1).contiguous(), out, order, bounds, E, H, I, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=BE, PRECISION=precision, SCALED=fp8 is not None, SN=sn, SK=sk,
-        num_warps=4, num_stages=stages)
+        HAS_BIAS=bias is not None, num_warps=4, num_stages=stages)
     return out.view(T, k, H).sum(1).to(x.dtype)

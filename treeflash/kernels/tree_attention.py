@@ -20,6 +20,12 @@ Why it is split in three (the verify reads the shared context once for all tree 
     with no keys writes lse = -inf (and no o), so the merge needs no prefix length:
     its loads issue as soon as it starts, not after a dependent load of prefix_lens.
 
+gpt-oss (both per layer, `sinks` and `window` of `sdpa_attention`): a sink is one more
+term of each row's denominator, added once where all parts meet, in the merge. A
+sliding window masks keys at positions <= p - window in every tile (rows differ in
+position: tree depths); as block tokens come after the prefix (positions >= L), no row
+sees a prefix slot below L - window + 1, and the splits share only [L - window + 1, L).
+
 Static shapes for CUDA graphs: the grid and the number of splits depend only on the
 tensor shapes (and the SM count); each split's key range is computed on the device
 from prefix_lens, so the work is spread over all splits whatever the actual length,
@@ -39,21 +45,24 @@ BLOCK_N = 64  # keys per tile
 
 
 @triton.jit
-def _split_range(L, split, num_splits, BLOCK_N: tl.constexpr):
-    """Prefix slots [start, end) of `split` when L slots are shared by num_splits splits
-    in whole tiles; an empty range when the split lies past L."""
-    chunk = tl.cdiv(tl.cdiv(L, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
+def _split_range(lo, L, split, num_splits, BLOCK_N: tl.constexpr):
+    """Prefix slots [start, end) of `split` when slots lo..L-1 are shared by num_splits
+    splits in whole tiles; an empty range when the split lies past L."""
+    chunk = tl.cdiv(tl.cdiv(L - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
     return start, tl.minimum(start + chunk, L)
 
 
 @triton.jit
 def _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, first, n_keys, qk_scale,
+            pos_base, sp_t, row_pos, window,
             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            MASKED: tl.constexpr, FP32_DOT: tl.constexpr):
+            MASKED: tl.constexpr, FP32_DOT: tl.constexpr, WINDOW: tl.constexpr):
     """Online softmax of one row tile over slots first + 0..n_keys-1. MASKED: the
-    block, where row token `tok` sees key j only if block_mask[tok, j]. Returns
-    (o, lse), lse in base 2; a row that saw no key gets o = 0, lse = -inf."""
+    block, where row token `tok` sees key j only if block_mask[tok, j]. WINDOW: a row at
+    position row_pos sees only keys at positions > row_pos - window (a prefix key's
+    position is its slot, block key j's is pos_base[j * sp_t]). Returns (o, lse),
+    lse in base 2; a row that saw no key gets o = 0, lse = -inf."""
     offs_d = tl.arange(0, D)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -73,6 +82,12 @@ def _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, first, 
             allowed = tl.load(mask_base + tok[:, None] * sm_i + j[None, :], mask=ok, other=0) != 0
         else:
             allowed = key_ok[None, :]
+        if WINDOW:
+            if MASKED:
+                key_pos = tl.load(pos_base + j * sp_t, mask=key_ok, other=0).to(tl.int32)
+            else:
+                key_pos = slots
+            allowed = allowed & (key_pos[None, :] > row_pos[:, None] - window)
         s = tl.where(allowed, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key so far
@@ -90,12 +105,12 @@ def _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, first, 
 
 @triton.jit
 def _partial_attention(
-    q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr, prefix_ptr,
-    sq_b, sq_t, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_i,
-    qk_scale, num_splits, block_split, row_programs,
+    q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr, prefix_ptr, pos_ptr,
+    sq_b, sq_t, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_i, sp_b, sp_t,
+    qk_scale, num_splits, block_split, row_programs, window,
     HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_N_TREE: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_N_TREE: tl.constexpr, FP32_DOT: tl.constexpr, WINDOW: tl.constexpr,
 ):
     """Program (b * HKV + kv head, split, row program): the T*G rows of that KV head
     (row tiles row_program, row_program + row programs, ...) against one key range,
@@ -105,6 +120,7 @@ def _partial_attention(
     consecutive heads of one token, so q loads are contiguous. Splits 0..num_splits-1
     are prefix chunks (no mask); split `block_split` (num_splits: a block-only program,
     or num_splits - 1) also attends the block with its mask, one partial for both.
+    WINDOW: the prefix chunks cover only the slots some row can see (module doc).
     """
     ROWS: tl.constexpr = T * G
     pid_bh = tl.program_id(0)
@@ -114,7 +130,10 @@ def _partial_attention(
     kvh = pid_bh % HKV
     L = tl.load(prefix_ptr + b).to(tl.int32)
 
-    start, end = _split_range(L, split, num_splits, BLOCK_N)
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(L - window + 1, 0)
+    start, end = _split_range(lo, L, split, num_splits, BLOCK_N)
     with_block = split == block_split  # split num_splits has no prefix: start >= L
     ran = (start < end) | with_block
 
@@ -124,6 +143,7 @@ def _partial_attention(
     k_base = k_ptr + b64 * sk_b + kvh.to(tl.int64) * sk_h
     v_base = v_ptr + b64 * sv_b + kvh.to(tl.int64) * sv_h
     mask_base = mask_ptr + b * sm_b
+    pos_base = pos_ptr + b * sp_b
     part = (pid_bh * tl.num_programs(1) + split).to(tl.int64)  # parts x rows x D can pass 2^31
     # Row tiles back to back over the same key range: after the first, it is in L2.
     for row0 in range(row_program * BLOCK_M, ROWS, row_programs * BLOCK_M):
@@ -133,11 +153,15 @@ def _partial_attention(
             tok = rows // G
             q = tl.load(q_base + tok[:, None] * sq_t + (rows % G)[:, None] * sq_h + offs_d[None, :],
                         mask=row_ok[:, None], other=0.0)
+            row_pos = 0
+            if WINDOW:
+                row_pos = tl.load(pos_base + tok * sp_t, mask=row_ok, other=0).to(tl.int32)
             o, lse = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, start, end - start,
-                             qk_scale, D, BLOCK_M, BLOCK_N, False, FP32_DOT)
+                             qk_scale, pos_base, sp_t, row_pos, window, D, BLOCK_M, BLOCK_N, False, FP32_DOT, WINDOW)
             if with_block:
                 o_blk, lse_blk = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, L, T,
-                                         qk_scale, D, BLOCK_M, BLOCK_N_TREE, True, FP32_DOT)
+                                         qk_scale, pos_base, sp_t, row_pos, window, D, BLOCK_M, BLOCK_N_TREE, True,
+                                         FP32_DOT, WINDOW)
                 m = tl.maximum(lse, lse_blk)
                 m = tl.where(m == float("-inf"), 0.0, m)
                 w, w_blk = tl.exp2(lse - m), tl.exp2(lse_blk - m)
@@ -151,13 +175,15 @@ def _partial_attention(
 
 
 @triton.jit
-def _merge(o_ptr, lse_ptr, out_ptr, parts,
+def _merge(o_ptr, lse_ptr, out_ptr, sinks_ptr, parts,
            HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
-           R: tl.constexpr, CHUNK: tl.constexpr):
+           R: tl.constexpr, CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Program (b * HKV + kv head, block of R rows): out = sum_s 2^(lse_s - M) o_s /
     sum_s 2^(lse_s - M) over the parts, CHUNK at a time (one chunk for up to CHUNK
     parts: all loads in flight at once). A part with lse = -inf did not run and its o
     is whatever the buffer held (NaN included): it gets weight 0 and is never added.
+    HAS_SINKS: the head's sink is one more part, of lse sinks[head] (natural log) and
+    o = 0. A row that saw no key and has no sink gets 0, as SDPA gives it.
     out is [B, T, H, D] contiguous."""
     ROWS: tl.constexpr = T * G
     BLOCKS: tl.constexpr = (ROWS + R - 1) // R
@@ -169,8 +195,13 @@ def _merge(o_ptr, lse_ptr, out_ptr, parts,
     row_ok = rows < ROWS
 
     offs_d = tl.arange(0, D)
-    m = tl.full([R], float("-inf"), tl.float32)
-    den = tl.zeros([R], tl.float32)
+    head = kvh * G + rows % G
+    if HAS_SINKS:
+        m = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        den = tl.full([R], 1.0, tl.float32)
+    else:
+        m = tl.full([R], float("-inf"), tl.float32)
+        den = tl.zeros([R], tl.float32)
     acc = tl.zeros([R, D], tl.float32)
     for s0 in range(0, parts, CHUNK):
         s = s0 + tl.arange(0, CHUNK)
@@ -185,8 +216,8 @@ def _merge(o_ptr, lse_ptr, out_ptr, parts,
         den = den * alpha + tl.sum(w, 0)
         acc = acc * alpha[:, None] + tl.sum(tl.where(w[:, :, None] > 0, o * w[:, :, None], 0.0), 0)
         m = m_new
-    head = kvh * G + rows % G
     out_rows = (b * T + rows // G).to(tl.int64) * (HKV * G) + head
+    den = tl.where(den > 0, den, 1.0)
     tl.store(out_ptr + out_rows[:, None] * D + offs_d[None, :], (acc / den[:, None]).to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None])
 
@@ -238,12 +269,15 @@ def supports(head_dim: int) -> bool:
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    inputs: AttentionInputs, scale: float, num_splits: int | None = None,
-                   row_programs: int | None = None) -> torch.Tensor:
+                   row_programs: int | None = None, sinks: torch.Tensor | None = None,
+                   window: int | None = None) -> torch.Tensor:
     """q [B, T, H, D] against cache [B, Hkv, S, D] -> [B, T, H, D]; see module doc.
 
-    The block's K/V must already be at slots prefix_lens[b] + 0..T-1 (< S).
+    The block's K/V must already be at slots prefix_lens[b] + 0..T-1 (< S), and its
+    positions (inputs.positions) must be >= prefix_lens[b] where `window` is given.
     `inputs.kv_len` is ignored: each request reads prefix_lens[b] + T slots.
     `num_splits` and `row_programs` override the shape-based choices (benchmarks).
+    `sinks` [H] (natural log, not scaled) and `window`: as in `sdpa_attention`.
     """
     B, T, H, D = q.shape
     _, HKV, S, _ = k_cache.shape
@@ -252,6 +286,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     mask = inputs.block_mask
     assert mask.shape == (B, T, T) and mask.stride(-1) == 1, "block_mask must be [B, T, T]"
+    assert sinks is None or sinks.shape == (H,), "one sink per query head"
+    positions = inputs.positions
     rows = T * G
     # fp32 (tests, debugging) uses 3-pass tf32 dots for ~fp32 accuracy, and smaller
     # tiles / fewer stages so that its 4-byte tiles fit in shared memory.
@@ -268,11 +304,11 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
     LOG2E = 1.4426950408889634
     _partial_attention[(B * HKV, block_split + 1, row_programs)](
-        q, k_cache, v_cache, mask.view(torch.uint8), o_part, lse_part, inputs.prefix_lens,
+        q, k_cache, v_cache, mask.view(torch.uint8), o_part, lse_part, inputs.prefix_lens, positions,
         q.stride(0), q.stride(1), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        mask.stride(0), mask.stride(1), scale * LOG2E, splits, block_split, row_programs,
-        HKV=HKV, G=G, T=T, D=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        BLOCK_N_TREE=max(16, min(BLOCK_N, triton.next_power_of_2(T))), FP32_DOT=fp32,
+        mask.stride(0), mask.stride(1), *positions.stride(), scale * LOG2E, splits, block_split, row_programs,
+        window or 0, HKV=HKV, G=G, T=T, D=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        BLOCK_N_TREE=max(16, min(BLOCK_N, triton.next_power_of_2(T))), FP32_DOT=fp32, WINDOW=window is not None,
         # small row tiles are memory-bound: one more tile in flight (H200, 16K, T=1: -5%)
         num_warps=8 if block_m >= 128 else 4, num_stages=2 if fp32 else 4 if block_m <= 64 else 3)
     # One or two warps per merge program and few rows each: the merge is a latency
@@ -286,5 +322,6 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     parts = block_split + 1
     chunk = min(triton.next_power_of_2(parts), 4096 * merge_warps // (merge_rows * D))
     _merge[(B * HKV * triton.cdiv(rows, merge_rows),)](
-        o_part, lse_part, out, parts, HKV=HKV, G=G, T=T, D=D, R=merge_rows, CHUNK=chunk, num_warps=merge_warps)
+        o_part, lse_part, out, lse_part if sinks is None else sinks.contiguous(), parts, HKV=HKV, G=G, T=T, D=D,
+        R=merge_rows, CHUNK=chunk, HAS_SINKS=sinks is not None, num_warps=merge_warps)
     return out

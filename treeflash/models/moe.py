@@ -20,6 +20,7 @@ from torch import nn
 
 from treeflash.config import ModelConfig
 from treeflash.distributed import TPGroup
+from treeflash.errors import TreeflashError
 from treeflash.layers.linear import check_fp8_cuts, fp8_parameters
 from treeflash.ops import Fp8Weight, dequantized, fp8_kernels_fit, fused_enabled
 
@@ -32,32 +33,47 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class Router(nn.Module):
-    """HF's `mlp.gate`: softmax of x W^T (in float32 at least), top-k, optionally
-    renormalized to sum to 1; weights in x's dtype, as transformers casts them. After
+    """HF's `mlp.gate` (gpt-oss: `mlp.router`, with a bias): softmax of x W^T + b (in
+    float32 at least), top-k, optionally renormalized to sum to 1 (gpt-oss's softmax over
+    the top-k logits is that); weights in x's dtype, as transformers casts them. After
     the product, one Triton launch on the fused path (`kernels.fused_moe.route`)."""
 
-    def __init__(self, hidden: int, experts: int, top_k: int, renormalize: bool):
+    def __init__(self, hidden: int, experts: int, top_k: int, renormalize: bool, bias: bool = False):
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
         self.weight = nn.Parameter(torch.empty(experts, hidden), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(experts), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> routing weights [T, k], expert ids [T, k]."""
         if fused_enabled(x) and x.dtype in KERNEL_DTYPES:
-            return route(F.linear(x, self.weight), self.top_k, self.renormalize)
-        probs = F.linear(x, self.weight).softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32))
+            return route(F.linear(x, self.weight, self.bias), self.top_k, self.renormalize)
+        probs = F.linear(x, self.weight, self.bias).softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32))
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
         return weights.to(x.dtype), ids
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, clamp: tuple[float, float] | None = None) -> torch.Tensor:
+    """silu(gate) * up; with clamp = (alpha, limit), gpt-oss's form: gate clamped above and
+    up on both sides at limit, then gate * sigmoid(alpha * gate) * (up + 1)."""
+    if clamp is None:
+        return F.silu(gate) * up
+    alpha, limit = clamp
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
 def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                       gate_up: torch.Tensor, down: torch.Tensor,
-                      fp8: tuple[Fp8Weight, Fp8Weight] | None = None, every_expert: bool = False) -> torch.Tensor:
+                      fp8: tuple[Fp8Weight, Fp8Weight] | None = None, every_expert: bool = False,
+                      bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      clamp: tuple[float, float] | None = None) -> torch.Tensor:
     """The experts in plain torch: exact, any dtype (the CPU path, the training path under
     autocast, and the kernel's oracle). `fp8`: the scales of FP8 `gate_up` and `down` (one
-    block grid per expert); each expert's weights are dequantized when it runs.
+    block grid per expert); each expert's weights are dequantized when it runs. `bias`:
+    gate_up's [E, 2I] and down's [E, H]; `clamp`: see `swiglu`.
 
     Only the experts that were picked run (the host reads which), on their tokens. With
     `every_expert`, every expert runs on every token, weighted 0 where it was not picked:
@@ -73,8 +89,9 @@ def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         if fp8 is not None:
             w_gate_up, w_down = (dequantized(m, Fp8Weight(f.scale[e], f.block), x.dtype)
                                  for m, f in ((w_gate_up, fp8[0]), (w_down, fp8[1])))
-        gate, up = F.linear(xe, w_gate_up).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w_down) * we[:, None]
+        b_gate_up, b_down = (None, None) if bias is None else (bias[0][e], bias[1][e])
+        gate, up = F.linear(xe, w_gate_up, b_gate_up).chunk(2, dim=-1)
+        y = F.linear(swiglu(gate, up, clamp), w_down, b_down) * we[:, None]
         out = out + y if rows is None else out.index_add_(0, rows, y)
     return out
 
@@ -90,6 +107,8 @@ class Experts(nn.Module):
     (`gate_up_proj_scale_inv`, `down_proj_scale_inv`)."""
 
     block: tuple[int, int] | None = None  # FP8: the rows and columns each scale covers
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # gate_up's [E, 2I], down's [E, H]
+    clamp: tuple[float, float] | None = None  # `swiglu`'s gpt-oss form
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
@@ -137,9 +156,85 @@ class Experts(nn.Module):
         """This rank's partial sums [T, H] (before the all-reduce)."""
         fp8 = self.fp8
         if fused_enabled(x) and x.dtype in KERNEL_DTYPES and (fp8 is None or fp8[0].fits_kernels):
-            return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj, fp8)
+            return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj, fp8, self.bias, self.clamp)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        return experts_reference(x, weights, ids, self.gate_up_proj, self.down_proj, fp8, every_expert=capturing)
+        return experts_reference(x, weights, ids, self.gate_up_proj, self.down_proj, fp8, every_expert=capturing,
+                                 bias=self.bias, clamp=self.clamp)
+
+
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_dequantized(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """OCP MXFP4 as gpt-oss stores it: blocks [..., G, 16] uint8 (two e2m1 values a byte,
+    the low nibble first) and scales [..., G] uint8 (e8m0: 2^(s - 127) for each group of
+    32 values) -> [..., G * 32] in `dtype` (exact: every value is a bf16 value)."""
+    table = torch.tensor(FP4_E2M1, dtype=torch.float32, device=blocks.device)
+    values = torch.stack([table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]], -1)   # [..., G, 16, 2]
+    values = values.flatten(-2) * torch.exp2(scales.float() - 127)[..., None]
+    return values.flatten(-2).to(dtype)
+
+
+class GptOssExperts(Experts):
+    """gpt-oss's experts: biases, the clamped SwiGLU, and its checkpoint layout, which
+    holds each matrix for all experts in one tensor, transposed, with gate and up
+    columns interleaved (gate_up_proj [E, H, 2I], down_proj [E, I, H]), or as published,
+    in MXFP4 (`*_blocks` and `*_scales`, [E, out, in] once dequantized). They are read
+    whole, dequantized and put in this class's layout (gate rows, then up rows), and
+    each rank keeps its slice of I. The down bias is added once: only rank 0 holds it
+    (the others hold zeros), as its partial sums are all-reduced."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__(cfg, tp)
+        E, I2, H = self.gate_up_proj.shape
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(E, I2), requires_grad=False)
+        self.down_proj_bias = nn.Parameter(torch.empty(E, H), requires_grad=False)
+        self.clamp = (cfg.swiglu_alpha, cfg.swiglu_limit)
+
+    @property
+    def bias(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up_proj_bias, self.down_proj_bias
+
+    def read_checkpoint(self, leaf: str, read, name: str) -> torch.Tensor:
+        """This rank's `leaf` from the checkpoint; read(key below this module, required)
+        gives a stored tensor whole (None if absent and not required); `name`: this
+        module's, for errors."""
+        def stored(key: str, shape: tuple, value: torch.Tensor | None = None) -> torch.Tensor:
+            return self._checked(read(key, True) if value is None else value, f"{name}.{key}", shape)
+
+        dest = getattr(self, leaf)
+        E, I2, H = self.gate_up_proj.shape
+        I, r, n = I2 // 2, self.tp.rank, self.tp.size
+        if leaf == "down_proj_bias":
+            value = stored(leaf, (E, H))
+            return value if r == 0 else torch.zeros_like(value)
+        if leaf == "gate_up_proj_bias":
+            value = stored(leaf, (E, 2 * I * n))
+            gate, up = value[:, 0::2], value[:, 1::2]
+            return torch.cat([gate[:, r * I:(r + 1) * I], up[:, r * I:(r + 1) * I]], 1)
+        out_in = (E, 2 * I * n, H) if leaf == "gate_up_proj" else (E, H, I * n)
+        blocks = read(f"{leaf}_blocks", False)
+        if blocks is not None:   # MXFP4: [E, out, in / 32, 16] and [E, out, in / 32]
+            groups = out_in[2] // 32
+            blocks = stored(f"{leaf}_blocks", (*out_in[:2], groups, 16), blocks)
+            scales = stored(f"{leaf}_scales", (*out_in[:2], groups))
+            value = mxfp4_dequantized(blocks.to(dest.device), scales.to(dest.device), dest.dtype)
+        else:
+            value = stored(leaf, (out_in[0], out_in[2], out_in[1])).transpose(1, 2)
+        if leaf == "down_proj":
+            return value[:, :, r * I:(r + 1) * I]
+        gate, up = value[:, 0::2], value[:, 1::2]
+        return torch.cat([gate[:, r * I:(r + 1) * I], up[:, r * I:(r + 1) * I]], 1)
+
+    @staticmethod
+    def _checked(value: torch.Tensor, key: str, shape: tuple) -> torch.Tensor:
+        if tuple(value.shape) != tuple(shape):
+            raise TreeflashError(f"weight {key} has shape {list(value.shape)}, expected {list(shape)}")
+        quantized = key.endswith(("_blocks", "_scales"))
+        if quantized != (value.dtype == torch.uint8) or not (quantized or value.is_floating_point()):
+            raise TreeflashError(f"weight {key} has dtype {value.dtype}, expected "
+                                 f"{'uint8 (MXFP4)' if quantized else 'a float dtype'}")
+        return value
 
 
 class SparseMoE(nn.Module):
@@ -150,8 +245,9 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, shared: nn.Module | None = None):
         super().__init__()
         self.tp = tp
-        self.gate = Router(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        self.experts = Experts(cfg, tp)
+        self.gate = Router(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                           bias=cfg.arch == "gpt_oss")
+        self.experts = (GptOssExperts if cfg.arch == "gpt_oss" else Experts)(cfg, tp)
         self.shared_experts = shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
