@@ -133,18 +133,21 @@ def test_gumbel_argmax_matches_reference(V):
 
 @gpu_or_interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("scaling", [None, {"factor": 8.0, "original_max_position_embeddings": 8192}])
+@pytest.mark.parametrize("scaling", [None, {"factor": 8.0, "original_max_position_embeddings": 8192},
+                                     {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                                      "truncate": False}], ids=["plain", "llama3", "yarn"])
 def test_cos_sin_matches_the_rotary_layer(dtype, scaling):
     """RoPE's cos/sin in one launch: on CUDA the very bits of the torch layer (the same
-    float32 products, the same libdevice cos/sin), at positions up to a million; in the
-    interpreter (numpy's cos) within a float32 rounding."""
+    float32 products, the same libdevice cos/sin; YaRN's attention factor on both), at
+    positions up to a million; in the interpreter (numpy's cos) within a float32 rounding."""
     from treeflash.layers.rotary import RotaryEmbedding
     from treeflash.ops.fused import cos_sin
     rot = RotaryEmbedding(128, 5e5, scaling)
     pos = torch.tensor([[0, 1, 2, 3, 4095, 4096, 131071, 999_999]] * 2) + torch.tensor([[0], [7]])
     pos = pos.to(DEV)
     ref = rot.cos_sin(pos, dtype)  # grad enabled: the torch layer
-    got = cos_sin(pos, rot.inv_freq.to(DEV), dtype)
+    got = cos_sin(pos, rot.inv_freq.to(DEV), dtype, rot.scale)
+    assert (rot.scale > 1.3) == (scaling is not None and "rope_type" in scaling)
     for g, r in zip(got, ref):
         assert g.shape == r.shape == (2, 8, 128) and g.dtype == dtype
         assert torch.equal(g, r) if CUDA else (g - r).abs().max() <= 1e-6
@@ -207,7 +210,7 @@ def test_logit_controls_match_torch(dtype, rows, per_row, controls):
 @spawns_interpreter
 def test_ops_in_the_triton_interpreter():
     run_interpreted(__file__, "gemv_matches or rope_into_cache or row_argmax or gumbel_argmax or cos_sin "
-                    "or embedding_rows or logit_controls or node_states or path_states or grammar_mask", 31)
+                    "or embedding_rows or logit_controls or node_states or path_states or grammar_mask", 32)
 
 
 def _grammar_batch(V: int, B: int, seed: int):

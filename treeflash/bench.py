@@ -391,11 +391,14 @@ PAIR_COLUMNS = [("method", "label", "{}"), ("graphs", "graphs", "onoff"), ("bs",
 # Shape mode
 # ---------------------------------------------------------------------------
 
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
 
 # Published shapes (random weights: only the shapes matter; Qwen3-30B-A3B: 128 experts, 8 per token, in
-# every layer), a Kimi-K2-like MoE cut to 4 layers
+# every layer; gpt-oss-20b: 32 experts, 4 per token, a 128-token window in every other layer), a Kimi-K2-like
+# MoE cut to 4 layers
 # (one dense, three of 384 experts; GQA in place of MLA: see treeflash.models.moe), and one for CPU tests.
 SHAPES = {
     "qwen3-8b": ModelConfig("qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
@@ -412,6 +415,13 @@ SHAPES = {
                                  max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
                                  moe_intermediate_size=768, norm_topk_prob=True),
     "kimi-k2-4l": KIMI_K2_4L,
+    "gpt-oss-20b": ModelConfig("gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                               num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5,
+                               rope_theta=150000.0, rope_scaling=GPT_OSS_ROPE, max_position_embeddings=131072,
+                               attention_bias=True, num_experts=32, num_experts_per_tok=4,
+                               moe_intermediate_size=2880, norm_topk_prob=True, sliding_window=128,
+                               sliding_layers=tuple(range(0, 24, 2)), attention_sinks=True, expert_bias=True,
+                               swiglu_limit=7.0),
     "tiny": ModelConfig("qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4,
                         num_heads=4, num_kv_heads=2, head_dim=16),
 }
@@ -429,9 +439,10 @@ def fp8_block(text: str) -> tuple[int, int]:
 
 
 def draft_config(target, layers: int):
-    """A DFlash drafter for `target` as published: Qwen3 layers of the target's width,
-    block 16, default taps, mask token = last vocabulary id."""
-    return DraftConfig(layers=dataclasses.replace(target, arch="qwen3", num_layers=layers),
+    """A DFlash drafter for `target` as published: Qwen3 layers of the target's width
+    (full attention, no sinks), block 16, default taps, mask token = last vocabulary id."""
+    return DraftConfig(layers=dataclasses.replace(target, arch="qwen3", num_layers=layers, sliding_window=None,
+                                                  sliding_layers=(), attention_sinks=False),
                        block_size=BLOCK_SIZE, mask_token_id=target.vocab_size - 1,
                        target_layer_ids=default_target_layer_ids(target.num_layers, layers),
                        num_target_layers=target.num_layers)
@@ -483,17 +494,18 @@ def op_bytes(kind: str, target, drafter, context: int, batch: int, tokens: int) 
     elem = target.lm_head.weight.element_size()
     head = _bytes(target.lm_head)
     body = weight_bytes_read(target, tokens)
-    kv_t = batch * context * _kv_width(target.model.layers) * elem
+    kv_t = batch * _kv_values(target.model.layers, context) * elem
     draft = _bytes(drafter, skip={"fc.weight"})
-    kv_d = batch * context * _kv_width(drafter.layers) * elem
+    kv_d = batch * _kv_values(drafter.layers, context) * elem
     return {"ar": body + head + kv_t, "verify": body + head + kv_t, "draft": draft + head + kv_d,
             "round": body + 2 * head + kv_t + draft + _bytes(drafter.fc) + kv_d}.get(kind)
 
 
-def _kv_width(layers) -> int:
-    """K and V values per token over `layers`, for this rank's KV heads."""
-    attn = layers[0].self_attn
-    return len(layers) * 2 * attn.num_kv_heads * attn.head_dim
+def _kv_values(layers, context: int) -> int:
+    """K and V values of `context` committed tokens over `layers` (a sliding-window layer
+    reads only its window), for this rank's KV heads."""
+    return sum(2 * a.num_kv_heads * a.head_dim * min(context, a.window or context)
+               for a in (layer.self_attn for layer in layers))
 
 
 def allreduce_plan(op: str, n: int, target, drafter, batch: int) -> list[tuple[int, int]]:

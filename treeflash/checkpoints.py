@@ -142,22 +142,62 @@ def write_fp8_copy(src: str | Path, out_dir: str | Path, block: tuple[int, int] 
     `*_proj.weight` under `layers.`, but those whose names hold an entry of `skip`) in
     block-scaled FP8 with `weight_scale_inv`, and config.json's quantization_config
     saying so: a checkpoint as Qwen3-FP8 and DeepSeek-V3 publish them."""
-    from safetensors.torch import load_file
     src, out = Path(src), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
+    tensors = _all_tensors(src)
     for name in [n for n in tensors if ".layers." in n and n.endswith("_proj.weight") and tensors[n].dim() == 2
                  and not any(s in n for s in skip)]:
         tensors[name], tensors[name + "_scale_inv"] = fp8_blocks(tensors[name], block)
+    _write_copy(src, out, tensors, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                    "weight_block_size": list(block),
+                                    **({"modules_to_not_convert": list(skip)} if skip else {})})
+    return out
+
+
+def _all_tensors(src: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+def _write_copy(src: Path, out: Path, tensors: dict, quantization: dict) -> None:
+    """`tensors` as out's weights, src's other files beside them, and config.json with
+    `quantization` as its quantization_config."""
     save_file(tensors, str(out / "model.safetensors"))
     for f in src.iterdir():
         if f.is_file() and f.name != "config.json" and not f.name.endswith((".safetensors", ".index.json")):
             (out / f.name).write_bytes(f.read_bytes())
     cfg = read_config_json(src)
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": list(block), **({"modules_to_not_convert": list(skip)}
-                                                                       if skip else {})}
+    cfg["quantization_config"] = quantization
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def mxfp4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., K] (K a multiple of 32) in OCP MXFP4, as gpt-oss stores it (the inverse of
+    `models.moe.mxfp4_dequantized`): each group of 32 values gets the power-of-two scale
+    that brings its largest into e2m1's range (6), then each value the nearest e2m1 code."""
+    from treeflash.models.moe import FP4_E2M1
+    groups = w.float().unflatten(-1, (-1, 32))
+    amax = groups.abs().amax(-1)
+    exp = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6)), torch.full_like(amax, -127)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exp)[..., None]
+    magnitudes = torch.tensor(FP4_E2M1[:8])
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1) + 8 * (scaled < 0)
+    pairs = codes.to(torch.uint8).unflatten(-1, (16, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4), (exp + 127).to(torch.uint8)
+
+
+def write_mxfp4_copy(src: str | Path, out_dir: str | Path) -> Path:
+    """A copy of the gpt-oss checkpoint in `src` (experts in transformers' unquantized
+    layout) with its experts in MXFP4 and config.json saying so, as OpenAI publishes
+    gpt-oss (the biases, attention and router stay as they are)."""
+    src, out = Path(src), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = _all_tensors(src)
+    for name in [n for n in tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        tensors[name + "_blocks"], tensors[name + "_scales"] = mxfp4_blocks(tensors.pop(name).transpose(1, 2))
+    _write_copy(src, out, tensors, {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
     return out

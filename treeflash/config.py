@@ -17,8 +17,8 @@ import torch
 from treeflash.errors import TreeflashError
 
 TARGET_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
-                        "Qwen3MoeForCausalLM": "qwen3_moe"}
-MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe"}
+                        "Qwen3MoeForCausalLM": "qwen3_moe", "GptOssForCausalLM": "gpt_oss"}
+MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss"}
 
 DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -50,11 +50,11 @@ def read_config_json(path: str | Path, what: str = "model") -> dict:
     return data
 
 
-def _flag(data: dict, key: str, where: str) -> bool:
-    """A true/false key (absent or null: false). Not bool(): "false" would read as true."""
+def _flag(data: dict, key: str, where: str, default: bool = False) -> bool:
+    """A true/false key (absent or null: `default`). Not bool(): "false" would read as true."""
     value = data.get(key)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise TreeflashError(f"config.json in {where}: '{key}' must be true or false, got {value!r}")
     return value
@@ -94,8 +94,10 @@ def _rope(data: dict, where: str = "config") -> tuple[float, dict | None]:
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind == "default":
             scaling = None
+        elif kind == "yarn":
+            scaling = _yarn(scaling, where)
         elif kind != "llama3":
-            raise TreeflashError(f"unsupported rope scaling type '{kind}' (supported: llama3)")
+            raise TreeflashError(f"unsupported rope scaling type '{kind}' (supported: llama3, yarn)")
         else:
             if "factor" not in scaling:
                 raise TreeflashError(f"config.json in {where}: llama3 rope scaling lacks 'factor'")
@@ -103,6 +105,19 @@ def _rope(data: dict, where: str = "config") -> tuple[float, dict | None]:
                 if key in scaling:
                     _number(scaling[key], f"rope scaling {key}", where, positive=key != "low_freq_factor")
     return theta, scaling
+
+
+def _yarn(scaling: dict, where: str) -> dict:
+    """YaRN's keys (gpt-oss), checked; the frequencies are made in `layers.rotary`."""
+    for key in ("factor", "original_max_position_embeddings"):
+        if key not in scaling:
+            raise TreeflashError(f"config.json in {where}: yarn rope scaling lacks '{key}'")
+    for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor"):
+        if scaling.get(key) is not None:
+            _number(scaling[key], f"rope scaling {key}", where)
+    if scaling.get("mscale") or scaling.get("mscale_all_dim"):
+        raise TreeflashError(f"config.json in {where}: yarn rope scaling with mscale (DeepSeek's) is not supported")
+    return {**scaling, "rope_type": "yarn"}
 
 
 def _eos_ids(value, where: str = "config") -> list[int]:
@@ -148,6 +163,44 @@ def _moe_fields(data: dict, num_layers: int, where: str) -> dict:
     if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
         raise TreeflashError(f"config.json in {where}: 'n_shared_experts' must be an integer >= 0, got {shared!r}")
     return fields
+
+
+def _gpt_oss_fields(data: dict, num_layers: int, where: str) -> dict:
+    """gpt-oss: every layer has experts (softmax over the top-k router logits, which is
+    the top-k of the softmax renormalized), biases in the router and the experts, the
+    experts' clamped SwiGLU, attention sinks, and a sliding window in the layers
+    `layer_types` names "sliding_attention" (by default every other one, from layer 0)."""
+    experts = _require(data, "num_local_experts", where)
+    top_k = _require(data, "num_experts_per_tok", where) if "num_experts_per_tok" in data \
+        else _require(data, "experts_per_token", where)
+    if top_k > experts:
+        raise TreeflashError(f"config.json in {where}: num_experts_per_tok ({top_k}) exceeds "
+                             f"num_local_experts ({experts})")
+    window = data.get("sliding_window", 128)
+    types = data.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers or \
+            not set(types) <= {"sliding_attention", "full_attention"}:
+        raise TreeflashError(f"config.json in {where}: 'layer_types' must name sliding_attention or full_attention "
+                             f"for each of the {num_layers} layers, got {types!r}")
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if sliding and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise TreeflashError(f"config.json in {where}: 'sliding_window' must be a positive integer, got {window!r}")
+    return dict(num_experts=experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=_require(data, "intermediate_size", where), norm_topk_prob=True,
+                sliding_window=window if sliding else None, sliding_layers=sliding, attention_sinks=True,
+                expert_bias=True, swiglu_limit=_number(data.get("swiglu_limit", 7.0), "swiglu_limit", where),
+                swiglu_alpha=_number(data.get("swiglu_alpha", 1.702), "swiglu_alpha", where))
+
+
+def _mxfp4(quant, arch: str, where: str) -> bool:
+    """gpt-oss's MXFP4 experts (as published): dequantized when loaded."""
+    if not (isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"):
+        return False
+    if arch != "gpt_oss":
+        raise TreeflashError(f"config.json in {where}: MXFP4 quantization is supported only for gpt-oss experts")
+    return True
 
 
 def _architectures(data: dict, where: str) -> list[str]:
@@ -276,10 +329,25 @@ class ModelConfig:
     # block of (rows, columns) (`layers.linear`), except modules named in fp8_skip
     fp8_block: tuple[int, int] | None = None
     fp8_skip: tuple[str, ...] = ()
+    # gpt-oss: a sliding window in some layers, attention sinks, biased experts whose
+    # SwiGLU is clamped at swiglu_limit (None: the plain SwiGLU) with sigmoid gain
+    # swiglu_alpha; MXFP4 experts in the checkpoint (dequantized when loaded)
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    mxfp4: bool = False
 
     @property
     def qk_norm(self) -> bool:
         return self.arch in ("qwen3", "qwen3_moe")
+
+    def attention_window(self, i: int) -> int | None:
+        """The sliding window of layer i (a query at position p sees keys at positions
+        > p - window), None for full attention."""
+        return self.sliding_window if i in self.sliding_layers else None
 
     def sparse_layer(self, i: int) -> bool:
         """Whether layer i has experts (HF's rule: every `decoder_sparse_step`-th layer,
@@ -289,7 +357,6 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict, where: str = "config") -> "ModelConfig":
         archs = _architectures(data, where)
-        fp8 = _fp8_blocks(data.get("quantization_config"), where)
         arch = None
         for a in archs:
             if a in TARGET_ARCHITECTURES:
@@ -304,6 +371,8 @@ class ModelConfig:
             raise TreeflashError(
                 f"unsupported architecture '{name}' in {where} "
                 f"(supported: {', '.join(TARGET_ARCHITECTURES)})")
+        mxfp4 = _mxfp4(data.get("quantization_config"), arch, where)
+        fp8 = {} if mxfp4 else _fp8_blocks(data.get("quantization_config"), where)
         hidden = _require(data, "hidden_size", where)
         heads = _require(data, "num_attention_heads", where)
         kv_heads = _require(data, "num_key_value_heads", where) if data.get("num_key_value_heads") is not None else heads
@@ -315,7 +384,8 @@ class ModelConfig:
         num_layers = _require(data, "num_hidden_layers", where)
         _check_hidden_act(data, where)
         _check_full_attention(data, arch, num_layers, where)
-        moe = _moe_fields(data, num_layers, where) if arch == "qwen3_moe" else {}
+        moe = _moe_fields(data, num_layers, where) if arch == "qwen3_moe" else \
+            _gpt_oss_fields(data, num_layers, where) if arch == "gpt_oss" else {}
         head_dim = _require(data, "head_dim", where) if data.get("head_dim") is not None else hidden // heads
         if head_dim % 2:
             raise TreeflashError(f"config.json in {where}: head_dim {head_dim} is odd (rotary embeddings turn "
@@ -334,11 +404,11 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=4096 if max_pos is None else _require(data, "max_position_embeddings", where),
             tie_word_embeddings=_flag(data, "tie_word_embeddings", where),
-            attention_bias=_flag(data, "attention_bias", where),
+            attention_bias=_flag(data, "attention_bias", where, default=arch == "gpt_oss"),
             mlp_bias=_flag(data, "mlp_bias", where),
             torch_dtype=data.get("torch_dtype") or data.get("dtype"),
             eos_token_ids=_eos_ids(data.get("eos_token_id"), where),
-            **moe, **fp8,
+            mxfp4=mxfp4, **moe, **fp8,
         )
 
     @classmethod

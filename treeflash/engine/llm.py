@@ -252,6 +252,9 @@ class LLM:
         # quantization="fp8" of a checkpoint in higher precision: its layers' weights are
         # quantized to FP8 blocks while loading (an FP8 checkpoint stays as it is)
         quantize = quantization == "fp8" and self.config.fp8_block is None
+        if quantize and self.config.arch == "gpt_oss":
+            raise UsageError("quantization fp8 is not supported for gpt-oss (its experts load from MXFP4 "
+                             "into the model's dtype)")
         if quantize:
             self.config = replace(self.config, fp8_block=FP8_BLOCK)
         # the weights' headers are read only when "auto" needs them

@@ -12,6 +12,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv
+    if scaling.get("rope_type") == "yarn":
+        return yarn_inv_freq(inv, head_dim, theta, scaling)
     # Llama-3 frequency-dependent scaling.
     factor = float(scaling["factor"])
     low = float(scaling.get("low_freq_factor", 1.0))
@@ -26,11 +28,42 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     return torch.where(medium, smoothed, scaled)
 
 
+def yarn_inv_freq(inv: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): frequencies that turn fewer than beta_slow times over the
+    original context are interpolated (divided by `factor`), those turning more than
+    beta_fast times are kept, with a linear ramp over the dims between."""
+    factor = float(scaling["factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+
+    def dim_of(turns: float) -> float:  # the dim whose frequency turns `turns` times over old_ctx
+        return head_dim * math.log(old_ctx / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(float(scaling.get("beta_fast") or 32)), dim_of(float(scaling.get("beta_slow") or 1))
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def yarn_attention_factor(scaling: dict | None) -> float:
+    """The factor YaRN multiplies cos and sin by (so q.k by its square): 0.1 ln(factor) + 1."""
+    if scaling is None or scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
         super().__init__()
         # A plain float32 tensor, not a buffer: casting the model to bf16 must not touch it.
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.scale = yarn_attention_factor(scaling)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos, sin of shape [B, T, head_dim] for integer positions [B, T]."""
@@ -38,10 +71,10 @@ class RotaryEmbedding(nn.Module):
             self.inv_freq = self.inv_freq.to(positions.device)
         if fused_enabled(positions) and self.inv_freq.numel() & (self.inv_freq.numel() - 1) == 0:
             from treeflash.ops.fused import cos_sin
-            return cos_sin(positions, self.inv_freq, dtype)
+            return cos_sin(positions, self.inv_freq, dtype, self.scale)
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -172,8 +172,32 @@ def load_weights(model: nn.Module, folder: str | Path, quantize: bool = False) -
     params = dict(model.named_parameters())
     used: set[str] = set()
     handles: dict[Path, object] = {}
+
+    def handle(key: str):
+        """The open file holding `key` (its stored name: an alias if only that exists)."""
+        if key not in files and aliases.get(key) in files:
+            key = aliases[key]
+        if key not in files:
+            raise TreeflashError(f"weight {key} is missing from the checkpoint in {folder}")
+        used.add(key)
+        if files[key] not in handles:
+            handles[files[key]] = _open(files[key])
+        return handles[files[key]], key
+
     try:
         for name, param in params.items():
+            module_name, _, leaf = name.rpartition(".")
+            owner = model.get_submodule(module_name)
+            if hasattr(owner, "read_checkpoint"):  # a layout that is more than slices (gpt-oss experts)
+                def read(key: str, required: bool, prefix=f"{module_name}."):
+                    if not required and prefix + key not in files:
+                        return None
+                    return _read_whole(*handle(prefix + key))
+                with torch.no_grad():
+                    param.copy_(owner.read_checkpoint(leaf, read, module_name))
+                _check_finite(param, name, folder)
+                handles.clear()
+                continue
             online = quantize and param.dtype == torch.float8_e4m3fn
             if quantize and name.endswith("_scale_inv"):
                 continue   # made with its weight
@@ -181,37 +205,41 @@ def load_weights(model: nn.Module, folder: str | Path, quantize: bool = False) -
             scales = [s for _, s, _ in _pieces(model, name + "_scale_inv", params[name + "_scale_inv"])[0]] \
                 if online else [None] * len(pieces)
             for (key, dest, shard_dim), scale in zip(pieces, scales):
-                if key not in files and aliases.get(key) in files:
-                    key = aliases[key]
-                if key not in files:
-                    raise TreeflashError(f"weight {key} is missing from the checkpoint in {folder}")
-                used.add(key)
-                f = files[key]
-                if f not in handles:
-                    handles[f] = _open(f)
+                st, key = handle(key)
                 with torch.no_grad():
-                    value = _read_piece(handles[f], key, dest, shard_dim, tp, stored_fp8=False if online else None)
+                    value = _read_piece(st, key, dest, shard_dim, tp, stored_fp8=False if online else None)
                     if online:
-                        block = model.get_submodule(name.rpartition(".")[0]).block
+                        block = owner.block
                         value, blocks = fp8_blocks(value.to(dest.device), block)
                         scale.copy_(blocks)
                     dest.copy_(value)
-                    # NaN weights decode as a normal early stop (NaN logits pick token 0),
-                    # and a float32 value past the float16 range becomes inf in the cast.
-                    # Through the extremes (NaN propagates): no bool copy of a GB-sized slab.
-                    if dest.dtype == torch.float8_e4m3fn:  # no infinity; NaN is every bit of 0x7f set
-                        bad = dest.numel() and bool(((dest.view(torch.uint8) & 0x7F) == 0x7F).any())
-                    else:
-                        bad = dest.numel() and not all(torch.isfinite(x) for x in torch.aminmax(dest))
-                    if bad:
-                        raise TreeflashError(f"weight {key} in {folder} holds NaN or infinite values "
-                                             f"(a corrupt checkpoint, or values too large for {dest.dtype})")
+                _check_finite(dest, key, folder)
             # Unmap the files after every parameter: pages a read touched stay resident (and
             # counted in RSS) while mapped, and a row-parallel slice touches the whole tensor.
             handles.clear()
         _check_unused(model, folder, files, used)
     finally:
         handles.clear()
+
+
+def _read_whole(st, key: str) -> torch.Tensor:
+    try:
+        return st.get_tensor(key)
+    except Exception as e:
+        raise TreeflashError(f"cannot read weight {key}: {e}") from None
+
+
+def _check_finite(dest: torch.Tensor, key: str, folder) -> None:
+    """NaN weights decode as a normal early stop (NaN logits pick token 0), and a float32
+    value past the float16 range becomes inf in the cast. Through the extremes (NaN
+    propagates): no bool copy of a GB-sized slab."""
+    if dest.dtype == torch.float8_e4m3fn:  # no infinity; NaN is every bit of 0x7f set
+        bad = dest.numel() and bool(((dest.view(torch.uint8) & 0x7F) == 0x7F).any())
+    else:
+        bad = dest.numel() and not all(torch.isfinite(x) for x in torch.aminmax(dest))
+    if bad:
+        raise TreeflashError(f"weight {key} in {folder} holds NaN or infinite values "
+                             f"(a corrupt checkpoint, or values too large for {dest.dtype})")
 
 
 def _check_unused(model: nn.Module, folder, files: dict[str, Path], used: set[str]) -> None:

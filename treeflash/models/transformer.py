@@ -1,5 +1,6 @@
-"""Decoder-only targets: Qwen3, Llama and Qwen3-MoE are one module (Qwen3 adds q/k
-norms; Qwen3-MoE replaces the MLP of its sparse layers by `models.moe.SparseMoE`).
+"""Decoder-only targets: Qwen3, Llama, Qwen3-MoE and gpt-oss are one module (Qwen3 adds
+q/k norms; Qwen3-MoE replaces the MLP of its sparse layers by `models.moe.SparseMoE`;
+gpt-oss has experts in every layer, attention sinks and sliding-window layers).
 
 `forward` runs a block of tokens against the KV cache (see `layers.attention`) and
 returns the final hidden states plus the residual stream after the tapped layers,
@@ -31,8 +32,10 @@ except ImportError:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, window: int | None = None):
         super().__init__()
+        self.tp = tp
+        self.window = window
         self.head_dim = cfg.head_dim
         self.num_heads = tp.shard(cfg.num_heads, "num_attention_heads")
         self.num_kv_heads = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
@@ -44,6 +47,12 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * D, cfg.hidden_size, bias=cfg.attention_bias, tp=tp)
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # gpt-oss: a logit per head in every softmax's denominator
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if cfg.attention_sinks else None
+
+    def checkpoint_pieces(self, leaf: str) -> list[tuple[str, torch.Tensor, int]]:
+        """The sinks (this module's only own tensor) are cut by heads, as the q rows."""
+        return [(leaf, getattr(self, leaf), 0)]
 
     def project_qkv(self, x: torch.Tensor, cos, sin):
         B, T, _ = x.shape
@@ -73,22 +82,29 @@ class Attention(nn.Module):
             # decode / verify / draft: q/k norm, RoPE and the cache writes in one launch
             q = rope_into_cache(self.qkv_proj(x), self.num_heads, self.num_kv_heads, *self.qk_norms(),
                                 cos, sin, kv[0], kv[1], inputs.prefix_lens)
-            out = attention_kernel(inputs.backend)(q, kv[0], kv[1], inputs, self.scale)
+            out = attention_kernel(inputs.backend)(q, kv[0], kv[1], inputs, self.scale,
+                                                   sinks=self.sinks, window=self.window)
             return self.o_proj(out.reshape(B, T, -1))
         q, k, v = self.project_qkv(x, cos, sin)
         if kv is None:
             if prefix_kv is not None:
+                if self.window is not None:
+                    raise TreeflashError("drafter layers with a sliding window cannot be trained here")
                 k, v = torch.cat([prefix_kv[0], k], 1), torch.cat([prefix_kv[1], v], 1)
-            out = dense_attention(q, k, v, inputs.block_mask, self.scale)
+                mask = inputs.block_mask
+            else:
+                mask = inputs.block_only_mask(self.window)
+            out = dense_attention(q, k, v, mask, self.scale, self.sinks)
         else:
             k_cache, v_cache = kv
             slots = inputs.block_slots()
             write_block(k_cache, k, slots)
             write_block(v_cache, v, slots)
             if inputs.is_prefill:
-                out = dense_attention(q, k, v, None, self.scale)
+                out = dense_attention(q, k, v, inputs.block_only_mask(self.window), self.scale, self.sinks)
             else:
-                out = attention_kernel(inputs.backend)(q, k_cache, v_cache, inputs, self.scale)
+                out = attention_kernel(inputs.backend)(q, k_cache, v_cache, inputs, self.scale,
+                                                       sinks=self.sinks, window=self.window)
         return self.o_proj(out.reshape(B, T, -1))
 
 
@@ -124,9 +140,9 @@ class DecoderLayer(nn.Module):
     """Attention and MLP; with `sparse` the MLP is a mixture of experts (DFlash drafter
     layers never are)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, sparse: bool = False):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, sparse: bool = False, window: int | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg, tp)
+        self.self_attn = Attention(cfg, tp, window)
         if sparse:
             shared = cfg.n_shared_experts * cfg.moe_intermediate_size
             self.mlp = SparseMoE(cfg, tp, MLP(cfg, tp, shared, bias=False) if shared else None)
@@ -199,14 +215,14 @@ class DecoderStack(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList()
         for i in range(cfg.num_layers):
-            self.layers.append(DecoderLayer(cfg, tp, cfg.sparse_layer(i)))
+            self.layers.append(DecoderLayer(cfg, tp, cfg.sparse_layer(i), cfg.attention_window(i)))
             if cfg.fp8_block is not None:
                 to_fp8(self.layers[i], f"model.layers.{i}", cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    """A Qwen3ForCausalLM / LlamaForCausalLM / Qwen3MoeForCausalLM target."""
+    """A Qwen3ForCausalLM / LlamaForCausalLM / Qwen3MoeForCausalLM / GptOssForCausalLM target."""
 
     merged_weights = MERGED_WEIGHTS
 
@@ -221,6 +237,8 @@ class CausalLM(nn.Module):
     def checkpoint_key(self, name: str) -> str:
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return "model.embed_tokens.weight"
+        if self.config.arch == "gpt_oss":  # its router is `mlp.router`
+            return name.replace(".mlp.gate.", ".mlp.router.")
         return name
 
     @property

@@ -47,23 +47,23 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, D: tl.constexpr):
-    """Row (token): cos and sin of position * inv_freq, the D/2 frequencies twice."""
+def _cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, scale, D: tl.constexpr):
+    """Row (token): cos and sin of position * inv_freq, the D/2 frequencies twice, times scale."""
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, D)
     freq = tl.load(pos_ptr + row).to(tl.float32) * tl.load(inv_ptr + j % (D // 2))
-    tl.store(cos_ptr + row * D + j, tl.cos(freq).to(cos_ptr.dtype.element_ty))
-    tl.store(sin_ptr + row * D + j, tl.sin(freq).to(sin_ptr.dtype.element_ty))
+    tl.store(cos_ptr + row * D + j, (tl.cos(freq) * scale).to(cos_ptr.dtype.element_ty))
+    tl.store(sin_ptr + row * D + j, (tl.sin(freq) * scale).to(sin_ptr.dtype.element_ty))
 
 
-def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
     """`RotaryEmbedding.cos_sin` (the same float32 products; tl.cos/tl.sin compile to
     libdevice's cosf/sinf, as torch's CUDA kernels do) in one launch instead of six."""
     D = 2 * inv_freq.numel()
     cos = torch.empty(*positions.shape, D, dtype=dtype, device=positions.device)
     sin = torch.empty_like(cos)
     if positions.numel():  # (no tokens: nothing to launch)
-        _cos_sin_kernel[(positions.numel(),)](positions.contiguous(), inv_freq, cos, sin, D=D)
+        _cos_sin_kernel[(positions.numel(),)](positions.contiguous(), inv_freq, cos, sin, float(scale), D=D)
     return cos, sin
 
 

@@ -1,0 +1,245 @@
+"""gpt-oss targets (GptOssForCausalLM): attention sinks, sliding-window layers, YaRN,
+biased experts with a clamped SwiGLU, and MXFP4 experts as OpenAI publishes them.
+
+- A tiny checkpoint written by transformers (float32; window shorter than the prompts,
+  sinks and biases far from 0, a SwiGLU clamp that bites) gives transformers' logits,
+  cache-free and through the KV cache, and its greedy tokens.
+- Its MXFP4 copy loads to exactly the weights transformers' own dequantization gives.
+- DFlash and DDTree give exactly the AR tokens (float64); TP = 2 gives the TP = 1 tokens.
+- Bad gpt-oss configs and weights fail in one line.
+- On the GPU (Triton attention with sinks and windows, fused experts with biases and the
+  clamp): CUDA graphs give the eager tokens, and both give the AR tokens.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import ENGINE_PROMPTS
+from interpreter import CUDA
+from test_models import hf_greedy, hf_logits, padded, rel_err, tf_logits
+from test_speculative import run_lossless, spec_llm
+
+from treeflash import LLM, SamplingParams, TreeflashError, UsageError
+from treeflash.checkpoints import mxfp4_blocks, write_mxfp4_copy, write_random_drafter, write_tiny_tokenizer
+from treeflash.models.moe import GptOssExperts, SparseMoE, mxfp4_dequantized
+
+GPT_OSS_TINY = dict(vocab_size=260, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                    max_position_embeddings=256, initializer_range=0.3, swiglu_limit=1.5,
+                    bos_token_id=0, eos_token_id=0, pad_token_id=1,
+                    rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 32,
+                                     "rope_theta": 150000.0})
+
+
+def _write_gpt_oss(folder, seed: int = 0, **overrides):
+    """A random GptOssForCausalLM saved by transformers, with sinks and biases ~N(0, 0.5)
+    (transformers' init leaves them near 0, where a missing sink or bias would pass)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(GptOssConfig(**{**GPT_OSS_TINY, **overrides})).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("sinks", "bias")):
+                p.normal_(0, 0.5)
+    write_tiny_tokenizer(folder)
+    model.save_pretrained(folder)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 1
+    return model
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """(folder, transformers model) of the tiny gpt-oss checkpoint."""
+    folder = tmp_path_factory.mktemp("gpt-oss")
+    return folder, _write_gpt_oss(folder)
+
+
+@pytest.fixture(scope="module")
+def spec_gpt_oss(gpt_oss, tmp_path_factory):
+    """(target, drafter): the tiny gpt-oss with a peaked LM head (ids 3..10 boosted, so
+    random drafts get accepted) and a random 1-layer DFlash drafter of block size 8."""
+    from safetensors.torch import load_file, save_file
+    src, _ = gpt_oss
+    target = tmp_path_factory.mktemp("spec-gpt-oss")
+    for f in src.iterdir():
+        if f.is_file():
+            (target / f.name).write_bytes(f.read_bytes())
+    w = load_file(str(src / "model.safetensors"))
+    w["lm_head.weight"][3:11] *= 10
+    save_file(w, str(target / "model.safetensors"))
+    return target, write_random_drafter(target, target / "drafter", num_layers=1, block_size=8, seed=2)
+
+
+# ----------------------------------------------------------------------------- transformers parity
+
+def test_logits_and_greedy_tokens_match_transformers(gpt_oss):
+    folder, model = gpt_oss
+    llm = LLM(folder, device="cpu", dtype="float32")
+    cfg = llm.config
+    assert (cfg.sliding_layers, cfg.sliding_window, cfg.attention_sinks) == ((0, 2), 6, True)
+    prompts = [llm.encode(p) for p in ENGINE_PROMPTS]
+    assert max(len(p) for p in prompts) > 2 * cfg.sliding_window
+    batch = padded(prompts)
+    free = tf_logits(llm, batch)
+    cached = tf_logits(llm, batch, llm.target.new_cache(3, batch.shape[1] + 4))
+    for b, ids in enumerate(prompts):
+        ref = hf_logits(model, ids)
+        assert rel_err(free[b, :len(ids)], ref) < 1e-5, f"prompt {b} (cache-free)"
+        assert rel_err(cached[b, :len(ids)], ref) < 1e-5, f"prompt {b} (KV cache)"
+    outs = llm.generate(ENGINE_PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    for ids, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(model, ids, 24)
+    # what the parity rests on is used: the SwiGLU clamp bites, and without the window
+    # the logits would differ
+    gate_up = []
+    for layer in llm.target.model.layers:
+        assert isinstance(layer.mlp.experts, GptOssExperts)
+        layer.mlp.experts.register_forward_hook(lambda m, args, out: gate_up.append(
+            torch.einsum("th,eih->tei", args[0], m.gate_up_proj).abs().max()))
+    tf_logits(llm, batch)
+    assert max(gate_up) > cfg.swiglu_limit
+    for layer in llm.target.model.layers:
+        layer.self_attn.window = None
+    ids = prompts[0]
+    assert rel_err(tf_logits(llm, torch.tensor([ids]))[0], hf_logits(model, ids)) > 1e-3
+
+
+def test_mxfp4_experts_load_as_transformers_dequantizes_them(gpt_oss, tmp_path):
+    """The published form: experts as MXFP4 blocks and scales. Loaded, they are exactly
+    the weights transformers' dequantization gives, and the model gives the logits of
+    those weights."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    folder, _ = gpt_oss
+    mx = write_mxfp4_copy(folder, tmp_path / "mxfp4")
+    stored = load_file(str(mx / "model.safetensors"))
+    assert stored["model.layers.1.mlp.experts.down_proj_blocks"].dtype == torch.uint8
+    assert "model.layers.1.mlp.experts.down_proj" not in stored
+    # transformers' dequantization of the same bytes, in its layout ([E, in, out])
+    plain = dict(stored)
+    for key in [k for k in stored if k.endswith("_blocks")]:
+        name = key.removesuffix("_blocks")
+        plain[name] = convert_moe_packed_tensors(plain.pop(key), plain.pop(name + "_scales"), dtype=torch.float32)
+    (tmp_path / "plain").mkdir()
+    for f in folder.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            (tmp_path / "plain" / f.name).write_bytes(f.read_bytes())
+    save_file(plain, str(tmp_path / "plain" / "model.safetensors"))
+    ours, theirs = LLM(mx, device="cpu", dtype="float32"), LLM(tmp_path / "plain", device="cpu", dtype="float32")
+    for a, b in zip(ours.target.parameters(), theirs.target.parameters()):
+        assert torch.equal(a, b)
+    # quantization is not the identity: some weights moved, none by more than a step
+    original = LLM(folder, device="cpu", dtype="float32").target.model.layers[1].mlp.experts.gate_up_proj
+    moved = (ours.target.model.layers[1].mlp.experts.gate_up_proj - original).abs()
+    assert moved.max() > 0 and moved.max() <= original.abs().max() / 2
+    batch = padded([ours.encode(p) for p in ENGINE_PROMPTS])
+    assert torch.equal(tf_logits(ours, batch), tf_logits(theirs, batch))
+
+
+def test_mxfp4_round_trip_is_exact_on_representable_values():
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]).repeat(8) * torch.tensor(
+        [1.0, -1.0]).repeat_interleave(32) * 2.0 ** torch.arange(-2, 0).repeat_interleave(32)
+    blocks, scales = mxfp4_blocks(values.view(1, 64))
+    assert blocks.shape == (1, 2, 16) and scales.shape == (1, 2)
+    assert torch.equal(mxfp4_dequantized(blocks, scales, torch.float32), values.view(1, 64))
+
+
+# ----------------------------------------------------------------------------- speculative and TP
+
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 16)])
+def test_speculative_equals_ar(spec_gpt_oss, ar_reference, method, budget):
+    target, drafter = spec_gpt_oss
+    tau = run_lossless(spec_llm(target, drafter, method, budget), target, ar_reference,
+                       SamplingParams(max_new_tokens=32))
+    assert tau > 1.05, "no draft accepted: the commit paths went untested"
+
+
+def test_tp2_tokens_equal_tp1(spec_gpt_oss):
+    """Sinks cut by heads, experts by their intermediate size, the down bias added once."""
+    target, drafter = spec_gpt_oss
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    outs = {}
+    for tp in (1, 2):
+        llm = LLM(target, draft_model=drafter, method="ddtree", budget=12, device="cpu", dtype="float64", tp=tp)
+        try:
+            outs[tp] = [o.token_ids for o in llm.generate(ENGINE_PROMPTS, params)]
+        finally:
+            llm.close()
+    assert outs[1] == outs[2]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("change,message", [
+    (dict(layer_types=["sliding_attention"]), "'layer_types' must name sliding_attention or full_attention "
+                                              "for each of the 4 layers"),
+    (dict(sliding_window=0), "'sliding_window' must be a positive integer"),
+    (dict(num_experts_per_tok=5), r"num_experts_per_tok \(5\) exceeds num_local_experts \(4\)"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "yarn rope scaling lacks 'factor'"),
+    (dict(swiglu_limit=-1), "'swiglu_limit' must be a number > 0"),
+])
+def test_bad_gpt_oss_configs_fail_in_one_line(gpt_oss, clone_checkpoint, change, message):
+    folder = clone_checkpoint(gpt_oss[0], **change)
+    with pytest.raises(TreeflashError, match=message) as e:
+        LLM(folder, device="cpu")
+    assert "\n" not in str(e.value)
+
+
+def test_bad_gpt_oss_weights_and_options_fail_in_one_line(gpt_oss, tmp_path, clone_checkpoint):
+    from safetensors.torch import load_file, save_file
+    folder, _ = gpt_oss
+    with pytest.raises(UsageError, match="quantization fp8 is not supported for gpt-oss"):
+        LLM(folder, device="cpu", quantization="fp8")
+    mx = write_mxfp4_copy(folder, tmp_path / "mxfp4")
+    w = load_file(str(mx / "model.safetensors"))
+    w["model.layers.2.mlp.experts.down_proj_scales"] = w["model.layers.2.mlp.experts.down_proj_scales"].float()
+    save_file(w, str(mx / "model.safetensors"))
+    with pytest.raises(TreeflashError, match=r"weight model\.layers\.2\.mlp\.experts\.down_proj_scales has dtype "
+                                             r"torch\.float32, expected uint8 \(MXFP4\)"):
+        LLM(mx, device="cpu")
+    del w["model.layers.2.mlp.experts.down_proj_scales"]
+    save_file(w, str(mx / "model.safetensors"))
+    with pytest.raises(TreeflashError, match=r"weight model\.layers\.2\.mlp\.experts\.down_proj_scales is missing"):
+        LLM(mx, device="cpu")
+    wrong = clone_checkpoint(folder, intermediate_size=64)
+    with pytest.raises(TreeflashError, match=r"weight model\.layers\.0\.mlp\.experts\.gate_up_proj has shape "
+                                             r"\[4, 64, 64\], expected \[4, 64, 128\]"):
+        LLM(wrong, device="cpu")
+    qwen = json.loads((folder / "config.json").read_text())
+    qwen.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", quantization_config={"quant_method": "mxfp4"})
+    (tmp_path / "qwen").mkdir()
+    (tmp_path / "qwen" / "config.json").write_text(json.dumps(qwen))
+    with pytest.raises(TreeflashError, match="MXFP4 quantization is supported only for gpt-oss experts"):
+        LLM(tmp_path / "qwen", device="cpu")
+
+
+# ----------------------------------------------------------------------------- GPU
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method,budget", [("ar", None), ("dflash", None), ("ddtree", 24)])
+def test_gpu_engine_graphs_match_eager(method, budget, tmp_path):
+    """Head size 64 (the Triton attention's, with sinks and the window), window 8."""
+    from safetensors.torch import load_file, save_file
+    _write_gpt_oss(tmp_path, seed=3, head_dim=64, sliding_window=8)
+    w = load_file(str(tmp_path / "model.safetensors"))
+    w["lm_head.weight"][3:11] *= 10
+    save_file(w, str(tmp_path / "model.safetensors"))
+    drafter = write_random_drafter(tmp_path, tmp_path / "drafter", num_layers=1, block_size=8, seed=2)
+    prompts = ["def fib(n):", "import os\nimport sys\n\nclass Point:", "x"]
+    params = [SamplingParams(max_new_tokens=40, temperature=t, seed=i, ignore_eos=True)
+              for i, t in enumerate((0.0, 1.0, 0.0))]
+    kw = dict(draft_model=None if method == "ar" else drafter, method=method, budget=budget, device="cuda",
+              dtype="float32")
+    eager = LLM(tmp_path, cuda_graphs=False, **kw).generate(prompts, params)
+    graphed_llm = LLM(tmp_path, cuda_graphs=True, **kw)
+    assert graphed_llm.target.model.layers[0].self_attn.window == 8
+    assert any(isinstance(m, SparseMoE) for m in graphed_llm.target.modules())
+    graphed = graphed_llm.generate(prompts, params)
+    ar = LLM(tmp_path, method="ar", device="cuda", dtype="float32", cuda_graphs=False).generate(prompts, params)
+    for e, g, a in zip(eager, graphed, ar):
+        assert g.token_ids == e.token_ids == a.token_ids
