@@ -25,13 +25,20 @@ from treeflash import LLM, SamplingParams, TreeflashError, UsageError
 from treeflash.checkpoints import mxfp4_blocks, write_mxfp4_copy, write_random_drafter, write_tiny_tokenizer
 from treeflash.models.moe import GptOssExperts, SparseMoE, mxfp4_dequantized
 
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "GptOssConfig"):
+    pytest.skip("transformers has no gpt-oss (4.55 or later)", allow_module_level=True)
+
+YARN = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 32}
 GPT_OSS_TINY = dict(vocab_size=260, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
                     max_position_embeddings=256, initializer_range=0.3, swiglu_limit=1.5,
                     bos_token_id=0, eos_token_id=0, pad_token_id=1,
-                    rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                     "truncate": False, "original_max_position_embeddings": 32,
-                                     "rope_theta": 150000.0})
+                    # transformers 5 names RoPE's keys rope_parameters, 4 rope_scaling and rope_theta
+                    **(dict(rope_parameters={**YARN, "rope_theta": 150000.0})
+                       if int(transformers.__version__.split(".")[0]) >= 5
+                       else dict(rope_scaling=YARN, rope_theta=150000.0)))
 
 
 def _write_gpt_oss(folder, seed: int = 0, **overrides):
@@ -39,7 +46,10 @@ def _write_gpt_oss(folder, seed: int = 0, **overrides):
     (transformers' init leaves them near 0, where a missing sink or bias would pass)."""
     from transformers import GptOssConfig, GptOssForCausalLM
     torch.manual_seed(seed)
-    model = GptOssForCausalLM(GptOssConfig(**{**GPT_OSS_TINY, **overrides})).float().eval()
+    cfg = {**GPT_OSS_TINY, **overrides}
+    model = GptOssForCausalLM(GptOssConfig(**cfg)).float().eval()
+    for experts in (m for m in model.modules() if hasattr(m, "limit")):
+        experts.limit = cfg["swiglu_limit"]  # transformers before 5.2x clamps at 7.0 whatever the config says
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("sinks", "bias")):
