@@ -395,17 +395,17 @@ def _check_fp8_experts(T, E, k, H, I, block, dtype, device):
 
 
 # Scale blocks narrower than the kernel's 128-column step (read one sub-step per block),
-# one as wide, sizes off the tiles and the blocks, skewed routing (T = 40)
+# one as wide, sizes off the tiles and the blocks, skewed routing (T = 40), one token
 @kernel_test
 @pytest.mark.parametrize("T,E,k,H,I,block", [(7, 16, 4, 200, 96, (32, 64)), (40, 4, 2, 96, 48, (16, 32)),
-                                             (3, 4, 2, 96, 64, (32, 128))])
+                                             (3, 4, 2, 96, 64, (32, 128)), (1, 16, 4, 200, 96, (32, 64))])
 def test_fp8_experts_kernel_matches_the_dequantized_reference(T, E, k, H, I, block):
     _check_fp8_experts(T, E, k, H, I, block, torch.float32, DEV)
 
 
 @spawns_interpreter
 def test_fp8_experts_kernel_in_the_triton_interpreter():
-    run_interpreted(__file__, "fp8_experts_kernel_matches", 3)
+    run_interpreted(__file__, "fp8_experts_kernel_matches", 4)
 
 
 @pytest.mark.gpu
@@ -413,7 +413,7 @@ def test_fp8_experts_kernel_in_the_triton_interpreter():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("T,E,k,H,I,block", [(1, 384, 8, 1024, 256, (128, 128)), (16, 384, 8, 1024, 256, (128, 128)),
                                              (256, 384, 8, 1024, 256, (128, 128)), (7, 16, 4, 200, 96, (32, 64)),
-                                             (5, 8, 2, 136, 80, (16, 16))])
+                                             (5, 8, 2, 136, 80, (16, 16)), (1, 8, 2, 136, 80, (16, 16))])
 def test_gpu_fp8_experts_kernel_at_model_sizes(dtype, T, E, k, H, I, block):
     """Kimi-K2-like experts (384, 8 per token; widths cut to H = 1024, I = 256: K2's
     expert at TP 8), 128 x 128 blocks: decode and trees of 16 and 256 tokens; and blocks

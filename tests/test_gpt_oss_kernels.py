@@ -201,8 +201,8 @@ def check_experts(case, with_bias, with_clamp, tol, fp8=None):
 
 # T = 1 (decode), a few tokens, skewed routing (one expert over several row blocks),
 # sizes off the tiles, top-1
-EXPERT_CASES = [(1, 8, 2, 64, 32, False), (7, 16, 4, 48, 40, False), (40, 4, 2, 32, 16, True),
-                (33, 6, 1, 80, 24, False)]
+EXPERT_CASES = [(1, 8, 2, 64, 32, False), (1, 6, 3, 80, 24, False), (7, 16, 4, 48, 40, False),
+                (40, 4, 2, 32, 16, True), (33, 6, 1, 80, 24, False)]
 # bias and clamp together (gpt-oss), each alone, neither (the path as before)
 VARIANTS = [(True, True), (True, False), (False, True), (False, False)]
 
@@ -226,7 +226,8 @@ def fp8_case(T, E, k, H, I, block, dtype, seed=0):
 
 
 # scale blocks narrower than the kernel's 128-column step, as wide, sizes off the blocks
-FP8_CASES = [(7, 16, 4, 200, 96, (32, 64)), (40, 4, 2, 96, 48, (16, 32)), (3, 4, 2, 96, 64, (32, 128))]
+FP8_CASES = [(7, 16, 4, 200, 96, (32, 64)), (40, 4, 2, 96, 48, (16, 32)), (3, 4, 2, 96, 64, (32, 128)),
+             (1, 16, 4, 200, 96, (32, 64))]
 
 
 @kernel_test

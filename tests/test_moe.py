@@ -253,8 +253,9 @@ def _check_kernel(case, tol):
 
 # T = 1 (decode), a few tokens, more pairs than experts, skewed routing, sizes that are
 # not multiples of the tiles, top-1
-KERNEL_CASES = [(1, 8, 2, 64, 32, False), (7, 16, 4, 48, 40, False), (40, 4, 2, 32, 16, True),
-                (33, 6, 1, 80, 24, False)]
+# one token (the rows-times-vector path), twice: sizes on and off the tiles
+KERNEL_CASES = [(1, 8, 2, 64, 32, False), (1, 6, 3, 80, 24, False), (7, 16, 4, 48, 40, False),
+                (40, 4, 2, 32, 16, True), (33, 6, 1, 80, 24, False)]
 
 
 @kernel_test

@@ -239,6 +239,109 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, b_ptr, rw_ptr, out_ptr, order_ptr, bound
     tl.store(out_ptr + pair[:, None] * H + cols[None, :], acc, mask=valid[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _rows_times_vector(w_rows, row_ok, x_ptr, s_rows, K, k_blocks,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr, SK: tl.constexpr):
+    """[BLOCK_N] float32: the rows at w_rows (each K long) times the vector x [K]. SCALED:
+    FP8 rows whose SK-column pieces are summed, then scaled by the row's scales at
+    s_rows (k_blocks per row), as `kernels.gemv` does."""
+    acc = tl.zeros([BLOCK_N, BLOCK_K // SK if SCALED else BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        if SCALED:
+            kb = k0 // SK + tl.arange(0, BLOCK_K // SK)
+            scale = tl.load(s_rows + kb[None, :], mask=row_ok[:, None] & (kb < k_blocks)[None, :], other=0.0)
+            acc += tl.sum(tl.reshape(w * x[None, :], [BLOCK_N, BLOCK_K // SK, SK]), 2) * scale
+        else:
+            acc += w * x[None, :]
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def _decode_gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, act_ptr, alpha, limit,
+                           H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           SCALED: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr):
+    """One token, program (pick j, row block): act[j, rows] of expert ids[j], as `_gate_up_kernel`."""
+    j = tl.program_id(0)
+    e = tl.load(ids_ptr + j).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < I
+    KB: tl.constexpr = (H + SK - 1) // SK
+    w_gate = w_ptr + e * 2 * I * H + rows[:, None].to(tl.int64) * H
+    s_gate = s_ptr + e * ((2 * I + SN - 1) // SN) * KB + (rows // SN)[:, None] * KB
+    g = _rows_times_vector(w_gate, ok, x_ptr, s_gate, H, KB, BLOCK_N, BLOCK_K, SCALED, SK)
+    u = _rows_times_vector(w_gate + I * H, ok, x_ptr, s_gate + (I // SN) * KB, H, KB, BLOCK_N, BLOCK_K, SCALED, SK)
+    if HAS_BIAS:
+        g += tl.load(b_ptr + e * 2 * I + rows, mask=ok, other=0.0).to(tl.float32)
+        u += tl.load(b_ptr + e * 2 * I + I + rows, mask=ok, other=0.0).to(tl.float32)
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        act = g * tl.sigmoid(alpha * g) * (u + 1)
+    else:
+        act = g * tl.sigmoid(g) * u
+    tl.store(act_ptr + j * I + rows, act.to(act_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _decode_down_kernel(act_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, rw_ptr, out_ptr,
+                        H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SCALED: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """One token, program (row block): out[rows] = sum over its k picks of routing weight x
+    (down[e] act[j] (+ bias)), in float32, then cast: the token's sum needs no launch."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < H
+    KB: tl.constexpr = (I + SK - 1) // SK
+    y = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOPK):
+        e = tl.load(ids_ptr + j).to(tl.int64)
+        w_rows = w_ptr + e * H * I + rows[:, None].to(tl.int64) * I
+        s_rows = s_ptr + e * ((H + SN - 1) // SN) * KB + (rows // SN)[:, None] * KB
+        yj = _rows_times_vector(w_rows, ok, act_ptr + j * I, s_rows, I, KB, BLOCK_N, BLOCK_K, SCALED, SK)
+        if HAS_BIAS:
+            yj += tl.load(b_ptr + e * H + rows, mask=ok, other=0.0).to(tl.float32)
+        y += tl.load(rw_ptr + j).to(tl.float32) * yj
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def decode_tiles(H: int, I: int, fp8_cols: int | None) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((BLOCK_N, BLOCK_K) of gate/up, of down) for one token: rows times a vector, each
+    program streaming a few rows in 1024-column steps. From an H200 sweep in CUDA graphs
+    (BENCHMARKS.md section 12): gate/up 4 rows (gpt-oss-20b 63.9 us per layer, Qwen3-30B-A3B
+    33.6, within 1% of the best), down 8 rows for long rows (gpt-oss, I = 2880: 54.2 against
+    57-60 for 4 or 16) and 4 for short ones (Qwen3-30B-A3B, I = 768: 25.0 against 27+)."""
+    bk = max(fp8_cols or 16, 1024)
+    return (4, min(bk, triton.next_power_of_2(H))), (8 if I >= 2048 else 4, min(bk, triton.next_power_of_2(I)))
+
+
+def _decode_experts(x, weights, ids, gate_up, down, scales, block, bias, clamp, fp8: bool):
+    """fused_experts for ONE token: its k experts are distinct, so each row block of
+    each is read once by a rows-times-vector program (no grouping launch, no tensor-core
+    tiles of 16 rows for 1), and the down kernel adds the k picks itself."""
+    H = x.shape[1]
+    k, (E, I2, _) = ids.shape[1], gate_up.shape
+    I = I2 // 2
+    alpha, limit = clamp or (0.0, 0.0)
+    b_gate_up, b_down = bias or (gate_up, down)   # HAS_BIAS off: unread
+    (bn1, bk1), (bn2, bk2) = decode_tiles(H, I, block[1] if fp8 else None)
+    act = torch.empty(k, I, dtype=x.dtype, device=x.device)
+    _decode_gate_up_kernel[(k, triton.cdiv(I, bn1))](
+        x, gate_up, scales[0], b_gate_up, ids, act, alpha, limit, H, I, BLOCK_N=bn1, BLOCK_K=bk1, SCALED=fp8,
+        SN=block[0], SK=block[1], HAS_BIAS=bias is not None, CLAMP=clamp is not None, num_warps=4,
+        num_stages=3)
+    out = torch.empty(1, H, dtype=x.dtype, device=x.device)
+    _decode_down_kernel[(triton.cdiv(H, bn2),)](
+        act, down, scales[1], b_down, ids, weights, out, H, I, TOPK=k, BLOCK_N=bn2, BLOCK_K=bk2, SCALED=fp8,
+        SN=block[0], SK=block[1], HAS_BIAS=bias is not None, num_warps=4, num_stages=3)
+    return out
+
+
 def _tiles(pairs: int, experts: int, n: int, k: int, dtype: torch.dtype, fp8: bool = False,
            operands: int = 1) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, stages) of a launch with n output columns, k inputs,
@@ -282,6 +385,9 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         scales, (sn, sk) = (gate_up, down), (1, 1)   # SCALED off: the pointers are never read
     else:
         scales, (sn, sk) = (fp8[0].scale.contiguous(), fp8[1].scale.contiguous()), fp8[0].block
+    if T == 1:
+        return _decode_experts(x, weights.contiguous(), ids.contiguous(), gate_up, down, scales, (sn, sk),
+                               None if bias is None else tuple(b.contiguous() for b in bias), clamp, fp8 is not None)
     b_gate_up, b_down = (gate_up, down) if bias is None else (b.contiguous() for b in bias)  # HAS_BIAS off: unread
     alpha, limit = clamp or (0.0, 0.0)
     order, bounds = group_pairs(ids, E)
