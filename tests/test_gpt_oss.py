@@ -23,6 +23,7 @@ from test_speculative import run_lossless, spec_llm
 
 from treeflash import LLM, SamplingParams, TreeflashError, UsageError
 from treeflash.checkpoints import mxfp4_blocks, write_mxfp4_copy, write_random_drafter, write_tiny_tokenizer
+from treeflash.layers.attention import AttentionInputs
 from treeflash.models.moe import GptOssExperts, SparseMoE, mxfp4_dequantized
 
 transformers = pytest.importorskip("transformers")
@@ -103,19 +104,67 @@ def test_logits_and_greedy_tokens_match_transformers(gpt_oss):
     outs = llm.generate(ENGINE_PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
     for ids, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(model, ids, 24)
-    # what the parity rests on is used: the SwiGLU clamp bites, and without the window
-    # the logits would differ
-    gate_up = []
+    # what the parity rests on is used: the SwiGLU clamp bites (gate above the limit, up
+    # past it, in experts that were picked), and without the window the logits would differ
+    gate, up = [], []
+
+    def pre_activations(experts, args, out):
+        x, _, ids = args
+        for e in ids.unique().tolist():
+            rows = (ids == e).any(-1)
+            h = x[rows] @ experts.gate_up_proj[e].T + experts.gate_up_proj_bias[e]
+            gate.append(h[:, :h.shape[1] // 2].max())
+            up.append(h[:, h.shape[1] // 2:].abs().max())
     for layer in llm.target.model.layers:
         assert isinstance(layer.mlp.experts, GptOssExperts)
-        layer.mlp.experts.register_forward_hook(lambda m, args, out: gate_up.append(
-            torch.einsum("th,eih->tei", args[0], m.gate_up_proj).abs().max()))
+        layer.mlp.experts.register_forward_hook(pre_activations)
     tf_logits(llm, batch)
-    assert max(gate_up) > cfg.swiglu_limit
+    assert max(gate) > cfg.swiglu_limit and max(up) > cfg.swiglu_limit
     for layer in llm.target.model.layers:
         layer.self_attn.window = None
     ids = prompts[0]
     assert rel_err(tf_logits(llm, torch.tensor([ids]))[0], hf_logits(model, ids)) > 1e-3
+
+
+@pytest.mark.parametrize("split", [4, 9])
+def test_a_block_after_a_prefix_matches_transformers(gpt_oss, split):
+    """Decode and verify attend over a cached prefix with positions (the window's
+    reference mask, not the prefill's): a causal block of more tokens than the window
+    after a prefix gives transformers' logits of the whole prompt."""
+    folder, model = gpt_oss
+    llm = LLM(folder, device="cpu", dtype="float32")
+    ids = llm.encode(ENGINE_PROMPTS[1])
+    assert len(ids) - split > llm.config.sliding_window
+    cache = llm.target.new_cache(1, len(ids) + 4)
+    with torch.no_grad():
+        llm.target(torch.tensor([ids[:split]]), AttentionInputs.causal(torch.arange(split)[None], kv_len=split), cache)
+        inputs = AttentionInputs.causal(torch.arange(split, len(ids))[None], prefix_lens=torch.tensor([split]),
+                                        kv_len=len(ids))
+        assert not inputs.is_prefill
+        h, _ = llm.target(torch.tensor([ids[split:]]), inputs, cache)
+    assert rel_err(llm.target.logits(h)[0], hf_logits(model, ids)[split:]) < 1e-5
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_with_sinks_in_chunks_equals_one_pass(monkeypatch, window, masked):
+    """Long prompts go through the hand-written softmax (SDPA has no sinks) in query
+    chunks against only the keys each chunk sees: the same as one pass over all."""
+    import treeflash.layers.attention as attention
+    gen = torch.Generator().manual_seed(0)
+    B, H, Hkv, T, D = 2, 6, 2, 37, 8
+    q, k, v = (torch.randn(B, n, T, D, generator=gen, dtype=torch.float64) for n in (H, Hkv, Hkv))
+    sinks = torch.randn(H, generator=gen, dtype=torch.float64)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None]
+    seen = (j <= i) & (j > i - window) if window else j <= i
+    mask = (seen & (torch.rand(B, T, T, generator=gen) < 0.8) | (i == j)) if masked else None
+    full = seen.expand(B, T, T) if mask is None else mask
+    kk, vv = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+    s = (q @ kk.transpose(-1, -2) * 0.3).masked_fill(~full[:, None], float("-inf"))
+    p = torch.cat([s, sinks[None, :, None, None].expand(B, H, T, 1)], -1).softmax(-1)[..., :-1]
+    monkeypatch.setattr(attention, "SCORES_PER_CHUNK", B * H * 48)   # chunks of one to a few queries
+    got = attention._attention(q, k, v, mask, 0.3, sinks, None if masked else window)
+    torch.testing.assert_close(got, p @ vv)
 
 
 def test_mxfp4_experts_load_as_transformers_dequantizes_them(gpt_oss, tmp_path):
@@ -190,6 +239,10 @@ def test_tp2_tokens_equal_tp1(spec_gpt_oss):
     (dict(sliding_window=0), "'sliding_window' must be a positive integer"),
     (dict(num_experts_per_tok=5), r"num_experts_per_tok \(5\) exceeds num_local_experts \(4\)"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "yarn rope scaling lacks 'factor'"),
+    (dict(rope_parameters={**YARN, "original_max_position_embeddings": None}),
+     "yarn rope scaling lacks 'original_max_position_embeddings'"),
+    (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
+     "gpt-oss is supported unquantized or with MXFP4 experts, not with quant_method 'fp8'"),
     (dict(swiglu_limit=-1), "'swiglu_limit' must be a number > 0"),
 ])
 def test_bad_gpt_oss_configs_fail_in_one_line(gpt_oss, clone_checkpoint, change, message):
@@ -215,6 +268,22 @@ def test_bad_gpt_oss_weights_and_options_fail_in_one_line(gpt_oss, tmp_path, clo
     save_file(w, str(mx / "model.safetensors"))
     with pytest.raises(TreeflashError, match=r"weight model\.layers\.2\.mlp\.experts\.down_proj_scales is missing"):
         LLM(mx, device="cpu")
+    both = load_file(str(folder / "model.safetensors"))   # a hand-edited copy may hold both forms
+    both.update(load_file(str(write_mxfp4_copy(folder, tmp_path / "mx2") / "model.safetensors")))
+    save_file(both, str(mx / "model.safetensors"))
+    with pytest.raises(TreeflashError, match=r"holds both model\.layers\.0\.mlp\.experts\.gate_up_proj and "
+                                             r"model\.layers\.0\.mlp\.experts\.gate_up_proj_blocks"):
+        LLM(mx, device="cpu")
+    _write_gpt_oss(tmp_path / "i40", intermediate_size=40)
+    w = load_file(str(tmp_path / "i40" / "model.safetensors"))
+    for i in range(4):
+        E, I, H = w.pop(f"model.layers.{i}.mlp.experts.down_proj").shape
+        w[f"model.layers.{i}.mlp.experts.down_proj_blocks"] = torch.zeros(E, H, 2, 16, dtype=torch.uint8)
+        w[f"model.layers.{i}.mlp.experts.down_proj_scales"] = torch.full((E, H, 2), 127, dtype=torch.uint8)
+    save_file(w, str(tmp_path / "i40" / "model.safetensors"))
+    with pytest.raises(TreeflashError, match=r"down_proj_blocks: MXFP4 groups 32 input features, and 40 is not a "
+                                             r"multiple of 32"):
+        LLM(tmp_path / "i40", device="cpu")
     wrong = clone_checkpoint(folder, intermediate_size=64)
     with pytest.raises(TreeflashError, match=r"weight model\.layers\.0\.mlp\.experts\.gate_up_proj has shape "
                                              r"\[4, 64, 64\], expected \[4, 64, 128\]"):

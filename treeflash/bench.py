@@ -440,9 +440,10 @@ def fp8_block(text: str) -> tuple[int, int]:
 
 def draft_config(target, layers: int):
     """A DFlash drafter for `target` as published: Qwen3 layers of the target's width
-    (full attention, no sinks), block 16, default taps, mask token = last vocabulary id."""
+    (full attention, no sinks or biases), block 16, default taps, mask token = last
+    vocabulary id."""
     return DraftConfig(layers=dataclasses.replace(target, arch="qwen3", num_layers=layers, sliding_window=None,
-                                                  sliding_layers=(), attention_sinks=False),
+                                                  sliding_layers=(), attention_sinks=False, attention_bias=False),
                        block_size=BLOCK_SIZE, mask_token_id=target.vocab_size - 1,
                        target_layer_ids=default_target_layer_ids(target.num_layers, layers),
                        num_target_layers=target.num_layers)

@@ -110,7 +110,7 @@ def _rope(data: dict, where: str = "config") -> tuple[float, dict | None]:
 def _yarn(scaling: dict, where: str) -> dict:
     """YaRN's keys (gpt-oss), checked; the frequencies are made in `layers.rotary`."""
     for key in ("factor", "original_max_position_embeddings"):
-        if key not in scaling:
+        if scaling.get(key) is None:
             raise TreeflashError(f"config.json in {where}: yarn rope scaling lacks '{key}'")
     for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor"):
         if scaling.get(key) is not None:
@@ -195,12 +195,18 @@ def _gpt_oss_fields(data: dict, num_layers: int, where: str) -> dict:
 
 
 def _mxfp4(quant, arch: str, where: str) -> bool:
-    """gpt-oss's MXFP4 experts (as published): dequantized when loaded."""
-    if not (isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"):
-        return False
-    if arch != "gpt_oss":
-        raise TreeflashError(f"config.json in {where}: MXFP4 quantization is supported only for gpt-oss experts")
-    return True
+    """Whether quantization_config says MXFP4: gpt-oss's experts as published, which its
+    experts dequantize when they load (`models.moe.GptOssExperts`); gpt-oss takes no other
+    quantization."""
+    if isinstance(quant, dict) and quant.get("quant_method") == "mxfp4":
+        if arch != "gpt_oss":
+            raise TreeflashError(f"config.json in {where}: MXFP4 quantization is supported only for gpt-oss experts")
+        return True
+    if quant and arch == "gpt_oss":
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise TreeflashError(f"config.json in {where}: gpt-oss is supported unquantized or with MXFP4 experts, "
+                             f"not with quant_method '{method}'")
+    return False
 
 
 def _architectures(data: dict, where: str) -> list[str]:
@@ -329,16 +335,15 @@ class ModelConfig:
     # block of (rows, columns) (`layers.linear`), except modules named in fp8_skip
     fp8_block: tuple[int, int] | None = None
     fp8_skip: tuple[str, ...] = ()
-    # gpt-oss: a sliding window in some layers, attention sinks, biased experts whose
-    # SwiGLU is clamped at swiglu_limit (None: the plain SwiGLU) with sigmoid gain
-    # swiglu_alpha; MXFP4 experts in the checkpoint (dequantized when loaded)
+    # gpt-oss: a sliding window in some layers, attention sinks, a router and experts with
+    # biases, the experts' SwiGLU clamped at swiglu_limit (None: the plain SwiGLU) with
+    # sigmoid gain swiglu_alpha
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     attention_sinks: bool = False
     expert_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
-    mxfp4: bool = False
 
     @property
     def qk_norm(self) -> bool:
@@ -371,8 +376,8 @@ class ModelConfig:
             raise TreeflashError(
                 f"unsupported architecture '{name}' in {where} "
                 f"(supported: {', '.join(TARGET_ARCHITECTURES)})")
-        mxfp4 = _mxfp4(data.get("quantization_config"), arch, where)
-        fp8 = {} if mxfp4 else _fp8_blocks(data.get("quantization_config"), where)
+        fp8 = {} if _mxfp4(data.get("quantization_config"), arch, where) else \
+            _fp8_blocks(data.get("quantization_config"), where)
         hidden = _require(data, "hidden_size", where)
         heads = _require(data, "num_attention_heads", where)
         kv_heads = _require(data, "num_key_value_heads", where) if data.get("num_key_value_heads") is not None else heads
@@ -408,7 +413,7 @@ class ModelConfig:
             mlp_bias=_flag(data, "mlp_bias", where),
             torch_dtype=data.get("torch_dtype") or data.get("dtype"),
             eos_token_ids=_eos_ids(data.get("eos_token_id"), where),
-            mxfp4=mxfp4, **moe, **fp8,
+            **moe, **fp8,
         )
 
     @classmethod

@@ -15,6 +15,7 @@ and adds nothing to the output).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -63,16 +64,6 @@ class AttentionInputs:
         key_pos = torch.where(rel < 0, slots[None, :], self.positions.gather(1, idx))  # [B, S]
         return allowed & within_window(self.positions, key_pos, window)
 
-    def block_only_mask(self, window: int | None) -> torch.Tensor | None:
-        """The mask of a forward whose keys are exactly its block (prefill, training):
-        the block mask (None: causal), within `window` positions if given."""
-        if window is None:
-            return None if self.is_prefill else self.block_mask
-        T = self.positions.shape[1]
-        mask = self.block_mask if self.block_mask is not None else \
-            torch.ones(T, T, dtype=torch.bool, device=self.positions.device).tril()
-        return mask & within_window(self.positions, self.positions, window)
-
 
 def within_window(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
     """[B, T, S] bool: key at key_pos[b, s] is within `window` positions of query_pos[b, t]."""
@@ -95,34 +86,70 @@ def sdpa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return _attention(q.transpose(1, 2), k_cache[:, :, :S], v_cache[:, :, :S], mask, scale, sinks).transpose(1, 2)
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    mask: torch.Tensor | None, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """No cache (prefill, training): q [B, T, H, D], k/v [B, S, Hkv, D], mask [B, T, S]
-    (None: causal)."""
-    return _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale, sinks).transpose(1, 2)
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                    sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """No cache (prefill, training): q [B, T, H, D], k/v [B, S, Hkv, D], mask [B, T, S],
+    or None: causal over S == T keys (a prompt), within `window` tokens if given."""
+    if window is not None and mask is not None:
+        raise ValueError("a window applies to causal attention only (put it in the mask)")
+    return _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale, sinks,
+                      window).transpose(1, 2)
 
 
-def _attention(q, k, v, mask, scale, sinks):
-    """q [B, H, T, D], k/v [B, Hkv, S, D], mask [B, T, S] or None (causal) -> [B, H, T, D]."""
-    if sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
-                                              is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    # SDPA has no sinks: the softmax by hand, over query chunks of at most 2^26 scores
+def _attention(q, k, v, mask, scale, sinks, window=None):
+    """q [B, H, T, D], k/v [B, Hkv, S, D], mask [B, T, S] or None (causal, S == T, within
+    `window`) -> [B, H, T, D]."""
+    if sinks is not None:
+        return _sink_attention(q, k, v, mask, scale, sinks, window)
+    if window is not None:
+        T = q.shape[2]
+        mask = _causal_window(0, T, 0, T, window, q.device).expand(q.shape[0], T, T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
+                                          is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _causal_window(t0: int, t1: int, lo: int, hi: int, window: int | None, device) -> torch.Tensor:
+    """[t1 - t0, hi - lo] bool: key j sees query i iff j <= i (and j > i - window)."""
+    i, j = torch.arange(t0, t1, device=device)[:, None], torch.arange(lo, hi, device=device)[None, :]
+    return (j <= i) & (j > i - window) if window is not None else j <= i
+
+
+SCORES_PER_CHUNK = 2 ** 26
+
+
+def _sink_attention(q, k, v, mask, scale, sinks, window):
+    """`_attention` with sinks, which SDPA lacks: the softmax by hand, over query chunks
+    of about SCORES_PER_CHUNK scores, each against the keys it can see (causal: the keys
+    up to its last query; with a window, from its first query's window on), and each KV
+    head against its G query heads at once (no copy of K and V per query head)."""
     B, H, T, D = q.shape
-    S = k.shape[2]
-    if mask is None:
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T).expand(B, T, S)
-    k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
+    Hkv, S = k.shape[1], k.shape[2]
+    G = H // Hkv
     acc = torch.promote_types(q.dtype, torch.float32)
-    step = max(1, 2 ** 26 // max(1, B * H * S))
-    outs = []
-    for t0 in range(0, T, step):
-        s = (q[:, :, t0:t0 + step].to(acc) @ k.transpose(-1, -2).to(acc)) * scale
-        s = s.masked_fill(~mask[:, None, t0:t0 + step], float("-inf"))
-        sink = sinks.to(acc)[None, :, None, None].expand(B, H, s.shape[2], 1)
-        p = torch.cat([s, sink], -1).softmax(-1)[..., :-1]
-        outs.append((p @ v.to(acc)).to(q.dtype))
-    return torch.cat(outs, 2)
+    sink = sinks.to(acc).view(1, Hkv, G, 1, 1)
+    out = torch.empty_like(q)
+    t0 = 0
+    while t0 < T:
+        budget = SCORES_PER_CHUNK // (B * H)   # query rows x keys per chunk
+        if mask is not None:
+            step = budget // S
+        elif window is not None:   # keys: step + window - 1
+            step = min(512, budget // (512 + window))
+        else:                      # keys: t0 + step, so step (t0 + step) <= budget
+            step = (math.isqrt(t0 * t0 + 4 * budget) - t0) // 2
+        t1 = min(T, t0 + max(1, step))
+        lo = 0 if mask is not None or window is None else max(0, t0 - window + 1)
+        hi = S if mask is not None else t1
+        rows = G * (t1 - t0)
+        s = (q[:, :, t0:t1].reshape(B, Hkv, rows, D) @ k[:, :, lo:hi].transpose(-1, -2)).to(acc) * scale
+        s = s.view(B, Hkv, G, t1 - t0, hi - lo)
+        seen = mask[:, None, None, t0:t1] if mask is not None else _causal_window(t0, t1, lo, hi, window, q.device)
+        s = s.masked_fill(~seen, float("-inf"))
+        p = torch.cat([s, sink.expand(B, Hkv, G, t1 - t0, 1)], -1).softmax(-1)[..., :-1]
+        o = p.to(v.dtype).view(B, Hkv, rows, hi - lo) @ v[:, :, lo:hi]
+        out[:, :, t0:t1] = o.view(B, H, t1 - t0, D)
+        t0 = t1
+    return out
 
 
 def attention_kernel(backend: str):

@@ -169,9 +169,8 @@ def mxfp4_dequantized(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.d
     """OCP MXFP4 as gpt-oss stores it: blocks [..., G, 16] uint8 (two e2m1 values a byte,
     the low nibble first) and scales [..., G] uint8 (e8m0: 2^(s - 127) for each group of
     32 values) -> [..., G * 32] in `dtype` (exact: every value is a bf16 value)."""
-    table = torch.tensor(FP4_E2M1, dtype=torch.float32, device=blocks.device)
-    values = torch.stack([table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]], -1)   # [..., G, 16, 2]
-    values = values.flatten(-2) * torch.exp2(scales.float() - 127)[..., None]
+    pairs = torch.tensor([(FP4_E2M1[b & 0x0F], FP4_E2M1[b >> 4]) for b in range(256)], device=blocks.device)
+    values = pairs[blocks.long()].flatten(-2) * torch.exp2(scales.float() - 127)[..., None]  # [..., G, 32]
     return values.flatten(-2).to(dtype)
 
 
@@ -189,7 +188,7 @@ class GptOssExperts(Experts):
         E, I2, H = self.gate_up_proj.shape
         self.gate_up_proj_bias = nn.Parameter(torch.empty(E, I2), requires_grad=False)
         self.down_proj_bias = nn.Parameter(torch.empty(E, H), requires_grad=False)
-        self.clamp = (cfg.swiglu_alpha, cfg.swiglu_limit)
+        self.clamp = None if cfg.swiglu_limit is None else (cfg.swiglu_alpha, cfg.swiglu_limit)
 
     @property
     def bias(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,19 +211,48 @@ class GptOssExperts(Experts):
             value = stored(leaf, (E, 2 * I * n))
             gate, up = value[:, 0::2], value[:, 1::2]
             return torch.cat([gate[:, r * I:(r + 1) * I], up[:, r * I:(r + 1) * I]], 1)
+        # this rank's part, [E, out, in]: gate_up's rows 2rI .. 2(r + 1)I (its gate and up rows,
+        # interleaved), down's columns rI .. (r + 1)I
+        mine = slice(2 * r * I, 2 * (r + 1) * I) if leaf == "gate_up_proj" else slice(r * I, (r + 1) * I)
         out_in = (E, 2 * I * n, H) if leaf == "gate_up_proj" else (E, H, I * n)
         blocks = read(f"{leaf}_blocks", False)
-        if blocks is not None:   # MXFP4: [E, out, in / 32, 16] and [E, out, in / 32]
-            groups = out_in[2] // 32
-            blocks = stored(f"{leaf}_blocks", (*out_in[:2], groups, 16), blocks)
-            scales = stored(f"{leaf}_scales", (*out_in[:2], groups))
-            value = mxfp4_dequantized(blocks.to(dest.device), scales.to(dest.device), dest.dtype)
+        if blocks is None:  # [E, in, out]
+            value = stored(leaf, (out_in[0], out_in[2], out_in[1]))
+            value = (value[:, :, mine] if leaf == "gate_up_proj" else value[:, mine]).transpose(1, 2)
         else:
-            value = stored(leaf, (out_in[0], out_in[2], out_in[1])).transpose(1, 2)
+            value = self._mxfp4_part(read, leaf, name, out_in, mine, blocks, stored, dest)
         if leaf == "down_proj":
-            return value[:, :, r * I:(r + 1) * I]
-        gate, up = value[:, 0::2], value[:, 1::2]
-        return torch.cat([gate[:, r * I:(r + 1) * I], up[:, r * I:(r + 1) * I]], 1)
+            return value
+        return torch.cat([value[:, 0::2], value[:, 1::2]], 1)
+
+    def _mxfp4_part(self, read, leaf, name, out_in, mine, blocks, stored, dest) -> torch.Tensor:
+        """This rank's part of an MXFP4 matrix ([E, out, in / 32, 16] blocks, [E, out, in / 32]
+        scales), dequantized expert by expert on dest's device: the whole matrix is never
+        made (gpt-oss-120b's gate_up is 11 GB in bf16)."""
+        if read(leaf, False) is not None:
+            raise TreeflashError(f"the checkpoint holds both {name}.{leaf} and {name}.{leaf}_blocks (MXFP4): "
+                                 f"which one is meant?")
+        E, rows, cols = out_in
+        if cols % 32:
+            raise TreeflashError(f"{name}.{leaf}_blocks: MXFP4 groups 32 input features, and {cols} is not a "
+                                 f"multiple of 32")
+        blocks = stored(f"{leaf}_blocks", (E, rows, cols // 32, 16), blocks)
+        scales = stored(f"{leaf}_scales", (E, rows, cols // 32))
+        keep = slice(None)   # columns of the dequantized part still to cut
+        if leaf == "gate_up_proj":
+            blocks, scales = blocks[:, mine], scales[:, mine]
+        elif mine.start % 32 == 0 and mine.stop % 32 == 0:
+            groups = slice(mine.start // 32, mine.stop // 32)
+            blocks, scales = blocks[:, :, groups], scales[:, :, groups]
+        else:
+            keep = mine
+        part = None
+        for e in range(E):
+            one = mxfp4_dequantized(blocks[e].to(dest.device), scales[e].to(dest.device), dest.dtype)[:, keep]
+            if part is None:
+                part = torch.empty((E, *one.shape), dtype=dest.dtype, device=dest.device)
+            part[e] = one
+        return part
 
     @staticmethod
     def _checked(value: torch.Tensor, key: str, shape: tuple) -> torch.Tensor:
@@ -246,7 +274,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.tp = tp
         self.gate = Router(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                           bias=cfg.arch == "gpt_oss")
+                           bias=cfg.expert_bias)
         self.experts = (GptOssExperts if cfg.arch == "gpt_oss" else Experts)(cfg, tp)
         self.shared_experts = shared
 

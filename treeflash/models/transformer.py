@@ -16,7 +16,8 @@ from torch import nn
 from treeflash.config import ModelConfig
 from treeflash.distributed import TPGroup
 from treeflash.engine.kv_cache import KVCache
-from treeflash.layers.attention import AttentionInputs, attention_kernel, dense_attention, write_block
+from treeflash.layers.attention import (AttentionInputs, attention_kernel, dense_attention, within_window,
+                                       write_block)
 from treeflash.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from treeflash.errors import TreeflashError
 from treeflash.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardedLinear
@@ -91,17 +92,20 @@ class Attention(nn.Module):
                 if self.window is not None:
                     raise TreeflashError("drafter layers with a sliding window cannot be trained here")
                 k, v = torch.cat([prefix_kv[0], k], 1), torch.cat([prefix_kv[1], v], 1)
-                mask = inputs.block_mask
+                out = dense_attention(q, k, v, inputs.block_mask, self.scale, self.sinks)
+            elif inputs.block_mask is None:   # causal (training)
+                out = dense_attention(q, k, v, None, self.scale, self.sinks, self.window)
             else:
-                mask = inputs.block_only_mask(self.window)
-            out = dense_attention(q, k, v, mask, self.scale, self.sinks)
+                mask = inputs.block_mask if self.window is None else \
+                    inputs.block_mask & within_window(inputs.positions, inputs.positions, self.window)
+                out = dense_attention(q, k, v, mask, self.scale, self.sinks)
         else:
             k_cache, v_cache = kv
             slots = inputs.block_slots()
             write_block(k_cache, k, slots)
             write_block(v_cache, v, slots)
             if inputs.is_prefill:
-                out = dense_attention(q, k, v, inputs.block_only_mask(self.window), self.scale, self.sinks)
+                out = dense_attention(q, k, v, None, self.scale, self.sinks, self.window)
             else:
                 out = attention_kernel(inputs.backend)(q, k_cache, v_cache, inputs, self.scale,
                                                        sinks=self.sinks, window=self.window)
