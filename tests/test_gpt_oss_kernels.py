@@ -11,6 +11,7 @@ from interpreter import kernel as kernel_test
 pytest.importorskip("triton")
 
 from test_kernels import TOL, random_ancestors  # noqa: E402
+from test_moe import _case as moe_case  # noqa: E402
 
 from treeflash.kernels import tree_attention  # noqa: E402
 from treeflash.layers.attention import AttentionInputs, sdpa_attention  # noqa: E402
@@ -161,20 +162,13 @@ ALPHA, LIMIT = 1.702, 7.0   # gpt-oss's
 
 
 def experts_case(T, E, k, H, I, dtype, skew=False, seed=0):
-    """x, weights, ids, gate_up, down, (gate_up bias, down bias), on a scale where many
-    gate / up pre-activations pass the clamp's limit."""
-    gen = torch.Generator().manual_seed(seed)
-    scores = torch.rand(T, E, generator=gen)
-    if skew:
-        scores[:, :2] += 1
-    ids = scores.topk(k, -1).indices
-    w = torch.rand(T, k, generator=gen)
-    x = torch.randn(T, H, generator=gen)
-    gu = torch.randn(E, 2 * I, H, generator=gen) * 5 / H ** 0.5
-    dn = torch.randn(E, H, I, generator=gen) / I ** 0.5
+    """test_moe's case with gate/up 5x as large and biases: many gate / up
+    pre-activations pass the clamp's limit. x, weights, ids, gate_up, down, (gate_up
+    bias, down bias)."""
+    x, w, ids, gu, dn = moe_case(T, E, k, H, I, dtype, skew, seed, device=DEV)
+    gen = torch.Generator().manual_seed(seed + 1)
     bias = (torch.randn(E, 2 * I, generator=gen) * 2, torch.randn(E, H, generator=gen))
-    x, w, gu, dn = (t.to(DEV, dtype) for t in (x, w, gu, dn))
-    return x, w, ids.to(DEV), gu, dn, tuple(b.to(DEV, dtype) for b in bias)
+    return x, w, ids, gu * 5, dn, tuple(b.to(DEV, dtype) for b in bias)
 
 
 def assert_clamp_bites(x, ids, gu, bias):

@@ -174,6 +174,16 @@ def _k_step(acc1, acc2, x_rows, row_ok, w1, w2, s1, s2, col_ok, k0, K: tl.conste
 
 
 @triton.jit
+def _swiglu(g, u, alpha, limit, CLAMP: tl.constexpr):
+    """silu(g) * u, or with CLAMP gpt-oss's form (`models.moe.swiglu`), in float32."""
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        return g * tl.sigmoid(alpha * g) * (u + 1)
+    return g * tl.sigmoid(g) * u
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, act_ptr, order_ptr, bounds_ptr, alpha, limit,
                     E: tl.constexpr, H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -202,12 +212,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, act_ptr, order_ptr, bounds_ptr, 
         b_gate = b_ptr + e.to(tl.int64) * 2 * I + cols
         acc_g += tl.load(b_gate, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_gate + I, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if CLAMP:
-        acc_g = tl.minimum(acc_g, limit)
-        acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        act = acc_g * tl.sigmoid(alpha * acc_g) * (acc_u + 1)
-    else:
-        act = acc_g * tl.sigmoid(acc_g) * acc_u
+    act = _swiglu(acc_g, acc_u, alpha, limit, CLAMP)
     tl.store(act_ptr + pair[:, None] * I + cols[None, :], act.to(act_ptr.dtype.element_ty),
              mask=valid[:, None] & col_ok[None, :])
 
@@ -279,12 +284,7 @@ def _decode_gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, act_ptr, alpha, 
     if HAS_BIAS:
         g += tl.load(b_ptr + e * 2 * I + rows, mask=ok, other=0.0).to(tl.float32)
         u += tl.load(b_ptr + e * 2 * I + I + rows, mask=ok, other=0.0).to(tl.float32)
-    if CLAMP:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        act = g * tl.sigmoid(alpha * g) * (u + 1)
-    else:
-        act = g * tl.sigmoid(g) * u
+    act = _swiglu(g, u, alpha, limit, CLAMP)
     tl.store(act_ptr + j * I + rows, act.to(act_ptr.dtype.element_ty), mask=ok)
 
 
@@ -324,9 +324,7 @@ def _decode_experts(x, weights, ids, gate_up, down, scales, block, bias, clamp, 
     """fused_experts for ONE token: its k experts are distinct, so each row block of
     each is read once by a rows-times-vector program (no grouping launch, no tensor-core
     tiles of 16 rows for 1), and the down kernel adds the k picks itself."""
-    H = x.shape[1]
-    k, (E, I2, _) = ids.shape[1], gate_up.shape
-    I = I2 // 2
+    H, k, I = x.shape[1], ids.shape[1], gate_up.shape[1] // 2
     alpha, limit = clamp or (0.0, 0.0)
     b_gate_up, b_down = bias or (gate_up, down)   # HAS_BIAS off: unread
     (bn1, bk1), (bn2, bk2) = decode_tiles(H, I, block[1] if fp8 else None)
