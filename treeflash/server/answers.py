@@ -19,24 +19,62 @@ so every method stays exact.
   `llama3_json`: an answer that is JSON calls, `{"name": ..., "parameters": {...}}`,
   separated by ';' and after an optional `<|python_tag|>` (Llama 3.1-3.3); an answer
   that does not start so, or does not parse, is content.
+- Harmony (gpt-oss; vLLM's `--reasoning-parser openai_gptoss` and `--tool-call-parser
+  openai`): the answer is messages, `<|channel|>analysis<|message|>...<|end|>
+  <|start|>assistant<|channel|>final<|message|>...<|return|>`. `HarmonyStream` reads
+  them: analysis -> reasoning, final and commentary (a preamble to the user) -> content,
+  a message to a recipient (`to=functions.NAME`, in the header before or after the
+  channel) -> a call of NAME with the message as its JSON arguments (not JSON: its text
+  is content). Messages of one part are joined by a newline; an answer cut off in a
+  message gives the part so far to its channel's part; text outside any message (a
+  model that skipped the format) is content; a `<|message|>` or `<|constrain|>` in a
+  message's text is dropped. Its markers are special tokens, so such a request's text is
+  decoded with them (`skip_special_tokens` false, whatever the request says: protocol's
+  `parse_chat`; its stop strings are matched in that text, headers included) and the
+  parts, which never hold them, are what the client gets. `openai` reads the calls,
+  `openai_gptoss` the rest: `openai` alone implies `openai_gptoss` (vLLM always splits
+  gpt-oss's reasoning off), and without `openai` (or with tool_choice 'none') a call's
+  text is content. Structured outputs cannot wait for the final channel (its markers are
+  special tokens, which a constraint never allows): refused with either.
 
 Streamed, each part is sent as soon as it is known: text that may begin a tag is held
-until it does or cannot, and a call is one delta when its block closes.
+until it does or cannot, and a call is one delta when its block (Harmony: its message)
+closes.
 """
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 from treeflash.chat import checked_tools
 from treeflash.errors import UsageError, shown
 from treeflash.structured.grammar import REASONING_TAGS
 
-TOOL_PARSERS = ("hermes", "llama3_json")
-REASONING_PARSERS = tuple(REASONING_TAGS)  # structured outputs wait for the reasoning these split off
+HARMONY, HARMONY_TOOLS = "openai_gptoss", "openai"  # gpt-oss's Harmony format: reasoning, and calls
+TOOL_PARSERS = ("hermes", "llama3_json", HARMONY_TOOLS)
+# structured outputs wait for the reasoning that REASONING_TAGS' parsers split off; not Harmony's
+REASONING_PARSERS = (*REASONING_TAGS, HARMONY)
 THINK, END_THINK = REASONING_TAGS["qwen3"]
 CALL, END_CALL = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+
+
+def chat_parsers(tool_parser: str | None, reasoning_parser: str | None) -> tuple[str | None, str | None]:
+    """The (tool-call, reasoning) parsers a server reads chat answers with: `openai`
+    alone implies `openai_gptoss` (both read one Harmony answer); a UsageError for an
+    unknown parser, or a pair that reads different formats."""
+    for what, name, names in (("tool-call", tool_parser, TOOL_PARSERS), ("reasoning", reasoning_parser,
+                                                                          REASONING_PARSERS)):
+        if name not in (None, *names):
+            raise UsageError(f"unknown {what} parser {name!r} (choose from {', '.join(names)})")
+    if tool_parser == HARMONY_TOOLS and reasoning_parser is None:
+        reasoning_parser = HARMONY
+    if (tool_parser == HARMONY_TOOLS) != (reasoning_parser == HARMONY) and tool_parser is not None:
+        raise UsageError(f"--tool-call-parser {tool_parser} and --reasoning-parser {reasoning_parser} read different "
+                         f"formats: gpt-oss's Harmony answers take --tool-call-parser {HARMONY_TOOLS} with "
+                         f"--reasoning-parser {HARMONY}")
+    return tool_parser, reasoning_parser
 
 
 def request_tools(body: dict, parser: str | None) -> tuple[list[dict] | None, str | None, dict | None]:
@@ -122,7 +160,7 @@ class ReasoningStream:
     `</think>` and the rest is dropped."""
 
     def __init__(self, parser: str):
-        assert parser in REASONING_PARSERS
+        assert parser in REASONING_TAGS
         self.parser, self.held = parser, ""
         self.state = "start"  # start (is there an opening tag?), thinking, lead (whitespace after it), answer
 
@@ -296,12 +334,148 @@ class ForcedCallStream:
         return ("", calls) if calls and None not in calls else (held, [])
 
 
+# Harmony's markers (special tokens of gpt-oss's tokenizer)
+H_START, H_END, H_MESSAGE, H_CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
+H_CONSTRAIN, H_RETURN, H_CALL = "<|constrain|>", "<|return|>", "<|call|>"
+H_ENDS = (H_END, H_RETURN, H_CALL)  # a message's end (<|return|> and <|call|> are EOS: usually not in the text)
+BODY_ENDS = (*H_ENDS, H_START, H_CHANNEL)  # and the next header, begun without one
+BODY_MARKERS = (*BODY_ENDS, H_MESSAGE, H_CONSTRAIN)  # the last two out of place in a message's text: dropped
+HEADER_OPENERS = (H_START, H_CHANNEL, H_MESSAGE, H_CONSTRAIN, "to=")  # how text between messages is a header
+_CHANNEL = re.compile(r"<\|channel\|>\s*([^\s<]*)")
+_RECIPIENT = re.compile(r"(?:^|[\s>])to=([^\s<]+)")
+
+
+def harmony_opened(prompt: str) -> str | None:
+    """The header of the message a Harmony prompt ends inside (continue_final_message:
+    the answer goes on with its text), or None: the prompt ends between messages or in
+    a header (the generation prompt `<|start|>assistant`)."""
+    tail = prompt[max(prompt.rfind(H_START), 0):]
+    at = tail.find(H_MESSAGE)
+    if at < 0 or any(m in tail[at:] for m in H_ENDS):
+        return None
+    return tail[:at]
+
+
+class HarmonyStream:
+    """Splits a Harmony answer (gpt-oss), fed in pieces, into (reasoning, content, calls
+    completed now): see the module's docstring. `calls`: messages to a recipient are
+    calls (else their text is content); `opened`: the header of the message the prompt
+    left open (`harmony_opened`), which the answer starts inside."""
+
+    def __init__(self, calls: bool = True, opened: str | None = None):
+        self.read_calls, self.held = calls, ""
+        self.state = "open"  # open (between messages: is a header next?), header, body
+        self.route, self.recipient, self.body = None, None, ""  # the body's part; a call's name and text so far
+        self.started = False  # the body has sent text (a part's second message starts with a newline)
+        self.wrote = {"reasoning": False, "content": False}
+        if opened is not None:
+            self._begin(opened)
+
+    def push(self, text: str) -> tuple[str, str, list[dict]]:
+        self.held += text
+        out, calls = {"reasoning": "", "content": ""}, []
+        while True:
+            if self.state == "open":
+                lead = self.held.lstrip()
+                if not lead or any(m.startswith(lead) and m != lead for m in HEADER_OPENERS):
+                    break  # not yet known
+                if lead.startswith(HEADER_OPENERS):
+                    self.held, self.state = lead, "header"
+                else:
+                    self._begin(None)  # text outside any message
+            elif self.state == "header":
+                at = self.held.find(H_MESSAGE)
+                if at < 0:
+                    break
+                self._begin(self.held[:at])
+                self.held = self.held[at + len(H_MESSAGE):]
+            else:
+                hits = [(at, m) for m in BODY_MARKERS if (at := self.held.find(m)) >= 0]
+                if not hits:
+                    keep = len(self.held) - max(_tag_start(self.held, m) for m in BODY_MARKERS)
+                    self._text(self.held[:keep], out)
+                    self.held = self.held[keep:]
+                    break
+                at, end = min(hits)
+                self._text(self.held[:at], out)
+                if end not in BODY_ENDS:
+                    self.held = self.held[at + len(end):]
+                    continue
+                self._end(out, calls)
+                if end in H_ENDS:
+                    self.held, self.state = self.held[at + len(end):], "open"
+                else:  # a header begun without an end: it is read from its marker
+                    self.held, self.state = self.held[at:], "header"
+        return out["reasoning"], out["content"], calls
+
+    def finish(self) -> tuple[str, str, list[dict]]:
+        """The rest: a message cut off gives its text so far to its part (a call's, if
+        it is whole JSON, is a call); a header cut off, or whitespace after a message,
+        gives nothing; other text between messages is content."""
+        out, calls = {"reasoning": "", "content": ""}, []
+        held, self.held = self.held, ""
+        if self.state == "open" and held.strip():
+            self._begin(None)
+        if self.state == "body":
+            self._text(held, out)
+            self._end(out, calls)
+        self.state = "open"
+        return out["reasoning"], out["content"], calls
+
+    def _begin(self, header: str | None) -> None:
+        """A message's body starts (`header`: its header's text; None for text outside
+        any message)."""
+        channel = recipient = None
+        if header is not None:
+            header = header[header.rfind(H_START) + len(H_START):] if H_START in header else header
+            channel = (m.group(1) if (m := _CHANNEL.search(header)) else None)
+            recipient = (m.group(1) if (m := _RECIPIENT.search(header)) else None)
+        self.recipient, self.body, self.started, self.state = recipient, "", False, "body"
+        self.route = "call" if recipient and self.read_calls else "reasoning" if channel == "analysis" \
+            and not recipient else "content"
+
+    def _text(self, text: str, out: dict) -> None:
+        if not text:
+            return
+        if self.route == "call":
+            self.body += text
+            return
+        if not self.started and self.wrote[self.route]:
+            text = "\n" + text
+        self.started = self.wrote[self.route] = True
+        out[self.route] += text
+
+    def _end(self, out: dict, calls: list) -> None:
+        """The body ends: a call's text is read (not JSON: it is content, as written)."""
+        if self.route == "call":
+            call = None
+            try:
+                args = json.loads(self.body, parse_constant=_no_constant)
+            except (ValueError, RecursionError):
+                pass
+            else:
+                call = _openai_call({"name": self.recipient.removeprefix("functions."), "arguments": args})
+            if call is not None:
+                calls.append(call)
+            else:
+                self.route = "content"
+                self._text(self.body, out)
+        self.route, self.body, self.state = None, "", "open"
+
+
 class MessageStream:
     """A chat answer's parts: `push` of its text in pieces (`final`: the last) gives
     (reasoning, content, tool call deltas numbered by their `index` among its calls).
-    A whole answer is one final push."""
+    A whole answer is one final push. A Harmony answer (either Harmony parser) is read
+    by one `HarmonyStream` (`opened`: the header the prompt left open)."""
 
-    def __init__(self, reasoning_parser: str | None = None, tool_parser: str | None = None):
+    def __init__(self, reasoning_parser: str | None = None, tool_parser: str | None = None,
+                 opened: str | None = None):
+        self.harmony = None
+        if reasoning_parser == HARMONY or tool_parser == HARMONY_TOOLS:
+            assert tool_parser in (None, HARMONY_TOOLS), "Harmony answers' calls are read by the openai parser"
+            self.harmony = HarmonyStream(tool_parser == HARMONY_TOOLS, opened)
+            reasoning_parser = tool_parser = None
         self.reasoning = ReasoningStream(reasoning_parser) if reasoning_parser else None
         streams = {"hermes": ToolCallStream, "llama3_json": JsonCallStream, FORCED: ForcedCallStream}
         self.tools = streams[tool_parser]() if tool_parser else None
@@ -309,6 +483,11 @@ class MessageStream:
 
     def push(self, text: str, final: bool = False) -> tuple[str, str, list[dict]]:
         reasoning, calls = "", []
+        if self.harmony is not None:
+            reasoning, text, calls = self.harmony.push(text)
+            if final:
+                more, rest, last = self.harmony.finish()
+                reasoning, text, calls = reasoning + more, text + rest, calls + last
         if self.reasoning is not None:
             reasoning, text = self.reasoning.push(text)
             if final:

@@ -30,9 +30,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 from treeflash import __version__
-from treeflash.errors import EngineDeadError, TreeflashError, UsageError
+from treeflash.errors import EngineDeadError, TreeflashError
 from treeflash.server.metrics import ServerMetrics
-from treeflash.server.answers import REASONING_PARSERS, TOOL_PARSERS
+from treeflash.server.answers import chat_parsers
 from treeflash.server.protocol import (STRUCTURED_KEYS, APIError, Request, SamplingDefaults, check_model, chunk,
                                       logprobs_body, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
                                       response, tool_finish, usage)
@@ -318,11 +318,9 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
     that carry it ("Authorization: Bearer <key>"); browsers' cross-origin requests from
     `allowed_origins` (as vLLM: any by default); with `tool_parser` ('hermes'), chat
     requests may carry tools, and with `reasoning_parser` chat answers' reasoning comes
-    back apart (`treeflash.server.answers`). Its worker starts with the app's lifespan."""
-    for what, name, names in (("tool-call", tool_parser, TOOL_PARSERS), ("reasoning", reasoning_parser,
-                                                                          REASONING_PARSERS)):
-        if name not in (None, *names):
-            raise UsageError(f"unknown {what} parser {name!r} (choose from {', '.join(names)})")
+    back apart (`treeflash.server.answers`; 'openai' implies 'openai_gptoss'). Its worker
+    starts with the app's lifespan."""
+    tool_parser, reasoning_parser = chat_parsers(tool_parser, reasoning_parser)
     state = {}
     served = (model_name, *aliases)
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from treeflash.errors import UsageError
-from treeflash.server.answers import REASONING_PARSERS, TOOL_PARSERS
+from treeflash.server.answers import REASONING_PARSERS, TOOL_PARSERS, chat_parsers
 
 
 def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
@@ -42,12 +42,14 @@ def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
     s.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    help="chat answers' <think>...</think> as the message's reasoning_content, apart from its "
                         "content (qwen3: when the answer opens the block, as Qwen3's hybrid models; deepseek_r1: "
-                        "the prompt opened it, as DeepSeek-R1 and Qwen3-Thinking-2507)")
+                        "the prompt opened it, as DeepSeek-R1 and Qwen3-Thinking-2507; openai_gptoss: gpt-oss's "
+                        "Harmony answers, analysis channel as reasoning_content, final as content)")
     s.add_argument("--tool-call-parser", choices=TOOL_PARSERS,
                    help="let chat requests carry tools (OpenAI's 'tools', tool_choice 'auto' or 'none'): the "
                         "chat template writes them into the prompt and the answer's calls come back as "
                         "tool_calls (hermes: <tool_call>{...}</tool_call>, as Qwen2.5, Qwen3 and Hermes write them; "
-                        "llama3_json: an answer of JSON calls, as Llama 3.1-3.3)")
+                        "llama3_json: an answer of JSON calls, as Llama 3.1-3.3; openai: gpt-oss's Harmony messages "
+                        "to functions.NAME, with --reasoning-parser openai_gptoss, which it implies)")
     s.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no line per request on stdout (as vLLM's flag; /health and /metrics are never logged)")
     s.set_defaults(func=cmd_serve)
@@ -98,6 +100,7 @@ def cmd_serve(args) -> int:
     from treeflash.engine.llm import builtin_paths
     if args.max_batch < 1:
         raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
+    args.tool_call_parser, args.reasoning_parser = chat_parsers(args.tool_call_parser, args.reasoning_parser)
     _check_listen(args.host, args.port)
     folder = Path(args.model) if args.model else builtin_paths()[0]
     template = ChatTemplate.from_folder(folder)  # a broken template fails here, before the load

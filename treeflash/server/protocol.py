@@ -16,7 +16,7 @@ from treeflash.chat import ChatFormat, checked_tools, plain_messages
 from treeflash.engine.sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
                                        SamplingParams, token_bias)
 from treeflash.errors import TreeflashError, UsageError, shown
-from treeflash.server.answers import MessageStream, request_tools
+from treeflash.server.answers import HARMONY, MessageStream, chat_parsers, harmony_opened, request_tools
 from treeflash.structured.grammar import REASONING_TAGS, StructuredOutputs
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -137,6 +137,7 @@ class Request:
     tool_calls: str | None = None  # chat with tools: the parser whose calls become tool_calls (`server.answers`)
     reasoning: str | None = None  # chat: the reasoning parser that splits <think> off (`server.answers`)
     reasoned: bool = True  # whether the answer may reason (not if the prompt closed the reasoning block)
+    opened: str | None = None  # Harmony: the header of the message the prompt ends inside (`harmony_opened`)
     continuous_usage: bool = False  # streamed: every choice's event has its usage so far (vLLM's)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives per prompt token
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -144,7 +145,7 @@ class Request:
 
     def message_stream(self) -> MessageStream:
         """What splits a chat answer into reasoning, content and tool calls."""
-        return MessageStream(self.reasoning if self.reasoned else None, self.tool_calls)
+        return MessageStream(self.reasoning if self.reasoned else None, self.tool_calls, self.opened)
 
     def runs(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt, params) of each choice, prompt-major (choice index = prompt * n + j).
@@ -446,7 +447,10 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
                tool_parser: str | None = None, reasoning_parser: str | None = None) -> Request:
     """A /v1/chat/completions body: the messages (and tools, with a `tool_parser`)
     rendered by the model's chat template; with a `reasoning_parser` its answers'
-    reasoning comes back apart, and a structured output constrains what follows it."""
+    reasoning comes back apart, and a structured output constrains what follows it
+    (Harmony's, openai_gptoss: the answer is decoded with its special tokens for the
+    parser, and structured outputs are refused)."""
+    tool_parser, reasoning_parser = chat_parsers(tool_parser, reasoning_parser)
     check_keys(body, "chat")
     check_model(body, served)
     if body.get("echo") not in (None, False):
@@ -469,13 +473,27 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
             params = replace(params, structured_outputs=StructuredOutputs(json=forced))
         except UsageError as e:
             raise APIError(str(e), param="tool_choice") from None
+    opened = None
+    if reasoning_parser == HARMONY:
+        if params.structured_outputs is not None:
+            asked = "tool_choice" if forced is not None else next(
+                k for k in STRUCTURED_KEYS if body.get(k) is not None
+                and not (k == "response_format" and body[k] == {"type": "text"}))
+            what = "a forced tool call (tool_choice 'required' or a named function)" if forced is not None \
+                else f"structured outputs ({asked})"
+            raise APIError(f"{what} is not supported with the {HARMONY} reasoning parser (gpt-oss): the constraint "
+                           f"cannot wait for the final channel, whose markers are special tokens", param=asked)
+        # the parser reads the markers, special tokens; the parts it gives the client hold none
+        params, opened = replace(params, skip_special_tokens=False), harmony_opened(text)
     # a prompt that ends with the closing tag (Qwen3 with enable_thinking false) leaves the answer no reasoning
-    reasoned = reasoning_parser is not None and not text.rstrip().endswith(REASONING_TAGS[reasoning_parser][1])
+    tags = REASONING_TAGS.get(reasoning_parser)
+    reasoned = reasoning_parser is not None and not (tags and text.rstrip().endswith(tags[1]))
     if reasoned and params.structured_outputs is not None:  # the answer reasons first (vLLM's)
         params = replace(params, structured_outputs=replace(params.structured_outputs, reasoning=reasoning_parser))
     params, k = _with_prompt_logprobs(body, params, stream)
     return Request("chat", ids, params, stream, include_usage, _choices(body, 1), tool_calls=reader,
-                   reasoning=reasoning_parser, reasoned=reasoned, continuous_usage=continuous, prompt_logprobs=k)
+                   reasoning=reasoning_parser, reasoned=reasoned, opened=opened, continuous_usage=continuous,
+                   prompt_logprobs=k)
 
 
 def render_chat(body: dict, template, tools: list[dict] | None = None) -> str:
