@@ -217,6 +217,22 @@ def test_speculative_equals_ar(spec_gpt_oss, ar_reference, method, budget):
     assert tau > 1.05, "no draft accepted: the commit paths went untested"
 
 
+def test_prefix_caching_gives_the_tokens_of_a_whole_prefill(spec_gpt_oss):
+    """A next turn prefills only its new tokens, from a cached prefix longer than the
+    window, at the positions the sliding layers' masks read."""
+    target, drafter = spec_gpt_oss
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    cached = LLM(target, draft_model=drafter, method="ddtree", budget=12, device="cpu", dtype="float64",
+                 enable_prefix_caching=True)
+    fresh = LLM(target, draft_model=drafter, method="ddtree", budget=12, device="cpu", dtype="float64")
+    first = cached.encode(ENGINE_PROMPTS[1])
+    answer = cached.generate(first, params)[0]
+    turn = first + answer.token_ids + cached.encode(" more", special=False)
+    got = cached.generate(turn, params)[0]
+    assert got.stats["cached_tokens"] == len(first) + len(answer.token_ids) - 1 > 3 * cached.config.sliding_window
+    assert got.token_ids == fresh.generate(turn, params)[0].token_ids
+
+
 def test_tp2_tokens_equal_tp1(spec_gpt_oss):
     """Sinks cut by heads, experts by their intermediate size, the down bias added once."""
     target, drafter = spec_gpt_oss
@@ -234,7 +250,7 @@ def test_tp2_tokens_equal_tp1(spec_gpt_oss):
 # ----------------------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("change,message", [
-    (dict(layer_types=["sliding_attention"]), "'layer_types' must name sliding_attention or full_attention "
+    (dict(layer_types=["sliding_attention"]), "'layer_types' must name full_attention or sliding_attention "
                                               "for each of the 4 layers"),
     (dict(sliding_window=0), "'sliding_window' must be a positive integer"),
     (dict(num_experts_per_tok=5), r"num_experts_per_tok \(5\) exceeds num_local_experts \(4\)"),

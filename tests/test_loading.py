@@ -158,11 +158,17 @@ FULL = [
 ]
 
 
-@pytest.mark.parametrize("changes", SLIDING)
-def test_qwen3_sliding_window_is_refused(hf_checkpoint, clone_checkpoint, changes):
-    """treeflash runs full attention: a sliding-window Qwen3 would silently differ."""
+@pytest.mark.parametrize("changes,sliding", list(zip(SLIDING, [(0, 1), (1,), (1,)])))
+def test_qwen3_sliding_window_configs_match_transformers(hf_checkpoint, clone_checkpoint, changes, sliding):
+    """A sliding-window Qwen3 slides in the layers transformers' rules pick (a window of
+    16 is shorter than the test prompts), with its logits."""
+    from transformers import AutoModelForCausalLM
+
     folder = clone_checkpoint(hf_checkpoint("qwen3").path, **changes)
-    refused(lambda: LLM(folder, device="cpu", dtype="float32"), "sliding")
+    cfg = ModelConfig.from_pretrained(folder)
+    assert (cfg.sliding_window, cfg.sliding_layers) == (16, sliding)
+    assert len(Tokenizer(folder).encode(ENGINE_PROMPTS[1])) > 2 * 16
+    assert_logits_match(folder, AutoModelForCausalLM.from_pretrained(folder).eval())
 
 
 @pytest.mark.parametrize("changes", FULL)
@@ -174,17 +180,22 @@ def test_qwen3_full_attention_configs_load(hf_checkpoint, clone_checkpoint, chan
     assert_logits_match(folder, AutoModelForCausalLM.from_pretrained(folder).eval())
 
 
-def test_default_window_and_qwen3_moe_sliding_window_are_refused():
+def test_default_window_and_qwen3_moe_sliding_window():
     """Without a sliding_window key transformers' window is 4096 (shorter than this
     context); Qwen3-MoE slides in every layer once use_sliding_window is set."""
     dense = dict(architectures=["Qwen3ForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=64,
                  num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=8192, max_window_layers=0)
-    assert ModelConfig.from_dict(dense).arch == "qwen3"
-    refused(lambda: ModelConfig.from_dict({**dense, "use_sliding_window": True}), "sliding", "4096")
+    assert ModelConfig.from_dict(dense).sliding_layers == ()
+    cfg = ModelConfig.from_dict({**dense, "use_sliding_window": True})
+    assert (cfg.sliding_window, cfg.sliding_layers) == (4096, (0, 1))
     moe = dict(dense, architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
-               moe_intermediate_size=16, use_sliding_window=False, sliding_window=16)
-    assert ModelConfig.from_dict(moe).arch == "qwen3_moe"
-    refused(lambda: ModelConfig.from_dict({**moe, "use_sliding_window": True}), "sliding")
+               moe_intermediate_size=16, use_sliding_window=False, sliding_window=16, max_window_layers=2)
+    assert ModelConfig.from_dict(moe).sliding_layers == ()
+    cfg = ModelConfig.from_dict({**moe, "use_sliding_window": True})
+    assert (cfg.sliding_window, cfg.sliding_layers) == (16, (0, 1))
+    refused(lambda: ModelConfig.from_dict({**dense, "layer_types": ["full_attention", "chunked"]}), "layer_types")
+    refused(lambda: ModelConfig.from_dict({**dense, "use_sliding_window": True, "sliding_window": 0}),
+            "'sliding_window' must be a positive integer")
 
 
 # --------------------------------------------------------------------------- drafter configs

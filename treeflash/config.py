@@ -177,13 +177,8 @@ def _gpt_oss_fields(data: dict, num_layers: int, where: str) -> dict:
         raise TreeflashError(f"config.json in {where}: num_experts_per_tok ({top_k}) exceeds "
                              f"num_local_experts ({experts})")
     window = data.get("sliding_window", 128)
-    types = data.get("layer_types")
-    if types is None:
-        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
-    if not isinstance(types, list) or len(types) != num_layers or \
-            not set(types) <= {"sliding_attention", "full_attention"}:
-        raise TreeflashError(f"config.json in {where}: 'layer_types' must name sliding_attention or full_attention "
-                             f"for each of the {num_layers} layers, got {types!r}")
+    types = _layer_types(data, num_layers, where) or \
+        ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if sliding and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
         raise TreeflashError(f"config.json in {where}: 'sliding_window' must be a positive integer, got {window!r}")
@@ -231,43 +226,46 @@ def _check_hidden_act(data: dict, where: str) -> None:
                              f"(supported: {', '.join(SUPPORTED_ACTS)})")
 
 
-def _check_full_attention(data: dict, arch: str, num_layers: int, where: str) -> None:
-    """Refuse Qwen3 sliding-window attention (treeflash runs full attention in every
-    layer), by transformers' rules: the window applies only with `use_sliding_window`
-    (else `sliding_window` is ignored); Qwen3 then slides in the layers `layer_types`
-    names "sliding_attention", or, without it, from layer `max_window_layers` on;
-    Qwen3-MoE slides in every layer. Llama has no sliding window. A window at least
-    as long as the context is full attention."""
-    if arch not in ("qwen3", "qwen3_moe"):
-        return
+def _layer_types(data: dict, num_layers: int, where: str) -> list[str] | None:
+    """`layer_types`, checked: full_attention or sliding_attention for each layer (None: absent)."""
     types = data.get("layer_types")
-    if types is not None:
-        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
-            raise TreeflashError(f"config.json in {where}: 'layer_types' must be a list of names, got {types!r}")
-        other = sorted({t for t in types if t != "full_attention"})
-        if other:
-            raise TreeflashError(f"config.json in {where}: layer_types {other} are not supported "
-                                 f"(only full_attention; sliding-window attention is not implemented)")
+    if types is not None and (not isinstance(types, list) or len(types) != num_layers
+                              or not set(types) <= {"full_attention", "sliding_attention"}):
+        raise TreeflashError(f"config.json in {where}: 'layer_types' must name full_attention or sliding_attention "
+                             f"for each of the {num_layers} layers, got {types!r}")
+    return types
+
+
+def _qwen3_windows(data: dict, arch: str, num_layers: int, where: str) -> dict:
+    """Qwen3's sliding windows (the `sliding_window` and `sliding_layers` of ModelConfig),
+    by transformers' rules: the window applies only with `use_sliding_window` (else
+    `sliding_window` is ignored); Qwen3 then slides in the layers `layer_types` names
+    "sliding_attention", or, without it, from layer `max_window_layers` on; Qwen3-MoE
+    slides in every layer. Llama has no sliding window. A window at least as long as
+    the context is full attention."""
+    if arch not in ("qwen3", "qwen3_moe"):
+        return {}
+    types = _layer_types(data, num_layers, where)
     if not _flag(data, "use_sliding_window", where):
-        return
+        return {}
     window = data.get("sliding_window", 4096)  # transformers' default
     if window is None:
-        return
+        return {}
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise TreeflashError(f"config.json in {where}: 'sliding_window' must be a positive integer, got {window!r}")
     max_pos = data.get("max_position_embeddings")
     if isinstance(max_pos, int) and window >= max_pos:
-        return  # a window as long as the context is full attention
-    if arch == "qwen3":
-        if types is not None:
-            return  # layer_types (checked above) says every layer attends fully
+        return {}  # a window as long as the context is full attention
+    if arch == "qwen3_moe":
+        sliding = range(num_layers)
+    elif types is not None:
+        sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    else:
         first = data.get("max_window_layers", 28)
         if isinstance(first, bool) or not isinstance(first, int):
             raise TreeflashError(f"config.json in {where}: 'max_window_layers' must be an integer, got {first!r}")
-        if first >= num_layers:
-            return  # no layer reaches the window
-    raise TreeflashError(f"config.json in {where}: sliding-window attention (use_sliding_window, "
-                         f"sliding_window {window!r}) is not supported")
+        sliding = range(first, num_layers)
+    return {"sliding_window": window, "sliding_layers": tuple(sliding)} if sliding else {}
 
 
 FP8_BLOCK = (128, 128)  # the blocks of DeepSeek-V3 and Qwen3-FP8, and of `quantization="fp8"`
@@ -335,11 +333,11 @@ class ModelConfig:
     # block of (rows, columns) (`layers.linear`), except modules named in fp8_skip
     fp8_block: tuple[int, int] | None = None
     fp8_skip: tuple[str, ...] = ()
-    # gpt-oss: a sliding window in some layers, attention sinks, a router and experts with
-    # biases, the experts' SwiGLU clamped at swiglu_limit (None: the plain SwiGLU) with
-    # sigmoid gain swiglu_alpha
+    # a sliding window in some layers (gpt-oss; Qwen3 with use_sliding_window)
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    # gpt-oss: attention sinks, a router and experts with biases, the experts' SwiGLU
+    # clamped at swiglu_limit (None: the plain SwiGLU) with sigmoid gain swiglu_alpha
     attention_sinks: bool = False
     expert_bias: bool = False
     swiglu_limit: float | None = None
@@ -388,9 +386,9 @@ class ModelConfig:
         max_pos = data.get("max_position_embeddings")
         num_layers = _require(data, "num_hidden_layers", where)
         _check_hidden_act(data, where)
-        _check_full_attention(data, arch, num_layers, where)
         moe = _moe_fields(data, num_layers, where) if arch == "qwen3_moe" else \
             _gpt_oss_fields(data, num_layers, where) if arch == "gpt_oss" else {}
+        windows = _qwen3_windows(data, arch, num_layers, where)
         head_dim = _require(data, "head_dim", where) if data.get("head_dim") is not None else hidden // heads
         if head_dim % 2:
             raise TreeflashError(f"config.json in {where}: head_dim {head_dim} is odd (rotary embeddings turn "
@@ -413,7 +411,7 @@ class ModelConfig:
             mlp_bias=_flag(data, "mlp_bias", where),
             torch_dtype=data.get("torch_dtype") or data.get("dtype"),
             eos_token_ids=_eos_ids(data.get("eos_token_id"), where),
-            **moe, **fp8,
+            **moe, **windows, **fp8,
         )
 
     @classmethod
