@@ -226,10 +226,11 @@ def _check_hidden_act(data: dict, where: str) -> None:
                              f"(supported: {', '.join(SUPPORTED_ACTS)})")
 
 
-def _layer_types(data: dict, num_layers: int, where: str) -> list[str] | None:
-    """`layer_types`, checked: full_attention or sliding_attention for each layer (None: absent)."""
+def _layer_types(data: dict, num_layers: int, where: str, windows: bool = True) -> list[str] | None:
+    """`layer_types`, checked: full_attention or sliding_attention for each layer (None:
+    absent). Without `windows` (they do not apply, the list is unused) only the names."""
     types = data.get("layer_types")
-    if types is not None and (not isinstance(types, list) or len(types) != num_layers
+    if types is not None and (not isinstance(types, list) or (windows and len(types) != num_layers)
                               or not set(types) <= {"full_attention", "sliding_attention"}):
         raise TreeflashError(f"config.json in {where}: 'layer_types' must name full_attention or sliding_attention "
                              f"for each of the {num_layers} layers, got {types!r}")
@@ -245,8 +246,9 @@ def _qwen3_windows(data: dict, arch: str, num_layers: int, where: str) -> dict:
     the context is full attention."""
     if arch not in ("qwen3", "qwen3_moe"):
         return {}
-    types = _layer_types(data, num_layers, where)
-    if not _flag(data, "use_sliding_window", where):
+    slides = _flag(data, "use_sliding_window", where)
+    types = _layer_types(data, num_layers, where, windows=slides)
+    if not slides:
         return {}
     window = data.get("sliding_window", 4096)  # transformers' default
     if window is None:
