@@ -16,6 +16,7 @@ import json
 
 import pytest
 import torch
+import transformers  # the oracle: 4.55 or later has gpt-oss (the test extra asks for it)
 from conftest import ENGINE_PROMPTS
 from interpreter import CUDA
 from test_models import hf_greedy, hf_logits, padded, rel_err, tf_logits
@@ -26,9 +27,6 @@ from treeflash.checkpoints import mxfp4_blocks, write_mxfp4_copy, write_random_d
 from treeflash.layers.attention import AttentionInputs
 from treeflash.models.moe import GptOssExperts, SparseMoE, mxfp4_dequantized
 
-transformers = pytest.importorskip("transformers")
-if not hasattr(transformers, "GptOssConfig"):
-    pytest.skip("transformers has no gpt-oss (4.55 or later)", allow_module_level=True)
 
 YARN = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
         "original_max_position_embeddings": 32}
