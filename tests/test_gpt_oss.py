@@ -20,7 +20,7 @@ import transformers  # the oracle: 4.55 or later has gpt-oss (the test extra ask
 from conftest import ENGINE_PROMPTS
 from interpreter import CUDA
 from test_models import hf_greedy, hf_logits, padded, rel_err, tf_logits
-from test_speculative import run_lossless, spec_llm
+from test_speculative import assert_drafts_lossless, spec_llm
 
 from treeflash import LLM, SamplingParams, TreeflashError, UsageError
 from treeflash.checkpoints import mxfp4_blocks, write_mxfp4_copy, write_random_drafter, write_tiny_tokenizer
@@ -209,10 +209,7 @@ def test_mxfp4_round_trip_is_exact_on_representable_values():
 
 @pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 16)])
 def test_speculative_equals_ar(spec_gpt_oss, ar_reference, method, budget):
-    target, drafter = spec_gpt_oss
-    tau = run_lossless(spec_llm(target, drafter, method, budget), target, ar_reference,
-                       SamplingParams(max_new_tokens=32))
-    assert tau > 1.05, "no draft accepted: the commit paths went untested"
+    assert_drafts_lossless(*spec_gpt_oss, method, budget, ar_reference)
 
 
 def test_prefix_caching_gives_the_tokens_of_a_whole_prefill(spec_gpt_oss):
@@ -220,9 +217,8 @@ def test_prefix_caching_gives_the_tokens_of_a_whole_prefill(spec_gpt_oss):
     window, at the positions the sliding layers' masks read."""
     target, drafter = spec_gpt_oss
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
-    cached = LLM(target, draft_model=drafter, method="ddtree", budget=12, device="cpu", dtype="float64",
-                 enable_prefix_caching=True)
-    fresh = LLM(target, draft_model=drafter, method="ddtree", budget=12, device="cpu", dtype="float64")
+    cached = spec_llm(target, drafter, "ddtree", 12, enable_prefix_caching=True)
+    fresh = spec_llm(target, drafter, "ddtree", 12)
     first = cached.encode(ENGINE_PROMPTS[1])
     answer = cached.generate(first, params)[0]
     turn = first + answer.token_ids + cached.encode(" more", special=False)

@@ -178,6 +178,7 @@ def test_serve_refuses_mismatched_parsers_in_one_line(capsys):
 pytest.importorskip("starlette")
 pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
+from test_chat_parsers import TOOLS  # noqa: E402
 
 from treeflash import LLM, SamplingParams  # noqa: E402
 from treeflash.chat import ChatTemplate  # noqa: E402
@@ -197,8 +198,6 @@ TEMPLATE = ("<|start|>system<|message|>You are ChatGPT.<|end|>"
             "{% elif m.role == 'tool' %}<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
             "{{ m.content }}<|end|>{% else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}"
             "{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the forecast",
-                                           "parameters": {"type": "object", "properties": {"city": {}}}}}]
 USER = [{"role": "user", "content": "What is 2+2?"}]
 
 

@@ -80,6 +80,14 @@ def spec_llm(target, drafter, method, budget=None, **kw):
     return LLM(target, draft_model=drafter, method=method, budget=budget, device="cpu", dtype="float64", **kw)
 
 
+def assert_drafts_lossless(target, drafter, method, budget, ar_reference, max_new_tokens: int = 32) -> None:
+    """`run_lossless` of a float64 spec engine on (target, drafter), whose drafts must be
+    accepted at times (else the commit paths went untested)."""
+    tau = run_lossless(spec_llm(target, drafter, method, budget), target, ar_reference,
+                       SamplingParams(max_new_tokens=max_new_tokens))
+    assert tau > 1.05, "no draft accepted: the commit paths went untested"
+
+
 def run_lossless(llm: LLM, target, ar_reference, params=GREEDY64) -> float:
     """20 prompts x 64 tokens: 5 alone, 15 in three mixed-length batches of 5 (with
     prompts of length 1); every request must give the AR tokens. Returns the τ seen."""
