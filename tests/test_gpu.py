@@ -120,6 +120,54 @@ def test_prefills_are_graphed_per_padded_length(pair):
     assert captures == [2, 3, 3, 3, 3] and shapes == [32, 64]
 
 
+def test_dependent_launches_read_what_the_previous_kernel_wrote():
+    """On Hopper and later the Triton kernels are dependent launches (kernels/chained.py):
+    each one's programs are placed while the previous kernel runs. A chain in which
+    every kernel reads what the one before it wrote last, graphed and replayed, gives
+    the bits of the same chain run a kernel at a time, and of torch."""
+    from treeflash.kernels.chained import chained
+    from treeflash.kernels.gemv import gemv
+    from treeflash.ops.fused import add_rms_norm
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability(dev)[0] < 9:
+        pytest.skip("dependent launches need sm_90 or later")
+    assert chained(dev) == {"PDL": True, "launch_pdl": True}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    H, steps = 2048, 60
+    weights = [torch.randn(H, H, device="cuda", generator=g) / H ** 0.5 for _ in range(steps)]
+    norm = torch.rand(H, device="cuda", generator=g) + 0.5
+    x0 = torch.randn(1, H, device="cuda", generator=g)
+
+    def chain(sync: bool) -> torch.Tensor:
+        x, residual = x0, torch.zeros_like(x0)
+        for w in weights:
+            residual, h = add_rms_norm(x, norm, 1e-6, residual)
+            x = gemv(h, w)
+            if sync:
+                torch.cuda.synchronize()
+        return add_rms_norm(x, norm, 1e-6, residual)[1]
+
+    stepwise = chain(sync=True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain(sync=False)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = chain(sync=False)
+    for _ in range(20):
+        graph.replay()
+        assert torch.equal(graphed, stepwise)
+    x, residual = x0.double(), torch.zeros_like(x0.double())
+    for w in weights:
+        residual = x + residual
+        x = (residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-6) * norm) @ w.double().T
+    residual = x + residual
+    ref = residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-6) * norm
+    assert torch.allclose(stepwise.double(), ref, rtol=1e-3, atol=1e-3)
+
+
 def test_fused_sampling_matches_reference():
     from treeflash.engine.sampling import gumbel_noise
     from treeflash.ops.gumbel_argmax import gumbel_argmax

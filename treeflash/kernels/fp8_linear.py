@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from treeflash.kernels.chained import chained, start_after_previous
 from treeflash.kernels.gemv import gemv
 
 
@@ -24,7 +25,7 @@ from treeflash.kernels.gemv import gemv
 def _fp8_matmul_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, KS, stride_x, stride_y, K_STEPS,
                        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT: tl.constexpr, SWAP: tl.constexpr):
+                       SPLIT: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr = False):
     """One [BLOCK_M, BLOCK_N] tile of x @ (W * scales)^T over this program's K_STEPS steps
     of BLOCK_K (program_id 2: which share of K, with SPLIT > 1: its float32 partial
     sums go to y [SPLIT, M, N], summed by `_sum_splits_kernel`). BLOCK_K divides QBK, so
@@ -32,6 +33,7 @@ def _fp8_matmul_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, KS, stride_x,
     registers (exact: e4m3 values are bfloat16 and float16 values). SWAP: the tile is
     computed as W x^T [BLOCK_N, BLOCK_M], the weights being the tensor cores' first
     operand, which they read from registers (faster from 32 rows on, slower at 16)."""
+    start_after_previous(PDL)
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -79,8 +81,9 @@ def _fp8_matmul_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, KS, stride_x,
 
 @triton.jit
 def _sum_splits_kernel(p_ptr, b_ptr, y_ptr, MN, N, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """y = the SPLIT partial sums [SPLIT, M, N] added in order (+ bias), in y's dtype."""
+    start_after_previous(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < MN
     acc = tl.load(p_ptr + i, mask=ok, other=0.0)
@@ -126,8 +129,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     _fp8_matmul_kernel[grid](rows, weight, scale, bias if bias is not None else scale, out, M, N, K, scale.shape[1],
                              rows.stride(0), N, steps, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
                              QBN=block[0], QBK=block[1], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, SWAP=swap,
-                             num_warps=warps, num_stages=stages)
+                             num_warps=warps, num_stages=stages, **chained(rows.device))
     if split > 1:
         _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](out, bias if bias is not None else out, y, M * N, N,
-                                                        HAS_BIAS=bias is not None, SPLIT=split, BLOCK=1024)
+                                                        HAS_BIAS=bias is not None, SPLIT=split, BLOCK=1024,
+                                                        **chained(out.device))
     return y.view(*x.shape[:-1], N)

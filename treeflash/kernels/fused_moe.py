@@ -27,12 +27,15 @@ import torch
 import triton
 import triton.language as tl
 
+from treeflash.kernels.chained import chained, start_after_previous
+
 
 @triton.jit
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr, RENORM: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """One token: softmax over its E router logits (float32), the k largest (the lowest
     expert id first among equal ones), optionally renormalised to sum to 1."""
+    start_after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + t * E + e, mask=e < E, other=-float("inf")).to(tl.float32)
@@ -62,15 +65,18 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     if T:
         _route_kernel[(T,)](logits.contiguous(), weights, ids, E, top_k, RENORM=renormalize,
-                            BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k), num_warps=4)
+                            BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k), num_warps=4,
+                            **chained(logits.device))
     return weights, ids
 
 
 @triton.jit
-def _group_kernel(ids_ptr, order_ptr, bounds_ptr, P, E: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+def _group_kernel(ids_ptr, order_ptr, bounds_ptr, P, E: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """One program: count the pairs per expert, then place each pair after the earlier
     pairs of its expert (a chunk at a time: those of earlier chunks, counted as they
     pass, and those earlier in its chunk, a cumulative sum over the chunk)."""
+    start_after_previous(PDL)
     e = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], tl.int32)
     for p0 in range(0, P, CHUNK):
@@ -114,7 +120,8 @@ def group_pairs(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Te
     block_e, chunk = _group_chunk(experts)
     order = torch.empty(P, dtype=torch.int64, device=ids.device)
     bounds = torch.empty(experts + 1, dtype=torch.int32, device=ids.device)
-    _group_kernel[(1,)](ids.contiguous(), order, bounds, P, experts, BLOCK_E=block_e, CHUNK=chunk, num_warps=8)
+    _group_kernel[(1,)](ids.contiguous(), order, bounds, P, experts, BLOCK_E=block_e, CHUNK=chunk, num_warps=8,
+                        **chained(ids.device))
     return order, bounds
 
 
@@ -189,9 +196,10 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, act_ptr, order_ptr, bounds_ptr, 
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
                     SCALED: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr, PDL: tl.constexpr = False):
     """act = silu(gate) * up of one tile; HAS_BIAS: gate and up get their bias (b [E, 2I],
     gate's then up's) first; CLAMP: gpt-oss's SwiGLU with `alpha` and `limit`."""
+    start_after_previous(PDL)
     e, rows, valid = _row_block(bounds_ptr, E, BLOCK_M, BLOCK_E)
     if e >= E:
         return
@@ -222,9 +230,11 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, b_ptr, rw_ptr, out_ptr, order_ptr, bound
                  E: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
-                 SCALED: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr, HAS_BIAS: tl.constexpr):
+                 SCALED: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """out = routing weight * (act @ down^T (+ the expert's bias b [E, H] with HAS_BIAS))
     of one tile, in float32."""
+    start_after_previous(PDL)
     e, rows, valid = _row_block(bounds_ptr, E, BLOCK_M, BLOCK_E)
     if e >= E:
         return
@@ -270,8 +280,9 @@ def _rows_times_vector(w_rows, row_ok, x_ptr, s_rows, K, k_blocks,
 def _decode_gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, act_ptr, alpha, limit,
                            H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SCALED: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr, PDL: tl.constexpr = False):
     """One token, program (pick j, row block): act[j, rows] of expert ids[j], as `_gate_up_kernel`."""
+    start_after_previous(PDL)
     j = tl.program_id(0)
     e = tl.load(ids_ptr + j).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -292,9 +303,11 @@ def _decode_gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, act_ptr, alpha, 
 def _decode_down_kernel(act_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, rw_ptr, out_ptr,
                         H: tl.constexpr, I: tl.constexpr, TOPK: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SCALED: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr, HAS_BIAS: tl.constexpr):
+                        SCALED: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """One token, program (row block): out[rows] = sum over its k picks of routing weight x
     (down[e] act[j] (+ bias)), in float32, then cast: the token's sum needs no launch."""
+    start_after_previous(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < H
     KB: tl.constexpr = (I + SK - 1) // SK
@@ -332,11 +345,11 @@ def _decode_experts(x, weights, ids, gate_up, down, scales, block, bias, clamp, 
     _decode_gate_up_kernel[(k, triton.cdiv(I, bn1))](
         x, gate_up, scales[0], b_gate_up, ids, act, alpha, limit, H, I, BLOCK_N=bn1, BLOCK_K=bk1, SCALED=fp8,
         SN=block[0], SK=block[1], HAS_BIAS=bias is not None, CLAMP=clamp is not None, num_warps=4,
-        num_stages=3)
+        num_stages=3, **chained(x.device))
     out = torch.empty(1, H, dtype=x.dtype, device=x.device)
     _decode_down_kernel[(triton.cdiv(H, bn2),)](
         act, down, scales[1], b_down, ids, weights, out, H, I, TOPK=k, BLOCK_N=bn2, BLOCK_K=bk2, SCALED=fp8,
-        SN=block[0], SK=block[1], HAS_BIAS=bias is not None, num_warps=4, num_stages=3)
+        SN=block[0], SK=block[1], HAS_BIAS=bias is not None, num_warps=4, num_stages=3, **chained(act.device))
     return out
 
 
@@ -397,11 +410,11 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     _gate_up_kernel[(blocks, triton.cdiv(I, bn))](
         x, gate_up, scales[0], b_gate_up, act, order, bounds, alpha, limit, E, H, I, TOPK=k, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=BE, PRECISION=precision, SCALED=fp8 is not None, SN=sn, SK=sk,
-        HAS_BIAS=bias is not None, CLAMP=clamp is not None, num_warps=4, num_stages=stages)
+        HAS_BIAS=bias is not None, CLAMP=clamp is not None, num_warps=4, num_stages=stages, **chained(x.device))
     out = torch.empty(P, H, dtype=torch.float32, device=x.device)
     _, bn, bk, stages = _tiles(P, E, H, I, x.dtype, fp8 is not None)
     _down_kernel[(blocks, triton.cdiv(H, bn))](
         act, down, scales[1], b_down, weights.reshape(-1).contiguous(), out, order, bounds, E, H, I, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=BE, PRECISION=precision, SCALED=fp8 is not None, SN=sn, SK=sk,
-        HAS_BIAS=bias is not None, num_warps=4, num_stages=stages)
+        HAS_BIAS=bias is not None, num_warps=4, num_stages=stages, **chained(act.device))
     return out.view(T, k, H).sum(1).to(x.dtype)

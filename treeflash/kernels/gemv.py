@@ -14,16 +14,20 @@ import torch
 import triton
 import triton.language as tl
 
+from treeflash.kernels.chained import chained, start_after_previous
+
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, N, K, KS,
                  GATED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SCALED: tl.constexpr = False, QBN: tl.constexpr = 1, QBK: tl.constexpr = 1):
+                 SCALED: tl.constexpr = False, QBN: tl.constexpr = 1, QBK: tl.constexpr = 1,
+                 PDL: tl.constexpr = False):
     """y[rows] = W[rows, :] @ x for one block of BLOCK_N output rows; x is [K] (or
     [gate | up] of 2K with GATED). SCALED: W is FP8 with one scale per (QBN, QBK) block
     (s [ceil(N / QBN), KS]); each QBK-column piece of a row's products is summed, then
     scaled."""
+    start_after_previous(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows[:, None].to(tl.int64) * K
@@ -91,5 +95,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, bias if bias is not None else weight, y, scale if scale is not None else weight, N, K,
         1 if scale is None else scale.shape[1], GATED=gated, HAS_BIAS=bias is not None,
         EVEN=N % bn == 0 and K % bk == 0, BLOCK_N=bn, BLOCK_K=bk, SCALED=scale is not None,
-        QBN=block[0], QBK=block[1], num_warps=warps, num_stages=stages)
+        QBN=block[0], QBK=block[1], num_warps=warps, num_stages=stages, **chained(x.device))
     return y

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from treeflash.kernels.chained import chained, start_after_previous, wait_for_previous
 from treeflash.layers.attention import AttentionInputs
 
 BLOCK_N = 64  # keys per tile
@@ -111,6 +112,7 @@ def _partial_attention(
     HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_N_TREE: tl.constexpr, FP32_DOT: tl.constexpr, WINDOW: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (b * HKV + kv head, split, row program): the T*G rows of that KV head
     (row tiles row_program, row_program + row programs, ...) against one key range,
@@ -122,6 +124,7 @@ def _partial_attention(
     or num_splits - 1) also attends the block with its mask, one partial for both.
     WINDOW: the prefix chunks cover only the slots some row can see (module doc).
     """
+    start_after_previous(PDL)
     ROWS: tl.constexpr = T * G
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -177,14 +180,16 @@ def _partial_attention(
 @triton.jit
 def _merge(o_ptr, lse_ptr, out_ptr, sinks_ptr, parts,
            HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
-           R: tl.constexpr, CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr):
+           R: tl.constexpr, CHUNK: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr = False):
     """Program (b * HKV + kv head, block of R rows): out = sum_s 2^(lse_s - M) o_s /
     sum_s 2^(lse_s - M) over the parts, CHUNK at a time (one chunk for up to CHUNK
     parts: all loads in flight at once). A part with lse = -inf did not run and its o
     is whatever the buffer held (NaN included): it gets weight 0 and is never added.
     HAS_SINKS: the head's sink is one more part, of lse sinks[head] (natural log) and
     o = 0. A row that saw no key and has no sink gets 0, as SDPA gives it.
-    out is [B, T, H, D] contiguous."""
+    out is [B, T, H, D] contiguous. It lets the next kernel launch only when it is done:
+    it runs beside the prefix pass (kernels/chained.py)."""
+    wait_for_previous(PDL)
     ROWS: tl.constexpr = T * G
     BLOCKS: tl.constexpr = (ROWS + R - 1) // R
     pid = tl.program_id(0)
@@ -310,7 +315,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         window or 0, HKV=HKV, G=G, T=T, D=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         BLOCK_N_TREE=max(16, min(BLOCK_N, triton.next_power_of_2(T))), FP32_DOT=fp32, WINDOW=window is not None,
         # small row tiles are memory-bound: one more tile in flight (H200, 16K, T=1: -5%)
-        num_warps=8 if block_m >= 128 else 4, num_stages=2 if fp32 else 4 if block_m <= 64 else 3)
+        num_warps=8 if block_m >= 128 else 4, num_stages=2 if fp32 else 4 if block_m <= 64 else 3, **chained(q.device))
     # One or two warps per merge program and few rows each: the merge is a latency
     # chain of small loads, and 4 warps reducing one row's splits cost 12.6 us per layer
     # at T = 64 (2048 programs) against 2.6 us with one (H200, NOTES.md). One row per
@@ -323,5 +328,5 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     chunk = min(triton.next_power_of_2(parts), 4096 * merge_warps // (merge_rows * D))
     _merge[(B * HKV * triton.cdiv(rows, merge_rows),)](
         o_part, lse_part, out, lse_part if sinks is None else sinks.contiguous(), parts, HKV=HKV, G=G, T=T, D=D,
-        R=merge_rows, CHUNK=chunk, HAS_SINKS=sinks is not None, num_warps=merge_warps)
+        R=merge_rows, CHUNK=chunk, HAS_SINKS=sinks is not None, num_warps=merge_warps, **chained(o_part.device))
     return out

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from treeflash.engine.tree import DraftTree
+from treeflash.kernels.chained import chained, start_after_previous
 
 MAX_BUDGET = 512
 MAX_ENTRIES = 16384   # D * N: the final top-k holds that many int64 in registers
@@ -122,10 +123,12 @@ def _build_tree_kernel(
     sv_b, sv_d, sv_k, si_b, si_d, si_k, K,
     N: tl.constexpr, D: tl.constexpr, LOG_NP: tl.constexpr, LOG_CP: tl.constexpr, LOG_TP: tl.constexpr,
     MP: tl.constexpr, DP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program b builds request b's tree. Scratch (per request): score/src [D*N] the
     beams (float score; parent rank << 16 | column j), node [D*N] beam entry -> node
     index, chain [MP*DP] the ancestor-at-depth table."""
+    start_after_previous(PDL)
     M: tl.constexpr = N + 1
     NP: tl.constexpr = 2 ** LOG_NP
     CP: tl.constexpr = 2 ** LOG_CP
@@ -277,5 +280,5 @@ def build_tree_fused(top_vals: torch.Tensor, top_ids: torch.Tensor, anchor: torc
         *top_vals.stride(), *top_ids.stride(), K,
         N=N, D=D, LOG_NP=NP.bit_length() - 1, LOG_CP=cand.numel().bit_length() - 1,
         LOG_TP=TP.bit_length() - 1, MP=MP, DP=DP,
-        RT=_ROW_TILE, CT=_COL_TILE, num_warps=_warps(cand.numel(), TP))
+        RT=_ROW_TILE, CT=_COL_TILE, num_warps=_warps(cand.numel(), TP), **chained(top_vals.device))
     return DraftTree(tokens, parents, depths, ancestors, valid)

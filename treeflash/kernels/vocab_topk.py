@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from treeflash.kernels.chained import chained, start_after_previous
 from treeflash.kernels.tree_build import _PAD_KEY, _key_score, _pack, _score_key, _topk, _unpack
 
 CHUNK = 4096  # the most vocabulary entries per program
@@ -33,9 +34,10 @@ def _lse_parts(x):
 
 @triton.jit
 def _chunk_topk(x_ptr, val_ptr, id_ptr, max_ptr, sum_ptr, V, sx, K,
-                LOG_C: tl.constexpr, LOG_K: tl.constexpr, CHUNKS: tl.constexpr):
+                LOG_C: tl.constexpr, LOG_K: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, chunk): the chunk's top 2^LOG_K (value, id) and (max, sumexp).
     With one chunk, writes the row's final answer (first K entries) and its lse."""
+    start_after_previous(PDL)
     C: tl.constexpr = 2 ** LOG_C
     KP: tl.constexpr = 2 ** LOG_K
     row = tl.program_id(0)
@@ -61,11 +63,13 @@ def _chunk_topk(x_ptr, val_ptr, id_ptr, max_ptr, sum_ptr, V, sx, K,
 
 @triton.jit
 def _merge_topk(cval_ptr, cid_ptr, cmax_ptr, csum_ptr, val_ptr, id_ptr, max_ptr, sum_ptr, K, PARTS,
-                LOG_K: tl.constexpr, GROUP: tl.constexpr, LOG_P: tl.constexpr, FINAL: tl.constexpr):
+                LOG_K: tl.constexpr, GROUP: tl.constexpr, LOG_P: tl.constexpr, FINAL: tl.constexpr,
+                PDL: tl.constexpr = False):
     """Program (row, group): the top 2^LOG_K of parts group * GROUP, ... (each part a
     sorted 2^LOG_K candidates and its (max, sumexp)) and their combined (max, sumexp),
     in the parts' own layout for the next level; FINAL (one group): the row's first K
     values and ids and its lse (into max_ptr)."""
+    start_after_previous(PDL)
     KP: tl.constexpr = 2 ** LOG_K
     P: tl.constexpr = 2 ** LOG_P
     row = tl.program_id(0)
@@ -135,7 +139,7 @@ def topk_logsumexp(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
     lse = torch.empty(R, dtype=torch.float32, device=x.device)
     if parts == 1:
         _chunk_topk[(R, 1)](rows, vals, ids, lse, lse, V, rows.stride(0), k,
-                            LOG_C=log_c, LOG_K=log_k, CHUNKS=1, num_warps=warps)
+                            LOG_C=log_c, LOG_K=log_k, CHUNKS=1, num_warps=warps, **chained(rows.device))
         return vals.view(*lead, k), ids.view(*lead, k), lse.view(*lead, 1)
     kp = 2 ** log_k
 
@@ -147,13 +151,14 @@ def topk_logsumexp(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
 
     level = part_buffers(parts)
     _chunk_topk[(R, parts)](rows, *level, V, rows.stride(0), k,
-                            LOG_C=log_c, LOG_K=log_k, CHUNKS=parts, num_warps=warps)
+                            LOG_C=log_c, LOG_K=log_k, CHUNKS=parts, num_warps=warps, **chained(rows.device))
     while True:
         group = min(parts, max(2, MERGE // kp))
         groups = triton.cdiv(parts, group)
         out = (vals, ids, lse, lse) if groups == 1 else part_buffers(groups)
         _merge_topk[(R, groups)](*level, *out, k, parts, LOG_K=log_k, GROUP=group,
-                                 LOG_P=(group * kp - 1).bit_length(), FINAL=groups == 1, num_warps=4)
+                                 LOG_P=(group * kp - 1).bit_length(), FINAL=groups == 1, num_warps=4,
+                                 **chained(rows.device))
         if groups == 1:
             return vals.view(*lead, k), ids.view(*lead, k), lse.view(*lead, 1)
         level, parts = out, groups

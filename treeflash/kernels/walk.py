@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from treeflash.kernels.chained import chained, start_after_previous
+
 _TILE, _COL_TILE = 8192, 128  # ancestor matrix tile: elements, columns
 
 
@@ -27,7 +29,8 @@ def _mismatch(tok_ptr, par_ptr, valid_ptr, tgt_ptr, cols, ok):
 @triton.jit
 def _walk_kernel(tok_ptr, par_ptr, dep_ptr, valid_ptr, anc_ptr, tgt_ptr,
                  best_ptr, acc_ptr, path_ptr, bonus_ptr, new_ptr,
-                 M, D: tl.constexpr, DP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr):
+                 M, D: tl.constexpr, DP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr, PDL: tl.constexpr = False):
+    start_after_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     tok_ptr += b * M
     par_ptr += b * M
@@ -94,14 +97,16 @@ def walk_fused(tokens, parents, depths, valid, ancestors, target_tokens, max_dep
     _walk_kernel[(B,)](
         tokens.contiguous(), parents.contiguous(), depths.contiguous(), valid.contiguous().view(torch.uint8),
         ancestors.contiguous().view(torch.uint8), target_tokens.contiguous(),
-        best, accepted, path, bonus, new, M, D=D, DP=triton.next_power_of_2(D + 2), RT=min(MP, _TILE // CT), CT=CT)
+        best, accepted, path, bonus, new, M, D=D, DP=triton.next_power_of_2(D + 2), RT=min(MP, _TILE // CT), CT=CT,
+        **chained(tokens.device))
     return best, accepted, path, bonus, new
 
 
 @triton.jit
 def _compact_kernel(k_ptr, v_ptr, base_ptr, src_ptr, B, H, S, P,
-                    PP: tl.constexpr, D: tl.constexpr):
+                    PP: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False):
     """Program (layer, request, head): its P rows of K and of V, all read, then written."""
+    start_after_previous(PDL)
     pid = tl.program_id(0).to(tl.int64)
     b = (pid // H) % B
     i = tl.arange(0, PP)
@@ -123,4 +128,4 @@ def compact_fused(k: torch.Tensor, v: torch.Tensor, prefix_lens: torch.Tensor, s
     L, B, H, S, D = k.shape
     P = src.shape[1]
     _compact_kernel[(L * B * H,)](k, v, prefix_lens.contiguous(), src.contiguous(), B, H, S, P,
-                                  PP=triton.next_power_of_2(P), D=D)
+                                  PP=triton.next_power_of_2(P), D=D, **chained(k.device))

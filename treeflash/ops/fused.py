@@ -11,10 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
+from treeflash.kernels.chained import chained, start_after_previous
+
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, H, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    start_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
@@ -41,14 +44,16 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     total = torch.empty_like(xs) if residual is not None else out
     rs = residual.reshape(-1, H).contiguous() if residual is not None else xs
     _add_rms_norm_kernel[(xs.shape[0],)](xs, rs, weight, out, total, H, eps,
-                                         HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(H))
+                                         HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(H),
+                                         **chained(xs.device))
     out = out.view(x.shape)
     return (total.view(x.shape), out) if residual is not None else out
 
 
 @triton.jit
-def _cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, scale, D: tl.constexpr):
+def _cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, scale, D: tl.constexpr, PDL: tl.constexpr = False):
     """Row (token): cos and sin of position * inv_freq, the D/2 frequencies twice, times scale."""
+    start_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, D)
     freq = tl.load(pos_ptr + row).to(tl.float32) * tl.load(inv_ptr + j % (D // 2))
@@ -63,12 +68,14 @@ def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
     cos = torch.empty(*positions.shape, D, dtype=dtype, device=positions.device)
     sin = torch.empty_like(cos)
     if positions.numel():  # (no tokens: nothing to launch)
-        _cos_sin_kernel[(positions.numel(),)](positions.contiguous(), inv_freq, cos, sin, float(scale), D=D)
+        _cos_sin_kernel[(positions.numel(),)](positions.contiguous(), inv_freq, cos, sin, float(scale), D=D,
+                                              **chained(positions.device))
     return cos, sin
 
 
 @triton.jit
-def _gather_rows_kernel(w_ptr, ids_ptr, out_ptr, H, BLOCK: tl.constexpr):
+def _gather_rows_kernel(w_ptr, ids_ptr, out_ptr, H, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    start_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     src = tl.load(ids_ptr + row).to(tl.int64)  # int32 ids: src * H may pass 2^31
@@ -81,7 +88,8 @@ def gather_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*ids.shape, H, dtype=weight.dtype, device=weight.device)
     BLOCK = min(triton.next_power_of_2(H), 4096)
     if ids.numel():  # (no tokens: nothing to launch)
-        _gather_rows_kernel[(ids.numel(), triton.cdiv(H, BLOCK))](weight, ids.contiguous(), out, H, BLOCK=BLOCK)
+        _gather_rows_kernel[(ids.numel(), triton.cdiv(H, BLOCK))](weight, ids.contiguous(), out, H, BLOCK=BLOCK,
+                                                                  **chained(weight.device))
     return out
 
 
@@ -108,7 +116,8 @@ def _norm_rotate(a, b, wa, wb, c1, c2, s1, s2, eps, HAS_NORM: tl.constexpr, D: t
 
 @triton.jit
 def _norm_rope_kernel(x_ptr, sx_b, sx_t, sx_head, T, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, eps,
-                      HAS_NORM: tl.constexpr, D: tl.constexpr, HB: tl.constexpr):
+                      HAS_NORM: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr = False):
+    start_after_previous(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * HB + tl.arange(0, HB)
     ok = (head < heads)[:, None]
@@ -139,12 +148,13 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     HB, warps = heads_per_program(B * T)
     _norm_rope_kernel[(B * T, triton.cdiv(H, HB))](
         x, x.stride(0), x.stride(1), x.stride(2), T, weight if weight is not None else x, cos, sin, out, H, eps,
-        HAS_NORM=weight is not None, D=D, HB=HB, num_warps=warps)
+        HAS_NORM=weight is not None, D=D, HB=HB, num_warps=warps, **chained(x.device))
     return out
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    start_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < I
@@ -159,17 +169,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows = gate_up.reshape(-1, I2).contiguous()
     out = torch.empty(rows.shape[0], I2 // 2, dtype=gate_up.dtype, device=gate_up.device)
     BLOCK = 1024
-    _silu_mul_kernel[(rows.shape[0], triton.cdiv(I2 // 2, BLOCK))](rows, out, I2 // 2, BLOCK=BLOCK)
+    _silu_mul_kernel[(rows.shape[0], triton.cdiv(I2 // 2, BLOCK))](rows, out, I2 // 2, BLOCK=BLOCK,
+                                                                   **chained(rows.device))
     return out.view(*gate_up.shape[:-1], I2 // 2)
 
 
 @triton.jit
 def _rope_into_cache_kernel(x_ptr, sx_tok, T, H, HKV, head0, qw_ptr, kw_ptr, eps, cos_ptr, sin_ptr,
                             q_ptr, k_ptr, v_ptr, sc_b, sc_h, sc_s, prefix_ptr,
-                            HAS_NORM: tl.constexpr, D: tl.constexpr, HB: tl.constexpr):
+                            HAS_NORM: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr = False):
     """Program (token, block of HB heads) of the merged [q | k | v] heads: q heads are
     normed, rotated and stored to q; k heads normed, rotated and stored into the cache
     at slot prefix_lens[b] + t; v heads copied into the cache there."""
+    start_after_previous(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = head0 + tl.program_id(1) * HB + tl.arange(0, HB)
     b = tok // T
@@ -225,5 +237,5 @@ def rope_into_cache(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: torc
         qkv, qkv.stride(1), T, heads, kv_heads, head0, q_weight if has_norm else qkv,
         k_weight if has_norm else qkv, eps, cos, sin, q, k_cache, v_cache,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), prefix_lens, HAS_NORM=has_norm, D=D, HB=HB,
-        num_warps=warps)
+        num_warps=warps, **chained(qkv.device))
     return q if with_q else None

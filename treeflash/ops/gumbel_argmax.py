@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from treeflash.engine.sampling import noise_key
+from treeflash.kernels.chained import chained, start_after_previous
 
 
 @triton.jit
@@ -27,10 +28,11 @@ def _mix32(x):
 
 @triton.jit
 def _gumbel_argmax_kernel(logits_ptr, row_stride, key_ptr, temp_ptr, out_ptr, val_ptr, start, V: tl.constexpr,
-                          BLOCK: tl.constexpr, SPAN: tl.constexpr, SAMPLED: tl.constexpr):
+                          BLOCK: tl.constexpr, SPAN: tl.constexpr, SAMPLED: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, chunk): the argmax of ids chunk * SPAN + [0, SPAN) of its row;
     SAMPLED: of logits / T + noise where T > 0. Writes (index, value) to slot
     row * chunks + chunk (a chunk of only -inf gives index 0, as a row of them does)."""
+    start_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     if SAMPLED:
@@ -61,9 +63,11 @@ def _gumbel_argmax_kernel(logits_ptr, row_stride, key_ptr, temp_ptr, out_ptr, va
 
 
 @triton.jit
-def _chunks_argmax_kernel(idx_ptr, val_ptr, out_ptr, out_val_ptr, CHUNKS: tl.constexpr, CP: tl.constexpr):
+def _chunks_argmax_kernel(idx_ptr, val_ptr, out_ptr, out_val_ptr, CHUNKS: tl.constexpr, CP: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """Program row: the best of its chunks' (index, value), the lowest index among
     equal values (chunks are in id order, so this is the first index of the row)."""
+    start_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CP)
     ok = c < CHUNKS
@@ -87,12 +91,12 @@ def _argmax_rows(rows: torch.Tensor, key: torch.Tensor, temp: torch.Tensor, star
     out = torch.empty(R, chunks, dtype=torch.long, device=rows.device)
     val = torch.empty(R, chunks, dtype=torch.float32, device=rows.device)
     _gumbel_argmax_kernel[(R, chunks)](rows, rows.stride(0), key, temp, out, val, start, V,
-                                       BLOCK=block, SPAN=span, SAMPLED=sampled)
+                                       BLOCK=block, SPAN=span, SAMPLED=sampled, **chained(rows.device))
     if chunks == 1:
         return out.view(R), val.view(R)
     best, best_val = torch.empty(R, dtype=torch.long, device=rows.device), torch.empty(R, device=rows.device)
     _chunks_argmax_kernel[(R,)](out, val, best, best_val, CHUNKS=chunks, CP=triton.next_power_of_2(chunks),
-                                num_warps=1)
+                                num_warps=1, **chained(out.device))
     return best, best_val
 
 

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from treeflash.kernels.chained import chained, start_after_previous
+
 BLOCK = 1024
 
 
@@ -17,10 +19,11 @@ BLOCK = 1024
 def _controls_kernel(x_ptr, out_ptr, R, C, x_b, x_r,
                      bias_ptr, stop_ptr, pos_ptr, min_end_ptr, bias_b, bias_r, stop_b, stop_r,
                      count_ptr, seen_ptr, rep_ptr, freq_ptr, pres_ptr, count_b, count_r, seen_b, seen_r,
-                     BIASED: tl.constexpr, PENALIZED: tl.constexpr, BLOCK: tl.constexpr):
+                     BIASED: tl.constexpr, PENALIZED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row b * R + r, chunk of C): out[b, r, :] from the entries of x and of the
     per-entry inputs at their strides (stride 0 broadcasts a request's [V] row over its
     round's rows)."""
+    start_after_previous(PDL)
     row = tl.program_id(0)
     b = (row // R).to(tl.int64)
     r = (row % R).to(tl.int64)
@@ -68,5 +71,5 @@ def logit_controls(x: torch.Tensor, bias=None, penalties=None) -> torch.Tensor:
         pen_args = [count, seen, *penalties[2:], c_b, c_r, p_b, p_r]
     _controls_kernel[(B * R, triton.cdiv(C, BLOCK))](
         x, out, R, C, x.stride(0), x.stride(1), *bias_args, *pen_args,
-        BIASED=bias is not None, PENALIZED=penalties is not None, BLOCK=BLOCK)
+        BIASED=bias is not None, PENALIZED=penalties is not None, BLOCK=BLOCK, **chained(x.device))
     return out

@@ -12,12 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
+from treeflash.kernels.chained import chained, start_after_previous
+
 
 @triton.jit
 def _node_states_kernel(table_ptr, V, root_ptr, tokens_ptr, parents_ptr, depths_ptr, out_ptr, T,
-                        MAX_DEPTH: tl.constexpr, BLOCK_T: tl.constexpr):
+                        MAX_DEPTH: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
     """Program b: out[b, t] = table[out[b, parent], token] (row 0 where not allowed),
     level by level from the root's state; a level reads what the last one stored."""
+    start_after_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, BLOCK_T)
     inside = t < T
@@ -40,14 +43,16 @@ def node_states(table: torch.Tensor, root: torch.Tensor, tokens: torch.Tensor, p
     out = torch.empty(B, T, dtype=torch.long, device=tokens.device)
     _node_states_kernel[(B,)](table, table.shape[1], root, tokens.contiguous(), parents.contiguous(),
                               depths.contiguous(), out, T, MAX_DEPTH=max_depth,
-                              BLOCK_T=max(16, triton.next_power_of_2(T)))
+                              BLOCK_T=max(16, triton.next_power_of_2(T)), **chained(table.device))
     return out
 
 
 @triton.jit
-def _path_states_kernel(table_ptr, V, root_ptr, cand_ptr, out_ptr, D, K: tl.constexpr, BLOCK_K: tl.constexpr):
+def _path_states_kernel(table_ptr, V, root_ptr, cand_ptr, out_ptr, D, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """Program b: for each depth, the state before it, then the first of the depth's K
     candidates the state allows (else the first) moves it on."""
+    start_after_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK_K)
     state = tl.load(root_ptr + b)
@@ -64,13 +69,14 @@ def path_states(table: torch.Tensor, root: torch.Tensor, candidates: torch.Tenso
     B, D, K = candidates.shape
     out = torch.empty(B, D, dtype=torch.long, device=candidates.device)
     _path_states_kernel[(B,)](table, table.shape[1], root, candidates.contiguous(), out, D, K=K,
-                              BLOCK_K=max(16, triton.next_power_of_2(K)))
+                              BLOCK_K=max(16, triton.next_power_of_2(K)), **chained(table.device))
     return out
 
 
 @triton.jit
-def _grammar_mask_kernel(x_ptr, table_ptr, states_ptr, V, start, C, BLOCK: tl.constexpr):
+def _grammar_mask_kernel(x_ptr, table_ptr, states_ptr, V, start, C, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, block): x[row, c] = -inf where table[state of the row, start + c] < 0."""
+    start_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < C
@@ -87,5 +93,5 @@ def grammar_mask_(x: torch.Tensor, table: torch.Tensor, states: torch.Tensor, st
     B, R, C = x.shape
     BLOCK = 2048
     _grammar_mask_kernel[(B * R, triton.cdiv(C, BLOCK))](x, table, states.contiguous(), table.shape[1], start, C,
-                                                         BLOCK=BLOCK)
+                                                         BLOCK=BLOCK, **chained(x.device))
     return x
