@@ -20,6 +20,7 @@ import transformers  # the oracle: 4.55 or later has gpt-oss (the test extra ask
 from conftest import ENGINE_PROMPTS
 from interpreter import CUDA
 from test_models import hf_greedy, hf_logits, padded, rel_err, tf_logits
+from test_gpu import assert_graphed_equals_eager_and_ar
 from test_speculative import assert_drafts_lossless, spec_llm
 
 from treeflash import LLM, SamplingParams, TreeflashError, UsageError
@@ -320,15 +321,6 @@ def test_gpu_engine_graphs_match_eager(method, budget, tmp_path):
     save_file(w, str(tmp_path / "model.safetensors"))
     drafter = write_random_drafter(tmp_path, tmp_path / "drafter", num_layers=1, block_size=8, seed=2)
     prompts = ["def fib(n):", "import os\nimport sys\n\nclass Point:", "x"]
-    params = [SamplingParams(max_new_tokens=40, temperature=t, seed=i, ignore_eos=True)
-              for i, t in enumerate((0.0, 1.0, 0.0))]
-    kw = dict(draft_model=None if method == "ar" else drafter, method=method, budget=budget, device="cuda",
-              dtype="float32")
-    eager = LLM(tmp_path, cuda_graphs=False, **kw).generate(prompts, params)
-    graphed_llm = LLM(tmp_path, cuda_graphs=True, **kw)
-    assert graphed_llm.target.model.layers[0].self_attn.window == 8
-    assert any(isinstance(m, SparseMoE) for m in graphed_llm.target.modules())
-    graphed = graphed_llm.generate(prompts, params)
-    ar = LLM(tmp_path, method="ar", device="cuda", dtype="float32", cuda_graphs=False).generate(prompts, params)
-    for e, g, a in zip(eager, graphed, ar):
-        assert g.token_ids == e.token_ids == a.token_ids
+    graphed = assert_graphed_equals_eager_and_ar(tmp_path, drafter, method, budget, prompts, 40)
+    assert graphed.target.model.layers[0].self_attn.window == 8
+    assert any(isinstance(m, SparseMoE) for m in graphed.target.modules())

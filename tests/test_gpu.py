@@ -41,6 +41,23 @@ def test_graphs_match_eager(pair, method, budget, temperature):
         assert e.token_ids == r.token_ids  # and speculative == autoregressive on the GPU too
 
 
+def assert_graphed_equals_eager_and_ar(target, drafter, method: str, budget: int | None, prompts: list,
+                                       max_new_tokens: int) -> LLM:
+    """Graphed generation (greedy and T = 1.0 prompts mixed) gives the eager engine's
+    tokens and AR's; returns the graphed engine for further checks."""
+    params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=(0.0, 1.0)[i % 2], seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    kw = dict(draft_model=None if method == "ar" else drafter, method=method, budget=budget, device="cuda",
+              dtype="float32")
+    eager = LLM(target, cuda_graphs=False, **kw).generate(prompts, params)
+    llm = LLM(target, cuda_graphs=True, **kw)
+    graphed = llm.generate(prompts, params)
+    ar = LLM(target, method="ar", device="cuda", dtype="float32", cuda_graphs=False).generate(prompts, params)
+    for e, g, a in zip(eager, graphed, ar):
+        assert g.token_ids == e.token_ids == a.token_ids
+    return llm
+
+
 @pytest.fixture(scope="module")
 def warm_pair(pair, tmp_path_factory):
     """`pair` with its 8 peaked LM-head rows cut from 25x to 5x and the head halved:

@@ -23,6 +23,7 @@ from conftest import ENGINE_PROMPTS, MOE_TINY, MOE_VARIANTS
 from interpreter import CUDA, run_interpreted, spawns_interpreter
 from interpreter import kernel as kernel_test
 from test_models import hf_greedy, hf_logits, padded, rel_err, tf_logits
+from test_gpu import assert_graphed_equals_eager_and_ar
 from test_speculative import assert_drafts_lossless
 from test_tp import _run
 
@@ -410,13 +411,4 @@ def test_gpu_engine_graphs_match_eager(spec_moe, method, budget, fp8, tmp_path):
     target, drafter = spec_moe
     if fp8:
         target = write_fp8_copy(target, tmp_path / "fp8", block=(16, 16))
-    prompts = ["def fib(n):", "import os", "x"]
-    params = [SamplingParams(max_new_tokens=32, temperature=t, seed=i, ignore_eos=True)
-              for i, t in enumerate((0.0, 1.0, 0.0))]
-    kw = dict(draft_model=None if method == "ar" else drafter, method=method, budget=budget, device="cuda",
-              dtype="float32")
-    eager = LLM(target, cuda_graphs=False, **kw).generate(prompts, params)
-    graphed = LLM(target, cuda_graphs=True, **kw).generate(prompts, params)
-    ar = LLM(target, method="ar", device="cuda", dtype="float32", cuda_graphs=False).generate(prompts, params)
-    for e, g, a in zip(eager, graphed, ar):
-        assert g.token_ids == e.token_ids == a.token_ids
+    assert_graphed_equals_eager_and_ar(target, drafter, method, budget, ["def fib(n):", "import os", "x"], 32)
