@@ -32,19 +32,18 @@ import triton
 import triton.language as tl
 
 
-@functools.cache
-def _capability(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
-
-
 def chained(device: torch.device) -> dict:
     """Launch keywords for a kernel that begins with `start_after_previous(PDL)` or
     `wait_for_previous(PDL)`: the dependent launch where the GPU has it (sm_90+), else
     the plain launch (CPUs, the Triton interpreter, older GPUs, where the wait would not
-    compile)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return {"PDL": False}
-    if _capability(device.index if device.index is not None else torch.cuda.current_device()) < 9:
+    compile). Known once per device: eager launches ask on every call."""
+    return _chained(device.type, device.index)
+
+
+@functools.cache
+def _chained(kind: str, index: int | None) -> dict:
+    if kind != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or \
+            torch.cuda.get_device_capability(index)[0] < 9:
         return {"PDL": False}
     return {"PDL": True, "launch_pdl": True}
 
