@@ -8,7 +8,7 @@ launch attribute set (Hopper and later), a kernel is launched once every program
 the one before it has started and called `griddepcontrol.launch_dependents` (or has
 finished); its programs then sit on the SMs at `griddepcontrol.wait` until the previous
 kernel has finished and its writes are visible. On an H200 this took the 8B shape's AR
-step from 1.22x to 1.18x its memory floor (BENCHMARKS.md section 2).
+step from 1.22x to 1.18x its memory floor (BENCHMARKS.md section 13).
 
 Every kernel launched this way waits before it touches memory, so nothing is read or
 written early: only the launch overlaps. Completion stays ordered (a kernel finishes
@@ -58,8 +58,8 @@ def wait_for_previous(PDL: tl.constexpr):
 
 @triton.jit
 def start_after_previous(PDL: tl.constexpr):
-    """`wait_for_previous`, and let the next kernel launch at once: for kernels that
-    are short, so that the next one's programs are placed while this one runs."""
+    """`wait_for_previous`, and let the next kernel launch at once, so that its
+    programs are placed while this one runs (every kernel but the attention merge)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
