@@ -142,6 +142,7 @@ def test_dependent_launches_read_what_the_previous_kernel_wrote():
     each one's programs are placed while the previous kernel runs. A chain in which
     every kernel reads what the one before it wrote last, graphed and replayed, gives
     the bits of the same chain run a kernel at a time, and of torch."""
+    from treeflash.engine.round import capture
     from treeflash.kernels.chained import chained
     from treeflash.kernels.gemv import gemv
     from treeflash.ops.fused import add_rms_norm
@@ -165,14 +166,7 @@ def test_dependent_launches_read_what_the_previous_kernel_wrote():
         return add_rms_norm(x, norm, 1e-6, residual)[1]
 
     stepwise = chain(sync=True)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        chain(sync=False)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graphed = chain(sync=False)
+    graph, graphed = capture(lambda: chain(sync=False), warmup=1)
     for _ in range(20):
         graph.replay()
         assert torch.equal(graphed, stepwise)
