@@ -98,6 +98,37 @@ def test_gemv_matches_linear(dtype, N, K):
 
 @gpu_or_interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K", [(640, 384), (100, 300), (4352, 64), (96, 4096)])
+def test_few_row_matmul_matches_linear(dtype, N, K):
+    """The few-row product a verify round or a draft block takes (2-64 rows: padded,
+    exact tiles, and K split into shares or not; sizes off the tiles), with bias, and
+    gated (silu(gate) * up, the MLP's first half), against torch in float64; on a GPU
+    `ops.linear` and `ops.swiglu`, as the layers call them, take it."""
+    from treeflash.kernels.matmul import MAX_ROWS, matmul
+    from treeflash.ops import linear, swiglu
+    torch.manual_seed(N + K)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    with torch.device(DEV), torch.no_grad():
+        w, b = torch.randn(N, K, dtype=dtype) / K ** 0.5, torch.randn(N, dtype=dtype)
+        for M in (2, 17, MAX_ROWS) if INTERPRET else (2, 16, 17, 33, MAX_ROWS):
+            x = torch.randn(1, M, K, dtype=dtype)
+            for bias in (None, b):
+                want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+                got = matmul(x, w, bias)
+                assert got.shape == (1, M, N) and got.dtype == dtype
+                assert (got.double() - want).abs().max() <= tol * want.abs().max(), (M, bias is not None)
+                assert not CUDA or torch.equal(linear(x, w, bias), got)
+            # gated: w is [gate; up], the MLP's merged projection
+            g, u = F.linear(x.double(), w.double(), b.double()).chunk(2, -1)
+            want = F.silu(g) * u
+            got = matmul(x, w, b, gated=True)
+            assert got.shape == (1, M, N // 2) and got.dtype == dtype
+            assert (got.double() - want).abs().max() <= 2 * tol * want.abs().max(), M
+            assert not CUDA or torch.equal(swiglu(x, w, b), got)
+
+
+@gpu_or_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(2, 65, 4096), (3, 1000), (1, 1, 7), (3, 20000)])
 def test_row_argmax_matches_argmax(dtype, shape):
     """Greedy picks in one launch (two past 8192 entries a row): torch.argmax's index, the
@@ -209,8 +240,8 @@ def test_logit_controls_match_torch(dtype, rows, per_row, controls):
 
 @spawns_interpreter
 def test_ops_in_the_triton_interpreter():
-    run_interpreted(__file__, "gemv_matches or rope_into_cache or row_argmax or gumbel_argmax or cos_sin "
-                    "or embedding_rows or logit_controls or node_states or path_states or grammar_mask", 32)
+    run_interpreted(__file__, "gemv_matches or few_row_matmul or rope_into_cache or row_argmax or gumbel_argmax or cos_sin "
+                    "or embedding_rows or logit_controls or node_states or path_states or grammar_mask", 36)
 
 
 def _grammar_batch(V: int, B: int, seed: int):

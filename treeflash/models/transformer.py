@@ -10,7 +10,6 @@ pass computes logits for every tree node and a prefill only for its last token.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from treeflash.config import ModelConfig
@@ -24,12 +23,12 @@ from treeflash.layers.linear import ColumnParallelLinear, RowParallelLinear, Sha
 from treeflash.layers.norm import RMSNorm
 from treeflash.layers.rotary import RotaryEmbedding, apply_rotary
 from treeflash.models.moe import Experts, SparseMoE
-from treeflash.ops import fused_enabled, single_row
+from treeflash.ops import fused_enabled, single_row, swiglu
 
 try:  # Triton kernels, used only when `fused_enabled` (CUDA inference)
-    from treeflash.ops.fused import norm_rope, rope_into_cache, silu_mul
+    from treeflash.ops.fused import norm_rope, rope_into_cache
 except ImportError:
-    norm_rope = rope_into_cache = silu_mul = None
+    norm_rope = rope_into_cache = None
 
 
 class Attention(nn.Module):
@@ -124,11 +123,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(I, cfg.hidden_size, bias=bias, tp=tp)
 
     def gated(self, x):
-        gate_up = self.gate_up_proj(x)
-        if fused_enabled(x):
-            return silu_mul(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        gu = self.gate_up_proj
+        return swiglu(x, gu.weight, gu.bias, gu.fp8)
 
     def partial(self, x):
         """This rank's share of the output, before the all-reduce (bias-free MLPs only)."""

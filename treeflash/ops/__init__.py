@@ -70,18 +70,35 @@ def dequantized(weight: torch.Tensor, fp8: Fp8Weight, dtype: torch.dtype) -> tor
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            fp8: Fp8Weight | None = None) -> torch.Tensor:
     """F.linear (of the dequantized weight, with `fp8`: the activations stay in their
-    dtype); on the fused path a single row goes through the Triton GEMV, and FP8 weights
-    through Triton kernels that read them as they are."""
+    dtype); on the fused path a single row goes through the Triton GEMV, up to 64 rows
+    (a round's verify or draft) through the Triton few-row product, and FP8 weights
+    through those kernels at any row count, read as they are."""
     if fused_enabled(x) and weight.is_contiguous():
+        from treeflash.kernels.matmul import MAX_ROWS, matmul
         if fp8 is not None and fp8.fits_kernels:
-            from treeflash.kernels.fp8_linear import fp8_linear
-            return fp8_linear(x, weight, fp8.scale, fp8.block, bias)
-        if fp8 is None and single_row(x):
-            from treeflash.kernels.gemv import gemv
-            return gemv(x, weight, bias)
+            return matmul(x, weight, bias, fp8.scale, fp8.block)
+        if fp8 is None and x.dtype == weight.dtype and x.numel() <= MAX_ROWS * x.shape[-1]:
+            return matmul(x, weight, bias)
     if fp8 is not None:
         weight = dequantized(weight, fp8, x.dtype)
     return F.linear(x, weight, bias)
+
+
+def swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           fp8: Fp8Weight | None = None) -> torch.Tensor:
+    """silu(x W_gate^T) * (x W_up^T) for the MLP's merged weight [gate; up] ([..., I]).
+    On the fused path, up to 64 rows (a round's verify or draft) in one launch, the
+    gating in the product's epilogue; else the product, then `silu_mul` (GPU) or torch."""
+    if fused_enabled(x) and weight.is_contiguous() and (fp8 is None or fp8.fits_kernels):
+        from treeflash.kernels.matmul import MAX_ROWS, matmul
+        if x.numel() <= MAX_ROWS * x.shape[-1] and (fp8 is not None or x.dtype == weight.dtype):
+            return matmul(x, weight, bias, *(fp8 or (None, (1, 1))), gated=True)
+    gate_up = linear(x, weight, bias, fp8)
+    if fused_enabled(x):
+        from treeflash.ops.fused import silu_mul
+        return silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, fp8: Fp8Weight | None = None) -> torch.Tensor:
