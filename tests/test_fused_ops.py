@@ -101,7 +101,7 @@ def test_gemv_matches_linear(dtype, N, K):
 @pytest.mark.parametrize("N,K", [(640, 384), (100, 300), (4352, 64), (96, 4096)])
 def test_few_row_matmul_matches_linear(dtype, N, K):
     """The few-row product a verify round or a draft block takes (2-64 rows: padded,
-    exact tiles, and K split into shares or not; sizes off the tiles), with bias, and
+    exact tiles, and K split into shares or not; sizes off the tiles; none), with bias, and
     gated (silu(gate) * up, the MLP's first half), against torch in float64; on a GPU
     `ops.linear` and `ops.swiglu`, as the layers call them, take it."""
     from treeflash.kernels.matmul import MAX_ROWS, matmul
@@ -125,6 +125,8 @@ def test_few_row_matmul_matches_linear(dtype, N, K):
             assert got.shape == (1, M, N // 2) and got.dtype == dtype
             assert (got.double() - want).abs().max() <= 2 * tol * want.abs().max(), M
             assert not CUDA or torch.equal(swiglu(x, w, b), got)
+        empty = torch.randn(1, 0, K, dtype=dtype)  # no rows: nothing launched
+        assert matmul(empty, w, b).shape == (1, 0, N) and matmul(empty, w, b, gated=True).shape == (1, 0, N // 2)
 
 
 @gpu_or_interpreter

@@ -210,6 +210,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     M = rows.shape[0]
+    if M == 0:
+        return x.new_empty(*x.shape[:-1], N // 2 if gated else N)
     if scale is None:
         assert M <= MAX_ROWS and weight.dtype == x.dtype
         sms = _sm_count(x.device.index) if x.is_cuda else 132
