@@ -10,7 +10,9 @@ weights in one graph) it is 0.75-0.98x the time at 16 rows and 0.88-1.06x at 64;
 a Triton kernel it also joins the round's chain of dependent launches
 (`treeflash.kernels.chained`), which cuBLAS's kernels break (BENCHMARKS.md section 14).
 One row goes through the GEMV (`treeflash.kernels.gemv`); more than 64 rows, where
-the product becomes compute-bound, through cuBLAS.
+the product becomes compute-bound, through cuBLAS. With `gated` the MLP's [gate; up]
+product stores silu(gate) * up: one launch and half the output where there were a
+product and `silu_mul` (a third of the 8B shape's verify(63) gain).
 
 Block-scaled FP8 weights (DeepSeek-V3, Qwen3-FP8: e4m3 bytes and one float32 scale per
 block of (rows, columns)) go through the same kernel with `SCALED`: each weight tile is
