@@ -427,6 +427,8 @@ class GraphedState:
             fresh = (0, mode[-1])                                        # table: graphs of the old one go
             self.rounds = {m: g for m, g in self.rounds.items() if m[-1] in fresh}
             self.prefills = {k: g for k, g in self.prefills.items() if k[len(mode) - 1] in fresh}
+            if not self.rounds and not self.prefills:  # torch shares a pool only while one of its graphs
+                self.pool = torch.cuda.graph_pool_handle()  # lives: a released pool's id asserts at capture
         if mode not in self.rounds:
             self.st.tokens = None  # the capture's warm-up rounds write the caches from slot 0
             with self._counted():
