@@ -198,6 +198,26 @@ def test_fused_vocab_topk_merges_in_levels(monkeypatch, merge, k):
     assert torch.allclose(lse, x.logsumexp(-1, keepdim=True), atol=1e-5)
 
 
+@kernel
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_fused_vocab_topk_reads_only_the_best_chunks(k):
+    """With more chunks than k (a 152K vocabulary at k = 16: 297 chunks of 512), only the
+    k chunks of largest maxima are searched: still torch's answer when chunk maxima tie
+    (the lower chunk wins, as the lower id does), and on rows of -inf."""
+    from treeflash.kernels.vocab_topk import topk_logsumexp
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(4, 4650, generator=gen) * 3  # 10 chunks of 512, the last 42 entries
+    x[0, 1::4] = x[0, ::4][:x[0, 1::4].shape[-1]]
+    x[1, 7::300] = 20.0  # the same max in every chunk, twice in some
+    x[2] = float("-inf")
+    x[2, 4100] = 1.0  # one finite entry, in a late chunk
+    x[3] = float("-inf")
+    vals, ids, lse = (t.cpu() for t in topk_logsumexp(x.to(DEV), k))
+    ref = x.sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(vals, ref.values[..., :k]) and torch.equal(ids, ref.indices[..., :k])
+    assert torch.allclose(lse, x.logsumexp(-1, keepdim=True), atol=1e-5)
+
+
 def test_vocab_topk_limits():
     """The fused top-k takes the drafter's vocabulary at small k whatever its size (152K at
     budget 63); past k = 64 only smaller ones, where it is still faster than torch's."""
@@ -210,4 +230,4 @@ def test_vocab_topk_limits():
 
 @spawns_interpreter
 def test_kernel_in_the_triton_interpreter():
-    run_interpreted(__file__, "fused", len(CASES) + 3 + 1 + len(VOCAB_CASES) + 3)
+    run_interpreted(__file__, "fused", len(CASES) + 3 + 1 + len(VOCAB_CASES) + 3 + 3)

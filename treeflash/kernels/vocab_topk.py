@@ -8,9 +8,14 @@ exponentials, and selects the chunk's top k with the tree builder's bitonic top-
 packed (score, index) keys (ties toward the lower index). With one chunk that is the
 answer; otherwise merge launches take the top k of up to MERGE chunk candidates per
 program, and combine their log-sum-exps, level by level until one program per row is
-left (a 152K vocabulary at k = 16: 297 chunks, 2 groups, then 1). H200, 15 rows, bf16
-(BENCHMARKS.md section 2): V = 4096, k = 16 / 64: 5.6 / 7.1 us against 45 us for
-torch's topk + logsumexp; V = 151936: 52 / 73 us against 90 us.
+left.
+
+With more chunks than k (a 152K vocabulary at k = 16: 297 chunks of 512), only the k
+chunks of largest maxima can hold the top k, so a first pass takes every chunk's max
+and sum of exponentials and only those k chunks are searched. H200, 15 rows of bf16
+(BENCHMARKS.md section 15): V = 151936, k = 16 / 32 / 64: 15 / 28 / 48 us, where every
+chunk was searched in 54 / 65 / 77 us (torch: 101 us); V = 4096 (8 chunks): 11-12 us
+(torch 53 us).
 """
 from __future__ import annotations
 
@@ -33,23 +38,62 @@ def _lse_parts(x):
 
 
 @triton.jit
-def _chunk_topk(x_ptr, val_ptr, id_ptr, max_ptr, sum_ptr, V, sx, K,
-                LOG_C: tl.constexpr, LOG_K: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (row, chunk): the chunk's top 2^LOG_K (value, id) and (max, sumexp).
-    With one chunk, writes the row's final answer (first K entries) and its lse."""
+def _chunk_stats(x_ptr, max_ptr, sum_ptr, V, sx, NCH,
+                 LOG_C: tl.constexpr, PER: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (row, group): max and sum of exponentials of chunks group * PER, ... of
+    2^LOG_C entries each, for `_chunk_topk`'s choice of chunks."""
+    start_after_previous(PDL)
+    C: tl.constexpr = 2 ** LOG_C
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * (PER * C) + tl.arange(0, PER * C)
+    x = tl.load(x_ptr + row.to(tl.int64) * sx + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    x = tl.reshape(x, [PER, C])
+    mx = tl.max(x, 1)
+    se = tl.sum(tl.exp(x - tl.where(mx == float("-inf"), 0.0, mx)[:, None]), 1)
+    ch = tl.program_id(1) * PER + tl.arange(0, PER)
+    tl.store(max_ptr + row * NCH + ch, mx, mask=ch < NCH)
+    tl.store(sum_ptr + row * NCH + ch, se, mask=ch < NCH)
+
+
+@triton.jit
+def _chunk_topk(x_ptr, val_ptr, id_ptr, max_ptr, sum_ptr, cmax_ptr, csum_ptr, V, sx, K, NCH,
+                LOG_C: tl.constexpr, LOG_K: tl.constexpr, CHUNKS: tl.constexpr,
+                SELECT: tl.constexpr, LOG_NCH: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (row, p): the top 2^LOG_K (value, id) of one chunk and a share of the
+    row's (max, sumexp), as part p of the row. Without SELECT the chunk is p and the
+    share its own. With SELECT (more chunks than 2^LOG_K) the row's top 2^LOG_K lie in
+    the 2^LOG_K chunks of largest maxima (each other chunk's max is at most the
+    2^LOG_K-th largest of these, and ties go to the lower chunk, as to the lower id):
+    the chunk is the p-th of those, its part is its rank in vocabulary order (merges
+    break ties by position), and the share is chunks p, p + 2^LOG_K, ... from
+    `_chunk_stats`. With one chunk, writes the row's answer (first K entries) and lse."""
     start_after_previous(PDL)
     C: tl.constexpr = 2 ** LOG_C
     KP: tl.constexpr = 2 ** LOG_K
     row = tl.program_id(0)
-    chunk = tl.program_id(1)
+    p = tl.program_id(1)
+    if SELECT:
+        c = tl.arange(0, 2 ** LOG_NCH)
+        c_ok = c < NCH
+        cmax = tl.load(cmax_ptr + row * NCH + c, mask=c_ok, other=float("-inf"))
+        _, chosen = _unpack(_topk(_pack(tl.where(c_ok, _score_key(cmax), _PAD_KEY), c), LOG_NCH, LOG_K))
+        chunk = tl.sum(tl.where(tl.arange(0, KP) == p, chosen, 0))
+        part = row * CHUNKS + tl.sum((chosen < chunk).to(tl.int32))
+        share = c_ok & (c % KP == p)
+        mx = tl.max(tl.where(share, cmax, float("-inf")), 0)
+        csum = tl.load(csum_ptr + row * NCH + c, mask=share, other=0.0)
+        se = tl.sum(tl.where(share, csum * tl.exp(cmax - tl.where(mx == float("-inf"), 0.0, mx)), 0.0), 0)
+    else:
+        chunk = p
+        part = row * CHUNKS + p
     offs = chunk * C + tl.arange(0, C)
     ok = offs < V
     x = tl.load(x_ptr + row.to(tl.int64) * sx + offs, mask=ok, other=float("-inf")).to(tl.float32)
-    mx, se = _lse_parts(x)
+    if not SELECT:
+        mx, se = _lse_parts(x)
     key = tl.where(ok, _score_key(x), _PAD_KEY)
     key, idx = _unpack(_topk(_pack(key, offs), LOG_C, LOG_K))
     k = tl.arange(0, KP)
-    part = row * CHUNKS + chunk
     if CHUNKS == 1:
         tl.store(val_ptr + row * K + k, _key_score(key), mask=k < K)
         tl.store(id_ptr + row * K + k, idx.to(tl.int64), mask=k < K)
@@ -108,21 +152,27 @@ def _chunk_log2(V: int, log_k: int) -> int:
     return min(max(9, log_k + 2), (V - 1).bit_length(), CHUNK.bit_length() - 1)
 
 
-MERGE = 4096  # the most candidates one merge program takes (parts x padded k)
+# The most candidates one merge program takes (parts x padded k). The bitonic top-k of a
+# wide row in one program is slow: merging 64 parts of 64 (k = 64) in two levels of 512
+# took 48 us for 15 rows of a 152K vocabulary, in one level of 4096 87 us (H200).
+MERGE = 512
 
 
 def fits(V: int, k: int) -> bool:
     """Whether `topk_logsumexp` takes (V, k); else torch's top-k is faster. The chunks'
-    bitonic top-k grows with k: H200, 15 rows, fused ÷ torch time at k = 16 / 64 / 128
-    / 256: V = 32768 0.23 / 0.68 / 0.78 / 0.97; V = 151936 0.58 / 0.80 / 1.09 / 1.72."""
+    bitonic top-k grows with k. H200, 15 rows, fused ÷ torch time before chunks were
+    chosen by their maxima, at k = 16 / 64 / 128 / 256: V = 32768 0.23 / 0.68 / 0.78 /
+    0.97; V = 151936 0.58 / 0.80 / 1.09 / 1.72 (now V = 32768 at k = 256: 0.60; V =
+    151936 at k = 64: 0.48; larger k not measured)."""
     return 1 <= k <= V and (k <= 64 or V * k <= 2 ** 23)
 
 
 def topk_logsumexp(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(values [..., k] descending, ids [..., k] (int64), logsumexp [..., 1]) of
     the float rows of x [..., V] on the GPU: `x.topk(k)` and `x.logsumexp(-1,
-    keepdim=True)` in one launch past one chunk, and merge levels of up to MERGE
-    candidates each past that. Equal values: lower id first. (V, k) must satisfy `fits`."""
+    keepdim=True)` in one launch for one chunk; past that a pass for the chunks' maxima
+    where there are more chunks than k, the chunks' top k, and merge levels of up to
+    MERGE candidates each. Equal values: lower id first. (V, k) must satisfy `fits`."""
     *lead, V = x.shape
     if not fits(V, k):
         raise ValueError(f"topk_logsumexp: k = {k} over {V} entries is outside what it handles (see fits)")
@@ -138,8 +188,9 @@ def topk_logsumexp(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
     ids = torch.empty(R, k, dtype=torch.long, device=x.device)
     lse = torch.empty(R, dtype=torch.float32, device=x.device)
     if parts == 1:
-        _chunk_topk[(R, 1)](rows, vals, ids, lse, lse, V, rows.stride(0), k,
-                            LOG_C=log_c, LOG_K=log_k, CHUNKS=1, num_warps=warps, **chained(rows.device))
+        _chunk_topk[(R, 1)](rows, vals, ids, lse, lse, lse, lse, V, rows.stride(0), k, 1, LOG_C=log_c,
+                            LOG_K=log_k, CHUNKS=1, SELECT=False, LOG_NCH=0, num_warps=warps,
+                            **chained(rows.device))
         return vals.view(*lead, k), ids.view(*lead, k), lse.view(*lead, 1)
     kp = 2 ** log_k
 
@@ -149,9 +200,20 @@ def topk_logsumexp(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
                 torch.empty(R, n, dtype=torch.float32, device=x.device),
                 torch.empty(R, n, dtype=torch.float32, device=x.device))
 
-    level = part_buffers(parts)
-    _chunk_topk[(R, parts)](rows, *level, V, rows.stride(0), k,
-                            LOG_C=log_c, LOG_K=log_k, CHUNKS=parts, num_warps=warps, **chained(rows.device))
+    select = parts > kp  # search only the kp chunks of largest maxima (`_chunk_topk`)
+    cmax = csum = lse
+    if select:
+        per = max(1, CHUNK // 2 ** log_c)
+        cmax = torch.empty(R, parts, dtype=torch.float32, device=x.device)
+        csum = torch.empty_like(cmax)
+        _chunk_stats[(R, triton.cdiv(parts, per))](rows, cmax, csum, V, rows.stride(0), parts, LOG_C=log_c,
+                                                  PER=per, num_warps=8, **chained(rows.device))
+    searched = kp if select else parts
+    level = part_buffers(searched)
+    _chunk_topk[(R, searched)](rows, *level, cmax, csum, V, rows.stride(0), k, parts, LOG_C=log_c, LOG_K=log_k,
+                               CHUNKS=searched, SELECT=select, LOG_NCH=max(log_k, (parts - 1).bit_length()),
+                               num_warps=warps, **chained(rows.device))
+    parts = searched
     while True:
         group = min(parts, max(2, MERGE // kp))
         groups = triton.cdiv(parts, group)
