@@ -96,6 +96,15 @@ def test_row_programs(row_programs, num_splits):
 
 
 @kernel_test
+@pytest.mark.parametrize("B", [8, 16])
+def test_many_requests_fold_the_block_into_the_last_split(B):
+    """8 or 16 requests of 8 KV heads leave 1-2 splits per (request, head) and no place
+    for block programs in the wave (`default_num_splits`): the last split attends the
+    block after its prefix chunk, with one row tile."""
+    check(B=B, T=3, HKV=8, G=2, D=64, S=600, dtype=torch.float32, mask_kind="tree", seed=B)
+
+
+@kernel_test
 @pytest.mark.parametrize("row_programs", [1, 2])
 def test_empty_splits_are_never_read(row_programs, monkeypatch):
     """64 splits of a 500-slot cache (one request of length 0), 148 rows in one program
@@ -114,17 +123,20 @@ def test_empty_splits_are_never_read(row_programs, monkeypatch):
 
 def test_default_splits_fill_one_wave():
     """Shapes only, an H200's 132 SMs (the CPU stand-in): 8 KV heads at 16K take 16
-    splits, the 8 block programs overflowing by 4; at 4K, or with 64 (b, head) pairs
-    whose block programs would mostly overflow, the block keeps a place in the wave;
-    past one row tile the block folds into the last split and there is no block program."""
+    splits, the 8 block programs overflowing by 4; at 4K, or with 16 (b, head) pairs
+    whose block programs would mostly overflow, the block keeps a place in the wave; with
+    64 or 128 pairs (1-2 splits each) and past one row tile the block folds into the last
+    split and there is no block program."""
     from treeflash.kernels.tree_attention import default_num_splits
     cpu = torch.device("cpu")
-    assert default_num_splits(1, 8, 4, 16384 + 1, cpu) == 16
-    assert default_num_splits(1, 8, 4, 4096 + 1, cpu) == 15
-    assert default_num_splits(8, 8, 4, 1 << 20, cpu) == 1  # 132 // 64 = 2, minus the block's place
-    assert default_num_splits(2, 8, 4, 16384 + 1, cpu) == 7  # overflow 12 of 16 block programs
-    assert default_num_splits(1, 8, 1024, 16384 + 256, cpu, row_programs=8) == 2
-    assert default_num_splits(1, 1, 4, 200, cpu) == 1  # shorter than one 256-key split
+    assert default_num_splits(1, 8, 4, 16384 + 1, cpu) == (16, True)
+    assert default_num_splits(1, 8, 4, 4096 + 1, cpu) == (15, True)
+    assert default_num_splits(2, 8, 4, 16384 + 1, cpu) == (7, True)  # overflow 12 of 16 block programs
+    assert default_num_splits(4, 8, 4, 4096 + 1, cpu) == (3, True)
+    assert default_num_splits(8, 8, 4, 1 << 20, cpu) == (2, False)  # 132 // 64 = 2: no split to spare
+    assert default_num_splits(16, 8, 4, 4096 + 1, cpu) == (1, False)
+    assert default_num_splits(1, 8, 1024, 16384 + 256, cpu, row_programs=8) == (2, False)
+    assert default_num_splits(1, 1, 4, 200, cpu) == (1, True)  # shorter than one 256-key split
 
 
 @kernel_test
@@ -140,5 +152,5 @@ def test_large_trees(T):
 def test_kernel_in_the_triton_interpreter():
     """CPU CI: splits, row programs, head sizes and dtypes in the interpreter (fp16 and
     fp32: its bf16 is raw integers)."""
-    run_interpreted(__file__, "split_counts or row_programs or dtypes_and_head_dims or empty_splits", 13,
+    run_interpreted(__file__, "split_counts or row_programs or dtypes_and_head_dims or empty_splits or many_requests", 15,
                     timeout=600)

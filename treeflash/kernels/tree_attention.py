@@ -14,8 +14,12 @@ Why it is split in three (the verify reads the shared context once for all tree 
     causal or all-true), has programs of its own while T * G fits one row tile (128
     rows; 64 in fp32), which run beside the prefix programs (the last prefix chunk would
     otherwise wait for it: T = 1 at 4K 11.1 vs 11.9 us). Past that the kernel is
-    compute-bound and fills the SMs in whole waves, so the last prefix split (the shortest: chunks are whole tiles) takes
-    the block after its chunk (T = 256 at 4K: 192 -> 128 programs, 72.6 -> 52.9 us).
+    compute-bound and fills the SMs in whole waves, so the last prefix split (the
+    shortest: chunks are whole tiles) takes the block after its chunk (T = 256 at 4K:
+    192 -> 128 programs, 72.6 -> 52.9 us). So does it where a place in the wave for the
+    block programs would cost one of only 1-3 splits per (request, KV head): 8 requests
+    decoding at 4K (8B shape) took 7.29 ms a step with 1 split and a block program per
+    (request, head), 5.92 ms with 2 splits, the second taking the block.
 (c) A second kernel merges the partial results of all splits by log-sum-exp. A split
     with no keys writes lse = -inf (and no o), so the merge needs no prefix length:
     its loads issue as soon as it starts, not after a dependent load of prefix_lens.
@@ -235,27 +239,31 @@ def _sm_count(device: torch.device) -> int:
 
 
 def default_num_splits(batch: int, kv_heads: int, rows: int, capacity: int, device: torch.device,
-                       row_programs: int = 1) -> int:
-    """Prefix splits from shapes only. One wave: the programs per (b, kv head, row
-    program) fill the SMs at most once, as the larger tiles fit one program per SM
-    and a second wave of a few programs would double the time (H200 sweep). The block's
-    own programs (row_programs == 1, see module doc) take places in that wave, unless
-    the splits are long (>= 1024 keys) and at most half the block programs find no SM:
-    those start when the first block programs end, long before the prefix programs do
-    (16K, T = 1, 8 KV heads: 16 splits 23.3 us, 15 splits 24.4 us; 4K, T = 1: 11.3 vs
-    10.8 us). And no split
-    shorter than 256 keys (512 past one 64-row tile) on a full cache, where the fixed
-    cost of a program and of its rows x D partial outweighs its share of the prefix
-    (4K, T = 16: 15 splits 11.8 us, 8 splits 13.5 us)."""
+                       row_programs: int = 1) -> tuple[int, bool]:
+    """(prefix splits, whether the block has programs of its own) from shapes only. One
+    wave: the programs per (b, kv head, row program) fill the SMs at most once, as the
+    larger tiles fit one program per SM and a second wave of a few programs would double
+    the time (H200 sweep). The block's own programs (one row tile, see module doc) take
+    places in that wave at the cost of one split per (b, kv head), unless the splits are
+    long (>= 1024 keys) and at most half the block programs find no SM: those start when
+    the first block programs end, long before the prefix programs do (16K, T = 1, 8 KV
+    heads: 16 splits 23.3 us, 15 splits 24.4 us; 4K, T = 1: 11.3 vs 10.8 us). With 1-3
+    splits per (b, kv head) (8 or more requests of 8 KV heads) a split is too much to give
+    up (2 -> 1 leaves half the SMs idle) and the block joins the last split instead of
+    making a second wave. No split shorter than 256 keys (512 past one 64-row tile) on a
+    full cache, where the fixed cost of a program and of its rows x D partial outweighs
+    its share of the prefix (4K, T = 16: 15 splits 11.8 us, 8 splits 13.5 us)."""
     sms, heads = _sm_count(device), batch * kv_heads
-    one_wave = sms // (heads * row_programs)
-    overflow = heads * (one_wave + 1) - sms  # block programs past the wave if it has no place for them
-    if row_programs == 1 and (capacity // max(one_wave, 1) < 1024 or 2 * overflow > heads):
-        one_wave -= 1
-    if row_programs > 1:  # compute-bound: two splits beat one (T=256: 4K 93 vs 98 us, 16K 222 vs 352)
-        one_wave = max(one_wave, 2)
     min_chunk = 256 if rows <= 64 else 512
-    return max(1, min(one_wave, capacity // min_chunk))
+    if row_programs > 1:  # compute-bound: two splits beat one (T=256: 4K 93 vs 98 us, 16K 222 vs 352)
+        return max(1, min(max(sms // (heads * row_programs), 2), capacity // min_chunk)), False
+    splits = max(1, min(sms // heads, capacity // min_chunk))
+    overflow = heads * (splits + 1) - sms  # block programs past the wave
+    if overflow <= 0 or (capacity // splits >= 1024 and 2 * overflow <= heads):
+        return splits, True
+    if splits >= 4:
+        return splits - 1, True
+    return splits, False
 
 
 def default_row_programs(rows: int, block_m: int) -> int:
@@ -299,11 +307,13 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     fp32 = q.dtype == torch.float32
     block_m = max(16, min(64 if fp32 else 128, triton.next_power_of_2(rows)))
     row_programs = min(row_programs or default_row_programs(rows, block_m), triton.cdiv(rows, block_m))
-    splits = num_splits or default_num_splits(B, HKV, rows, S, q.device, row_programs)
+    splits, own_block = default_num_splits(B, HKV, rows, S, q.device, row_programs)
+    if num_splits:
+        splits, own_block = num_splits, row_programs == 1
 
     # Partial outputs in the input dtype: normalised, so bf16 costs no more accuracy than
     # the bf16 output itself, and halves their traffic (T=16: 12% -> 6% of the prefix).
-    block_split = splits if row_programs == 1 else splits - 1
+    block_split = splits if own_block else splits - 1
     o_part = torch.empty(B * HKV, block_split + 1, rows, D, dtype=q.dtype, device=q.device)
     lse_part = torch.empty(B * HKV, block_split + 1, rows, dtype=torch.float32, device=q.device)
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
