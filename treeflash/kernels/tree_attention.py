@@ -307,9 +307,10 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     fp32 = q.dtype == torch.float32
     block_m = max(16, min(64 if fp32 else 128, triton.next_power_of_2(rows)))
     row_programs = min(row_programs or default_row_programs(rows, block_m), triton.cdiv(rows, block_m))
-    splits, own_block = default_num_splits(B, HKV, rows, S, q.device, row_programs)
     if num_splits:
         splits, own_block = num_splits, row_programs == 1
+    else:
+        splits, own_block = default_num_splits(B, HKV, rows, S, q.device, row_programs)
 
     # Partial outputs in the input dtype: normalised, so bf16 costs no more accuracy than
     # the bf16 output itself, and halves their traffic (T=16: 12% -> 6% of the prefix).
