@@ -181,6 +181,10 @@ def test_shape_mode_tiny(tmp_path, capsys):
     (["--methods", ""], "empty method list"),
     (["--methods", "ar,beam"], "unknown method"),
     (["--methods", "ddtree", "--budgets", "0,16"], "budget must be >= 1"),
+    # a budget of 100000 was killed for memory (a 10 GB mask per request); refused before loading
+    (["--methods", "ddtree", "--budgets", "16,100000", "--device", "cpu"], "budget 100000 exceeds --max-budget 512"),
+    (["--shape", "tiny", "--budgets", "0,100000"], "budget 100000 exceeds --max-budget 512"),
+    (["--shape", "tiny", "--budgets", "600", "--max-budget", "0"], "--max-budget must be >= 1"),
     (["--batch-sizes", "0"], "batch size must be >= 1"),
     (["--temperatures", "hot"], "bad temperature"),
     (["--temperatures", "0,nan"], "bad temperature"),

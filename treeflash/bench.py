@@ -99,6 +99,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, help="how many prompts to use (default: all of the file, else 8)")
     p.add_argument("--methods", default=PAIR_METHODS, help="comma list of ar, dflash, ddtree")
     p.add_argument("--budgets", help=f"DDTree budgets N (default {PAIR_BUDGETS}; --shape: {SHAPE_BUDGETS})")
+    p.add_argument("--max-budget", type=int, default=512,
+                   help="the largest budget accepted (default 512, as for generate: a round verifies N + 1 "
+                        "tokens at once, under an (N + 1)^2 mask)")
     p.add_argument("--batch-sizes", help="comma list (default 1,2,4; --shape: 1)")
     p.add_argument("--graphs", help="on, off or on,off: CUDA graphs (default on,off; --shape: on on CUDA)")
     p.add_argument("--max-new-tokens", type=int, default=PAIR_NEW_TOKENS)
@@ -164,6 +167,18 @@ def parse_list(text: str, kind, what: str, minimum=None) -> list:
             raise UsageError(f"{what} must be >= {minimum}, got {t}")
         out.append(v)
     return list(dict.fromkeys(out))
+
+
+def parse_budgets(args, minimum: int) -> list[int]:
+    """--budgets, each at most --max-budget: a budget of 100000 asked for a 10 GB mask per
+    request and was killed for memory."""
+    budgets = parse_list(args.budgets or (SHAPE_BUDGETS if args.shape else PAIR_BUDGETS), int, "budget",
+                         minimum=minimum)
+    if args.max_budget < 1:
+        raise UsageError(f"--max-budget must be >= 1, got {args.max_budget}")
+    if max(budgets) > args.max_budget:
+        raise UsageError(f"budget {max(budgets)} exceeds --max-budget {args.max_budget} (raise it with --max-budget)")
+    return budgets
 
 
 def parse_graphs(text: str) -> list[bool]:
@@ -302,7 +317,7 @@ def bench_pairs(args) -> int:
     bad = [m for m in methods if m not in ("ar", "dflash", "ddtree")]
     if bad:
         raise UsageError(f"unknown method '{bad[0]}' (choose from ar, dflash, ddtree)")
-    budgets = parse_list(args.budgets or PAIR_BUDGETS, int, "budget")
+    budgets = parse_budgets(args, minimum=None)
     if "ddtree" in methods and min(budgets) < 1:
         raise UsageError(f"ddtree budget must be >= 1, got {min(budgets)}")
     batch_sizes = parse_list(args.batch_sizes or "1,2,4", int, "batch size", minimum=1)
@@ -327,7 +342,7 @@ def bench_pairs(args) -> int:
 
     # A speculative method, if any is asked for, so that the built-in model brings its drafter.
     base = LLM(args.model, draft_model=args.draft_model, method=next((m for m in methods if m != "ar"), "ar"),
-               device=args.device, dtype=args.dtype, max_budget=max([512] + budgets), cuda_graphs=False,
+               device=args.device, dtype=args.dtype, max_budget=args.max_budget, cuda_graphs=False,
                max_batch=max(batch_sizes), quantization=args.quantization)  # each timed batch: one engine batch
     if base.drafter is None and set(methods) - {"ar"}:
         raise UsageError(f"methods {', '.join(m for m in methods if m != 'ar')} need a drafter (--draft-model)")
@@ -730,7 +745,7 @@ def bench_shape(args) -> int:
     if args.shape not in SHAPES:
         raise UsageError(f"unknown shape '{args.shape}' (choose from {', '.join(SHAPES)})")
     contexts = parse_list(args.contexts, int, "context", minimum=1)
-    budgets = parse_list(args.budgets or SHAPE_BUDGETS, int, "budget", minimum=0)
+    budgets = parse_budgets(args, minimum=0)
     batch_sizes = parse_list(args.batch_sizes or "1", int, "batch size", minimum=1)
     temperatures = parse_list(args.temperatures or "0", float, "temperature", minimum=0.0)
     if args.draft_layers < 1:
