@@ -206,16 +206,18 @@ def test_fused_vocab_topk_reads_only_the_best_chunks(k):
     (the lower chunk wins, as the lower id does), and on rows of -inf."""
     from treeflash.kernels.vocab_topk import topk_logsumexp
     gen = torch.Generator().manual_seed(k)
-    x = torch.randn(4, 4650, generator=gen) * 3  # 10 chunks of 512, the last 42 entries
+    x = torch.randn(5, 4650, generator=gen) * 3  # 10 chunks of 512, the last 42 entries
     x[0, 1::4] = x[0, ::4][:x[0, 1::4].shape[-1]]
     x[1, 7::300] = 20.0  # the same max in every chunk, twice in some
     x[2] = float("-inf")
     x[2, 4100] = 1.0  # one finite entry, in a late chunk
     x[3] = float("-inf")
+    x[4, 3000] = float("nan")  # torch ranks NaN first (and its log-sum-exp is NaN)
     vals, ids, lse = (t.cpu() for t in topk_logsumexp(x.to(DEV), k))
     ref = x.sort(dim=-1, descending=True, stable=True)
-    assert torch.equal(vals, ref.values[..., :k]) and torch.equal(ids, ref.indices[..., :k])
-    assert torch.allclose(lse, x.logsumexp(-1, keepdim=True), atol=1e-5)
+    torch.testing.assert_close(vals, ref.values[..., :k], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(ids, ref.indices[..., :k])
+    assert torch.allclose(lse, x.logsumexp(-1, keepdim=True), atol=1e-5, equal_nan=True)
 
 
 def test_vocab_topk_limits():

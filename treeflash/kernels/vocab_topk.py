@@ -41,14 +41,16 @@ def _lse_parts(x):
 def _chunk_stats(x_ptr, max_ptr, sum_ptr, V, sx, NCH,
                  LOG_C: tl.constexpr, PER: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, group): max and sum of exponentials of chunks group * PER, ... of
-    2^LOG_C entries each, for `_chunk_topk`'s choice of chunks."""
+    2^LOG_C entries each, for `_chunk_topk`'s choice of chunks. The max is taken in the
+    top-k's key order, so a chunk holding a NaN has max NaN and is chosen first, as
+    `torch.topk` ranks NaN first (a float max would skip it)."""
     start_after_previous(PDL)
     C: tl.constexpr = 2 ** LOG_C
     row = tl.program_id(0)
     offs = tl.program_id(1) * (PER * C) + tl.arange(0, PER * C)
     x = tl.load(x_ptr + row.to(tl.int64) * sx + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
     x = tl.reshape(x, [PER, C])
-    mx = tl.max(x, 1)
+    mx = _key_score(tl.max(_score_key(x), 1))
     se = tl.sum(tl.exp(x - tl.where(mx == float("-inf"), 0.0, mx)[:, None]), 1)
     ch = tl.program_id(1) * PER + tl.arange(0, PER)
     tl.store(max_ptr + row * NCH + ch, mx, mask=ch < NCH)
