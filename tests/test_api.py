@@ -237,6 +237,20 @@ def test_stop_strings_give_the_same_tokens_with_speculative_decoding(speculative
         assert d.token_ids == a.token_ids, stop
 
 
+def test_a_round_larger_than_free_memory_is_refused(speculative_pair, monkeypatch):
+    """A budget far past the default asks every round for (N+1)^2 masks and N+1 rows of
+    logits per request (a budget of 100000 was killed by the OS): checked with the
+    batch's caches against free memory, a clear error, and the engine still serves."""
+    from treeflash.engine import round as round_module
+    _, ddtree = speculative_pair
+    monkeypatch.setattr(round_module, "available_bytes", lambda device: 1000)
+    with pytest.raises(TreeflashError, match=r"not enough cpu memory for a round of 17 tokens per request "
+                                             r"\(budget 16\) over 1 requests"):
+        ddtree.generate(["a"], SamplingParams(max_new_tokens=2))
+    monkeypatch.undo()
+    assert ddtree.generate(["a"], SamplingParams(max_new_tokens=2))[0].token_ids
+
+
 def test_generation_stops_at_the_context_limit(hf_checkpoint):
     llm = LLM(hf_checkpoint("qwen3").path, device="cpu", dtype="float32", max_model_len=16)
     ids = llm.tokenizer.encode(ENGINE_PROMPTS[0])

@@ -19,11 +19,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from treeflash.engine.kv_cache import DraftContextCache, KVCache
+from treeflash.engine.kv_cache import DraftContextCache, KVCache, available_bytes
 from treeflash.engine.sampling import (MAX_LOGPROBS, SamplingBatch, apply_bias, grammar_masked, gumbel_noise,
                                        logprobs_of, sample)
 from treeflash.engine.tree import DraftTree, build_chain_from_tokens, build_tree_from_topk, walk
-from treeflash.errors import UsageError
+from treeflash.errors import TreeflashError, UsageError
 from treeflash.layers.attention import AttentionInputs
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.transformer import CausalLM
@@ -119,9 +119,30 @@ class SpeculativeDecoder:
     def new_state(self, batch: int, max_len: int, sampling: SamplingBatch) -> BatchState:
         dev = self.target.lm_head.weight.device
         zeros = torch.zeros(batch, dtype=torch.long, device=dev)
-        return BatchState(zeros, zeros.clone(), torch.ones(batch, dtype=torch.bool, device=dev), sampling,
-                          self.target.new_cache(batch, max_len, dev),
-                          self.drafter.new_cache(batch, max_len, dev) if self.drafter is not None else None)
+        st = BatchState(zeros, zeros.clone(), torch.ones(batch, dtype=torch.bool, device=dev), sampling,
+                        self.target.new_cache(batch, max_len, dev),
+                        self.drafter.new_cache(batch, max_len, dev) if self.drafter is not None else None)
+        self.check_round_memory(batch, max_len, dev)
+        return st
+
+    def check_round_memory(self, batch: int, max_len: int, device: torch.device) -> None:
+        """Refuse a batch whose round cannot fit beside its caches, rather than be killed
+        by the OS mid-round (a budget of 100000 asked for a 10 GB ancestor matrix per
+        request). Counted per request for T = budget + 1 tokens: the T x T ancestor
+        matrix and the copy it is built from (bool), the reference attention's T x
+        max_len mask (bool), and this rank's T rows of logits. Not all of these are live
+        at once, so the count may be up to twice the peak; it bites only far past the
+        default budget (the logits of 64 requests at budget 512 and a 152K vocabulary
+        are 10 GB, and real)."""
+        T = self.budget + 1
+        head = self.target.lm_head.weight
+        need = batch * T * (2 * T + (max_len if self.backend == "sdpa" else 0) + head.shape[0] * head.element_size())
+        have = available_bytes(device)
+        if have is not None and need > have:
+            raise TreeflashError(f"not enough {device.type} memory for a round of {T} tokens per request "
+                                 f"(budget {self.budget}) over {batch} requests: at least {need / 2**30:.1f} GiB "
+                                 f"of masks and logits, {have / 2**30:.1f} GiB free: lower the budget or the "
+                                 f"batch size")
 
     def prefill_inputs(self, st: BatchState, prompts: list[list[int]],
                        starts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
