@@ -140,7 +140,7 @@ class SpeculativeDecoder:
         have = available_bytes(device)
         if have is not None and need > have:
             raise TreeflashError(f"not enough {device.type} memory for a round of {T} tokens per request "
-                                 f"(budget {self.budget}) over {batch} requests: at least {need / 2**30:.1f} GiB "
+                                 f"(budget {self.budget}) over {batch} requests: about {need / 2**30:.1f} GiB "
                                  f"of masks and logits, {have / 2**30:.1f} GiB free: lower the budget or the "
                                  f"batch size")
 
