@@ -128,12 +128,15 @@ class MLP(nn.Module):
 
     def partial(self, x):
         """This rank's share of the output, before the all-reduce (bias-free MLPs only)."""
-        return self.down_proj.partial(self.gated(x))
+        return self._through(x, self.down_proj.partial)
 
     def forward(self, x):
+        return self._through(x, self.down_proj)
+
+    def _through(self, x, down):
         if fused_enabled(x) and single_row(x):  # batch-1 decode: the gate is applied inside the down GEMV
-            return self.down_proj(self.gate_up_proj(x), gated=True)
-        return self.down_proj(self.gated(x))
+            return down(self.gate_up_proj(x), gated=True)
+        return down(self.gated(x))
 
 
 class DecoderLayer(nn.Module):

@@ -92,8 +92,9 @@ def swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if fused_enabled(x) and weight.is_contiguous() and (fp8 is None or fp8.fits_kernels):
         from treeflash.kernels.matmul import MAX_ROWS, matmul
         if x.numel() <= MAX_ROWS * x.shape[-1] and (fp8 is not None or x.dtype == weight.dtype):
-            scale, block = (None, (1, 1)) if fp8 is None else fp8
-            return matmul(x, weight, bias, scale, block, gated=True)
+            if fp8 is None:
+                return matmul(x, weight, bias, gated=True)
+            return matmul(x, weight, bias, fp8.scale, fp8.block, gated=True)
     gate_up = linear(x, weight, bias, fp8)
     if fused_enabled(x):
         from treeflash.ops.fused import silu_mul
