@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from treeflash.kernels.chained import chained, start_after_previous
+from treeflash.kernels.chained import chained, start_after_previous, wait_then_start_next
 
 
 @triton.jit
@@ -181,7 +181,7 @@ def _rope_into_cache_kernel(x_ptr, sx_tok, T, H, HKV, head0, qw_ptr, kw_ptr, eps
     """Program (token, block of HB heads) of the merged [q | k | v] heads: q heads are
     normed, rotated and stored to q; k heads normed, rotated and stored into the cache
     at slot prefix_lens[b] + t; v heads copied into the cache there."""
-    start_after_previous(PDL)
+    wait_then_start_next(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = head0 + tl.program_id(1) * HB + tl.arange(0, HB)
     b = tok // T
