@@ -171,7 +171,8 @@ def test_param_bytes_per_rank(engines):
         for s in stats:
             # everything but the (replicated) norm weights is sharded
             assert abs(s["param_bytes"] - total / tp) < 0.02 * total / tp, (tp, s, total)
-            assert s["rss_growth_bytes"] is None or s["rss_growth_bytes"] > 0
+            # measured, not asserted positive: a rank whose allocator reuses freed memory grows by 0
+            assert s["rss_growth_bytes"] is None or s["rss_growth_bytes"] >= 0
 
 
 def test_an_eager_engine_frees_its_caches_on_every_rank(engines):
@@ -722,6 +723,25 @@ def test_a_batch_too_large_for_memory_leaves_the_engine_working(engines, referen
         with pytest.raises(TreeflashError, match="not enough cpu memory for a KVCache"):
             llm.generate([[5, 6, 7]] * batch, SamplingParams(max_new_tokens=2040, ignore_eos=True))
         assert _run(llm, "greedy") == reference("qwen3", "ddtree", "greedy")
+
+
+def test_commands_larger_than_a_store_message_reach_every_rank(engines, reference):
+    """A command over the TCP store's 8 MiB message limit (a batch of long prompts)
+    travels in parts: the store used to drop the driver's connection, which ended the
+    engine (a batch of 200K short prompts did it on a machine with 128 GB free)."""
+    from treeflash.engine.tp import PART_BYTES, delete_keys, put_value, read_value
+    llm = engines("qwen3", "ar", 2)
+    store = llm._tp.rt.store
+    before = store.num_keys()
+    data = os.urandom(2 * PART_BYTES + 5)
+    put_value(store, "test/big", data)
+    got, keys = read_value(store, "test/big")
+    assert got == data and len(keys) == 3 and store.num_keys() == before + 3
+    delete_keys(store, keys)
+    assert store.num_keys() == before
+    # through the command loop: every rank runs a method every object has, on 20 MB
+    assert llm._tp.call(llm, "__eq__", (os.urandom(5 * PART_BYTES),), collect=True) == [NotImplemented] * 2
+    assert _run(llm, "greedy") == reference("qwen3", "ar", "greedy")
 
 
 def test_relative_model_paths_load_the_same_files_on_every_rank(tp_models, engines, reference, monkeypatch):

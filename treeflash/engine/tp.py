@@ -14,8 +14,9 @@ coexist. A torchrun-launched program that runs its own lock-step code instead of
 commands (`treeflash bench --shape --tp`) joins such a group with `join_group`.
 
 Commands. The ranks run the same code on the same inputs in lock step. The driver
-posts each command to the store (key cmd/<seq>, a pickled tuple of a few hundred
-bytes) and then runs it itself; each worker blocks on the next key, runs the command on
+posts each command to the store (key cmd/<seq>, a pickled tuple: a few hundred bytes
+for a round, the prompts for a batch's start, in parts of at most 4 MiB: `put_value`)
+and then runs it itself; each worker blocks on the next key, runs the command on
 its slice and so meets the driver in the collectives inside. Commands: `build` an
 engine (an `LLM` built from the driver's arguments), `call` one of its methods
 (`_start`: batch state + prefill; `_step`: one round), `drop` engines (piggybacked on
@@ -97,6 +98,34 @@ def is_comm_error(e: BaseException) -> bool:
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
     return isinstance(e, RuntimeError) and any(h in str(e).lower() for h in COMM_HINTS)
+
+
+# ----------------------------------------------------------------------------- store values
+
+PART_BYTES = 4 << 20  # torch's TCP store server refuses a message over 8 MiB and drops the client
+
+
+def put_value(store, key: str, data: bytes) -> None:
+    """Store `data` under `key` in parts of at most PART_BYTES (a batch of long prompts is
+    tens of MB): the parts first, under key#1, key#2, ..., then `key` itself (the part
+    count and the first part), so that a reader waiting on `key` finds every part."""
+    parts = [data[i:i + PART_BYTES] for i in range(0, len(data), PART_BYTES)] or [b""]
+    for i in range(1, len(parts)):
+        store.set(f"{key}#{i}", parts[i])
+    store.set(key, len(parts).to_bytes(4, "little") + parts[0])
+
+
+def read_value(store, key: str) -> tuple[bytes, list[str]]:
+    """The bytes `put_value` stored under `key` (waiting for it), and the keys that hold
+    them, for whoever deletes them."""
+    head = store.get(key)
+    keys = [key] + [f"{key}#{i}" for i in range(1, int.from_bytes(head[:4], "little"))]
+    return head[4:] + b"".join(store.get(k) for k in keys[1:]), keys
+
+
+def delete_keys(store, keys: list[str]) -> None:
+    for k in keys:
+        store.delete_key(k)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -382,6 +411,7 @@ class Runtime:
         self.procs: dict[int, subprocess.Popen] = procs or {}
         self.group: TPGroup | None = None
         self.seq = 0
+        self.command_keys: list[str] = []  # a worker's: the store keys of command `seq`
         self.failure: str | None = None   # one line: which rank failed and why
         self.closed = False
         self.released = False
@@ -467,7 +497,7 @@ class Runtime:
                 self.pending_drops[:0] = drops
             raise
         self.seq += 1
-        self.store.set(f"cmd/{self.seq}", data)
+        put_value(self.store, f"cmd/{self.seq}", data)
         return self.seq
 
     def new_engine(self, kwargs: dict) -> Engine:
@@ -509,8 +539,9 @@ class Runtime:
         self.wait_keys(keys, "answer")
         out = []
         for k in keys:
-            out.append(pickle.loads(self.store.get(k)))
-            self.store.delete_key(k)
+            data, held = read_value(self.store, k)
+            out.append(pickle.loads(data))
+            delete_keys(self.store, held)
         return out
 
     def wait_keys(self, keys: list[str], what: str, limit_s: float | None = None) -> None:
@@ -759,14 +790,15 @@ class Runtime:
         last worker to get to this point, as no rank reads it again."""
         if self.seq:
             if self.size == 2 or self.store.add(f"read/{self.seq}", 1) == self.size - 1:
-                self.store.delete_key(f"cmd/{self.seq}")
+                delete_keys(self.store, self.command_keys)
                 if self.size > 2:
                     self.store.delete_key(f"read/{self.seq}")
         self.seq += 1
-        return pickle.loads(self.store.get(f"cmd/{self.seq}"))
+        data, self.command_keys = read_value(self.store, f"cmd/{self.seq}")
+        return pickle.loads(data)
 
     def reply(self, out) -> None:
-        self.store.set(f"res/{self.seq}/{self.rank}", pickle.dumps(out))
+        put_value(self.store, f"res/{self.seq}/{self.rank}", pickle.dumps(out))
 
     def report(self, e: BaseException) -> None:
         """Leave the driver one line on why this worker stops."""
