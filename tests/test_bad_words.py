@@ -119,7 +119,7 @@ def test_a_graphed_state_starts_each_request_with_no_output(monkeypatch):
 
 
 def test_server_and_command_line(engines, capsys):
-    from starlette.testclient import TestClient
+    TestClient = pytest.importorskip("starlette.testclient").TestClient
 
     from treeflash.cli import main
     from treeflash.server.app import build_app

@@ -243,7 +243,7 @@ def test_graphed_states_recapture_for_a_larger_table(monkeypatch):
 # --- server and command line ---
 
 def test_the_server_takes_vllm_and_openai_forms(engines):
-    from starlette.testclient import TestClient
+    TestClient = pytest.importorskip("starlette.testclient").TestClient
 
     from treeflash.server.app import build_app
     client = TestClient(build_app(engines["ddtree"], "m"))
@@ -282,7 +282,7 @@ def test_the_server_takes_vllm_and_openai_forms(engines):
     ({"guided_choice": "yes"}, "guided_choice", "list of strings"),
 ])
 def test_the_server_refuses_bad_constraints_and_keeps_serving(engines, extra, param, message):
-    from starlette.testclient import TestClient
+    TestClient = pytest.importorskip("starlette.testclient").TestClient
 
     from treeflash.server.app import build_app
     client = TestClient(build_app(engines["ar"], "m"))
@@ -392,7 +392,7 @@ def test_one_constraint_compiling_does_not_hold_up_another(engines, monkeypatch)
 
 
 def test_vllm_clients_send_unset_fields(engines):
-    from starlette.testclient import TestClient
+    TestClient = pytest.importorskip("starlette.testclient").TestClient
 
     from treeflash.server.app import build_app
     client = TestClient(build_app(engines["ar"], "m"))
@@ -469,7 +469,7 @@ def test_the_server_constrains_chat_after_the_reasoning(engines):
     """A server with --reasoning-parser: a chat answer reasons, then its content is
     what the constraint asks for (whole and streamed); completions, and answers whose
     prompt closed the reasoning, are constrained from the first token."""
-    from starlette.testclient import TestClient
+    TestClient = pytest.importorskip("starlette.testclient").TestClient
 
     from treeflash.chat import ChatTemplate
     from treeflash.server.app import build_app
@@ -641,7 +641,7 @@ def test_every_method_gives_ar_tokens_under_a_grammar(engines):
 
 
 def test_the_server_and_command_line_take_grammars(engines, capsys, tmp_path):
-    from starlette.testclient import TestClient
+    TestClient = pytest.importorskip("starlette.testclient").TestClient
 
     from treeflash.cli import main
     from treeflash.server.app import build_app
