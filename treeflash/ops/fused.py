@@ -206,10 +206,11 @@ def _rope_into_cache_kernel(x_ptr, sx_tok, T, H, HKV, head0, qw_ptr, kw_ptr, eps
     tl.store(q_out + half, lo, mask=is_q[:, None])
     tl.store(q_out + D // 2 + half, hi, mask=is_q[:, None])
     cache = b * sc_b + slot * sc_s
-    k_out = k_ptr + cache + (head - H)[:, None] * sc_h
+    kv_head = (head - H).to(tl.int64)[:, None]  # x S x D passes 2^31 with ~128 KV heads at 128K
+    k_out = k_ptr + cache + kv_head * sc_h
     tl.store(k_out + half, lo, mask=is_k[:, None])
     tl.store(k_out + D // 2 + half, hi, mask=is_k[:, None])
-    v_out = v_ptr + cache + (head - H - HKV)[:, None] * sc_h
+    v_out = v_ptr + cache + (kv_head - HKV) * sc_h
     tl.store(v_out + half, a, mask=is_v[:, None])
     tl.store(v_out + D // 2 + half, bb, mask=is_v[:, None])
 
