@@ -17,6 +17,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import ENGINE_PROMPTS, HF_VARIANTS, LLAMA3_ROPE
 from safetensors import safe_open
 
@@ -286,3 +287,20 @@ def test_bfloat16_checkpoint_loads_and_runs(hf_checkpoint, name):
     sampled = llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=16, temperature=1.0, seed=3,
                                                               ignore_eos=True))[0]
     assert len(sampled.token_ids) == 16
+
+
+def test_a_batch_of_draft_rows_reads_each_weight_once():
+    """The draft's LM head gets h[:, 1:] of [B, block, H]: rows not evenly strided. As
+    B products (torch's matmul does not fold such a tensor) each read the whole weight:
+    an 8B shape's draft step took 3.3 ms at 8 requests against 1.1 at 4. `linear`
+    flattens the rows first, one product for the batch, and its values are F.linear's."""
+    from treeflash.ops import linear
+    h, w, b = torch.randn(8, 16, 32, dtype=torch.float64), torch.randn(48, 32, dtype=torch.float64), None
+    rows = h[:, 1:]
+    assert not rows.is_contiguous()
+    for x in (rows, rows[0, 0], rows[:0]):  # a batch, one row, no rows
+        with torch.profiler.profile() as prof:
+            y = linear(x, w, b)
+        ops = [e.key for e in prof.key_averages()]
+        assert "aten::bmm" not in ops and y.shape == (*x.shape[:-1], 48)
+        assert torch.allclose(y, F.linear(x, w, b), rtol=0, atol=1e-12)
