@@ -16,15 +16,17 @@ only after its wait returned, so after the previous one finished), and kernels
 launched without the attribute (torch's, cuBLAS's, NCCL's) wait for everything before
 them as usual.
 
-Most kernels let the next one launch at once (`start_after_previous`). Two kernels
-come before a long attention pass and must not let a third kernel's programs sit beside
-it. The attention merge only waits (`wait_for_previous`): it is itself launched while
-the prefix pass runs, and if it let the o-projection launch too, that GEMV's programs
-would sit beside the running pass. With them there the 8B AR step was 1.6% slower than
-with no dependent launch at all. The RoPE-into-cache kernel lets the attention launch
-once its own wait returns (`wait_then_start_next`): launched at once, the attention's
-programs were placed on the SMs the QKV product left free, two to an SM, and 16
-requests' decode step was 8% slower (kernels/NOTES.md).
+Most kernels let the next one launch at once (`start_after_previous`). The two next to
+the attention pass hold that back, so that no kernel's programs are placed beside a
+running one-wave kernel:
+- The attention merge only waits (`wait_for_previous`). It is itself launched while the
+  prefix pass runs; if it let the o-projection launch too, that GEMV's programs would
+  sit beside the running pass (the 8B AR step was 1.6% slower than with no dependent
+  launch at all).
+- RoPE-into-cache lets the attention launch once its own wait returns
+  (`wait_then_start_next`). Launched at once, the attention's programs were placed on
+  the SMs the QKV product left free, two to an SM, and 16 requests' decode step was 8%
+  slower (kernels/NOTES.md).
 """
 from __future__ import annotations
 
