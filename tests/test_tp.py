@@ -692,6 +692,9 @@ def test_a_server_whose_worker_died_says_so(tp_models):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["codes"] == [200, 200, 503, 503, 503], got
+    # the server's log says it in a line, without a traceback (a known failure)
+    assert "generation failed: tensor-parallel worker rank 1 was killed" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     for body in (got["health"], got["answer"]):
         assert body["error"]["type"] == "server_error"
         assert "worker rank 1 was killed by signal SIGKILL" in body["error"]["message"]

@@ -229,7 +229,10 @@ class EngineWorker:
                                       on_tokens=lambda k, *got, part=part: part[k][0].on_tokens(part[k][1], *got),
                                       on_done=lambda k, out, part=part: part[k][0].on_done(part[k][1], out))
         except BaseException as e:
-            log.error("generation failed", exc_info=e)
+            if isinstance(e, TreeflashError):  # known (a dead rank, a batch too large): its line says it
+                log.error("generation failed: %s", e)
+            else:
+                log.error("generation failed", exc_info=e)
             retry = len(batch) > 1 and not isinstance(e, EngineDeadError)  # a dead engine fails them all
             for job in batch:
                 if retry and not (job.started or job.cancelled or job.future.done()):
