@@ -284,6 +284,19 @@ def test_truncate_prompt_tokens_reads_a_long_prompt(capsys, model, json_out):
         assert out.rstrip("\n") == want.text
 
 
+def test_output_cut_by_the_context_limit_says_so(capsys, model):
+    """A prompt read from its last max_model_len - 1 tokens leaves room for one new
+    token: the output stops there, finish_reason "length", and the stats line says why
+    (it printed a bare "1 tokens" where 3 were asked for); an output that got all its
+    tokens says nothing of the kind."""
+    long = ENGINE_PROMPTS[1]
+    for truncate, note in (("-1", True), ("4", False)):
+        code, out, err = run(capsys, long, "--model", model, "--device", "cpu", "--max-model-len", 8,
+                             "--max-new-tokens", 3, "--ignore-eos", "--truncate-prompt-tokens", truncate)
+        assert code == 0, err
+        assert (": 1 tokens" in err) == note and ("stopped at the context limit of 8" in err) == note, err
+
+
 def test_prompt_longer_than_max_position_embeddings(capsys, broken):
     edit_config(broken, lambda c: c.update(max_position_embeddings=6))
     assert_error(*run(capsys, ENGINE_PROMPTS[1], "--model", broken, "--device", "cpu"), 2,

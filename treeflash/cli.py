@@ -249,8 +249,10 @@ def cmd_generate(args) -> int:
         else:
             print(("\n" if i else "") + out.text)
         s = out.stats
+        full = out.finish_reason == "length" and s["new_tokens"] < params.max_new_tokens
         print(f"[{s['method']}: {s['new_tokens']} tokens, {s['rounds']} rounds, tau {s['tau']:.2f}, "
-              f"{s['tokens_per_s']} tok/s]", file=sys.stderr)
+              f"{s['tokens_per_s']} tok/s" + (f", stopped at the context limit of {llm.max_model_len}" if full else "")
+              + "]", file=sys.stderr)
     return 0
 
 
