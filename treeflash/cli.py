@@ -249,9 +249,9 @@ def cmd_generate(args) -> int:
         else:
             print(("\n" if i else "") + out.text)
         s = out.stats
-        full = out.finish_reason == "length" and s["new_tokens"] < params.max_new_tokens
+        cut = out.finish_reason == "length" and s["new_tokens"] < params.max_new_tokens  # by the context
         print(f"[{s['method']}: {s['new_tokens']} tokens, {s['rounds']} rounds, tau {s['tau']:.2f}, "
-              f"{s['tokens_per_s']} tok/s" + (f", stopped at the context limit of {llm.max_model_len}" if full else "")
+              f"{s['tokens_per_s']} tok/s" + (f", stopped at the context limit of {llm.max_model_len}" if cut else "")
               + "]", file=sys.stderr)
     return 0
 
