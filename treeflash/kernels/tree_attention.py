@@ -62,9 +62,10 @@ def _split_range(lo, L, split, num_splits, BLOCK_N: tl.constexpr):
 def _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, first, n_keys, qk_scale,
             pos_base, sp_t, row_pos, window,
             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            MASKED: tl.constexpr, FP32_DOT: tl.constexpr, WINDOW: tl.constexpr):
+            MASKED: tl.constexpr, FP32_DOT: tl.constexpr, WINDOW: tl.constexpr, EVICTION: tl.constexpr):
     """Online softmax of one row tile over slots first + 0..n_keys-1. MASKED: the
-    block, where row token `tok` sees key j only if block_mask[tok, j]. WINDOW: a row at
+    block, where row token `tok` sees key j only if block_mask[tok, j]. EVICTION: the
+    L2 policy of the K/V loads ("evict_first" for tiles no other program reads). WINDOW: a row at
     position row_pos sees only keys at positions > row_pos - window (a prefix key's
     position is its slot, block key j's is pos_base[j * sp_t]). Returns (o, lse),
     lse in base 2; a row that saw no key gets o = 0, lse = -inf."""
@@ -76,8 +77,10 @@ def _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, first, 
         j = j0 + tl.arange(0, BLOCK_N)
         key_ok = j < n_keys
         slots = first + j
-        k = tl.load(k_base + slots[:, None] * sk_s + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-        v = tl.load(v_base + slots[:, None] * sv_s + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        k = tl.load(k_base + slots[:, None] * sk_s + offs_d[None, :], mask=key_ok[:, None], other=0.0,
+                    eviction_policy=EVICTION)
+        v = tl.load(v_base + slots[:, None] * sv_s + offs_d[None, :], mask=key_ok[:, None], other=0.0,
+                    eviction_policy=EVICTION)
         if FP32_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="tf32x3")
         else:
@@ -115,7 +118,7 @@ def _partial_attention(
     qk_scale, num_splits, block_split, row_programs, window,
     HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_N_TREE: tl.constexpr, FP32_DOT: tl.constexpr, WINDOW: tl.constexpr,
+    BLOCK_N_TREE: tl.constexpr, FP32_DOT: tl.constexpr, WINDOW: tl.constexpr, PREFIX_EVICTION: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """Program (b * HKV + kv head, split, row program): the T*G rows of that KV head
@@ -164,11 +167,12 @@ def _partial_attention(
             if WINDOW:
                 row_pos = tl.load(pos_base + tok * sp_t, mask=row_ok, other=0).to(tl.int32)
             o, lse = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, start, end - start,
-                             qk_scale, pos_base, sp_t, row_pos, window, D, BLOCK_M, BLOCK_N, False, FP32_DOT, WINDOW)
+                             qk_scale, pos_base, sp_t, row_pos, window, D, BLOCK_M, BLOCK_N, False, FP32_DOT, WINDOW,
+                             PREFIX_EVICTION)
             if with_block:
                 o_blk, lse_blk = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, L, T,
                                          qk_scale, pos_base, sp_t, row_pos, window, D, BLOCK_M, BLOCK_N_TREE, True,
-                                         FP32_DOT, WINDOW)
+                                         FP32_DOT, WINDOW, "")
                 m = tl.maximum(lse, lse_blk)
                 m = tl.where(m == float("-inf"), 0.0, m)
                 w, w_blk = tl.exp2(lse - m), tl.exp2(lse_blk - m)
@@ -275,6 +279,17 @@ def default_row_programs(rows: int, block_m: int) -> int:
     return triton.cdiv(rows, block_m)
 
 
+def _pipeline_stages(block_m: int, fp32: bool) -> int:
+    """K/V tiles in flight per program. The few-row tiles of decoding are memory-bound
+    and gain from every tile in flight that fits (H200, T = 1, 5 stages against 4: 16K
+    23.2 -> 22.7 us, 32K -5%, 4 requests at 4K -8%, 6 stages slower again); 64-row
+    tiles are fastest at 4 (16K, T = 16: 5 stages +3%), 128-row tiles fit 3, and fp32
+    tiles are twice the bytes."""
+    if fp32:
+        return 2
+    return 5 if block_m <= 16 else 4 if block_m <= 64 else 3
+
+
 def supports(head_dim: int) -> bool:
     """Head sizes the kernel's tiles are built for; others use the SDPA reference."""
     return head_dim in (64, 128)
@@ -325,8 +340,10 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         mask.stride(0), mask.stride(1), *positions.stride(), scale * LOG2E, splits, block_split, row_programs,
         window or 0, HKV=HKV, G=G, T=T, D=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         BLOCK_N_TREE=max(16, min(BLOCK_N, triton.next_power_of_2(T))), FP32_DOT=fp32, WINDOW=window is not None,
-        # small row tiles are memory-bound: one more tile in flight (H200, 16K, T=1: -5%)
-        num_warps=8 if block_m >= 128 else 4, num_stages=2 if fp32 else 4 if block_m <= 64 else 3, **chained(q.device))
+        # With one row tile each prefix tile is read once: its L2 lines go first, before
+        # the partials' (H200, 16K, T = 1: 22.6 -> 22.1 us). Several row tiles re-read it.
+        PREFIX_EVICTION="evict_first" if rows <= block_m else "",
+        num_warps=8 if block_m >= 128 else 4, num_stages=_pipeline_stages(block_m, fp32), **chained(q.device))
     # One or two warps per merge program and few rows each: the merge is a latency
     # chain of small loads, and 4 warps reducing one row's splits cost 12.6 us per layer
     # at T = 64 (2048 programs) against 2.6 us with one (H200, NOTES.md). One row per
