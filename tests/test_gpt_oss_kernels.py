@@ -104,6 +104,28 @@ def test_window_of_one_sees_only_itself(with_sinks):
 
 
 @kernel_test
+@pytest.mark.parametrize("window", [1, 7, 150, None])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_decoding_token_with_window_and_sinks(window, with_sinks):
+    """One token (T = 1): windows of itself only, inside the short prefix, inside the
+    long one only, and none; with and without sinks."""
+    check_attention("chain", window, with_sinks, num_splits=4, T=1, seed=window or 0)
+
+
+@kernel_test
+def test_decoding_token_sees_its_own_key_wherever_it_sits():
+    """A token whose position lies past its slot (positions may exceed prefix_lens): with
+    window 3 no prefix key is within reach of position L + 5, but its own key is."""
+    q, k, v, inputs, _ = attention_case("chain", 1, 2, 3, 64, torch.float32)
+    inputs.positions += 5
+    out = tree_attention(q, k, v, inputs, 64 ** -0.5, num_splits=4, window=3)
+    ref = sdpa_attention(q.double(), k.double(), v.double(), inputs, 64 ** -0.5, window=3)
+    own_v = torch.stack([v[b, :, inputs.prefix_lens[b]] for b in range(len(q))]).repeat_interleave(3, 1)
+    assert (ref - own_v.double()[:, None]).abs().max().item() < 1e-9
+    assert (out.double() - ref).abs().max().item() < TOL[torch.float32]
+
+
+@kernel_test
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_row_that_sees_no_key_is_zero(with_sinks):
     """A block row whose mask hides even itself, with window 1: no key at all. Zero, not
@@ -252,4 +274,4 @@ def test_gpu_experts_at_model_sizes(dtype, tol, T, with_bias, with_clamp):
 @spawns_interpreter
 def test_kernels_in_the_triton_interpreter():
     run_interpreted(__file__, "not gpu and not interpreter",
-                    len(ATTENTION_CASES) + 2 + 2 + len(EXPERT_CASES) * len(VARIANTS) + len(FP8_CASES), timeout=900)
+                    len(ATTENTION_CASES) + 2 + 8 + 1 + 2 + len(EXPERT_CASES) * len(VARIANTS) + len(FP8_CASES), timeout=900)

@@ -35,6 +35,8 @@ def make_inputs(B, T, S, mask_kind, gen):
         mask = random_ancestors(B, T, gen)
     elif mask_kind == "all":
         mask = torch.ones(B, T, T, dtype=torch.bool)
+    elif mask_kind == "none":  # every row sees the prefix only (request 0's: no key at all)
+        mask = torch.zeros(B, T, T, dtype=torch.bool)
     else:  # causal, as an expanded (stride-0) view like AttentionInputs.causal
         mask = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
     positions = lens[:, None] + torch.arange(T)
@@ -121,6 +123,16 @@ def test_empty_splits_are_never_read(row_programs, monkeypatch):
           num_splits=64, row_programs=row_programs, seed=5)
 
 
+@kernel_test
+@pytest.mark.parametrize("num_splits", [None, 3, 64])
+@pytest.mark.parametrize("mask_kind", ["all", "none"])
+def test_a_single_token_sees_the_prefix_and_itself(num_splits, mask_kind):
+    """Decoding (T = 1): the prefix over default, few and mostly empty splits (64 of 500
+    slots), an empty prefix, and a token whose mask hides itself (the prefix only)."""
+    check(B=3, T=1, HKV=2, G=4, D=64, S=500, dtype=torch.float32, mask_kind=mask_kind, num_splits=num_splits,
+          seed=num_splits or 0)
+
+
 def test_default_splits_fill_one_wave():
     """Shapes only, an H200's 132 SMs (the CPU stand-in): 8 KV heads at 16K take 16
     splits, the 8 block programs overflowing by 4; at 4K, or with 16 (b, head) pairs
@@ -152,5 +164,6 @@ def test_large_trees(T):
 def test_kernel_in_the_triton_interpreter():
     """CPU CI: splits, row programs, head sizes and dtypes in the interpreter (fp16 and
     fp32: its bf16 is raw integers)."""
-    run_interpreted(__file__, "split_counts or row_programs or dtypes_and_head_dims or empty_splits or many_requests", 15,
+    run_interpreted(__file__, "split_counts or row_programs or dtypes_and_head_dims or empty_splits or many_requests"
+                    " or single_token", 21,
                     timeout=600)
