@@ -81,7 +81,7 @@ def request_tools(body: dict, parser: str | None) -> tuple[list[dict] | None, st
     """(the body's `tools` as the template takes them, or None; what reads the answer's
     calls: a parser's name, FORCED, or None; for a forced call, the JSON schema the
     answer must follow). tool_choice 'none': the tools are written into the prompt, the
-    answer is not read for calls (vLLM's default); 'auto': the parser reads them;
+    answer is not read for calls; 'auto' (also when left out, as OpenAI and vLLM do): the parser reads them;
     'required' or a named function: the answer is constrained to a JSON list of calls
     (`forced_calls_schema`), with or without a parser. A UsageError (with `param`) for
     malformed tools or tool_choice, or automatic calls on a server without a parser."""
