@@ -114,7 +114,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--draft-mode", default="coupled", choices=["scaled", "coupled"],
                    help="how trees are drafted at T > 0 (see SpeculativeDecoder)")
     add_structured_args(p)  # every request of model-pair mode constrained alike
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype; --shape: bfloat16 on CUDA, "
                                                    "float32 on CPU), float32, bfloat16, float16")
     p.add_argument("--quantization", choices=["fp8"], help="model-pair mode: the target's layers quantized to FP8 "

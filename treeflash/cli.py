@@ -74,7 +74,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="decoding method (default: ddtree with a drafter, else ar)")
     p.add_argument("--budget", type=int, help="DDTree nodes per round (default 64)")
     p.add_argument("--max-budget", type=int, default=512, help="the largest --budget accepted (default 512)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, float64")
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (they are on by default on CUDA)")

@@ -72,7 +72,7 @@ def _train_args(p: argparse.ArgumentParser, defaults: dict) -> None:
             ("save_every", int, "steps between saves of the training state"),
             ("log_every", int, "steps between log lines"), ("seed", int, "random seed")):
         g.add_argument("--" + name.replace("_", "-"), type=kind, help=f"{text} (default {defaults[name]})")
-    g.add_argument("--device", help="auto, cpu or cuda (default auto)")
+    g.add_argument("--device", help="auto, cpu, cuda or cuda:N (default auto)")
     g.add_argument("--max-shard-mb", type=float, help="largest safetensors file written (default 16)")
 
 
