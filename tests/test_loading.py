@@ -257,6 +257,24 @@ def test_bad_target_config_values(hf_checkpoint, clone_checkpoint, changes, fiel
     refused(lambda: LLM(folder, device="cpu", dtype="float32"), field)
 
 
+@pytest.mark.parametrize("changes,words", [
+    (dict(hidden_size=10 ** 30), ("hidden_size", "below 2^31")),   # torch's overflow, with C++ frames, before
+    (dict(num_hidden_layers=10 ** 6), ("1000000 layers", "holds 2")),   # built layers until memory ran out
+    (dict(vocab_size=10 ** 9), ("vocab_size 1000000000", "embed_tokens.weight")),   # a 1.5 TB allocation
+    (dict(eos_token_id=10 ** 5), ("eos_token_id 100000", "outside the vocabulary")),
+])
+def test_config_sizes_beyond_the_checkpoint_are_refused_before_building(hf_checkpoint, clone_checkpoint,
+                                                                        changes, words):
+    """A config.json size off by a few zeros: refused from the config and the weights'
+    headers, before any layer is allocated."""
+    folder = clone_checkpoint(hf_checkpoint("qwen3").path, **changes)
+    refused(lambda: LLM(folder, device="cpu", dtype="float32"), *words)
+
+
+def test_a_drafter_given_as_the_model_says_where_it_belongs(spec_drafter):
+    refused(lambda: LLM(spec_drafter(), device="cpu", dtype="float32"), "is a DFlash drafter", "--draft-model")
+
+
 @pytest.mark.parametrize("bos,add,word", [(-1, True, "bos_token_id"), (10 ** 6, True, "bos_token_id"),
                                           ("1", True, "bos_token_id"), (1, "false", "add_bos_token")])
 def test_bad_bos_settings_are_refused(hf_checkpoint, tmp_path, bos, add, word):

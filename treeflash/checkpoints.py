@@ -40,7 +40,7 @@ def write_random_drafter(target_dir: str | Path, out_dir: str | Path, num_layers
                          target_layer_ids: list[int] | None = None, seed: int = 0,
                          std: float = 0.02, dtype: torch.dtype = torch.float32) -> Path:
     """A random DFlash drafter for the target in `target_dir`, in the published layout."""
-    t = ModelConfig.from_dict(read_config_json(target_dir), str(target_dir))
+    t = ModelConfig.from_dict(read_config_json(target_dir), f"config.json in {target_dir}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)

@@ -56,18 +56,18 @@ def _flag(data: dict, key: str, where: str, default: bool = False) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise TreeflashError(f"config.json in {where}: '{key}' must be true or false, got {value!r}")
+        raise TreeflashError(f"{where}: '{key}' must be true or false, got {value!r}")
     return value
 
 
 def _require(data: dict, key: str, where: str, kind=int):
     if key not in data or data[key] is None:
-        raise TreeflashError(f"config.json in {where} lacks required key '{key}'")
+        raise TreeflashError(f"{where} lacks required key '{key}'")
     value = data[key]
-    if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise TreeflashError(f"config.json in {where}: '{key}' must be a positive integer, got {value!r}")
+    if kind is int and (not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 2 ** 31):
+        raise TreeflashError(f"{where}: '{key}' must be a positive integer below 2^31, got {value!r}")
     if kind is float and not isinstance(value, (int, float)):
-        raise TreeflashError(f"config.json in {where}: '{key}' must be a number, got {value!r}")
+        raise TreeflashError(f"{where}: '{key}' must be a number, got {value!r}")
     return value
 
 
@@ -75,18 +75,18 @@ def _number(value, key: str, where: str, positive: bool = True) -> float:
     """A finite number > 0 (>= 0 unless `positive`), or a one-line error."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or value < 0 or (positive and value == 0):
-        raise TreeflashError(f"config.json in {where}: '{key}' must be a number "
+        raise TreeflashError(f"{where}: '{key}' must be a number "
                              f"{'> 0' if positive else '>= 0'}, got {value!r}")
     return float(value)
 
 
-def _rope(data: dict, where: str = "config") -> tuple[float, dict | None]:
+def _rope(data: dict, where: str = "config.json") -> tuple[float, dict | None]:
     """RoPE theta and scaling, from transformers 4 (`rope_theta`, `rope_scaling`) or 5
     (`rope_parameters`) style configs."""
     params = data.get("rope_parameters") or {}
     scaling = data.get("rope_scaling") or None
     if not isinstance(params, dict) or not isinstance(scaling, (dict, type(None))):
-        raise TreeflashError(f"config.json in {where}: rope_parameters / rope_scaling must be JSON objects")
+        raise TreeflashError(f"{where}: rope_parameters / rope_scaling must be JSON objects")
     theta = _number(params.get("rope_theta", data.get("rope_theta", 10000.0)), "rope_theta", where)
     if scaling is None and params.get("rope_type", "default") != "default":
         scaling = params
@@ -100,7 +100,7 @@ def _rope(data: dict, where: str = "config") -> tuple[float, dict | None]:
             raise TreeflashError(f"unsupported rope scaling type '{kind}' (supported: llama3, yarn)")
         else:
             if "factor" not in scaling:
-                raise TreeflashError(f"config.json in {where}: llama3 rope scaling lacks 'factor'")
+                raise TreeflashError(f"{where}: llama3 rope scaling lacks 'factor'")
             for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
                 if key in scaling:
                     _number(scaling[key], f"rope scaling {key}", where, positive=key != "low_freq_factor")
@@ -111,21 +111,21 @@ def _yarn(scaling: dict, where: str) -> dict:
     """YaRN's keys (gpt-oss), checked; the frequencies are made in `layers.rotary`."""
     for key in ("factor", "original_max_position_embeddings"):
         if scaling.get(key) is None:
-            raise TreeflashError(f"config.json in {where}: yarn rope scaling lacks '{key}'")
+            raise TreeflashError(f"{where}: yarn rope scaling lacks '{key}'")
     for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor"):
         if scaling.get(key) is not None:
             _number(scaling[key], f"rope scaling {key}", where)
     if scaling.get("mscale") or scaling.get("mscale_all_dim"):
-        raise TreeflashError(f"config.json in {where}: yarn rope scaling with mscale (DeepSeek's) is not supported")
+        raise TreeflashError(f"{where}: yarn rope scaling with mscale (DeepSeek's) is not supported")
     return {**scaling, "rope_type": "yarn"}
 
 
-def _eos_ids(value, where: str = "config") -> list[int]:
+def _eos_ids(value, where: str = "config.json") -> list[int]:
     if value is None:
         return []
     values = value if isinstance(value, list) else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise TreeflashError(f"config.json in {where}: 'eos_token_id' must be a token id or a list of "
+        raise TreeflashError(f"{where}: 'eos_token_id' must be a token id or a list of "
                              f"token ids, got {value!r}")
     return list(values)
 
@@ -149,19 +149,19 @@ def _moe_fields(data: dict, num_layers: int, where: str) -> dict:
         n_shared_experts=data.get("n_shared_experts") or 0,
     )
     if top_k > fields["num_experts"]:
-        raise TreeflashError(f"config.json in {where}: num_experts_per_tok ({top_k}) exceeds "
+        raise TreeflashError(f"{where}: num_experts_per_tok ({top_k}) exceeds "
                              f"num_experts ({fields['num_experts']})")
     if not isinstance(fields["norm_topk_prob"], bool):
-        raise TreeflashError(f"config.json in {where}: 'norm_topk_prob' must be true or false, "
+        raise TreeflashError(f"{where}: 'norm_topk_prob' must be true or false, "
                              f"got {fields['norm_topk_prob']!r}")
     layers = fields["mlp_only_layers"]
     if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool)
                                                and 0 <= i < num_layers for i in layers):
-        raise TreeflashError(f"config.json in {where}: 'mlp_only_layers' must list layer ids "
+        raise TreeflashError(f"{where}: 'mlp_only_layers' must list layer ids "
                              f"0..{num_layers - 1}, got {layers!r}")
     shared = fields["n_shared_experts"]
     if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
-        raise TreeflashError(f"config.json in {where}: 'n_shared_experts' must be an integer >= 0, got {shared!r}")
+        raise TreeflashError(f"{where}: 'n_shared_experts' must be an integer >= 0, got {shared!r}")
     return fields
 
 
@@ -174,14 +174,14 @@ def _gpt_oss_fields(data: dict, num_layers: int, where: str) -> dict:
     top_k = _require(data, "num_experts_per_tok", where) if "num_experts_per_tok" in data \
         else _require(data, "experts_per_token", where)
     if top_k > experts:
-        raise TreeflashError(f"config.json in {where}: num_experts_per_tok ({top_k}) exceeds "
+        raise TreeflashError(f"{where}: num_experts_per_tok ({top_k}) exceeds "
                              f"num_local_experts ({experts})")
     window = data.get("sliding_window", 128)
     types = _layer_types(data, num_layers, where) or \
         ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if sliding and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
-        raise TreeflashError(f"config.json in {where}: 'sliding_window' must be a positive integer, got {window!r}")
+        raise TreeflashError(f"{where}: 'sliding_window' must be a positive integer, got {window!r}")
     return dict(num_experts=experts, num_experts_per_tok=top_k,
                 moe_intermediate_size=_require(data, "intermediate_size", where), norm_topk_prob=True,
                 sliding_window=window if sliding else None, sliding_layers=sliding, attention_sinks=True,
@@ -195,11 +195,11 @@ def _mxfp4(quant, arch: str, where: str) -> bool:
     quantization."""
     if isinstance(quant, dict) and quant.get("quant_method") == "mxfp4":
         if arch != "gpt_oss":
-            raise TreeflashError(f"config.json in {where}: MXFP4 quantization is supported only for gpt-oss experts")
+            raise TreeflashError(f"{where}: MXFP4 quantization is supported only for gpt-oss experts")
         return True
     if quant and arch == "gpt_oss":
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise TreeflashError(f"config.json in {where}: gpt-oss is supported unquantized or with MXFP4 experts, "
+        raise TreeflashError(f"{where}: gpt-oss is supported unquantized or with MXFP4 experts, "
                              f"not with quant_method '{method}'")
     return False
 
@@ -210,7 +210,7 @@ def _architectures(data: dict, where: str) -> list[str]:
     if isinstance(archs, str):
         archs = [archs]
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
-        raise TreeflashError(f"config.json in {where}: 'architectures' must be a list of names, got {archs!r}")
+        raise TreeflashError(f"{where}: 'architectures' must be a list of names, got {archs!r}")
     return archs
 
 
@@ -222,7 +222,7 @@ def _check_hidden_act(data: dict, where: str) -> None:
     """Refuse an MLP activation other than SiLU: the model would run, with wrong logits."""
     act = data.get("hidden_act")
     if act is not None and act not in SUPPORTED_ACTS:
-        raise TreeflashError(f"config.json in {where}: hidden_act {act!r} is not supported "
+        raise TreeflashError(f"{where}: hidden_act {act!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_ACTS)})")
 
 
@@ -232,7 +232,7 @@ def _layer_types(data: dict, num_layers: int, where: str, windows: bool = True) 
     types = data.get("layer_types")
     if types is not None and (not isinstance(types, list) or (windows and len(types) != num_layers)
                               or not set(types) <= {"full_attention", "sliding_attention"}):
-        raise TreeflashError(f"config.json in {where}: 'layer_types' must name full_attention or sliding_attention "
+        raise TreeflashError(f"{where}: 'layer_types' must name full_attention or sliding_attention "
                              f"for each of the {num_layers} layers, got {types!r}")
     return types
 
@@ -254,7 +254,7 @@ def _qwen3_windows(data: dict, arch: str, num_layers: int, where: str) -> dict:
     if window is None:
         return {}
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        raise TreeflashError(f"config.json in {where}: 'sliding_window' must be a positive integer, got {window!r}")
+        raise TreeflashError(f"{where}: 'sliding_window' must be a positive integer, got {window!r}")
     max_pos = data.get("max_position_embeddings")
     if isinstance(max_pos, int) and window >= max_pos:
         return {}  # a window as long as the context is full attention
@@ -265,7 +265,7 @@ def _qwen3_windows(data: dict, arch: str, num_layers: int, where: str) -> dict:
     else:
         first = data.get("max_window_layers", 28)
         if isinstance(first, bool) or not isinstance(first, int):
-            raise TreeflashError(f"config.json in {where}: 'max_window_layers' must be an integer, got {first!r}")
+            raise TreeflashError(f"{where}: 'max_window_layers' must be an integer, got {first!r}")
         sliding = range(first, num_layers)
     return {"sliding_window": window, "sliding_layers": tuple(sliding)} if sliding else {}
 
@@ -287,15 +287,15 @@ def _fp8_blocks(quant, where: str) -> dict:
                              f"weight_block_size, as DeepSeek-V3 and Qwen3-FP8); {where} has {what}")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and not isinstance(b, bool)
                                                                 and b > 0 for b in block)):
-        raise TreeflashError(f"config.json in {where}: quantization_config.weight_block_size must be two positive "
+        raise TreeflashError(f"{where}: quantization_config.weight_block_size must be two positive "
                              f"integers, got {block!r}")
     if quant.get("fmt", "e4m3") != "e4m3" or quant.get("activation_scheme", "dynamic") != "dynamic":
-        raise TreeflashError(f"config.json in {where}: FP8 {quant.get('fmt')} weights with "
+        raise TreeflashError(f"{where}: FP8 {quant.get('fmt')} weights with "
                              f"{quant.get('activation_scheme')} activation scales are not supported (only e4m3, "
                              f"dynamic)")
     skip = quant.get("modules_to_not_convert") or quant.get("ignored_layers") or []
     if not (isinstance(skip, list) and all(isinstance(m, str) for m in skip)):
-        raise TreeflashError(f"config.json in {where}: quantization_config.modules_to_not_convert must be a list "
+        raise TreeflashError(f"{where}: quantization_config.modules_to_not_convert must be a list "
                              f"of module names, got {skip!r}")
     return {"fp8_block": tuple(block), "fp8_skip": tuple(skip)}
 
@@ -360,7 +360,7 @@ class ModelConfig:
         return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     @classmethod
-    def from_dict(cls, data: dict, where: str = "config") -> "ModelConfig":
+    def from_dict(cls, data: dict, where: str = "config.json") -> "ModelConfig":
         archs = _architectures(data, where)
         arch = None
         for a in archs:
@@ -368,21 +368,23 @@ class ModelConfig:
                 arch = TARGET_ARCHITECTURES[a]
         model_type = data.get("model_type")
         if model_type is not None and not isinstance(model_type, str):
-            raise TreeflashError(f"config.json in {where}: 'model_type' must be a name, got {model_type!r}")
+            raise TreeflashError(f"{where}: 'model_type' must be a name, got {model_type!r}")
         if arch is None and not archs:
             arch = MODEL_TYPES.get(model_type or "")
         if arch is None:
             name = archs[0] if archs else data.get("model_type", "<none>")
-            raise TreeflashError(
-                f"unsupported architecture '{name}' in {where} "
-                f"(supported: {', '.join(TARGET_ARCHITECTURES)})")
+            if name == "DFlashDraftModel":
+                raise TreeflashError(f"{where} is a DFlash drafter: pass it as the draft model (--draft-model), "
+                                     f"with its target as the model")
+            raise TreeflashError(f"{where}: unsupported architecture '{name}' "
+                                 f"(supported: {', '.join(TARGET_ARCHITECTURES)})")
         fp8 = {} if _mxfp4(data.get("quantization_config"), arch, where) else \
             _fp8_blocks(data.get("quantization_config"), where)
         hidden = _require(data, "hidden_size", where)
         heads = _require(data, "num_attention_heads", where)
         kv_heads = _require(data, "num_key_value_heads", where) if data.get("num_key_value_heads") is not None else heads
         if heads % kv_heads:
-            raise TreeflashError(f"config.json in {where}: num_attention_heads ({heads}) "
+            raise TreeflashError(f"{where}: num_attention_heads ({heads}) "
                                  f"is not a multiple of num_key_value_heads ({kv_heads})")
         theta, scaling = _rope(data, where)
         max_pos = data.get("max_position_embeddings")
@@ -393,11 +395,15 @@ class ModelConfig:
         windows = _qwen3_windows(data, arch, num_layers, where)
         head_dim = _require(data, "head_dim", where) if data.get("head_dim") is not None else hidden // heads
         if head_dim % 2:
-            raise TreeflashError(f"config.json in {where}: head_dim {head_dim} is odd (rotary embeddings turn "
+            raise TreeflashError(f"{where}: head_dim {head_dim} is odd (rotary embeddings turn "
                                  f"pairs of features)")
+        vocab = _require(data, "vocab_size", where)
+        eos = _eos_ids(data.get("eos_token_id"), where)
+        if any(e >= vocab for e in eos):
+            raise TreeflashError(f"{where}: eos_token_id {max(eos)} is outside the vocabulary of {vocab} tokens")
         return cls(
             arch=arch,
-            vocab_size=_require(data, "vocab_size", where),
+            vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=_require(data, "intermediate_size", where),
             num_layers=num_layers,
@@ -412,13 +418,13 @@ class ModelConfig:
             attention_bias=_flag(data, "attention_bias", where, default=arch == "gpt_oss"),
             mlp_bias=_flag(data, "mlp_bias", where),
             torch_dtype=data.get("torch_dtype") or data.get("dtype"),
-            eos_token_ids=_eos_ids(data.get("eos_token_id"), where),
+            eos_token_ids=eos,
             **moe, **windows, **fp8,
         )
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
-        return cls.from_dict(read_config_json(path), where=str(path))
+        return cls.from_dict(read_config_json(path), where=f"config.json in {path}")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -452,41 +458,41 @@ class DraftConfig:
     final_logit_softcapping: float | None = None
 
     @classmethod
-    def from_dict(cls, data: dict, where: str = "config") -> "DraftConfig":
+    def from_dict(cls, data: dict, where: str = "config.json") -> "DraftConfig":
         archs = _architectures(data, where)
         if archs and "DFlashDraftModel" not in archs:
             raise TreeflashError(f"{where} is not a DFlash drafter (architectures: {archs})")
         dflash = data.get("dflash_config") or {}
         if not isinstance(dflash, dict):
-            raise TreeflashError(f"drafter {where}: dflash_config must be a JSON object, got {dflash!r}")
+            raise TreeflashError(f"{where}: dflash_config must be a JSON object, got {dflash!r}")
         if data.get("quantization_config"):
-            raise TreeflashError(f"drafter {where} is quantized (quantization_config): drafters are loaded in "
+            raise TreeflashError(f"{where} is quantized (quantization_config): drafters are loaded in "
                                  f"the model's dtype only")
         layers = ModelConfig.from_dict({**data, "architectures": ["Qwen3ForCausalLM"]}, where)
         block = dflash.get("block_size", data.get("block_size", 16))
         if isinstance(block, bool) or not isinstance(block, int) or not 2 <= block <= MAX_BLOCK_SIZE:
-            raise TreeflashError(f"drafter {where}: block_size must be an integer from 2 to {MAX_BLOCK_SIZE}, "
+            raise TreeflashError(f"{where}: block_size must be an integer from 2 to {MAX_BLOCK_SIZE}, "
                                  f"got {block!r}")
         mask = dflash.get("mask_token_id", data.get("mask_token_id"))
         if not isinstance(mask, int) or isinstance(mask, bool):
-            raise TreeflashError(f"drafter {where} lacks dflash_config.mask_token_id")
+            raise TreeflashError(f"{where} lacks dflash_config.mask_token_id")
         num_target = data.get("num_target_layers")
         if num_target is not None:
             num_target = _require(data, "num_target_layers", where)
         ids = dflash.get("target_layer_ids", data.get("target_layer_ids"))
         if ids is None:
             if num_target is None:
-                raise TreeflashError(f"drafter {where} has neither target_layer_ids nor num_target_layers")
+                raise TreeflashError(f"{where} has neither target_layer_ids nor num_target_layers")
             ids = default_target_layer_ids(num_target, layers.num_layers)
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise TreeflashError(f"drafter {where}: target_layer_ids must be a non-empty list of integers, got {ids!r}")
+            raise TreeflashError(f"{where}: target_layer_ids must be a non-empty list of integers, got {ids!r}")
         if data.get("is_causal"):
-            raise TreeflashError(f"drafter {where} sets is_causal: a causal draft block is not supported "
+            raise TreeflashError(f"{where} sets is_causal: a causal draft block is not supported "
                                  f"(DFlash drafters attend to the whole block)")
 
         def scale(key: str, default, positive: bool = True):  # dflash_config's, else the top level's
             value = dflash.get(key, data.get(key))
-            return default if value is None else _number(value, key, f"drafter {where}", positive)
+            return default if value is None else _number(value, key, where, positive)
 
         cap = scale("final_logit_softcapping", None, positive=False)  # 0: no cap
         return cls(layers=layers, block_size=block, mask_token_id=mask,
@@ -496,7 +502,7 @@ class DraftConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "DraftConfig":
-        return cls.from_dict(read_config_json(path, "drafter"), where=str(path))
+        return cls.from_dict(read_config_json(path, "drafter"), where=f"drafter config.json in {path}")
 
     def check_fits(self, target: ModelConfig) -> None:
         """Refuse a drafter that was not made for this target."""

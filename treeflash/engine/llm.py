@@ -25,7 +25,7 @@ from treeflash.engine.tp import attach as tp_attach
 from treeflash.engine.tp import peak_rss_bytes, reset_peak_rss, rss_bytes
 from treeflash.errors import TreeflashError, UsageError, shown
 from treeflash.models.dflash import DFlashDraftModel
-from treeflash.models.loader import build_on, load_weights, weights_dtype
+from treeflash.models.loader import build_on, check_sizes, load_weights, weights_dtype
 from treeflash.models.transformer import CausalLM
 from treeflash.structured.grammar import TokenAutomaton, token_automaton
 from treeflash.tokenizer import Tokenizer, stop_cut
@@ -249,6 +249,7 @@ class LLM:
             raise UsageError(f"unknown quantization {quantization!r} (supported: fp8)")
         self.device = resolve_device(device)
         self.config = ModelConfig.from_pretrained(model)
+        check_sizes(model, self.config.num_layers, (self.config.vocab_size, self.config.hidden_size))
         # quantization="fp8" of a checkpoint in higher precision: its layers' weights are
         # quantized to FP8 blocks while loading (an FP8 checkpoint stays as it is)
         quantize = quantization == "fp8" and self.config.fp8_block is None
@@ -265,6 +266,7 @@ class LLM:
         dcfg = None
         if draft_model is not None:
             dcfg = DraftConfig.from_pretrained(draft_model)
+            check_sizes(draft_model, dcfg.layers.num_layers)
             dcfg.check_fits(self.config)
         if method is None:
             method = "ddtree" if dcfg is not None else "ar"

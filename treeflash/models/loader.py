@@ -9,6 +9,7 @@ weights.
 from __future__ import annotations
 
 import json
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -46,6 +47,27 @@ def checkpoint_files(folder: str | Path) -> dict[str, Path]:
                                          f"which has no model.safetensors.index.json to say which one to read")
                 files[name] = f
     return files
+
+
+_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def check_sizes(folder: str | Path, num_layers: int, embedding: tuple[int, int] | None = None) -> None:
+    """Refuse, before any layer is built, a config.json that says more layers, or a larger
+    embedding [vocab, hidden], than the checkpoint in `folder` holds: one that says a
+    million layers would otherwise allocate until memory ran out. (Fewer layers, or any
+    other shape that differs, are refused while loading.)"""
+    files = checkpoint_files(folder)
+    held = 1 + max((int(m.group(1)) for name in files if (m := _LAYER_KEY.search(name))), default=-1)
+    if num_layers > held:
+        raise TreeflashError(f"config.json in {folder} says {num_layers} layers, but the checkpoint holds {held}")
+    key = next((name for name in files if name.endswith("embed_tokens.weight")), None)
+    if embedding is not None and key is not None:
+        with _open(files[key]) as st:
+            stored = tuple(_slice(st, key).get_shape())
+        if len(stored) == 2 and (embedding[0] > stored[0] or embedding[1] > stored[1]):
+            raise TreeflashError(f"config.json in {folder} says vocab_size {embedding[0]} and hidden_size "
+                                 f"{embedding[1]}, but the checkpoint's {key} is {list(stored)}")
 
 
 SAFETENSORS_FLOATS = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
@@ -122,12 +144,16 @@ FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 FP8 = "F8_E4M3"
 
 
-def _read_slice(st, key: str, full_shape: tuple, shard_dim: int | None, rank: int, size: int,
-                fp8: bool = False) -> torch.Tensor:
+def _slice(st, key: str):
     try:
-        sl = st.get_slice(key)
+        return st.get_slice(key)
     except Exception as e:  # e.g. an index naming the wrong shard for this tensor
         raise TreeflashError(f"cannot read weight {key}: {e}") from None
+
+
+def _read_slice(st, key: str, full_shape: tuple, shard_dim: int | None, rank: int, size: int,
+                fp8: bool = False) -> torch.Tensor:
+    sl = _slice(st, key)
     shape = tuple(sl.get_shape())
     if shape != full_shape:
         raise TreeflashError(f"weight {key} has shape {list(shape)}, expected {list(full_shape)}")
