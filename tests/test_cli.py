@@ -697,3 +697,23 @@ def test_chat_prompts_go_through_the_chat_template(capsys, broken):
     assert_error(*run(capsys, "x", "--model", broken, "--chat-template-kwargs", "{}"), 2, "needs --chat")
     assert_error(*run(capsys, "x", "--model", broken, "--chat", "--chat-template-kwargs", "[1]"), 2,
                  "not a JSON object")
+
+
+@pytest.mark.parametrize("error,first", [
+    # torch's CPU allocator: a RuntimeError whose message goes on with C++ frames
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: you "
+                  "tried to allocate 1536000000000 bytes.\nframe #0: c10::ThrowEnforceNotMet\nframe #1: ..."),
+     "treeflash: error: out of memory ([enforce fail"),
+    (TypeError("empty(): argument 'size' failed to unpack the object at pos 2 with error \"Overflow\"\n"
+               "Exception raised from THPUtils_unpackLong at python_arg_parser.cpp:1\nframe #0: ..."),
+     "treeflash: internal error: TypeError: empty(): argument"),
+])
+def test_an_unexpected_failure_is_one_line_without_cpp_frames(capsys, monkeypatch, error, first):
+    def fail(args):
+        raise error
+    monkeypatch.setattr("treeflash.cli.cmd_generate", fail)
+    monkeypatch.delenv("TREEFLASH_DEBUG", raising=False)
+    rc, out, err = run(capsys, "x")
+    assert rc == 1 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith(first), err
+    assert "frame #" not in err

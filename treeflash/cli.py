@@ -312,11 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # an engine bug: still one line, unless debugging
         if debug:
             raise
-        if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":  # torch's, on CUDA
-            print(f"treeflash: error: out of memory ({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
-                  f"lower --max-model-len, the batch or the prompt lengths", file=sys.stderr)
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__  # torch appends C++ frames
+        # torch's OutOfMemoryError on CUDA; its CPU allocator raises a RuntimeError
+        if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or \
+                (isinstance(e, RuntimeError) and "can't allocate memory" in first):
+            print(f"treeflash: error: out of memory ({first}): ask for less (a shorter --max-model-len, a smaller "
+                  f"batch, shorter prompts, a smaller model shape)", file=sys.stderr)
             return 1
-        print(f"treeflash: internal error: {type(e).__name__}: {e} (set TREEFLASH_DEBUG=1 for a traceback)",
+        print(f"treeflash: internal error: {type(e).__name__}: {first} (set TREEFLASH_DEBUG=1 for a traceback)",
               file=sys.stderr)
         return 1
 
