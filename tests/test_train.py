@@ -551,3 +551,46 @@ def test_more_bad_training_input_is_one_line(data_dir, target, tmp_path, capsys)
     (broken / "corpus.json").write_text("{}")
     with pytest.raises(TreeflashError, match="'vocab_size' must be"):
         load_corpus(broken)
+
+
+def test_sizes_off_by_zeros_and_diverged_runs_are_refused(target, data_dir, tmp_path, capsys):
+    """Found by a bad-input sweep: a vocabulary size that aborted the BPE trainer (after
+    reading the whole corpus), shapes that allocated until the OS stepped in, a learning
+    rate that diverged into NaN weights exported with exit code 0, and a few misleading
+    messages."""
+    from dataclasses import replace
+
+    from treeflash.tokenizer import Tokenizer
+    base, _ = target
+    src = data_dir.parent / "src"
+    # checked before the roots are read (they do not even exist here)
+    assert cli_main(["tokenizer", "--out", str(tmp_path / "t"), "--roots", str(tmp_path / "nowhere"),
+                     "--vocab-size", str(10 ** 11)]) == 2
+    err = capsys.readouterr().err
+    assert "vocab size must be an integer from 259" in err and "\n" not in err.strip()
+    opts = TrainOptions(max_steps=1, **OPTS)
+    for shape in (replace(TINY, hidden_size=10 ** 9), replace(TINY, num_layers=10 ** 6)):
+        with pytest.raises(UsageError, match="training them takes about .* GiB .* free on cpu"):
+            train_target(data_dir, tmp_path / "run-huge", shape=shape, opts=opts)
+    with pytest.raises(UsageError, match="training them takes about"):
+        train_drafter(base / "model", data_dir, tmp_path / "run-dhuge", shape=DrafterShape(num_layers=10 ** 6),
+                      opts=opts, tau_prompts=0)
+    # diverged: refused, nothing exported
+    with pytest.raises(TreeflashError, match="became nan"):
+        train_target(data_dir, tmp_path / "run-nan", tmp_path / "model-nan", TINY,
+                     TrainOptions(**{**OPTS, "max_steps": 2, "lr": 1e30, "warmup_steps": 1}))
+    assert not list(tmp_path.glob("model-nan/*.safetensors"))
+    # generate's --out naming an existing folder was written beside it as <folder>.npz
+    with pytest.raises(UsageError, match="is a folder: give a file name"):
+        generate_continuations(base / "model", data_dir, tmp_path, num_prompts=1, prompt_len=8, new_tokens=4)
+    with pytest.raises(TreeflashError, match="is a file: give the folder that holds tokenizer.json"):
+        Tokenizer(data_dir / "tokenizer.json")
+    # resuming on a corpus of another tokenizer (another vocabulary) names the tokenizer,
+    # not vocab_size, which the user never passed
+    assert cli_main(["tokenizer", "--out", str(tmp_path / "tok300"), "--roots", str(src), "--vocab-size",
+                     "300"]) == 0
+    assert cli_main(["corpus", "--tokenizer", str(tmp_path / "tok300"), "--out", str(tmp_path / "data300"),
+                     "--roots", str(src)]) == 0
+    run = shutil.copytree(base / "run", tmp_path / "run-other-corpus")
+    with pytest.raises(UsageError, match="--resume: the corpus .* another tokenizer than the run's"):
+        train_target(tmp_path / "data300", run, opts=TrainOptions(max_steps=50), resume=True)

@@ -64,6 +64,8 @@ class Tokenizer:
     def __init__(self, folder: str | Path):
         folder = Path(folder)
         path = folder / "tokenizer.json"
+        if folder.is_file():
+            raise TreeflashError(f"{folder} is a file: give the folder that holds tokenizer.json")
         if not path.exists():
             raise TreeflashError(f"tokenizer.json not found in {folder}")
         try:

@@ -97,7 +97,8 @@ def run_tokenizer(args) -> int:
 
     from treeflash.train.common import check_out_dir
     from treeflash.train.corpus import check_out_outside_roots, collect
-    from treeflash.train.tokenizer import train_tokenizer
+    from treeflash.train.tokenizer import check_vocab_size, train_tokenizer
+    check_vocab_size(args.vocab_size)
     check_out_dir(args.out)
     check_out_outside_roots(args.out, args.roots, tuple(args.suffixes))
     existing = Path(args.out) / "corpus.json"

@@ -25,6 +25,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from treeflash.config import ModelConfig
+from treeflash.engine.kv_cache import available_bytes
 from treeflash.errors import TreeflashError, UsageError
 
 MiB = 1 << 20
@@ -105,6 +107,23 @@ class TrainOptions:
 def resolve_device(name: str) -> torch.device:
     from treeflash.engine.llm import resolve_device as engine_device  # one definition of 'auto'
     return engine_device(name)
+
+
+def check_trainable(cfg: ModelConfig, device: torch.device, what: str, embeddings: bool = True) -> None:
+    """Refuse a shape whose float32 weights, gradients and Adam moments (16 bytes a
+    parameter) would not fit in the memory free on `device`, before anything is built: a
+    shape flag off by a few zeros would otherwise allocate until the OS killed the run.
+    Counts the attention and MLP weights of every layer, and the embeddings (and an untied
+    LM head) unless the model borrows them (a drafter)."""
+    per_layer = cfg.hidden_size * (cfg.head_dim * 2 * (cfg.num_heads + cfg.num_kv_heads) + 3 * cfg.intermediate_size)
+    params = cfg.num_layers * per_layer
+    if embeddings:
+        params += cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    need, have = 16 * params, available_bytes(device)
+    if have is not None and need > have:
+        raise UsageError(f"{what} has about {params:,} parameters: training them takes about {need / 2**30:,.1f} "
+                         f"GiB (float32 weights, gradients and Adam moments), more than the {have / 2**30:,.1f} "
+                         f"GiB free on {device}")
 
 
 def autocast(device: torch.device):
@@ -453,6 +472,9 @@ class Trainer:
             metrics = evaluate()
         self.model.train()
         self._record(metrics, bar)
+        if not math.isfinite(metrics["eval_loss"]):  # diverged weights: never "best", never exported
+            raise TreeflashError(f"{self.name}: held-out loss became {metrics['eval_loss']} at step {self.step}; "
+                                 f"try a lower learning rate")
         if self.best is None or metrics["eval_loss"] <= self.best[0]["eval_loss"]:
             weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
             self.best = ({**metrics, "best_step": self.step}, weights)

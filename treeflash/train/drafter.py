@@ -33,7 +33,7 @@ from treeflash.models.loader import build_on, load_weights, weights_dtype
 from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
 from treeflash.train.common import (DEFAULT_OPTIONS, MiB, Progress, RunDir, TrainOptions, Trainer, abs_path,
-                                    check_out_dir, check_shard_mb, hf_tensors, init_weights, resolve_device,
+                                    check_out_dir, check_shard_mb, check_trainable, hf_tensors, init_weights, resolve_device,
                                     save_safetensors, set_fast_math, to_device, within, write_summary)
 from treeflash.train.corpus import NPY_ERRORS, TokenWindows, fixed_windows, load_corpus, npy_error, tokenizer_hash
 from treeflash.train.target import causal_inputs
@@ -100,8 +100,9 @@ def drafter_config(shape: DrafterShape, t: ModelConfig, dtype: str) -> dict:
 def build_drafter(config: dict, target: CausalLM, device: torch.device) -> DFlashDraftModel:
     """A trainable float32 drafter; its final norm starts as the target's, since both feed
     the same LM head."""
-    dcfg = DraftConfig.from_dict(config, "drafter shape")
+    dcfg = DraftConfig.from_dict(config, "the drafter shape")
     dcfg.check_fits(target.config)
+    check_trainable(dcfg.layers, device, "the drafter shape", embeddings=False)
     with build_on(device, torch.float32):
         drafter = DFlashDraftModel(dcfg)
     init_weights(drafter, dcfg.layers.num_layers)
@@ -259,6 +260,8 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
     if not 0 <= seed < 2 ** 63:
         raise UsageError(f"seed must be in [0, 2^63), got {seed}")
     out = Path(out_path)
+    if out.is_dir():  # not <folder>.npz beside it
+        raise UsageError(f"--out {out} is a folder: give a file name")
     out = out if out.suffix == ".npz" else out.with_name(out.name + ".npz")
     _check_generated_out(out, target_dir, data_dir)
     _require_target(target_dir)

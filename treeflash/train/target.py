@@ -24,7 +24,7 @@ from treeflash.models.loader import build_on
 from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
 from treeflash.train.common import (DEFAULT_OPTIONS, MiB, RunDir, TrainOptions, Trainer, abs_path,
-                                    check_out_dir, check_shard_mb, hf_tensors, init_weights, resolve_device,
+                                    check_out_dir, check_shard_mb, check_trainable, hf_tensors, init_weights, resolve_device,
                                     save_safetensors, set_fast_math, write_summary)
 from treeflash.train.corpus import TOKENIZER_FILES, TokenWindows, fixed_windows, load_corpus, tokenizer_hash
 from treeflash.train.tokenizer import PAD
@@ -70,6 +70,7 @@ def hf_config(shape: TargetShape, vocab_size: int, max_len: int, eos_id: int, pa
 
 def build_target(cfg: ModelConfig, device: torch.device) -> CausalLM:
     """A trainable float32 CausalLM (inference builds parameters without grad)."""
+    check_trainable(cfg, device, "the target shape")
     with build_on(device, torch.float32):
         model = CausalLM(cfg)
     if cfg.tie_word_embeddings:
@@ -138,10 +139,12 @@ def train_target(data_dir: str | Path, run_dir: str | Path, out_dir: str | Path 
     check_out_dir(out, {"data": data_dir}, run.path)
     data = load_corpus(data_dir)
     vocab = int(data.meta["vocab_size"])
+    # before the shape: another tokenizer's corpus would first differ in vocab_size, not a flag
+    tokenizer = run.bind("corpus_tokenizer", tokenizer_hash(data.path),
+                         f"the corpus in {data_dir} was made with another tokenizer than the run's "
+                         f"(tokenizer.json differs)")
     spec = run.settle_spec({**asdict(shape or TargetShape()), "vocab_size": vocab}, TARGET_SHAPE)
-    spec["corpus_tokenizer"] = run.bind("corpus_tokenizer", tokenizer_hash(data.path),
-                                        f"the corpus in {data_dir} was made with another tokenizer than the "
-                                        f"run's (tokenizer.json differs)")
+    spec["corpus_tokenizer"] = tokenizer
     shape = TargetShape(**{k: v for k, v in spec.items() if k in TargetShape.__dataclass_fields__})
     pad = Tokenizer(data.path).tok.token_to_id(PAD)
     config = hf_config(shape, vocab, opts.seq_len, int(data.meta["eos_token_id"]), pad, dtype)
@@ -151,7 +154,7 @@ def train_target(data_dir: str | Path, run_dir: str | Path, out_dir: str | Path 
     run.begin(spec, o)
     set_fast_math(device)
     torch.manual_seed(opts.seed)
-    model = build_target(ModelConfig.from_dict(config, "target shape"), device)
+    model = build_target(ModelConfig.from_dict(config, "the target shape"), device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"[target] {n_params:,} parameters, {data.train.size:,} train tokens, "
           f"device {device}", flush=True)

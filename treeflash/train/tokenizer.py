@@ -20,13 +20,23 @@ SPLIT_PATTERN = (r"[^\r\n\p{L}\p{N}]?\p{L}+| ?\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s
                  r"|\s+(?!\S)|\s+")
 
 
+MAX_VOCAB = 1 << 20  # 4x the largest vocabularies in use; the BPE trainer allocates per entry
+
+
+def check_vocab_size(vocab_size) -> None:
+    """Before the corpus is read: at least the bytes and special tokens, at most MAX_VOCAB
+    (a size off by a few zeros made the trainer abort on a failed allocation)."""
+    floor = 256 + len(SPECIAL_TOKENS)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not floor <= vocab_size <= MAX_VOCAB:
+        raise UsageError(f"vocab size must be an integer from {floor} (bytes + special tokens) to {MAX_VOCAB:,}, "
+                         f"got {vocab_size!r}")
+
+
 def train_tokenizer(texts: Iterable[str], out_dir: str | Path, vocab_size: int = 4096,
                     model_max_length: int = 1024) -> Path:
     """Train on `texts`, write `tokenizer.json` and `tokenizer_config.json` into `out_dir`."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    floor = 256 + len(SPECIAL_TOKENS)
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < floor:
-        raise UsageError(f"vocab size must be an integer >= {floor} (bytes + special tokens), got {vocab_size!r}")
+    check_vocab_size(vocab_size)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
