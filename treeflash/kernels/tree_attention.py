@@ -283,8 +283,8 @@ def _pipeline_stages(block_m: int, fp32: bool) -> int:
     """K/V tiles in flight per program. The few-row tiles of decoding are memory-bound
     and gain from every tile in flight that fits (H200, T = 1, 5 stages against 4: 16K
     23.2 -> 22.7 us, 32K -5%, 4 requests at 4K -8%, 6 stages slower again); 64-row
-    tiles are fastest at 4 (T = 16 at 4K and 16K: 5 stages 1-5% slower), 128-row tiles fit 3, and fp32
-    tiles are twice the bytes."""
+    tiles are fastest at 4 (T = 16 at 4K and 16K: 5 stages 1-5% slower), 128-row tiles
+    fit 3, and fp32 tiles are twice the bytes."""
     if fp32:
         return 2
     return 5 if block_m <= 16 else 4 if block_m <= 64 else 3
