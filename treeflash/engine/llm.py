@@ -249,7 +249,7 @@ class LLM:
             raise UsageError(f"unknown quantization {quantization!r} (supported: fp8)")
         self.device = resolve_device(device)
         self.config = ModelConfig.from_pretrained(model)
-        check_sizes(model, self.config.num_layers, (self.config.vocab_size, self.config.hidden_size))
+        check_sizes(model, self.config)
         # quantization="fp8" of a checkpoint in higher precision: its layers' weights are
         # quantized to FP8 blocks while loading (an FP8 checkpoint stays as it is)
         quantize = quantization == "fp8" and self.config.fp8_block is None
@@ -266,7 +266,7 @@ class LLM:
         dcfg = None
         if draft_model is not None:
             dcfg = DraftConfig.from_pretrained(draft_model)
-            check_sizes(draft_model, dcfg.layers.num_layers)
+            check_sizes(draft_model, dcfg.layers, embedding=False)
             dcfg.check_fits(self.config)
         if method is None:
             method = "ddtree" if dcfg is not None else "ar"

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from treeflash.config import ModelConfig
 from treeflash.errors import TreeflashError
 from treeflash.ops import fp8_blocks
 
@@ -52,22 +53,23 @@ def checkpoint_files(folder: str | Path) -> dict[str, Path]:
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def check_sizes(folder: str | Path, num_layers: int, embedding: tuple[int, int] | None = None) -> None:
-    """Refuse, before any layer is built, a config.json that says more layers, or a larger
-    embedding [vocab, hidden], than the checkpoint in `folder` holds: one that says a
-    million layers would otherwise allocate until memory ran out. (Fewer layers, or any
-    other shape that differs, are refused while loading.)"""
+def check_sizes(folder: str | Path, config: ModelConfig, embedding: bool = True) -> None:
+    """Refuse, before any layer is built, a config.json that says more layers, or (with
+    `embedding`) a larger embedding [vocab, hidden], than the checkpoint in `folder`
+    holds: one that says a million layers would otherwise allocate until memory ran out.
+    (Fewer layers, or any other shape that differs, are refused while loading.)"""
     files = checkpoint_files(folder)
     held = 1 + max((int(m.group(1)) for name in files if (m := _LAYER_KEY.search(name))), default=-1)
-    if num_layers > held:
-        raise TreeflashError(f"config.json in {folder} says {num_layers} layers, but the checkpoint holds {held}")
-    key = next((name for name in files if name.endswith("embed_tokens.weight")), None)
-    if embedding is not None and key is not None:
+    if config.num_layers > held:
+        raise TreeflashError(f"config.json in {folder} says {config.num_layers} layers, but the checkpoint holds "
+                             f"{held}")
+    key = next((name for name in files if name.endswith("embed_tokens.weight")), None) if embedding else None
+    if key is not None:
         with _open(files[key]) as st:
             stored = tuple(_slice(st, key).get_shape())
-        if len(stored) == 2 and (embedding[0] > stored[0] or embedding[1] > stored[1]):
-            raise TreeflashError(f"config.json in {folder} says vocab_size {embedding[0]} and hidden_size "
-                                 f"{embedding[1]}, but the checkpoint's {key} is {list(stored)}")
+        if len(stored) == 2 and (config.vocab_size > stored[0] or config.hidden_size > stored[1]):
+            raise TreeflashError(f"config.json in {folder} says vocab_size {config.vocab_size} and hidden_size "
+                                 f"{config.hidden_size}, but the checkpoint's {key} is {list(stored)}")
 
 
 SAFETENSORS_FLOATS = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}

@@ -72,7 +72,7 @@ def load_frozen_target(target_dir: str | Path, device: torch.device) -> CausalLM
     """The target in its inference dtype (bf16 on CUDA, float32 on CPU), without grads."""
     from treeflash.engine.llm import resolve_dtype
     cfg = ModelConfig.from_pretrained(target_dir)
-    check_sizes(target_dir, cfg.num_layers, (cfg.vocab_size, cfg.hidden_size))
+    check_sizes(target_dir, cfg)
     with build_on(device, resolve_dtype("auto", target_dtype(cfg, target_dir), device)):
         target = CausalLM(cfg)
     load_weights(target, target_dir)
