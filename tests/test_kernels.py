@@ -99,11 +99,12 @@ def test_row_programs(row_programs, num_splits):
 
 @kernel_test
 @pytest.mark.parametrize("B", [8, 16])
-def test_many_requests_fold_the_block_into_the_last_split(B):
+@pytest.mark.parametrize("T", [1, 3])
+def test_many_requests_fold_the_block_into_the_last_split(B, T):
     """8 or 16 requests of 8 KV heads leave 1-2 splits per (request, head) and no place
     for block programs in the wave (`default_num_splits`): the last split attends the
-    block after its prefix chunk, with one row tile."""
-    check(B=B, T=3, HKV=8, G=2, D=64, S=600, dtype=torch.float32, mask_kind="tree", seed=B)
+    block after its prefix chunk, with one row tile, or a decoding token's own key."""
+    check(B=B, T=T, HKV=8, G=2, D=64, S=600, dtype=torch.float32, mask_kind="tree", seed=B + T)
 
 
 @kernel_test
@@ -127,8 +128,10 @@ def test_empty_splits_are_never_read(row_programs, monkeypatch):
 @pytest.mark.parametrize("num_splits", [None, 3, 64])
 @pytest.mark.parametrize("mask_kind", ["all", "none"])
 def test_a_single_token_sees_the_prefix_and_itself(num_splits, mask_kind):
-    """Decoding (T = 1): the prefix over default, few and mostly empty splits (64 of 500
-    slots), an empty prefix, and a token whose mask hides itself (the prefix only)."""
+    """Decoding (T = 1): the prefix over default splits with a block program, and over
+    given splits whose last one adds the token's own key, also where that split holds
+    no prefix (64 of 500 slots); an empty prefix; a token whose mask hides itself (the
+    prefix only)."""
     check(B=3, T=1, HKV=2, G=4, D=64, S=500, dtype=torch.float32, mask_kind=mask_kind, num_splits=num_splits,
           seed=num_splits or 0)
 
@@ -138,7 +141,8 @@ def test_default_splits_fill_one_wave():
     splits, the 8 block programs overflowing by 4; at 4K, or with 16 (b, head) pairs
     whose block programs would mostly overflow, the block keeps a place in the wave; with
     64 or 128 pairs (1-2 splits each) and past one row tile the block folds into the last
-    split and there is no block program."""
+    split and there is no block program. A single token keeps its block programs where
+    they cost no split or a short one; elsewhere its key ends the last split."""
     from treeflash.kernels.tree_attention import default_num_splits
     cpu = torch.device("cpu")
     assert default_num_splits(1, 8, 4, 16384 + 1, cpu) == (16, True)
@@ -149,6 +153,13 @@ def test_default_splits_fill_one_wave():
     assert default_num_splits(16, 8, 4, 4096 + 1, cpu) == (1, False)
     assert default_num_splits(1, 8, 1024, 16384 + 256, cpu, row_programs=8) == (2, False)
     assert default_num_splits(1, 1, 4, 200, cpu) == (1, True)  # shorter than one 256-key split
+    one = {"single_token": True}
+    assert default_num_splits(1, 8, 4, 16384 + 1, cpu, **one) == (16, True)
+    assert default_num_splits(1, 8, 4, 4096 + 1, cpu, **one) == (15, True)  # 16 splits of 256 keys
+    assert default_num_splits(2, 8, 4, 4096 + 1, cpu, **one) == (8, False)
+    assert default_num_splits(2, 8, 4, 16384 + 1, cpu, **one) == (8, False)
+    assert default_num_splits(4, 8, 4, 4096 + 1, cpu, **one) == (4, False)
+    assert default_num_splits(8, 8, 4, 1 << 20, cpu, **one) == (2, False)
 
 
 @kernel_test
@@ -165,5 +176,5 @@ def test_kernel_in_the_triton_interpreter():
     """CPU CI: splits, row programs, head sizes and dtypes in the interpreter (fp16 and
     fp32: its bf16 is raw integers)."""
     run_interpreted(__file__, "split_counts or row_programs or dtypes_and_head_dims or empty_splits or many_requests"
-                    " or single_token", 21,
+                    " or single_token", 23,
                     timeout=600)

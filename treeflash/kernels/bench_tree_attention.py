@@ -122,7 +122,8 @@ def main() -> None:
         for T in BLOCKS:
             case = Case(ctx, T, gen)
             rows = T * HQ // HKV
-            splits, _ = default_num_splits(1, HKV, rows, ctx + T, dev, default_row_programs(rows, 128))
+            splits, _ = default_num_splits(1, HKV, rows, ctx + T, dev, default_row_programs(rows, 128),
+                                           single_token=T == 1)
             t_k = case.run(tree_attention)
             t_s = case.run(sdpa_attention)
             pbw = case.prefix_bytes / t_k

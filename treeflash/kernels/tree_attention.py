@@ -19,7 +19,12 @@ Why it is split in three (the verify reads the shared context once for all tree 
     192 -> 128 programs, 72.6 -> 52.9 us). So does it where a place in the wave for the
     block programs would cost one of only 1-3 splits per (request, KV head): 8 requests
     decoding at 4K (8B shape) took 7.29 ms a step with 1 split and a block program per
-    (request, head), 5.92 ms with 2 splits, the second taking the block.
+    (request, head), 5.92 ms with 2 splits, the second taking the block. A single new
+    token (decoding) whose block program would cost a split needs no masked pass: its
+    block is its own key, right after the prefix, which the last split adds from loads
+    issued before its prefix loop (4 requests at 4K: the wave streams the prefix with
+    4 splits instead of 3 and 32 one-key programs; the 8B step of 4 requests 1.3%
+    faster at 4K, 4.9% at 16K).
 (c) A second kernel merges the partial results of all splits by log-sum-exp. A split
     with no keys writes lse = -inf (and no o), so the merge needs no prefix length:
     its loads issue as soon as it starts, not after a dependent load of prefix_lens.
@@ -112,6 +117,16 @@ def _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, first, 
 
 
 @triton.jit
+def _combine(o, lse, o2, lse2):
+    """Two normalised partials (o, lse in base 2) of the same rows as one; a side with
+    lse = -inf (no key) has weight 0."""
+    m = tl.maximum(lse, lse2)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w, w2 = tl.exp2(lse - m), tl.exp2(lse2 - m)
+    return (o * w[:, None] + o2 * w2[:, None]) / tl.where(w + w2 > 0, w + w2, 1.0)[:, None], m + tl.log2(w + w2)
+
+
+@triton.jit
 def _partial_attention(
     q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr, prefix_ptr, pos_ptr,
     sq_b, sq_t, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_i, sp_b, sp_t,
@@ -119,7 +134,7 @@ def _partial_attention(
     HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_N_TREE: tl.constexpr, FP32_DOT: tl.constexpr, WINDOW: tl.constexpr, PREFIX_EVICTION: tl.constexpr,
-    PDL: tl.constexpr = False,
+    OWN_KEY: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (b * HKV + kv head, split, row program): the T*G rows of that KV head
     (row tiles row_program, row_program + row programs, ...) against one key range,
@@ -129,6 +144,8 @@ def _partial_attention(
     consecutive heads of one token, so q loads are contiguous. Splits 0..num_splits-1
     are prefix chunks (no mask); split `block_split` (num_splits: a block-only program,
     or num_splits - 1) also attends the block with its mask, one partial for both.
+    OWN_KEY (T = 1, block_split = -1): the last split adds the token's own key (slot L,
+    if its mask entry lets it see itself; always inside its window) after its prefix.
     WINDOW: the prefix chunks cover only the slots some row can see (module doc).
     """
     start_after_previous(PDL)
@@ -145,7 +162,8 @@ def _partial_attention(
         lo = tl.maximum(L - window + 1, 0)
     start, end = _split_range(lo, L, split, num_splits, BLOCK_N)
     with_block = split == block_split  # split num_splits has no prefix: start >= L
-    ran = (start < end) | with_block
+    own_key = OWN_KEY & (split == num_splits - 1)
+    ran = (start < end) | with_block | own_key
 
     offs_d = tl.arange(0, D)
     b64 = b.to(tl.int64)  # a whole cache can pass 2^31 elements
@@ -154,6 +172,10 @@ def _partial_attention(
     v_base = v_ptr + b64 * sv_b + kvh.to(tl.int64) * sv_h
     mask_base = mask_ptr + b * sm_b
     pos_base = pos_ptr + b * sp_b
+    if OWN_KEY:  # in flight while the prefix streams, so the last split ends no later
+        own_ok = own_key & (tl.load(mask_base, mask=own_key, other=0) != 0)
+        k_own = tl.load(k_base + L * sk_s + offs_d, mask=own_key, other=0.0)
+        v_own = tl.load(v_base + L * sv_s + offs_d, mask=own_key, other=0.0)
     part = (pid_bh * tl.num_programs(1) + split).to(tl.int64)  # parts x rows x D can pass 2^31
     # Row tiles back to back over the same key range: after the first, it is in L2.
     for row0 in range(row_program * BLOCK_M, ROWS, row_programs * BLOCK_M):
@@ -173,11 +195,10 @@ def _partial_attention(
                 o_blk, lse_blk = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, L, T,
                                          qk_scale, pos_base, sp_t, row_pos, window, D, BLOCK_M, BLOCK_N_TREE, True,
                                          FP32_DOT, WINDOW, "")
-                m = tl.maximum(lse, lse_blk)
-                m = tl.where(m == float("-inf"), 0.0, m)
-                w, w_blk = tl.exp2(lse - m), tl.exp2(lse_blk - m)
-                o = (o * w[:, None] + o_blk * w_blk[:, None]) / tl.where(w + w_blk > 0, w + w_blk, 1.0)[:, None]
-                lse = m + tl.log2(w + w_blk)
+                o, lse = _combine(o, lse, o_blk, lse_blk)
+            if OWN_KEY:
+                s_own = tl.sum(q.to(tl.float32) * k_own.to(tl.float32)[None, :], 1) * qk_scale
+                o, lse = _combine(o, lse, v_own.to(tl.float32)[None, :], tl.where(own_ok, s_own, float("-inf")))
             tl.store(o_ptr + (part * ROWS + rows)[:, None] * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
                      mask=row_ok[:, None])
         else:  # an empty split: lse = -inf tells the merge to skip its (unwritten) o
@@ -243,7 +264,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def default_num_splits(batch: int, kv_heads: int, rows: int, capacity: int, device: torch.device,
-                       row_programs: int = 1) -> tuple[int, bool]:
+                       row_programs: int = 1, single_token: bool = False) -> tuple[int, bool]:
     """(prefix splits, whether the block has programs of its own) from shapes only. One
     wave: the programs per (b, kv head, row program) fill the SMs at most once, as the
     larger tiles fit one program per SM and a second wave of a few programs would double
@@ -256,7 +277,12 @@ def default_num_splits(batch: int, kv_heads: int, rows: int, capacity: int, devi
     up (2 -> 1 leaves half the SMs idle) and the block joins the last split instead of
     making a second wave. No split shorter than 256 keys (512 past one 64-row tile) on a
     full cache, where the fixed cost of a program and of its rows x D partial outweighs
-    its share of the prefix (4K, T = 16: 15 splits 11.8 us, 8 splits 13.5 us)."""
+    its share of the prefix (4K, T = 16: 15 splits 11.8 us, 8 splits 13.5 us).
+    A single token whose block programs would cost a split of >= 512 keys gives the
+    wave to the prefix instead, its own key ending the last split (4 requests at 4K: 4
+    splits of 1024 keys, not 3 of 1408 and 32 one-key programs). With short splits the
+    extra loads of every program outweigh the split (one request at 4K, 16 splits of 256
+    keys: the 8B step 1% slower)."""
     sms, heads = _sm_count(device), batch * kv_heads
     min_chunk = 256 if rows <= 64 else 512
     if row_programs > 1:  # compute-bound: two splits beat one (T=256: 4K 93 vs 98 us, 16K 222 vs 352)
@@ -265,7 +291,7 @@ def default_num_splits(batch: int, kv_heads: int, rows: int, capacity: int, devi
     overflow = heads * (splits + 1) - sms  # block programs past the wave
     if overflow <= 0 or (capacity // splits >= 1024 and 2 * overflow <= heads):
         return splits, True
-    if splits >= 4:
+    if splits >= 4 and not (single_token and capacity // splits >= 512):
         return splits - 1, True
     return splits, False
 
@@ -322,19 +348,23 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     fp32 = q.dtype == torch.float32
     block_m = max(16, min(64 if fp32 else 128, triton.next_power_of_2(rows)))
     row_programs = min(row_programs or default_row_programs(rows, block_m), triton.cdiv(rows, block_m))
-    if num_splits:
-        splits, own_block = num_splits, row_programs == 1
+    if num_splits:  # given splits: a single token's key joins the last one
+        splits, own_block = num_splits, row_programs == 1 and T > 1
     else:
-        splits, own_block = default_num_splits(B, HKV, rows, S, q.device, row_programs)
+        splits, own_block = default_num_splits(B, HKV, rows, S, q.device, row_programs, single_token=T == 1)
+    # The split that also attends the block: a program of its own, the last prefix
+    # split, or none where a single token's own key ends the last split.
+    own_key = T == 1 and not own_block
+    block_split = splits if own_block else -1 if own_key else splits - 1
+    parts = max(splits, block_split + 1)
 
     # Partial outputs in the input dtype: normalised, so bf16 costs no more accuracy than
     # the bf16 output itself, and halves their traffic (T=16: 12% -> 6% of the prefix).
-    block_split = splits if own_block else splits - 1
-    o_part = torch.empty(B * HKV, block_split + 1, rows, D, dtype=q.dtype, device=q.device)
-    lse_part = torch.empty(B * HKV, block_split + 1, rows, dtype=torch.float32, device=q.device)
+    o_part = torch.empty(B * HKV, parts, rows, D, dtype=q.dtype, device=q.device)
+    lse_part = torch.empty(B * HKV, parts, rows, dtype=torch.float32, device=q.device)
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
     LOG2E = 1.4426950408889634
-    _partial_attention[(B * HKV, block_split + 1, row_programs)](
+    _partial_attention[(B * HKV, parts, row_programs)](
         q, k_cache, v_cache, mask.view(torch.uint8), o_part, lse_part, inputs.prefix_lens, positions,
         q.stride(0), q.stride(1), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3],
         mask.stride(0), mask.stride(1), *positions.stride(), scale * LOG2E, splits, block_split, row_programs,
@@ -342,7 +372,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         BLOCK_N_TREE=max(16, min(BLOCK_N, triton.next_power_of_2(T))), FP32_DOT=fp32, WINDOW=window is not None,
         # With one row tile each prefix tile is read once: its L2 lines go first, before
         # the partials' (H200, 16K, T = 1: 22.6 -> 22.1 us). Several row tiles re-read it.
-        PREFIX_EVICTION="evict_first" if rows <= block_m else "",
+        PREFIX_EVICTION="evict_first" if rows <= block_m else "", OWN_KEY=own_key,
         num_warps=8 if block_m >= 128 else 4, num_stages=_pipeline_stages(block_m, fp32), **chained(q.device))
     # One or two warps per merge program and few rows each: the merge is a latency
     # chain of small loads, and 4 warps reducing one row's splits cost 12.6 us per layer
@@ -352,7 +382,6 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # registers per thread.
     merge_rows = 4 if rows >= 256 else 1
     merge_warps = 2 if rows <= 16 else 1
-    parts = block_split + 1
     chunk = min(triton.next_power_of_2(parts), 4096 * merge_warps // (merge_rows * D))
     _merge[(B * HKV * triton.cdiv(rows, merge_rows),)](
         o_part, lse_part, out, lse_part if sinks is None else sinks.contiguous(), parts, HKV=HKV, G=G, T=T, D=D,
