@@ -131,6 +131,32 @@ def test_few_row_matmul_matches_linear(dtype, N, K):
 
 @gpu_or_interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_the_norm_adds_a_split_product_s_shares(dtype):
+    """A few-row product whose K is split in shares, asked not to add them
+    (`add_shares=False`, as a decoder layer asks for its o and down projections), comes
+    back as `SplitSums`; the fused RMSNorm adds them (and the residual) in its own
+    launch, bit for bit as the product's own sum followed by the norm. A bias keeps the
+    sum in the product's launch."""
+    from treeflash.kernels.matmul import matmul
+    from treeflash.ops import SplitSums
+    from treeflash.ops.fused import add_rms_norm
+    torch.manual_seed(1)
+    N, K = 256, 1024  # 4 strips of 64 rows: K splits in shares to fill the SMs
+    with torch.device(DEV), torch.no_grad():
+        w, norm = torch.randn(N, K, dtype=dtype) / K ** 0.5, torch.rand(N, dtype=dtype) + 0.5
+        for M in (2, 17):
+            x, r = torch.randn(1, M, K, dtype=dtype), torch.randn(1, M, N, dtype=dtype)
+            split, y = matmul(x, w, add_shares=False), matmul(x, w)
+            assert isinstance(split, SplitSums) and split.parts.shape[0] > 1 and split.shape == (1, M, N)
+            assert torch.equal(split.sum(), y)
+            for got, want in zip(add_rms_norm(split, norm, 1e-6, residual=r), add_rms_norm(y, norm, 1e-6, residual=r)):
+                assert got.shape == want.shape and torch.equal(got, want)
+            assert torch.equal(add_rms_norm(split, norm, 1e-6), add_rms_norm(y, norm, 1e-6))
+        assert isinstance(matmul(x, w, torch.randn(N, dtype=dtype), add_shares=False), torch.Tensor)
+
+
+@gpu_or_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(2, 65, 4096), (3, 1000), (1, 1, 7), (3, 20000)])
 def test_row_argmax_matches_argmax(dtype, shape):
     """Greedy picks in one launch (two past 8192 entries a row): torch.argmax's index, the
@@ -243,7 +269,8 @@ def test_logit_controls_match_torch(dtype, rows, per_row, controls):
 @spawns_interpreter
 def test_ops_in_the_triton_interpreter():
     run_interpreted(__file__, "gemv_matches or few_row_matmul or rope_into_cache or row_argmax or gumbel_argmax or cos_sin "
-                    "or embedding_rows or logit_controls or node_states or path_states or grammar_mask", 36)
+                    "or embedding_rows or logit_controls or node_states or path_states or grammar_mask or split_product",
+                    37)
 
 
 def _grammar_batch(V: int, B: int, seed: int):

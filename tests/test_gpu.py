@@ -179,6 +179,49 @@ def test_dependent_launches_read_what_the_previous_kernel_wrote():
     assert torch.allclose(stepwise.double(), ref, rtol=1e-3, atol=1e-3)
 
 
+def test_norms_that_add_the_projections_shares_change_no_bit(pair, monkeypatch):
+    """Verify- and draft-sized products of the o and down projections split K in shares
+    and leave them for the next RMSNorm to add (`SplitSums`: a launch fewer per product).
+    A 16-token forward over a cache, graphed as the engine runs it, gives the hidden
+    states and tapped features of the same forward whose products add their own shares,
+    bit for bit (bf16), and both have taken the split path."""
+    from treeflash.engine.round import capture
+    from treeflash.layers import linear as linear_mod
+    from treeflash.layers.attention import AttentionInputs
+    from treeflash.ops import SplitSums
+    target, _ = pair
+    model = LLM(target, method="ar", device="cuda", dtype="bfloat16", cuda_graphs=False).target
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cache = model.new_cache(2, 256)
+    for t in (cache.k, cache.v):
+        t.normal_(generator=g)
+    T, lens = 16, torch.tensor([100, 37], device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (2, T), device="cuda", generator=g)
+    mask = torch.ones(T, T, dtype=torch.bool, device="cuda").tril().expand(2, T, T)
+    inputs = AttentionInputs(lens[:, None] + torch.arange(T, device="cuda"), lens, mask, backend="triton")
+    split = []
+    forward = linear_mod.RowParallelLinear.forward
+
+    def watched(self, x, gated=False, add_shares=True):
+        y = forward(self, x, gated, add_shares)
+        split.append(isinstance(y, SplitSums))
+        return y
+
+    def run():
+        with torch.inference_mode():
+            return model(ids, inputs, cache, taps=[1, 2])
+
+    monkeypatch.setattr(linear_mod.RowParallelLinear, "forward", watched)
+    graph, (h, features) = capture(run, warmup=1)
+    graph.replay()
+    assert split and all(split)  # every o and down product came unadded
+    monkeypatch.setattr(linear_mod.RowParallelLinear, "forward",
+                        lambda self, x, gated=False, add_shares=True: forward(self, x, gated))
+    want_h, want_features = run()
+    torch.cuda.synchronize()
+    assert torch.equal(h, want_h) and torch.equal(features, want_features)
+
+
 def test_fused_sampling_matches_reference():
     from treeflash.engine.sampling import gumbel_noise
     from treeflash.ops.gumbel_argmax import gumbel_argmax

@@ -19,7 +19,7 @@ from torch import nn
 
 from treeflash.distributed import TPGroup
 from treeflash.errors import TreeflashError
-from treeflash.ops import Fp8Weight, fp8_kernels_fit, gated_linear, linear
+from treeflash.ops import Fp8Weight, SplitSums, fp8_kernels_fit, gated_linear, linear
 
 
 def check_fp8_cuts(name: str, block: tuple[int, int], merged_rows: list[int], rank_rows: list[int],
@@ -125,13 +125,20 @@ class RowParallelLinear(ShardedLinear):
         self.weight = nn.Parameter(torch.empty(out_features, cols), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def partial(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    def partial(self, x: torch.Tensor, gated: bool = False, add_shares: bool = True) -> torch.Tensor | SplitSums:
         """This rank's x_r W_r^T, before the all-reduce and the bias. `gated`: x is one
-        row of [gate | up] and the input is silu(gate) * up (the MLP's batch-1 fused path)."""
+        row of [gate | up] and the input is silu(gate) * up (the MLP's batch-1 fused path).
+        `add_shares`: see `linear`."""
         if self.input_slice is not None and self.tp.size > 1:
             x = x[..., self.input_slice[0]:self.input_slice[1]]
-        return gated_linear(x, self.weight, self.fp8) if gated else linear(x, self.weight, None, self.fp8)
+        if gated:
+            return gated_linear(x, self.weight, self.fp8)
+        return linear(x, self.weight, None, self.fp8, add_shares=add_shares)
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gated: bool = False, add_shares: bool = True) -> torch.Tensor | SplitSums:
+        """`add_shares=False` (the caller's next step is a fused RMSNorm): on one rank and
+        without a bias, the output may be `SplitSums`, whose shares that norm adds."""
+        if not add_shares and self.tp.size == 1 and self.bias is None:
+            return self.partial(x, gated, add_shares=False)
         y = self.tp.all_reduce(self.partial(x, gated))
         return y + self.bias if self.bias is not None else y

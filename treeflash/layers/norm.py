@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from treeflash.ops import fused_enabled
+from treeflash.ops import SplitSums, fused_enabled
 
 
 class RMSNorm(nn.Module):
@@ -12,10 +12,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor | SplitSums, residual: torch.Tensor | None = None):
         """norm(x); with `residual`, (s, norm(s)) for s = x + residual (one launch on the
-        fused path: the residual add of a decoder layer costs no kernel of its own)."""
-        if fused_enabled(x):
+        fused path: the residual add of a decoder layer costs no kernel of its own, nor
+        do the K shares of a projection that comes as `SplitSums`, fused path only)."""
+        if isinstance(x, SplitSums) or fused_enabled(x):
             from treeflash.ops.fused import add_rms_norm
             return add_rms_norm(x, self.weight, self.eps, residual=residual)
         if residual is not None:

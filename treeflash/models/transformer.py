@@ -9,6 +9,8 @@ pass computes logits for every tree node and a prefill only for its last token.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -23,7 +25,7 @@ from treeflash.layers.linear import ColumnParallelLinear, RowParallelLinear, Sha
 from treeflash.layers.norm import RMSNorm
 from treeflash.layers.rotary import RotaryEmbedding, apply_rotary
 from treeflash.models.moe import Experts, SparseMoE
-from treeflash.ops import fused_enabled, single_row, swiglu
+from treeflash.ops import fused_enabled, single_row, summed, swiglu
 
 try:  # Triton kernels, used only when `fused_enabled` (CUDA inference)
     from treeflash.ops.fused import norm_rope, rope_into_cache
@@ -74,9 +76,11 @@ class Attention(nn.Module):
             return None, None, 0.0
         return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
 
-    def forward(self, x, cos, sin, inputs: AttentionInputs, kv: tuple | None, prefix_kv: tuple | None = None):
+    def forward(self, x, cos, sin, inputs: AttentionInputs, kv: tuple | None, prefix_kv: tuple | None = None,
+                add_shares: bool = True):
         """kv: this layer's (k_cache, v_cache), or None for the cache-free (training) path,
-        where `prefix_kv` optionally holds K/V [B, P, Hkv, D] placed before the block."""
+        where `prefix_kv` optionally holds K/V [B, P, Hkv, D] placed before the block.
+        `add_shares=False`: the output may be `SplitSums` (see `RowParallelLinear`)."""
         B, T, _ = x.shape
         if kv is not None and not inputs.is_prefill and fused_enabled(x):
             # decode / verify / draft: q/k norm, RoPE and the cache writes in one launch
@@ -84,7 +88,7 @@ class Attention(nn.Module):
                                 cos, sin, kv[0], kv[1], inputs.prefix_lens)
             out = attention_kernel(inputs.backend)(q, kv[0], kv[1], inputs, self.scale,
                                                    sinks=self.sinks, window=self.window)
-            return self.o_proj(out.reshape(B, T, -1))
+            return self.o_proj(out.reshape(B, T, -1), add_shares=add_shares)
         q, k, v = self.project_qkv(x, cos, sin)
         if kv is None:
             if prefix_kv is not None:
@@ -130,8 +134,8 @@ class MLP(nn.Module):
         """This rank's share of the output, before the all-reduce (bias-free MLPs only)."""
         return self._through(x, self.down_proj.partial)
 
-    def forward(self, x):
-        return self._through(x, self.down_proj)
+    def forward(self, x, add_shares: bool = True):
+        return self._through(x, functools.partial(self.down_proj, add_shares=add_shares))
 
     def _through(self, x, down):
         if fused_enabled(x) and single_row(x):  # batch-1 decode: the gate is applied inside the down GEMV
@@ -157,14 +161,15 @@ class DecoderLayer(nn.Module):
     def forward(self, h, pending, cos, sin, inputs, kv, prefix_kv=None):
         """The residual stream arrives as h + pending (pending: the previous layer's MLP
         output, None for the first layer) and leaves as the pair (h, MLP output): each
-        residual add happens inside the next norm (`RMSNorm(x, residual)`)."""
+        residual add happens inside the next norm (`RMSNorm(x, residual)`), which also
+        adds the K shares of the projections before it (`SplitSums`)."""
         if pending is None:
             x = self.input_layernorm(h)
         else:
             h, x = self.input_layernorm(pending, residual=h)
-        a = self.self_attn(x, cos, sin, inputs, kv, prefix_kv)
+        a = self.self_attn(x, cos, sin, inputs, kv, prefix_kv, add_shares=False)
         h, x = self.post_attention_layernorm(a, residual=h)
-        return h, self.mlp(x)
+        return h, self.mlp(x, add_shares=False) if isinstance(self.mlp, MLP) else self.mlp(x)
 
 
 def run_layers(layers, h, cos, sin, inputs, kvs, final_norm, taps=(), prefix_kvs=None):
@@ -175,6 +180,7 @@ def run_layers(layers, h, cos, sin, inputs, kvs, final_norm, taps=(), prefix_kvs
     for i, layer in enumerate(layers):
         h, pending = layer(h, pending, cos, sin, inputs, kvs[i], None if prefix_kvs is None else prefix_kvs[i])
         if i in taps and i != last:
+            pending = summed(pending)
             tapped[i] = h + pending
     h = final_norm(h) if pending is None else final_norm(pending, residual=h)[1]
     if last in taps:

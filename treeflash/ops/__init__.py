@@ -1,4 +1,5 @@
 """Fused GPU versions (Triton) of engine steps whose torch reference lives elsewhere."""
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -25,6 +26,28 @@ def fused_enabled(x: torch.Tensor) -> bool:
 def single_row(x: torch.Tensor) -> bool:
     """One token of one request: batch-1 decoding, where a product is a weight stream."""
     return x.numel() == x.shape[-1]
+
+
+@dataclass(frozen=True)
+class SplitSums:
+    """A few-row product whose K shares are not added yet: float32 partial sums
+    [shares, rows, N], to be added in order and rounded to `dtype` by the kernel that
+    reads them next (the fused RMSNorm after a row-parallel projection), not by a
+    launch of their own. `shape`: the summed output's."""
+
+    parts: torch.Tensor
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def sum(self) -> torch.Tensor:
+        """The product, as the unfused path returns it."""
+        from treeflash.kernels.matmul import sum_shares
+        return sum_shares(self.parts, self.dtype).view(self.shape)
+
+
+def summed(x: "torch.Tensor | SplitSums") -> torch.Tensor:
+    """x, with its K shares added if it still has them."""
+    return x.sum() if isinstance(x, SplitSums) else x
 
 
 class Fp8Weight(NamedTuple):
@@ -68,17 +91,18 @@ def dequantized(weight: torch.Tensor, fp8: Fp8Weight, dtype: torch.dtype) -> tor
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           fp8: Fp8Weight | None = None) -> torch.Tensor:
+           fp8: Fp8Weight | None = None, add_shares: bool = True) -> "torch.Tensor | SplitSums":
     """F.linear (of the dequantized weight, with `fp8`: the activations stay in their
     dtype); on the fused path a single row goes through the Triton GEMV, up to 64 rows
     (a round's verify or draft) through the Triton few-row product, and FP8 weights
-    through those kernels at any row count, read as they are."""
+    through those kernels at any row count, read as they are. `add_shares=False`: a
+    bias-free product split over K may come back as `SplitSums`."""
     if fused_enabled(x) and weight.is_contiguous():
         from treeflash.kernels.matmul import MAX_ROWS, matmul
         if fp8 is not None and fp8.fits_kernels:
-            return matmul(x, weight, bias, fp8.scale, fp8.block)
+            return matmul(x, weight, bias, fp8.scale, fp8.block, add_shares=add_shares)
         if fp8 is None and x.dtype == weight.dtype and x.numel() <= MAX_ROWS * x.shape[-1]:
-            return matmul(x, weight, bias)
+            return matmul(x, weight, bias, add_shares=add_shares)
     if fp8 is not None:
         weight = dequantized(weight, fp8, x.dtype)
     # Rows flattened first: F.linear of a [B, T, K] whose rows are not evenly strided

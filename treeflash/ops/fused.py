@@ -12,16 +12,26 @@ import triton
 import triton.language as tl
 
 from treeflash.kernels.chained import chained, start_after_previous, wait_then_start_next
+from treeflash.ops import SplitSums
 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, H, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, SHARES: tl.constexpr = 0,
+                         PDL: tl.constexpr = False):
+    """Row (token) of x [M, H], or with SHARES of x's float32 K shares [SHARES, M, H],
+    added in order and rounded to the output dtype as `sum_shares` stores them."""
     start_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
-    x = tl.load(x_ptr + row * H + cols, mask=ok, other=0.0)
+    if SHARES:
+        acc = tl.zeros([BLOCK], tl.float32)
+        for s in tl.static_range(SHARES):
+            acc += tl.load(x_ptr + (s * tl.num_programs(0) + row) * H + cols, mask=ok, other=0.0)
+        x = acc.to(out_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + row * H + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
         x = (x.to(tl.float32) + tl.load(r_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32))
         x = x.to(sum_ptr.dtype.element_ty)
@@ -33,21 +43,27 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, H, eps,
     tl.store(out_ptr + row * H + cols, y, mask=ok)
 
 
-def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+def add_rms_norm(x: torch.Tensor | SplitSums, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None):
-    """norm(x) or, with `residual`, (s, norm(s)) where s = x + residual."""
-    H = x.shape[-1]
-    xs = x.reshape(-1, H)
-    if xs.stride(0) != H:
-        xs = xs.contiguous()
-    out = torch.empty_like(xs)
-    total = torch.empty_like(xs) if residual is not None else out
+    """norm(x) or, with `residual`, (s, norm(s)) where s = x + residual; x may be a
+    product's unadded K shares (`SplitSums`), which this launch adds first."""
+    shares = x.parts.shape[0] if isinstance(x, SplitSums) else 0
+    shape, dtype = (x.shape, x.dtype)
+    H = shape[-1]
+    if shares:
+        xs = x.parts  # [shares, M, H] float32, contiguous
+    else:
+        xs = x.reshape(-1, H)
+        if xs.stride(0) != H:
+            xs = xs.contiguous()
+    M = xs.shape[-2]
+    out = torch.empty(M, H, dtype=dtype, device=xs.device)
+    total = torch.empty_like(out) if residual is not None else out
     rs = residual.reshape(-1, H).contiguous() if residual is not None else xs
-    _add_rms_norm_kernel[(xs.shape[0],)](xs, rs, weight, out, total, H, eps,
-                                         HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(H),
-                                         **chained(xs.device))
-    out = out.view(x.shape)
-    return (total.view(x.shape), out) if residual is not None else out
+    _add_rms_norm_kernel[(M,)](xs, rs, weight, out, total, H, eps, HAS_RESIDUAL=residual is not None,
+                               BLOCK=triton.next_power_of_2(H), SHARES=shares, **chained(xs.device))
+    out = out.view(shape)
+    return (total.view(shape), out) if residual is not None else out
 
 
 @triton.jit
