@@ -60,8 +60,14 @@ def add_rms_norm(x: torch.Tensor | SplitSums, weight: torch.Tensor, eps: float,
     out = torch.empty(M, H, dtype=dtype, device=xs.device)
     total = torch.empty_like(out) if residual is not None else out
     rs = residual.reshape(-1, H).contiguous() if residual is not None else xs
+    # One program per row (token): a decode step's norm is a single program, a verify's
+    # at most 64, so each reads its row with many loads in flight: 8 elements a thread,
+    # up to 16 warps (8B shape, 4096 wide: verify(63) 0.8% and the AR step 0.2% faster
+    # than with 4 warps).
+    block = triton.next_power_of_2(H)
     _add_rms_norm_kernel[(M,)](xs, rs, weight, out, total, H, eps, HAS_RESIDUAL=residual is not None,
-                               BLOCK=triton.next_power_of_2(H), SHARES=shares, **chained(xs.device))
+                               BLOCK=block, SHARES=shares, num_warps=max(4, min(16, block // 256)),
+                               **chained(xs.device))
     out = out.view(shape)
     return (total.view(shape), out) if residual is not None else out
 
