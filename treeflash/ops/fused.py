@@ -48,7 +48,7 @@ def add_rms_norm(x: torch.Tensor | SplitSums, weight: torch.Tensor, eps: float,
     """norm(x) or, with `residual`, (s, norm(s)) where s = x + residual; x may be a
     product's unadded K shares (`SplitSums`), which this launch adds first."""
     shares = x.parts.shape[0] if isinstance(x, SplitSums) else 0
-    shape, dtype = (x.shape, x.dtype)
+    shape, dtype = x.shape, x.dtype
     H = shape[-1]
     if shares:
         xs = x.parts  # [shares, M, H] float32, contiguous
