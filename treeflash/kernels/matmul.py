@@ -200,12 +200,16 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def sum_shares(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[M, N] in `dtype`: the float32 partial sums [shares, M, N] added in order."""
-    shares, M, N = parts.shape
+def sum_shares(parts: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None,
+               gated: bool = False) -> torch.Tensor:
+    """[M, N] in `dtype`: the float32 partial sums [shares, M, N] added in order (+ bias);
+    `gated`: of [shares, M, 2N] = [gate | up], silu(gate) * up."""
+    shares, M, width = parts.shape
+    N = width // 2 if gated else width
     y = torch.empty(M, N, dtype=dtype, device=parts.device)
-    _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](parts, parts, y, M * N, N, HAS_BIAS=False, GATED=False,
-                                                    SPLIT=shares, BLOCK=1024, **chained(parts.device))
+    _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](parts, bias if bias is not None else parts, y, M * N, N,
+                                                    HAS_BIAS=bias is not None, GATED=gated, SPLIT=shares,
+                                                    BLOCK=1024, **chained(parts.device))
     return y
 
 
@@ -240,9 +244,9 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         N //= 2
     steps = triton.cdiv(triton.cdiv(K, bk), split)
     split = triton.cdiv(triton.cdiv(K, bk), steps)  # no empty shares
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     width = 2 * N if gated else N  # of a partial sum's row
-    out = y if split == 1 else torch.empty(split, M, width, dtype=torch.float32, device=x.device)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device) if split == 1 else \
+        torch.empty(split, M, width, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
     dummy = weight if scale is None else scale
     _matmul_kernel[grid](rows, weight, dummy, bias if bias is not None else dummy, out, M, N, K,
@@ -252,8 +256,5 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                          SWAP=swap, num_warps=warps, num_stages=stages, **chained(rows.device))
     if split > 1 and not add_shares and bias is None and not gated:
         return SplitSums(out, x.dtype, (*x.shape[:-1], N))
-    if split > 1:
-        _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](out, bias if bias is not None else out, y, M * N, N,
-                                                        HAS_BIAS=bias is not None, GATED=gated, SPLIT=split,
-                                                        BLOCK=1024, **chained(out.device))
+    y = out if split == 1 else sum_shares(out, x.dtype, bias, gated)
     return y.view(*x.shape[:-1], N)
