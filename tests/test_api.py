@@ -409,6 +409,18 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(hf_checkpoint):
         assert got.token_ids == want.token_ids and len(got.token_ids) >= 1
     with pytest.raises(UsageError, match="does not fit the context limit"):
         llm.generate(ids, params)
+    # a text too long to fit whatever its tokens is refused before it is tokenized (the
+    # tokenizer is not called), unless it is to be truncated
+    longest = llm.tokenizer.longest_token_bytes
+    text = "ab " * (llm.max_model_len * longest)
+    calls = []
+    real = llm.tokenizer.encode
+    llm.tokenizer.encode = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    with pytest.raises(UsageError, match=f"prompt of {len(text)} characters does not fit the context limit of 48 "):
+        llm.generate(text, params)
+    assert not calls
+    got = llm.generate(text, replace(params, truncate_prompt_tokens=12))[0]
+    assert calls and len(got.token_ids) == 5
     for k in (0, -2, 1.5, True):
         with pytest.raises(UsageError, match="truncate_prompt_tokens must be"):
             SamplingParams(truncate_prompt_tokens=k)

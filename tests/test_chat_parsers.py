@@ -29,13 +29,14 @@ def split_reasoning(text: str, parser: str) -> tuple[str | None, str]:
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 ANSWER = "Let me check.\n" + CALL + "\n" + CALL.replace("Paris", "Oslo")
-# text after the calls, with blank lines; blocks that are not calls (prose, NaN, no name,
-# nested past Python's stack) stay text as written
+# text after the calls, with blank lines; blocks that are not calls (prose, NaN, a number
+# JSON cannot write, no name, nested past Python's stack) stay text as written
 ANSWERS = [ANSWER, CALL + "\n\nIt is noon.\n\nAnything else?\n\n- a\n- b\n",
            "See <tool_call>a tag in prose</tool_call> here.\n\n" + CALL,
            '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>\n<tool_call>{"name": ""}</tool_call> ',
            "<tool_call>" + "[" * 5000 + "</tool_call>", "no calls at all \n\n", CALL + " \n",
-           "Let me check.\n" + CALL + "\nDone.", "A " + CALL + " B"]
+           "Let me check.\n" + CALL + "\nDone.", "A " + CALL + " B",
+           '<tool_call>{"name": "f", "arguments": {"x": 1e999}}</tool_call>']
 
 
 def test_split_tool_calls():
@@ -79,6 +80,7 @@ def test_what_stays_text():
     assert split_tool_calls(ANSWERS[6])[0] is None
     assert split_tool_calls(ANSWERS[7])[0] == "Let me check.\n\nDone."  # text on both sides of a call
     assert split_tool_calls(ANSWERS[8])[0] == "A  B"
+    assert split_tool_calls(ANSWERS[9]) == (ANSWERS[9], [])  # 1e999 reads as inf, which JSON cannot write
 
 
 # ----------------------------------------------------------------------------- server

@@ -20,7 +20,7 @@ import torch
 from conftest import ENGINE_PROMPTS, SPEC_PROMPTS
 from test_sampling import LOGITS, P_MIN, V, chi2_pvalue
 
-from treeflash import LLM, SamplingParams, UsageError
+from treeflash import LLM, SamplingParams, StructuredOutputs, UsageError
 from treeflash.engine.llm import builtin_paths
 from treeflash.engine.sampling import SamplingBatch, sample
 from treeflash.tokenizer import TextStream
@@ -220,6 +220,18 @@ def test_ids_outside_the_vocabulary_and_impossible_requests(hf_checkpoint):
         llm.generate("x", SamplingParams(allowed_token_ids=[eos], min_tokens=2))
     assert llm.generate("x", SamplingParams(allowed_token_ids=[eos, 5], min_tokens=2, max_new_tokens=3))[0] \
         .token_ids[:2] == [5, 5]
+    # bad words of one token that ban every allowed token leave nothing to sample
+    word = llm.tokenizer.decode([5])
+    one = [s for s in llm.bad_sequences(SamplingParams(bad_words=[word])) if len(s) == 1]
+    allowed = sorted({s[0] for s in one})
+    with pytest.raises(UsageError, match="bad_words ban every one of allowed_token_ids") as e:
+        llm.generate("x", SamplingParams(allowed_token_ids=allowed, bad_words=[word]))
+    assert e.value.param == "bad_words"
+    assert len(llm.generate("x", SamplingParams(allowed_token_ids=allowed + [7], bad_words=[word],
+                                                max_new_tokens=2))[0].token_ids) == 2
+    with pytest.raises(UsageError, match="cannot be combined with min_tokens") as e:
+        SamplingParams(min_tokens=1, structured_outputs=StructuredOutputs(regex="a"))
+    assert e.value.param == "min_tokens"
 
 
 def test_a_cached_prefix_keeps_min_tokens_counted_from_the_whole_prompt():

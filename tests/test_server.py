@@ -795,17 +795,18 @@ def test_llm_chat_is_what_the_chat_endpoint_gives(llm, client, monkeypatch):
 
 def test_chat_template_kwargs_set_the_templates_variables(llm, monkeypatch):
     """chat_template_kwargs (vLLM's; Qwen3's enable_thinking) reach the template, in
-    /v1/chat/completions, /tokenize and LLM.chat alike; a malformed one, or one that would
-    set what the engine sets, is the request's error (400 naming the field)."""
+    /v1/chat/completions, /tokenize and LLM.chat alike, and may set a special token's
+    text as in transformers; a malformed one, or one that would set what the engine sets,
+    is the request's error (400 naming the field)."""
     from treeflash.errors import UsageError
     template = ChatTemplate("{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
-                            "{{ messages[0].content }}")
+                            "{{ bos_token }}{{ messages[0].content }}")
     talk = [{"role": "user", "content": "fib"}]
     plain, off = llm.encode("fib", special=False), llm.encode("<no-think>fib", special=False)
     assert plain != off
     with TestClient(build_app(llm, "t", template)) as c:
         for kwargs, ids in ((None, plain), ({}, plain), ({"enable_thinking": True}, plain),
-                            ({"enable_thinking": False}, off)):
+                            ({"enable_thinking": False}, off), ({"bos_token": "<no-think>"}, off)):
             body = {"messages": talk, "chat_template_kwargs": kwargs}
             assert c.post("/tokenize", json=body).json()["tokens"] == ids
             r = c.post("/v1/chat/completions", json={**body, "max_tokens": 2})

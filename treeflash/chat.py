@@ -200,8 +200,9 @@ class ChatTemplate:
         import jinja2
         try:
             template = self.template if tools is None else self.tool_template
-            text = template.render(**self.special_tokens, **(fmt.variables or {}), messages=messages,
-                                   add_generation_prompt=fmt.add_generation_prompt, tools=tools)
+            variables = {**self.special_tokens, **(fmt.variables or {})}  # a kwarg may set bos_token, as in transformers
+            text = template.render(**variables, messages=messages, add_generation_prompt=fmt.add_generation_prompt,
+                                   tools=tools)
         except jinja2.TemplateError as e:
             raise TreeflashError(str(e)) from None
         except TreeflashError:  # the template's raise_exception(...)

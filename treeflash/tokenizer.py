@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -108,6 +108,14 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def longest_token_bytes(self) -> int:
+        """At most how many bytes of text one token stands for: the longest vocabulary
+        string in UTF-8 (byte-level BPE, SentencePiece and WordPiece spell a token's text
+        with at least as many bytes: Ġ, ▁, ##). A text of more than k times this many
+        characters has more than k tokens, whatever it says."""
+        return max((len(t.encode("utf-8")) for t in self.tok.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         """With special tokens, as transformers encodes by default: the tokenizer.json

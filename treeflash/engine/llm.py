@@ -408,7 +408,14 @@ class LLM:
 
     def encode(self, prompt: str | list[int], special: bool = True, truncate: int | None = None) -> list[int]:
         """`token_ids` that fit the context; `truncate`: keep only the last k first (-1: as
-        many as fit), SamplingParams.truncate_prompt_tokens."""
+        many as fit), SamplingParams.truncate_prompt_tokens. A text too long to fit
+        whatever its tokens is refused before it is tokenized (megabytes take the
+        tokenizer a minute, and a server's other requests wait for it)."""
+        if isinstance(prompt, str) and truncate is None:
+            most = self.tokenizer.longest_token_bytes
+            if len(prompt) > 2 * self.max_model_len * most:  # > 2 x max_model_len tokens (normalizers may merge a few)
+                raise UsageError(f"prompt of {len(prompt)} characters does not fit the context limit of "
+                                 f"{self.max_model_len} tokens (a token of this model holds at most {most} bytes)")
         ids = self.token_ids(prompt, special)
         if truncate is not None:
             ids = ids[-(self.max_model_len - 1 if truncate == -1 else truncate):]
@@ -609,7 +616,10 @@ class LLM:
         if p.min_tokens and p.allowed_token_ids is not None and set(p.allowed_token_ids) <= self.held_ids(p):
             raise UsageError("invalid sampling parameters: min_tokens holds back every one of allowed_token_ids "
                              "(EOS and stop tokens)")
-        self.bad_sequences(p)
+        banned = {seq[0] for seq in self.bad_sequences(p) if len(seq) == 1}
+        if p.allowed_token_ids is not None and set(p.allowed_token_ids) <= banned:
+            raise UsageError("invalid sampling parameters: bad_words ban every one of allowed_token_ids",
+                             param="bad_words")
         if p.structured_outputs is not None and not self.held_ids(p):
             raise UsageError("structured outputs need an end token: this model has no EOS, give stop_token_ids")
         if (automaton := self.automaton(p)) is not None:

@@ -68,8 +68,8 @@ class SamplingParams:
         self.validate()  # where the caller makes it, as in vLLM; `generate` checks the vocabulary too
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        def bad(msg):
-            raise UsageError(f"invalid sampling parameters: {msg}")
+        def bad(msg, param=None):
+            raise UsageError(f"invalid sampling parameters: {msg}", param=param)
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
                 or self.max_new_tokens < 1:
             bad(f"max_new_tokens must be an integer >= 1, got {shown(self.max_new_tokens)}")
@@ -146,7 +146,7 @@ class SamplingParams:
             self.structured_outputs.validate()
             for name in ("min_tokens", "allowed_token_ids"):  # either could leave a state no token
                 if getattr(self, name):
-                    bad(f"structured outputs cannot be combined with {name}")
+                    bad(f"structured outputs cannot be combined with {name}", param=name)
         if vocab_size is not None:
             for name, ids in (("logit_bias", self.logit_bias or ()),
                               ("allowed_token_ids", self.allowed_token_ids or ())):

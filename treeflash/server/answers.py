@@ -214,12 +214,16 @@ def _call(block: str) -> dict | None:
 
 
 def _openai_call(call) -> dict | None:
-    """OpenAI's tool call for a model's {"name", "arguments" or "parameters"}, or None."""
+    """OpenAI's tool call for a model's {"name", "arguments" or "parameters"}, or None
+    (also where the arguments hold a number JSON cannot write, as 1e999 reads: inf)."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         return None
-    args = call.get("arguments", call.get("parameters", {}))
+    try:
+        args = json.dumps(call.get("arguments", call.get("parameters", {})), ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return None
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": call["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+            "function": {"name": call["name"], "arguments": args}}
 
 
 class ToolCallStream:
