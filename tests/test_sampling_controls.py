@@ -15,6 +15,7 @@ order), so that every method samples them exactly as AR does:
 """
 from __future__ import annotations
 
+import json
 import pytest
 import torch
 from conftest import ENGINE_PROMPTS, SPEC_PROMPTS
@@ -232,6 +233,30 @@ def test_ids_outside_the_vocabulary_and_impossible_requests(hf_checkpoint):
     with pytest.raises(UsageError, match="cannot be combined with min_tokens") as e:
         SamplingParams(min_tokens=1, structured_outputs=StructuredOutputs(regex="a"))
     assert e.value.param == "min_tokens"
+
+
+def test_bad_words_that_leave_no_token_are_refused():
+    """One-token bad words that, with min_tokens holding back EOS, ban every allowed
+    token, or that let a structured output reach a point it can no longer be finished
+    from (where the sampler would have no token and the output would break it), are the
+    request's error; bad words the constraint can live with are not."""
+    llm = LLM(builtin_paths()[0], device="cpu", dtype="float32")
+    eos = llm.eos_token_ids[0]
+    [hash_id] = llm.encode("#", special=False)  # one token
+    refused = [dict(allowed_token_ids=[hash_id, eos], bad_words=["#"], min_tokens=3),
+               dict(structured_outputs=StructuredOutputs(choice=["#"]), bad_words=["#"]),
+               dict(structured_outputs=StructuredOutputs(regex="[#$]"), bad_words=["#", "$"])]
+    for kw in refused:
+        with pytest.raises(UsageError, match="bad_words ban every") as e:
+            llm.generate("def f", SamplingParams(max_new_tokens=4, **kw))
+        assert e.value.param == "bad_words"
+    out = llm.generate("def f", SamplingParams(max_new_tokens=4, structured_outputs=StructuredOutputs(regex="[#$]"),
+                                               bad_words=["#"]))[0]
+    assert out.text == "$"
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    out = llm.generate("def f", SamplingParams(max_new_tokens=24, structured_outputs=StructuredOutputs(json=schema),
+                                               bad_words=["zebra"]))[0]
+    assert json.loads(out.text).keys() == {"n"}
 
 
 def test_a_cached_prefix_keeps_min_tokens_counted_from_the_whole_prompt():

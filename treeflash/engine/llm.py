@@ -617,13 +617,15 @@ class LLM:
             raise UsageError("invalid sampling parameters: min_tokens holds back every one of allowed_token_ids "
                              "(EOS and stop tokens)")
         banned = {seq[0] for seq in self.bad_sequences(p) if len(seq) == 1}
-        if p.allowed_token_ids is not None and set(p.allowed_token_ids) <= banned:
-            raise UsageError("invalid sampling parameters: bad_words ban every one of allowed_token_ids",
-                             param="bad_words")
+        if p.allowed_token_ids is not None and \
+                set(p.allowed_token_ids) <= banned | (self.held_ids(p) if p.min_tokens else set()):
+            raise UsageError("invalid sampling parameters: bad_words ban every one of allowed_token_ids"
+                             + (" that min_tokens does not hold back" if p.min_tokens else ""), param="bad_words")
         if p.structured_outputs is not None and not self.held_ids(p):
             raise UsageError("structured outputs need an end token: this model has no EOS, give stop_token_ids")
         if (automaton := self.automaton(p)) is not None:
             automaton.check_ends(self.held_ids(p))
+            automaton.check_bans(banned)
 
     def automaton(self, p: SamplingParams) -> TokenAutomaton | None:
         """p's structured output as a token automaton (None without one), compiled once

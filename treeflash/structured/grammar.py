@@ -138,6 +138,34 @@ class TokenAutomaton:
         if ends:
             with_ends(self, ends, self.next.shape[1])
 
+    def check_bans(self, banned) -> None:
+        """Raise UsageError if tokens banned everywhere (one-token bad words) let the text
+        reach a state from which it can no longer be finished: there no token would be
+        allowed, and the output would break the constraint."""
+        banned = [t for t in banned if t < self.next.shape[1]]
+        if not banned:
+            return
+        nxt = self.next.copy()
+        nxt[:, banned] = -1
+        succ = [np.unique(row[row >= 0]) for row in nxt]
+        reached, todo = {0}, [0]
+        while todo:
+            for t in succ[todo.pop()].tolist():
+                if t not in reached:
+                    reached.add(t)
+                    todo.append(t)
+        live = set(np.flatnonzero(self.accepting).tolist())
+        grew = True
+        while grew:
+            grew = False
+            for s in reached - live:
+                if any(t in live for t in succ[s].tolist()):
+                    live.add(s)
+                    grew = True
+        if not reached <= live:
+            raise UsageError("bad_words ban every way to finish the structured output from some point of it",
+                             param="bad_words")
+
     def table(self, end_ids, vocab_size: int, device) -> torch.Tensor:
         """`with_ends` on the device, kept (for the last end tokens asked): a request of a
         constraint seen before costs no host work and no upload (a JSON schema's table
