@@ -178,6 +178,7 @@ def test_shape_mode_tiny(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--shape", "gpt5"], "unknown shape"),
+    (["--shape", "", "--iters", "1"], "unknown shape ''"),
     (["--methods", ""], "empty method list"),
     (["--methods", "ar,beam"], "unknown method"),
     (["--methods", "ddtree", "--budgets", "0,16"], "budget must be >= 1"),
@@ -199,6 +200,9 @@ def test_shape_mode_tiny(tmp_path, capsys):
     (["--shape", "tiny", "--copy-mib", "0"], "--copy-mib must be >= 1"),
     (["--shape", "tiny", "--plot", "/nonexistent/p.png"], "cannot write the plot"),
     (["--methods", "ar", "--plot", "/nonexistent/p.png", "--device", "cpu"], "cannot write the plot"),
+    (["--shape", "tiny", "--plot", "p.txt"], "the name must end in .png, .svg or .pdf"),
+    (["--methods", "ar", "--plot", "plot", "--device", "cpu"], "the name must end in .png"),
+    (["--shape", "tiny", "--plot", "/tmp"], "is a folder"),
     # shape-mode flags in model-pair mode were ignored, bad values included
     (["--iters", "-5"], "--iters applies to --shape only"),
     (["--contexts", "0,-3"], "--contexts applies to --shape only"),

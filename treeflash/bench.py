@@ -139,7 +139,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_bench(args) -> int:
-    return bench_shape(args) if args.shape else bench_pairs(args)
+    return bench_shape(args) if args.shape is not None else bench_pairs(args)
 
 
 def check_seed(seed: int, requests: int) -> None:
@@ -172,7 +172,7 @@ def parse_list(text: str, kind, what: str, minimum=None) -> list:
 def parse_budgets(args, minimum: int) -> list[int]:
     """--budgets, each at most --max-budget: a budget of 100000 asked for a 10 GB mask per
     request and was killed for memory."""
-    budgets = parse_list(args.budgets or (SHAPE_BUDGETS if args.shape else PAIR_BUDGETS), int, "budget",
+    budgets = parse_list(args.budgets or (SHAPE_BUDGETS if args.shape is not None else PAIR_BUDGETS), int, "budget",
                          minimum=minimum)
     if args.max_budget < 1:
         raise UsageError(f"--max-budget must be >= 1, got {args.max_budget}")
@@ -953,10 +953,18 @@ def format_table(rows: list[dict], columns) -> str:
     return "\n".join([line([t for t, _, _ in columns]), line(["-" * w for w in widths])] + [line(c) for c in cells])
 
 
+PLOT_FORMATS = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp")  # matplotlib's
+
+
 def check_plot_path(path: str | None) -> None:
-    """Refuse a --plot path that cannot be written before the run, not after it."""
+    """Refuse a --plot path that cannot be written before the run, not after it: a
+    folder, a name matplotlib would add .png to or cannot write, an unwritable folder."""
     if not path:
         return
+    if Path(path).is_dir():
+        raise UsageError(f"--plot {path} is a folder: give a file name ending in .png, .svg or .pdf")
+    if Path(path).suffix.lower() not in PLOT_FORMATS:
+        raise UsageError(f"--plot {path}: the name must end in .png, .svg or .pdf (or {', '.join(PLOT_FORMATS[3:])})")
     folder = Path(path).resolve().parent
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise UsageError(f"cannot write the plot {path}: {folder} is not a writable folder")
