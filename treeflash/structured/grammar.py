@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from treeflash.errors import UsageError, shown
-from treeflash.structured.regex import ByteDFA, compile_regex, escape, live_states, prune
+from treeflash.structured.regex import ByteDFA, compile_regex, escape, live_states, prune, reachable_states
 
 # vLLM's reasoning parsers, whose answers' reasoning comes before the constrained text:
 # (the tag with which the answer opens it, or None where the prompt does; the tag that
@@ -147,22 +147,7 @@ class TokenAutomaton:
             return
         nxt = self.next.copy()
         nxt[:, banned] = -1
-        succ = [np.unique(row[row >= 0]) for row in nxt]
-        reached, todo = {0}, [0]
-        while todo:
-            for t in succ[todo.pop()].tolist():
-                if t not in reached:
-                    reached.add(t)
-                    todo.append(t)
-        live = set(np.flatnonzero(self.accepting).tolist())
-        grew = True
-        while grew:
-            grew = False
-            for s in reached - live:
-                if any(t in live for t in succ[s].tolist()):
-                    live.add(s)
-                    grew = True
-        if not reached <= live:
+        if (reachable_states(nxt) & ~live_states(nxt, self.accepting)).any():
             raise UsageError("bad_words ban every way to finish the structured output from some point of it",
                              param="bad_words")
 
