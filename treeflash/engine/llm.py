@@ -613,18 +613,19 @@ class LLM:
     def check_sampling(self, p: SamplingParams) -> None:
         """Raise UsageError (one line) if p does not fit this model."""
         p.validate(self.config.vocab_size)
-        if p.min_tokens and p.allowed_token_ids is not None and set(p.allowed_token_ids) <= self.held_ids(p):
+        held = self.held_ids(p)
+        allowed = None if p.allowed_token_ids is None else set(p.allowed_token_ids)
+        if p.min_tokens and allowed is not None and allowed <= held:
             raise UsageError("invalid sampling parameters: min_tokens holds back every one of allowed_token_ids "
                              "(EOS and stop tokens)")
         banned = {seq[0] for seq in self.bad_sequences(p) if len(seq) == 1}
-        if p.allowed_token_ids is not None and \
-                set(p.allowed_token_ids) <= banned | (self.held_ids(p) if p.min_tokens else set()):
+        if allowed is not None and allowed <= banned | (held if p.min_tokens else set()):
             raise UsageError("invalid sampling parameters: bad_words ban every one of allowed_token_ids"
                              + (" that min_tokens does not hold back" if p.min_tokens else ""), param="bad_words")
-        if p.structured_outputs is not None and not self.held_ids(p):
+        if p.structured_outputs is not None and not held:
             raise UsageError("structured outputs need an end token: this model has no EOS, give stop_token_ids")
         if (automaton := self.automaton(p)) is not None:
-            automaton.check_ends(self.held_ids(p))
+            automaton.check_ends(held)
             automaton.check_bans(banned)
 
     def automaton(self, p: SamplingParams) -> TokenAutomaton | None:
