@@ -703,14 +703,15 @@ def test_a_server_whose_worker_died_says_so(tp_models):
 def test_a_closed_engine_leaves_the_others_working(tp_models, engines, reference):
     """An engine called after its close() raises for itself alone: the workers, shared
     with the other engines, go on (they used to be sent a command for an engine they had
-    dropped, and died of it)."""
-    other = engines("qwen3", "ar", 2)
-    closed = LLM(tp_models["qwen3"][0], method="ar", device="cpu", dtype="float64", tp=2)
-    closed.close()
-    for call in (lambda: closed.generate(SINGLE, SamplingParams(max_new_tokens=2)), closed.rank_stats):
-        with pytest.raises(TreeflashError, match="this LLM has been closed"):
-            call()
-    assert _run(other, "greedy") == reference("qwen3", "ar", "greedy")
+    dropped, and died of it). At TP = 1 it raises the same (it used to go on serving)."""
+    for tp in (2, 1):
+        other = engines("qwen3", "ar", tp)
+        closed = LLM(tp_models["qwen3"][0], method="ar", device="cpu", dtype="float64", tp=tp)
+        closed.close()
+        for call in (lambda: closed.generate(SINGLE, SamplingParams(max_new_tokens=2)), closed.rank_stats):
+            with pytest.raises(TreeflashError, match="this LLM has been closed"):
+                call()
+        assert _run(other, "greedy") == reference("qwen3", "ar", "greedy")
 
 
 def test_a_batch_too_large_for_memory_leaves_the_engine_working(engines, reference, monkeypatch):

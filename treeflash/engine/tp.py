@@ -180,9 +180,11 @@ class Single:
     rank, size, group = 0, 1, TPGroup()
 
     def __init__(self, device: torch.device):
-        self.device = device
+        self.device, self.closed = device, False
 
     def call(self, obj, name: str, args=(), collect: bool = False):
+        if self.closed:  # as at TP > 1: its caches and graphs are gone
+            raise TreeflashError("this LLM has been closed; create a new one")
         out = getattr(obj, name)(*args)
         return [out] if collect else out
 
@@ -190,7 +192,7 @@ class Single:
         pass
 
     def close(self) -> None:
-        pass
+        self.closed = True
 
     def check(self) -> None:
         pass
