@@ -253,6 +253,14 @@ def test_bad_words_that_leave_no_token_are_refused():
     out = llm.generate("def f", SamplingParams(max_new_tokens=4, structured_outputs=StructuredOutputs(regex="[#$]"),
                                                bad_words=["#"]))[0]
     assert out.text == "$"
+    # a word of two tokens bans its second only after its first: "q" then no way on
+    assert len(llm.encode("q#", special=False)) == 2
+    with pytest.raises(UsageError, match="bad_words ban every") as e:
+        llm.generate("def f", SamplingParams(max_new_tokens=4, structured_outputs=StructuredOutputs(choice=["q#"]),
+                                             bad_words=["q#"]))
+    out = llm.generate("def f", SamplingParams(max_new_tokens=4, structured_outputs=StructuredOutputs(
+        choice=["q#", "q$"]), bad_words=["q#"]))[0]
+    assert out.text == "q$"
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     out = llm.generate("def f", SamplingParams(max_new_tokens=24, structured_outputs=StructuredOutputs(json=schema),
                                                bad_words=["zebra"]))[0]
@@ -423,3 +431,45 @@ def test_a_stop_string_whose_bytes_span_tokens(min_tokens, want):
     assert out.token_ids == want and out.finish_reason == "stop" and out.text == "é" * (len(want) // 2 - 1)
     stream = TextStream(llm.tokenizer, ["é"], llm.eos_token_ids, context=llm.encode("x"), min_tokens=min_tokens)
     assert "".join(stream.push([t]) for t in out.token_ids) + stream.finish(out.text) == out.text
+
+
+def test_the_bad_words_check_of_a_structured_output_matches_a_walk_of_its_texts():
+    """`check_bans` against a brute-force walk of small random automata: every token
+    sequence the constraint and the bad words allow, up to where the state and the
+    output's last tokens repeat, and whether each can still be finished."""
+    import numpy as np
+    from treeflash.structured.grammar import TokenAutomaton
+    rng = np.random.default_rng(0)
+    refused = 0
+    for trial in range(300):
+        S, V = int(rng.integers(2, 6)), int(rng.integers(2, 6))
+        nxt = np.where(rng.random((S, V)) < 0.5, rng.integers(0, S, (S, V)), -1).astype(np.int32)
+        accepting = rng.random(S) < 0.4
+        words = [tuple(int(t) for t in rng.integers(0, V, int(rng.integers(1, 4)))) for _ in range(int(rng.integers(1, 4)))]
+        K = max(map(len, words)) - 1
+
+        def moves(node):
+            s, tail = node
+            for t in range(V):
+                if nxt[s, t] >= 0 and not any(w[-1] == t and (tail + (t,))[-len(w):] == w
+                                              and len(tail) + 1 >= len(w) for w in words):
+                    yield int(nxt[s, t]), (tail + (t,))[-K:] if K else ()
+        seen, todo, edges = {(0, ())}, [(0, ())], set()
+        while todo:
+            node = todo.pop()
+            for n in moves(node):
+                edges.add((node, n))
+                if n not in seen:
+                    seen.add(n)
+                    todo.append(n)
+        finishing = {n for n in seen if accepting[n[0]]}
+        while grown := {a for a, b in edges if b in finishing and a not in finishing}:
+            finishing |= grown
+        stuck = finishing != seen
+        try:
+            TokenAutomaton(nxt, accepting).check_bans([list(w) for w in words])
+            assert not stuck, (trial, nxt, accepting, words)
+        except UsageError:
+            assert stuck, (trial, nxt, accepting, words)
+            refused += 1
+    assert 30 < refused < 270  # both answers are exercised

@@ -626,7 +626,7 @@ class LLM:
             raise UsageError("structured outputs need an end token: this model has no EOS, give stop_token_ids")
         if (automaton := self.automaton(p)) is not None:
             automaton.check_ends(held)
-            automaton.check_bans(banned)
+            automaton.check_bans(self.bad_sequences(p))
 
     def automaton(self, p: SamplingParams) -> TokenAutomaton | None:
         """p's structured output as a token automaton (None without one), compiled once

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from treeflash.errors import UsageError, shown
-from treeflash.structured.regex import ByteDFA, compile_regex, escape, live_states, prune, reachable_states
+from treeflash.structured.regex import ByteDFA, compile_regex, edges, escape, live_states, prune, searched
 
 # vLLM's reasoning parsers, whose answers' reasoning comes before the constrained text:
 # (the tag with which the answer opens it, or None where the prompt does; the tag that
@@ -138,16 +138,62 @@ class TokenAutomaton:
         if ends:
             with_ends(self, ends, self.next.shape[1])
 
-    def check_bans(self, banned) -> None:
-        """Raise UsageError if tokens banned everywhere (one-token bad words) let the text
-        reach a state from which it can no longer be finished: there no token would be
-        allowed, and the output would break the constraint."""
-        banned = [t for t in banned if t < self.next.shape[1]]
-        if not banned:
+    def check_bans(self, sequences) -> None:
+        """Raise UsageError if bad words (token sequences: the last token is banned where
+        the output ends with the others) let the text reach a point from which it can no
+        longer be finished: there no token would be allowed, and the output would break
+        the constraint. A word of several tokens bans its last one only after the others
+        ("q#" written as "q", "#" leaves a choice of "q#" stuck after "q"), so the search
+        runs over the pairs (state, the longest end of the output that begins a word)
+        that the text can reach, which are few: any token of no word ends every begun
+        word, and its edges are shared through one node per state."""
+        V = self.next.shape[1]
+        words = {tuple(w) for w in sequences if w and max(w) < V}
+        if not words:
             return
-        nxt = self.next.copy()
-        nxt[:, banned] = -1
-        if (reachable_states(nxt) & ~live_states(nxt, self.accepting)).any():
+        begun = sorted({w[:i] for w in words for i in range(len(w))}, key=len)  # () first
+        index = {p: i for i, p in enumerate(begun)}
+        children: dict[tuple, set] = {}  # the tokens that continue or end a word after p
+        for w in words:
+            for i in range(len(w)):
+                children.setdefault(w[:i], set()).add(w[i])
+        tokens = sorted({t for w in words for t in w})
+        column = {t: j for j, t in enumerate(tokens)}
+        after = np.zeros((len(begun), len(tokens)), dtype=np.int64)  # -1: banned
+        for m, p in enumerate(begun):
+            for t in set().union(*(children.get(p[i:], ()) for i in range(len(p) + 1))):
+                q = p + (t,)
+                after[m, column[t]] = -1 if any(q[i:] in words for i in range(len(q))) else \
+                    next(index[q[i:]] for i in range(len(q) + 1) if q[i:] in index)
+        S, M = self.num_states, len(begun)
+        others = self.next.copy()
+        others[:, tokens] = -1
+        src, dst = edges(others)  # a token of no word: the output no longer begins one
+        bounds = np.searchsorted(src, np.arange(S + 1))
+        at_word = self.next[:, tokens]  # [S, words' tokens]
+        hub = M * S  # node hub + s: state s, taking a token of no word
+        frm, to, seen, todo = [], [], {0}, [0]
+        while todo:
+            node = todo.pop()
+            if node >= hub:
+                s = node - hub
+                nxt = dst[bounds[s]:bounds[s + 1]]
+            else:
+                m, s = divmod(node, S)
+                nxt = np.where((at_word[s] >= 0) & (after[m] >= 0), after[m] * S + at_word[s], -1)
+                nxt = nxt[nxt >= 0]
+                if bounds[s + 1] > bounds[s]:
+                    nxt = np.append(nxt, hub + s)
+            frm.append(np.full(len(nxt), node))
+            to.append(nxt)
+            for n in set(nxt.tolist()) - seen:
+                seen.add(n)
+                todo.append(n)
+        frm, to = np.concatenate(frm), np.concatenate(to)
+        ends = np.zeros(hub + S, dtype=bool)
+        ends[:hub] = np.tile(self.accepting.astype(bool), M)
+        live = searched(ends, to, frm, hub + S)
+        if any(not live[n] for n in seen if n < hub):
             raise UsageError("bad_words ban every way to finish the structured output from some point of it",
                              param="bad_words")
 

@@ -432,7 +432,7 @@ def compile_regex(pattern: str, reasoning: tuple[str | None, str] | None = None)
     return ByteDFA(trans[:, owner].astype(np.int32), accepting)
 
 
-def _edges(trans: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def edges(trans: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct edges (sources, targets) of a transition table [S, C] (-1: none),
     sorted by source. One sort of the allowed entries: a token table's rows repeat a
     few targets over the whole vocabulary."""
@@ -441,7 +441,7 @@ def _edges(trans: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return key // len(trans), key % len(trans)
 
 
-def _searched(start: np.ndarray, frm: np.ndarray, to: np.ndarray, n: int) -> np.ndarray:
+def searched(start: np.ndarray, frm: np.ndarray, to: np.ndarray, n: int) -> np.ndarray:
     """[n] bool: the states that edges frm -> to lead to from `start` (a graph search, each
     state's edges once)."""
     order = np.argsort(frm, kind="stable")
@@ -461,16 +461,16 @@ def _searched(start: np.ndarray, frm: np.ndarray, to: np.ndarray, n: int) -> np.
 
 def live_states(trans: np.ndarray, accepting: np.ndarray) -> np.ndarray:
     """[S] bool: the states from which some path of transitions reaches an accepting one."""
-    src, dst = _edges(trans)
-    return _searched(accepting.astype(bool), dst, src, len(trans))
+    src, dst = edges(trans)
+    return searched(accepting.astype(bool), dst, src, len(trans))
 
 
 def reachable_states(trans: np.ndarray) -> np.ndarray:
     """[S] bool: the states some path from state 0 reaches."""
-    src, dst = _edges(trans)
+    src, dst = edges(trans)
     start = np.zeros(len(trans), dtype=bool)
     start[0] = True
-    return _searched(start, src, dst, len(trans))
+    return searched(start, src, dst, len(trans))
 
 
 def prune(trans: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
