@@ -136,6 +136,17 @@ def test_a_single_token_sees_the_prefix_and_itself(num_splits, mask_kind):
           seed=num_splits or 0)
 
 
+@kernel_test
+@pytest.mark.parametrize("T, D, num_splits", [(1, 128, 2), (1, 64, 3), (4, 128, 1)])
+def test_long_splits_of_few_rows_take_128_key_tiles(T, D, num_splits):
+    """Up to 16 rows over splits of >= 512 keys: tiles of 128 keys (a split's range is
+    whole tiles of that size), a decoding token's own key, a small tree's block."""
+    from treeflash.kernels.tree_attention import _key_tiles
+    assert _key_tiles(T * 4, False, 1700 // num_splits)[0] == 128
+    check(B=2, T=T, HKV=2, G=4, D=D, S=1700, dtype=HALF[0], mask_kind="tree", num_splits=num_splits,
+          seed=T + num_splits)
+
+
 def test_default_splits_fill_one_wave():
     """Shapes only, an H200's 132 SMs (the CPU stand-in): 8 KV heads at 16K take 16
     splits, the 8 block programs overflowing by 4; at 4K, or with 16 (b, head) pairs
@@ -176,5 +187,5 @@ def test_kernel_in_the_triton_interpreter():
     """CPU CI: splits, row programs, head sizes and dtypes in the interpreter (fp16 and
     fp32: its bf16 is raw integers)."""
     run_interpreted(__file__, "split_counts or row_programs or dtypes_and_head_dims or empty_splits or many_requests"
-                    " or single_token", 23,
+                    " or single_token or long_splits", 26,
                     timeout=600)

@@ -51,9 +51,6 @@ import triton.language as tl
 from treeflash.kernels.chained import chained, start_after_previous, wait_for_previous
 from treeflash.layers.attention import AttentionInputs
 
-BLOCK_N = 64  # keys per tile
-
-
 @triton.jit
 def _split_range(lo, L, split, num_splits, BLOCK_N: tl.constexpr):
     """Prefix slots [start, end) of `split` when slots lo..L-1 are shared by num_splits
@@ -305,15 +302,19 @@ def default_row_programs(rows: int, block_m: int) -> int:
     return triton.cdiv(rows, block_m)
 
 
-def _pipeline_stages(block_m: int, fp32: bool) -> int:
-    """K/V tiles in flight per program. The few-row tiles of decoding are memory-bound
-    and gain from every tile in flight that fits (H200, T = 1, 5 stages against 4: 16K
-    23.2 -> 22.7 us, 32K -5%, 4 requests at 4K -8%, 6 stages slower again); 64-row
-    tiles are fastest at 4 (T = 16 at 4K and 16K: 5 stages 1-5% slower), 128-row tiles
-    fit 3, and fp32 tiles are twice the bytes."""
+def _key_tiles(block_m: int, fp32: bool, split_keys: int) -> tuple[int, int]:
+    """(keys per tile, K/V tiles in flight per program). The few-row tiles of decoding
+    are memory-bound and gain from every tile in flight that fits: 5 tiles of 64 keys
+    (H200, T = 1, against 4: 16K 23.2 -> 22.7 us, 32K -5%, 4 requests at 4K -8%, 6
+    slower again), or where a split holds >= 512 keys 3 of 128 (8K / 16K / 32K: 1.5 /
+    1.0 / 0.8% faster; at 4K, splits of 256 keys, 5% slower); 64-row tiles are fastest
+    at 4 of 64 (T = 16 at 4K and 16K: 5 stages 1-5% slower, 128 keys slower),
+    128-row tiles fit 3, and fp32 tiles are twice the bytes."""
     if fp32:
-        return 2
-    return 5 if block_m <= 16 else 4 if block_m <= 64 else 3
+        return 64, 2
+    if block_m <= 16:
+        return (128, 3) if split_keys >= 512 else (64, 5)
+    return 64, 4 if block_m <= 64 else 3
 
 
 def supports(head_dim: int) -> bool:
@@ -357,6 +358,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     own_key = T == 1 and not own_block
     block_split = splits if own_block else -1 if own_key else splits - 1
     parts = max(splits, block_split + 1)
+    block_n, stages = _key_tiles(block_m, fp32, min(S, window or S) // splits)
 
     # Partial outputs in the input dtype: normalised, so bf16 costs no more accuracy than
     # the bf16 output itself, and halves their traffic (T=16: 12% -> 6% of the prefix).
@@ -368,12 +370,12 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         q, k_cache, v_cache, mask.view(torch.uint8), o_part, lse_part, inputs.prefix_lens, positions,
         q.stride(0), q.stride(1), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3],
         mask.stride(0), mask.stride(1), *positions.stride(), scale * LOG2E, splits, block_split, row_programs,
-        window or 0, HKV=HKV, G=G, T=T, D=D, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        BLOCK_N_TREE=max(16, min(BLOCK_N, triton.next_power_of_2(T))), FP32_DOT=fp32, WINDOW=window is not None,
+        window or 0, HKV=HKV, G=G, T=T, D=D, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_N_TREE=max(16, min(block_n, triton.next_power_of_2(T))), FP32_DOT=fp32, WINDOW=window is not None,
         # With one row tile each prefix tile is read once: its L2 lines go first, before
         # the partials' (H200, 16K, T = 1: 22.6 -> 22.1 us). Several row tiles re-read it.
         PREFIX_EVICTION="evict_first" if rows <= block_m else "", OWN_KEY=own_key,
-        num_warps=8 if block_m >= 128 else 4, num_stages=_pipeline_stages(block_m, fp32), **chained(q.device))
+        num_warps=8 if block_m >= 128 else 4, num_stages=stages, **chained(q.device))
     # One or two warps per merge program and few rows each: the merge is a latency
     # chain of small loads, and 4 warps reducing one row's splits cost 12.6 us per layer
     # at T = 64 (2048 programs) against 2.6 us with one (H200, NOTES.md). One row per
