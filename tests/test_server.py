@@ -287,6 +287,10 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "service_tier": 7}, 400, "service_tier"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": "x"}, 400,
      "parallel_tool_calls"),
+    # flags that ask for nothing when false are still true or false (0 and 1 are not)
+    ("/v1/completions", {"prompt": "x", "use_beam_search": "yes"}, 400, "use_beam_search"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": 0}, 400, "use_beam_search"),
+    ("/v1/completions", {"prompt": "x", "spaces_between_special_tokens": 1}, 400, "spaces_between_special_tokens"),
 ]
 
 

@@ -181,6 +181,9 @@ def _flag(body: dict, key: str, default: bool) -> bool:
 def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_tokens: int | None,
               defaults: SamplingDefaults, vocab_size: int | None, kind: str) -> SamplingParams:
     for key, (harmless, why) in UNSUPPORTED.items():
+        if any(v is True or v is False for v in harmless) and body.get(key) is not None and \
+                not isinstance(body[key], bool):  # 0 and 1 would pass `in` as False and True
+            raise APIError(f"'{key}' must be true or false, got {shown(body[key])}", param=key)
         if body.get(key) not in harmless and not (kind == "chat" and key in ("tools", "tool_choice")):
             raise APIError(why, param=key)
     if _number(body, "best_of", 1, int, 1) != 1:
