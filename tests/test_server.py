@@ -291,6 +291,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "use_beam_search": "yes"}, 400, "use_beam_search"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": 0}, 400, "use_beam_search"),
     ("/v1/completions", {"prompt": "x", "spaces_between_special_tokens": 1}, 400, "spaces_between_special_tokens"),
+    ("/v1/completions", {"prompt": "x", "stop": ["\ud800"]}, 400, "stop"),  # could never match: not ignored
 ]
 
 

@@ -96,6 +96,11 @@ class SamplingParams:
             bad(f"stop must be a string or a list of strings, got {shown(self.stop)}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop must be a list of non-empty strings")
+        for s in self.stop:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate: it could never match the output
+                bad(f"stop string {shown(s)} is not valid Unicode text", param="stop")
         self.stop = [str(s) for s in self.stop]  # plain: a subclass may not unpickle in a TP worker
         if self.stop_token_ids is None:
             self.stop_token_ids = []
