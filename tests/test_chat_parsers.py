@@ -92,6 +92,7 @@ from starlette.testclient import TestClient  # noqa: E402
 from treeflash import LLM, GenerationOutput  # noqa: E402
 from treeflash.chat import ChatTemplate  # noqa: E402
 from treeflash.engine.llm import builtin_paths  # noqa: E402
+from treeflash.errors import UsageError  # noqa: E402
 from treeflash.server.app import build_app  # noqa: E402
 
 # writes the tools and earlier calls (arguments as objects), as Qwen's templates do
@@ -430,6 +431,18 @@ def test_forced_calls_schema_keeps_each_tools_definitions():
     assert re.fullmatch(regex, json.dumps(good))
     for bad in ([{"name": "f", "parameters": {"loc": {"zip": 1}}}], [{"name": "h", "parameters": {"a": 1}}], []):
         assert not re.fullmatch(regex, json.dumps(bad)), bad
+
+
+def test_a_forced_tools_bad_schema_is_named_with_its_own_path():
+    """An unsupported parameter schema of a forced tool is refused naming the tool and a
+    path in its own schema (not in the list-of-calls schema the answer is built from)."""
+    from treeflash.server.answers import forced_calls_schema
+    bad = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "nonsense"}}}
+    tools = FORCED_TOOLS + [{"type": "function", "function": {"name": "broken", "parameters": bad}}]
+    with pytest.raises(UsageError, match=r"^tool 'broken', parameters schema: 'type' at \$\.properties\.b ") as e:
+        forced_calls_schema(tools)
+    assert e.value.param == "tool_choice"
+    forced_calls_schema(tools, name="get_weather")  # only the named tool's schema is compiled
 
 
 @pytest.mark.parametrize("choice,names", [("required", {"get_weather", "get_time"}),

@@ -50,6 +50,7 @@ import uuid
 from treeflash.chat import checked_tools
 from treeflash.errors import UsageError, shown
 from treeflash.structured.grammar import REASONING_TAGS
+from treeflash.structured.json_schema import schema_regex
 
 HARMONY, HARMONY_TOOLS = "openai_gptoss", "openai"  # gpt-oss's Harmony format: reasoning, and calls
 TOOL_PARSERS = ("hermes", "llama3_json", HARMONY_TOOLS)
@@ -123,6 +124,11 @@ def forced_calls_schema(tools: list[dict], name: str | None = None, one: bool = 
         params = f.get("parameters") or {}
         if params.get("type", "object") == "object" and not {"properties", "$ref", "anyOf", "oneOf"} & set(params):
             params = {"type": "object", "properties": {}}  # no parameters listed: called with {}
+        try:  # alone first, so that an error's path is in the tool's own schema
+            schema_regex(params)
+        except UsageError as e:
+            raise UsageError(f"tool {shown(f['name'])}, parameters schema: {str(e).removeprefix('json schema: ')}",
+                             param="tool_choice") from None
         params, own = _hoisted(params, f"f{i}_")
         defs.update(own)
         calls.append({"type": "object", "required": ["name", "parameters"],
