@@ -262,6 +262,8 @@ def test_bad_target_config_values(hf_checkpoint, clone_checkpoint, changes, fiel
     (dict(num_hidden_layers=10 ** 6), ("1000000 layers", "holds 2")),   # built layers until memory ran out
     (dict(vocab_size=10 ** 9), ("vocab_size 1000000000", "embed_tokens.weight")),   # a 1.5 TB allocation
     (dict(eos_token_id=10 ** 5), ("eos_token_id 100000", "outside the vocabulary")),
+    (dict(intermediate_size=2 ** 30), ("parameters", "the checkpoint holds")),   # 3 TB on the meta device only
+    (dict(num_attention_heads=2 ** 24), ("parameters", "the checkpoint holds")),
 ])
 def test_config_sizes_beyond_the_checkpoint_are_refused_before_building(hf_checkpoint, clone_checkpoint,
                                                                         changes, words):
@@ -289,3 +291,76 @@ def test_bad_bos_settings_are_refused(hf_checkpoint, tmp_path, bos, add, word):
     (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1}))
     (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": True}))
     assert Tokenizer(folder).encode("def fib(n):")[0] == 1
+
+
+# --------------------------------------------------------------------------- unreadable files
+
+
+@pytest.mark.parametrize("source", ["generation_config.json", "tokenizer_config.json"])
+def test_an_end_token_outside_the_vocabulary_is_refused_at_load(hf_checkpoint, tmp_path, source):
+    """EOS ids from generation_config.json, or tokenizer_config.json's eos_token (an added
+    token past the model's vocabulary), are sampler columns: refused when the model loads,
+    not at the first request that holds them back (min_tokens) or constrains the output."""
+    folder = hf_checkpoint("qwen3").copy_to(tmp_path / "ck")
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    if source == "generation_config.json":
+        (folder / source).write_text(json.dumps({"eos_token_id": vocab + 5}))
+    else:
+        tok = json.loads((folder / "tokenizer.json").read_text())
+        tok["added_tokens"].append({"id": vocab + 5, "content": "<|past|>", "single_word": False, "lstrip": False,
+                                    "rstrip": False, "normalized": False, "special": True})
+        (folder / "tokenizer.json").write_text(json.dumps(tok))
+        cfg = json.loads((folder / source).read_text())
+        (folder / source).write_text(json.dumps({**cfg, "eos_token": "<|past|>"}))
+    refused(lambda: LLM(folder, device="cpu", dtype="float32"), source, "end-of-text token id", "outside",
+            f"vocabulary of {vocab} tokens")
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "tokenizer_config.json",
+                                  "model.safetensors.index.json"])
+@pytest.mark.parametrize("kind", ["folder", "deep", "not utf-8"])
+def test_small_files_that_cannot_be_read_are_named(hf_checkpoint, tmp_path, name, kind):
+    """A JSON file of the model folder that is a folder, nested past the parser, or not
+    UTF-8: one line naming it (they escaped as IsADirectoryError, RecursionError...)."""
+    folder = hf_checkpoint("qwen3").copy_to(tmp_path / "ck")
+    path = folder / name
+    if name == "model.safetensors.index.json":  # read only where there is no model.safetensors
+        (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    if path.exists():
+        path.unlink()
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "deep":
+        path.write_text('{"x": ' + "[" * 100000 + "]" * 100000 + "}")
+    else:
+        path.write_bytes(b'{"x": "\xff\xfe"}')
+    refused(lambda: LLM(folder, device="cpu", dtype="float32"), name)
+
+
+def test_a_chat_template_file_that_is_not_utf8_is_named(hf_checkpoint, tmp_path):
+    from treeflash.chat import ChatTemplate
+    folder = hf_checkpoint("qwen3").copy_to(tmp_path / "ck")
+    (folder / "chat_template.jinja").write_bytes(b"\xff\xfe{{ messages }}")
+    refused(lambda: ChatTemplate.from_folder(folder), "chat_template.jinja", "not UTF-8")
+
+
+def test_a_drafter_checkpoint_skips_only_its_targets_embeddings_and_head(spec_target, spec_drafter, tmp_path):
+    """A drafter may carry a copy of its target's embed_tokens / lm_head (not read); a
+    tensor whose name merely contains those words is one the config has no place for; a
+    layer named twice in target_layer_ids is refused."""
+    import shutil
+    folder = tmp_path / "drafter"
+    shutil.copytree(spec_drafter(), folder)
+    weights = load_file(folder / "model.safetensors")
+    copies = {"lm_head.weight": torch.zeros(3, 2), "model.embed_tokens.weight": torch.zeros(3, 2)}
+    save_file({**weights, **copies}, folder / "model.safetensors")
+    LLM(spec_target(), draft_model=folder, method="dflash", device="cpu", dtype="float32")
+    save_file({**weights, "layers.0.mlp.lm_head_gate.weight": torch.zeros(3, 2)}, folder / "model.safetensors")
+    refused(lambda: LLM(spec_target(), draft_model=folder, method="dflash", device="cpu", dtype="float32"),
+            "lm_head_gate", "no place")
+    cfg = json.loads((folder / "config.json").read_text())
+    twice = [DraftConfig.from_dict(cfg).target_layer_ids[0]] * 2
+    refused(lambda: DraftConfig.from_dict({**cfg, "target_layer_ids": twice,
+                                           "dflash_config": {**cfg.get("dflash_config", {}),
+                                                             "target_layer_ids": twice}}),
+            "target_layer_ids", "twice")

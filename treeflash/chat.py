@@ -8,6 +8,7 @@ from datetime import datetime
 from pathlib import Path
 
 from treeflash.errors import TreeflashError, UsageError
+from treeflash.files import read_json_object, read_text
 
 
 def _token_text(value) -> str:
@@ -169,16 +170,10 @@ class ChatTemplate:
         'chat_template': a string, or a list of named ones of which 'default', and
         'tool_use' for tools if there is one); None without one."""
         folder = Path(folder)
-        try:
-            config = json.loads((folder / "tokenizer_config.json").read_text())
-        except FileNotFoundError:
-            config = {}
-        except (OSError, ValueError) as e:
-            raise TreeflashError(f"cannot read {folder / 'tokenizer_config.json'}: {e}") from None
-        config = config if isinstance(config, dict) else {}
+        config = read_json_object(folder / "tokenizer_config.json")
         source = config.get("chat_template")
         if (folder / "chat_template.jinja").exists():
-            source = (folder / "chat_template.jinja").read_text()
+            source = read_text(folder / "chat_template.jinja")
         tool_source = None
         if isinstance(source, list):
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}

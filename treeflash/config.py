@@ -7,7 +7,6 @@ Both refuse what they cannot run with a one-line `TreeflashError`.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 
 from treeflash.errors import TreeflashError
+from treeflash.files import read_json_object
 
 TARGET_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
                         "Qwen3MoeForCausalLM": "qwen3_moe", "GptOssForCausalLM": "gpt_oss"}
@@ -41,13 +41,7 @@ def read_config_json(path: str | Path, what: str = "model") -> dict:
     cfg = folder / "config.json"
     if not cfg.exists():
         raise TreeflashError(f"config.json not found in {folder} (the {what} folder)")
-    try:
-        data = json.loads(cfg.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TreeflashError(f"malformed config.json in {folder}: {e}") from None
-    if not isinstance(data, dict):
-        raise TreeflashError(f"malformed config.json in {folder}: expected a JSON object")
-    return data
+    return read_json_object(cfg, missing_ok=False)
 
 
 def _flag(data: dict, key: str, where: str, default: bool = False) -> bool:
@@ -486,6 +480,8 @@ class DraftConfig:
             ids = default_target_layer_ids(num_target, layers.num_layers)
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise TreeflashError(f"{where}: target_layer_ids must be a non-empty list of integers, got {ids!r}")
+        if len(set(ids)) != len(ids):  # the same layer's features twice: surely a mistake
+            raise TreeflashError(f"{where}: target_layer_ids names a layer twice: {ids!r}")
         if data.get("is_causal"):
             raise TreeflashError(f"{where} sets is_causal: a causal draft block is not supported "
                                  f"(DFlash drafters attend to the whole block)")

@@ -2,7 +2,6 @@
 `generation_config.json`, `config.json` and `tokenizer_config.json`."""
 from __future__ import annotations
 
-import json
 import re
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -11,16 +10,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import ByteLevel
 
 from treeflash.errors import TreeflashError
-
-
-def _json(path: Path) -> dict:
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TreeflashError(f"malformed {path}: {e}") from None
-    return data if isinstance(data, dict) else {}
+from treeflash.files import read_json_object
 
 
 def _ids(value, key: str, path: Path) -> list[int]:
@@ -72,17 +62,20 @@ class Tokenizer:
             self.tok = _HFTokenizer.from_file(str(path))
         except Exception as e:
             raise TreeflashError(f"cannot read {path}: {e}") from None
-        config = _json(folder / "config.json")
-        gen = _json(folder / "generation_config.json")
-        tok_cfg = _json(folder / "tokenizer_config.json")
-        eos = set(_ids(gen.get("eos_token_id"), "eos_token_id", folder / "generation_config.json")) \
-            | set(_ids(config.get("eos_token_id"), "eos_token_id", folder / "config.json"))
+        config = read_json_object(folder / "config.json")
+        gen = read_json_object(folder / "generation_config.json")
+        tok_cfg = read_json_object(folder / "tokenizer_config.json")
+        # each end token id, and the file that names it (for errors)
+        self.eos_sources = {i: "config.json" for i in _ids(config.get("eos_token_id"), "eos_token_id",
+                                                           folder / "config.json")}
+        self.eos_sources |= {i: "generation_config.json" for i in _ids(gen.get("eos_token_id"), "eos_token_id",
+                                                                       folder / "generation_config.json")}
         eos_tok = tok_cfg.get("eos_token")
         if isinstance(eos_tok, dict):
             eos_tok = eos_tok.get("content")
         if isinstance(eos_tok, str) and self.tok.token_to_id(eos_tok) is not None:
-            eos.add(self.tok.token_to_id(eos_tok))
-        self.eos_token_ids = sorted(eos)
+            self.eos_sources[self.tok.token_to_id(eos_tok)] = "tokenizer_config.json"
+        self.eos_token_ids = sorted(self.eos_sources)
         self.bos_token_id = gen.get("bos_token_id", config.get("bos_token_id"))
         add_bos = tok_cfg.get("add_bos_token")
         if add_bos is not None and not isinstance(add_bos, bool):  # bool("false") would be true

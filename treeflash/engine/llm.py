@@ -18,6 +18,7 @@ import torch
 
 from treeflash.chat import ChatFormat, ChatTemplate, checked_tools
 from treeflash.config import DTYPES, FP8_BLOCK, DraftConfig, ModelConfig
+from treeflash.distributed import TPGroup
 from treeflash.engine.round import METHODS, BatchState, SpeculativeDecoder
 from treeflash.engine.sampling import BAD_WORD_TOKENS, MAX_BAD_SEQUENCES, SamplingBatch, SamplingParams
 from treeflash.engine.states import GRAPHED_PREFILL_MAX, KeptStates, suffix_chunks
@@ -25,7 +26,7 @@ from treeflash.engine.tp import attach as tp_attach
 from treeflash.engine.tp import peak_rss_bytes, reset_peak_rss, rss_bytes
 from treeflash.errors import TreeflashError, UsageError, shown
 from treeflash.models.dflash import DFlashDraftModel
-from treeflash.models.loader import build_on, check_sizes, load_weights, weights_dtype
+from treeflash.models.loader import build_on, check_model_size, check_sizes, load_weights, weights_dtype
 from treeflash.models.transformer import CausalLM
 from treeflash.structured.grammar import TokenAutomaton, token_automaton
 from treeflash.tokenizer import Tokenizer, stop_cut
@@ -258,16 +259,24 @@ class LLM:
                              "into the model's dtype)")
         if quantize:
             self.config = replace(self.config, fp8_block=FP8_BLOCK)
+        with build_on("meta", torch.float32):  # sizes only: nothing is allocated
+            check_model_size(model, CausalLM(self.config, TPGroup()))
         # the weights' headers are read only when "auto" needs them
         stored = self.config.torch_dtype or (weights_dtype(model) if dtype == "auto" else None)
         self.dtype = resolve_dtype(dtype, stored, self.device)
         self.tokenizer = Tokenizer(model)
+        for eos, source in self.tokenizer.eos_sources.items():  # a sampler's column: must be one
+            if eos >= self.config.vocab_size:
+                raise TreeflashError(f"{source} in {model}: end-of-text token id {eos} is outside the model's "
+                                     f"vocabulary of {self.config.vocab_size} tokens")
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids))
         dcfg = None
         if draft_model is not None:
             dcfg = DraftConfig.from_pretrained(draft_model)
             check_sizes(draft_model, dcfg.layers, embedding=False)
             dcfg.check_fits(self.config)
+            with build_on("meta", torch.float32):
+                check_model_size(draft_model, DFlashDraftModel(dcfg, TPGroup()))
         if method is None:
             method = "ddtree" if dcfg is not None else "ar"
         if budget is not None and method != "ddtree":

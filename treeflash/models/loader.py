@@ -8,7 +8,6 @@ weights.
 """
 from __future__ import annotations
 
-import json
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +18,7 @@ from torch import nn
 
 from treeflash.config import ModelConfig
 from treeflash.errors import TreeflashError
+from treeflash.files import read_json
 from treeflash.ops import fp8_blocks
 
 
@@ -36,7 +36,7 @@ def checkpoint_files(folder: str | Path) -> dict[str, Path]:
             return {name: single for name in st.keys()}
     if index.exists():
         return _indexed_files(folder, index)
-    candidates = sorted(f for f in folder.glob("*.safetensors") if not f.is_dir())
+    candidates = sorted(f for f in folder.glob("*.safetensors") if f.is_file())  # not a folder, not a FIFO
     if not candidates:
         raise TreeflashError(f"no safetensors weights (model.safetensors) found in {folder}")
     files: dict[str, Path] = {}
@@ -72,6 +72,23 @@ def check_sizes(folder: str | Path, config: ModelConfig, embedding: bool = True)
                                  f"{config.hidden_size}, but the checkpoint's {key} is {list(stored)}")
 
 
+def check_model_size(folder: str | Path, shell: nn.Module) -> None:
+    """Refuse a config.json whose model (`shell`, built on the meta device: no memory)
+    has far more parameters than the checkpoint in `folder` holds, before the real one
+    is built: an intermediate_size or head count of 2^30 would otherwise allocate
+    terabytes (sizes that fit are refused by shape while loading). The slack covers
+    what loading legitimately grows: an untied copy of a tied head, MXFP4 bytes that hold
+    two weights each."""
+    held = 0
+    for path in set(checkpoint_files(folder).values()):
+        with _open(path) as st:
+            held += sum(torch.Size(_slice(st, key).get_shape()).numel() for key in st.keys())
+    wanted = sum(p.numel() for p in shell.parameters())
+    if wanted > 2.5 * held + (1 << 20):
+        raise TreeflashError(f"config.json in {folder} describes a model of {wanted:,} parameters, but the "
+                             f"checkpoint holds {held:,} (does config.json match the weights?)")
+
+
 SAFETENSORS_FLOATS = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
 
 
@@ -91,9 +108,9 @@ def weights_dtype(folder: str | Path) -> str | None:
 
 def _indexed_files(folder: Path, index: Path) -> dict[str, Path]:
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-        raise TreeflashError(f"malformed {index}: {e}") from None
+        weight_map = read_json(index)["weight_map"]
+    except (KeyError, TypeError) as e:
+        raise TreeflashError(f"malformed {index}: no weight_map ({e})") from None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise TreeflashError(f"malformed {index}: weight_map must map tensor names to file names")
     files = {name: folder / f for name, f in weight_map.items()}
@@ -278,7 +295,7 @@ def _check_unused(model: nn.Module, folder, files: dict[str, Path], used: set[st
     name, if equal."""
     skip = getattr(model, "foreign_checkpoint_keys", ())
     unused = sorted(k for k in files if k not in used and not k.endswith("rotary_emb.inv_freq")
-                    and not any(part in k for part in skip))
+                    and k.rpartition(".")[0].rpartition(".")[2] not in skip)  # the module's own name
     params = dict(model.named_parameters())
     for name in [k for k in unused if k in params]:
         pieces, tp = _pieces(model, name, params[name])

@@ -5,7 +5,6 @@ becomes an `APIError` with the status and error body OpenAI (and vLLM) use.
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 import uuid
@@ -16,6 +15,7 @@ from treeflash.chat import ChatFormat, checked_tools, plain_messages
 from treeflash.engine.sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
                                        SamplingParams, token_bias)
 from treeflash.errors import TreeflashError, UsageError, shown
+from treeflash.files import read_json_object
 from treeflash.server.answers import HARMONY, MessageStream, chat_parsers, harmony_opened, request_tools
 from treeflash.structured.grammar import REASONING_TAGS, StructuredOutputs
 
@@ -82,11 +82,9 @@ class SamplingDefaults:
         if not path.is_file():
             return cls()
         try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise UsageError(f"{path}: not readable JSON ({e})") from None
-        if not isinstance(config, dict):
-            raise UsageError(f"{path}: must hold a JSON object")
+            config = read_json_object(path, missing_ok=False)
+        except TreeflashError as e:
+            raise UsageError(str(e)) from None
         got = {k: config[k] for k in ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "repetition_penalty")
                if config.get(k) is not None}
         for k in ("top_k", "max_new_tokens"):  # 20.0 is 20
