@@ -436,13 +436,23 @@ def test_forced_calls_schema_keeps_each_tools_definitions():
 def test_a_forced_tools_bad_schema_is_named_with_its_own_path():
     """An unsupported parameter schema of a forced tool is refused naming the tool and a
     path in its own schema (not in the list-of-calls schema the answer is built from)."""
-    from treeflash.server.answers import forced_calls_schema
+    from treeflash.server.answers import forced_calls_schema, forced_schema_error
+    from treeflash.structured.json_schema import schema_regex
     bad = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "nonsense"}}}
     tools = FORCED_TOOLS + [{"type": "function", "function": {"name": "broken", "parameters": bad}}]
-    with pytest.raises(UsageError, match=r"^tool 'broken', parameters schema: 'type' at \$\.properties\.b ") as e:
-        forced_calls_schema(tools)
-    assert e.value.param == "tool_choice"
-    forced_calls_schema(tools, name="get_weather")  # only the named tool's schema is compiled
+    schema = forced_calls_schema(tools)
+    with pytest.raises(UsageError, match=r"anyOf\[2\]\.properties\.parameters\.properties\.b") as e:
+        schema_regex(schema)
+    assert forced_schema_error(tools, schema, str(e.value)).startswith(
+        "tool 'broken', parameters schema: 'type' at $.properties.b ")
+    schema_regex(forced_calls_schema(tools, name="get_weather"))  # only the named tool's schema is compiled
+    llm = LLM(builtin_paths()[0], device="cpu", dtype="float32")
+    with TestClient(build_app(llm, "tiny", ChatTemplate("{{ messages[0].content }}"))) as client:
+        for choice in ("required", {"type": "function", "function": {"name": "broken"}}):
+            r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                          "tools": tools, "tool_choice": choice})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+            assert r.json()["error"]["message"].startswith("tool 'broken', parameters schema: "), r.text
 
 
 @pytest.mark.parametrize("choice,names", [("required", {"get_weather", "get_time"}),

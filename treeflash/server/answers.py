@@ -121,20 +121,33 @@ def forced_calls_schema(tools: list[dict], name: str | None = None, one: bool = 
                          param="tool_choice")
     calls, defs = [], {}
     for i, f in enumerate(functions):
-        params = f.get("parameters") or {}
-        if params.get("type", "object") == "object" and not {"properties", "$ref", "anyOf", "oneOf"} & set(params):
-            params = {"type": "object", "properties": {}}  # no parameters listed: called with {}
-        try:  # alone first, so that an error's path is in the tool's own schema
-            schema_regex(params)
-        except UsageError as e:
-            raise UsageError(f"tool {shown(f['name'])}, parameters schema: {str(e).removeprefix('json schema: ')}",
-                             param="tool_choice") from None
-        params, own = _hoisted(params, f"f{i}_")
+        params, own = _hoisted(_parameters(f), f"f{i}_")
         defs.update(own)
         calls.append({"type": "object", "required": ["name", "parameters"],
                       "properties": {"name": {"enum": [f["name"]]}, "parameters": params}})
     return {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1,
             **({"maxItems": 1} if name is not None or one else {}), **({"$defs": defs} if defs else {})}
+
+
+def forced_schema_error(tools: list[dict], forced: dict, error: str) -> str:
+    """`error`, from compiling `forced_calls_schema`, told in the tool's own terms: the
+    tool at fault and a path in its parameters' schema (not in the list of calls)."""
+    calls = forced["items"].get("anyOf", [forced["items"]])
+    names = {c["properties"]["name"]["enum"][0] for c in calls}
+    for f in (t["function"] for t in tools if t["function"]["name"] in names):
+        try:
+            schema_regex(_parameters(f))
+        except UsageError as e:
+            return f"tool {shown(f['name'])}, parameters schema: {str(e).removeprefix('json schema: ')}"
+    return error
+
+
+def _parameters(function: dict) -> dict:
+    """A tool's parameter schema; a tool that lists no parameters is called with {}."""
+    params = function.get("parameters") or {}
+    if params.get("type", "object") == "object" and not {"properties", "$ref", "anyOf", "oneOf"} & set(params):
+        return {"type": "object", "properties": {}}
+    return params
 
 
 def _hoisted(schema: dict, prefix: str) -> tuple[dict, dict]:

@@ -32,7 +32,7 @@ from starlette.routing import Route
 from treeflash import __version__
 from treeflash.errors import EngineDeadError, TreeflashError
 from treeflash.server.metrics import ServerMetrics
-from treeflash.server.answers import chat_parsers
+from treeflash.server.answers import chat_parsers, forced_schema_error
 from treeflash.server.protocol import (STRUCTURED_KEYS, APIError, Request, SamplingDefaults, check_model, chunk,
                                       logprobs_body, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
                                       response, tool_finish, usage)
@@ -388,7 +388,10 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
                 param = next((k for k in (*STRUCTURED_KEYS, "tool_choice") if body.get(k) is not None
                               and not (k == "response_format" and body[k] == {"type": "text"})
                               and not (k == "tool_choice" and body[k] in ("none", "auto"))), param)
-            raise APIError(str(e), param=param or "min_tokens") from None
+            message, forced = str(e), req.params.structured_outputs
+            if param == "tool_choice" and forced is not None and isinstance(forced.json, dict):
+                message = forced_schema_error(body["tools"], forced.json, message)  # the tool's own terms
+            raise APIError(message, param=param or "min_tokens") from None
         return req
 
     async def serve(request: HTTPRequest, parse) -> JSONResponse | StreamingResponse:
