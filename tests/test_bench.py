@@ -215,6 +215,10 @@ def test_shape_mode_tiny(tmp_path, capsys):
     (["--seed", str(2 ** 63 - 1), "--num-prompts", "2", "--device", "cpu"], "--seed must be in [0, 2^63 - 2]"),
     (["--seed", "-1", "--device", "cpu"], "--seed must be in"),
     (["--shape", "tiny", "--seed", str(2 ** 63 - 1), "--batch-sizes", "1,4"], "--seed must be in [0, 2^63 - 4]"),
+    # sizes that built lists of 10^9 indices or prompts until memory ran out
+    (["--batch-sizes", "1,1000000000", "--device", "cpu"], "batch size must be <= 4096"),
+    (["--shape", "tiny", "--batch-sizes", "100000000000"], "batch size must be <= 4096"),
+    (["--num-prompts", "100000000000", "--device", "cpu"], "--num-prompts must be from 1 to 65536"),
 ])
 def test_bad_inputs_exit_2_with_one_line(argv, message, capsys):
     assert main(["bench", *argv]) == 2
@@ -355,3 +359,24 @@ def test_time_wall_runs_rounds_back_to_back_one_behind(monkeypatch):
     assert log == ["reset", ("round", 1), ("read", None), ("finish", 1),  # warm-up: buffers made
                    "sync", "reset", ("round", 2), ("read", None), "reset", ("round", 3), ("read", 2),
                    "reset", ("round", 4), ("read", 3), ("finish", 4)]
+
+
+def test_out_may_not_overwrite_an_input(tmp_path, capsys):
+    """--out is opened (emptied) before the run: a path that is the prompt file or lies
+    in the model's folder is refused, and the file is left as it was (a model's
+    config.json was emptied so)."""
+    import shutil
+    from treeflash.engine.llm import builtin_paths
+    model = tmp_path / "target"
+    shutil.copytree(builtin_paths()[0], model)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\n")
+    config = (model / "config.json").read_text()
+    common = ["bench", "--methods", "ar", "--batch-sizes", "1", "--graphs", "off", "--max-new-tokens", "2",
+              "--temperatures", "0", "--device", "cpu"]
+    for argv, where in ((["--model", str(model), "--num-prompts", "1", "--out", str(model / "config.json")],
+                         "inside"), (["--prompt-file", str(prompts), "--out", str(prompts)], "an input")):
+        assert main([*common, *argv]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and where in err and "choose another path" in err, err
+    assert (model / "config.json").read_text() == config and prompts.read_text() == "def f(x):\n"

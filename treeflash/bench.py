@@ -149,7 +149,11 @@ def check_seed(seed: int, requests: int) -> None:
         raise UsageError(f"--seed must be in [0, 2^63 - {requests}] for {requests} requests, got {seed}")
 
 
-def parse_list(text: str, kind, what: str, minimum=None) -> list:
+MAX_BENCH_BATCH = 4096     # a timed batch's requests at most (--batch-sizes 10^9 built 10^9 indices)
+MAX_BENCH_PROMPTS = 65536  # --num-prompts at most (the built-in prompts are cycled up to it)
+
+
+def parse_list(text: str, kind, what: str, minimum=None, maximum=None) -> list:
     """'1,2,4' -> [1, 2, 4], with a one-line UsageError for anything else."""
     items = [t.strip() for t in str(text).split(",") if t.strip()]
     if not items:
@@ -165,6 +169,8 @@ def parse_list(text: str, kind, what: str, minimum=None) -> list:
                              f"{'integers' if kind is int else 'numbers'})") from None
         if minimum is not None and v < minimum:
             raise UsageError(f"{what} must be >= {minimum}, got {t}")
+        if maximum is not None and v > maximum:
+            raise UsageError(f"{what} must be <= {maximum}, got {t}")
         out.append(v)
     return list(dict.fromkeys(out))
 
@@ -225,8 +231,8 @@ def load_prompts(args) -> list:
     """--prompt-file, else --corpus (held-out split), else the built-in Python prompts
     (cycled up to --num-prompts)."""
     k = args.num_prompts
-    if k is not None and k < 1:
-        raise UsageError(f"--num-prompts must be >= 1, got {k}")
+    if k is not None and not 1 <= k <= MAX_BENCH_PROMPTS:
+        raise UsageError(f"--num-prompts must be from 1 to {MAX_BENCH_PROMPTS}, got {k}")
     if args.prompt_file and args.corpus:
         raise UsageError("give --prompt-file or --corpus, not both")
     if args.prompt_file:
@@ -320,7 +326,7 @@ def bench_pairs(args) -> int:
     budgets = parse_budgets(args, minimum=None)
     if "ddtree" in methods and min(budgets) < 1:
         raise UsageError(f"ddtree budget must be >= 1, got {min(budgets)}")
-    batch_sizes = parse_list(args.batch_sizes or "1,2,4", int, "batch size", minimum=1)
+    batch_sizes = parse_list(args.batch_sizes or "1,2,4", int, "batch size", minimum=1, maximum=MAX_BENCH_BATCH)
     temperatures = parse_list(args.temperatures or "0,0.7,1.0", float, "temperature", minimum=0.0)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -338,7 +344,8 @@ def bench_pairs(args) -> int:
                          f"its prompts would be other text to it")
     check_plot_path(args.plot)
     graphs_list = usable_graphs(graphs, resolve_device(args.device))
-    out = open_out(args.out)
+    inputs = [args.prompt_file, args.corpus, model_dir, args.draft_model or builtin_paths()[1]]
+    out = open_out(args.out, inputs=[i for i in inputs if i])
 
     # A speculative method, if any is asked for, so that the built-in model brings its drafter.
     base = LLM(args.model, draft_model=args.draft_model, method=next((m for m in methods if m != "ar"), "ar"),
@@ -746,7 +753,7 @@ def bench_shape(args) -> int:
         raise UsageError(f"unknown shape '{args.shape}' (choose from {', '.join(SHAPES)})")
     contexts = parse_list(args.contexts, int, "context", minimum=1)
     budgets = parse_budgets(args, minimum=0)
-    batch_sizes = parse_list(args.batch_sizes or "1", int, "batch size", minimum=1)
+    batch_sizes = parse_list(args.batch_sizes or "1", int, "batch size", minimum=1, maximum=MAX_BENCH_BATCH)
     temperatures = parse_list(args.temperatures or "0", float, "temperature", minimum=0.0)
     if args.draft_layers < 1:
         raise UsageError(f"--draft-layers must be >= 1, got {args.draft_layers}")
@@ -970,11 +977,19 @@ def check_plot_path(path: str | None) -> None:
         raise UsageError(f"cannot write the plot {path}: {folder} is not a writable folder")
 
 
-def open_out(path: str | None):
+def open_out(path: str | None, inputs=()):
     """Open --out before the (long) run, so a bad path fails at once; rows are written
-    as they are measured, so an interrupted GPU run keeps what it measured."""
+    as they are measured, so an interrupted GPU run keeps what it measured. Refused if
+    it is one of the run's `inputs` (files, or folders it lies in): opening it empties it,
+    and a model's config.json or the prompt file was lost that way."""
     if not path:
         return None
+    target = Path(path).resolve()
+    for given in inputs:
+        source = Path(given).resolve()
+        if target == source or source in target.parents:
+            raise UsageError(f"--out {path} is {'an input' if target == source else f'inside {given}'}, "
+                             f"which this run reads: choose another path")
     try:
         return open(path, "w", encoding="utf-8")
     except OSError as e:
