@@ -282,6 +282,24 @@ def test_drafter_on_generated_continuations(target, data_dir, tmp_path):
     assert more["steps"] == 7 and more["data"] == str(moved)
     with pytest.raises(UsageError, match="heldout_prompts must be >= 0"):
         generate_continuations(base / "model", data_dir, tmp_path / "bad", num_prompts=2, heldout_prompts=-1)
+    # damaged files: refused before training, not an internal error (or a silent run) after it
+    context, vocab = (json.loads((base / "model" / "config.json").read_text())[k]
+                      for k in ("max_position_embeddings", "vocab_size"))
+    with np.load(meta["path"]) as f:
+        good = dict(f)
+    for damage, what in (({"ids": np.full_like(ids, vocab + 7)}, "'ids' holds token ids outside"),
+                         ({"heldout_ids": np.full_like(held, vocab + 7)}, "'heldout_ids' holds token ids outside"),
+                         ({"prompt_len": np.array([1, 2])}, "'prompt_len' must be one integer"),
+                         ({"prompt_len": np.array(-5)}, "'prompt_len' must be one integer"),
+                         ({"heldout_ids": held[:, :10]}, "'heldout_ids' must be a 2-D array"),
+                         ({"heldout_ids": held[0]}, "'heldout_ids' must be a 2-D array"),
+                         ({"ids": np.zeros((2, context + 1), ids.dtype), "heldout_ids": np.zeros((1, context + 1),
+                                                                                    ids.dtype)},
+                          "exceed the target's context")):
+        np.savez(tmp_path / "damaged.npz", **{**good, **damage})
+        with pytest.raises(UsageError, match=what):
+            train_drafter(base / "model", data_dir, tmp_path / "run-damaged", None, DrafterShape(block_size=4),
+                          TrainOptions(max_steps=1, **OPTS), generated=tmp_path / "damaged.npz", tau_prompts=0)
     # another target (its config differs) may not train on these continuations
     other = shutil.copytree(base / "model", tmp_path / "other")
     cfg = json.loads((other / "config.json").read_text())
@@ -306,6 +324,10 @@ def test_bad_inputs(target, data_dir, tmp_path, capsys):
         load_corpus(tmp_path / "empty")
     with pytest.raises(UsageError, match="training budget"):
         TrainOptions().validate()
+    with pytest.raises(UsageError, match="max_steps must be an integer >= 1"):  # untrained weights, exported
+        TrainOptions(**{**OPTS, "max_steps": 0}).validate()
+    with pytest.raises(UsageError, match="seq_len must be >= 2"):  # a model that can take no prompt
+        TrainOptions(**{**OPTS, "max_steps": 1, "seq_len": 1}).validate()
     with pytest.raises(UsageError, match="target checkpoint not found"):
         train_drafter(tmp_path / "no-target", data_dir, tmp_path / "run", opts=opts)
     with pytest.raises(UsageError, match="block size"):

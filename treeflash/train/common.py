@@ -88,8 +88,11 @@ class TrainOptions:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UsageError(f"{key} must be an integer >= 1, got {value!r}")
-        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 0):
-            raise UsageError(f"max_steps must be an integer >= 0, got {self.max_steps!r}")
+        if self.max_steps is not None and (isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int)
+                                           or self.max_steps < 1):  # 0 exported untrained weights as a success
+            raise UsageError(f"max_steps must be an integer >= 1, got {self.max_steps!r}")
+        if self.seq_len < 2:  # a model of a one-token context can take no prompt and answer it
+            raise UsageError(f"seq_len must be >= 2, got {self.seq_len}")
         # math.isfinite: a NaN passes every comparison's "not below"; inf minutes never end
         if self.max_minutes is not None and not (self.max_minutes > 0 and math.isfinite(self.max_minutes)):
             raise UsageError(f"max_minutes must be a finite number > 0, got {self.max_minutes!r}")

@@ -219,7 +219,7 @@ class GeneratedRows:
             if not isinstance(f, np.lib.npyio.NpzFile):  # a plain .npy array, not `train generate`'s .npz
                 raise ValueError("not an .npz file of `treeflash train generate`")
             with f:
-                ids, prompt_len = f["ids"], int(f["prompt_len"])
+                ids, prompt_len = f["ids"], f["prompt_len"]
                 held = f["heldout_ids"] if "heldout_ids" in f.files else None
                 writer = str(f["target"]) if "target" in f.files else None
         except NPY_ERRORS as e:
@@ -232,6 +232,24 @@ class GeneratedRows:
                              f"(its config.json, tokenizer.json or weights differ)")
         if ids.shape[0] == 0:
             raise UsageError(f"{path} holds no generated sequences")
+        if prompt_len.ndim != 0 or not np.issubdtype(prompt_len.dtype, np.integer) or \
+                not 1 <= int(prompt_len) < ids.shape[1]:
+            raise UsageError(f"{path}: 'prompt_len' must be one integer from 1 to {ids.shape[1] - 1} (the "
+                             f"sequences are {ids.shape[1]} tokens), got {prompt_len.tolist()!r}")
+        prompt_len = int(prompt_len)
+        if held is not None and held.size and (held.ndim != 2 or held.shape[1] != ids.shape[1]
+                                               or not np.issubdtype(held.dtype, np.integer)):
+            raise UsageError(f"{path}: 'heldout_ids' must be a 2-D array of token ids as long as 'ids' "
+                             f"({ids.shape[1]}), got {held.dtype} {held.shape}")
+        if target_dir is not None:  # rows the target could not have written
+            cfg = ModelConfig.from_pretrained(target_dir)
+            if ids.shape[1] > cfg.max_position_embeddings:
+                raise UsageError(f"{path}: its sequences of {ids.shape[1]} tokens exceed the target's context of "
+                                 f"{cfg.max_position_embeddings}")
+            for name, rows in (("ids", ids), ("heldout_ids", held)):
+                if rows is not None and rows.size and not (0 <= rows.min() and rows.max() < cfg.vocab_size):
+                    raise UsageError(f"{path}: '{name}' holds token ids outside the target's vocabulary of "
+                                     f"{cfg.vocab_size}")
         self.ids = torch.from_numpy(ids.astype(np.int64)).to(device)
         self.heldout = torch.from_numpy(held.astype(np.int64)) if held is not None and held.size else None
         self.length, self.lo = ids.shape[1], max(prompt_len - 1, 1)
