@@ -328,6 +328,12 @@ def test_bad_inputs(target, data_dir, tmp_path, capsys):
         TrainOptions(**{**OPTS, "max_steps": 0}).validate()
     with pytest.raises(UsageError, match="seq_len must be >= 2"):  # a model that can take no prompt
         TrainOptions(**{**OPTS, "max_steps": 1, "seq_len": 1}).validate()
+    # a batch whose logits cannot fit was killed by the OS after minutes: refused first
+    big = TrainOptions(**{**OPTS, "max_steps": 1, "batch_size": 10 ** 9})
+    with pytest.raises(UsageError, match=r"--batch-size 1000000000 x --seq-len 32 computes .* logits a step"):
+        train_target(data_dir, tmp_path / "run-big", shape=TINY, opts=big)
+    with pytest.raises(UsageError, match=r"--batch-size 1000000000 x --blocks-per-seq .* logits a step"):
+        train_drafter(base / "model", data_dir, tmp_path / "run-big-d", opts=big, tau_prompts=0)
     with pytest.raises(UsageError, match="target checkpoint not found"):
         train_drafter(tmp_path / "no-target", data_dir, tmp_path / "run", opts=opts)
     with pytest.raises(UsageError, match="block size"):

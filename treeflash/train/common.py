@@ -129,6 +129,16 @@ def check_trainable(cfg: ModelConfig, device: torch.device, what: str, embedding
                          f"GiB free on {device}")
 
 
+def check_logits_fit(rows: int, vocab_size: int, device: torch.device, what: str) -> None:
+    """Refuse a batch whose float32 logits over the vocabulary, with their softmax and
+    gradient (12 bytes a logit), would not fit in the memory free on `device`: a
+    --batch-size off by a few zeros was killed by the OS after minutes, with no message."""
+    need, have = 12 * rows * vocab_size, available_bytes(device)
+    if have is not None and need > have:
+        raise UsageError(f"{what} computes {rows:,} rows of {vocab_size:,} logits a step: about "
+                         f"{need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB free on {device}")
+
+
 def autocast(device: torch.device):
     """bf16 autocast on CUDA (weights and optimizer stay float32); plain float32 on CPU."""
     if device.type == "cuda":

@@ -33,8 +33,9 @@ from treeflash.models.loader import build_on, check_sizes, load_weights, weights
 from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
 from treeflash.train.common import (DEFAULT_OPTIONS, MiB, Progress, RunDir, TrainOptions, Trainer, abs_path,
-                                    check_out_dir, check_shard_mb, check_trainable, hf_tensors, init_weights, resolve_device,
-                                    save_safetensors, set_fast_math, to_device, within, write_summary)
+                                    check_logits_fit, check_out_dir, check_shard_mb, check_trainable, hf_tensors,
+                                    init_weights, resolve_device, save_safetensors, set_fast_math, to_device, within,
+                                    write_summary)
 from treeflash.train.corpus import NPY_ERRORS, TokenWindows, fixed_windows, load_corpus, npy_error, tokenizer_hash
 from treeflash.train.target import causal_inputs
 from treeflash.train.tokenizer import MASK
@@ -431,6 +432,8 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
         raise UsageError(f"export dtype must be bfloat16, float16 or float32, got {config['torch_dtype']!r}")
     device = resolve_device(opts.device)
     b = shape.block_size
+    check_logits_fit(opts.batch_size * blocks_per_seq * b, tcfg.vocab_size, device,
+                     f"--batch-size {opts.batch_size} x --blocks-per-seq {blocks_per_seq} x block size {b}")
     source = GeneratedRows(generated, device, target_dir) if generated else TokenWindows(data.train, opts.seq_len, device)
     lo = source.lo if generated else 1  # a corpus window's first anchor needs one position of context
     if source.length - b < lo:

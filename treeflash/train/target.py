@@ -24,8 +24,8 @@ from treeflash.models.loader import build_on
 from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
 from treeflash.train.common import (DEFAULT_OPTIONS, MiB, RunDir, TrainOptions, Trainer, abs_path,
-                                    check_out_dir, check_shard_mb, check_trainable, hf_tensors, init_weights, resolve_device,
-                                    save_safetensors, set_fast_math, write_summary)
+                                    check_logits_fit, check_out_dir, check_shard_mb, check_trainable, hf_tensors,
+                                    init_weights, resolve_device, save_safetensors, set_fast_math, write_summary)
 from treeflash.train.corpus import TOKENIZER_FILES, TokenWindows, fixed_windows, load_corpus, tokenizer_hash
 from treeflash.train.tokenizer import PAD
 
@@ -149,6 +149,8 @@ def train_target(data_dir: str | Path, run_dir: str | Path, out_dir: str | Path 
     pad = Tokenizer(data.path).tok.token_to_id(PAD)
     config = hf_config(shape, vocab, opts.seq_len, int(data.meta["eos_token_id"]), pad, dtype)
     device = resolve_device(opts.device)
+    check_logits_fit(opts.batch_size * opts.seq_len, vocab, device, f"--batch-size {opts.batch_size} x --seq-len "
+                                                                     f"{opts.seq_len}")
     windows = TokenWindows(data.train, opts.seq_len + 1, device)
     held = fixed_windows(data.heldout, opts.seq_len + 1, opts.eval_tokens)
     run.begin(spec, o)
