@@ -366,6 +366,17 @@ def test_bad_inputs(target, data_dir, tmp_path, capsys):
         with pytest.raises(TreeflashError, match=what) as e:
             train_target(data_dir, damaged, shape=TINY, opts=opts, resume=True)
         assert "\n" not in str(e.value)
+    for field, value in (("step", "five"), ("history", None)):  # values of the wrong type
+        torch.save({**state, field: value}, damaged / "state.pt")
+        with pytest.raises(TreeflashError, match="is damaged: its step, elapsed time or loss history"):
+            train_target(data_dir, damaged, shape=TINY, opts=opts, resume=True)
+    torch.save(state, damaged / "state.pt")
+    spec = json.loads((base / "run" / "run.json").read_text())
+    for change, what in (({"lr": "abc"}, "lr must be a number, got 'abc'"),
+                         ({"out": 7}, "run.json is damaged: its options")):
+        (damaged / "run.json").write_text(json.dumps({**spec, "options": {**spec["options"], **change}}))
+        with pytest.raises(TreeflashError, match=what):
+            train_target(data_dir, damaged, shape=TINY, opts=TrainOptions(max_steps=50), resume=True)
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(UsageError, match="not a folder"):
         train_target(data_dir, tmp_path / "run-file", tmp_path / "a-file", TINY, opts)

@@ -82,6 +82,14 @@ class TrainOptions:
         return cls(**{k: options[k] for k in cls.__dataclass_fields__})
 
     def validate(self) -> "TrainOptions":
+        for key, kind in (("lr", "a number"), ("min_lr_ratio", "a number"), ("weight_decay", "a number"),
+                          ("grad_clip", "a number"), ("max_minutes", "a number"), ("warmup_steps", "an integer"),
+                          ("eval_tokens", "an integer"), ("device", "a device name")):
+            value = getattr(self, key)  # types first: a hand-edited run.json holds anything
+            ok = isinstance(value, str) if key == "device" else not isinstance(value, bool) and isinstance(
+                value, int if kind == "an integer" else (int, float))
+            if value is not None and not ok:
+                raise UsageError(f"{key} must be {kind}, got {value!r}")
         if self.max_steps is None and self.max_minutes is None:
             raise UsageError("give a training budget: max_steps (--max-steps) or max_minutes (--max-minutes)")
         for key in ("batch_size", "seq_len", "eval_every", "save_every", "log_every"):
@@ -272,6 +280,11 @@ class RunDir:
                 raise TreeflashError(f"{self.spec_path} is damaged: not a run.json that treeflash wrote")
             if self.saved["kind"] != kind:
                 raise UsageError(f"{self.path} is a {self.saved['kind']} run, not a {kind} run")
+            options = self.saved.get("options")
+            paths = ("out", "generated", "dtype")  # strings or null; the numbers are checked by TrainOptions
+            if options is not None and (not isinstance(options, dict) or any(
+                    options.get(k) is not None and not isinstance(options[k], str) for k in paths)):
+                raise TreeflashError(f"{self.spec_path} is damaged: its options are not what treeflash wrote")
 
     state_path = property(lambda self: self.path / "state.pt")
     spec_path = property(lambda self: self.path / "run.json")
@@ -444,7 +457,13 @@ class Trainer:
         except (RuntimeError, TypeError) as e:
             raise TreeflashError(f"training state {self.run.state_path}: damaged random-number state "
                                  f"({str(e).splitlines()[0]})") from None
-        self.step, self.elapsed, self.history = state["step"], state["elapsed"], state["history"]
+        step, elapsed, history = state["step"], state["elapsed"], state["history"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0 or \
+                not isinstance(elapsed, (int, float)) or not isinstance(history, list) or \
+                not all(isinstance(r, dict) and isinstance(r.get("step"), int) for r in history):
+            raise TreeflashError(f"training state {self.run.state_path} is damaged: its step, elapsed time or "
+                                 f"loss history is not what `_save` writes")
+        self.step, self.elapsed, self.history = step, elapsed, history
         self.run.rewrite_log(self.history)
         self.best = (state["best_metrics"], state["best_model"]) if state.get("best_model") else None
 
