@@ -81,6 +81,12 @@ def test_auto_dtype_without_a_config_dtype_is_the_weights(tmp_path):
         assert weights_dtype(path) == str(dtype).replace("torch.", "")
     assert LLM(tmp_path / str(torch.float64), device="cpu").target.lm_head.weight.dtype == torch.float64
     assert resolve_dtype("auto", weights_dtype(path), torch.device("cuda")) == torch.bfloat16  # not float32
+    # a torch_dtype that names no float dtype says nothing either (it was read as float32)
+    folder = tmp_path / str(torch.float64)
+    for said in ("int8", [1]):
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": said}))
+        assert LLM(folder, device="cpu").target.lm_head.weight.dtype == torch.float64
 
 
 def test_one_sampling_params_per_prompt(llm):

@@ -262,7 +262,9 @@ class LLM:
         with build_on("meta", torch.float32):  # sizes only: nothing is allocated
             check_model_size(model, CausalLM(self.config, TPGroup()))
         # the weights' headers are read only when "auto" needs them
-        stored = self.config.torch_dtype or (weights_dtype(model) if dtype == "auto" else None)
+        said = self.config.torch_dtype  # a name that is no float dtype ("int8", [1]) says nothing
+        said = said if isinstance(said, str) and said.replace("torch.", "") in DTYPES else None
+        stored = said or (weights_dtype(model) if dtype == "auto" else None)
         self.dtype = resolve_dtype(dtype, stored, self.device)
         self.tokenizer = Tokenizer(model)
         for eos, source in self.tokenizer.eos_sources.items():  # a sampler's column: must be one
