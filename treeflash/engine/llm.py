@@ -629,7 +629,8 @@ class LLM:
         if p.min_tokens and allowed is not None and allowed <= held:
             raise UsageError("invalid sampling parameters: min_tokens holds back every one of allowed_token_ids "
                              "(EOS and stop tokens)")
-        banned = {seq[0] for seq in self.bad_sequences(p) if len(seq) == 1}
+        sequences = self.bad_sequences(p)  # tokenized once
+        banned = {seq[0] for seq in sequences if len(seq) == 1}
         if allowed is not None and allowed <= banned | (held if p.min_tokens else set()):
             raise UsageError("invalid sampling parameters: bad_words ban every one of allowed_token_ids"
                              + (" that min_tokens does not hold back" if p.min_tokens else ""), param="bad_words")
@@ -637,7 +638,7 @@ class LLM:
             raise UsageError("structured outputs need an end token: this model has no EOS, give stop_token_ids")
         if (automaton := self.automaton(p)) is not None:
             automaton.check_ends(held)
-            automaton.check_bans(self.bad_sequences(p))
+            automaton.check_bans(sequences)
 
     def automaton(self, p: SamplingParams) -> TokenAutomaton | None:
         """p's structured output as a token automaton (None without one), compiled once

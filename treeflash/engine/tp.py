@@ -177,10 +177,10 @@ def check_shardable(config, draft_config, size: int) -> None:
 class Single:
     """TP = 1: this process is the whole group; commands run in place."""
 
-    rank, size, group = 0, 1, TPGroup()
+    rank, size, group, closed = 0, 1, TPGroup(), False
 
     def __init__(self, device: torch.device):
-        self.device, self.closed = device, False
+        self.device = device
 
     def call(self, obj, name: str, args=(), collect: bool = False):
         if self.closed:  # as at TP > 1: its caches and graphs are gone
