@@ -26,7 +26,8 @@ from treeflash.engine.tp import attach as tp_attach
 from treeflash.engine.tp import peak_rss_bytes, reset_peak_rss, rss_bytes
 from treeflash.errors import TreeflashError, UsageError, shown
 from treeflash.models.dflash import DFlashDraftModel
-from treeflash.models.loader import build_on, check_model_size, check_sizes, load_weights, weights_dtype
+from treeflash.models.loader import (build_on, check_model_size, check_sizes, load_weights, stored_shapes,
+                                     weights_dtype)
 from treeflash.models.transformer import CausalLM
 from treeflash.structured.grammar import TokenAutomaton, token_automaton
 from treeflash.tokenizer import Tokenizer, stop_cut
@@ -250,7 +251,8 @@ class LLM:
             raise UsageError(f"unknown quantization {quantization!r} (supported: fp8)")
         self.device = resolve_device(device)
         self.config = ModelConfig.from_pretrained(model)
-        check_sizes(model, self.config)
+        shapes = stored_shapes(model)  # the weights' headers, read once for the size checks
+        check_sizes(model, self.config, shapes)
         # quantization="fp8" of a checkpoint in higher precision: its layers' weights are
         # quantized to FP8 blocks while loading (an FP8 checkpoint stays as it is)
         quantize = quantization == "fp8" and self.config.fp8_block is None
@@ -260,7 +262,7 @@ class LLM:
         if quantize:
             self.config = replace(self.config, fp8_block=FP8_BLOCK)
         with build_on("meta", torch.float32):  # sizes only: nothing is allocated
-            check_model_size(model, CausalLM(self.config, TPGroup()))
+            check_model_size(model, CausalLM(self.config, TPGroup()), shapes)
         # the weights' headers are read only when "auto" needs them
         said = self.config.torch_dtype  # a name that is no float dtype ("int8", [1]) says nothing
         said = said if isinstance(said, str) and said.replace("torch.", "") in DTYPES else None
@@ -275,10 +277,11 @@ class LLM:
         dcfg = None
         if draft_model is not None:
             dcfg = DraftConfig.from_pretrained(draft_model)
-            check_sizes(draft_model, dcfg.layers, embedding=False)
+            draft_shapes = stored_shapes(draft_model)
+            check_sizes(draft_model, dcfg.layers, draft_shapes, embedding=False)
             dcfg.check_fits(self.config)
             with build_on("meta", torch.float32):
-                check_model_size(draft_model, DFlashDraftModel(dcfg, TPGroup()))
+                check_model_size(draft_model, DFlashDraftModel(dcfg, TPGroup()), draft_shapes)
         if method is None:
             method = "ddtree" if dcfg is not None else "ar"
         if budget is not None and method != "ddtree":

@@ -53,36 +53,42 @@ def checkpoint_files(folder: str | Path) -> dict[str, Path]:
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def check_sizes(folder: str | Path, config: ModelConfig, embedding: bool = True) -> None:
+def stored_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in the checkpoint in `folder`, from the files' headers (one
+    open per file): what the size checks below compare config.json with."""
+    files, shapes = checkpoint_files(folder), {}
+    for path in set(files.values()):
+        with _open(path) as st:
+            shapes.update((key, tuple(_slice(st, key).get_shape())) for key in st.keys() if files.get(key) == path)
+    return shapes
+
+
+def check_sizes(folder: str | Path, config: ModelConfig, shapes: dict, embedding: bool = True) -> None:
     """Refuse, before any layer is built, a config.json that says more layers, or (with
     `embedding`) a larger embedding [vocab, hidden], than the checkpoint in `folder`
-    holds: one that says a million layers would otherwise allocate until memory ran out.
-    (Fewer layers, or any other shape that differs, are refused while loading.)"""
-    files = checkpoint_files(folder)
-    held = 1 + max((int(m.group(1)) for name in files if (m := _LAYER_KEY.search(name))), default=-1)
+    (`shapes`: its `stored_shapes`) holds: one that says a million layers would otherwise
+    allocate until memory ran out. (Fewer layers, or any other shape that differs, are
+    refused while loading.)"""
+    held = 1 + max((int(m.group(1)) for name in shapes if (m := _LAYER_KEY.search(name))), default=-1)
     if config.num_layers > held:
         raise TreeflashError(f"config.json in {folder} says {config.num_layers} layers, but the checkpoint holds "
                              f"{held}")
-    key = next((name for name in files if name.endswith("embed_tokens.weight")), None) if embedding else None
+    key = next((name for name in shapes if name.endswith("embed_tokens.weight")), None) if embedding else None
     if key is not None:
-        with _open(files[key]) as st:
-            stored = tuple(_slice(st, key).get_shape())
+        stored = shapes[key]
         if len(stored) == 2 and (config.vocab_size > stored[0] or config.hidden_size > stored[1]):
             raise TreeflashError(f"config.json in {folder} says vocab_size {config.vocab_size} and hidden_size "
                                  f"{config.hidden_size}, but the checkpoint's {key} is {list(stored)}")
 
 
-def check_model_size(folder: str | Path, shell: nn.Module) -> None:
+def check_model_size(folder: str | Path, shell: nn.Module, shapes: dict) -> None:
     """Refuse a config.json whose model (`shell`, built on the meta device: no memory)
-    has far more parameters than the checkpoint in `folder` holds, before the real one
-    is built: an intermediate_size or head count of 2^30 would otherwise allocate
-    terabytes (sizes that fit are refused by shape while loading). The slack covers
-    what loading legitimately grows: an untied copy of a tied head, MXFP4 bytes that hold
-    two weights each."""
-    held = 0
-    for path in set(checkpoint_files(folder).values()):
-        with _open(path) as st:
-            held += sum(torch.Size(_slice(st, key).get_shape()).numel() for key in st.keys())
+    has far more parameters than the checkpoint in `folder` (`shapes`: its
+    `stored_shapes`) holds, before the real one is built: an intermediate_size or head
+    count of 2^30 would otherwise allocate terabytes (sizes that fit are refused by shape
+    while loading). The slack covers what loading legitimately grows: an untied copy of a
+    tied head, MXFP4 bytes that hold two weights each."""
+    held = sum(torch.Size(shape).numel() for shape in shapes.values())
     wanted = sum(p.numel() for p in shell.parameters())
     if wanted > 2.5 * held + (1 << 20):
         raise TreeflashError(f"config.json in {folder} describes a model of {wanted:,} parameters, but the "

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from treeflash.config import DTYPES, DraftConfig, ModelConfig, default_target_layer_ids
 from treeflash.errors import UsageError
 from treeflash.models.dflash import DFlashDraftModel
-from treeflash.models.loader import build_on, check_sizes, load_weights, weights_dtype
+from treeflash.models.loader import build_on, check_sizes, load_weights, stored_shapes, weights_dtype
 from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
 from treeflash.train.common import (DEFAULT_OPTIONS, MiB, Progress, RunDir, TrainOptions, Trainer, abs_path,
@@ -73,7 +73,7 @@ def load_frozen_target(target_dir: str | Path, device: torch.device) -> CausalLM
     """The target in its inference dtype (bf16 on CUDA, float32 on CPU), without grads."""
     from treeflash.engine.llm import resolve_dtype
     cfg = ModelConfig.from_pretrained(target_dir)
-    check_sizes(target_dir, cfg)
+    check_sizes(target_dir, cfg, stored_shapes(target_dir))
     with build_on(device, resolve_dtype("auto", target_dtype(cfg, target_dir), device)):
         target = CausalLM(cfg)
     load_weights(target, target_dir)
