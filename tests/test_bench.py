@@ -70,6 +70,24 @@ def test_pair_mode(pair, tmp_path, capsys):
         assert not png.exists() and "matplotlib" in captured.err
 
 
+def test_pair_mode_notes_requests_cut_by_the_context(tmp_path, capsys):
+    """tok/s of requests the context stopped early are over fewer tokens than asked for: said."""
+    target = write_random_target(tmp_path / "t", max_position_embeddings=48)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def fib(n):\n")
+    out = tmp_path / "rows.jsonl"
+    argv = ["bench", "--model", str(target), "--prompt-file", str(prompts), "--methods", "ar", "--batch-sizes",
+            "1", "--graphs", "off", "--temperatures", "0", "--device", "cpu", "--out", str(out)]
+    assert main(argv + ["--max-new-tokens", "40"]) == 0
+    err = capsys.readouterr().err
+    assert "note: 1 of 1 prompts leave less than --max-new-tokens 40 of the context of 48 tokens" in err
+    assert json.loads(out.read_text())["new_tokens"] < 40
+    out.unlink()
+    assert main(argv + ["--max-new-tokens", "8"]) == 0
+    assert "note:" not in capsys.readouterr().err
+    assert json.loads(out.read_text())["new_tokens"] == 8
+
+
 def test_pair_mode_with_logprobs(pair, tmp_path, capsys):
     """--logprobs K times requests that also return logprobs (labelled, and the same
     tokens: same_as_ar stays what it is without them); shape mode refuses it."""

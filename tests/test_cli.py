@@ -717,3 +717,21 @@ def test_an_unexpected_failure_is_one_line_without_cpp_frames(capsys, monkeypatc
     assert rc == 1 and out == ""
     assert len(err.strip().splitlines()) == 1 and err.startswith(first), err
     assert "frame #" not in err
+
+
+@pytest.mark.parametrize("command,argv,names", [
+    ("treeflash.cli.cmd_generate", ["generate", "x"], "--max-model-len"),
+    ("treeflash.train.cli.run_tokenizer", ["train", "tokenizer", "--out", "t"], "--batch-size"),
+    ("treeflash.bench.cmd_bench", ["bench"], "--batch-sizes"),
+])
+def test_running_out_of_memory_names_the_commands_own_options(capsys, monkeypatch, command, argv, names):
+    """A train run that runs out of memory is not told to shorten --max-model-len, which it lacks."""
+    def fail(args):
+        raise MemoryError()
+    monkeypatch.setattr(command, fail)
+    monkeypatch.delenv("TREEFLASH_DEBUG", raising=False)
+    capsys.readouterr()
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("treeflash: error: out of memory") and names in err, err
+    assert ("--max-model-len" in err) == (names == "--max-model-len")

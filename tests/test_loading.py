@@ -251,6 +251,12 @@ def test_drafter_logit_and_embedding_scales_are_read_or_refused(drafter_dict):
     (dict(architectures=[], model_type=["x"]), "model_type"),
     (dict(architectures=[], model_type={"a": 1}), "model_type"),
     (dict(architectures=[["Qwen3ForCausalLM"]]), "architectures"),
+    # Llama-3 frequencies divide by low_freq_factor (ZeroDivisionError, before) and by high - low
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 0}), "low_freq_factor"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 4, "high_freq_factor": 4}),
+     "needs high_freq_factor > low_freq_factor"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 8}),   # above the default 4
+     "needs high_freq_factor > low_freq_factor"),
 ])
 def test_bad_target_config_values(hf_checkpoint, clone_checkpoint, changes, field):
     folder = clone_checkpoint(hf_checkpoint("qwen3").path, **changes)

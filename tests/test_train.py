@@ -2,6 +2,7 @@
 tokenizer + corpus, target training / resume / export, drafter training / export,
 target-generated data, and the one-line errors for bad input."""
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -336,8 +337,18 @@ def test_bad_inputs(target, data_dir, tmp_path, capsys):
         train_drafter(base / "model", data_dir, tmp_path / "run-big-d", opts=big, tau_prompts=0)
     with pytest.raises(UsageError, match="target checkpoint not found"):
         train_drafter(tmp_path / "no-target", data_dir, tmp_path / "run", opts=opts)
-    with pytest.raises(UsageError, match="block size"):
+    with pytest.raises(UsageError, match="--block-size must be an integer >= 2, got 1"):
         train_drafter(base / "model", data_dir, tmp_path / "run", shape=DrafterShape(block_size=1), opts=opts)
+    with pytest.raises(UsageError, match="--num-layers must be a positive integer, got 0"):
+        train_drafter(base / "model", data_dir, tmp_path / "run", shape=DrafterShape(num_layers=0), opts=opts)
+    # a target shape is refused in the words of the options that set it (not config.json's keys)
+    for shape, words in ((TargetShape(num_layers=0), "--num-layers must be a positive integer, got 0"),
+                         (TargetShape(num_heads=6, num_kv_heads=4), "--num-heads 6 is not a multiple of --num-kv-heads 4"),
+                         (TargetShape(head_dim=3), "--head-dim 3 is odd"),
+                         (TargetShape(rope_theta=math.inf), "--rope-theta must be a finite number > 0, got inf")):
+        with pytest.raises(UsageError, match=words):
+            train_target(data_dir, tmp_path / "run-shape", shape=shape, opts=opts)
+        assert not (tmp_path / "run-shape" / "state.pt").exists()
     with pytest.raises(UsageError, match="already holds a training run"):
         train_target(data_dir, base / "run", shape=TINY, opts=opts)
     with pytest.raises(UsageError, match="no training state"):
@@ -349,7 +360,7 @@ def test_bad_inputs(target, data_dir, tmp_path, capsys):
         train_drafter(other, data_dir, tmp_path / "run-other", opts=opts)
     with pytest.raises(UsageError, match="another tokenizer"):
         generate_continuations(other, data_dir, tmp_path / "gen.npz", num_prompts=1, prompt_len=8, new_tokens=4)
-    with pytest.raises(UsageError, match="tau_prompts"):
+    with pytest.raises(UsageError, match="--tau-prompts"):
         train_drafter(base / "model", data_dir, tmp_path / "run-tau", opts=opts, tau_prompts=-1)
     damaged = tmp_path / "bad-state"
     damaged.mkdir()
@@ -562,7 +573,7 @@ def test_more_bad_training_input_is_one_line(data_dir, target, tmp_path, capsys)
         generate_continuations(base / "model", data_dir, tmp_path / "g.npz", num_prompts=1, prompt_len=8,
                                new_tokens=4, seed=-1)
     from dataclasses import replace
-    with pytest.raises(TreeflashError, match="head_dim 15 is odd"):
+    with pytest.raises(TreeflashError, match="--head-dim 15 is odd"):
         train_target(data_dir, tmp_path / "run-odd", shape=replace(TINY, head_dim=15),
                      opts=TrainOptions(max_steps=1, **OPTS))
     with pytest.raises(TreeflashError, match="went to the held-out split"):

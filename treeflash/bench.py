@@ -355,6 +355,11 @@ def bench_pairs(args) -> int:
         raise UsageError(f"methods {', '.join(m for m in methods if m != 'ar')} need a drafter (--draft-model)")
     print(f"bench: {len(prompts)} prompts, {args.max_new_tokens} new tokens each, on {base.device} "
           f"({str(base.dtype).replace('torch.', '')})")
+    short = sum(len(base.encode(p)) + args.max_new_tokens > base.max_model_len for p in prompts)
+    if short:  # their requests stop at the context: fewer tokens, and rounds of another length
+        print(f"note: {short} of {len(prompts)} prompts leave less than --max-new-tokens {args.max_new_tokens} "
+              f"of the context of {base.max_model_len} tokens: their requests stop there (the new_tokens column "
+              f"counts what was made)", file=sys.stderr)
 
     rows, ar = [], {}  # ar: (batch size, temperature, graphs) -> (tokens/s, token ids)
     for method, budget in pair_configs(methods, budgets):

@@ -285,8 +285,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What each command can be asked for instead when it runs out of memory: its own options.
+LESS_MEMORY = {
+    "generate": "ask for less (a shorter --max-model-len, a smaller --max-batch, shorter prompts)",
+    "serve": "ask for less (a shorter --max-model-len, a smaller --max-batch)",
+    "bench": "ask for less (smaller --batch-sizes or --budgets, fewer --max-new-tokens, a smaller --shape or "
+             "--contexts)",
+    "train": "ask for less (a smaller --batch-size, --seq-len or --new-tokens, a smaller model shape)",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     debug = bool(os.environ.get("TREEFLASH_DEBUG"))
+    args = None
     try:
         args = build_parser().parse_args(argv)
         if not getattr(args, "func", None):
@@ -316,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         # torch's OutOfMemoryError on CUDA; its CPU allocator raises a RuntimeError
         if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or \
                 (isinstance(e, RuntimeError) and "can't allocate memory" in first):
-            print(f"treeflash: error: out of memory ({first}): ask for less (a shorter --max-model-len, a smaller "
-                  f"batch, shorter prompts, a smaller model shape)", file=sys.stderr)
+            hint = LESS_MEMORY.get(getattr(args, "command", None), "ask for less")
+            print(f"treeflash: error: out of memory ({first}): {hint}", file=sys.stderr)
             return 1
         print(f"treeflash: internal error: {type(e).__name__}: {first} (set TREEFLASH_DEBUG=1 for a traceback)",
               file=sys.stderr)

@@ -97,7 +97,12 @@ def _rope(data: dict, where: str = "config.json") -> tuple[float, dict | None]:
                 raise TreeflashError(f"{where}: llama3 rope scaling lacks 'factor'")
             for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
                 if key in scaling:
-                    _number(scaling[key], f"rope scaling {key}", where, positive=key != "low_freq_factor")
+                    _number(scaling[key], f"rope scaling {key}", where)
+            # the defaults are layers.rotary's; the band between them is a ramp over 1 / their difference
+            low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+            if not high > low:
+                raise TreeflashError(f"{where}: llama3 rope scaling needs high_freq_factor > low_freq_factor, "
+                                     f"got {high} and {low}")
     return theta, scaling
 
 

@@ -390,17 +390,20 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
     generated, gamma, blocks_per_seq = o["generated"], o["gamma"], o["blocks_per_seq"]
     tau_prompts, tau_new_tokens = o["tau_prompts"], o["tau_new_tokens"]
     if tau_prompts < 0 or tau_new_tokens < 1:
-        raise UsageError(f"need tau_prompts >= 0 (0: skip) and tau_new_tokens >= 1, got {tau_prompts}, {tau_new_tokens}")
+        raise UsageError(f"need --tau-prompts >= 0 (0: skip) and --tau-new-tokens >= 1, got {tau_prompts}, "
+                         f"{tau_new_tokens}")
     if not gamma > 0 or blocks_per_seq < 1:
-        raise UsageError(f"need gamma > 0 and blocks_per_seq >= 1, got {gamma}, {blocks_per_seq}")
+        raise UsageError(f"need --gamma > 0 and --blocks-per-seq >= 1, got {gamma}, {blocks_per_seq}")
     out = Path(o["out"]) if o["out"] is not None else run.path / "model"
     check_out_dir(out, {"target": target_dir, "data": data_dir}, run.path)
     signature = {"target_layers": tcfg.num_layers, "target_hidden": tcfg.hidden_size,
                  "target_vocab": tcfg.vocab_size}
     spec = run.settle_spec({**asdict(shape or DrafterShape()), **signature}, DRAFTER_SHAPE)
     shape = DrafterShape(**{k: v for k, v in spec.items() if k in DrafterShape.__dataclass_fields__})
+    if isinstance(shape.num_layers, bool) or not isinstance(shape.num_layers, int) or not 0 < shape.num_layers < 2 ** 31:
+        raise UsageError(f"--num-layers must be a positive integer, got {shape.num_layers!r}")
     if isinstance(shape.block_size, bool) or not isinstance(shape.block_size, int) or shape.block_size < 2:
-        raise UsageError(f"block size must be an integer >= 2, got {shape.block_size!r}")
+        raise UsageError(f"--block-size must be an integer >= 2, got {shape.block_size!r}")
     if opts.seq_len < shape.block_size + 1:
         raise UsageError(f"seq_len {opts.seq_len} is too short for blocks of {shape.block_size}")
     if opts.seq_len > tcfg.max_position_embeddings:

@@ -49,6 +49,22 @@ class TargetShape:
     rope_theta: float | None = None
     tie_word_embeddings: bool | None = None
 
+    def check(self) -> "TargetShape":
+        """Refuse a shape in the words of its options (--num-layers, not config.json's
+        num_hidden_layers, which the model config's own checks would name)."""
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2 ** 31:
+                raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise UsageError(f"--num-heads {self.num_heads} is not a multiple of --num-kv-heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise UsageError(f"--head-dim {self.head_dim} is odd (rotary embeddings turn pairs of features)")
+        if isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or \
+                not 0 < self.rope_theta < math.inf:
+            raise UsageError(f"--rope-theta must be a finite number > 0, got {self.rope_theta!r}")
+        return self
+
 
 def hf_config(shape: TargetShape, vocab_size: int, max_len: int, eos_id: int, pad_id: int | None,
               dtype: str) -> dict:
@@ -145,7 +161,7 @@ def train_target(data_dir: str | Path, run_dir: str | Path, out_dir: str | Path 
                          f"(tokenizer.json differs)")
     spec = run.settle_spec({**asdict(shape or TargetShape()), "vocab_size": vocab}, TARGET_SHAPE)
     spec["corpus_tokenizer"] = tokenizer
-    shape = TargetShape(**{k: v for k, v in spec.items() if k in TargetShape.__dataclass_fields__})
+    shape = TargetShape(**{k: v for k, v in spec.items() if k in TargetShape.__dataclass_fields__}).check()
     pad = Tokenizer(data.path).tok.token_to_id(PAD)
     config = hf_config(shape, vocab, opts.seq_len, int(data.meta["eos_token_id"]), pad, dtype)
     device = resolve_device(opts.device)
