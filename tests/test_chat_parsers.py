@@ -255,6 +255,39 @@ def test_a_tool_use_template_is_taken_for_tools(tmp_path):
     assert request_tools({"tools": nulled}, "hermes") == (nulled, "hermes", None)
 
 
+def test_newer_transformers_tool_use_template_file_is_taken_for_tools(tmp_path):
+    """transformers >= 4.54 saves named templates as additional_chat_templates/NAME.jinja."""
+    (tmp_path / "chat_template.jinja").write_text("plain {{ messages[0].content }}")
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text(
+        "tools {{ tools | length }} {{ messages[0].content }}")
+    template = ChatTemplate.from_folder(tmp_path)
+    messages = [{"role": "user", "content": "hi"}]
+    assert template.prompt(messages) == "plain hi"
+    assert template.prompt(messages, tools=TOOLS) == "tools 1 hi"
+
+
+def test_named_templates_without_a_default_are_refused_as_such(tmp_path):
+    from treeflash.errors import TreeflashError
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "rag", "template": "R"}]}))
+    with pytest.raises(TreeflashError, match=r"the chat templates \(rag\) name none 'default'"):
+        ChatTemplate.from_folder(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": ["R"]}))
+    with pytest.raises(TreeflashError, match="must be a string or a list of"):
+        ChatTemplate.from_folder(tmp_path)
+
+
+def test_a_messages_other_keys_reach_the_template():
+    """Qwen3's template reads an assistant turn's reasoning_content, gpt-oss's its thinking:
+    keys past role and content are the template's (as transformers and vLLM pass them)."""
+    template = ChatTemplate("{% for m in messages %}<{{ m.role }}>{% if m.reasoning_content %}"
+                            "[{{ m.reasoning_content }}]{% endif %}{{ m.content }}{{ m.tool_call_id }}{% endfor %}")
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "yo", "reasoning_content": "R"},
+                {"role": "tool", "content": "4", "tool_call_id": 7}]
+    assert template.prompt(messages) == "<user>hi<assistant>[R]yo<tool>47"
+
+
 def test_tools_need_a_parser():
     """A server started without --tool-call-parser refuses tools (it would not parse the
     answer), and an unknown parser is refused at start."""

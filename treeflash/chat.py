@@ -23,8 +23,9 @@ def _refuse(message: str):
 
 def plain_messages(messages) -> list[dict]:
     """A conversation as a template takes it: [{"role", "content"}] with text content
-    (OpenAI's list of text parts joined by newlines, as vLLM does); a UsageError names
-    the first message that is not one."""
+    (OpenAI's list of text parts joined by newlines, as vLLM does) and the messages'
+    other keys as given (a template may read `reasoning_content`, `tool_call_id`, ...);
+    a UsageError names the first message that is not one."""
     if not isinstance(messages, list) or not messages:
         raise UsageError("'messages' must be a non-empty list of messages")
     plain = []
@@ -46,12 +47,9 @@ def plain_messages(messages) -> list[dict]:
             content.encode("utf-8"), m["role"].encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate: a client cut a character in two
             raise UsageError(f"messages[{i}] must be valid Unicode text") from None
-        entry = {"role": m["role"], "content": content}
+        entry = {**m, "role": m["role"], "content": content}
         if calls:
             entry["tool_calls"] = _tool_calls(calls, f"messages[{i}]")
-        for key in ("tool_call_id", "name"):  # a tool's answer: which call it answers
-            if isinstance(m.get(key), str):
-                entry[key] = m[key]
         plain.append(entry)
     return plain
 
@@ -168,7 +166,8 @@ class ChatTemplate:
     def from_folder(cls, folder: str | Path) -> "ChatTemplate | None":
         """The template of a checkpoint folder (chat_template.jinja, or tokenizer_config.json's
         'chat_template': a string, or a list of named ones of which 'default', and
-        'tool_use' for tools if there is one); None without one."""
+        'tool_use' for tools if there is one, which newer transformers save as
+        additional_chat_templates/tool_use.jinja); None without one."""
         folder = Path(folder)
         config = read_json_object(folder / "tokenizer_config.json")
         source = config.get("chat_template")
@@ -176,8 +175,15 @@ class ChatTemplate:
             source = read_text(folder / "chat_template.jinja")
         tool_source = None
         if isinstance(source, list):
-            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source, tool_source = named.get("default"), named.get("tool_use")
+            if not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in source):
+                raise TreeflashError(f"{folder}: 'chat_template' must be a string or a list of "
+                                     f"{{\"name\": ..., \"template\": ...}}")
+            named = {t["name"]: t.get("template") for t in source}
+            if "default" not in named:
+                raise TreeflashError(f"{folder}: the chat templates ({', '.join(sorted(named))}) name none 'default'")
+            source, tool_source = named["default"], named.get("tool_use")
+        if (folder / "additional_chat_templates" / "tool_use.jinja").exists():
+            tool_source = read_text(folder / "additional_chat_templates" / "tool_use.jinja")
         if source is None:
             return None
         if not isinstance(source, str) or not isinstance(tool_source, (str, type(None))):
