@@ -403,6 +403,28 @@ def test_sentencepiece_continuations_keep_their_first_space(tmp_path):
     assert 0 < j < len(out.text) and cut.text == out.text[:j]
 
 
+def test_byte_fallback_text_keeps_whole_characters_as_streamed(tmp_path):
+    """A byte-fallback decoder turns a whole run of byte tokens into U+FFFD when the run
+    ends in part of a character ("你" then half of "好": five of them). The text keeps the
+    whole characters, as a stream shows them as they come, however it is pushed."""
+    from conftest import write_sentencepiece_tokenizer
+
+    from treeflash.tokenizer import TextStream, Tokenizer
+    write_sentencepiece_tokenizer(tmp_path)
+    tok = Tokenizer(tmp_path)
+    ni_hao, ab = tok.encode("你好", False), tok.encode(" ab", False)
+    assert tok.decode(ni_hao[:-1]) == "\ufffd" * 5
+    for ids, want in ((ni_hao[:-1], "你\ufffd\ufffd"),             # cut by max_tokens in "好"
+                      (ni_hao[:-1] + ab, "你\ufffd\ufffd  ab"),     # a run left unfinished
+                      (ni_hao[:5] + ab + ni_hao, "你\ufffd  ab 你好"),
+                      (ni_hao + ab, "你好  ab")):
+        assert tok.decode_continuation(ids) == want
+        for size in (1, 2, 3, len(ids)):
+            stream = TextStream(tok)
+            streamed = "".join(stream.push(ids[i:i + size]) for i in range(0, len(ids), size))
+            assert want.startswith(streamed) and streamed + stream.finish(want) == want
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens(hf_checkpoint):
     """vLLM's truncate_prompt_tokens: the prompt's last k tokens, whatever its length
     (-1: as many as fit), so an over-long prompt is read, not refused."""
@@ -430,3 +452,16 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(hf_checkpoint):
     for k in (0, -2, 1.5, True):
         with pytest.raises(UsageError, match="truncate_prompt_tokens must be"):
             SamplingParams(truncate_prompt_tokens=k)
+        with pytest.raises(UsageError, match="truncate must be an integer >= 1, or -1"):  # 0 kept all, -2 cut 2
+            llm.encode("ab ab", truncate=k)
+    with pytest.raises(UsageError, match="special must be True or False"):
+        llm.encode("ab", special="no")
+    # so is a conversation whose rendered text cannot fit (it took the tokenizer 26 s at 20 MB)
+    from treeflash.chat import ChatTemplate
+    llm.chat_template = ChatTemplate("{{ messages[0].content }}")
+    calls.clear()
+    with pytest.raises(UsageError, match=f"prompt of {len(text)} characters does not fit the context limit"):
+        llm.chat([{"role": "user", "content": text}], params)
+    assert not calls
+    got = llm.chat([{"role": "user", "content": text}], replace(params, truncate_prompt_tokens=12))[0]
+    assert calls and got.token_ids == llm.generate(llm.token_ids(text, special=False)[-12:], params)[0].token_ids

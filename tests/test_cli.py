@@ -707,6 +707,9 @@ def test_chat_prompts_go_through_the_chat_template(capsys, broken):
     (TypeError("empty(): argument 'size' failed to unpack the object at pos 2 with error \"Overflow\"\n"
                "Exception raised from THPUtils_unpackLong at python_arg_parser.cpp:1\nframe #0: ..."),
      "treeflash: internal error: TypeError: empty(): argument"),
+    # a terminal or pipe whose encoding lacks a character of the text (PYTHONIOENCODING=ascii)
+    (UnicodeEncodeError("ascii", "a\U0001f600b", 1, 2, "ordinal not in range(128)"),
+     "treeflash: error: the output's encoding (ascii) cannot write the text ('\\U0001f600'): set PYTHONIOENCODING"),
 ])
 def test_an_unexpected_failure_is_one_line_without_cpp_frames(capsys, monkeypatch, error, first):
     def fail(args):

@@ -433,7 +433,27 @@ def test_a_stop_string_whose_bytes_span_tokens(min_tokens, want):
     assert "".join(stream.push([t]) for t in out.token_ids) + stream.finish(out.text) == out.text
 
 
-def test_the_bad_words_check_of_a_structured_output_matches_a_walk_of_its_texts():
+def test_a_stop_string_is_matched_against_whole_characters_only():
+    """U+FFFD as a stop string does not fire on the first byte of "é" (the next token
+    completes it), and a round decodes a window of the text, not the whole output once
+    per stop string: the decoded tokens grow with the output, not with its square."""
+    llm = LLM(builtin_paths()[0], device="cpu", dtype="float32", method="ar")
+    params = SamplingParams(max_new_tokens=4, allowed_token_ids=[130, 105], temperature=1.0, seed=1)
+    out = llm.generate("x", params)[0]
+    assert out.token_ids == [130, 105, 130, 105] and out.text == "éé"
+    cut = llm.generate("x", SamplingParams(**{**params.__dict__, "stop": ["\ufffd"]}))[0]
+    assert cut.token_ids == out.token_ids and cut.text == out.text and cut.finish_reason == "length"
+
+    real, decoded = llm.tokenizer.decode, []
+    llm.tokenizer.decode = lambda ids, *a, **kw: decoded.append(len(ids)) or real(ids, *a, **kw)
+    for n in (100, 200):
+        decoded.clear()
+        stops = [f"never{i:02d}" for i in range(64)]
+        out = llm.generate("def f(x):", SamplingParams(max_new_tokens=n, ignore_eos=True, stop=stops))[0]
+        assert len(out.token_ids) == n
+        work = sum(decoded)
+        assert work < 200 * n, (n, work)  # the whole text once per stop string: ~64 n^2 / 2 tokens
+
     """`check_bans` against a brute-force walk of small random automata: every token
     sequence the constraint and the bad words allow, up to where the state and the
     output's last tokens repeat, and whether each can still be finished."""

@@ -315,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`treeflash generate ... | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 141
+    except UnicodeEncodeError as e:  # the text has characters that stdout's encoding lacks
+        if debug:
+            raise
+        print(f"treeflash: error: the output's encoding ({e.encoding}) cannot write the text "
+              f"({e.object[e.start:e.end]!a}): set PYTHONIOENCODING=utf-8", file=sys.stderr)
+        return 1
     except OSError as e:  # files and folders the command was pointed at (permissions, a file for a folder)
         if debug:
             raise

@@ -133,7 +133,29 @@ class Tokenizer:
         context = self.whole_characters(context, skip_special)
         head = self.decode(context, skip_special)
         whole = self.decode(context + list(ids), skip_special)
-        return whole[len(head):] if whole.startswith(head) else self.decode(ids, skip_special)
+        text = whole[len(head):] if whole.startswith(head) else self.decode(ids, skip_special)
+        if "\ufffd" not in text:
+            return text
+        # Part of a character somewhere: a byte-fallback decoder (Llama 2, Mistral) turns a
+        # whole run of byte tokens into U+FFFD when the run ends in part of a character, so
+        # "你" and half of "好" decode to five of them, though "你" was whole (and streamed).
+        # Character by character instead, as TextStream takes them.
+        ids, read, prefix, text = context + list(ids), len(context), 0, ""
+        for n in range(read + 1, len(ids) + 1):
+            piece = self.whole_piece(ids, prefix, read, n, skip_special)
+            if piece:
+                text, prefix, read = text + piece, read, n
+        return text + self.decode(ids[read:], skip_special)  # the part of a character at the end
+
+    def whole_piece(self, ids: list[int], prefix: int, read: int, n: int, skip_special: bool = True) -> str | None:
+        """The text ids[read:n] add after ids[prefix:read] (whose text is known), or None if it
+        ends in part of a character. Decoded after ids[prefix:read] (SentencePiece strips a
+        text's first space), or alone where that text is not kept whole (a byte-fallback run)."""
+        window = self.decode(ids[prefix:n], skip_special)
+        if window.endswith("\ufffd"):
+            return None
+        known = self.decode(ids[prefix:read], skip_special)
+        return window[len(known):] if window.startswith(known) else self.decode(ids[read:n], skip_special)
 
     def min_tokens_floor(self, ids: list[int], min_tokens: int, context: list[int] = (),
                          skip_special: bool = True) -> int:
@@ -216,17 +238,23 @@ class TextStream:
                 self.floor = self.tokenizer.min_tokens_floor(self.pushed, self.min_tokens, self.context,
                                                              self.skip_special)
         self.ids += ids[:-1] if ids and ids[-1] in self.end_ids else ids
-        window = self.tokenizer.decode(self.ids[self.prefix:], self.skip_special)
-        known = self.tokenizer.decode(self.ids[self.prefix:self.read], self.skip_special)
-        if len(window) > len(known) and not window.endswith("\ufffd"):  # a whole character more
-            self.text += window[len(known):]
-            self.prefix, self.read = self.read, len(self.ids)
+        piece = self.tokenizer.whole_piece(self.ids, self.prefix, self.read, len(self.ids), self.skip_special)
+        if piece is not None and "\ufffd" not in piece:
+            self._take(piece, len(self.ids))
+        else:  # part of a character in the new text: token by token, as Tokenizer.decode_continuation
+            for n in range(self.read + 1, len(self.ids) + 1):
+                self._take(self.tokenizer.whole_piece(self.ids, self.prefix, self.read, n, self.skip_special), n)
         # a stop string can only start at or after `sent` (text before it was checked)
         cut = None if self.floor is None else stop_cut(self.text, self.stop, self.include_stop, self.sent, self.floor)
         end = cut[0] if cut else len(self.text) - self.hold
         delta = self.text[self.sent:end] if end > self.sent else ""
         self.sent += len(delta)
         return delta
+
+    def _take(self, piece: str | None, n: int) -> None:
+        if piece:  # a whole character more: the text of ids[:n]
+            self.text += piece
+            self.prefix, self.read = self.read, n
 
     def finish(self, text: str) -> str:
         """The rest of the final text (the engine's, stop strings cut)."""

@@ -406,8 +406,13 @@ class LLM:
                              "or a list of conversations")
         fmt = ChatFormat(chat_template_kwargs, add_generation_prompt, continue_final_message)
         tools = checked_tools(tools)
-        return self.generate([self.chat_prompt(c, fmt, tools) for c in conversations], sampling_params, on_tokens,
-                             on_done)
+        # each rendered text goes through `encode` as a prompt of `generate` does: one too long
+        # to fit is refused before the tokenizer spends seconds on it
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(conversations)
+        truncates = [getattr(params[i], "truncate_prompt_tokens", None) if i < len(params) else None
+                     for i in range(len(conversations))]
+        return self.generate([self.encode(self._chat_text(c, fmt, tools), special=False, truncate=t)
+                              for c, t in zip(conversations, truncates)], sampling_params, on_tokens, on_done)
 
     def chat_prompt(self, messages: list[dict], fmt: ChatFormat = ChatFormat(),
                     tools: list[dict] | None = None) -> list[int]:
@@ -415,16 +420,22 @@ class LLM:
         renders it, by default up to where the assistant's answer starts (see
         `ChatFormat`); `generate` checks that they fit (after
         SamplingParams.truncate_prompt_tokens)."""
+        return self.token_ids(self._chat_text(messages, fmt, tools), special=False)
+
+    def _chat_text(self, messages: list[dict], fmt: ChatFormat, tools: list[dict] | None) -> str:
         if self.chat_template is None:
             raise UsageError(f"{self.model_path} has no chat template (tokenizer_config.json 'chat_template' "
                              "or chat_template.jinja): use generate")
-        return self.token_ids(self.chat_template.prompt(messages, fmt, tools), special=False)
+        return self.chat_template.prompt(messages, fmt, tools)
 
     def encode(self, prompt: str | list[int], special: bool = True, truncate: int | None = None) -> list[int]:
         """`token_ids` that fit the context; `truncate`: keep only the last k first (-1: as
         many as fit), SamplingParams.truncate_prompt_tokens. A text too long to fit
         whatever its tokens is refused before it is tokenized (megabytes take the
         tokenizer a minute, and a server's other requests wait for it)."""
+        if truncate is not None and (isinstance(truncate, bool) or not isinstance(truncate, int)
+                                     or not (truncate >= 1 or truncate == -1)):
+            raise UsageError(f"truncate must be an integer >= 1, or -1 (as many as fit), got {truncate!r}")
         if isinstance(prompt, str) and truncate is None:
             most = self.tokenizer.longest_token_bytes
             if len(prompt) > 2 * self.max_model_len * most:  # > 2 x max_model_len tokens (normalizers may merge a few)
@@ -441,6 +452,8 @@ class LLM:
     def token_ids(self, prompt: str | list[int], special: bool = True) -> list[int]:
         """Checked token ids of a prompt, of any length; `special`: let the tokenizer add
         its special tokens (BOS), as for plain text (not for a rendered chat template)."""
+        if not isinstance(special, bool):
+            raise UsageError(f"special must be True or False, got {special!r}")
         if isinstance(prompt, str):
             try:
                 prompt.encode("utf-8")
@@ -850,11 +863,30 @@ class LLM:
     def _cut_at_stop_string(self, out: list[int], before: int, p: SamplingParams, prompt: list[int] = ()) -> bool:
         """If one of p's stop strings appeared among the tokens added after `before`, drop
         every token after the one that completed it (as AR would have stopped there).
-        Not before p.min_tokens tokens, and then only one that ends past their text."""
-        def text(ids):
-            return self.tokenizer.decode_continuation(ids, prompt, p.skip_special_tokens)
-        if not any(x in text(out) for x in p.stop):
+        Not before p.min_tokens tokens, and then only one that ends past their text. Only
+        whole characters count (a stop string U+FFFD is not half a character), and only a
+        window of the text is decoded: the new tokens' and enough before it for the longest
+        stop string (decoding the whole output for each stop string, every round, made a
+        2000-token answer with 64 stop strings take 15 s)."""
+        first = max(before, p.min_tokens)  # a stop string must end in the text of out[first:]
+        if first >= len(out):
             return False
+        lo, longest = first, max(map(len, p.stop))
+        context = list(prompt)
+
+        def text(k: int) -> str:  # whole characters of out[lo:k], decoded after what precedes them
+            return self.tokenizer.decode_continuation(out[lo:k], context + out[:lo], p.skip_special_tokens).rstrip("\ufffd")
+
+        while lo > 0 and len(text(first)) < longest:
+            lo = max(0, lo - max(16, first - lo))
+        after = len(text(first))  # what out[:first] wrote: a stop string there came too early
+        if not stop_cut(text(len(out)), p.stop, False, ends_after=after):
+            return False
+        for k in range(first + 1, len(out) + 1):
+            if stop_cut(text(k), p.stop, False, ends_after=after):
+                del out[k:]
+                return True
+        return False
         floor = self.tokenizer.min_tokens_floor(out, p.min_tokens, prompt, p.skip_special_tokens)
         for k in range(max(before, p.min_tokens) + 1, len(out) + 1):
             if stop_cut(text(out[:k]), p.stop, False, ends_after=floor):

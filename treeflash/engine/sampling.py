@@ -105,7 +105,7 @@ class SamplingParams:
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(_is_id(t) for t in self.stop_token_ids):
-            bad(f"stop_token_ids must be a list of token ids (integers >= 0), got {shown(self.stop_token_ids)}")
+            bad(f"stop_token_ids must be a list of token ids (integers in [0, 2^63)), got {shown(self.stop_token_ids)}")
         if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
             bad(f"stop token id {max(self.stop_token_ids)} is outside the vocabulary of {vocab_size}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -120,7 +120,7 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict) or not all(
                     _is_id(t) and not isinstance(v, bool) and isinstance(v, (int, float))
                     for t, v in self.logit_bias.items()):
-                bad(f"logit_bias must map token ids (integers >= 0) to numbers, got {shown(self.logit_bias)}")
+                bad(f"logit_bias must map token ids (integers in [0, 2^63)) to numbers, got {shown(self.logit_bias)}")
             if not all(-MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in self.logit_bias.values()):  # NaN too
                 bad(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
             self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}  # plain, for TP workers
