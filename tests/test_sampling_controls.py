@@ -454,6 +454,47 @@ def test_a_stop_string_is_matched_against_whole_characters_only():
         work = sum(decoded)
         assert work < 200 * n, (n, work)  # the whole text once per stop string: ~64 n^2 / 2 tokens
 
+
+def test_stop_strings_cut_where_the_whole_text_first_holds_one():
+    """The engine looks for stop strings in a window of each round's text; over random
+    rounds it cuts after the first token whose text (whole characters, past min_tokens')
+    holds one, as a search of the whole text at every token would."""
+    import random
+    from treeflash.tokenizer import stop_cut
+    llm = LLM(builtin_paths()[0], device="cpu", dtype="float32", method="ar")
+    tok = llm.tokenizer
+    pieces = [[819], [223], [201], [130, 105], [444, 249, 225], [90], [339], [857, 11], [130], [249]]
+    rng = random.Random(0)
+    cuts = 0
+    for trial in range(300):
+        ids = [t for _ in range(rng.randint(1, 14)) for t in rng.choice(pieces)]
+        prompt = [t for _ in range(rng.randint(1, 3)) for t in rng.choice(pieces)]
+        text = tok.decode_continuation(ids, prompt)
+        stops = []
+        for _ in range(rng.randint(1, 3)):
+            i = rng.randrange(len(text))
+            stops.append(text[i:i + rng.randint(1, 6)] if rng.random() < 0.8 else "zz")
+        p = SamplingParams(stop=stops, min_tokens=rng.choice([0, 0, 1, 3]))
+
+        def whole(k):
+            return tok.decode_continuation(ids[:k], prompt).rstrip("\ufffd")
+        floor = tok.min_tokens_floor(ids, p.min_tokens, prompt)
+        want = next((k for k in range(p.min_tokens + 1, len(ids) + 1)
+                     if stop_cut(whole(k), stops, False, ends_after=floor)), len(ids))
+        out, pos = [], 0
+        while pos < len(ids):
+            n = rng.randint(1, 5)
+            before = len(out)
+            out += ids[pos:pos + n]
+            pos += n
+            if llm._cut_at_stop_string(out, before, p, prompt):
+                break
+        assert out == ids[:want], (trial, ids, prompt, stops, p.min_tokens)
+        cuts += want < len(ids)
+    assert cuts > 100
+
+
+def test_the_bad_words_check_of_a_structured_output_matches_a_walk_of_its_texts():
     """`check_bans` against a brute-force walk of small random automata: every token
     sequence the constraint and the bad words allow, up to where the state and the
     output's last tokens repeat, and whether each can still be finished."""

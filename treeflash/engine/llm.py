@@ -877,7 +877,7 @@ class LLM:
         def text(k: int) -> str:  # whole characters of out[lo:k], decoded after what precedes them
             return self.tokenizer.decode_continuation(out[lo:k], context + out[:lo], p.skip_special_tokens).rstrip("\ufffd")
 
-        while lo > 0 and len(text(first)) < longest:
+        while lo > 0 and len(text(first)) < longest + 3:  # + the orphan bytes of a character cut at lo
             lo = max(0, lo - max(16, first - lo))
         after = len(text(first))  # what out[:first] wrote: a stop string there came too early
         if not stop_cut(text(len(out)), p.stop, False, ends_after=after):
