@@ -466,6 +466,38 @@ def test_forced_calls_schema_keeps_each_tools_definitions():
         assert not re.fullmatch(regex, json.dumps(bad)), bad
 
 
+def test_forced_calls_keep_every_constraint_of_a_tools_schema():
+    """A tool's schema is compiled as given: constraints beyond 'properties' are kept or
+    refused, never read as "no parameters"; only its root's definitions move (a property
+    named 'definitions' or '$defs', and a const holding such keys, are the tool's data);
+    its $defs and definitions stay apart."""
+    import re
+
+    from treeflash.server.answers import forced_calls_schema
+    from treeflash.structured.json_schema import schema_regex
+
+    def calls(parameters):
+        return forced_calls_schema([{"type": "function", "function": {"name": "f", "parameters": parameters}}])
+    for refused in ({"type": "object", "required": ["city"]},
+                    {"type": "object", "additionalProperties": {"type": "string"}, "minProperties": 1},
+                    {"allOf": [{"$ref": "#/$defs/A"}], "$defs": {"A": {"type": "object", "required": ["city"]}}},
+                    {"type": "object", "not": {"type": "string"}}):
+        with pytest.raises(UsageError):
+            schema_regex(calls(refused))
+    for empty in (None, {}, {"type": "object"}, {"type": "object", "description": "no arguments", "title": "T"}):
+        assert re.fullmatch(schema_regex(calls(empty)), '[{"name": "f", "parameters": {}}]')
+    data = {"type": "object", "required": ["definitions", "$defs", "k"],
+            "properties": {"definitions": {"type": "integer"}, "$defs": {"type": "integer"},
+                           "k": {"const": {"$defs": 1, "a": 2}},
+                           "a": {"$ref": "#/definitions/X"}, "b": {"$ref": "#/$defs/X"}},
+            "definitions": {"X": {"type": "integer"}}, "$defs": {"X": {"type": "string"}}}
+    regex = schema_regex(calls(data))
+    answer = {"definitions": 1, "$defs": 2, "k": {"$defs": 1, "a": 2}, "a": 3, "b": "s"}
+    assert re.fullmatch(regex, json.dumps([{"name": "f", "parameters": answer}]))
+    for wrong in ({**answer, "a": "s"}, {**answer, "b": 3}, {**answer, "k": {"a": 2}}):
+        assert not re.fullmatch(regex, json.dumps([{"name": "f", "parameters": wrong}])), wrong
+
+
 def test_a_forced_tools_bad_schema_is_named_with_its_own_path():
     """An unsupported parameter schema of a forced tool is refused naming the tool and a
     path in its own schema (not in the list-of-calls schema the answer is built from)."""

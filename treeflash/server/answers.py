@@ -142,30 +142,45 @@ def forced_schema_error(tools: list[dict], forced: dict, error: str) -> str:
     return error
 
 
+# keys that say nothing of a tool's arguments: with only these (and type object) it takes none
+_ANNOTATIONS = {"type", "title", "description", "$schema", "$id", "$comment", "examples", "default"}
+
+
 def _parameters(function: dict) -> dict:
-    """A tool's parameter schema; a tool that lists no parameters is called with {}."""
+    """A tool's parameter schema; a tool that lists no parameters is called with {}.
+    Any other constraint (required names, additionalProperties, allOf, ...) stays, to be
+    compiled or refused: read as "no parameters" it would make calls that break it."""
     params = function.get("parameters") or {}
-    if params.get("type", "object") == "object" and not {"properties", "$ref", "anyOf", "oneOf"} & set(params):
+    if params.get("type", "object") == "object" and set(params) <= _ANNOTATIONS:
         return {"type": "object", "properties": {}}
     return params
 
 
 def _hoisted(schema: dict, prefix: str) -> tuple[dict, dict]:
-    """A tool's parameter schema without its own definitions, and those definitions
-    renamed with `prefix`: its `#/$defs/X` (or `#/definitions/X`) references then resolve
-    in the schema of the whole answer, which holds every tool's."""
-    own = {}
-    for defs in (schema.get("definitions"), schema.get("$defs")):
-        own.update(defs if isinstance(defs, dict) else {})
+    """A tool's parameter schema without its own definitions (its root's `$defs` and
+    `definitions`), and those definitions renamed apart with `prefix` (the two tables
+    apart too): its `#/$defs/X` and `#/definitions/X` references then resolve in the
+    schema of the whole answer, which holds every tool's. Values (const, enum, default,
+    examples) and property names are data, kept as they are."""
+    names = {"$defs": prefix + "d_", "definitions": prefix + "D_"}  # apart: both may name an X
+    own = {names[table] + k: v for table in names if isinstance(schema.get(table), dict)
+           for k, v in schema[table].items()}
 
-    def renamed(node):
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
-                node = {**node, "$ref": "#/$defs/" + prefix + ref.split("/", 2)[2]}
-            return {k: renamed(v) for k, v in node.items() if k not in ("$defs", "definitions")}
-        return [renamed(v) for v in node] if isinstance(node, list) else node
-    return renamed(schema), {prefix + k: renamed(v) for k, v in own.items()}
+    def renamed(node, data: bool = False):
+        if data:
+            return node
+        if isinstance(node, list):
+            return [renamed(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
+            table, name = ref[2:].split("/", 1)
+            node = {**node, "$ref": "#/$defs/" + names[table] + name}
+        return {k: ({n: renamed(v) for n, v in sub.items()} if k in ("properties", "patternProperties")
+                    and isinstance(sub, dict) else renamed(sub, k in ("const", "enum", "default", "examples")))
+                for k, sub in node.items()}
+    return renamed({k: v for k, v in schema.items() if k not in names}), {k: renamed(v) for k, v in own.items()}
 
 
 def _tag_start(text: str, tag: str) -> int:
