@@ -405,6 +405,24 @@ def test_refusals(schema, words):
     refused(schema, *words)
 
 
+def test_large_schemas_are_refused_as_they_grow():
+    """Optional properties, alternatives and nested arrays multiply a regex: the size is
+    checked as it grows (700 optional properties of a nested array took 22 GB before), and
+    a count past the regex's repetition bound names its keyword, not an internal regex."""
+    import time
+    defs = {"X0": {"type": "string", "format": "date-time"}}
+    for k in range(1, 10):
+        defs[f"X{k}"] = {"type": "array", "items": {"$ref": f"#/$defs/X{k - 1}"}, "minItems": 2, "maxItems": 2}
+    start = time.perf_counter()
+    refused({"$defs": defs, "type": "object", "properties": {f"p{i}": {"$ref": "#/$defs/X9"} for i in range(700)}},
+            "makes a regex over 100000 characters")
+    refused({"$defs": defs, "anyOf": [{"type": "array", "items": {"$ref": "#/$defs/X8"}, "maxItems": 2 + i}
+                                      for i in range(20000)]}, "makes a regex over 100000 characters")
+    assert time.perf_counter() - start < 10
+    refused({"type": "string", "minLength": 2000}, "'minLength' at $ is 2000: counts above 1000")
+    refused({"type": "array", "items": {"type": "integer"}, "maxItems": 10 ** 6}, "'maxItems' at $ is 1000000")
+
+
 def test_deep_nesting_is_refused_not_a_crash():
     deep = {"type": "null"}
     for _ in range(2000):

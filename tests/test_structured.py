@@ -63,7 +63,7 @@ def test_the_automaton_is_minimal():
 @pytest.mark.parametrize("pattern,reason", [
     ("(a", "missing '\\)'"), ("a)", "unbalanced"), ("a{3,2}", "n < m"), ("(?=a)", "lookaround"),
     (r"(a)\1", "backreferences"), (r"\bword", "not supported"), ("a*+", "possessive"), ("*a", "nothing to repeat"),
-    ("[a", "missing '\\]'"), ("[z-a]", "out of order"), ("a^b", "anchors"), ("a{2000}", "above 1000"),
+    ("[a", "missing '\\]'"), ("[z-a]", "out of order"), ("a^b", "anchors"), ("a{2000}", "above 1000"), ("a{" + "9" * 5000 + "}", "above 1000"),
     ("(?i)a", "flags"), (r"\x4", "hex digits"), ("[^\\s\\S]", "matches no text"), ("a\\", "trailing backslash"),
     ("(?:(?:a{1000}){1000}){1000}", "expand past"), (r"\012", "octal"), (r"\ud800", "surrogate"),
     ("\ud800", "surrogate"), ("(" * 2000 + ")" * 2000, "nests too deeply"),
@@ -203,6 +203,12 @@ def test_automata_are_compiled_once_per_constraint(engines):
     (dict(structured_outputs={"regex": "a"}), "must be StructuredOutputs"),
     (dict(structured_outputs=StructuredOutputs(regex="a"), min_tokens=2), "combined with min_tokens"),
     (dict(structured_outputs=StructuredOutputs(regex="a"), allowed_token_ids=[1]), "combined with allowed_token_ids"),
+    # sizes past which compiling takes seconds (a server's other requests wait): refused first
+    (dict(structured_outputs=StructuredOutputs(regex="a" * 100_001)), "regex of 100001 characters is over the limit"),
+    (dict(structured_outputs=StructuredOutputs(choice=["abcdefghij"] * 10_001)), "choice of 100010 characters"),
+    (dict(structured_outputs=StructuredOutputs(grammar='root ::= "' + "a" * 100_000 + '"')), "grammar of 100011"),
+    (dict(structured_outputs=StructuredOutputs(json={"type": "string", "pattern": "^" + "a" * 10 ** 6 + "$"})),
+     "json of 1000035 characters is over the limit of 1000000"),
 ])
 def test_bad_structured_outputs_are_refused(kw, message):
     with pytest.raises(UsageError, match=message):
@@ -602,6 +608,34 @@ def test_a_grammar_too_large_to_unroll_deep_unrolls_less_deep():
         assert dfa.matches(text.encode()) == ok, text
 
 
+def test_a_grammar_without_recursion_compiles_once_and_its_rules_once():
+    """Unrolling depth changes nothing without recursion: one attempt (four took 18 s to
+    refuse root ::= [^\\n]{1000}); and a rule used many times is written once (100 uses
+    of a rule doubling 16 times took 54 s to refuse)."""
+    import time
+
+    from treeflash.structured import ebnf
+    from treeflash.structured.regex import TooComplex
+    calls = []
+    real = ebnf.compile_regex
+    ebnf.compile_regex = lambda *a: calls.append(1) or real(*a)
+    try:
+        with pytest.raises(TooComplex):
+            StructuredOutputs(grammar='root ::= [ab]* "a" [ab]{16}').validate().automaton()
+        assert len(calls) == 1
+        calls.clear()
+        # recursive: unrolled less deep on each attempt, down to no recursion (the text "x")
+        dfa = StructuredOutputs(grammar='root ::= "(" root ")" [ab]* "a" [ab]{16} | "x"').validate().automaton()
+        assert len(calls) == ebnf.MAX_DEPTH and dfa.matches(b"x") and not dfa.matches(b"(x)" + b"a" * 17)
+    finally:
+        ebnf.compile_regex = real
+    doubling = "".join(f"r{i} ::= r{i + 1} r{i + 1}\n" for i in range(16)) + 'r16 ::= "a"'
+    start = time.perf_counter()
+    with pytest.raises(TooComplex, match="too large once its recursion is unrolled"):
+        StructuredOutputs(grammar="root ::= " + " | ".join(["r0"] * 100) + "\n" + doubling).validate().automaton()
+    assert time.perf_counter() - start < 10
+
+
 @pytest.mark.parametrize("grammar,message", [
     ('expr ::= "a"', "no `root` rule"),
     ("root ::= x", "'x', which no rule defines"),
@@ -614,6 +648,7 @@ def test_a_grammar_too_large_to_unroll_deep_unrolls_less_deep():
     ('root ::= "a"{3,1}', "n < m"),
     ("", "non-empty string"),
     ('root ::= "a" "b" {2000}', "above 1000"),
+    ('root ::= "a"{' + "9" * 5000 + "}", "above 1000"),  # int() refused 5000 digits: "set_int_max_str_digits"
     ("root ::= root", "matches no text"),
 ])
 def test_bad_grammars_are_refused_in_one_line(grammar, message):

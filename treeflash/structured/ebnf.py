@@ -17,7 +17,8 @@ from __future__ import annotations
 import re
 
 from treeflash.errors import UsageError, shown
-from treeflash.structured.regex import ByteDFA, TooComplex, char_class, compile_regex, escape
+from treeflash.structured.regex import (MAX_REPEAT, ByteDFA, TooComplex, char_class, compile_regex, escape,
+                                        repeat_bound)
 
 MAX_DEPTH = 4            # times one derivation may be inside a rule at once
 MAX_PATTERN = 1_000_000  # characters of the unrolled regex
@@ -97,8 +98,10 @@ class _Parser:
                 lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
             elif c == "{" and (m := _BOUNDS.match(self.s, self.i)) and (m.group(1) or m.group(2)):
                 self.i = m.end()
-                lo = int(m.group(1) or 0)
-                hi = lo if not m.group(2) else (int(m.group(3)) if m.group(3) else None)
+                lo = repeat_bound(m.group(1) or "0")
+                hi = lo if not m.group(2) else (repeat_bound(m.group(3)) if m.group(3) else None)
+                if max(lo, hi or 0) > MAX_REPEAT:
+                    self.fail(f"a repetition bound above {MAX_REPEAT}")
                 if hi is not None and hi < lo:
                     self.fail("a repetition {m,n} with n < m")
             else:
@@ -183,7 +186,7 @@ def grammar_automaton(text: str, reasoning: tuple[str | None, str] | None = None
     """The byte DFA of the grammar (after `reasoning`, as `compile_regex`'s), unrolled
     MAX_DEPTH deep, or as deep as fits the automaton's limits."""
     rules = _rules(text)
-    for depth in range(MAX_DEPTH, 0, -1):
+    for depth in range(MAX_DEPTH if _recursive(rules) else 1, 0, -1):  # without recursion depth changes nothing
         try:
             return compile_regex(_unrolled(rules, depth), reasoning)
         except TooComplex:
@@ -214,7 +217,44 @@ def _rules(text: str) -> dict[str, tuple]:
     return rules
 
 
+def _reach(rules: dict[str, tuple]) -> dict[str, set[str]]:
+    """The rules each rule's derivations use (itself, where it is recursive)."""
+    uses = {name: set(_refs(body)) for name, body in rules.items()}
+    reach = {}
+    for start in rules:
+        seen, todo = set(), list(uses[start])
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                todo += uses[name]
+        reach[start] = seen
+    return reach
+
+
+def _recursive(rules: dict[str, tuple]) -> bool:
+    return any(name in used for name, used in _reach(rules).items())
+
+
 def _unrolled(rules: dict[str, tuple], depth: int) -> str:
+    # a rule's text depends on the nesting of the rules it uses only: written once per such
+    # nesting, however often it is used
+    memo: dict[tuple, str] = {}
+    reach = _reach(rules)
+
+    def joined(items, nesting: dict[str, int], sep: str) -> str:
+        parts, size = [], 0
+        for item in items:  # the size is checked as it grows (100 uses of a large rule were 54 s)
+            parts.append(written(item, nesting))
+            size += len(parts[-1]) + len(sep)
+            if size > MAX_PATTERN:
+                too_large()
+        return sep.join(parts)
+
+    def too_large():
+        raise TooComplex(f"grammar is too large once its recursion is unrolled {depth} deep (over "
+                         f"{MAX_PATTERN} characters of pattern)")
+
     def written(node, nesting: dict[str, int]) -> str:
         kind = node[0]
         if kind == "lit":
@@ -224,9 +264,9 @@ def _unrolled(rules: dict[str, tuple], depth: int) -> str:
         elif kind == "class":
             out = char_class(node[2], negated=node[1])
         elif kind == "cat":
-            out = "".join(written(item, nesting) for item in node[1])
+            out = joined(node[1], nesting, "")
         elif kind == "alt":
-            out = "(?:" + "|".join(written(item, nesting) for item in node[1]) + ")"
+            out = "(?:" + joined(node[1], nesting, "|") + ")"
         elif kind == "rep":
             _, item, lo, hi = node
             bounds = {(0, None): "*", (1, None): "+", (0, 1): "?"}.get((lo, hi))
@@ -237,10 +277,12 @@ def _unrolled(rules: dict[str, tuple], depth: int) -> str:
             name = node[1]
             if nesting.get(name, 0) >= depth:
                 return NOTHING
-            out = "(?:" + written(rules[name], {**nesting, name: nesting.get(name, 0) + 1}) + ")"
+            key = (name, tuple(sorted((k, n) for k, n in nesting.items() if k in reach[name] or k == name)))
+            if key not in memo:
+                memo[key] = "(?:" + written(rules[name], {**nesting, name: nesting.get(name, 0) + 1}) + ")"
+            out = memo[key]
         if len(out) > MAX_PATTERN:
-            raise TooComplex(f"grammar is too large once its recursion is unrolled {depth} deep (over "
-                             f"{MAX_PATTERN} characters of pattern)")
+            too_large()
         return out
 
     return written(("ref", "root"), {})

@@ -28,6 +28,9 @@ from treeflash.structured.regex import ByteDFA, compile_regex, edges, escape, li
 # closes it). `treeflash.server.answers` splits answers with the same tags.
 REASONING_TAGS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": (None, "</think>")}
 
+MAX_INPUT_CHARS = {"regex": 100_000, "grammar": 100_000, "choice": 100_000, "json": 1_000_000}
+
+
 @dataclass(frozen=True)
 class StructuredOutputs:
     """What a request's text must be, as vLLM's StructuredOutputsParams: exactly one of a
@@ -71,6 +74,14 @@ class StructuredOutputs:
                 json.dumps(self.json)
             except (TypeError, ValueError) as e:
                 raise UsageError(f"structured outputs: json is not a JSON value ({e})") from None
+        # sizes that compile in well under a second past which a server's request must not go
+        sizes = {"regex": len(self.regex or ""), "grammar": len(self.grammar or ""),
+                 "choice": sum(map(len, self.choice or ())),
+                 "json": len(self.json) if isinstance(self.json, str) else len(json.dumps(self.json or {}))}
+        for name, size in sizes.items():
+            if size > MAX_INPUT_CHARS[name]:
+                raise UsageError(f"structured outputs: {name} of {size} characters is over the limit of "
+                                 f"{MAX_INPUT_CHARS[name]}")
         return self
 
     def pattern(self) -> str:

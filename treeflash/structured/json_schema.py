@@ -34,7 +34,7 @@ import re
 from urllib.parse import unquote
 
 from treeflash.errors import UsageError, shown
-from treeflash.structured.regex import escape, restricted
+from treeflash.structured.regex import MAX_REPEAT, escape, restricted
 
 MAX_REGEX_CHARS = 100_000  # optional properties and nested arrays multiply a regex's size
 
@@ -98,9 +98,22 @@ def _at(path: str, key: str) -> str:
     return f"{path}.{key}" if re.fullmatch(r"[A-Za-z_$][\w$]*", key) else f"{path}[{json.dumps(key)}]"
 
 
-def _alt(options: list[str]) -> str:
-    options = list(dict.fromkeys(options))
-    return options[0] if len(options) == 1 else "(?:" + "|".join(options) + ")"
+def _alt(options, path: str = "$") -> str:
+    """The alternation of `options` (an iterable: refused as soon as their regexes grow
+    past MAX_REGEX_CHARS, not after all are written)."""
+    kept, size = {}, 0
+    for option in options:
+        if option not in kept:
+            kept[option] = None
+            size += len(option) + 1
+            _check_size(size, path)
+    return next(iter(kept)) if len(kept) == 1 else "(?:" + "|".join(kept) + ")"
+
+
+def _check_size(chars: int, path: str):
+    if chars > MAX_REGEX_CHARS:
+        _refuse(f"the schema at {path} makes a regex over {MAX_REGEX_CHARS} characters "
+                "(optional properties, alternatives and nested arrays multiply it)")
 
 
 def _repeat(atom: str, lo: int, hi: int | None) -> str:
@@ -116,6 +129,8 @@ def _count(schema: dict, key: str, path: str) -> int | None:
     value = schema.get(key)
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
         _refuse(f"'{key}' at {path} must be a non-negative integer, got {shown(value)}")
+    if value is not None and value > MAX_REPEAT:  # a regex {m,n} copies its item: bounded
+        _refuse(f"'{key}' at {path} is {value}: counts above {MAX_REPEAT} are not supported")
     return value
 
 
@@ -160,9 +175,7 @@ class _Compiler:
         keys = [k for k in schema if k not in DESCRIPTIVE and k != "nullable"]
         regex = self.value(schema, keys, path)
         regex = _alt([regex, "null"]) if nullable else regex
-        if len(regex) > MAX_REGEX_CHARS:
-            _refuse(f"the schema at {path} makes a regex over {MAX_REGEX_CHARS} characters "
-                    "(optional properties and nested arrays multiply it)")
+        _check_size(len(regex), path)
         return regex
 
     def value(self, schema: dict, keys: list[str], path: str) -> str:
@@ -195,12 +208,12 @@ class _Compiler:
             fitting = [v for v in values if types is None or _json_types(v) & types]
             if not fitting:
                 _refuse(f"no value of '{kw}' at {path} has the type {shown(schema['type'])}")
-            return _alt([_literal(v, _at(path, kw)) for v in fitting])
+            return _alt((_literal(v, _at(path, kw)) for v in fitting), path)
         if not isinstance(arg, list) or not arg:
             _refuse(f"'{kw}' at {path} must be a non-empty list of schemas")
         if kw == "allOf" and len(arg) > 1:
             _refuse(f"'allOf' at {path} with more than one schema is not supported")
-        return _alt([self.node(sub, f"{_at(path, kw)}[{i}]") for i, sub in enumerate(arg)])
+        return _alt((self.node(sub, f"{_at(path, kw)}[{i}]") for i, sub in enumerate(arg)), path)
 
     def ref(self, ref, path: str) -> str:
         where = f"'$ref' at {path}"
@@ -241,8 +254,8 @@ class _Compiler:
             _refuse(f"'items' at {path} as a list (tuple form) is not supported")
         if schema.get("uniqueItems", False) is not False:
             _refuse(f"'uniqueItems' at {path} is not supported")
-        item = self.node(schema["items"], _at(path, "items"))
         lo, hi = _count(schema, "minItems", path) or 0, _count(schema, "maxItems", path)
+        item = self.node(schema["items"], _at(path, "items"))
         if hi is not None and hi < lo:
             _refuse(f"'maxItems' at {path} is below 'minItems'")
         if hi == 0:
@@ -270,6 +283,7 @@ class _Compiler:
         for i in reversed(range(len(members))):
             member, needed = members[i]
             after[i] = (f", ?{member}" if needed else f"(?:, ?{member})?") + after[i + 1]
+            _check_size(len(after[i]), path)  # as it grows: N large members made N^2 text (GBs)
         # first: members i.. when none has been written yet: i is the first written, or i is
         # optional, absent, and the first written comes later (or none: the empty object)
         first = None

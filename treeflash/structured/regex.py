@@ -36,6 +36,7 @@ MAX_NFA_STATES = 200000        # and one whose repetitions expand past this, bef
 # visited per byte class, and of DFA cells compared per minimisation round)
 MAX_SUBSET_WORK = 20_000_000
 MAX_MINIMIZE_WORK = 25_000_000
+MAX_PATTERN_CHARS = 1_000_000  # a longer pattern is refused before it is parsed (10M took 22 s)
 
 _DIGIT = [(0x30, 0x39)]
 _WORD = [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)]
@@ -47,6 +48,12 @@ _CLASS_ESCAPES = {"d": _DIGIT, "w": _WORD, "s": _SPACE}
 _CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a", "0": "\0"}
 _SPECIAL = set("\\.^$*+?()[]{}|-/")
 _QUANTIFIER = re.compile(r"\{(\d*)(,?)(\d*)\}")
+
+
+def repeat_bound(digits: str) -> int:
+    """The bound a {m,n}'s digits write, or MAX_REPEAT + 1 for any past it (int() refuses
+    over 4300 digits, with advice about sys.set_int_max_str_digits)."""
+    return int(digits) if len(digits) <= 6 else MAX_REPEAT + 1
 
 
 class TooComplex(UsageError):
@@ -123,8 +130,8 @@ class _Parser:
                 lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
                 self.i += 1
             elif c == "{" and (m := _QUANTIFIER.match(self.p, self.i)) and (m.group(1) or m.group(2)):
-                lo = int(m.group(1) or 0)
-                hi = lo if not m.group(2) else (int(m.group(3)) if m.group(3) else None)
+                lo = repeat_bound(m.group(1) or "0")
+                hi = lo if not m.group(2) else (repeat_bound(m.group(3)) if m.group(3) else None)
                 if max(lo, hi or 0) > MAX_REPEAT:
                     self.fail(f"a repetition bound above {MAX_REPEAT}")
                 if hi is not None and hi < lo:
@@ -386,6 +393,9 @@ def compile_regex(pattern: str, reasoning: tuple[str | None, str] | None = None)
     must start with that tag, and a text that does not is a match alone."""
     if not isinstance(pattern, str):
         raise UsageError(f"a regex must be a string, got {shown(pattern)}")
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise TooComplex(f"regex {shown(pattern, 60)} is too long ({len(pattern)} characters, over "
+                         f"{MAX_PATTERN_CHARS})")
     try:
         tree = _Parser(pattern).parse()
         if reasoning is not None:
