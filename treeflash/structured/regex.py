@@ -404,8 +404,8 @@ def compile_regex(pattern: str, reasoning: tuple[str | None, str] | None = None)
                                ("rep", ("set", _PY_SPACE), 0, None)])
             tree = ("cat", [thought if opening is None else ("rep", thought, 0, 1), tree])
         if _size(tree) > MAX_NFA_STATES:  # repetitions nest: the automaton would copy items past any bound
-            raise TooComplex(f"regex {shown(pattern, 60)} is too complex (its repetitions expand past "
-                             f"{MAX_NFA_STATES} states)")
+            raise TooComplex(f"regex {shown(pattern, 60)} is too complex (it expands past "
+                             f"{MAX_NFA_STATES} states: repetitions and alternatives multiply them)")
     except RecursionError:
         raise TooComplex(f"regex {shown(pattern, 60)} nests too deeply") from None
     nfa = _NFA()
