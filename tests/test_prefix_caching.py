@@ -138,7 +138,7 @@ def _cpu_graphs(monkeypatch, llm: LLM) -> LLM:
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 0)
     llm.states.graphs = True
-    llm.states.budget = float("inf")
+    llm.states.memory_budget = float("inf")
     return llm
 
 

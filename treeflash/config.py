@@ -54,14 +54,13 @@ def _flag(data: dict, key: str, where: str, default: bool = False) -> bool:
     return value
 
 
-def _require(data: dict, key: str, where: str, kind=int):
+def _require(data: dict, key: str, where: str) -> int:
+    """A required size: a positive integer (below 2^31, as torch's shapes take them)."""
     if key not in data or data[key] is None:
         raise TreeflashError(f"{where} lacks required key '{key}'")
     value = data[key]
-    if kind is int and (not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 2 ** 31):
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 2 ** 31:
         raise TreeflashError(f"{where}: '{key}' must be a positive integer below 2^31, got {value!r}")
-    if kind is float and not isinstance(value, (int, float)):
-        raise TreeflashError(f"{where}: '{key}' must be a number, got {value!r}")
     return value
 
 
@@ -119,13 +118,13 @@ def _yarn(scaling: dict, where: str) -> dict:
     return {**scaling, "rope_type": "yarn"}
 
 
-def _eos_ids(value, where: str = "config.json") -> list[int]:
+def token_id_list(value, key: str, where: str) -> list[int]:
+    """A config's token id or list of them (eos_token_id's two forms) as a list."""
     if value is None:
         return []
     values = value if isinstance(value, list) else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise TreeflashError(f"{where}: 'eos_token_id' must be a token id or a list of "
-                             f"token ids, got {value!r}")
+        raise TreeflashError(f"{where}: '{key}' must be a token id or a list of token ids, got {value!r}")
     return list(values)
 
 
@@ -397,7 +396,7 @@ class ModelConfig:
             raise TreeflashError(f"{where}: head_dim {head_dim} is odd (rotary embeddings turn "
                                  f"pairs of features)")
         vocab = _require(data, "vocab_size", where)
-        eos = _eos_ids(data.get("eos_token_id"), where)
+        eos = token_id_list(data.get("eos_token_id"), "eos_token_id", where)
         if any(e >= vocab for e in eos):
             raise TreeflashError(f"{where}: eos_token_id {max(eos)} is outside the vocabulary of {vocab} tokens")
         return cls(

@@ -9,17 +9,9 @@ from pathlib import Path
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import ByteLevel
 
+from treeflash.config import token_id_list
 from treeflash.errors import TreeflashError
 from treeflash.files import read_json_object
-
-
-def _ids(value, key: str, path: Path) -> list[int]:
-    if value is None:
-        return []
-    values = value if isinstance(value, list) else [value]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise TreeflashError(f"{path}: '{key}' must be a token id or a list of token ids, got {value!r}")
-    return list(values)
 
 
 @lru_cache(maxsize=1)
@@ -66,10 +58,10 @@ class Tokenizer:
         gen = read_json_object(folder / "generation_config.json")
         tok_cfg = read_json_object(folder / "tokenizer_config.json")
         # each end token id, and the file that names it (for errors)
-        self.eos_sources = {i: "config.json" for i in _ids(config.get("eos_token_id"), "eos_token_id",
-                                                           folder / "config.json")}
-        self.eos_sources |= {i: "generation_config.json" for i in _ids(gen.get("eos_token_id"), "eos_token_id",
-                                                                       folder / "generation_config.json")}
+        self.eos_sources = {i: "config.json" for i in token_id_list(config.get("eos_token_id"), "eos_token_id",
+                                                                    str(folder / "config.json"))}
+        self.eos_sources |= {i: "generation_config.json" for i in token_id_list(
+            gen.get("eos_token_id"), "eos_token_id", str(folder / "generation_config.json"))}
         eos_tok = tok_cfg.get("eos_token")
         if isinstance(eos_tok, dict):
             eos_tok = eos_tok.get("content")
@@ -130,7 +122,7 @@ class Tokenizer:
         SentencePiece continuation would lose its first space (the decoder strips a
         text's first one: " Paris" became "Paris"); byte-level BPE gives the same either
         way. `TextStream` decodes the same way, so streamed deltas add up to this."""
-        context = self.whole_characters(context, skip_special)
+        context = self.context_tail(context, skip_special)
         head = self.decode(context, skip_special)
         whole = self.decode(context + list(ids), skip_special)
         text = whole[len(head):] if whole.startswith(head) else self.decode(ids, skip_special)
@@ -166,7 +158,7 @@ class Tokenizer:
             return 0
         return len(self.decode_continuation(ids[:min_tokens], context, skip_special).rstrip("\ufffd"))
 
-    def whole_characters(self, context: list[int], skip_special: bool = True) -> list[int]:
+    def context_tail(self, context: list[int], skip_special: bool = True) -> list[int]:
         """The last CONTEXT_TOKENS tokens of `context`, less any at its end that hold part
         of a character (their text would end in U+FFFD)."""
         context = list(context)[-CONTEXT_TOKENS:]
@@ -226,7 +218,7 @@ class TextStream:
         self.end_ids = set() if include_stop else set(end_ids)
         self.skip_special, self.include_stop = skip_special, include_stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.ids: list[int] = tokenizer.whole_characters(context, skip_special)
+        self.ids: list[int] = tokenizer.context_tail(context, skip_special)
         self.prefix, self.read = 0, len(self.ids)  # ids[prefix:read] decode to the end of self.text
         self.text = ""               # the text of ids[:read]
         self.sent = 0                # characters handed out

@@ -20,7 +20,8 @@ from treeflash.chat import ChatFormat, ChatTemplate, checked_tools
 from treeflash.config import DTYPES, FP8_BLOCK, DraftConfig, ModelConfig
 from treeflash.distributed import TPGroup
 from treeflash.engine.round import METHODS, BatchState, SpeculativeDecoder
-from treeflash.engine.sampling import BAD_WORD_TOKENS, MAX_BAD_SEQUENCES, SamplingBatch, SamplingParams
+from treeflash.engine.sampling import (BAD_WORD_TOKENS, MAX_BAD_SEQUENCES, SamplingBatch, SamplingParams,
+                                      truncation_error)
 from treeflash.engine.states import GRAPHED_PREFILL_MAX, KeptStates, suffix_chunks
 from treeflash.engine.tp import attach as tp_attach
 from treeflash.engine.tp import peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -309,7 +310,7 @@ class LLM:
                     enable_prefix_caching=enable_prefix_caching, quantization=quantization)
         self.model_path = Path(args["model"])
         self._tp = tp_attach(tp, self.device, args, self.config, dcfg)
-        self.tp_size, self.device = tp, self._tp.device
+        self.device = self._tp.device
         try:
             rss0 = rss_bytes()
             reset_peak_rss()
@@ -433,9 +434,8 @@ class LLM:
         many as fit), SamplingParams.truncate_prompt_tokens. A text too long to fit
         whatever its tokens is refused before it is tokenized (megabytes take the
         tokenizer a minute, and a server's other requests wait for it)."""
-        if truncate is not None and (isinstance(truncate, bool) or not isinstance(truncate, int)
-                                     or not (truncate >= 1 or truncate == -1)):
-            raise UsageError(f"truncate must be an integer >= 1, or -1 (as many as fit), got {truncate!r}")
+        if (why := truncation_error(truncate)) is not None:
+            raise UsageError(f"truncate {why}")
         if isinstance(prompt, str) and truncate is None:
             most = self.tokenizer.longest_token_bytes
             if len(prompt) > 2 * self.max_model_len * most:  # > 2 x max_model_len tokens (normalizers may merge a few)
@@ -645,7 +645,7 @@ class LLM:
         if p.min_tokens and allowed is not None and allowed <= held:
             raise UsageError("invalid sampling parameters: min_tokens holds back every one of allowed_token_ids "
                              "(EOS and stop tokens)")
-        sequences = self.bad_sequences(p)  # tokenized once
+        sequences = self.bad_sequences(p)  # tokenized once for the checks below
         banned = {seq[0] for seq in sequences if len(seq) == 1}
         if allowed is not None and allowed <= banned | (held if p.min_tokens else set()):
             raise UsageError("invalid sampling parameters: bad_words ban every one of allowed_token_ids"
@@ -852,9 +852,10 @@ class LLM:
 
     def _accept(self, got: list[int], out: list[int], p: SamplingParams, limit: int) -> str | None:
         """Append committed tokens up to EOS / the token limit; return the stop reason."""
+        ends = self.end_ids(p)
         for t in got:
             out.append(t)
-            if (not p.ignore_eos and t in self.eos_token_ids) or t in p.stop_token_ids:
+            if t in ends:
                 return "stop"
             if len(out) >= limit:
                 return "length"
@@ -884,12 +885,6 @@ class LLM:
             return False
         for k in range(first + 1, len(out) + 1):
             if stop_cut(text(k), p.stop, False, ends_after=after):
-                del out[k:]
-                return True
-        return False
-        floor = self.tokenizer.min_tokens_floor(out, p.min_tokens, prompt, p.skip_special_tokens)
-        for k in range(max(before, p.min_tokens) + 1, len(out) + 1):
-            if stop_cut(text(out[:k]), p.stop, False, ends_after=floor):
                 del out[k:]
                 return True
         return False

@@ -137,9 +137,8 @@ class SamplingParams:
         lo, hi = 1 / MAX_REPETITION_PENALTY, MAX_REPETITION_PENALTY
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
             bad(f"repetition_penalty must be in [{lo:g}, {hi:g}] (1 = off), got {shown(v)}")
-        k = self.truncate_prompt_tokens
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)):
-            bad(f"truncate_prompt_tokens must be an integer >= 1, or -1 (as many as fit), got {shown(k)}")
+        if (why := truncation_error(self.truncate_prompt_tokens)) is not None:
+            bad(f"truncate_prompt_tokens {why}")
         if self.bad_words is not None:
             if not isinstance(self.bad_words, (list, tuple)) or not all(
                     isinstance(w, str) and w.strip() for w in self.bad_words):
@@ -202,6 +201,14 @@ def _put(x: torch.Tensor, ids: list[list[int]], values, accumulate: bool = False
     rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(row) for row in ids]))
     values = torch.tensor(values, dtype=x.dtype).expand(len(cols))
     x.index_put_((rows.to(x.device), cols.to(x.device)), values.to(x.device), accumulate=accumulate)
+
+
+def truncation_error(k) -> str | None:
+    """What is wrong with a prompt truncation (keep the last k tokens; -1: as many as
+    fit), or None if nothing."""
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)):
+        return f"must be an integer >= 1, or -1 (as many as fit), got {shown(k)}"
+    return None
 
 
 def _is_id(t) -> bool:

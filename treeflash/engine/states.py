@@ -85,7 +85,7 @@ class KeptStates:
         self.graphed: OrderedDict[Key, GraphedState] = OrderedDict()  # most recently used last
         self.kept: BatchState | None = None  # eager, with prefix caching: the last batch's state
         self.dropped_captures = 0            # captures of the graphed states freed so far
-        self.budget = GRAPH_STATES_SHARE * (available_bytes(device) or 0) if graphs else 0
+        self.memory_budget = GRAPH_STATES_SHARE * (available_bytes(device) or 0) if graphs else 0
 
     @property
     def captures(self) -> int:
@@ -126,7 +126,7 @@ class KeptStates:
             need = (last.cache_bytes * math.prod(key) // math.prod(last.key)
                     + (last.nbytes - last.cache_bytes) * batch // last.key[0])
         drop = []
-        while kept and (len(kept) >= GRAPH_STATES or sum(g.nbytes for g in kept) + need > max(self.budget, need)):
+        while kept and (len(kept) >= GRAPH_STATES or sum(g.nbytes for g in kept) + need > max(self.memory_budget, need)):
             drop.append(kept.pop(0).key)
         return drop
 

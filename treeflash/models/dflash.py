@@ -18,7 +18,7 @@ from treeflash.layers.attention import AttentionInputs, write_block
 from treeflash.layers.linear import RowParallelLinear
 from treeflash.layers.norm import RMSNorm
 from treeflash.layers.rotary import RotaryEmbedding, apply_rotary
-from treeflash.models.transformer import DecoderLayer, run_layers
+from treeflash.models.transformer import MERGED_WEIGHTS, DecoderLayer, run_layers
 from treeflash.ops import fused_enabled
 
 try:  # Triton kernels, used only when `fused_enabled` (CUDA inference)
@@ -28,7 +28,7 @@ except ImportError:
 
 
 class DFlashDraftModel(nn.Module):
-    merged_weights = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    merged_weights = MERGED_WEIGHTS
 
     def __init__(self, cfg: DraftConfig, tp: TPGroup = TPGroup()):
         super().__init__()

@@ -47,7 +47,10 @@ class Cancelled(Exception):
     """The request's client went away: its generation was stopped, or never started."""
 
 
-SHUTTING_DOWN = APIError("the server is shutting down", status=503, type="server_error")
+def shutting_down() -> APIError:
+    """A new one each time: one exception object raised from many tasks would keep
+    rewriting its traceback."""
+    return APIError("the server is shutting down", status=503, type="server_error")
 
 
 class AsciiJSONResponse(JSONResponse):
@@ -168,7 +171,7 @@ class EngineWorker:
         their next round, all answered 503."""
         self.stopping = True
         for job in list(self.running):
-            job.cancel(SHUTTING_DOWN)
+            job.cancel(shutting_down())
         self._fail_queued()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -191,11 +194,11 @@ class EngineWorker:
                 if self.stopping:
                     self._fail_queued()
                     for job in batch:
-                        job.settle(error=SHUTTING_DOWN)
+                        job.settle(error=shutting_down())
                     return None
                 continue
             if job.cancelled or self.stopping:
-                job.settle(error=job.error if job.cancelled else SHUTTING_DOWN)
+                job.settle(error=job.error if job.cancelled else shutting_down())
                 continue
             batch.append(job)
             prompts += len(job.runs)
@@ -208,7 +211,7 @@ class EngineWorker:
             except queue.Empty:
                 return
             if job is not None:
-                job.settle(error=SHUTTING_DOWN)
+                job.settle(error=shutting_down())
 
     def _serve(self) -> None:
         while (batch := self._next_batch()) is not None:
@@ -411,8 +414,8 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         try:
             outs = await asyncio.wrap_future(job.future)
         except asyncio.CancelledError:  # the server is shutting down and stops this request's task
-            job.cancel(SHUTTING_DOWN)
-            return error_response(SHUTTING_DOWN)
+            job.cancel(shutting_down())
+            return error_response(shutting_down())
         except Exception as e:
             return error_response(api_error(e))
         finally:
