@@ -41,12 +41,11 @@ from treeflash.cli import add_structured_args, read_prompts, structured_from
 from treeflash.config import FP8_BLOCK, DraftConfig, ModelConfig, default_target_layer_ids
 from treeflash.distributed import TPGroup
 from treeflash.engine.llm import LLM, RoundPipeline, attention_backend, builtin_paths, resolve_device, resolve_dtype
-from treeflash.engine.round import SpeculativeDecoder
+from treeflash.engine.round import SpeculativeDecoder, capture
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
 from treeflash.engine.tp import COMM_HINTS, check_devices, check_shardable, join_group, torchrun_env
 from treeflash.engine.tree import empty_tree
 from treeflash.errors import TreeflashError, UsageError
-from treeflash.layers.attention import AttentionInputs
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import build_on
 from treeflash.models.moe import KIMI_K2_4L, weight_bytes_read
@@ -570,24 +569,6 @@ def allreduce_timer(group: TPGroup, hidden: int, dtype: torch.dtype, device: tor
     return latency
 
 
-def capture(fn, reset, warmup: int = WARMUP):
-    """`fn` as a CUDA graph (and its captured outputs). Warm-up runs on a side stream
-    first, as `GraphedRound` does: lazy inits, Triton compiles and allocator growth must
-    not happen inside the capture."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            reset()
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    reset()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # synchronizes first: the reset above has run
-        out = fn()
-    return graph, out
-
-
 def time_device(run, reset, iters: int, device: torch.device) -> float:
     """Median µs of `run()`. On CUDA, events around each call, all queued before one
     sync, so the host runs ahead and the events time the GPU work alone (a sync per
@@ -650,7 +631,7 @@ def measure_op(fn, reset, iters: int, graphs: bool, device: torch.device, is_rou
     """(median device µs, (wall µs, GPU-busy µs) per round of back-to-back pipelined
     rounds, or None) of one op: see `time_device` and `time_wall`."""
     if graphs:
-        graph, out = capture(fn, reset)
+        graph, out = capture(fn, WARMUP, reset=reset)
 
         def run():
             graph.replay()
@@ -691,19 +672,12 @@ def round_ops(target, drafter, st, context: int, budgets: list[int], backend: st
 
     ar, dflash = decoder("ar"), decoder("dflash")
     ar_state = dataclasses.replace(st, draft_cache=None)  # same buffers, no drafter context
-    taps = drafter.target_layer_ids
     ddtree = {n: decoder("ddtree", n) for n in budgets if n}
     logits = dflash.draft_logits(st)  # a fixed draft: trees for verify and tree-build ops
 
     def verify(tree):
         """Target forward over root + N nodes with the tree mask, and the LM head."""
-        def fn():
-            positions = st.n[:, None] + tree.depths
-            kv_len = None if st.max_n is None else st.max_n + tree.size + 1
-            inputs = AttentionInputs(positions, st.n, tree.ancestors, kv_len=kv_len, backend=backend)
-            h, _ = target(tree.tokens, inputs, st.cache, taps)
-            return target.logits(h, gather=False)
-        return fn
+        return lambda: dflash.verify(st, tree)[0]
 
     def tree_for(n):
         """The DDTree of N nodes over the fixed draft, as the round builds it."""

@@ -302,6 +302,16 @@ class SpeculativeDecoder:
             return build_tree_fused(vals, ids, anchor, self.budget)
         return build_tree_from_topk(vals, ids, anchor, self.budget)
 
+    def verify(self, st: BatchState, tree: DraftTree):
+        """The target over the root and every node of `tree` in one pass (each node sees
+        the prefix and its ancestors): (logits [B, T, this rank's vocabulary slice], the
+        drafter's tapped features, the nodes' positions)."""
+        positions = st.n[:, None] + tree.depths
+        kv_len = None if st.max_n is None else st.max_n + tree.size + 1
+        inputs = AttentionInputs(positions, st.n, tree.ancestors, kv_len=kv_len, backend=self.backend)
+        h, feats = self._target(tree.tokens, inputs, st.cache)
+        return self.target.logits(h, gather=False), feats, positions
+
     @torch.inference_mode()
     def round(self, st: BatchState):
         """One round for the whole batch, updating `st` in place. Returns the new tokens
@@ -309,12 +319,7 @@ class SpeculativeDecoder:
         the batch asks for them, the new tokens' `logprobs_of` (else None): the target's
         logits at the nodes of the accepted path are those AR would have sampled from."""
         tree = self.build(st)
-        T = tree.size + 1
-        positions = st.n[:, None] + tree.depths
-        kv_len = None if st.max_n is None else st.max_n + T
-        inputs = AttentionInputs(positions, st.n, tree.ancestors, kv_len=kv_len, backend=self.backend)
-        h, feats = self._target(tree.tokens, inputs, st.cache)
-        logits = self.target.logits(h, gather=False)
+        logits, feats, positions = self.verify(st, tree)
         sb = st.sampling
         states = sb.node_states(tree.tokens, tree.parents, tree.depths, self.depth) if sb.any_guided else None
         target_tokens = sample(logits, positions + 1, sb, self.tp, path=(tree.tokens, tree.ancestors),
@@ -339,17 +344,21 @@ class SpeculativeDecoder:
         return w.new, counts, logprobs
 
 
-def capture(fn, warmup: int, pool=None):
+def capture(fn, warmup: int, pool=None, reset=None):
     """(CUDA graph of fn(), what the captured call returned). fn runs `warmup` times on a
     side stream first, so lazy set-up (Triton compiles, cuBLAS workspaces, one-time
     device copies) happens outside the graph. `pool`: a memory pool shared with other
-    graphs (see `GraphedState`)."""
+    graphs (see `GraphedState`); `reset`: run before each call (benchmarks put their
+    state back)."""
+    reset = reset or (lambda: None)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(warmup):
+            reset()
             fn()
     torch.cuda.current_stream().wait_stream(stream)
+    reset()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
