@@ -17,8 +17,7 @@ from __future__ import annotations
 import re
 
 from treeflash.errors import UsageError, shown
-from treeflash.structured.regex import (MAX_REPEAT, ByteDFA, TooComplex, char_class, compile_regex, escape,
-                                        repeat_bound)
+from treeflash.structured.regex import ByteDFA, TooComplex, char_class, compile_regex, escape, repeat_bounds
 
 MAX_DEPTH = 4            # times one derivation may be inside a rule at once
 MAX_PATTERN = 1_000_000  # characters of the unrolled regex
@@ -98,12 +97,7 @@ class _Parser:
                 lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
             elif c == "{" and (m := _BOUNDS.match(self.s, self.i)) and (m.group(1) or m.group(2)):
                 self.i = m.end()
-                lo = repeat_bound(m.group(1) or "0")
-                hi = lo if not m.group(2) else (repeat_bound(m.group(3)) if m.group(3) else None)
-                if max(lo, hi or 0) > MAX_REPEAT:
-                    self.fail(f"a repetition bound above {MAX_REPEAT}")
-                if hi is not None and hi < lo:
-                    self.fail("a repetition {m,n} with n < m")
+                lo, hi = repeat_bounds(*m.group(1, 2, 3), self.fail)
             else:
                 return node
             node = ("rep", node, lo, hi)

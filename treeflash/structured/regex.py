@@ -50,10 +50,19 @@ _SPECIAL = set("\\.^$*+?()[]{}|-/")
 _QUANTIFIER = re.compile(r"\{(\d*)(,?)(\d*)\}")
 
 
-def repeat_bound(digits: str) -> int:
-    """The bound a {m,n}'s digits write, or MAX_REPEAT + 1 for any past it (int() refuses
-    over 4300 digits, with advice about sys.set_int_max_str_digits)."""
-    return int(digits) if len(digits) <= 6 else MAX_REPEAT + 1
+def repeat_bounds(low: str, comma: str, high: str, fail) -> tuple[int, int | None]:
+    """(m, n or None) of a quantifier {m}, {m,}, {,n} or {m,n} from its digits, or
+    `fail(why)`. Past MAX_REPEAT digits are not read (int() refuses over 4300 of them,
+    with advice about sys.set_int_max_str_digits)."""
+    def bound(digits: str) -> int:
+        return int(digits) if len(digits) <= 6 else MAX_REPEAT + 1
+    lo = bound(low or "0")
+    hi = lo if not comma else (bound(high) if high else None)
+    if max(lo, hi or 0) > MAX_REPEAT:
+        fail(f"a repetition bound above {MAX_REPEAT}")
+    if hi is not None and hi < lo:
+        fail("a repetition {m,n} with n < m")
+    return lo, hi
 
 
 class TooComplex(UsageError):
@@ -130,12 +139,7 @@ class _Parser:
                 lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
                 self.i += 1
             elif c == "{" and (m := _QUANTIFIER.match(self.p, self.i)) and (m.group(1) or m.group(2)):
-                lo = repeat_bound(m.group(1) or "0")
-                hi = lo if not m.group(2) else (repeat_bound(m.group(3)) if m.group(3) else None)
-                if max(lo, hi or 0) > MAX_REPEAT:
-                    self.fail(f"a repetition bound above {MAX_REPEAT}")
-                if hi is not None and hi < lo:
-                    self.fail("a repetition {m,n} with n < m")
+                lo, hi = repeat_bounds(*m.group(1, 2, 3), self.fail)
                 self.i = m.end()
             else:
                 return node
