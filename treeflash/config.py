@@ -1,7 +1,7 @@
 """Model configurations read from Hugging Face `config.json` files.
 
-One dataclass per kind of checkpoint: `ModelConfig` for targets (Qwen3, Llama, and
-Qwen3-MoE, whose mixture-of-experts keys it reads too) and `DraftConfig` for DFlash
+One dataclass per kind of checkpoint: `ModelConfig` for targets (Qwen3, Llama,
+Qwen3-MoE, whose mixture-of-experts keys it reads too, and gpt-oss) and `DraftConfig` for DFlash
 drafters (a Qwen3-style stack plus the DFlash keys).
 Both refuse what they cannot run with a one-line `TreeflashError`.
 """
@@ -300,8 +300,9 @@ def _fp8_blocks(quant, where: str) -> dict:
 
 @dataclass
 class ModelConfig:
-    """A decoder-only target: Qwen3 (q/k norms), Llama, or Qwen3-MoE (Qwen3 whose MLP is
-    a sparse mixture of experts in the layers `sparse_layer` picks)."""
+    """A decoder-only target: Qwen3 (q/k norms), Llama, Qwen3-MoE (Qwen3 whose MLP is a
+    sparse mixture of experts in the layers `sparse_layer` picks), or gpt-oss (experts,
+    attention sinks, sliding-window layers, YaRN)."""
 
     arch: str
     vocab_size: int

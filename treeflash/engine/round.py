@@ -418,8 +418,9 @@ class GraphedPrefill:
 class GraphedState:
     """One bucketed batch state and every graph captured over its buffers: per sampling
     mode (greedy, sampled, sampled with top-k/top-p/min-p; each with or without logprobs,
-    logit bias / allowed tokens / min_tokens, penalties, and structured outputs by their
-    table's rows) a round and the prefills by padded prompt shape. A server whose requests alternate
+    logit bias / allowed tokens / min_tokens, penalties, bad words, and structured outputs
+    by their table's rows: `SamplingBatch.mode`) a round and the prefills by padded prompt
+    shape. A server whose requests alternate
     between modes replays them instead of recapturing (a capture runs the round three
     times and re-records it).
 

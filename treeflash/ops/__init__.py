@@ -1,4 +1,5 @@
-"""Fused GPU versions (Triton) of engine steps whose torch reference lives elsewhere."""
+"""The engine's elementwise and small steps, each with its fused GPU version (Triton)
+and its torch reference side by side, and FP8 block quantization."""
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple

@@ -1,6 +1,7 @@
 """A request's structured output as a token automaton the rounds run on the device.
 
-A constraint (a regex, a choice among strings, or a JSON schema) becomes a minimal DFA
+A constraint (a regex, a choice among strings, a JSON schema, json_object or an EBNF
+grammar) becomes a minimal DFA
 over bytes (`treeflash.structured.regex`), then a table over the vocabulary: for every
 state and token, the state after the token's bytes, or -1 where the token would leave
 the language. Sampling masks the logits of a row to the tokens its state allows, and a
