@@ -1,11 +1,11 @@
 """A request's structured output as a token automaton the rounds run on the device.
 
 A constraint (a regex, a choice among strings, a JSON schema, json_object or an EBNF
-grammar) becomes a minimal DFA
-over bytes (`treeflash.structured.regex`), then a table over the vocabulary: for every
-state and token, the state after the token's bytes, or -1 where the token would leave
-the language. Sampling masks the logits of a row to the tokens its state allows, and a
-round finds each tree node's state from its parent's with one table lookup, so a
+grammar) becomes a minimal DFA over bytes (`treeflash.structured.regex`), then a table
+over the vocabulary: for every state and token, the state after the token's bytes, or
+-1 where the token would leave the language. Sampling masks the logits of a row to the
+tokens its state allows, and a round finds each tree node's state from its parent's with
+one table lookup, so a
 constrained request keeps every property of the round: one target forward, the walk,
 and output equal to autoregressive decoding under the same constraint.
 
