@@ -5,9 +5,9 @@ grammar) becomes a minimal DFA over bytes (`treeflash.structured.regex`), then a
 over the vocabulary: for every state and token, the state after the token's bytes, or
 -1 where the token would leave the language. Sampling masks the logits of a row to the
 tokens its state allows, and a round finds each tree node's state from its parent's with
-one table lookup, so a
-constrained request keeps every property of the round: one target forward, the walk,
-and output equal to autoregressive decoding under the same constraint.
+one table lookup, so a constrained request keeps every property of the round: one
+target forward, the walk, and output equal to autoregressive decoding under the same
+constraint.
 
 End tokens (EOS, stop token ids) are allowed exactly in accepting states; special
 tokens never otherwise. States from which no token sequence reaches an accepting state
