@@ -132,12 +132,19 @@ class Tokenizer:
         # whole run of byte tokens into U+FFFD when the run ends in part of a character, so
         # "你" and half of "好" decode to five of them, though "你" was whole (and streamed).
         # Character by character instead, as TextStream takes them.
-        ids, read, prefix, text = context + list(ids), len(context), 0, ""
+        ids = context + list(ids)
+        text, _, read = self.whole_text(ids, 0, len(context), skip_special)
+        return text + self.decode(ids[read:], skip_special)  # the part of a character at the end
+
+    def whole_text(self, ids: list[int], prefix: int, read: int, skip_special: bool = True) -> tuple[str, int, int]:
+        """The text ids[read:] add after ids[prefix:read], taken token by token up to its last
+        whole character, and the (prefix, read) after it (see `whole_piece`)."""
+        text = ""
         for n in range(read + 1, len(ids) + 1):
             piece = self.whole_piece(ids, prefix, read, n, skip_special)
             if piece:
                 text, prefix, read = text + piece, read, n
-        return text + self.decode(ids[read:], skip_special)  # the part of a character at the end
+        return text, prefix, read
 
     def whole_piece(self, ids: list[int], prefix: int, read: int, n: int, skip_special: bool = True) -> str | None:
         """The text ids[read:n] add after ids[prefix:read] (whose text is known), or None if it
@@ -232,21 +239,19 @@ class TextStream:
         self.ids += ids[:-1] if ids and ids[-1] in self.end_ids else ids
         piece = self.tokenizer.whole_piece(self.ids, self.prefix, self.read, len(self.ids), self.skip_special)
         if piece is not None and "\ufffd" not in piece:
-            self._take(piece, len(self.ids))
+            if piece:  # a whole character more
+                self.text += piece
+                self.prefix, self.read = self.read, len(self.ids)
         else:  # part of a character in the new text: token by token, as Tokenizer.decode_continuation
-            for n in range(self.read + 1, len(self.ids) + 1):
-                self._take(self.tokenizer.whole_piece(self.ids, self.prefix, self.read, n, self.skip_special), n)
+            piece, self.prefix, self.read = self.tokenizer.whole_text(self.ids, self.prefix, self.read,
+                                                                      self.skip_special)
+            self.text += piece
         # a stop string can only start at or after `sent` (text before it was checked)
         cut = None if self.floor is None else stop_cut(self.text, self.stop, self.include_stop, self.sent, self.floor)
         end = cut[0] if cut else len(self.text) - self.hold
         delta = self.text[self.sent:end] if end > self.sent else ""
         self.sent += len(delta)
         return delta
-
-    def _take(self, piece: str | None, n: int) -> None:
-        if piece:  # a whole character more: the text of ids[:n]
-            self.text += piece
-            self.prefix, self.read = self.read, n
 
     def finish(self, text: str) -> str:
         """The rest of the final text (the engine's, stop strings cut)."""

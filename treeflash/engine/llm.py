@@ -31,7 +31,7 @@ from treeflash.models.loader import (build_on, check_model_size, check_sizes, lo
                                      weights_dtype)
 from treeflash.models.transformer import CausalLM
 from treeflash.structured.grammar import TokenAutomaton, token_automaton
-from treeflash.tokenizer import Tokenizer, stop_cut
+from treeflash.tokenizer import CONTEXT_TOKENS, Tokenizer, stop_cut
 
 DEFAULT_BUDGET = 64
 AUTOMATA_KEPT = 32                # structured outputs' compiled automata kept per engine,
@@ -873,10 +873,11 @@ class LLM:
         if first >= len(out):
             return False
         lo, longest = first, max(map(len, p.stop))
-        context = list(prompt)
+        prompt_tail = list(prompt[-CONTEXT_TOKENS:])
 
         def text(k: int) -> str:  # whole characters of out[lo:k], decoded after what precedes them
-            return self.tokenizer.decode_continuation(out[lo:k], context + out[:lo], p.skip_special_tokens).rstrip("\ufffd")
+            context = (prompt_tail + out[max(0, lo - CONTEXT_TOKENS):lo])[-CONTEXT_TOKENS:]
+            return self.tokenizer.decode_continuation(out[lo:k], context, p.skip_special_tokens).rstrip("\ufffd")
 
         while lo > 0 and len(text(first)) < longest + 3:  # + the orphan bytes of a character cut at lo
             lo = max(0, lo - max(16, first - lo))
