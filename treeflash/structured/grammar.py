@@ -237,21 +237,21 @@ def token_automaton(dfa: ByteDFA, vocab: list[bytes | None], max_bytes: int | No
     still = [int((lens > j).sum()) for j in range(data.shape[1])]
     S = dfa.num_states
     dead = S
-    trans = np.vstack([np.where(dfa.trans >= 0, dfa.trans, dead), np.full((1, 256), dead)]).astype(np.int32)
+    # flat: a step is one gather at state * 256 + byte (int32: S <= MAX_DFA_STATES)
+    trans = np.vstack([np.where(dfa.trans >= 0, dfa.trans, dead), np.full((1, 256), dead)]).astype(np.int32).ravel()
     table = np.empty((S, V), dtype=np.int32)
-    chunk = max(1, (1 << 24) // max(V, 1))
+    chunk = max(1, (1 << 22) // max(V, 1))
     for s0 in range(0, S, chunk):
         cur = np.repeat(np.arange(s0, min(S, s0 + chunk), dtype=np.int32)[:, None], V, axis=1)
         for j, k in enumerate(still):
-            cur[:, :k] = trans[cur[:, :k], data[:k, j]]
+            step = cur[:, :k] * 256
+            step += data[:k, j]
+            cur[:, :k] = trans[step]
         table[s0:s0 + len(cur), order] = cur
     table[table == dead] = -1
     table[:, lens == 0] = -1  # no progress, no end: a token of no bytes could repeat forever
-    if not live_states(table, dfa.accepting)[0]:
-        raise UsageError("the structured output cannot be written with this model's tokens")
-    table, accepting = prune(table, dfa.accepting)
-    table = table.astype(np.int32)
-    return TokenAutomaton(table, accepting)
+    table, accepting = prune(table, dfa.accepting, "the structured output cannot be written with this model's tokens")
+    return TokenAutomaton(table.astype(np.int32, copy=False), accepting)
 
 
 def _too_large(states: int, vocab_size: int, max_bytes: int):

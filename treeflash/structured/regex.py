@@ -448,11 +448,18 @@ def compile_regex(pattern: str, reasoning: tuple[str | None, str] | None = None)
 
 def edges(trans: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The distinct edges (sources, targets) of a transition table [S, C] (-1: none),
-    sorted by source. One sort of the allowed entries: a token table's rows repeat a
-    few targets over the whole vocabulary."""
-    src, col = np.nonzero(trans >= 0)
-    key = np.unique(src.astype(np.int64) * len(trans) + trans[src, col])
-    return key // len(trans), key % len(trans)
+    sorted by source. A token table's rows repeat a few targets over the whole
+    vocabulary: sorted a block of rows at a time (all at once, 16384 states x 4096
+    tokens took 2 GB of indices)."""
+    S, C = trans.shape
+    keys = [np.empty(0, dtype=np.int64)]
+    step = max(1, (1 << 22) // max(C, 1))
+    for r0 in range(0, S, step):
+        block = trans[r0:r0 + step]
+        src, col = np.nonzero(block >= 0)
+        keys.append(np.unique((src + r0).astype(np.int64) * S + block[src, col]))
+    key = np.concatenate(keys)
+    return key // S, key % S
 
 
 def searched(start: np.ndarray, frm: np.ndarray, to: np.ndarray, n: int) -> np.ndarray:
@@ -487,16 +494,21 @@ def reachable_states(trans: np.ndarray) -> np.ndarray:
     return searched(start, src, dst, len(trans))
 
 
-def prune(trans: np.ndarray, accepting: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def prune(trans: np.ndarray, accepting: np.ndarray,
+          empty: str = "the structured output's pattern matches no text") -> tuple[np.ndarray, np.ndarray]:
     """Drop the states that are unreachable or cannot reach an accepting one (edges to
-    them become -1) and renumber, state 0 first. An empty language is refused."""
+    them become -1) and renumber, state 0 first. An empty language is refused (`empty`)."""
     live = live_states(trans, accepting)
     if not live[0]:
-        raise UsageError("the structured output's pattern matches no text")
-    trans = np.where((trans >= 0) & live[np.maximum(trans, 0)], trans, -1)
+        raise UsageError(empty)
+    if not live.all():
+        trans = np.where((trans >= 0) & live[np.maximum(trans, 0)], trans, -1)
     keep = live & reachable_states(trans)
-    new = np.cumsum(keep) - 1
-    return np.where(trans[keep] >= 0, new[np.maximum(trans[keep], 0)], -1), accepting[keep]
+    if keep.all():  # as often for a token table: no copy of its S x V entries to renumber
+        return trans, accepting
+    new = (np.cumsum(keep) - 1).astype(trans.dtype)
+    kept = trans[keep]
+    return np.where(kept >= 0, new[np.maximum(kept, 0)], -1).astype(trans.dtype), accepting[keep]
 
 
 def _minimal(trans: np.ndarray, accepting: np.ndarray, pattern: str) -> tuple[np.ndarray, np.ndarray]:
