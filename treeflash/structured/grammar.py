@@ -276,4 +276,6 @@ def with_ends(automaton: TokenAutomaton, end_ids, vocab_size: int) -> np.ndarray
     if not live[0]:
         raise UsageError("the structured output cannot be written with this model's tokens without its stop "
                          "tokens (stop_token_ids end the text)", param="stop_token_ids")
-    return np.where(live[np.maximum(table, 0)], table, -1).astype(np.int32)
+    if not live.all():  # in place: a vocabulary-wide table is hundreds of MB
+        table[~live[np.maximum(table, 0)]] = -1
+    return table
