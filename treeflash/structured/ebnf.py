@@ -17,10 +17,10 @@ from __future__ import annotations
 import re
 
 from treeflash.errors import UsageError, shown
-from treeflash.structured.regex import ByteDFA, TooComplex, char_class, compile_regex, escape, repeat_bounds
+from treeflash.structured.regex import (MAX_PATTERN_CHARS, ByteDFA, TooComplex, char_class, compile_regex, escape,
+                                        repeat_bounds)
 
 MAX_DEPTH = 4            # times one derivation may be inside a rule at once
-MAX_PATTERN = 1_000_000  # characters of the unrolled regex
 NOTHING = char_class([])  # a class no character is in: the empty language
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
@@ -241,13 +241,13 @@ def _unrolled(rules: dict[str, tuple], depth: int) -> str:
         for item in items:  # the size is checked as it grows (100 uses of a large rule were 54 s)
             parts.append(written(item, nesting))
             size += len(parts[-1]) + len(sep)
-            if size > MAX_PATTERN:
+            if size > MAX_PATTERN_CHARS:
                 too_large()
         return sep.join(parts)
 
     def too_large():
         raise TooComplex(f"grammar is too large once its recursion is unrolled {depth} deep (over "
-                         f"{MAX_PATTERN} characters of pattern)")
+                         f"{MAX_PATTERN_CHARS} characters of pattern)")
 
     def written(node, nesting: dict[str, int]) -> str:
         kind = node[0]
@@ -275,7 +275,7 @@ def _unrolled(rules: dict[str, tuple], depth: int) -> str:
             if key not in memo:
                 memo[key] = "(?:" + written(rules[name], {**nesting, name: nesting.get(name, 0) + 1}) + ")"
             out = memo[key]
-        if len(out) > MAX_PATTERN:
+        if len(out) > MAX_PATTERN_CHARS:
             too_large()
         return out
 

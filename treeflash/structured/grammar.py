@@ -70,15 +70,16 @@ class StructuredOutputs:
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise UsageError(f"structured outputs: json must be a JSON schema (an object, or its text), "
                              f"got {shown(self.json)}")
+        text = self.json if isinstance(self.json, str) else ""
         if isinstance(self.json, dict):
             try:
-                json.dumps(self.json)
+                text = json.dumps(self.json)
             except (TypeError, ValueError) as e:
                 raise UsageError(f"structured outputs: json is not a JSON value ({e})") from None
-        # sizes that compile in well under a second past which a server's request must not go
+        # past these sizes compiling (or refusing) takes seconds, which a server's other
+        # requests would wait for: refused before any work
         sizes = {"regex": len(self.regex or ""), "grammar": len(self.grammar or ""),
-                 "choice": sum(map(len, self.choice or ())),
-                 "json": len(self.json) if isinstance(self.json, str) else len(json.dumps(self.json or {}))}
+                 "choice": sum(map(len, self.choice or ())), "json": len(text)}
         for name, size in sizes.items():
             if size > MAX_INPUT_CHARS[name]:
                 raise UsageError(f"structured outputs: {name} of {size} characters is over the limit of "

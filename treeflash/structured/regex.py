@@ -52,8 +52,8 @@ _QUANTIFIER = re.compile(r"\{(\d*)(,?)(\d*)\}")
 
 def repeat_bounds(low: str, comma: str, high: str, fail) -> tuple[int, int | None]:
     """(m, n or None) of a quantifier {m}, {m,}, {,n} or {m,n} from its digits, or
-    `fail(why)`. Past MAX_REPEAT digits are not read (int() refuses over 4300 of them,
-    with advice about sys.set_int_max_str_digits)."""
+    `fail(why)`. A bound of more than 6 digits is past MAX_REPEAT unread (int() refuses
+    over 4300 digits, with advice about sys.set_int_max_str_digits)."""
     def bound(digits: str) -> int:
         return int(digits) if len(digits) <= 6 else MAX_REPEAT + 1
     lo = bound(low or "0")
@@ -508,7 +508,7 @@ def prune(trans: np.ndarray, accepting: np.ndarray,
         return trans, accepting
     new = (np.cumsum(keep) - 1).astype(trans.dtype)
     kept = trans[keep]
-    return np.where(kept >= 0, new[np.maximum(kept, 0)], -1).astype(trans.dtype), accepting[keep]
+    return np.where(kept >= 0, new[np.maximum(kept, 0)], -1).astype(trans.dtype, copy=False), accepting[keep]
 
 
 def _minimal(trans: np.ndarray, accepting: np.ndarray, pattern: str) -> tuple[np.ndarray, np.ndarray]:
