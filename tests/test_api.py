@@ -143,6 +143,29 @@ def test_a_top_k_past_the_vocabulary_keeps_every_token(llm):
         assert llm.generate(ENGINE_PROMPTS[0], SamplingParams(**{**plain.__dict__, "top_k": k}))[0].token_ids == want
 
 
+def test_generate_without_parameters_takes_the_models_generation_config(llm, hf_checkpoint, tmp_path):
+    """As vLLM's `LLM`: no sampling parameters means the values the model's
+    generation_config.json asks for over `SamplingParams`' defaults; given parameters
+    are used as they are; a value the engine refuses fails the load, naming the file."""
+    import shutil
+    folder = shutil.copytree(hf_checkpoint("qwen3").path, tmp_path / "model")
+    path = folder / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**config, "max_new_tokens": 4, "repetition_penalty": 1.3, "top_k": -1}))
+    configured = LLM(folder, device="cpu", dtype="float32")
+    asked = SamplingParams(max_new_tokens=4, repetition_penalty=1.3)
+    assert configured.default_sampling_params() == asked
+    assert configured.generate(ENGINE_PROMPTS[1])[0].token_ids == llm.generate(ENGINE_PROMPTS[1], asked)[0].token_ids
+    chat = [{"role": "user", "content": "hi"}]
+    if configured.chat_template is not None:
+        assert configured.chat(chat)[0].token_ids == configured.chat(chat, asked)[0].token_ids
+    given = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    assert configured.generate(ENGINE_PROMPTS[1], given)[0].token_ids == llm.generate(ENGINE_PROMPTS[1], given)[0].token_ids
+    path.write_text(json.dumps({**config, "top_p": 0}))
+    with pytest.raises(UsageError, match="generation_config.json: invalid sampling parameters: top_p"):
+        LLM(folder, device="cpu", dtype="float32")
+
+
 def test_streaming_callback_sees_every_token_once(llm):
     seen: dict[int, list[int]] = {0: [], 1: []}
     outs = llm.generate(ENGINE_PROMPTS[:2], SamplingParams(max_new_tokens=8, ignore_eos=True),

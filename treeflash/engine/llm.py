@@ -21,7 +21,7 @@ from treeflash.config import DTYPES, FP8_BLOCK, DraftConfig, ModelConfig
 from treeflash.distributed import TPGroup
 from treeflash.engine.round import METHODS, BatchState, SpeculativeDecoder
 from treeflash.engine.sampling import (BAD_WORD_TOKENS, MAX_BAD_SEQUENCES, SamplingBatch, SamplingParams,
-                                      truncation_error)
+                                      generation_defaults, truncation_error)
 from treeflash.engine.states import GRAPHED_PREFILL_MAX, KeptStates, suffix_chunks
 from treeflash.engine.tp import attach as tp_attach
 from treeflash.engine.tp import peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -275,6 +275,7 @@ class LLM:
                 raise TreeflashError(f"{source} in {model}: end-of-text token id {eos} is outside the model's "
                                      f"vocabulary of {self.config.vocab_size} tokens")
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids))
+        self.generation_defaults = generation_defaults(model)  # a bad value fails here, not at generate
         dcfg = None
         if draft_model is not None:
             dcfg = DraftConfig.from_pretrained(draft_model)
@@ -382,6 +383,12 @@ class LLM:
         if self._run is not None:
             states[id(self._run.st)] = self._run.st
         return {**self.load_stats, "pid": os.getpid(), "cache_bytes": sum(s.cache_bytes for s in states.values())}
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no parameters: `SamplingParams`'
+        defaults (greedy, 128 new tokens) under the values of the model's
+        generation_config.json, as vLLM's `LLM` does; the server's defaults come from it too."""
+        return SamplingParams(**self.generation_defaults)
 
     @cached_property
     def chat_template(self) -> "ChatTemplate | None":
@@ -496,7 +503,7 @@ class LLM:
         prompts = [prompts] if single else list(prompts)
         if not prompts:
             return []
-        params = SamplingParams() if sampling_params is None else sampling_params
+        params = self.default_sampling_params() if sampling_params is None else sampling_params
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise UsageError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")

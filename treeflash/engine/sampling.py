@@ -22,11 +22,13 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from treeflash.distributed import TPGroup
 from treeflash.errors import UsageError, shown
+from treeflash.files import read_json_object
 from treeflash.ops import fused_enabled, triton_available
 from treeflash.structured.grammar import StructuredOutputs, TokenAutomaton
 
@@ -201,6 +203,31 @@ def _put(x: torch.Tensor, ids: list[list[int]], values, accumulate: bool = False
     rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(row) for row in ids]))
     values = torch.tensor(values, dtype=x.dtype).expand(len(cols))
     x.index_put_((rows.to(x.device), cols.to(x.device)), values.to(x.device), accumulate=accumulate)
+
+
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "repetition_penalty")
+
+
+def generation_defaults(folder: str | Path) -> dict:
+    """The sampling values a model's generation_config.json asks for, as `SamplingParams`
+    fields (only those it gives): what vLLM's `LLM` and server use where the caller gives
+    none (Qwen3, for one, asks for temperature 0.6, top_p 0.95, top_k 20). A value that
+    `SamplingParams` refuses is refused here, naming the file."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    config = read_json_object(path, missing_ok=False)
+    got = {k: config[k] for k in GENERATION_KEYS if config.get(k) is not None}
+    for k in ("top_k", "max_new_tokens"):  # 20.0 is 20
+        if isinstance(got.get(k), float) and got[k].is_integer():
+            got[k] = int(got[k])
+    if got.get("top_k") == -1:  # vLLM's "off"
+        got["top_k"] = 0
+    try:
+        SamplingParams(**got)
+    except UsageError as e:
+        raise UsageError(f"{path}: {e}") from None
+    return got
 
 
 def truncation_error(k) -> str | None:

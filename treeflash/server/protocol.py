@@ -13,9 +13,8 @@ from pathlib import Path
 
 from treeflash.chat import ChatFormat, checked_tools, plain_messages
 from treeflash.engine.sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
-                                       SamplingParams, token_bias)
+                                       SamplingParams, generation_defaults, token_bias)
 from treeflash.errors import TreeflashError, UsageError, shown
-from treeflash.files import read_json_object
 from treeflash.server.answers import HARMONY, MessageStream, chat_parsers, harmony_opened, request_tools
 from treeflash.structured.grammar import REASONING_TAGS, StructuredOutputs
 
@@ -78,29 +77,14 @@ class SamplingDefaults:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "SamplingDefaults":
-        path = Path(folder) / "generation_config.json"
-        if not path.is_file():
-            return cls()
         try:
-            config = read_json_object(path, missing_ok=False)
+            got = generation_defaults(folder)
         except TreeflashError as e:
             raise UsageError(str(e)) from None
-        got = {k: config[k] for k in ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "repetition_penalty")
-               if config.get(k) is not None}
-        for k in ("top_k", "max_new_tokens"):  # 20.0 is 20
-            if isinstance(got.get(k), float) and got[k].is_integer():
-                got[k] = int(got[k])
-        if got.get("top_k") == -1:
-            got["top_k"] = 0
-        try:
-            params = SamplingParams(temperature=got.get("temperature", 1.0), top_p=got.get("top_p", 1.0),
-                                    top_k=got.get("top_k", 0), min_p=got.get("min_p", 0.0),
-                                    max_new_tokens=got.get("max_new_tokens", 1),
-                                    repetition_penalty=got.get("repetition_penalty", 1.0))
-        except TreeflashError as e:
-            raise UsageError(f"{path}: {e}") from None
-        return cls(float(params.temperature), float(params.top_p), params.top_k, float(params.min_p),
-                   got.get("max_new_tokens"), float(params.repetition_penalty))
+        plain = cls()
+        return cls(float(got.get("temperature", plain.temperature)), float(got.get("top_p", plain.top_p)),
+                   got.get("top_k", plain.top_k), float(got.get("min_p", plain.min_p)), got.get("max_new_tokens"),
+                   float(got.get("repetition_penalty", plain.repetition_penalty)))
 
     def describe(self) -> str:
         tokens = f", chat max_tokens {self.max_tokens}" if self.max_tokens else ""
