@@ -707,3 +707,27 @@ def test_a_failed_compile_leaves_no_request_waiting(engines, monkeypatch):
         with pytest.raises(KeyError):
             llm.automaton(p)
     assert len(calls) == 2 and not llm._compiling
+
+
+def test_a_refused_constraint_is_refused_at_once_when_asked_again(engines, monkeypatch):
+    """A constraint whose compile took seconds to refuse (a table past its limit) is not
+    compiled again by every retry: the same one-line error comes back at once. An error
+    that is not the input's fault (KeyError above, memory) is not remembered."""
+    import treeflash.engine.llm as llm_module
+    llm = engines["ar"]
+    calls, plain = [], llm_module.token_automaton
+
+    def counted(dfa, vocab, max_bytes):
+        calls.append(1)
+        return plain(dfa, vocab, 1000)  # a small table limit: [0-9]{6} is over it
+    monkeypatch.setattr(llm_module, "token_automaton", counted)
+    p = SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]{6}"))
+    errors = []
+    for _ in range(3):
+        with pytest.raises(UsageError) as e:
+            llm.automaton(p)
+        errors.append((str(e.value), e.value.param))
+    assert len(calls) == 1 and errors[0] == errors[1] == errors[2] and "structured output" in errors[0][0]
+    assert not llm._compiling
+    monkeypatch.setattr(llm_module, "token_automaton", plain)  # an engine's own limit: compiles
+    assert llm.automaton(SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]{7}"))) is not None

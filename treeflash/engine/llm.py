@@ -36,6 +36,7 @@ from treeflash.tokenizer import CONTEXT_TOKENS, Tokenizer, stop_cut
 DEFAULT_BUDGET = 64
 AUTOMATA_KEPT = 32                # structured outputs' compiled automata kept per engine,
 AUTOMATA_BYTES = 4 << 30          # and their tables (host and device) at most (those in use always)
+REFUSALS_KEPT = 256               # constraints that failed to compile, remembered: a retry is refused at once
 MAX_AUTOMATON_BYTES = 512 << 20   # a structured output's token table (states x vocabulary) at most
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
 
@@ -341,6 +342,7 @@ class LLM:
             self._run = None      # `_Batch`: state, round and result pipeline of the batch in flight
             self._automata: OrderedDict[str, TokenAutomaton] = OrderedDict()  # see `automaton`
             self._compiling: dict[str, Future] = {}  # automata being compiled, by key
+            self._refused: OrderedDict[str, str] = OrderedDict()  # keys that failed to compile: why
             self._in_use: set[str] = set()           # the keys of the batch being generated: kept
             self._automata_lock = threading.Lock()
             self._tp.built()      # the workers' slices are loaded too
@@ -673,6 +675,9 @@ class LLM:
             if key in self._automata:  # constraint, the others wait for it, the rest go on
                 self._automata.move_to_end(key)
                 return self._automata[key]
+            if key in self._refused:  # a compile that took seconds to fail fails the same way again
+                self._refused.move_to_end(key)
+                raise UsageError(self._refused[key], param="structured_outputs")
             pending, mine = self._compiling.get(key), key not in self._compiling
             if mine:
                 pending = self._compiling[key] = Future()
@@ -688,6 +693,10 @@ class LLM:
                                     f"compiled: {type(e).__name__}: {e}", param="structured_outputs")
             with self._automata_lock:
                 del self._compiling[key]
+                if isinstance(failed, UsageError):  # the input's fault, not memory's or an interrupt's
+                    self._refused[key] = str(failed)
+                    while len(self._refused) > REFUSALS_KEPT:
+                        self._refused.popitem(last=False)
             pending.set_exception(failed)
             if failed is e:
                 raise
