@@ -103,6 +103,10 @@ def test_string():
     regex = regex_of({"type": "string"})
     for text in ['"\\u00e9\\uD83D\\uDE00"', '"\\/\\b\\f\\n\\r\\t\\"\\\\"']:
         assert re.fullmatch(regex, text)
+    # a surrogate escape is half a character: only a high and a low one together (strict
+    # parsers, serde_json's for one, refuse a lone one)
+    for text in ['"\\uD800"', '"\\udc00"', '"\\uD83Dx"', '"\\uDE00\\uD83D"', '"\\uD83D\\uD83D"']:
+        assert not re.fullmatch(regex, text), text
 
 
 def test_string_length_counts_characters_and_escapes_as_one():
@@ -111,6 +115,8 @@ def test_string_length_counts_characters_and_escapes_as_one():
           bad_texts=['"\\u00e9"'])
     regex = regex_of({"type": "string", "minLength": 2, "maxLength": 3})
     assert re.fullmatch(regex, '"\\u00e9\\u00e9"') and re.fullmatch(regex, '"\\t\\u00e9x"')
+    assert not re.fullmatch(regex, '"\\uD83D\\uDE00"')  # a pair is one character (U+1F600)
+    assert re.fullmatch(regex_of({"type": "string", "maxLength": 1}), '"\\uD83D\\uDE00"')
     check({"type": "string", "minLength": 1}, good=["a", "a" * 50], bad=[""])
     check({"type": "string", "maxLength": 0}, good=[""], bad=["a"])
     check({"type": "string", "maxLength": 1}, good=["", "x"], bad=["xy"])

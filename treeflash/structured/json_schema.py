@@ -48,7 +48,13 @@ TYPE_KEYWORDS = {"string": {"minLength", "maxLength", "pattern", "format"},
 COMBINATORS = ("$ref", "anyOf", "oneOf", "allOf", "enum", "const")
 
 UNSAFE = '"\\\\\\x00-\\x1f'  # class members for what a JSON string must escape: " \ U+0000-U+001F
-STRING_CHAR = f'(?:[^{UNSAFE}]|\\\\["\\\\/bfnrt]|\\\\u[0-9a-fA-F]{{4}})'
+HEX = "[0-9a-fA-F]"
+# a \u escape of a character: one outside the surrogates, or a high and a low surrogate
+# together (a lone one is no character: strict parsers refuse it, and a pair is one
+# character to minLength / maxLength)
+UNICODE_ESCAPE = (f"\\\\u(?:[0-9a-cA-Ce-fE-F]{HEX}{{3}}|[dD](?:[0-7]{HEX}{{2}}"
+                  f"|[89abAB]{HEX}{{2}}\\\\u[dD][c-fC-F]{HEX}{{2}}))")
+STRING_CHAR = f'(?:[^{UNSAFE}]|\\\\["\\\\/bfnrt]|{UNICODE_ESCAPE})'
 NATURAL = "(?:0|[1-9][0-9]*)"
 INTEGER = "-?" + NATURAL
 NUMBER = INTEGER + "(?:\\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
@@ -68,9 +74,10 @@ def json_object_regex(depth: int = JSON_OBJECT_DEPTH) -> str:
     string = f'"{STRING_CHAR}*"'
     scalars = [string, NUMBER, "true", "false", "null"]
     value = _alt(scalars)
-    for _ in range(depth):  # containers one level deeper than the last
+    for level in range(depth):  # containers one level deeper than the last
         obj = f"\\{{(?:{string}: ?{value}(?:, ?{string}: ?{value})*)?\\}}"
-        value = _alt([*scalars, obj, f"\\[(?:{value}(?:, ?{value})*)?\\]"])
+        if level < depth - 1:
+            value = _alt([*scalars, obj, f"\\[(?:{value}(?:, ?{value})*)?\\]"])
     return obj
 
 
