@@ -193,6 +193,22 @@ def test_tools_reach_the_template_and_calls_come_back(scripted):
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
 
 
+@pytest.mark.parametrize("choice", [{}, {"tool_choice": "auto"}])
+def test_parallel_tool_calls_false_keeps_the_first_call(scripted, choice):
+    """parallel_tool_calls false with automatic calls: the answer's first call only (OpenAI's
+    and vLLM's), whole and streamed; true or left out: every call."""
+    client, _ = scripted
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 50, **choice}
+    for flag, cities in ((False, ["Paris"]), (True, ["Paris", "Oslo"]), (None, ["Paris", "Oslo"])):
+        asked = {**body, "parallel_tool_calls": flag}
+        choice0 = client.post("/v1/chat/completions", json=asked).json()["choices"][0]
+        assert choice0["finish_reason"] == "tool_calls"
+        got = [json.loads(c["function"]["arguments"])["city"] for c in choice0["message"]["tool_calls"]]
+        content, calls, reason = _stream(client, asked)
+        assert got == [json.loads(c["function"]["arguments"])["city"] for c in calls] == cities
+        assert content.strip() == choice0["message"]["content"] == "Let me check." and reason == "tool_calls"
+
+
 @pytest.mark.parametrize("extra", [{}, {"tool_choice": "none"}])
 def test_without_tools_the_answer_is_text(scripted, extra):
     """No tools: nothing written into the prompt (the template sees tools = None, as in

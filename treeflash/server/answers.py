@@ -505,10 +505,11 @@ class MessageStream:
     """A chat answer's parts: `push` of its text in pieces (`final`: the last) gives
     (reasoning, content, tool call deltas numbered by their `index` among its calls).
     A whole answer is one final push. A Harmony answer (either Harmony parser) is read
-    by one `HarmonyStream` (`opened`: the header the prompt left open)."""
+    by one `HarmonyStream` (`opened`: the header the prompt left open). `max_calls`: the
+    calls after that many are dropped (parallel_tool_calls false: one, as OpenAI and vLLM)."""
 
     def __init__(self, reasoning_parser: str | None = None, tool_parser: str | None = None,
-                 opened: str | None = None):
+                 opened: str | None = None, max_calls: int | None = None):
         self.harmony = None
         if reasoning_parser == HARMONY or tool_parser == HARMONY_TOOLS:
             assert tool_parser in (None, HARMONY_TOOLS), "Harmony answers' calls are read by the openai parser"
@@ -518,6 +519,7 @@ class MessageStream:
         streams = {"hermes": ToolCallStream, "llama3_json": JsonCallStream, FORCED: ForcedCallStream}
         self.tools = streams[tool_parser]() if tool_parser else None
         self.calls = 0  # sent so far
+        self.max_calls = max_calls
 
     def push(self, text: str, final: bool = False) -> tuple[str, str, list[dict]]:
         reasoning, calls = "", []
@@ -536,6 +538,8 @@ class MessageStream:
             if final:
                 rest, more = self.tools.finish()
                 text, calls = text + rest, calls + more
+        if self.max_calls is not None:
+            calls = calls[:max(0, self.max_calls - self.calls)]
         numbered = [{"index": self.calls + k, **c} for k, c in enumerate(calls)]
         self.calls += len(calls)
         return reasoning, text, numbered

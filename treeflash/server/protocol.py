@@ -45,7 +45,8 @@ SAMPLING_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", 
                  "include_stop_str_in_output", "stream", "stream_options", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "truncate_prompt_tokens", "user", "metadata", "store",
                  "service_tier", "parallel_tool_calls", "bad_words", "prompt_logprobs", *STRUCTURED_KEYS}
-# OpenAI's bookkeeping keys in SAMPLING_KEYS, with the type each must have.
+# OpenAI's keys in SAMPLING_KEYS checked here only for their type (bookkeeping, and
+# parallel_tool_calls, which chat's tool calls read).
 BOOKKEEPING = (("user", str, "a string"), ("metadata", dict, "an object of strings"),
                ("store", bool, "true or false"), ("service_tier", str, "a string"),
                ("parallel_tool_calls", bool, "true or false"))
@@ -122,12 +123,14 @@ class Request:
     opened: str | None = None  # Harmony: the header of the message the prompt ends inside (`harmony_opened`)
     continuous_usage: bool = False  # streamed: every choice's event has its usage so far (vLLM's)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives per prompt token
+    one_call: bool = False  # parallel_tool_calls false: the answer's first tool call only
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def message_stream(self) -> MessageStream:
         """What splits a chat answer into reasoning, content and tool calls."""
-        return MessageStream(self.reasoning if self.reasoned else None, self.tool_calls, self.opened)
+        return MessageStream(self.reasoning if self.reasoned else None, self.tool_calls, self.opened,
+                             1 if self.one_call else None)
 
     def runs(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt, params) of each choice, prompt-major (choice index = prompt * n + j).
@@ -478,7 +481,7 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
     params, k = _with_prompt_logprobs(body, params, stream)
     return Request("chat", ids, params, stream, include_usage, _choices(body, 1), tool_calls=reader,
                    reasoning=reasoning_parser, reasoned=reasoned, opened=opened, continuous_usage=continuous,
-                   prompt_logprobs=k)
+                   prompt_logprobs=k, one_call=body.get("parallel_tool_calls") is False)
 
 
 def render_chat(body: dict, template, tools: list[dict] | None = None) -> str:
