@@ -362,10 +362,11 @@ def test_malformed_jsonl(capsys, model, tmp_path, line, words):
     assert_error(*run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu"), 2, *words)
 
 
-@pytest.mark.parametrize("key", ["max_tokens", "temperature", "seed"])
+@pytest.mark.parametrize("key", ["max_tokens", "temperature", "seed", "bad_words", "response_format"])
 def test_jsonl_lines_with_per_prompt_settings_get_a_note(capsys, model, api, tmp_path, key):
-    """The flags apply to every prompt: a setting in a line (a saved request body, say) is
-    not read, and the command says so instead of ignoring it silently."""
+    """The flags apply to every prompt: a setting in a line (a saved request body, say),
+    or any other field, is not read, and the command says so instead of ignoring it
+    silently."""
     f = tmp_path / "prompts.jsonl"
     f.write_text(json.dumps({"prompt": ENGINE_PROMPTS[0], "id": 7}) + "\n" +
                  json.dumps({"prompt": ENGINE_PROMPTS[2], key: 2}) + "\n")
@@ -373,7 +374,7 @@ def test_jsonl_lines_with_per_prompt_settings_get_a_note(capsys, model, api, tmp
                        "--max-new-tokens", 3, "--ignore-eos")
     assert rc == 0, err
     check_json_lines(out, [ENGINE_PROMPTS[0], ENGINE_PROMPTS[2]], api, 3)
-    assert f"note: {f} sets {key} per prompt, which is not read" in err
+    assert f"note: lines of {f} hold 'id', '{key}', which are not read: only 'prompt' is" in err
 
 
 @pytest.mark.parametrize("name", ["prompts.JSONL", "prompts.json"])

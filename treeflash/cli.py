@@ -16,22 +16,16 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-# Fields of a prompt-file line that look like per-prompt settings. They are not read (the
-# command's flags apply to every prompt); a file that has them gets a note, not silence.
-_PER_PROMPT_SETTINGS = ("max_new_tokens", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop",
-                        "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "allowed_token_ids",
-                        "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "method", "budget")
-
-
 def _jsonl_prompt(line: str, where: str) -> tuple[str, list[str]]:
-    """A line's prompt, and the per-prompt settings it holds (which are not read)."""
+    """A line's prompt, and its other fields: not read (the command's flags apply to every
+    prompt, whatever settings a saved request body holds), and the command says so."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise UsageError(f"{where}: malformed JSON line: {e}") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
         raise UsageError(f"{where}: a JSONL line must be an object with a string 'prompt'")
-    return obj["prompt"], [k for k in _PER_PROMPT_SETTINGS if k in obj]
+    return obj["prompt"], [k for k in obj if k != "prompt"]
 
 
 def read_prompts(args) -> list[str]:
@@ -62,8 +56,10 @@ def read_prompts(args) -> list[str]:
     if not prompts:
         raise UsageError(f"prompt file {args.prompt_file} holds no prompt")
     if ignored:
-        print(f"treeflash: note: {args.prompt_file} sets {', '.join(ignored)} per prompt, which is not read: "
-              f"the command's flags apply to every prompt", file=sys.stderr)
+        named = ", ".join(shown(k, 40) for k in ignored[:10])
+        named += f" and {len(ignored) - 10} more" if len(ignored) > 10 else ""
+        print(f"treeflash: note: lines of {args.prompt_file} hold {named}, which are not read: only 'prompt' is, "
+              f"and the command's flags apply to every prompt", file=sys.stderr)
     return prompts
 
 
