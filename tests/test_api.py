@@ -135,11 +135,13 @@ def test_more_prompts_than_max_batch_run_in_batches_in_order(llm, hf_checkpoint)
     assert all(done[i] is out for i, out in enumerate(outs))
 
 
-def test_a_top_k_past_the_vocabulary_keeps_every_token(llm):
-    """top_k >= vocabulary = no top-k at all, also for integers past 64 bits."""
+def test_a_top_k_past_the_vocabulary_or_of_minus_one_keeps_every_token(llm):
+    """top_k >= vocabulary = no top-k at all, also for integers past 64 bits; -1 is off,
+    as vLLM's code writes it."""
     plain = SamplingParams(max_new_tokens=6, temperature=1.0, seed=2, ignore_eos=True)
     want = llm.generate(ENGINE_PROMPTS[0], plain)[0].token_ids
-    for k in (llm.config.vocab_size, 10 ** 30):
+    assert llm.generate(ENGINE_PROMPTS[0], SamplingParams(**{**plain.__dict__, "top_k": 3}))[0].token_ids != want
+    for k in (llm.config.vocab_size, 10 ** 30, -1):
         assert llm.generate(ENGINE_PROMPTS[0], SamplingParams(**{**plain.__dict__, "top_k": k}))[0].token_ids == want
 
 
@@ -295,7 +297,7 @@ def test_generation_stops_at_the_context_limit(hf_checkpoint):
     ({"temperature": float("nan")}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -1}, "top_k"),
+    ({"top_k": -2}, "top_k"),
     ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"seed": -3}, "seed"),
     ({"stop": [""]}, "stop"),

@@ -45,7 +45,7 @@ MAX_BAD_SEQUENCES = 128  # a request's bad words' token sequences at most (two s
 class SamplingParams:
     max_new_tokens: int = 128
     temperature: float = 0.0
-    top_k: int = 0
+    top_k: int = 0  # 0 or -1 (vLLM's): off
     top_p: float = 1.0
     min_p: float = 0.0  # keep tokens at least min_p x the most likely one's probability (0 = off)
     seed: int | None = None
@@ -78,8 +78,8 @@ class SamplingParams:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not math.isfinite(self.temperature) or self.temperature < 0:
             bad(f"temperature must be a finite number >= 0, got {shown(self.temperature)}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            bad(f"top_k must be an integer >= 0 (0 = off), got {shown(self.top_k)}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            bad(f"top_k must be an integer >= 0, or -1 (0 and -1: off, as in vLLM), got {shown(self.top_k)}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             bad(f"top_p must be in (0, 1], got {shown(self.top_p)}")
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
