@@ -1380,3 +1380,65 @@ def test_treeflash_serve_with_chat_parsers(chat_model):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.fixture
+def slow_compiles(monkeypatch):
+    """Every structured output takes `seconds` to compile (a large vocabulary's table
+    does); `compiling` counts those started."""
+    import treeflash.engine.llm as llm_module
+    plain, compiling, seconds = llm_module.token_automaton, [], 2.0
+
+    def slow(*args):
+        compiling.append(1)
+        time.sleep(seconds)
+        return plain(*args)
+    monkeypatch.setattr(llm_module, "token_automaton", slow)
+    return compiling
+
+
+def test_slow_compiles_do_not_hold_up_other_requests(llm, chat_model, slow_compiles):
+    """Eight requests whose constraints compile for seconds each: a plain request sent
+    behind them is answered at once (the compiles have their own threads, not those that
+    read every request), and each constrained one is answered in turn."""
+    with TestClient(build_app(llm, "tiny", ChatTemplate.from_folder(chat_model))) as c:
+        got = {}
+
+        def ask(k):
+            body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "structured_outputs": {"regex": f"{k}[0-9]*"}}
+            got[k] = c.post("/v1/completions", json=body)
+        threads = [threading.Thread(target=ask, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        _wait(lambda: len(slow_compiles) >= 2)
+        start = time.time()
+        r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and time.time() - start < 1.5
+        for t in threads:
+            t.join(60)
+    assert all(got[k].status_code == 200 and got[k].json()["choices"][0]["text"].startswith(str(k)) for k in range(8))
+
+
+def test_draining_answers_requests_being_checked_and_new_ones(llm, chat_model, slow_compiles):
+    """A shutdown that begins while requests wait for their constraints' compile answers
+    them "shutting down" (503, an OpenAI body) at once, not after the compile or the
+    server's grace period with a bare 500; requests after it get the same."""
+    app = build_app(llm, "tiny", ChatTemplate.from_folder(chat_model))
+    with TestClient(app) as c:
+        got = {}
+
+        def ask(k):
+            body = {"prompt": PROMPT, "max_tokens": 4, "structured_outputs": {"regex": f"x{k}[0-9]*"}}
+            got[k] = c.post("/v1/completions", json=body)
+        threads = [threading.Thread(target=ask, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        _wait(lambda: len(slow_compiles) >= 2)
+        start = time.time()
+        threading.Thread(target=app.state.drain).start()  # as the signal handler starts it
+        for t in threads:
+            t.join(60)
+        assert time.time() - start < 1.0
+        late = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+        for r in [*got.values(), late]:
+            assert r.status_code == 503 and r.json()["error"]["message"] == "the server is shutting down"

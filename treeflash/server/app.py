@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -40,6 +40,7 @@ from treeflash.tokenizer import TextStream
 
 _DONE = object()  # end of a streamed job's deltas
 MAX_BODY_BYTES = 32 << 20
+COMPILE_THREADS = 2  # structured outputs compiled at once (each takes up to seconds and a GB or so)
 log = logging.getLogger("treeflash.server")
 
 
@@ -329,6 +330,10 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
     tool_parser, reasoning_parser = chat_parsers(tool_parser, reasoning_parser)
     state = {}
     served = (model_name, *aliases)
+    # a constraint's compile holds its own thread, not one of those that read the other
+    # requests: a few slow ones must not stall every client's admission
+    compiler = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="treeflash-compile")
+    checking: dict[asyncio.Task, asyncio.AbstractEventLoop] = {}  # requests being read and checked: drain ends them
 
     def worker() -> EngineWorker:
         if "worker" not in state:  # apps driven without a lifespan (some test clients) start it here
@@ -378,11 +383,10 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         return error_response(APIError("invalid or missing API key (send 'Authorization: Bearer <key>')",
                                        status=401, type="authentication_error", code="invalid_api_key"))
 
-    def checked(parse, body: dict) -> Request:
-        """The request, with what only the engine checks (min_tokens against its EOS, bad
-        words and structured outputs in its vocabulary; the rest is checked in `parse`),
-        before a stream starts."""
-        req = parse(body)
+    def check(req: Request, body: dict) -> None:
+        """What only the engine checks (min_tokens against its EOS, bad words and
+        structured outputs in its vocabulary, which it compiles; the rest is checked in
+        `parse`), before a stream starts."""
         try:
             llm.check_sampling(req.params)
         except TreeflashError as e:
@@ -395,18 +399,33 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
             if param == "tool_choice" and forced is not None and isinstance(forced.json, dict):
                 message = forced_schema_error(body["tools"], forced.json, message)  # the tool's own terms
             raise APIError(message, param=param or "min_tokens") from None
+
+    async def checked(request: HTTPRequest, parse) -> Request:
+        """The request, read and checked. Tokenizing a long prompt, or compiling a
+        structured output, takes a while: not on the loop that serves the others."""
+        body = await _read_json(request)
+        loop = asyncio.get_running_loop()
+        req = await loop.run_in_executor(None, parse, body)
+        await loop.run_in_executor(compiler if req.params.structured_outputs is not None else None, check, req, body)
         return req
 
     async def serve(request: HTTPRequest, parse) -> JSONResponse | StreamingResponse:
         if (refused := unauthorized(request)) is not None:
             return refused
+        task = asyncio.current_task()
+        checking[task] = asyncio.get_running_loop()
         try:
-            body = await _read_json(request)
-            # tokenizing a long prompt, or compiling a structured output, takes a while: not
-            # on the loop that serves the others
-            req = await asyncio.get_running_loop().run_in_executor(None, checked, parse, body)
+            if state.get("closing"):
+                raise shutting_down()
+            req = await checked(request, parse)
+            if state.get("closing"):  # drained while it was checked
+                raise shutting_down()
         except APIError as e:
             return error_response(e)
+        except asyncio.CancelledError:  # the server is shutting down (`drain`)
+            return error_response(shutting_down())
+        finally:
+            checking.pop(task, None)
         job = worker().submit(req)
         if req.stream:
             return StreamingResponse(stream(job), media_type="text/event-stream")
@@ -494,10 +513,17 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         return error_response(api_error(exc))
 
     def shutdown() -> None:
+        state["closing"] = True
+        compiler.shutdown(wait=False, cancel_futures=True)
         if "worker" in state:
             state.pop("worker").stop()
 
     def drain() -> None:
+        """Shutting down (any thread): requests being checked, queued or generated are
+        answered 503, and new ones too."""
+        state["closing"] = True
+        for task, loop in list(checking.items()):
+            loop.call_soon_threadsafe(task.cancel)
         if "worker" in state:
             state["worker"].drain()
 
