@@ -40,7 +40,8 @@ from treeflash.tokenizer import TextStream
 
 _DONE = object()  # end of a streamed job's deltas
 MAX_BODY_BYTES = 32 << 20
-COMPILE_THREADS = 2  # structured outputs compiled at once (each takes up to seconds and a GB or so)
+COMPILE_THREADS = 1  # structured outputs compiled at once: mostly Python, so a second thread would mostly
+                     # take the interpreter from the others (a plain request 0.7 s -> 2.7 s behind 8 compiles)
 log = logging.getLogger("treeflash.server")
 
 
