@@ -461,13 +461,15 @@ FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parame
 
 
 def test_forced_calls_schema_keeps_each_tools_definitions():
-    """A tool's own $defs (pydantic's) resolve in the schema of the whole answer; a tool
-    that lists no parameters is called with {}."""
+    """A tool's own $defs (pydantic's) resolve in the schema of the whole answer (its root's
+    $id, which would make it a resource of its own, is dropped); a tool that lists no
+    parameters is called with {}."""
     import re
 
     from treeflash.server.answers import forced_calls_schema
     from treeflash.structured.json_schema import schema_regex
-    loc = {"type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
+    loc = {"$id": "https://example.com/f", "type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}},
+           "required": ["loc"],
            "$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
     other = {"type": "object", "properties": {"loc": {"$ref": "#/definitions/Loc"}}, "required": ["loc"],
              "definitions": {"Loc": {"type": "object", "properties": {"zip": {"type": "integer"}},

@@ -159,6 +159,8 @@ def test_pattern_never_produces_what_json_must_escape():
     check({"type": "string", "pattern": "^[^a-]+$"}, good=["bcd"], bad=["-", "a"])
     check({"type": "string", "pattern": "^\\w+\\s\\w+$"}, good=["hello world"], bad=["hello\tworld"])
     check({"type": "string", "pattern": "^[\\s\\d]+$"}, good=["1 2"], bad=["1\t2"])
+    check({"type": "string", "pattern": "^\\S+$"}, good=["a-b", "日本"], bad=["a\u00a0b", "a\u3000b", "a b"])
+    check({"type": "string", "pattern": "^\\s$"}, good=[" ", "\u3000"], bad=["a"])
     check({"type": "string", "pattern": "^\\x41\\u00e9[\\x00-\\x7f]$"}, good=["Aéz"], bad=["Aé\x01", 'Aé"'])
 
 
@@ -360,6 +362,11 @@ def test_refs():
 
 
 def test_reference_and_combination_refusals():
+    # an embedded resource's references resolve from it, not from the root: refused, not misread
+    inner = {"$id": "https://example.com/a", "$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x"}
+    refused({"$defs": {"x": {"type": "string"}}, "type": "object", "properties": {"a": inner}},
+            "'$id' at $.properties.a")
+    check({"$id": "https://example.com/root", "type": "integer"}, good=[1])  # the root's own is descriptive
     node = {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}}}
     refused({"$defs": {"Node": node}, "$ref": "#/$defs/Node"}, "'$ref' at $.$defs.Node.properties.next", "recursive")
     refused({"$ref": "#/$defs/Missing"}, "'$ref' at $", "not defined")

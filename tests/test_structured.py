@@ -47,6 +47,19 @@ def test_the_automaton_matches_what_python_re_matches(pattern):
     assert hits > 0, "no sample matched: the test would not notice a wrong automaton"
 
 
+def test_white_space_escapes_mean_what_ecma_and_json_schema_mean():
+    """\\s is ECMA-262's white space (Unicode's, as JSON Schema patterns mean it), so \\S
+    and [^\\s] never take a no-break or ideographic space for a visible character."""
+    spaces = " \t\n\u00a0\u1680\u2003\u2028\u202f\u3000\ufeff"
+    for pattern in (r"\S+", r"[^\s]+"):
+        dfa = compile_regex(pattern)
+        assert dfa.matches("aé日-".encode())
+        assert not any(dfa.matches(f"a{c}b".encode()) for c in spaces)
+    dfa = compile_regex(r"\s")
+    assert all(dfa.matches(c.encode()) for c in spaces)
+    assert not any(dfa.matches(c.encode()) for c in "a\u200b\x1c\x85")  # not white space to ECMA
+
+
 def test_the_automaton_reads_utf8_bytes():
     dfa = compile_regex(".*")
     assert dfa.matches("é€😀".encode())

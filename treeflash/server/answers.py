@@ -180,7 +180,9 @@ def _hoisted(schema: dict, prefix: str) -> tuple[dict, dict]:
         return {k: ({n: renamed(v) for n, v in sub.items()} if k in ("properties", "patternProperties")
                     and isinstance(sub, dict) else renamed(sub, k in ("const", "enum", "default", "examples")))
                 for k, sub in node.items()}
-    return renamed({k: v for k, v in schema.items() if k not in names}), {k: renamed(v) for k, v in own.items()}
+    # its root's $id goes too: its references resolve from the answer's root now
+    return (renamed({k: v for k, v in schema.items() if k not in names and k != "$id"}),
+            {k: renamed(v) for k, v in own.items()})
 
 
 def _tag_start(text: str, tag: str) -> int:

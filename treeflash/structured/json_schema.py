@@ -14,16 +14,18 @@ writes them (no leading zeros); enum and const values as `json.dumps` writes the
 (non-ASCII characters raw). Strings take any JSON string, escapes included.
 
 Supported: `type` (one or a list); string `minLength`, `maxLength`, `format` (date,
-time, date-time, uuid; days 01-31 whatever the month) and `pattern`; integer `minimum`
-or `exclusiveMinimum` meaning >= 0 or >= 1; array `items`, `minItems`, `maxItems`;
-object `properties`, `required`; `enum`, `const`, `anyOf`, `oneOf` (treated as anyOf:
-exclusivity is not enforced), `allOf` of one schema, `$ref` to `#/$defs/...` or
-`#/definitions/...` (not recursive), OpenAPI's `nullable`.
+time, date-time, uuid; days 01-31 whatever the month, a leap second in any minute) and
+`pattern`; integer `minimum` or `exclusiveMinimum` meaning >= 0 or >= 1; array `items`,
+`minItems`, `maxItems`; object `properties`, `required`; `enum`, `const`, `anyOf`,
+`oneOf` (treated as anyOf: exclusivity is not enforced), `allOf` of one schema, `$ref`
+to `#/$defs/...` or `#/definitions/...` (not recursive, and not inside a `$id` below
+the root), OpenAPI's `nullable`.
 
 A `pattern` must be anchored with ^ and $ and use the regex dialect (no lookarounds,
 backreferences or flags; no alternation outside a group). Its characters are generated
 unescaped: `.`, negated classes and \\D \\W \\S leave out `"`, `\\` and control characters,
-\\s stands for a space, classes lose those characters, and a pattern that names one
+\\s stands for a space (or another white space character that is no control character),
+classes lose those characters, and a pattern that names one
 elsewhere is refused.
 """
 from __future__ import annotations
@@ -176,6 +178,8 @@ class _Compiler:
             _refuse(f"any JSON value at {path} is not supported: give a type")
         if not isinstance(schema, dict):
             _refuse(f"the schema at {path} must be an object, got {shown(schema)}")
+        if "$id" in schema and schema is not self.root:  # $ref inside it would resolve from it
+            _refuse(f"'$id' at {path} is not supported: a schema's references resolve from its root")
         nullable = schema.get("nullable", False)
         if not isinstance(nullable, bool):
             _refuse(f"'nullable' at {path} must be true or false")

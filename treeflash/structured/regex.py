@@ -8,8 +8,9 @@ and builds one: Thompson NFA, subset construction over byte classes, Moore minim
 
 The dialect (a pattern always matches the whole text):
 literals and escaped punctuation; \\n \\t \\r \\f \\v \\0 \\xHH \\uHHHH \\UHHHHHHHH;
-\\d \\w \\s and their negations (ASCII meanings, as JSON-schema tools use them); `.` (any
-character but newline); classes [...] and [^...]; groups ( ), (?: ), (?P<name> );
+\\d \\w \\s and their negations (ECMA-262's meanings, which JSON Schema's patterns use:
+\\d and \\w ASCII, \\s Unicode's white space and line terminators); `.` (any character
+but newline); classes [...] and [^...]; groups ( ), (?: ), (?P<name> );
 alternation; quantifiers * + ? {m} {m,} {,n} {m,n}, greedy or lazy (the same language).
 A leading ^ and a trailing $ are allowed and mean nothing more. Refused, with the
 reason: other anchors, backreferences, lookarounds, inline flags, possessive quantifiers.
@@ -40,7 +41,10 @@ MAX_PATTERN_CHARS = 1_000_000  # a longer pattern is refused before it is parsed
 
 _DIGIT = [(0x30, 0x39)]
 _WORD = [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)]
-_SPACE = [(0x09, 0x0D), (0x20, 0x20)]
+# ECMA-262's \s (JSON Schema's patterns are ECMA's): white space and line terminators, Unicode's
+# too, so that \S never takes a no-break or ideographic space for a letter
+_SPACE = [(0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
+          (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF)]
 # what str.lstrip removes (Unicode whitespace): the reasoning parser drops it after the closing tag
 _PY_SPACE = [(0x09, 0x0D), (0x1C, 0x20), (0x85, 0x85), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
              (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000)]
