@@ -154,6 +154,32 @@ def test_bad_generation_config_eos(capsys, broken):
                  "generation_config.json", "eos_token_id")
 
 
+def test_options_left_out_take_the_models_generation_config(capsys, broken, model):
+    """As LLM.generate and the server: a sampling option left out takes the model's
+    generation_config.json value (with a note saying so), one given wins, and
+    --generation-config none takes SamplingParams' own defaults. A bad value is refused
+    naming the file."""
+    import treeflash
+    path = broken / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**config, "max_new_tokens": 5, "repetition_penalty": 1.3}))
+    prompt = ENGINE_PROMPTS[1]
+    want = treeflash.LLM(model, device="cpu").generate(
+        prompt, treeflash.SamplingParams(max_new_tokens=5, repetition_penalty=1.3, ignore_eos=True))[0]
+    rc, out, err = run(capsys, prompt, "--model", broken, "--device", "cpu", "--json", "--ignore-eos")
+    assert rc == 0, err
+    assert json.loads(out)["token_ids"] == want.token_ids
+    assert "max_new_tokens 5, repetition_penalty 1.3 from the model's generation_config.json" in err
+    rc, out, err = run(capsys, prompt, "--model", broken, "--device", "cpu", "--json", "--ignore-eos",
+                       "--max-new-tokens", 3, "--repetition-penalty", 1)
+    assert rc == 0 and len(json.loads(out)["token_ids"]) == 3 and "generation_config" not in err
+    rc, out, err = run(capsys, prompt, "--model", broken, "--device", "cpu", "--json", "--ignore-eos",
+                       "--generation-config", "none")
+    assert rc == 0 and len(json.loads(out)["token_ids"]) == 128 and "generation_config" not in err
+    path.write_text(json.dumps({**config, "top_p": 0}))
+    assert_error(*run(capsys, prompt, "--model", broken, "--device", "cpu"), 2, "generation_config.json", "top_p")
+
+
 def test_integer_weights_are_refused(capsys, broken):
     """int8 tensors under the usual names (quantized checkpoints) must not be cast to
     float and run as garbage."""
@@ -310,7 +336,7 @@ def test_prompt_longer_than_max_position_embeddings(capsys, broken):
     (["--temperature", "-1"], ["temperature"]),
     (["--top-p", "0"], ["top_p"]),
     (["--top-p", "1.5"], ["top_p"]),
-    (["--top-k", "-1"], ["top_k"]),
+    (["--top-k", "-2"], ["top_k"]),
     (["--min-p", "1.5"], ["min_p"]),
     (["--min-tokens", "5", "--max-new-tokens", "4"], ["min_tokens"]),
     (["--logit-bias", '{"x": 1}'], ["logit-bias"]),

@@ -83,24 +83,30 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "in higher precision (an FP8 checkpoint loads as it is)")
 
 
+_FROM_MODEL = "; left out: the model's generation_config.json value, else "
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0,
-                   help="keep tokens at least this times as likely as the most likely one (0 = off)")
+    p.add_argument("--max-new-tokens", type=int, help="tokens to generate at most" + _FROM_MODEL + "128")
+    p.add_argument("--temperature", type=float, help="0 = greedy" + _FROM_MODEL + "0")
+    p.add_argument("--top-k", type=int, help="0 or -1 = off" + _FROM_MODEL + "off")
+    p.add_argument("--top-p", type=float, help="nucleus sampling, in (0, 1]" + _FROM_MODEL + "1")
+    p.add_argument("--min-p", type=float, help="keep tokens at least this times as likely as the most likely one "
+                                                "(0 = off)" + _FROM_MODEL + "off")
+    p.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+                   help="auto (default): options left out take the model's generation_config.json values, as "
+                        "LLM.generate, the server and vLLM do; none: greedy, 128 tokens, no filters or penalty")
     p.add_argument("--seed", type=int, help="per-request seed (same seed, same tokens)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids",
                    help="token id that ends generation as EOS does (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true", help="generate past EOS (stop tokens and strings still end)")
     p.add_argument("--min-tokens", type=int, default=0, help="no EOS, stop token or stop string before this many")
     p.add_argument("--truncate-prompt-tokens", type=int, metavar="K",
                    help="keep only each prompt's last K tokens (-1: as many as fit the context)")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's, > 0 (1 = off)")
+    p.add_argument("--repetition-penalty", type=float, help="vLLM's, > 0 (1 = off)" + _FROM_MODEL + "off")
     p.add_argument("--bad-word", action="append", dest="bad_words", metavar="WORD",
                    help="never generated (repeatable; vLLM's bad_words)")
     p.add_argument("--logit-bias", type=_logit_bias, metavar="JSON",
@@ -130,17 +136,36 @@ def make_llm(args):
                quantization=args.quantization)
 
 
-def sampling_from(args):
+def sampling_from(args, model_defaults: dict | None = None):
+    """The options' SamplingParams; those left out of GENERATION_KEYS take `model_defaults`
+    (the model's generation_config.json values) over SamplingParams' own."""
     from treeflash import SamplingParams
-    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop,
+    from treeflash.engine.sampling import GENERATION_KEYS
+    base = SamplingParams(**(model_defaults or {}))
+    chosen = {k: getattr(base, k) if getattr(args, k) is None else getattr(args, k) for k in GENERATION_KEYS}
+    return SamplingParams(**chosen, seed=args.seed, stop=args.stop,
                           stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
                           min_tokens=args.min_tokens, logit_bias=args.logit_bias,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          repetition_penalty=args.repetition_penalty,
                           truncate_prompt_tokens=args.truncate_prompt_tokens,
                           logprobs=getattr(args, "logprobs", None),
                           structured_outputs=structured_from(args), bad_words=args.bad_words).validate()
+
+
+def model_sampling_defaults(args) -> dict:
+    """The model's generation_config.json values for the options left out (with a note
+    saying which apply), or none with --generation-config none."""
+    from treeflash.engine.llm import builtin_paths
+    from treeflash.engine.sampling import generation_defaults
+    if args.generation_config == "none":
+        return {}
+    got = generation_defaults(Path(args.model) if args.model else builtin_paths()[0])
+    applied = {k: v for k, v in got.items() if getattr(args, k) is None}
+    if applied:
+        told = ", ".join(f"{k} {v}" for k, v in applied.items())
+        print(f"treeflash: note: {told} from the model's generation_config.json (--generation-config none for "
+              f"greedy)", file=sys.stderr)
+    return got
 
 
 def structured_from(args):
@@ -204,7 +229,7 @@ def cmd_generate(args) -> int:
     from treeflash.chat import ChatFormat
     from treeflash.tokenizer import TextStream
     prompts = read_prompts(args)
-    params = sampling_from(args)
+    params = sampling_from(args, model_sampling_defaults(args))
     if params.logprobs is not None and not args.json:
         raise UsageError("--logprobs needs --json (they are printed with the tokens)")
     if args.max_batch < 1:

@@ -435,7 +435,8 @@ class LLM:
     def _chat_text(self, messages: list[dict], fmt: ChatFormat, tools: list[dict] | None) -> str:
         if self.chat_template is None:
             raise UsageError(f"{self.model_path} has no chat template (tokenizer_config.json 'chat_template' "
-                             "or chat_template.jinja): use generate")
+                             "or chat_template.jinja): give plain prompts (LLM.generate; treeflash generate "
+                             "without --chat; the server's /v1/completions)")
         return self.chat_template.prompt(messages, fmt, tools)
 
     def encode(self, prompt: str | list[int], special: bool = True, truncate: int | None = None) -> list[int]:

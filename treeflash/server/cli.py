@@ -49,7 +49,9 @@ def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
                         "chat template writes them into the prompt and the answer's calls come back as "
                         "tool_calls (hermes: <tool_call>{...}</tool_call>, as Qwen2.5, Qwen3 and Hermes write them; "
                         "llama3_json: an answer of JSON calls, as Llama 3.1-3.3; openai: gpt-oss's Harmony messages "
-                        "to functions.NAME, with --reasoning-parser openai_gptoss, which it implies)")
+                        "to functions.NAME, with --reasoning-parser openai_gptoss, which it implies). A "
+                        "tool_choice that forces a call ('required' or a named function) needs no parser: the "
+                        "answer is constrained to the calls")
     s.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no line per request on stdout (as vLLM's flag; /health and /metrics are never logged)")
     s.set_defaults(func=cmd_serve)

@@ -60,7 +60,8 @@ def _train_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g.add_argument("--out", metavar="DIR", help="where to export the checkpoint (default RUN/model)")
     g.add_argument("--resume", action="store_true",
                    help="continue the run in --run, with its options; only the budget, the intervals, "
-                        "--device and the export may change")
+                        "--device, the export, --tau-prompts / --tau-new-tokens and a moved --generated file "
+                        "may change (TRAINING.md)")
     g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps in total")
     g.add_argument("--max-minutes", type=float, help="stop after this much training time in total")
     for name, kind, text in (
