@@ -75,7 +75,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (they are on by default on CUDA)")
     p.add_argument("--draft-mode", default="coupled", choices=["scaled", "coupled"],
-                   help="trees at T > 0: temperature-scaled draft, or coupled to the target's noise")
+                   help="trees at T > 0: temperature-scaled draft, or coupled to the target's noise (default coupled)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: N processes, one per GPU "
                                                      "(gloo on CPU); under torchrun, WORLD_SIZE")
     p.add_argument("--quantization", choices=["fp8"],
