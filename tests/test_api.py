@@ -58,6 +58,10 @@ def test_a_single_prompt_and_token_id_prompts(llm):
 def test_max_new_tokens_is_respected(llm, n):
     out = llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=n, ignore_eos=True))[0]
     assert len(out.token_ids) == n and out.stats["new_tokens"] == n and out.finish_reason == "length"
+    # vLLM's name for it: code written for vLLM runs as it is
+    assert llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids == out.token_ids
+    with pytest.raises(UsageError, match="max_tokens or max_new_tokens, not both"):
+        SamplingParams(max_tokens=n, max_new_tokens=n + 1)
 
 
 def test_default_dtype_and_explicit_dtypes(hf_checkpoint):

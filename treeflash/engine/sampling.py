@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 
 import torch
@@ -65,8 +65,13 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as fit)
     structured_outputs: StructuredOutputs | None = None  # the text must match a JSON schema, regex or choice
     bad_words: list[str] | None = None  # never generated: a word's last token is banned where it would end it
+    max_tokens: InitVar[int | None] = None  # vLLM's name for max_new_tokens: code written for vLLM runs as it is
 
-    def __post_init__(self):
+    def __post_init__(self, max_tokens: int | None = None):
+        if max_tokens is not None:
+            if self.max_new_tokens not in (128, max_tokens):
+                raise UsageError("invalid sampling parameters: give max_tokens or max_new_tokens, not both")
+            self.max_new_tokens = max_tokens
         self.validate()  # where the caller makes it, as in vLLM; `generate` checks the vocabulary too
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
