@@ -180,6 +180,30 @@ def test_options_left_out_take_the_models_generation_config(capsys, broken, mode
     assert_error(*run(capsys, prompt, "--model", broken, "--device", "cpu"), 2, "generation_config.json", "top_p")
 
 
+def test_a_hub_id_loads_from_the_hugging_face_cache(capsys, model, tmp_path, monkeypatch):
+    """--model org/name (and LLM("org/name")) reads the snapshot that huggingface-cli and
+    transformers left in the cache (refs/main's), as vLLM does offline; an id not cached
+    says so, and that nothing is downloaded."""
+    import shutil
+
+    import treeflash
+    repo = tmp_path / "hub" / "models--org--tiny"
+    shutil.copytree(model, repo / "snapshots" / "abc123")
+    (repo / "snapshots" / "old").mkdir()  # an older snapshot without a config: not taken
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123\n")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    args = (ENGINE_PROMPTS[0], "--device", "cpu", "--json", "--max-new-tokens", 4, "--ignore-eos")
+    rc, out, err = run(capsys, *args, "--model", "org/tiny")
+    assert rc == 0, err
+    rc, want, err = run(capsys, *args, "--model", model)
+    assert json.loads(out)["token_ids"] == json.loads(want)["token_ids"]
+    assert treeflash.LLM("org/tiny", device="cpu").model_path == repo / "snapshots" / "abc123"
+    assert_error(*run(capsys, *args, "--model", "org/absent"), 1, "model folder not found: org/absent",
+                 "Hugging Face cache", "does not download")
+
+
 def test_integer_weights_are_refused(capsys, broken):
     """int8 tensors under the usual names (quantized checkpoints) must not be cast to
     float and run as garbage."""

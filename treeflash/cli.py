@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from treeflash.errors import TreeflashError, UsageError, shown
+from treeflash.files import model_folder
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,7 +65,8 @@ def read_prompts(args) -> list[str]:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="target checkpoint folder (default: the built-in model)")
+    p.add_argument("--model", help="target checkpoint folder, or a hub id in the Hugging Face cache (default: the "
+                                   "built-in model)")
     p.add_argument("--draft-model", help="DFlash drafter checkpoint folder (default with the built-in model: its drafter)")
     p.add_argument("--method", choices=["ar", "dflash", "ddtree"],
                    help="decoding method (default: ddtree with a drafter, else ar)")
@@ -323,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if not getattr(args, "func", None):
             raise UsageError("no command given (try: treeflash generate --help)")
+        args.model_id = getattr(args, "model", None)  # as given: a hub id is served under its name
+        for name in ("model", "draft_model"):  # a hub id reads its Hugging Face cache's copy
+            if getattr(args, name, None):
+                setattr(args, name, str(model_folder(getattr(args, name))))
         return args.func(args)
     except UsageError as e:
         print(f"treeflash: error: {e}", file=sys.stderr)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from treeflash.errors import TreeflashError
-from treeflash.files import read_json_object
+from treeflash.files import is_hub_id, read_json_object
 
 TARGET_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
                         "Qwen3MoeForCausalLM": "qwen3_moe", "GptOssForCausalLM": "gpt_oss"}
@@ -35,7 +35,9 @@ def read_config_json(path: str | Path, what: str = "model") -> dict:
         raise TreeflashError(f"empty {what} path")
     folder = Path(path)
     if not folder.exists():
-        raise TreeflashError(f"{what} folder not found: {folder}")
+        hint = (f" (nor in the Hugging Face cache: treeflash does not download; fetch it first, e.g. "
+                f"`huggingface-cli download {path}`)") if is_hub_id(str(path)) else ""
+        raise TreeflashError(f"{what} folder not found: {folder}{hint}")
     if not folder.is_dir():
         raise TreeflashError(f"{what} path is not a folder: {folder}")
     cfg = folder / "config.json"

@@ -4,6 +4,8 @@ where required, not a file, unreadable, not UTF-8, not JSON, nested past the par
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 from treeflash.errors import TreeflashError
@@ -45,3 +47,35 @@ def read_json_object(path: str | Path, missing_ok: bool = True) -> dict:
 def _named(path: str | Path) -> str:
     path = Path(path)
     return f"{path.name} in {path.parent}"
+
+
+def is_hub_id(name) -> bool:
+    """Whether `name` reads as a Hugging Face hub id ("org/name")."""
+    return isinstance(name, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None
+
+
+def hub_snapshot(name: str) -> Path | None:
+    """The local copy of hub id `name` in the Hugging Face cache (HF_HUB_CACHE, or
+    HF_HOME/hub, or ~/.cache/huggingface/hub), where `huggingface-cli download` and
+    transformers put it: the snapshot its refs/main names, else the newest; None if none.
+    Nothing is downloaded: the machines that serve models often cannot."""
+    if not is_hub_id(name):
+        return None
+    home = Path(os.environ.get("HF_HOME") or Path("~/.cache/huggingface").expanduser())
+    repo = Path(os.environ.get("HF_HUB_CACHE") or home / "hub") / ("models--" + name.replace("/", "--"))
+    try:
+        main = (repo / "refs" / "main").read_text().strip() if (repo / "refs" / "main").is_file() else ""
+        if main and (repo / "snapshots" / main / "config.json").is_file():
+            return repo / "snapshots" / main
+        snapshots = [p for p in (repo / "snapshots").iterdir() if (p / "config.json").is_file()]
+    except OSError:
+        return None
+    return max(snapshots, key=lambda p: p.stat().st_mtime, default=None)
+
+
+def model_folder(path):
+    """`path` if it exists (or is None), else the cached snapshot of the hub id it names
+    (`hub_snapshot`), else `path` (whose loading then says it was not found)."""
+    if path is None or Path(path).exists():
+        return path
+    return hub_snapshot(str(path)) or path

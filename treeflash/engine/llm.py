@@ -30,6 +30,7 @@ from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import (build_on, check_model_size, check_sizes, load_weights, stored_shapes,
                                      weights_dtype)
 from treeflash.models.transformer import CausalLM
+from treeflash.files import model_folder
 from treeflash.structured.grammar import TokenAutomaton, token_automaton
 from treeflash.tokenizer import CONTEXT_TOKENS, Tokenizer, stop_cut
 
@@ -234,6 +235,7 @@ class LLM:
         for name, path in (("model", model), ("draft_model", draft_model)):
             if path is not None and not isinstance(path, (str, Path)):
                 raise UsageError(f"{name} must be a folder path, got {path!r}")
+        model, draft_model = model_folder(model), model_folder(draft_model)  # or a hub id, from its cache
         if isinstance(max_budget, bool) or not isinstance(max_budget, int) or max_budget < 1:
             raise UsageError(f"max_budget must be an integer >= 1, got {max_budget!r}")
         if method is not None and (not isinstance(method, str) or method not in METHODS):

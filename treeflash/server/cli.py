@@ -110,8 +110,11 @@ def cmd_serve(args) -> int:
         if given and template is None:
             raise UsageError(f"{flag} needs a model with a chat template (it acts on chat answers)")
     defaults = SamplingDefaults.from_folder(folder) if args.generation_config == "auto" else SamplingDefaults()
-    names = args.served_model_name or [folder.resolve().name if args.model else "treeflash-builtin",
-                                       *([args.model] if args.model else [])]
+    if args.model and args.model != args.model_id:  # a hub id, read from its cache: served under the id (vLLM)
+        names = args.served_model_name or [args.model_id]
+    else:
+        names = args.served_model_name or [folder.resolve().name if args.model else "treeflash-builtin",
+                                           *([args.model] if args.model else [])]
     name, aliases = names[0], tuple(n for n in dict.fromkeys(names[1:]) if n != names[0])
     llm = make_llm(args)
     warm_up(llm, defaults.max_tokens)
