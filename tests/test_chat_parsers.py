@@ -326,7 +326,7 @@ def test_tools_need_a_parser():
 
 THOUGHT = "<think>\nThe user wants Paris.\n</think>\n\n"
 REASONED = [THOUGHT + "It is sunny.", THOUGHT + CALL, "<think>\ncut off before the e", "No thinking here.",
-            "<thin", "", "<think></think>answer", "</think> ends nothing"]
+            "<thin", "", "<think></think>answer", "</think> ends nothing", "\n <think>r</think>x", "  \n"]
 
 
 @pytest.mark.parametrize("text", REASONED)
@@ -349,6 +349,24 @@ def test_split_reasoning():
     assert split_reasoning("step 1\n</think>\nDone.", "deepseek_r1") == ("step 1\n", "Done.")
     assert split_reasoning("No end tag", "deepseek_r1") == ("No end tag", "")
     assert split_reasoning(REASONED[6], "qwen3") == (None, "answer")
+    for parser in ("qwen3", "deepseek_r1"):  # the opening tag after white space
+        assert split_reasoning(REASONED[8], parser) == ("r", "x")
+    assert split_reasoning("  \n", "qwen3") == (None, "  \n")
+
+
+def test_a_prompt_that_opens_the_reasoning_is_read_from_inside_it():
+    """A Qwen3 prompt that ends with <think> (Qwen3-Thinking-2507's template; a final
+    message continued inside the block) leaves the answer inside its reasoning: qwen3's
+    parser reads it as deepseek_r1 does, so `...</think>` is not content."""
+    from treeflash.chat import ChatTemplate
+    from treeflash.server.protocol import parse_chat
+    body = {"messages": MESSAGES[:1], "max_tokens": 8}
+    for prompt_end, parser in (("<think>\n", "deepseek_r1"), ("", "qwen3"), ("<think>\n\n</think>\n\n", "qwen3")):
+        template = ChatTemplate("{{ messages[0].content }}\nassistant: " + prompt_end.replace("\n", "{{ '\\n' }}"))
+        req = parse_chat(body, ("m",), template, lambda text, **kw: [1] * 4, 100, reasoning_parser="qwen3")
+        assert req.reasoning == parser and req.reasoned == (prompt_end.count("<") != 2), prompt_end
+    reasoning, content, _ = MessageStream("deepseek_r1").push("I should say hi.</think>\n\nHi!", final=True)
+    assert (reasoning, content) == ("I should say hi.", "Hi!")
 
 
 def test_reasoning_comes_back_apart_and_calls_after_it(scripted, answer):
@@ -409,12 +427,14 @@ def test_llm_chat_writes_the_tools_into_the_prompt(scripted):
 LLAMA_ANSWERS = ['{"name": "get_weather", "parameters": {"city": "Paris"}}',
                  '<|python_tag|> {"name": "f", "parameters": {}}; {"name": "g", "arguments": {"x": [1, 2]}}',
                  ' \n{"name": "f"}', "Hello {\"name\": \"f\"}", '{"name": "f", "parameters": {', "{not json}",
-                 '{"name": "f"} and more', "<|python", ""]
+                 '{"name": "f"} and more', "<|python", "", '{"name": "Alice", "age": 30}',
+                 '{"name": "f", "parameters": {}}; {"name": "Bob", "city": "Paris"}']
 
 
 def test_llama3_json_calls():
-    """Llama 3.1-3.3 answer a call with the whole answer: JSON objects, ';' between them,
-    after an optional <|python_tag|>; anything else is text."""
+    """Llama 3.1-3.3 answer a call with the whole answer: JSON objects of a name and its
+    parameters, ';' between them, after an optional <|python_tag|>; anything else is text
+    (a JSON answer with a "name" among other keys too)."""
     content, calls = split_tool_calls(LLAMA_ANSWERS[0], "llama3_json")
     assert content is None and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     content, calls = split_tool_calls(LLAMA_ANSWERS[1], "llama3_json")
@@ -565,3 +585,16 @@ def test_a_forced_call_is_a_call_without_a_parser(choice, names):
         assert [c["function"] for c in streamed] == [c["function"] for c in calls]
         one = client.post("/v1/chat/completions", json={**body, "parallel_tool_calls": False}).json()
         assert len(one["choices"][0]["message"]["tool_calls"]) == 1
+
+
+def test_a_long_call_streamed_in_small_pieces_is_read_in_linear_time():
+    """The server's event loop reads every stream: a 200 KB call pushed 4 characters at a
+    time took 5 s when each piece searched the whole block for its end again."""
+    import time
+    text = '<tool_call>{"name": "f", "arguments": {"x": "' + "a" * 200_000 + '"}}</tool_call>'
+    stream, calls, start = MessageStream(None, "hermes"), [], time.perf_counter()
+    for i in range(0, len(text), 4):
+        calls += stream.push(text[i:i + 4])[2]
+    calls += stream.push("", final=True)[2]
+    assert time.perf_counter() - start < 1.5
+    assert [c["function"]["name"] for c in calls] == ["f"] and len(calls[0]["function"]["arguments"]) > 200_000

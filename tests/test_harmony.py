@@ -97,6 +97,21 @@ def test_cut_off_and_out_of_format_answers():
     assert split(ANSWERS[14]) == ("", "{}", [])
 
 
+def test_messages_to_other_recipients_are_neither_calls_nor_content():
+    """Only messages to functions.NAME are the request's calls: one to a built-in tool
+    (python, browser.search) or a tool's reply the model went on to invent (ignore_eos)
+    is dropped, as vLLM drops it, not shown as content or as an undeclared call."""
+    browser = '<|start|>assistant<|channel|>analysis to=browser.search code<|message|>{"query": "x"}<|call|>'
+    python = "<|start|>assistant<|channel|>analysis to=python code<|message|>print(2**10)<|call|>"
+    invented = '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"temp": 20}<|end|>'
+    for text in (THINK + browser, THINK + python):
+        assert split(text) == ("User asks 2+2. Simple: 4.", "", [])
+    assert split(CALLED + invented) == split(CALLED)
+    assert split(THINK + python + FINAL)[1] == "The answer is 4."
+    for at in range(len(CALLED + invented) + 1):
+        assert streamed(CALLED + invented, [at]) == split(CALLED), at
+
+
 def test_without_the_tool_parser_a_call_is_content():
     """No `openai` tool parser (or tool_choice 'none'): the call's arguments are content."""
     assert split(CALLED, tools=False) == ("Need the weather.", '{"city": "Paris"}', [])

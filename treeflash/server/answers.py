@@ -204,12 +204,13 @@ class ReasoningStream:
         self.held += text
         reasoning = rest = ""
         while True:
-            if self.state == "start":
-                if _tag_start(self.held, THINK) == len(self.held):
+            if self.state == "start":  # the opening tag may follow white space
+                lead = self.held.lstrip()
+                if _tag_start(lead, THINK) == len(lead):
                     return reasoning, rest  # not yet known
-                opened = self.held.startswith(THINK)
+                opened = lead.startswith(THINK)
                 if opened:
-                    self.held = self.held[len(THINK):]
+                    self.held = lead[len(THINK):]
                 self.state = "thinking" if opened or self.parser == "deepseek_r1" else "answer"
             elif self.state == "thinking":
                 at = self.held.find(END_THINK)
@@ -270,6 +271,8 @@ class ToolCallStream:
     def __init__(self):
         self.held, self.in_block, self.calls = "", False, 0
         self.blank, self.sent = "", False  # trailing whitespace held back; any content sent yet
+        self.searched = 0  # how much of a block's text is known not to hold its end (a long call
+        # streamed in small pieces is searched once, not once per piece)
 
     def push(self, text: str) -> tuple[str, list[dict]]:
         self.held += text
@@ -283,10 +286,11 @@ class ToolCallStream:
                     self.held = self.held[keep:]
                     return content, calls
                 content += self._content(self.held[:at])
-                self.held, self.in_block = self.held[at + len(CALL):], True
+                self.held, self.in_block, self.searched = self.held[at + len(CALL):], True, 0
             else:
-                at = self.held.find(END_CALL)
+                at = self.held.find(END_CALL, self.searched)
                 if at < 0:
+                    self.searched = max(0, len(self.held) - len(END_CALL) + 1)
                     return content, calls
                 content += self._block(self.held[:at], calls, closed=True)
                 self.held, self.in_block = self.held[at + len(END_CALL):], False
@@ -345,7 +349,10 @@ class JsonCallStream:
         try:
             while at < len(body):
                 obj, at = decoder.raw_decode(body, at)
-                calls.append(_openai_call(obj))
+                # a call holds a name and its arguments, nothing else: a JSON answer that has a
+                # "name" among its keys ({"name": "Alice", "age": 30}) is an answer
+                call = isinstance(obj, dict) and obj.keys() <= {"name", "arguments", "parameters", "type"}
+                calls.append(_openai_call(obj) if call else None)
                 at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
         except (ValueError, RecursionError):
             calls = [None]
@@ -471,11 +478,15 @@ class HarmonyStream:
             channel = (m.group(1) if (m := _CHANNEL.search(header)) else None)
             recipient = (m.group(1) if (m := _RECIPIENT.search(header)) else None)
         self.recipient, self.body, self.started, self.state = recipient, "", False, "body"
-        self.route = "call" if recipient and self.read_calls else "reasoning" if channel == "analysis" \
-            and not recipient else "content"
+        if recipient and self.read_calls:  # a call of the request's functions; a message to anyone else
+            # (a built-in tool such as python or browser, or a tool's reply the model went on to
+            # invent) is neither the answer nor a call the client can run: dropped, as vLLM does
+            self.route = "call" if recipient.startswith("functions.") else "drop"
+        else:
+            self.route = "reasoning" if channel == "analysis" and not recipient else "content"
 
     def _text(self, text: str, out: dict) -> None:
-        if not text:
+        if not text or self.route == "drop":
             return
         if self.route == "call":
             self.body += text

@@ -476,6 +476,10 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
     # a prompt that ends with the closing tag (Qwen3 with enable_thinking false) leaves the answer no reasoning
     tags = REASONING_TAGS.get(reasoning_parser)
     reasoned = reasoning_parser is not None and not (tags and text.rstrip().endswith(tags[1]))
+    if reasoned and tags and tags[0] and text.rstrip().endswith(tags[0]):
+        # one that ends with the opening tag (Qwen3-Thinking-2507's template, or a continued
+        # final message inside it) leaves the answer inside its reasoning: read as deepseek_r1 reads it
+        reasoning_parser = next(p for p, t in REASONING_TAGS.items() if t == (None, tags[1]))
     if reasoned and params.structured_outputs is not None:  # the answer reasons first (vLLM's)
         params = replace(params, structured_outputs=replace(params.structured_outputs, reasoning=reasoning_parser))
     params, k = _with_prompt_logprobs(body, params, stream)
