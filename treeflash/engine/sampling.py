@@ -39,11 +39,12 @@ MAX_PENALTY = 2.0       # presence / frequency penalties' bound, as OpenAI's
 MAX_REPETITION_PENALTY = 1e30  # it and its reciprocal bound it: both finite and normal in float32
 BAD_WORD_TOKENS = 8      # a bad word's token sequence at most (the last is banned after the others)
 MAX_BAD_SEQUENCES = 128  # a request's bad words' token sequences at most (two spellings per word)
+DEFAULT_MAX_NEW_TOKENS = 128
 
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
     top_k: int = 0  # 0 or -1 (vLLM's): off
     top_p: float = 1.0
@@ -69,7 +70,7 @@ class SamplingParams:
 
     def __post_init__(self, max_tokens: int | None = None):
         if max_tokens is not None:
-            if self.max_new_tokens not in (128, max_tokens):
+            if self.max_new_tokens not in (DEFAULT_MAX_NEW_TOKENS, max_tokens):
                 raise UsageError("invalid sampling parameters: give max_tokens or max_new_tokens, not both")
             self.max_new_tokens = max_tokens
         self.validate()  # where the caller makes it, as in vLLM; `generate` checks the vocabulary too

@@ -25,8 +25,7 @@ A `pattern` must be anchored with ^ and $ and use the regex dialect (no lookarou
 backreferences or flags; no alternation outside a group). Its characters are generated
 unescaped: `.`, negated classes and \\D \\W \\S leave out `"`, `\\` and control characters,
 \\s stands for a space (or another white space character that is no control character),
-classes lose those characters, and a pattern that names one
-elsewhere is refused.
+classes lose those characters, and a pattern that names one elsewhere is refused.
 """
 from __future__ import annotations
 
