@@ -60,6 +60,15 @@ def test_white_space_escapes_mean_what_ecma_and_json_schema_mean():
     assert not any(dfa.matches(c.encode()) for c in "a\u200b\x1c\x85")  # not white space to ECMA
 
 
+def test_quantifier_bounds_are_ascii_digits():
+    """a{٣} (an Arabic-Indic three) is no quantifier, as in Python and ECMA: the text itself
+    (it was read as a{3})."""
+    dfa = compile_regex("a{\u0663}")
+    assert dfa.matches("a{\u0663}".encode()) and not dfa.matches(b"aaa")
+    with pytest.raises(UsageError, match="unexpected '{'"):  # GBNF has no literal braces outside strings
+        StructuredOutputs(grammar='root ::= "a"{\u0663}').validate().automaton()
+
+
 def test_the_automaton_reads_utf8_bytes():
     dfa = compile_regex(".*")
     assert dfa.matches("é€😀".encode())
@@ -663,6 +672,8 @@ def test_a_grammar_without_recursion_compiles_once_and_its_rules_once():
     ('root ::= "a" "b" {2000}', "above 1000"),
     ('root ::= "a"{' + "9" * 5000 + "}", "above 1000"),  # int() refused 5000 digits: "set_int_max_str_digits"
     ("root ::= root", "matches no text"),
+    # a chain of rules deeper than Python's stack (no recursion): refused, not a RecursionError
+    ("root ::= r0\n" + "".join(f'r{i} ::= r{i + 1} "x"\n' for i in range(3000)) + 'r3000 ::= "y"', "nests too deeply"),
 ])
 def test_bad_grammars_are_refused_in_one_line(grammar, message):
     with pytest.raises(UsageError, match=re.escape(message)) as e:

@@ -25,7 +25,7 @@ NOTHING = char_class([])  # a class no character is in: the empty language
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 _RULE_START = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_-]*)\s*::=")
-_BOUNDS = re.compile(r"\{\s*(\d*)\s*(,?)\s*(\d*)\s*\}")
+_BOUNDS = re.compile(r"\{\s*([0-9]*)\s*(,?)\s*([0-9]*)\s*\}")
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'", "[": "[", "]": "]", "-": "-",
             "/": "/", "0": "\0", "f": "\f", "v": "\v", "^": "^"}
 
@@ -279,7 +279,10 @@ def _unrolled(rules: dict[str, tuple], depth: int) -> str:
             too_large()
         return out
 
-    return written(("ref", "root"), {})
+    try:
+        return written(("ref", "root"), {})
+    except RecursionError:  # a chain of rules longer than Python's stack: a shallower unrolling may fit
+        raise TooComplex(f"grammar nests too deeply once its recursion is unrolled {depth} deep") from None
 
 
 def _refs(node):

@@ -51,7 +51,7 @@ _PY_SPACE = [(0x09, 0x0D), (0x1C, 0x20), (0x85, 0x85), (0xA0, 0xA0), (0x1680, 0x
 _CLASS_ESCAPES = {"d": _DIGIT, "w": _WORD, "s": _SPACE}
 _CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a", "0": "\0"}
 _SPECIAL = set("\\.^$*+?()[]{}|-/")
-_QUANTIFIER = re.compile(r"\{(\d*)(,?)(\d*)\}")
+_QUANTIFIER = re.compile(r"\{([0-9]*)(,?)([0-9]*)\}")  # ASCII digits: a{٣} is the text a{٣}
 
 
 def repeat_bounds(low: str, comma: str, high: str, fail) -> tuple[int, int | None]:
