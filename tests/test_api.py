@@ -62,6 +62,9 @@ def test_max_new_tokens_is_respected(llm, n):
     assert llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids == out.token_ids
     with pytest.raises(UsageError, match="max_tokens or max_new_tokens, not both"):
         SamplingParams(max_tokens=n, max_new_tokens=n + 1)
+    for bad in (None, 0):  # named as given (vLLM's None, "as many as fit", is not taken)
+        with pytest.raises(UsageError, match="max_tokens must be an integer >= 1"):
+            SamplingParams(max_tokens=bad)
 
 
 def test_default_dtype_and_explicit_dtypes(hf_checkpoint):

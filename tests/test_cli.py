@@ -202,6 +202,8 @@ def test_a_hub_id_loads_from_the_hugging_face_cache(capsys, model, tmp_path, mon
     assert treeflash.LLM("org/tiny", device="cpu").model_path == repo / "snapshots" / "abc123"
     assert_error(*run(capsys, *args, "--model", "org/absent"), 1, "model folder not found: org/absent",
                  "Hugging Face cache", "does not download")
+    rc, out, err = run(capsys, *args, "--model", "./typo")  # a path, not an id: no word of the cache
+    assert rc == 1 and "model folder not found" in err and "Hugging Face" not in err
 
 
 def test_integer_weights_are_refused(capsys, broken):

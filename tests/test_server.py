@@ -1444,3 +1444,14 @@ def test_draining_answers_requests_being_checked_and_new_ones(llm, chat_model, s
         late = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
         for r in [*got.values(), late]:
             assert r.status_code == 503 and r.json()["error"]["message"] == "the server is shutting down"
+
+
+def test_an_app_serves_again_after_a_shutdown(llm, chat_model):
+    """An app embedded in a program (or a test) may be started again after its lifespan
+    ended: it answers, constrained requests included, not "shutting down"."""
+    app = build_app(llm, "tiny", ChatTemplate.from_folder(chat_model))
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "structured_outputs": {"regex": "[0-9]+"}}
+    for _ in range(2):
+        with TestClient(app) as c:
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text

@@ -163,6 +163,8 @@ def model_sampling_defaults(args) -> dict:
         return {}
     got = generation_defaults(Path(args.model) if args.model else builtin_paths()[0])
     applied = {k: v for k, v in got.items() if getattr(args, k) is None}
+    if (args.temperature if args.temperature is not None else got.get("temperature", 0)) == 0:
+        applied = {k: v for k, v in applied.items() if k not in ("top_k", "top_p", "min_p")}  # greedy: moot
     if applied:
         told = ", ".join(f"{k} {v}" for k, v in applied.items())
         print(f"treeflash: note: {told} from the model's generation_config.json (--generation-config none for "

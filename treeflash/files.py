@@ -51,18 +51,20 @@ def _named(path: str | Path) -> str:
 
 def is_hub_id(name) -> bool:
     """Whether `name` reads as a Hugging Face hub id ("org/name")."""
-    return isinstance(name, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None
+    return isinstance(name, str) and re.fullmatch(r"[\w-][\w.-]*/[\w-][\w.-]*", name) is not None  # not ./x
 
 
 def hub_snapshot(name: str) -> Path | None:
-    """The local copy of hub id `name` in the Hugging Face cache (HF_HUB_CACHE, or
-    HF_HOME/hub, or ~/.cache/huggingface/hub), where `huggingface-cli download` and
-    transformers put it: the snapshot its refs/main names, else the newest; None if none.
+    """The local copy of hub id `name` in the Hugging Face cache (HF_HUB_CACHE, or the
+    older HUGGINGFACE_HUB_CACHE, or HF_HOME/hub, or ~/.cache/huggingface/hub), where
+    `huggingface-cli download` and transformers put it: the snapshot its refs/main names,
+    else the newest; None if none.
     Nothing is downloaded: the machines that serve models often cannot."""
     if not is_hub_id(name):
         return None
-    home = Path(os.environ.get("HF_HOME") or Path("~/.cache/huggingface").expanduser())
-    repo = Path(os.environ.get("HF_HUB_CACHE") or home / "hub") / ("models--" + name.replace("/", "--"))
+    home = Path(os.environ.get("HF_HOME") or "~/.cache/huggingface").expanduser()
+    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or home / "hub"
+    repo = Path(cache).expanduser() / ("models--" + name.replace("/", "--"))
     try:
         main = (repo / "refs" / "main").read_text().strip() if (repo / "refs" / "main").is_file() else ""
         if main and (repo / "snapshots" / main / "config.json").is_file():

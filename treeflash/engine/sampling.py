@@ -66,11 +66,14 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as fit)
     structured_outputs: StructuredOutputs | None = None  # the text must match a JSON schema, regex or choice
     bad_words: list[str] | None = None  # never generated: a word's last token is banned where it would end it
-    max_tokens: InitVar[int | None] = None  # vLLM's name for max_new_tokens: code written for vLLM runs as it is
+    max_tokens: InitVar[int | None] = ...  # vLLM's name for max_new_tokens: code written for vLLM runs as it is
 
-    def __post_init__(self, max_tokens: int | None = None):
-        if max_tokens is not None:
-            if self.max_new_tokens not in (DEFAULT_MAX_NEW_TOKENS, max_tokens):
+    def __post_init__(self, max_tokens=...):
+        if max_tokens is not ...:
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+                raise UsageError(f"invalid sampling parameters: max_tokens must be an integer >= 1 (vLLM's None, "
+                                 f"as many as fit, is not taken), got {shown(max_tokens)}")
+            if self.max_new_tokens not in (DEFAULT_MAX_NEW_TOKENS, max_tokens):  # (128 given is not told apart)
                 raise UsageError("invalid sampling parameters: give max_tokens or max_new_tokens, not both")
             self.max_new_tokens = max_tokens
         self.validate()  # where the caller makes it, as in vLLM; `generate` checks the vocabulary too

@@ -331,15 +331,19 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
     tool_parser, reasoning_parser = chat_parsers(tool_parser, reasoning_parser)
     state = {}
     served = (model_name, *aliases)
-    # a constraint's compile holds its own thread, not one of those that read the other
-    # requests: a few slow ones must not stall every client's admission
-    compiler = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="treeflash-compile")
     checking: dict[asyncio.Task, asyncio.AbstractEventLoop] = {}  # requests being read and checked: drain ends them
 
     def worker() -> EngineWorker:
         if "worker" not in state:  # apps driven without a lifespan (some test clients) start it here
             state["worker"] = EngineWorker(llm, max_batch)
         return state["worker"]
+
+    def compiler() -> ThreadPoolExecutor:
+        """A constraint's compile holds a thread of its own, not one of those that read the
+        other requests: a few slow ones must not stall every client's admission."""
+        if "compiler" not in state:
+            state["compiler"] = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="treeflash-compile")
+        return state["compiler"]
 
     async def stream(job: Job):
         req = job.req
@@ -407,7 +411,7 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         body = await _read_json(request)
         loop = asyncio.get_running_loop()
         req = await loop.run_in_executor(None, parse, body)
-        await loop.run_in_executor(compiler if req.params.structured_outputs is not None else None, check, req, body)
+        await loop.run_in_executor(compiler() if req.params.structured_outputs is not None else None, check, req, body)
         return req
 
     async def serve(request: HTTPRequest, parse) -> JSONResponse | StreamingResponse:
@@ -515,7 +519,8 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
 
     def shutdown() -> None:
         state["closing"] = True
-        compiler.shutdown(wait=False, cancel_futures=True)
+        if "compiler" in state:
+            state.pop("compiler").shutdown(wait=False, cancel_futures=True)
         if "worker" in state:
             state.pop("worker").stop()
 
@@ -523,13 +528,14 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         """Shutting down (any thread): requests being checked, queued or generated are
         answered 503, and new ones too."""
         state["closing"] = True
-        for task, loop in list(checking.items()):
-            loop.call_soon_threadsafe(task.cancel)
+        for task, loop in list(checking.items()):  # those still being checked when the loop gets to it
+            loop.call_soon_threadsafe(lambda t=task: t in checking and t.cancel())
         if "worker" in state:
             state["worker"].drain()
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
+        state["closing"] = False  # an app may be started again after a shutdown
         worker()
         yield
         shutdown()

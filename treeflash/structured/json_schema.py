@@ -18,8 +18,8 @@ time, date-time, uuid; days 01-31 whatever the month, a leap second in any minut
 `pattern`; integer `minimum` or `exclusiveMinimum` meaning >= 0 or >= 1; array `items`,
 `minItems`, `maxItems`; object `properties`, `required`; `enum`, `const`, `anyOf`,
 `oneOf` (treated as anyOf: exclusivity is not enforced), `allOf` of one schema, `$ref`
-to `#/$defs/...` or `#/definitions/...` (not recursive, and not inside a `$id` below
-the root), OpenAPI's `nullable`.
+to `#/$defs/...` or `#/definitions/...` (not recursive; a `$id` below the root is
+refused), OpenAPI's `nullable`.
 
 A `pattern` must be anchored with ^ and $ and use the regex dialect (no lookarounds,
 backreferences or flags; no alternation outside a group). Its characters are generated
