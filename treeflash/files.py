@@ -1,6 +1,7 @@
 """The small text files of a model folder (config.json, tokenizer_config.json, a chat
 template, ...), read with one line of error for every way they can be wrong: missing
-where required, not a file, unreadable, not UTF-8, not JSON, nested past the parser."""
+where required, not a file, unreadable, not UTF-8, not JSON, nested past the parser;
+and where a model folder is, when it is named by a Hugging Face hub id (`model_folder`)."""
 from __future__ import annotations
 
 import json

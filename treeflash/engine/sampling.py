@@ -66,7 +66,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as fit)
     structured_outputs: StructuredOutputs | None = None  # the text must match a JSON schema, regex or choice
     bad_words: list[str] | None = None  # never generated: a word's last token is banned where it would end it
-    max_tokens: InitVar[int | None] = ...  # vLLM's name for max_new_tokens: code written for vLLM runs as it is
+    max_tokens: InitVar[int] = ...  # vLLM's name for max_new_tokens (... : not given): vLLM's code runs as it is
 
     def __post_init__(self, max_tokens=...):
         if max_tokens is not ...:
