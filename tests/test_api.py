@@ -383,6 +383,8 @@ def test_bad_constructor_arguments(hf_checkpoint):
         LLM(path, device="cpu", method="ddtree")
     with pytest.raises(TreeflashError, match="not found"):
         LLM(path / "nope", device="cpu")
+    with pytest.raises(UsageError, match="draft mode"):  # found before anything is read
+        LLM(path / "nope", device="cpu", draft_mode="fast")
     with pytest.raises(UsageError, match="max_position_embeddings"):
         LLM(path, device="cpu", max_model_len=10 ** 9)
     for kwargs, what in ((dict(device=None), "device"), (dict(device=0), "device"), (dict(max_budget="x"), "max_budget"),
@@ -391,7 +393,8 @@ def test_bad_constructor_arguments(hf_checkpoint):
                          # falsy values once fell back to the default method, "false" would turn graphs on
                          (dict(method=""), "method"), (dict(method=0), "method"), (dict(method=False), "method"),
                          (dict(method="AR"), "method"), (dict(cuda_graphs="false"), "cuda_graphs"),
-                         (dict(cuda_graphs=None), "cuda_graphs"), (dict(cuda_graphs=0), "cuda_graphs")):
+                         (dict(cuda_graphs=None), "cuda_graphs"), (dict(cuda_graphs=0), "cuda_graphs"),
+                         (dict(draft_mode="fast"), "draft mode"), (dict(draft_mode=None), "draft mode")):
         with pytest.raises(UsageError, match=what):
             LLM(path, **{"device": "cpu", **kwargs})
 

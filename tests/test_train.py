@@ -246,7 +246,7 @@ def test_training_forward_matches_cached_drafter(target, tmp_path):
                 cache = drafter.new_cache(1, 32)
                 pos = torch.arange(a)[None]
                 _, feats = tgt(ids[b:b + 1, :a], AttentionInputs.causal(pos), None, drafter.target_layer_ids)
-                drafter.commit_context(cache, feats, pos, torch.zeros(1, dtype=torch.long), torch.tensor([a]))
+                drafter.commit_context(cache, feats, pos, torch.zeros(1, dtype=torch.long))
                 block = torch.tensor([[int(ids[b, a])] + [2] * 3])
                 inputs = AttentionInputs(a + torch.arange(4)[None], torch.tensor([a]),
                                          torch.ones(1, 4, 4, dtype=torch.bool))

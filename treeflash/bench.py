@@ -705,7 +705,6 @@ def new_shape_state(target, drafter, context: int, batch: int, temperature: floa
     st = dec.new_state(batch, capacity, SamplingBatch.from_params(params, dev))
     st.n.fill_(context)
     st.anchor.random_(0, target.config.vocab_size - 1)
-    st.draft_cache.projected.fill_(context)
     st.max_n = None if graphs else context  # as the engine: graphs read the whole cache
     return st
 

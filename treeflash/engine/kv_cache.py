@@ -74,12 +74,5 @@ class KVCache:
 
 
 class DraftContextCache(KVCache):
-    """The drafter's per-layer K/V of committed positions' target features.
-
-    `projected[b]` counts the positions projected into it for request b: each
-    committed position is projected exactly once ("load contexts once").
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.projected = torch.zeros(self.k.shape[1], dtype=torch.long, device=self.k.device)
+    """The drafter's per-layer K/V of committed positions' target features, each
+    projected once, when it is committed ("load contexts once")."""

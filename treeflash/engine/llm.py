@@ -19,7 +19,7 @@ import torch
 from treeflash.chat import ChatFormat, ChatTemplate, checked_tools
 from treeflash.config import DTYPES, FP8_BLOCK, DraftConfig, ModelConfig
 from treeflash.distributed import TPGroup
-from treeflash.engine.round import METHODS, BatchState, SpeculativeDecoder
+from treeflash.engine.round import DRAFT_MODES, METHODS, BatchState, SpeculativeDecoder
 from treeflash.engine.sampling import (BAD_WORD_TOKENS, MAX_BAD_SEQUENCES, SamplingBatch, SamplingParams,
                                       generation_defaults, truncation_error)
 from treeflash.engine.states import GRAPHED_PREFILL_MAX, KeptStates, suffix_chunks
@@ -240,6 +240,8 @@ class LLM:
             raise UsageError(f"max_budget must be an integer >= 1, got {max_budget!r}")
         if method is not None and (not isinstance(method, str) or method not in METHODS):
             raise UsageError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+        if not isinstance(draft_mode, str) or draft_mode not in DRAFT_MODES:  # before any weight loads
+            raise UsageError(f"unknown draft mode {draft_mode!r} (choose from {', '.join(DRAFT_MODES)})")
         if not isinstance(cuda_graphs, bool):  # "false" would read as true
             raise UsageError(f"cuda_graphs must be true or false, got {cuda_graphs!r}")
         if model is None:

@@ -104,17 +104,12 @@ class SpeculativeDecoder:
         self.budget = {"ar": 0, "dflash": self.depth, "ddtree": budget}[method]
         self.taps = drafter.target_layer_ids if method != "ar" else []
         self.backend = attention_backend
-        self.target_forwards = 0  # counted for tests: one per round, whatever the budget
         self._chains: dict[tuple, DraftTree] = {}  # `chain`'s fixed fields, per (shape, device)
 
     @property
     def tree_slots(self) -> int:
         """Cache slots a round needs past the committed prefix."""
         return max(self.budget + 1, self.drafter.block_size if self.drafter is not None else 1)
-
-    def _target(self, ids, inputs, cache):
-        self.target_forwards += 1
-        return self.target(ids, inputs, cache, self.taps)
 
     def new_state(self, batch: int, max_len: int, sampling: SamplingBatch) -> BatchState:
         dev = self.target.lm_head.weight.device
@@ -188,7 +183,7 @@ class SpeculativeDecoder:
             st.max_n = kv_len
             inputs = AttentionInputs.causal(begin[:, None] + torch.arange(T, device=dev), prefix_lens=begin,
                                             kv_len=kv_len, backend=self.backend)
-        h, feats = self._target(ids, inputs, st.cache)
+        h, feats = self.target(ids, inputs, st.cache, self.taps)
         last = h[torch.arange(B, device=dev), lens - 1]
         logits = self.target.logits(last[:, None], gather=False)
         sb = st.sampling
@@ -201,8 +196,7 @@ class SpeculativeDecoder:
         st.n.copy_(begin + lens)
         st.active.fill_(True)
         if st.draft_cache is not None:
-            st.draft_cache.projected.copy_(begin)
-            self.drafter.commit_context(st.draft_cache, feats, inputs.positions, begin, lens)
+            self.drafter.commit_context(st.draft_cache, feats, inputs.positions, begin)
         lp = logprobs_of(logits, first, self.tp) if st.sampling.any_logprobs else None
         return lp, (self._prompt_logprobs(h, ids, prompt_logprobs) if prompt_logprobs else None)
 
@@ -309,7 +303,7 @@ class SpeculativeDecoder:
         positions = st.n[:, None] + tree.depths
         kv_len = None if st.max_n is None else st.max_n + tree.size + 1
         inputs = AttentionInputs(positions, st.n, tree.ancestors, kv_len=kv_len, backend=self.backend)
-        h, feats = self._target(tree.tokens, inputs, st.cache)
+        h, feats = self.target(tree.tokens, inputs, st.cache, self.taps)
         return self.target.logits(h, gather=False), feats, positions
 
     @torch.inference_mode()
@@ -334,7 +328,7 @@ class SpeculativeDecoder:
         if st.draft_cache is not None:
             idx = w.path[:, :, None].expand(-1, -1, feats.shape[-1])
             self.drafter.commit_context(st.draft_cache, feats.gather(1, idx),
-                                        positions.gather(1, w.path), st.n, counts)
+                                        positions.gather(1, w.path), st.n)
         st.n += counts
         st.anchor.copy_(torch.where(st.active, w.bonus, st.anchor))
         logprobs = None

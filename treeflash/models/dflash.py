@@ -75,11 +75,11 @@ class DFlashDraftModel(nn.Module):
         return out
 
     def commit_context(self, cache: DraftContextCache, features: torch.Tensor, positions: torch.Tensor,
-                       start: torch.Tensor, counts: torch.Tensor) -> None:
+                       start: torch.Tensor) -> None:
         """Project features of positions [B, P] into cache slots start + 0..P-1.
 
-        Only the first `counts[b]` rows are committed positions; the rest land in
-        free space past the prefix (static shapes) and are overwritten later.
+        Only a request's committed rows matter; the rest land in free space past its
+        prefix (static shapes) and are overwritten later.
         """
         if fused_enabled(features):  # k/v rows of the weights only; k norm, RoPE, cache writes in one launch
             ctx = self.hidden_norm(self.fc(features))
@@ -93,7 +93,6 @@ class DFlashDraftModel(nn.Module):
             for i, (k, v) in enumerate(self.context_kv(features, positions)):
                 write_block(cache.k[i], k, slots)
                 write_block(cache.v[i], v, slots)
-        cache.projected += counts
 
     def forward(self, block_embeds: torch.Tensor, inputs: AttentionInputs,
                 cache: DraftContextCache) -> torch.Tensor:
