@@ -16,7 +16,7 @@ from treeflash import LLM, SamplingParams
 from treeflash.errors import TreeflashError, UsageError
 from treeflash.checkpoints import write_random_target
 from treeflash.train.cli import main as cli_main
-from treeflash.train.common import DEFAULT_OPTIONS, Trainer, TrainOptions
+from treeflash.train.common import DEFAULT_OPTIONS, Trainer, TrainOptions, tf32_products
 from treeflash.train.corpus import collect, load_corpus, write_corpus
 from treeflash.train.drafter import DrafterShape, generate_continuations, target_fingerprint, train_drafter
 from treeflash.train.target import TargetShape, train_target
@@ -644,3 +644,17 @@ def test_sizes_off_by_zeros_and_diverged_runs_are_refused(target, data_dir, tmp_
     run = shutil.copytree(base / "run", tmp_path / "run-other-corpus")
     with pytest.raises(UsageError, match="--resume: the corpus .* another tokenizer than the run's"):
         train_target(tmp_path / "data300", run, opts=TrainOptions(max_steps=50), resume=True)
+
+
+def test_tf32_is_for_training_only():
+    """Training on a GPU multiplies float32 in TF32; inference after it in the same
+    process (the drafter's τ, a notebook) gets float32 back, even if training failed."""
+    flags = lambda: (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    before = flags()
+    with pytest.raises(RuntimeError):
+        with tf32_products(torch.device("cuda")):
+            assert flags() == (True, True)
+            raise RuntimeError("a step failed")
+    assert flags() == before
+    with tf32_products(torch.device("cpu")):
+        assert flags() == before

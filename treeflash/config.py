@@ -18,7 +18,6 @@ from treeflash.files import is_hub_id, read_json_object
 
 TARGET_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
                         "Qwen3MoeForCausalLM": "qwen3_moe", "GptOssForCausalLM": "gpt_oss"}
-MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe", "gpt_oss": "gpt_oss"}
 
 DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -371,7 +370,7 @@ class ModelConfig:
         if model_type is not None and not isinstance(model_type, str):
             raise TreeflashError(f"{where}: 'model_type' must be a name, got {model_type!r}")
         if arch is None and not archs:
-            arch = MODEL_TYPES.get(model_type or "")
+            arch = model_type if model_type in TARGET_ARCHITECTURES.values() else None
         if arch is None:
             name = archs[0] if archs else data.get("model_type", "<none>")
             if name == "DFlashDraftModel":

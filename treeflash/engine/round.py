@@ -369,11 +369,11 @@ class GraphedRound:
     reuses a graphed state's caches only in a mode captured there already.
     """
 
-    def __init__(self, decoder: SpeculativeDecoder, st: BatchState, warmup: int = 2, pool=None):
+    def __init__(self, decoder: SpeculativeDecoder, st: BatchState, pool=None):
         self.st = st
         st.max_n = None  # graphs read the whole cache: no data-dependent shapes
         st.n.zero_()
-        self.graph, self.out = capture(lambda: decoder.round(st), warmup, pool)
+        self.graph, self.out = capture(lambda: decoder.round(st), 2, pool)
 
     def __call__(self, st: BatchState):
         assert st is self.st, "a graph replays on the buffers it was captured with"

@@ -64,7 +64,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0   # subtracted once per time the output holds the token
     repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and output tokens
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as fit)
-    structured_outputs: StructuredOutputs | None = None  # the text must match a JSON schema, regex or choice
+    structured_outputs: StructuredOutputs | None = None  # the text must match a schema, regex, choice or grammar
     bad_words: list[str] | None = None  # never generated: a word's last token is banned where it would end it
     max_tokens: InitVar[int] = ...  # vLLM's name for max_new_tokens (... : not given): vLLM's code runs as it is
 

@@ -115,11 +115,6 @@ class TrainOptions:
         return self
 
 
-def resolve_device(name: str) -> torch.device:
-    from treeflash.engine.llm import resolve_device as engine_device  # one definition of 'auto'
-    return engine_device(name)
-
-
 def check_trainable(cfg: ModelConfig, device: torch.device, what: str, embeddings: bool = True) -> None:
     """Refuse a shape whose float32 weights, gradients and Adam moments (16 bytes a
     parameter) would not fit in the memory free on `device`, before anything is built: a
@@ -162,10 +157,17 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def set_fast_math(device: torch.device) -> None:
+@contextlib.contextmanager
+def tf32_products(device: torch.device):
+    """TF32 float32 products while training on a GPU, put back afterwards: float32
+    inference later in the same process (tests, the drafter's τ) keeps float32."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def init_weights(model: nn.Module, num_layers: int, std: float = 0.02) -> None:
@@ -516,6 +518,10 @@ class Trainer:
             evaluate: Callable[[], dict]) -> dict:
         """Train until the budget is used; load the best evaluated weights and return their
         metrics (with `best_step`, and `final_eval_loss` of the last step)."""
+        with tf32_products(self.device):
+            return self._fit(batch_loss, evaluate)
+
+    def _fit(self, batch_loss, evaluate) -> dict:
         o = self.opts
         bar = Progress(self.name, o.max_steps, self.step)
         if self.run.resume:

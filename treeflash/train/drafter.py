@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from treeflash.config import DTYPES, DraftConfig, ModelConfig, default_target_layer_ids
+from treeflash.engine.llm import resolve_device
 from treeflash.errors import UsageError
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import build_on, check_sizes, load_weights, stored_shapes, weights_dtype
@@ -34,7 +35,7 @@ from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
 from treeflash.train.common import (DEFAULT_OPTIONS, MiB, Progress, RunDir, TrainOptions, Trainer, abs_path,
                                     check_logits_fit, check_out_dir, check_shard_mb, check_trainable, hf_tensors,
-                                    init_weights, resolve_device, save_safetensors, set_fast_math, to_device, within,
+                                    init_weights, save_safetensors, to_device, within,
                                     write_summary)
 from treeflash.train.corpus import NPY_ERRORS, TokenWindows, fixed_windows, load_corpus, npy_error, tokenizer_hash
 from treeflash.train.target import causal_inputs
@@ -449,7 +450,6 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
             raise UsageError(f"the held-out split ({data.heldout.size} tokens) is too short for blocks of {b}")
     run.begin({**asdict(shape), **signature, **bound}, o)
 
-    set_fast_math(device)
     torch.manual_seed(opts.seed)
     target = load_frozen_target(target_dir, device)
     drafter = build_drafter(config, target, device)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from treeflash.config import DTYPES, ModelConfig
+from treeflash.engine.llm import resolve_device
 from treeflash.errors import UsageError
 from treeflash.layers.attention import AttentionInputs
 from treeflash.models.loader import build_on
@@ -25,7 +26,7 @@ from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
 from treeflash.train.common import (DEFAULT_OPTIONS, MiB, RunDir, TrainOptions, Trainer, abs_path,
                                     check_logits_fit, check_out_dir, check_shard_mb, check_trainable, hf_tensors,
-                                    init_weights, resolve_device, save_safetensors, set_fast_math, write_summary)
+                                    init_weights, save_safetensors, write_summary)
 from treeflash.train.corpus import TOKENIZER_FILES, TokenWindows, fixed_windows, load_corpus, tokenizer_hash
 from treeflash.train.tokenizer import PAD
 
@@ -170,7 +171,6 @@ def train_target(data_dir: str | Path, run_dir: str | Path, out_dir: str | Path 
     windows = TokenWindows(data.train, opts.seq_len + 1, device)
     held = fixed_windows(data.heldout, opts.seq_len + 1, opts.eval_tokens)
     run.begin(spec, o)
-    set_fast_math(device)
     torch.manual_seed(opts.seed)
     model = build_target(ModelConfig.from_dict(config, "the target shape"), device)
     n_params = sum(p.numel() for p in model.parameters())
