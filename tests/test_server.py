@@ -197,7 +197,13 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "temperature": 3}, 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k"),
-    ("/v1/completions", {"prompt": "x", "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "seed": -2}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "seed": -1.0}, 400, "seed"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "max"}, 400,
+     "reasoning_effort"),
+    ("/v1/completions", {"prompt": "x", "reasoning_effort": "low"}, 400, "reasoning_effort"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_obfuscation": 1}}, 400,
+     "stream_options"),
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": ["x"] * 600, "n": 2}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
@@ -683,6 +689,15 @@ def test_serve_flags_reach_the_engine_and_app():
         is False
 
 
+def test_seed_minus_one_is_no_seed():
+    """vLLM's seed -1 means "no seed" (front-ends send it for a random answer); other
+    negative seeds stay errors (the error table above)."""
+    from treeflash.server.protocol import parse_completion
+    encode = lambda prompt, special=True, truncate=None: [5, 6]
+    assert parse_completion({"prompt": "x", "seed": -1}, "m", encode, 64).params.seed is None
+    assert parse_completion({"prompt": "x", "seed": 7}, "m", encode, 64).params.seed == 7
+
+
 def test_add_special_tokens_reaches_the_tokenizer(chat_model):
     """vLLM's add_special_tokens: a completion's text gets the tokenizer's special tokens
     (BOS) unless it says false; a chat prompt only if it says true (its template writes
@@ -709,7 +724,7 @@ def test_values_that_ask_for_nothing_are_accepted(client, llm):
     extra = {"suffix": "", "response_format": {"type": "text"}, "tool_choice": "none", "stream": None, "n": 1,
              "logprobs": None, "stop": "", "presence_penalty": 0, "top_k": -1, "ignore_eos": None, "user": "me",
              "metadata": {"trace": "t1"}, "store": False, "service_tier": "auto", "parallel_tool_calls": True,
-             "max_completion_tokens": None}
+             "max_completion_tokens": None, "safety_identifier": "u1", "prompt_cache_key": "k1", "seed": -1}
     r = client.post("/v1/completions", json={**body, **extra})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == want
@@ -827,6 +842,27 @@ def test_chat_template_kwargs_set_the_templates_variables(llm, monkeypatch):
         llm.generate([off], params)[0].token_ids
     with pytest.raises(UsageError, match="chat_template_kwargs may not set messages"):
         llm.chat(talk, params, chat_template_kwargs={"messages": []})
+
+
+def test_reasoning_effort_is_the_templates_variable(llm):
+    """OpenAI's reasoning_effort reaches the template as the variable gpt-oss's reads, as
+    vLLM passes it; chat_template_kwargs' own value wins; a value outside low / medium /
+    high, or one for a plain prompt, is the request's error."""
+    template = ChatTemplate("{{ reasoning_effort | default('medium') }}:{{ messages[0].content }}")
+    talk = [{"role": "user", "content": "fib"}]
+    with TestClient(build_app(llm, "t", template)) as c:
+        for extra, text in (({}, "medium:fib"), ({"reasoning_effort": "low"}, "low:fib"),
+                            ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}},
+                             "high:fib")):
+            want = llm.encode(text, special=False)
+            assert c.post("/tokenize", json={"messages": talk, **extra}).json()["tokens"] == want
+            r = c.post("/v1/chat/completions", json={"messages": talk, "max_tokens": 2, **extra})
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want)
+        for bad in ("max", 1, ["low"]):
+            r = c.post("/v1/chat/completions", json={"messages": talk, "reasoning_effort": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+        r = c.post("/tokenize", json={"prompt": "x", "reasoning_effort": "low"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
 
 
 def test_a_final_message_can_be_continued(llm, monkeypatch):

@@ -35,7 +35,7 @@ from treeflash.server.metrics import ServerMetrics
 from treeflash.server.answers import chat_parsers, forced_schema_error
 from treeflash.server.protocol import (STRUCTURED_KEYS, APIError, Request, SamplingDefaults, check_model, chunk,
                                       logprobs_body, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
-                                      response, tool_finish, usage)
+                                      response, usage)
 from treeflash.tokenizer import TextStream
 
 _DONE = object()  # end of a streamed job's deltas
@@ -358,7 +358,7 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
                 if delta is None:  # choice i is done: the rest of its text, and why it ended
                     out = job.outputs[i]
                     reasoning, text, calls = parts[i].push(job.texts[i].finish(out.text), final=True)
-                    reason = tool_finish(out.finish_reason) if parts[i].calls else out.finish_reason
+                    reason = req.finish_reason(out.finish_reason, bool(parts[i].calls))
                     yield _sse(chunk(req, model_name, text=text, index=i, reasoning=reasoning, tool_calls=calls,
                                      finish_reason=reason, stop_reason=out.stop_reason, generated=generated))
                 else:

@@ -44,14 +44,18 @@ SAMPLING_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", 
                  "allowed_token_ids", "skip_special_tokens",
                  "include_stop_str_in_output", "stream", "stream_options", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "truncate_prompt_tokens", "user", "metadata", "store",
-                 "service_tier", "parallel_tool_calls", "bad_words", "prompt_logprobs", *STRUCTURED_KEYS}
+                 "service_tier", "safety_identifier", "prompt_cache_key", "parallel_tool_calls", "bad_words",
+                 "prompt_logprobs", *STRUCTURED_KEYS}
 # OpenAI's keys in SAMPLING_KEYS checked here only for their type (bookkeeping, and
 # parallel_tool_calls, which chat's tool calls read).
 BOOKKEEPING = (("user", str, "a string"), ("metadata", dict, "an object of strings"),
                ("store", bool, "true or false"), ("service_tier", str, "a string"),
+               ("safety_identifier", str, "a string"), ("prompt_cache_key", str, "a string"),
                ("parallel_tool_calls", bool, "true or false"))
-# how messages become the prompt (vLLM's; `ChatFormat`)
-CHAT_FORMAT_KEYS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+# how messages become the prompt (vLLM's; `ChatFormat`); reasoning_effort is a template
+# variable (gpt-oss's template reads it)
+CHAT_FORMAT_KEYS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message", "reasoning_effort")
+REASONING_EFFORTS = ("low", "medium", "high")
 KNOWN_KEYS = {"completion": SAMPLING_KEYS | {"prompt", "logprobs", "echo", "add_special_tokens"} | set(UNSUPPORTED),
               "chat": SAMPLING_KEYS | {"messages", "logprobs", "top_logprobs", "echo", "add_special_tokens",
                                        *CHAT_FORMAT_KEYS} | set(UNSUPPORTED),
@@ -124,8 +128,14 @@ class Request:
     continuous_usage: bool = False  # streamed: every choice's event has its usage so far (vLLM's)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives per prompt token
     one_call: bool = False  # parallel_tool_calls false: the answer's first tool call only
+    named_call: bool = False  # tool_choice names the function: its call ends with 'stop' (OpenAI's)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def finish_reason(self, reason: str, called: bool) -> str:
+        """An answer that called tools ends with 'tool_calls' where it would with 'stop',
+        unless tool_choice named the function (OpenAI's and vLLM's rule)."""
+        return "tool_calls" if called and reason == "stop" and not self.named_call else reason
 
     def message_stream(self) -> MessageStream:
         """What splits a chat answer into reasoning, content and tool calls."""
@@ -215,7 +225,8 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
             frequency_penalty=float(_number(body, "frequency_penalty", 0.0, (int, float), -MAX_PENALTY, MAX_PENALTY)),
             repetition_penalty=float(_number(body, "repetition_penalty", defaults.repetition_penalty, (int, float),
                                              1 / MAX_REPETITION_PENALTY, MAX_REPETITION_PENALTY)),
-            seed=_number(body, "seed", None, int, 0, 2 ** 63 - 1), stop=stop,
+            seed=None if body.get("seed") == -1 and not isinstance(body["seed"], float)  # vLLM's "no seed"
+            else _number(body, "seed", None, int, 0, 2 ** 63 - 1), stop=stop,
             ignore_eos=_flag(body, "ignore_eos", False), stop_token_ids=list(stop_ids or []),
             logprobs=_logprobs(body, kind), skip_special_tokens=_flag(body, "skip_special_tokens", True),
             include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
@@ -327,7 +338,7 @@ def _stream_flags(body: dict) -> tuple[bool, bool, bool]:
     if not stream:
         raise APIError("'stream_options' needs 'stream': true", param="stream_options")
     flags = {}
-    for key in ("include_usage", "continuous_usage_stats"):
+    for key in ("include_usage", "continuous_usage_stats", "include_obfuscation"):  # no padding to obfuscate
         flags[key] = options.get(key)
         if flags[key] is not None and not isinstance(flags[key], bool):
             raise APIError(f"'stream_options.{key}' must be true or false, got {shown(flags[key])}",
@@ -485,7 +496,8 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
     params, k = _with_prompt_logprobs(body, params, stream)
     return Request("chat", ids, params, stream, include_usage, _choices(body, 1), tool_calls=reader,
                    reasoning=reasoning_parser, reasoned=reasoned, opened=opened, continuous_usage=continuous,
-                   prompt_logprobs=k, one_call=body.get("parallel_tool_calls") is False)
+                   prompt_logprobs=k, one_call=body.get("parallel_tool_calls") is False,
+                   named_call=isinstance(body.get("tool_choice"), dict))
 
 
 def render_chat(body: dict, template, tools: list[dict] | None = None) -> str:
@@ -502,6 +514,12 @@ def render_chat(body: dict, template, tools: list[dict] | None = None) -> str:
         fmt.checked()
     except UsageError as e:
         raise APIError(str(e), param=e.param) from None
+    effort = body.get("reasoning_effort")
+    if effort is not None:  # chat_template_kwargs' own value wins
+        if effort not in REASONING_EFFORTS:
+            raise APIError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}, got {shown(effort)}",
+                           param="reasoning_effort")
+        fmt = replace(fmt, variables={"reasoning_effort": effort, **(fmt.variables or {})})
     if template is not None:
         try:
             return template.prompt(body.get("messages"), fmt, tools)
@@ -611,8 +629,8 @@ def response(req: Request, model: str, outputs, tokenizer=None) -> dict:
                    and req.prompt_logprobs is not None else {})}
                for i, out in enumerate(outputs)]
     for choice in choices:
-        if chat and "tool_calls" in choice["message"]:
-            choice["finish_reason"] = tool_finish(choice["finish_reason"])
+        if chat:
+            choice["finish_reason"] = req.finish_reason(choice["finish_reason"], "tool_calls" in choice["message"])
     return {"id": ("chatcmpl-" if chat else "cmpl-") + req.id,
             "object": "chat.completion" if chat else "text_completion", "created": req.created,
             "model": model, "choices": choices,
@@ -643,11 +661,6 @@ def message(req: Request, out) -> dict:
     return {"role": "assistant", "content": (content or None) if calls or req.reasoning else content,
             **({"reasoning_content": reasoning or None} if req.reasoning else {}),
             **({"tool_calls": calls} if calls else {})}
-
-
-def tool_finish(reason: str) -> str:
-    """An answer that called tools ends with 'tool_calls' where it would with 'stop'."""
-    return "tool_calls" if reason == "stop" else reason
 
 
 def chunk(req: Request, model: str, text: str | None = None, finish_reason: str | None = None,
