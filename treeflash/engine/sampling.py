@@ -20,7 +20,6 @@ exactly the tokens that autoregressive decoding produces.
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 
@@ -316,8 +315,12 @@ class SamplingBatch:
         back: EOS, even under ignore_eos, and its stop token ids) are needed if a request sets logit_bias,
         allowed_token_ids, min_tokens or a penalty; `automata` (with `held_ids`: the end
         tokens) if one sets structured outputs; `bad_sequences` (each request's bad words
-        as token sequences) if one sets bad words."""
-        seeds = [p.seed if p.seed is not None else random.getrandbits(63) for p in params]
+        as token sequences) if one sets bad words. A sampled request must carry its seed:
+        `LLM.generate` draws it once, on the driver, so that every tensor-parallel rank
+        samples alike (a draw here would differ per rank). A greedy one needs none."""
+        if any(p.seed is None and p.temperature > 0 for p in params):
+            raise ValueError("a sampled request needs a seed here (LLM.generate draws one for each)")
+        seeds = [p.seed if p.seed is not None else 0 for p in params]
         batch = cls(
             temperature=torch.tensor([float(p.temperature) for p in params], device=device),
             # a top_k past the vocabulary keeps every token, as 2^31 - 1 does (and fits the tensor)
