@@ -176,7 +176,8 @@ def test_row_argmax_matches_argmax(dtype, shape):
 def test_gumbel_argmax_matches_reference(V):
     """Sampling by argmax(logits / T + noise), a row split over programs past 8192
     entries (20000: 3 of them, a vocabulary slice from id 5000): the reference noise's
-    pick, and plain argmax where T = 0."""
+    pick, and plain argmax where T = 0; with a floor (filters), the pick among the
+    logits at least the floor, the greedy row's unchanged."""
     from treeflash.engine.sampling import gumbel_noise
     from treeflash.ops.gumbel_argmax import gumbel_argmax
     gen = torch.Generator().manual_seed(V)
@@ -188,6 +189,12 @@ def test_gumbel_argmax_matches_reference(V):
     noisy = logits / 0.7 + gumbel_noise(seed, pos, 5000, V)
     assert torch.equal(got.cpu()[0], logits[0].argmax(-1)) and torch.equal(got.cpu()[1], noisy[1].argmax(-1))
     assert torch.allclose(values.cpu()[1], noisy[1].amax(-1))
+    floor = logits.topk(3, dim=-1).values[..., -1]  # top-3
+    got = gumbel_argmax(logits.to(DEV), seed.to(DEV), pos.to(DEV), temp.to(DEV), vocab_start=5000,
+                        floor=floor.to(DEV)).cpu()
+    top3 = noisy[1].masked_fill(logits[1] < floor[1, :, None], float("-inf")).argmax(-1)
+    assert torch.equal(got[0], logits[0].argmax(-1)) and torch.equal(got[1], top3)
+    assert not torch.equal(top3, noisy[1].argmax(-1))  # the floor changed a pick
 
 
 @gpu_or_interpreter

@@ -156,6 +156,47 @@ def test_greedy_and_degenerate_filters_give_the_argmax():
     assert not torch.equal(sampled, argmax)
 
 
+def test_filters_read_only_the_largest_logits():
+    """Top-k (with top-p and min-p over what it keeps) is decided from a row's few
+    largest logits (`filter_width_of`: twice the largest k, a power of two), and gives
+    the thresholds a sort of the whole vocabulary gives; a top-p without top-k sorts the
+    whole vocabulary (width 0), as does a top-k past MAX_FILTER_WIDTH / 2."""
+    from dataclasses import replace
+    from treeflash.engine.sampling import filter_floor, filter_width_of
+    sampled = lambda **kw: SamplingParams(temperature=0.8, seed=0, **kw)
+    assert filter_width_of([sampled(top_k=20, top_p=0.95)]) == 64
+    assert filter_width_of([sampled(min_p=0.1), sampled(top_k=3)]) == 16
+    assert filter_width_of([sampled(top_p=0.9), sampled(top_k=5)]) == 0
+    assert filter_width_of([sampled(top_k=3000)]) == 0
+    assert filter_width_of([SamplingParams(top_k=5, top_p=0.5)]) == 0  # greedy: nothing to filter
+    logits = torch.randn(5, 9, 3000, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2
+    params = [sampled(top_k=20, top_p=0.95), sampled(top_k=7), sampled(top_k=40, min_p=0.2),
+              sampled(top_k=30, top_p=0.5, min_p=0.01), sampled()]
+    sb = SamplingBatch.from_params(params, "cpu")
+    assert sb.filter_width == 128
+    floor = filter_floor(logits, sb)
+    assert torch.equal(floor, filter_floor(logits, replace(sb, filter_width=0)))
+    kept = (logits >= floor[..., None]).sum(-1)
+    assert (kept[0] <= 20).all() and (kept[1] == 7).all() and (kept[2] <= 40).all() and (kept[4] == 3000).all()
+    scaled = logits[3] / 0.8  # top-p over what top-k and min-p left: the nucleus just passes 0.5
+    top = scaled.topk(30).values
+    top = top.masked_fill(top < top[:, :1] + torch.log(torch.tensor(0.01, dtype=torch.float64)), float("-inf"))
+    mass = torch.softmax(top, -1).cumsum(-1)
+    assert torch.equal(kept[3], (mass < 0.5).sum(-1) + 1)
+
+
+def test_ties_at_the_kth_logit_are_kept():
+    """As in vLLM, top-k keeps every token tied with the k-th largest logit (bf16 logits
+    tie often): which of them a draw gives depends on the noise alone, not on the order
+    a sort or top-k happened to return them in."""
+    logits = torch.full((1, 400, 100), -4.0, dtype=torch.float64)
+    logits[..., 10] = 2.0
+    logits[..., [3, 50, 77, 90]] = 1.0
+    pos = torch.arange(400)[None]
+    got = sample(logits, pos, SamplingBatch.from_params([SamplingParams(temperature=1.0, top_k=2, seed=4)], "cpu"))
+    assert set(got.flatten().tolist()) == {10, 3, 50, 77, 90}
+
+
 def test_mixed_batch_honours_each_requests_parameters():
     """One batch mixing greedy, top-k, top-p and plain sampling: each row samples exactly
     as it does alone, a row's filters do not leak into its neighbours."""

@@ -29,7 +29,7 @@ import torch
 
 from treeflash import LLM, SamplingParams, TreeflashError, UsageError
 from treeflash.distributed import TPGroup
-from treeflash.engine.sampling import SamplingBatch, filter_logits, sample
+from treeflash.engine.sampling import SamplingBatch, sample
 from treeflash.engine.tree import build_tree, build_tree_from_topk
 
 REPO = Path(__file__).resolve().parent.parent
@@ -309,7 +309,11 @@ def test_sharded_sampling_equals_whole_vocabulary(n):
     positions = torch.arange(T).expand(B, T) + 17
     for params in ([SamplingParams(temperature=t, seed=s) for t, s in ((0.0, 1), (0.7, 2), (1.0, 3), (1.6, 4))],
                    [SamplingParams(temperature=1.0, top_k=5, seed=5), SamplingParams(temperature=0.9, seed=6),
-                    SamplingParams(), SamplingParams(temperature=1.2, top_p=0.8, seed=7)]):
+                    SamplingParams(), SamplingParams(temperature=1.2, top_p=0.8, seed=7)],
+                   # only top-k rows: the ranks share their largest logits, not whole rows
+                   [SamplingParams(temperature=1.0, top_k=5, min_p=0.05, seed=8), SamplingParams(temperature=0.9, seed=9),
+                    SamplingParams(temperature=1.1, top_k=20, top_p=0.6, seed=10), SamplingParams(temperature=0.5,
+                                                                                                min_p=0.3, seed=11)]):
         sb = SamplingBatch.from_params(params, "cpu")
         want = sample(logits, positions, sb)
         for got in on_ranks(n, lambda tp: sample(_shard(logits, tp), positions, sb, tp)):
@@ -322,7 +326,7 @@ def test_sharded_draft_topk_and_tree(n):
     B, D, V, budget = 3, 5, 48, 10
     logits = torch.randn(B, D, V, generator=gen) * 3
     # -inf outside the top 4
-    logits[2] = filter_logits(logits[2:], torch.tensor([4]), torch.tensor([1.0]), torch.tensor([0.0]))[0]
+    logits[2] = logits[2].masked_fill(logits[2] < logits[2].topk(4).values[..., -1:], float("-inf"))
     logprobs = torch.log_softmax(logits, -1)
     want_vals, want_ids = logprobs.topk(budget, -1)
     anchor = torch.tensor([1, 2, 3])

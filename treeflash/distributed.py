@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treeflash.ops import argmax, topk_logsumexp
+from treeflash.ops import argmax, topk, topk_logsumexp
 
 
 def _wait(work, x: torch.Tensor, driver: bool) -> None:
@@ -130,7 +130,7 @@ class TPGroup:
         if log_softmax:
             vals, ids, lse = topk_logsumexp(x, min(k, x.shape[-1]))
         else:
-            (vals, ids), lse = x.topk(min(k, x.shape[-1]), dim=-1), None
+            (vals, ids), lse = topk(x, min(k, x.shape[-1])), None
         ids = ids + start if start else ids
         if self.size > 1:
             extra = [t.double() for t in (lse, picked) if t is not None]

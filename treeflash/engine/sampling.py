@@ -283,6 +283,7 @@ class SamplingBatch:
     seed: torch.Tensor         # [B] long
     any_sampled: bool
     any_filtered: bool
+    filter_width: int = 0  # the largest values `filter_floor` reads (`filter_width_of`)
     any_logprobs: bool = False  # rounds also return the target's log-probabilities (`logprobs_of`)
     any_biased: bool = False    # rounds apply `bias` (module doc) with the three below
     bias: torch.Tensor | None = None       # [B, V] float32: logit_bias, -inf outside allowed_token_ids
@@ -329,7 +330,7 @@ class SamplingBatch:
             min_p=torch.tensor([float(p.min_p) for p in params], device=device),
             seed=torch.tensor(seeds, dtype=torch.long, device=device),
             **dict(zip(("any_sampled", "any_filtered", "any_logprobs", "any_biased", "any_penalized", "any_banned",
-                        "guided_rows"), cls.mode_of(params, automata))),
+                        "filter_width", "guided_rows"), cls.mode_of(params, automata))),
         )
         B = len(params)
         if batch.any_biased:  # made on the device from the sparse entries (B x V is large)
@@ -384,13 +385,14 @@ class SamplingBatch:
                 any(p.biased for p in params),
                 any(p.penalized for p in params),
                 any(p.banned for p in params),
-                grammar_rows(params, automata or [None] * len(params)))
+                filter_width_of(params),
+                grammar_rows(params, automata or [None] * len(params)))  # last: `GraphedState` reads it
 
     @property
     def mode(self) -> tuple:
         """The host-side values that choose which code a round runs (and its graph)."""
         return (self.any_sampled, self.any_filtered, self.any_logprobs, self.any_biased, self.any_penalized,
-                self.any_banned, self.guided_rows)
+                self.any_banned, self.filter_width, self.guided_rows)
 
     @property
     def any_guided(self) -> bool:
@@ -403,7 +405,7 @@ class SamplingBatch:
         kept: those modes' graphs read them. A structured-output table is made anew only
         to grow (the mode then names the rows of the table held)."""
         (self.any_sampled, self.any_filtered, self.any_logprobs, self.any_biased,
-         self.any_penalized, self.any_banned, self.guided_rows) = other.mode
+         self.any_penalized, self.any_banned, self.filter_width, self.guided_rows) = other.mode
         for name in ("temperature", "top_k", "top_p", "min_p", "seed", *OPTIONAL_BUFFERS):
             src, dst = getattr(other, name), getattr(self, name)
             if src is None:
@@ -519,26 +521,51 @@ def uniform_from_hash(h: torch.Tensor) -> torch.Tensor:
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
-def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  min_p: torch.Tensor) -> torch.Tensor:
-    """Mask to -inf what min-p, top-k ([B], 0 = off) and top-p ([B]) remove from
-    temperature-scaled logits [B, T, V]. min-p first, as vLLM: a token stays if its
-    probability is at least min_p times the most likely token's (logit >= max + log
-    min_p); top-p then counts the mass of what min-p and top-k left."""
-    V = scaled.shape[-1]
-    sorted_vals, order = scaled.sort(dim=-1, descending=True)
-    rank = torch.arange(V, device=scaled.device)
-    k = torch.where(top_k > 0, top_k, V)[:, None, None]
-    keep = (rank < k).expand(sorted_vals.shape).clone()
-    floor = sorted_vals[..., :1] + torch.log(min_p.to(scaled.dtype))[:, None, None]  # -inf when off
-    keep &= sorted_vals >= floor
-    probs = torch.softmax(sorted_vals.masked_fill(~keep, float("-inf")), dim=-1)
-    before = probs.cumsum(-1) - probs
-    p = top_p[:, None, None].to(probs.dtype)
-    keep &= (before < p) | (p >= 1)
-    keep[..., 0] = True
-    mask = torch.zeros_like(keep).scatter(-1, order, keep)
-    return scaled.masked_fill(~mask, float("-inf"))
+MAX_FILTER_WIDTH = 4096  # past it a top-k filter sorts the whole vocabulary
+
+
+def filter_width_of(params: list[SamplingParams]) -> int:
+    """How many of a row's largest logits `filter_floor` needs for a batch of these
+    requests: twice the largest top_k (ties at the k-th value are kept, and all but the
+    extreme ties fit), a power of two (few graphs); 0 where a top-p without top-k needs
+    the whole vocabulary sorted."""
+    rows = [p for p in params if not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0)]
+    if not rows or any(p.top_k == 0 and p.top_p < 1 for p in rows):
+        return 0
+    width = max(16, 1 << (2 * max(p.top_k for p in rows) - 1).bit_length())
+    return width if width <= MAX_FILTER_WIDTH else 0
+
+
+def filter_floor(x: torch.Tensor, sb: "SamplingBatch", tp: TPGroup = TPGroup()) -> torch.Tensor:
+    """The smallest logit each row of x [B, T, V] keeps [B, T] (-inf: all; in the sampling
+    dtype, `_wide`) under min-p,
+    top-k and top-p of the temperature-scaled logits, as vLLM orders them: min-p keeps a
+    token whose probability is at least min_p x the most likely one's, top-k the k largest
+    (and every token tied with the k-th), top-p the largest whose mass before them
+    (among what min-p and top-k left) is below p, and those tied with the last.
+
+    Thresholds, not masks: they are read off the row's largest values only (`filter_width`
+    of them: one top-k and a few small ops, where sorting 152K logits per row cost ~30 us a
+    row on an H200), and the sampler applies them in its one pass over the vocabulary.
+    Under tensor parallelism x is this rank's slice and the largest values come from
+    every rank (`TPGroup.topk`)."""
+    if sb.filter_width:
+        vals = tp.topk(x, sb.filter_width)[0].to(_wide(x))
+    else:
+        vals = tp.all_gather(x).sort(dim=-1, descending=True).values.to(_wide(x))
+    B, T, W = vals.shape
+    temp = sb.temperature.to(vals.dtype).clamp_min(1e-6)[:, None]                       # [B, 1]
+    k = sb.top_k.clamp(0, W)[:, None, None].expand(B, T, 1)
+    kth = torch.where(k[..., 0] > 0, vals.gather(-1, (k - 1).clamp_min(0))[..., 0], float("-inf"))
+    min_p = vals[..., 0] + temp * torch.log(sb.min_p.to(vals.dtype))[:, None]          # -inf when off
+    floor = torch.maximum(kth, min_p)
+    kept = vals >= floor[..., None]
+    probs = torch.softmax((vals / temp[..., None]).masked_fill(~kept, float("-inf")), dim=-1)
+    p = sb.top_p.to(vals.dtype)[:, None, None]
+    nucleus = kept & ((probs.cumsum(-1) - probs) < p)
+    nucleus[..., 0] = True
+    cut = vals.masked_fill(~nucleus, float("inf")).amin(-1)
+    return torch.where(p[..., 0] < 1, cut, floor)
 
 
 def _wide(x: torch.Tensor) -> torch.dtype:
@@ -684,26 +711,27 @@ def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp:
     LM head's local output): each rank takes the argmax of its slice and one small
     all-gather of (value, id) picks the winner, ties toward the lowest id exactly as
     argmax over the whole vocabulary; every rank returns the same global ids (the bias
-    is added to each rank's slice). Top-k / top-p / min-p filtering needs whole rows:
-    batches with filtered requests gather the logits. `path`, `states`: see `apply_controls`.
+    is added to each rank's slice). Top-k / top-p / min-p keep the logits at least
+    `filter_floor` (the ranks share only the largest values for it). `path`, `states`:
+    see `apply_controls`.
     """
-    if sb.any_filtered:
-        logits, tp = tp.all_gather(logits, dim=-1), TPGroup()  # now whole rows on every rank
     start = tp.rank * logits.shape[-1]
     if sb.any_biased or sb.any_penalized or sb.any_banned or sb.any_guided:
         logits = apply_controls(logits, positions, sb, start, path, states)
     if not sb.any_sampled:
         return tp.argmax(logits, start)
-    if logits.is_cuda and not sb.any_filtered and logits.dtype != torch.float64 and triton_available():
+    dtype = _wide(logits)
+    floor = filter_floor(logits, sb, tp) if sb.any_filtered else None
+    if logits.is_cuda and logits.dtype != torch.float64 and triton_available():
         from treeflash.ops.gumbel_argmax import gumbel_argmax
         value, index = gumbel_argmax(logits, sb.seed, positions, sb.temperature, vocab_start=start,
-                                     with_values=True)
+                                     with_values=True, floor=floor)
         return tp.pick_max(value, index + start)
-    dtype = _wide(logits)
     temp = sb.temperature.to(dtype)
-    scaled = logits.to(dtype) / temp.clamp_min(1e-6)[:, None, None]
-    if sb.any_filtered:
-        scaled = filter_logits(scaled, sb.top_k, sb.top_p, sb.min_p)
+    x = logits.to(dtype)
+    scaled = x / temp.clamp_min(1e-6)[:, None, None]
+    if floor is not None:
+        scaled = scaled.masked_fill(x < floor[..., None], float("-inf"))
     noisy = scaled + gumbel_noise(sb.seed, positions, start, logits.shape[-1]).to(dtype)
     # greedy rows (T == 0) take the plain argmax (the cast to dtype is exact and monotonic)
     return tp.argmax(torch.where(temp[:, None, None] > 0, noisy, logits.to(dtype)), start)

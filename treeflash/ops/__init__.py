@@ -154,6 +154,17 @@ def topk_logsumexp(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
     return vals, ids, torch.logsumexp(x, dim=-1, keepdim=True)
 
 
+def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x.topk(k)` over the last dim; on the fused path `topk_logsumexp`'s launch where it
+    is faster (a 152K vocabulary at k <= 64: the filters' largest logits, structured
+    outputs' candidates)."""
+    if fused_enabled(x):
+        from treeflash.kernels.vocab_topk import fits, topk_logsumexp as fused
+        if fits(x.shape[-1], k):
+            return fused(x, k)[:2]
+    return x.topk(k, dim=-1)
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(-1)` (first index among equal maxima); one Triton launch on the fused
     path, where torch's reduction took 14 us for 65 rows of 4096 (H200)."""

@@ -27,11 +27,13 @@ def _mix32(x):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, row_stride, key_ptr, temp_ptr, out_ptr, val_ptr, start, V: tl.constexpr,
-                          BLOCK: tl.constexpr, SPAN: tl.constexpr, SAMPLED: tl.constexpr, PDL: tl.constexpr = False):
+def _gumbel_argmax_kernel(logits_ptr, row_stride, key_ptr, temp_ptr, floor_ptr, out_ptr, val_ptr, start,
+                          V: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr, SAMPLED: tl.constexpr,
+                          FLOOR: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, chunk): the argmax of ids chunk * SPAN + [0, SPAN) of its row;
-    SAMPLED: of logits / T + noise where T > 0. Writes (index, value) to slot
-    row * chunks + chunk (a chunk of only -inf gives index 0, as a row of them does)."""
+    SAMPLED: of logits / T + noise where T > 0 (FLOOR: only logits >= the row's floor).
+    Writes (index, value) to slot row * chunks + chunk (a chunk of only -inf gives index
+    0, as a row of them does)."""
     start_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -40,6 +42,8 @@ def _gumbel_argmax_kernel(logits_ptr, row_stride, key_ptr, temp_ptr, out_ptr, va
         t = tl.load(temp_ptr + row)                  # float32, 0 = greedy
         greedy = t == 0
         t_safe = tl.where(greedy, 1.0, t)
+        if FLOOR:
+            floor = tl.load(floor_ptr + row)         # float32: filters keep logits >= it
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.full([BLOCK], 0, tl.int64)
     for i in range(0, SPAN // BLOCK):
@@ -50,7 +54,10 @@ def _gumbel_argmax_kernel(logits_ptr, row_stride, key_ptr, temp_ptr, out_ptr, va
             h = _mix32(key ^ _mix32(((ids + start) * 0x85EBCA6B + 0x27D4EB2F) & 0xFFFFFFFF))  # global token id
             u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # 23 bits: u < 1, finite noise
             g = -tl.log(-tl.log(u))
-            val = tl.where(greedy, val, val / t_safe + g)
+            sampled = val / t_safe + g
+            if FLOOR:
+                sampled = tl.where(val >= floor, sampled, float("-inf"))
+            val = tl.where(greedy, val, sampled)
             val = tl.where(inside, val, float("-inf"))
         better = val > best_val  # strict: the first index wins ties, as torch.argmax
         best_val = tl.where(better, val, best_val)
@@ -81,7 +88,8 @@ def _chunks_argmax_kernel(idx_ptr, val_ptr, out_ptr, out_val_ptr, CHUNKS: tl.con
 SPAN = 8192  # vocabulary entries per program: a 152K vocabulary is 19 programs per row, not 1
 
 
-def _argmax_rows(rows: torch.Tensor, key: torch.Tensor, temp: torch.Tensor, start: int, sampled: bool):
+def _argmax_rows(rows: torch.Tensor, key: torch.Tensor, temp: torch.Tensor, start: int, sampled: bool,
+                 floor: torch.Tensor | None = None):
     """(index [R], value [R]) of the argmax of each row of `rows` [R, V] (see the kernel).
     Past one SPAN a row is split over programs and a second launch picks the best."""
     R, V = rows.shape
@@ -90,8 +98,9 @@ def _argmax_rows(rows: torch.Tensor, key: torch.Tensor, temp: torch.Tensor, star
     span = SPAN if chunks > 1 else triton.cdiv(V, block) * block
     out = torch.empty(R, chunks, dtype=torch.long, device=rows.device)
     val = torch.empty(R, chunks, dtype=torch.float32, device=rows.device)
-    _gumbel_argmax_kernel[(R, chunks)](rows, rows.stride(0), key, temp, out, val, start, V,
-                                       BLOCK=block, SPAN=span, SAMPLED=sampled, **chained(rows.device))
+    _gumbel_argmax_kernel[(R, chunks)](rows, rows.stride(0), key, temp, temp if floor is None else floor, out, val,
+                                       start, V, BLOCK=block, SPAN=span, SAMPLED=sampled, FLOOR=floor is not None,
+                                       **chained(rows.device))
     if chunks == 1:
         return out.view(R), val.view(R)
     best, best_val = torch.empty(R, dtype=torch.long, device=rows.device), torch.empty(R, device=rows.device)
@@ -101,9 +110,11 @@ def _argmax_rows(rows: torch.Tensor, key: torch.Tensor, temp: torch.Tensor, star
 
 
 def gumbel_argmax(logits: torch.Tensor, seed: torch.Tensor, positions: torch.Tensor,
-                  temperature: torch.Tensor, vocab_start: int = 0, with_values: bool = False):
+                  temperature: torch.Tensor, vocab_start: int = 0, with_values: bool = False,
+                  floor: torch.Tensor | None = None):
     """Tokens [B, T] = argmax(logits / T_b + g(seed_b, p)) (plain argmax where T_b == 0)
-    for logits [B, T, V] on CUDA, positions [B, T], seed/temperature [B].
+    for logits [B, T, V] on CUDA, positions [B, T], seed/temperature [B]; with `floor`
+    [B, T] (float32, `filter_floor`) only among logits >= it.
 
     `logits` may be a vocabulary slice starting at id `vocab_start` (tensor parallelism):
     the noise is that of the global ids, the returned indices are local, and with
@@ -114,7 +125,9 @@ def gumbel_argmax(logits: torch.Tensor, seed: torch.Tensor, positions: torch.Ten
         rows = rows.contiguous()
     key = noise_key(seed, positions).reshape(-1)
     temp = temperature.float()[:, None].expand(B, T).reshape(-1).contiguous()
-    out, val = _argmax_rows(rows, key.contiguous(), temp, vocab_start, sampled=True)
+    if floor is not None:
+        floor = floor.float().reshape(-1).contiguous()
+    out, val = _argmax_rows(rows, key.contiguous(), temp, vocab_start, sampled=True, floor=floor)
     return (val.view(B, T), out.view(B, T)) if with_values else out.view(B, T)
 
 
