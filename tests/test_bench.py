@@ -39,7 +39,7 @@ def test_pair_mode(pair, tmp_path, capsys):
     out, png = tmp_path / "rows.jsonl", tmp_path / "bench.png"
     rc = main(["bench", "--model", str(target), "--draft-model", str(drafter), "--prompt-file", str(prompts),
                "--methods", "ddtree,ar,dflash", "--budgets", "4,8", "--batch-sizes", "1,2", "--graphs", "off",
-               "--temperatures", "0,1", "--max-new-tokens", "8", "--device", "cpu",
+               "--temperatures", "0,1", "--top-k", "5", "--top-p", "0.9", "--max-new-tokens", "8", "--device", "cpu",
                "--out", str(out), "--plot", str(png)])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
@@ -48,6 +48,7 @@ def test_pair_mode(pair, tmp_path, capsys):
     assert [r["label"] for r in rows[::4]] == ["ar", "dflash", "ddtree-4", "ddtree-8"]  # AR runs first
     for r in rows:
         assert PAIR_FIELDS <= r.keys()
+        assert (r["top_k"], r["top_p"], r["min_p"]) == (5, 0.9, 0.0)  # what sampled requests ran with
         assert r["requests"] == 2 and r["new_tokens"] == 16 and r["graphs"] is False
         assert r["tokens_per_s"] > 0 and r["ms_per_round"] > 0 and r["tau"] >= 1
         assert r["speedup"] > 0
@@ -59,6 +60,7 @@ def test_pair_mode(pair, tmp_path, capsys):
     assert {r["budget"] for r in rows if r["method"] == "dflash"} == {7}  # block 8: chain of 7
 
     lines = captured.out.splitlines()
+    assert "sampled requests with top-k 5, top-p 0.9" in lines[0]
     header = next(i for i, line in enumerate(lines) if line.startswith("method"))
     assert all(h in lines[header] for h in ("tok/s", "tau", "ms/round", "speedup"))
     table = lines[header + 2:header + 2 + len(rows)]
@@ -207,6 +209,8 @@ def test_shape_mode_tiny(tmp_path, capsys):
     (["--batch-sizes", "0"], "batch size must be >= 1"),
     (["--temperatures", "hot"], "bad temperature"),
     (["--temperatures", "0,nan"], "bad temperature"),
+    (["--top-p", "2"], "top_p must be in"),
+    (["--shape", "tiny", "--top-k", "-5"], "top_k"),
     (["--graphs", "maybe"], "--graphs takes"),
     (["--graphs", "on", "--device", "cpu"], "needs a CUDA device"),
     (["--shape", "tiny", "--model", "x"], "takes no --model"),

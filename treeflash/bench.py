@@ -105,6 +105,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--graphs", help="on, off or on,off: CUDA graphs (default on,off; --shape: on on CUDA)")
     p.add_argument("--max-new-tokens", type=int, default=PAIR_NEW_TOKENS)
     p.add_argument("--temperatures", help="comma list, 0 = greedy (default 0,0.7,1.0; --shape: 0)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k of every sampled request (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p of every sampled request (1: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p of every sampled request (0: off)")
     p.add_argument("--seed", type=int, default=0, help="request i samples with seed S + i")
     p.add_argument("--logprobs", type=int, metavar="K", help="requests also return logprobs with K alternatives "
                                                              "(model-pair mode; default: none)")
@@ -274,6 +277,20 @@ def batch_indices(n: int, bs: int) -> list[list[int]]:
     return [[(b * bs + i) % n for i in range(bs)] for b in range(batches)]
 
 
+def filters(args) -> dict:
+    """The sampling filters every sampled request gets (--top-k, --top-p, --min-p),
+    checked as `SamplingParams` checks them."""
+    given = {"top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p}
+    SamplingParams(temperature=1.0, **given).validate()
+    return given
+
+
+def filters_note(args) -> str:
+    on = [f"{name.replace('_', '-')} {value:g}" for name, value in filters(args).items()
+          if value != {"top_k": 0, "top_p": 1.0, "min_p": 0.0}[name]]
+    return f"; sampled requests with {', '.join(on)}" if on else ""
+
+
 def measure_pair(llm, prompts: list[str], bs: int, temperature: float, args) -> dict:
     """Warm up (with CUDA graphs on every batch once: prompts of another padded length
     capture their prefill graph then, not while timed; else on the first), then time
@@ -281,7 +298,7 @@ def measure_pair(llm, prompts: list[str], bs: int, temperature: float, args) -> 
     def params(i):
         return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature,
                               seed=args.seed + i, ignore_eos=not args.eos, logprobs=args.logprobs,
-                              structured_outputs=structured_from(args))
+                              structured_outputs=structured_from(args), **filters(args))
 
     def generate(batch):
         return llm.generate([prompts[i] for i in batch], [params(i) for i in batch])
@@ -327,6 +344,7 @@ def bench_pairs(args) -> int:
         raise UsageError(f"ddtree budget must be >= 1, got {min(budgets)}")
     batch_sizes = parse_list(args.batch_sizes or "1,2,4", int, "batch size", minimum=1, maximum=MAX_BENCH_BATCH)
     temperatures = parse_list(args.temperatures or "0,0.7,1.0", float, "temperature", minimum=0.0)
+    filters(args)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     SamplingParams(logprobs=args.logprobs).validate()
@@ -353,7 +371,7 @@ def bench_pairs(args) -> int:
     if base.drafter is None and set(methods) - {"ar"}:
         raise UsageError(f"methods {', '.join(m for m in methods if m != 'ar')} need a drafter (--draft-model)")
     print(f"bench: {len(prompts)} prompts, {args.max_new_tokens} new tokens each, on {base.device} "
-          f"({str(base.dtype).replace('torch.', '')})")
+          f"({str(base.dtype).replace('torch.', '')}){filters_note(args)}")
     short = sum(len(base.encode(p)) + args.max_new_tokens > base.max_model_len for p in prompts)
     if short:  # their requests stop at the context: fewer tokens, and rounds of another length
         print(f"note: {short} of {len(prompts)} prompts leave less than --max-new-tokens {args.max_new_tokens} "
@@ -399,7 +417,7 @@ def pair_row(llm, budget: int | None, key: tuple, m: dict, ar: tuple | None, arg
             "label": llm.method + (f"-{budget}" if llm.method == "ddtree" else "")
                      + (f" lp{args.logprobs}" if args.logprobs is not None else ""),
             "logprobs": args.logprobs,
-            "batch_size": bs, "graphs": graphs, "temperature": temperature, **m,
+            "batch_size": bs, "graphs": graphs, "temperature": temperature, **filters(args), **m,
             "speedup": round(m["tokens_per_s"] / ar[0], 3) if ar else None,
             "same_as_ar": (round(sum(a == b for a, b in zip(ids, ar[1])) / len(ids), 3)
                            if ar and llm.method != "ar" else None),
@@ -694,14 +712,14 @@ def round_ops(target, drafter, st, context: int, budgets: list[int], backend: st
 
 
 def new_shape_state(target, drafter, context: int, batch: int, temperature: float, budgets: list[int],
-                    graphs: bool, seed: int):
+                    graphs: bool, seed: int, filters: dict | None = None):
     """A batch state as if every request had committed `context` tokens. The caches
     hold zeros: attention reads them all the same."""
     dev = target.lm_head.weight.device
     dec = SpeculativeDecoder(target, drafter, "dflash")
     slots = max(max(budgets) + 1, drafter.block_size)
     capacity = -(-(context + slots) // 256) * 256  # tight: graph kernels size their work by capacity
-    params = [SamplingParams(temperature=temperature, seed=seed + i) for i in range(batch)]
+    params = [SamplingParams(temperature=temperature, seed=seed + i, **(filters or {})) for i in range(batch)]
     st = dec.new_state(batch, capacity, SamplingBatch.from_params(params, dev))
     st.n.fill_(context)
     st.anchor.random_(0, target.config.vocab_size - 1)
@@ -733,6 +751,7 @@ def bench_shape(args) -> int:
     budgets = parse_budgets(args, minimum=0)
     batch_sizes = parse_list(args.batch_sizes or "1", int, "batch size", minimum=1, maximum=MAX_BENCH_BATCH)
     temperatures = parse_list(args.temperatures or "0", float, "temperature", minimum=0.0)
+    filters(args)
     if args.draft_layers < 1:
         raise UsageError(f"--draft-layers must be >= 1, got {args.draft_layers}")
     if args.iters < 1:
@@ -775,7 +794,8 @@ def bench_shape(args) -> int:
             print(f"bench: shape {args.shape}{f' fp8 {args.fp8}' if args.fp8 else ''} ({_size(_bytes(target))} target, "
                   f"{_size(_bytes(drafter))} "
                   f"drafter of {args.draft_layers} layers{ranks}), {str(dtype).replace('torch.', '')} on {device}, "
-                  f"attention {backend}; copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write, {mib} MiB)")
+                  f"attention {backend}; copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write, {mib} MiB)"
+                  f"{filters_note(args)}")
 
         rows = []
         with torch.inference_mode():
@@ -861,7 +881,7 @@ def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets,
     all-reduce at the op's (first) token count and the all-reduce share of the op: an
     estimate, count x latency / op time, from all-reduces timed alone (in the op they
     may overlap other work, or wait for a slower rank)."""
-    st = new_shape_state(target, drafter, context, bs, temperature, budgets, graphs, args.seed)
+    st = new_shape_state(target, drafter, context, bs, temperature, budgets, graphs, args.seed, filters(args))
     n0 = st.n.clone()
 
     def reset():
@@ -877,7 +897,8 @@ def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets,
         plan = allreduce_plan(op, n, target, drafter, bs) if allreduce is not None else []
         reduce_us = sum(count * allreduce(width, graphs) for count, width in plan)
         row = {"mode": "shape", "shape": args.shape, "context": context, "batch_size": bs,
-               "temperature": temperature, "graphs": graphs, "op": op, "N": n, "time_us": round(us, 2),
+               "temperature": temperature, **filters(args), "graphs": graphs, "op": op, "N": n,
+               "time_us": round(us, 2),
                "floor_us": round(floor, 2) if floor else None,
                "ratio": round(us / floor, 3) if floor else None, "vs_ar": round(us / ar_us, 3),
                "wall_us": round(wall[0], 2) if wall is not None else None,
