@@ -198,6 +198,22 @@ def test_gumbel_argmax_matches_reference(V):
 
 
 @gpu_or_interpreter
+def test_coupled_scores_match_reference():
+    """The coupled drafter's scores, logits / T + the target's noise for the same
+    position and token (a vocabulary slice from id 5000), in one pass: the torch
+    reference's values (up to the last ulp of log), unchanged for a greedy request."""
+    from treeflash.engine.sampling import gumbel_noise
+    from treeflash.ops.gumbel_argmax import coupled_scores
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 3, 5000, generator=gen) * 4
+    seed, pos = torch.tensor([7, 2 ** 40 + 1]), torch.tensor([[3, 4, 5], [90, 91, 92]])
+    temp = torch.tensor([0.0, 0.7])
+    got = coupled_scores(logits.to(DEV), seed.to(DEV), pos.to(DEV), temp.to(DEV), vocab_start=5000).cpu()
+    assert torch.equal(got[0], logits[0])
+    torch.testing.assert_close(got[1], logits[1] / 0.7 + gumbel_noise(seed, pos, 5000, 5000)[1], rtol=1e-5, atol=1e-5)
+
+
+@gpu_or_interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scaling", [None, {"factor": 8.0, "original_max_position_embeddings": 8192},
                                      {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
@@ -276,8 +292,8 @@ def test_logit_controls_match_torch(dtype, rows, per_row, controls):
 @spawns_interpreter
 def test_ops_in_the_triton_interpreter():
     run_interpreted(__file__, "gemv_matches or few_row_matmul or rope_into_cache or row_argmax or gumbel_argmax or cos_sin "
-                    "or embedding_rows or logit_controls or node_states or path_states or grammar_mask or split_product",
-                    37)
+                    "or embedding_rows or logit_controls or node_states or path_states or grammar_mask or split_product "
+                    "or coupled_scores", 38)
 
 
 def _grammar_batch(V: int, B: int, seed: int):

@@ -242,13 +242,17 @@ class SpeculativeDecoder:
         sb = st.sampling
         if sb.any_biased:  # the target's bias on the draft too: its tokens stay ones the target may take
             logits = apply_bias(logits, positions[:, 1:], sb, self.tp.rank * logits.shape[-1])
-        if sb.any_sampled:
+        # No top-k/top-p/min-p here: the filters act on the target's law; cutting the
+        # draft to its own nucleus would only turn tree nodes into dead padding.
+        start = self.tp.rank * logits.shape[-1]
+        if sb.any_sampled and self.draft_mode == "coupled" and fused_enabled(logits):
+            from treeflash.ops.gumbel_argmax import coupled_scores
+            logits = coupled_scores(logits, sb.seed, positions[:, 1:], sb.temperature, start)
+        elif sb.any_sampled:
             t = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
             logits = logits / t[:, None, None]
-            # No top-k/top-p/min-p here: the filters act on the target's law; cutting the
-            # draft to its own nucleus would only turn tree nodes into dead padding.
             if self.draft_mode == "coupled":
-                noise = gumbel_noise(sb.seed, positions[:, 1:], self.tp.rank * logits.shape[-1], logits.shape[-1])
+                noise = gumbel_noise(sb.seed, positions[:, 1:], start, logits.shape[-1])
                 logits = logits + torch.where(sb.temperature[:, None, None] > 0, noise, 0.0)
         if sb.any_guided:
             logits = self.guided_draft(logits, sb)
