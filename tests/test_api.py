@@ -409,6 +409,32 @@ def test_budget_is_for_ddtree_only(tmp_path):
             LLM(target, draft_model=draft, method=method, budget=8, device="cpu")
 
 
+def test_with_method_decodes_another_way_on_the_same_weights(tmp_path):
+    """`with_method` (what `treeflash bench` runs every method with): the same weights
+    decoding with another method or budget give the tokens an engine built that way
+    gives, and the engine it came from still decodes its own way; bad choices are one
+    line, as at construction."""
+    from treeflash.checkpoints import write_random_drafter, write_random_target
+    target = write_random_target(tmp_path / "t", num_layers=2, peaked_tokens=8, std=0.2)
+    drafter = write_random_drafter(target, tmp_path / "d", num_layers=1, block_size=4)
+    base = LLM(target, draft_model=drafter, method="dflash", device="cpu", dtype="float64")
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=3, ignore_eos=True)
+    want = LLM(target, method="ar", device="cpu", dtype="float64").generate(ENGINE_PROMPTS, params)
+    for method, budget in (("ar", None), ("ddtree", 6)):
+        other = base.with_method(method, budget)
+        assert (other.method, other.decoder.budget) == (method, budget or 0) and other.target is base.target
+        outs = other.generate(ENGINE_PROMPTS, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+        assert {o.stats["method"] for o in outs} == {method}
+    assert base.generate(ENGINE_PROMPTS[:1], params)[0].stats["method"] == "dflash"
+    for args, what in ((("beam",), "unknown method"), (("ddtree",), "budget"), (("ddtree", 0), "budget"),
+                       (("dflash", 4), "ddtree only"), (("ar", None, "yes"), "cuda_graphs")):
+        with pytest.raises(UsageError, match=what):
+            base.with_method(*args)
+    with pytest.raises(UsageError, match="needs a draft model"):
+        LLM(target, method="ar", device="cpu").with_method("dflash")
+
+
 def test_sentencepiece_continuations_keep_their_first_space(tmp_path):
     """With a SentencePiece tokenizer (Llama 2, Mistral) a generated text starts with the
     space its first token carries (decoded alone, the decoder would strip it): in the

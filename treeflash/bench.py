@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import json
 import math
@@ -256,20 +255,6 @@ def pair_configs(methods: list[str], budgets: list[int]) -> list[tuple[str, int 
     return out
 
 
-def engine_for(base, method: str, budget: int | None, graphs: bool, draft_mode: str):
-    """An LLM that shares `base`'s weights but decodes with `method`.
-
-    Loading an 8B checkpoint once per (method, budget, graphs) would cost minutes; this
-    mirrors the tail of `LLM.__init__` instead (engine API wish: `LLM.variant(...)`).
-    """
-    llm = copy.copy(base)
-    llm.decoder = SpeculativeDecoder(base.target, base.drafter, method, budget or 0,
-                                     draft_mode=draft_mode, attention_backend=base.decoder.backend)
-    llm.method = method
-    llm.use_graphs(graphs)
-    return llm
-
-
 def batch_indices(n: int, bs: int) -> list[list[int]]:
     """Prompt indices in batches of exactly `bs` (the last one wraps around): a short
     last batch would be a new graph shape, captured inside the timed region."""
@@ -381,7 +366,7 @@ def bench_pairs(args) -> int:
     rows, ar = [], {}  # ar: (batch size, temperature, graphs) -> (tokens/s, token ids)
     for method, budget in pair_configs(methods, budgets):
         for graphs in graphs_list:
-            llm = engine_for(base, method, budget, graphs, args.draft_mode)
+            llm = base.with_method(method, budget, graphs, args.draft_mode)
             for bs in batch_sizes:
                 for temperature in temperatures:
                     m = measure_pair(llm, prompts, bs, temperature, args)

@@ -1,6 +1,7 @@
 """The user-facing API: `LLM(model, draft_model=..., method=...).generate(prompts, params)`."""
 from __future__ import annotations
 
+import copy
 import importlib.util
 import inspect
 import os
@@ -338,12 +339,7 @@ class LLM:
                 "rss_growth_bytes": None if rss0 is None or peak is None else peak - rss0,
             }
             head_dims = [self.config.head_dim] + ([self.drafter.config.layers.head_dim] if self.drafter else [])
-            backend = attention_backend(self.device, head_dims)
-            self.decoder = SpeculativeDecoder(self.target, self.drafter, method, budget or 0,
-                                              draft_mode=draft_mode, attention_backend=backend)
-            self.method = method
-            self.use_graphs(cuda_graphs)
-            self._run = None      # `_Batch`: state, round and result pipeline of the batch in flight
+            self._decode_with(method, budget, draft_mode, cuda_graphs, attention_backend(self.device, head_dims))
             self._automata: OrderedDict[str, TokenAutomaton] = OrderedDict()  # see `automaton`
             self._compiling: dict[str, Future] = {}  # automata being compiled, by key
             self._refused: OrderedDict[str, str] = OrderedDict()  # keys that failed to compile: why
@@ -354,6 +350,38 @@ class LLM:
             self._tp.close()
             raise
         weakref.finalize(self, self._tp.close)
+
+    def _decode_with(self, method: str, budget: int | None, draft_mode: str, cuda_graphs: bool,
+                     backend: str) -> None:
+        self.decoder = SpeculativeDecoder(self.target, self.drafter, method, budget or 0,
+                                          draft_mode=draft_mode, attention_backend=backend)
+        self.method = method
+        self.use_graphs(cuda_graphs)
+        self._run = None  # `_Batch`: state, round and result pipeline of the batch in flight
+
+    def with_method(self, method: str, budget: int | None = None, cuda_graphs: bool | None = None,
+                    draft_mode: str | None = None) -> "LLM":
+        """This engine's weights, tokenizer and caches of compiled constraints, decoding
+        with another method, budget, graphs setting or draft mode, with states and graphs
+        of its own, while this engine is open: `treeflash bench` loads a checkpoint once
+        for every method. One process only (tensor-parallel workers hold the engine they
+        were built as)."""
+        if self._tp.size > 1:
+            raise UsageError("with_method needs tp=1: the tensor-parallel workers decode as the engine was built")
+        if method not in METHODS:
+            raise UsageError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+        if method == "ddtree" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise UsageError(f"ddtree budget must be an integer >= 1, got {budget!r}")
+        if method != "ddtree" and budget is not None:
+            raise UsageError(f"a tree budget applies to method ddtree only (method is {method})")
+        if method != "ar" and self.drafter is None:
+            raise UsageError(f"method '{method}' needs a draft model")
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise UsageError(f"cuda_graphs must be true or false, got {cuda_graphs!r}")
+        other = copy.copy(self)
+        other._decode_with(method, budget, draft_mode or self.decoder.draft_mode,
+                           self.cuda_graphs if cuda_graphs is None else cuda_graphs, self.decoder.backend)
+        return other
 
     def check_healthy(self) -> None:
         """Raise `EngineDeadError` if this engine can serve no more requests (a
