@@ -530,7 +530,7 @@ def test_metrics_count_requests_tokens_and_forwards(client):
     assert delta["treeflash_request_seconds_count"] == 2 and delta["treeflash_request_seconds_sum"] > 0
     assert delta["treeflash_time_to_first_token_seconds_count"] == 2
     assert 0 < delta["treeflash_time_to_first_token_seconds_sum"] <= delta["treeflash_request_seconds_sum"]
-    assert 3 <= delta["treeflash_target_forwards_total"] < 47  # the drafter gets more than one token a forward
+    assert 3 <= delta["treeflash_generation_rounds_total"] < 47  # the drafter gets more than one token a forward
     for name in ("treeflash_request_seconds", "treeflash_time_to_first_token_seconds"):  # histograms
         buckets = [(k, v) for k, v in after.items() if k.startswith(name + "_bucket")]
         assert buckets[-1] == (name + '_bucket{le="+Inf"}', after[name + "_count"])

@@ -44,7 +44,7 @@ class ServerMetrics:
         self.request_seconds = Histogram(REQUEST_BOUNDS)
         self.first_token_seconds = Histogram(FIRST_TOKEN_BOUNDS)
         self.choices = dict.fromkeys(FINISH_REASONS, 0)
-        self.prompt_tokens = self.generated_tokens = self.target_forwards = 0
+        self.prompt_tokens = self.generated_tokens = self.generation_rounds = 0
 
     def choice_done(self, prompt_tokens: int, output) -> None:
         """One generation finished (a `GenerationOutput`); `prompt_tokens` counts its
@@ -53,7 +53,7 @@ class ServerMetrics:
             self.choices[output.finish_reason] = self.choices.get(output.finish_reason, 0) + 1
             self.prompt_tokens += prompt_tokens
             self.generated_tokens += len(output.token_ids)
-            self.target_forwards += output.stats.get("rounds", 0)
+            self.generation_rounds += output.stats.get("rounds", 0)
 
     def first_token(self, seconds: float) -> None:
         """A request got its first token `seconds` after it arrived (queueing and prefill)."""
@@ -82,10 +82,10 @@ class ServerMetrics:
                 ("treeflash_prompt_tokens_total", "counter", "Prompt tokens of finished generations, once per prompt.",
                  [({}, self.prompt_tokens)]),
                 ("treeflash_generation_tokens_total", "counter", "Tokens generated.", [({}, self.generated_tokens)]),
-                ("treeflash_target_forwards_total", "counter",
-                 "Rounds (target forwards, the prefill included) that finished generations took part in, summed "
-                 "over generations (a batched forward counts once per generation in it): generation tokens "
-                 "divided by this is tau.", [({}, self.target_forwards)]),
+                ("treeflash_generation_rounds_total", "counter",
+                 "Rounds (target forwards, the prefill included) of finished generations, counted per generation "
+                 "(a forward over a batch counts once for each generation in it): generation tokens divided by "
+                 "this is tau.", [({}, self.generation_rounds)]),
                 ("treeflash_requests_running", "gauge", "Requests in the engine now.", [({}, running)]),
                 ("treeflash_requests_waiting", "gauge", "Requests queued for the engine.", [({}, waiting)]),
                 ("treeflash_graph_captures_total", "counter", "CUDA graphs captured (warm-up included).",
