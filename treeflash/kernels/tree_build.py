@@ -225,17 +225,13 @@ def candidate_pairs(budget: int, k: int) -> np.ndarray:
     return out
 
 
-_CANDIDATES: dict[tuple[int, int, torch.device], torch.Tensor] = {}
-
-
-def _candidates(budget: int, k: int, device: torch.device) -> torch.Tensor:
-    key = (budget, k, device)
-    if key not in _CANDIDATES:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"build_tree_fused: call it once (budget {budget}, K {k}) before capturing "
-                               "a CUDA graph: the candidate list is copied to the device on first use")
-        _CANDIDATES[key] = torch.from_numpy(candidate_pairs(budget, k)).to(device)
-    return _CANDIDATES[key]
+def tree_candidates(budget: int, k: int, device: torch.device) -> torch.Tensor:
+    """`candidate_pairs` on `device`, for `build_tree_fused`: a host-to-device copy, so
+    made before a CUDA graph is captured and kept by the caller (the decoder)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"build_tree_fused: make its candidates (budget {budget}, K {k}) before capturing a "
+                           "CUDA graph: they are copied to the device")
+    return torch.from_numpy(candidate_pairs(budget, k)).to(device)
 
 
 def _warps(candidates: int, entries: int) -> int:
@@ -246,11 +242,12 @@ def _warps(candidates: int, entries: int) -> int:
 
 
 def build_tree_fused(top_vals: torch.Tensor, top_ids: torch.Tensor, anchor: torch.Tensor,
-                     budget: int) -> DraftTree:
+                     budget: int, candidates: torch.Tensor | None = None) -> DraftTree:
     """`engine.tree.build_tree_from_topk` in one launch: same arguments (top_vals [B, D, K]
     descending log-probabilities, top_ids [B, D, K], K >= min(budget, V), anchor [B]),
     same tree. Equal scores are broken deterministically (beam: lower (rank, column)
-    pair first), not necessarily as torch.topk does."""
+    pair first), not necessarily as torch.topk does. `candidates`: `tree_candidates` of
+    (budget, min(budget, K)), made here if not given (not inside a graph capture)."""
     B, D, K = top_vals.shape
     N = budget
     if not 1 <= N <= MAX_BUDGET or D * N > MAX_ENTRIES:
@@ -259,7 +256,7 @@ def build_tree_fused(top_vals: torch.Tensor, top_ids: torch.Tensor, anchor: torc
     K = min(N, K)
     dev = top_vals.device
     top_vals = top_vals.float()
-    cand = _candidates(N, K, dev)
+    cand = tree_candidates(N, K, dev) if candidates is None else candidates
     M = N + 1
     NP = max(2, triton.next_power_of_2(N))
     TP = max(2, triton.next_power_of_2(D * N))
