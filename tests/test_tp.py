@@ -722,7 +722,7 @@ def test_a_batch_too_large_for_memory_leaves_the_engine_working(engines, referen
     """Caches that do not fit fail with one line on every rank at the same point (before
     any collective of the batch): the ranks stay in step and the next request runs, at
     TP = 2 as at TP = 1 (a request must not end a tensor-parallel server)."""
-    from treeflash.engine.kv_cache import available_bytes
+    from treeflash.memory import available_bytes
     per_request = 2 * 2 * 4 * 2048 * 16 * 8  # K and V, 2 layers, 4 KV heads, 2048+ slots, D 16, float64
     batch = 8 * available_bytes(torch.device("cpu")) // per_request  # 4x what is free on each of 2 ranks
     for tp in (1, 2):

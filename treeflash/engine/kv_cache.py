@@ -12,23 +12,8 @@ import math
 import torch
 
 from treeflash.errors import TreeflashError
+from treeflash.memory import available_bytes
 from treeflash.ops import fused_enabled
-
-
-def available_bytes(device: torch.device) -> int | None:
-    """Memory a new tensor can still take on `device` (None: unknown). On CUDA the
-    free memory plus what torch's allocator holds unused; on CPU Linux's MemAvailable."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 class KVCache:

@@ -25,13 +25,13 @@ from treeflash.engine.sampling import (BAD_WORD_TOKENS, MAX_BAD_SEQUENCES, Sampl
                                       generation_defaults, truncation_error)
 from treeflash.engine.states import GRAPHED_PREFILL_MAX, KeptStates, suffix_chunks
 from treeflash.engine.tp import attach as tp_attach
-from treeflash.engine.tp import peak_rss_bytes, reset_peak_rss, rss_bytes
 from treeflash.errors import TreeflashError, UsageError, shown
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import (build_on, check_model_size, check_sizes, load_weights, stored_shapes,
                                      weights_dtype)
 from treeflash.models.transformer import CausalLM
 from treeflash.files import model_folder
+from treeflash.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from treeflash.structured.grammar import TokenAutomaton, token_automaton
 from treeflash.tokenizer import CONTEXT_TOKENS, Tokenizer, stop_cut
 

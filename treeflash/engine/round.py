@@ -19,12 +19,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from treeflash.engine.kv_cache import DraftContextCache, KVCache, available_bytes
+from treeflash.engine.kv_cache import DraftContextCache, KVCache
 from treeflash.engine.sampling import (MAX_LOGPROBS, SamplingBatch, apply_bias, grammar_masked, gumbel_noise,
                                        logprobs_of, sample)
 from treeflash.engine.tree import DraftTree, build_chain_from_tokens, build_tree_from_topk, walk
 from treeflash.errors import TreeflashError, UsageError
 from treeflash.layers.attention import AttentionInputs
+from treeflash.memory import available_bytes
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.transformer import CausalLM
 from treeflash.ops import fused_enabled

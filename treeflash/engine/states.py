@@ -16,7 +16,7 @@ from collections import OrderedDict
 import torch
 
 from treeflash.distributed import TPGroup
-from treeflash.engine.kv_cache import available_bytes
+from treeflash.memory import available_bytes
 from treeflash.engine.round import PREFILL_ALIGN, BatchState, GraphedState, SpeculativeDecoder, prefill_width
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
 from treeflash.errors import InStepError, TreeflashError

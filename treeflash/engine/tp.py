@@ -128,36 +128,6 @@ def delete_keys(store, keys: list[str]) -> None:
         store.delete_key(k)
 
 
-# ----------------------------------------------------------------------------- memory
-
-def _proc_status(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def rss_bytes() -> int | None:
-    """Resident set size of this process (Linux), or None."""
-    return _proc_status("VmRSS")
-
-
-def reset_peak_rss() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-    except OSError:
-        pass
-
-
-def peak_rss_bytes() -> int | None:
-    return _proc_status("VmHWM")
-
-
 # ----------------------------------------------------------------------------- checks
 
 def check_shardable(config, draft_config, size: int) -> None:

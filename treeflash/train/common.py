@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from treeflash.config import ModelConfig
-from treeflash.engine.kv_cache import available_bytes
+from treeflash.memory import available_bytes
 from treeflash.errors import TreeflashError, UsageError
 
 MiB = 1 << 20
