@@ -11,7 +11,7 @@ import torch
 from conftest import ENGINE_PROMPTS, SPEC_PROMPTS
 
 from treeflash import LLM, SamplingParams
-from treeflash.engine.llm import RoundPipeline
+from treeflash.engine.pipeline import RoundPipeline
 from treeflash.engine.sampling import SamplingBatch
 
 

@@ -39,7 +39,8 @@ import torch
 from treeflash.cli import add_structured_args, read_prompts, structured_from
 from treeflash.config import FP8_BLOCK, DraftConfig, ModelConfig, default_target_layer_ids
 from treeflash.distributed import TPGroup
-from treeflash.engine.llm import LLM, RoundPipeline, attention_backend, builtin_paths, resolve_device, resolve_dtype
+from treeflash.engine.llm import LLM, attention_backend, builtin_paths, resolve_device, resolve_dtype
+from treeflash.engine.pipeline import RoundPipeline
 from treeflash.engine.round import SpeculativeDecoder, capture
 from treeflash.engine.sampling import SamplingBatch, SamplingParams
 from treeflash.engine.tp import COMM_HINTS, check_devices, check_shardable, join_group, torchrun_env
