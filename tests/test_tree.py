@@ -8,9 +8,10 @@ import math
 
 import pytest
 import torch
+from tree_oracle import best_prefixes_heap
 
 from treeflash.engine.kv_cache import KVCache
-from treeflash.engine.tree import (DraftTree, _ancestor_matrix, best_prefixes_heap, build_chain, build_tree,
+from treeflash.engine.tree import (DraftTree, _ancestor_matrix, build_chain, build_tree,
                                    empty_tree, walk)
 
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 from interpreter import DEV, kernel, run_interpreted, spawns_interpreter
 from test_tree import check_structure, node_prefixes, random_logprobs
+from tree_oracle import best_prefixes_heap
 
-from treeflash.engine.tree import best_prefixes_heap, build_tree_from_topk
+from treeflash.engine.tree import build_tree_from_topk
 
 pytest.importorskip("triton")
 from treeflash.kernels.tree_build import MAX_BUDGET, build_tree_fused, candidate_pairs  # noqa: E402

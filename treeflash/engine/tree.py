@@ -8,7 +8,6 @@ a whole batch, on the device, with static shapes.
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 import torch
@@ -122,29 +121,6 @@ def build_tree_from_topk(top_vals: torch.Tensor, top_ids: torch.Tensor, anchor: 
     tokens = torch.cat([anchor[:, None], tokens], 1)
     valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=dev), valid], 1)
     return DraftTree(tokens, parents, depths, _ancestor_matrix(parents, D), valid)
-
-
-def best_prefixes_heap(logprobs, budget: int) -> list[tuple[int, ...]]:
-    """Host reference for tests: best-first search over (depth, rank-at-depth) for the
-    `budget` most probable prefixes of per-depth distributions logprobs [D, V]."""
-    import numpy as np
-    lp = np.asarray(logprobs, dtype=np.float64)
-    D = lp.shape[0]
-    order = np.argsort(-lp, axis=1, kind="stable")
-    sorted_lp = np.take_along_axis(lp, order, axis=1)
-    # heap item: (-score, prefix of ranks)
-    heap = [(-sorted_lp[0, 0], (0,))]
-    out = []
-    while heap and len(out) < budget:
-        neg, ranks = heapq.heappop(heap)
-        d = len(ranks) - 1
-        out.append(tuple(int(order[i, r]) for i, r in enumerate(ranks)))
-        if ranks[-1] + 1 < lp.shape[1]:  # next sibling
-            sib = ranks[:-1] + (ranks[-1] + 1,)
-            heapq.heappush(heap, (neg + sorted_lp[d, ranks[-1]] - sorted_lp[d, ranks[-1] + 1], sib))
-        if d + 1 < D:  # first child
-            heapq.heappush(heap, (neg - sorted_lp[d + 1, 0], ranks + (0,)))
-    return out
 
 
 @dataclass
