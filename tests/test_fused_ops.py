@@ -261,7 +261,8 @@ def test_logit_controls_match_torch(dtype, rows, per_row, controls):
     division): inputs broadcast over a round's rows from a request's [V] row, or one per
     row (a tree's recomputed columns), a vocabulary past one block, every sign and flag,
     stop tokens held back at some positions only."""
-    from treeflash.engine.sampling import SamplingBatch, SamplingParams, _controlled
+    from treeflash.engine.sampling import SamplingBatch, _controlled
+    from treeflash.sampling_params import SamplingParams
     from treeflash.ops.logit_controls import logit_controls
     gen = torch.Generator().manual_seed(rows)
     B, C = 3, 2500

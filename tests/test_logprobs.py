@@ -13,7 +13,7 @@ import torch
 
 from treeflash import LLM, SamplingParams, UsageError
 from treeflash.engine.llm import builtin_paths
-from treeflash.engine.sampling import MAX_LOGPROBS
+from treeflash.sampling_params import MAX_LOGPROBS
 from treeflash.layers.attention import AttentionInputs
 
 METHODS = [("ar", None), ("dflash", None), ("ddtree", 8)]

@@ -204,7 +204,7 @@ def test_bad_values_are_refused(kw, message):
 ])
 def test_logit_bias_as_json_gives_it(mapping, message):
     """OpenAI's logit_bias (the server's and --logit-bias's): string keys of digits."""
-    from treeflash.engine.sampling import token_bias
+    from treeflash.sampling_params import token_bias
     assert token_bias({"7": 2, "0": -1.5}) == {7: 2, 0: -1.5}
     with pytest.raises(UsageError, match=message):
         token_bias(mapping)

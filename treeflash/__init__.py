@@ -13,7 +13,7 @@ def __getattr__(name: str):
         from treeflash.engine import llm
         return getattr(llm, name)
     if name == "SamplingParams":
-        from treeflash.engine.sampling import SamplingParams
+        from treeflash.sampling_params import SamplingParams
         return SamplingParams
     if name == "StructuredOutputs":
         from treeflash.structured.grammar import StructuredOutputs

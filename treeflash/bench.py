@@ -42,7 +42,7 @@ from treeflash.distributed import TPGroup
 from treeflash.engine.llm import LLM, attention_backend, builtin_paths, resolve_device, resolve_dtype
 from treeflash.engine.pipeline import RoundPipeline
 from treeflash.engine.round import SpeculativeDecoder, capture
-from treeflash.engine.sampling import SamplingBatch, SamplingParams
+from treeflash.engine.sampling import SamplingBatch
 from treeflash.engine.tp import COMM_HINTS, check_devices, check_shardable, join_group, torchrun_env
 from treeflash.engine.tree import empty_tree
 from treeflash.errors import TreeflashError, UsageError
@@ -50,6 +50,7 @@ from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import build_on
 from treeflash.models.moe import KIMI_K2_4L, weight_bytes_read
 from treeflash.models.transformer import CausalLM
+from treeflash.sampling_params import SamplingParams
 from treeflash.tokenizer import Tokenizer
 
 PAIR_BUDGETS = "16,32,64,128,256"

@@ -142,7 +142,7 @@ def sampling_from(args, model_defaults: dict | None = None):
     """The options' SamplingParams; those left out of GENERATION_KEYS take `model_defaults`
     (the model's generation_config.json values) over SamplingParams' own."""
     from treeflash import SamplingParams
-    from treeflash.engine.sampling import GENERATION_KEYS
+    from treeflash.sampling_params import GENERATION_KEYS
     base = SamplingParams(**(model_defaults or {}))
     chosen = {k: getattr(base, k) if getattr(args, k) is None else getattr(args, k) for k in GENERATION_KEYS}
     return SamplingParams(**chosen, seed=args.seed, stop=args.stop,
@@ -158,7 +158,7 @@ def model_sampling_defaults(args) -> dict:
     """The model's generation_config.json values for the options left out (with a note
     saying which apply), or none with --generation-config none."""
     from treeflash.engine.llm import builtin_paths
-    from treeflash.engine.sampling import generation_defaults
+    from treeflash.sampling_params import generation_defaults
     if args.generation_config == "none":
         return {}
     got = generation_defaults(Path(args.model) if args.model else builtin_paths()[0])
@@ -205,7 +205,7 @@ def _grammar(text: str) -> str:
 
 def _logit_bias(text: str) -> dict[int, float]:
     """--logit-bias: a JSON object of token id -> bias, as OpenAI's logit_bias."""
-    from treeflash.engine.sampling import token_bias
+    from treeflash.sampling_params import token_bias
     try:
         return token_bias(_json_object(text))
     except UsageError as e:

@@ -22,8 +22,7 @@ from treeflash.config import DTYPES, FP8_BLOCK, DraftConfig, ModelConfig
 from treeflash.distributed import TPGroup
 from treeflash.engine.pipeline import RoundPipeline
 from treeflash.engine.round import DRAFT_MODES, METHODS, BatchState, SpeculativeDecoder
-from treeflash.engine.sampling import (BAD_WORD_TOKENS, MAX_BAD_SEQUENCES, SamplingBatch, SamplingParams,
-                                      generation_defaults, truncation_error)
+from treeflash.engine.sampling import SamplingBatch
 from treeflash.engine.states import GRAPHED_PREFILL_MAX, KeptStates, suffix_chunks
 from treeflash.engine.tp import attach as tp_attach
 from treeflash.errors import TreeflashError, UsageError, shown
@@ -33,6 +32,8 @@ from treeflash.models.loader import (build_on, check_model_size, check_sizes, lo
 from treeflash.models.transformer import CausalLM
 from treeflash.files import model_folder
 from treeflash.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+from treeflash.sampling_params import (BAD_WORD_TOKENS, MAX_BAD_SEQUENCES, SamplingParams, generation_defaults,
+                                       truncation_error)
 from treeflash.structured.grammar import TokenAutomaton, token_automaton
 from treeflash.tokenizer import CONTEXT_TOKENS, Tokenizer, stop_cut
 

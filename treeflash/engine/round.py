@@ -20,8 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from treeflash.engine.kv_cache import DraftContextCache, KVCache
-from treeflash.engine.sampling import (MAX_LOGPROBS, SamplingBatch, apply_bias, grammar_masked, gumbel_noise,
-                                       logprobs_of, sample)
+from treeflash.engine.sampling import SamplingBatch, apply_bias, grammar_masked, gumbel_noise, logprobs_of, sample
 from treeflash.engine.tree import DraftTree, build_chain_from_tokens, build_tree_from_topk, walk
 from treeflash.errors import TreeflashError, UsageError
 from treeflash.layers.attention import AttentionInputs
@@ -29,6 +28,7 @@ from treeflash.memory import available_bytes
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.transformer import CausalLM
 from treeflash.ops import fused_enabled
+from treeflash.sampling_params import MAX_LOGPROBS
 
 try:  # Triton, used only when `fused_enabled` (CUDA inference)
     from treeflash.kernels.tree_build import build_tree_fused, tree_candidates

@@ -19,173 +19,16 @@ exactly the tokens that autoregressive decoding produces.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import InitVar, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
 from treeflash.distributed import TPGroup
-from treeflash.errors import UsageError, shown
-from treeflash.files import read_json_object
 from treeflash.ops import fused_enabled, triton_available
-from treeflash.structured.grammar import StructuredOutputs, TokenAutomaton
+from treeflash.sampling_params import BAD_WORD_TOKENS, MAX_BAD_SEQUENCES, MAX_LOGPROBS, SamplingParams
+from treeflash.structured.grammar import TokenAutomaton
 
 _M32 = 0xFFFFFFFF
-MAX_LOGPROBS = 20  # most likely alternatives a request may ask for per token (vLLM's default limit)
-MAX_LOGIT_BIAS = 100.0  # a logit_bias value's bound, as OpenAI's
-MAX_PENALTY = 2.0       # presence / frequency penalties' bound, as OpenAI's
-MAX_REPETITION_PENALTY = 1e30  # it and its reciprocal bound it: both finite and normal in float32
-BAD_WORD_TOKENS = 8      # a bad word's token sequence at most (the last is banned after the others)
-MAX_BAD_SEQUENCES = 128  # a request's bad words' token sequences at most (two spellings per word)
-DEFAULT_MAX_NEW_TOKENS = 128
-
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    temperature: float = 0.0
-    top_k: int = 0  # 0 or -1 (vLLM's): off
-    top_p: float = 1.0
-    min_p: float = 0.0  # keep tokens at least min_p x the most likely one's probability (0 = off)
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)  # end like EOS (kept in token_ids), ignore_eos or not
-    logprobs: int | None = None  # report each token's log-probability and this many alternatives' (None: off)
-    prompt_logprobs: int | None = None  # the same for the prompt's tokens (None: off)
-    skip_special_tokens: bool = True          # leave special tokens' text out of the output text
-    include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
-    logit_bias: dict[int, float] | None = None  # added to those tokens' logits (before the temperature)
-    allowed_token_ids: list[int] | None = None  # sample only among these (None: all)
-    min_tokens: int = 0  # no EOS (ignored or not), stop token or stop string before this many new tokens
-    presence_penalty: float = 0.0    # subtracted from the logits of tokens the output holds
-    frequency_penalty: float = 0.0   # subtracted once per time the output holds the token
-    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and output tokens
-    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as fit)
-    structured_outputs: StructuredOutputs | None = None  # the text must match a schema, regex, choice or grammar
-    bad_words: list[str] | None = None  # never generated: a word's last token is banned where it would end it
-    max_tokens: InitVar[int] = ...  # vLLM's name for max_new_tokens (... : not given): vLLM's code runs as it is
-
-    def __post_init__(self, max_tokens=...):
-        if max_tokens is not ...:
-            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-                raise UsageError(f"invalid sampling parameters: max_tokens must be an integer >= 1 (vLLM's None, "
-                                 f"as many as fit, is not taken), got {shown(max_tokens)}")
-            if self.max_new_tokens not in (DEFAULT_MAX_NEW_TOKENS, max_tokens):  # (128 given is not told apart)
-                raise UsageError("invalid sampling parameters: give max_tokens or max_new_tokens, not both")
-            self.max_new_tokens = max_tokens
-        self.validate()  # where the caller makes it, as in vLLM; `generate` checks the vocabulary too
-
-    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        def bad(msg, param=None):
-            raise UsageError(f"invalid sampling parameters: {msg}", param=param)
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
-                or self.max_new_tokens < 1:
-            bad(f"max_new_tokens must be an integer >= 1, got {shown(self.max_new_tokens)}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not math.isfinite(self.temperature) or self.temperature < 0:
-            bad(f"temperature must be a finite number >= 0, got {shown(self.temperature)}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            bad(f"top_k must be an integer >= 0, or -1 (0 and -1: off, as in vLLM), got {shown(self.top_k)}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            bad(f"top_p must be in (0, 1], got {shown(self.top_p)}")
-        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
-            bad(f"min_p must be in [0, 1] (0 = off), got {shown(self.min_p)}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < 2 ** 63):
-            bad(f"seed must be an integer in [0, 2^63), got {shown(self.seed)}")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                bad(f"{name} must be true or false, got {shown(getattr(self, name))}")
-        if self.stop is None:
-            self.stop = []
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not isinstance(self.stop, (list, tuple)):
-            bad(f"stop must be a string or a list of strings, got {shown(self.stop)}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            bad("stop must be a list of non-empty strings")
-        for s in self.stop:
-            try:
-                s.encode("utf-8")
-            except UnicodeEncodeError:  # a lone surrogate: it could never match the output
-                bad(f"stop string {shown(s)} is not valid Unicode text", param="stop")
-        self.stop = [str(s) for s in self.stop]  # plain: a subclass may not unpickle in a TP worker
-        if self.stop_token_ids is None:
-            self.stop_token_ids = []
-        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(_is_id(t) for t in self.stop_token_ids):
-            bad(f"stop_token_ids must be a list of token ids (integers in [0, 2^63)), got {shown(self.stop_token_ids)}")
-        if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
-            bad(f"stop token id {max(self.stop_token_ids)} is outside the vocabulary of {vocab_size}")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(self, name)
-            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
-                bad(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (or None: off), got {shown(k)}")
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
-                or not 0 <= self.min_tokens <= self.max_new_tokens:
-            bad(f"min_tokens must be an integer in [0, max_new_tokens = {self.max_new_tokens}], "
-                f"got {shown(self.min_tokens)}")
-        if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict) or not all(
-                    _is_id(t) and not isinstance(v, bool) and isinstance(v, (int, float))
-                    for t, v in self.logit_bias.items()):
-                bad(f"logit_bias must map token ids (integers in [0, 2^63)) to numbers, got {shown(self.logit_bias)}")
-            if not all(-MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in self.logit_bias.values()):  # NaN too
-                bad(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
-            self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}  # plain, for TP workers
-        if self.allowed_token_ids is not None:
-            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids \
-                    or not all(_is_id(t) for t in self.allowed_token_ids):
-                bad(f"allowed_token_ids must be a non-empty list of token ids, got {shown(self.allowed_token_ids)}")
-            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_PENALTY <= v <= MAX_PENALTY:
-                bad(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {shown(v)}")
-        v = self.repetition_penalty
-        lo, hi = 1 / MAX_REPETITION_PENALTY, MAX_REPETITION_PENALTY
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-            bad(f"repetition_penalty must be in [{lo:g}, {hi:g}] (1 = off), got {shown(v)}")
-        if (why := truncation_error(self.truncate_prompt_tokens)) is not None:
-            bad(f"truncate_prompt_tokens {why}")
-        if self.bad_words is not None:
-            if not isinstance(self.bad_words, (list, tuple)) or not all(
-                    isinstance(w, str) and w.strip() for w in self.bad_words):
-                bad(f"bad_words must be a list of words (non-blank strings), got {shown(self.bad_words)}")
-            self.bad_words = [str(w) for w in self.bad_words]
-        if self.structured_outputs is not None:
-            if not isinstance(self.structured_outputs, StructuredOutputs):
-                bad(f"structured_outputs must be StructuredOutputs, got {shown(self.structured_outputs)}")
-            self.structured_outputs.validate()
-            for name in ("min_tokens", "allowed_token_ids"):  # either could leave a state no token
-                if getattr(self, name):
-                    bad(f"structured outputs cannot be combined with {name}", param=name)
-        if vocab_size is not None:
-            for name, ids in (("logit_bias", self.logit_bias or ()),
-                              ("allowed_token_ids", self.allowed_token_ids or ())):
-                if any(t >= vocab_size for t in ids):
-                    bad(f"{name} token id {max(ids)} is outside the vocabulary of {vocab_size}")
-        return self
-
-    @property
-    def biased(self) -> bool:
-        """Whether `bias` (module doc) changes anything for this request."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None or self.min_tokens > 0
-
-    @property
-    def banned(self) -> bool:
-        """Whether bad words (module doc) change anything for this request."""
-        return bool(self.bad_words)
-
-    @property
-    def penalized(self) -> bool:
-        """Whether `penalize` (module doc) changes anything for this request."""
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 def _block(p: SamplingParams, automaton: TokenAutomaton) -> tuple:
@@ -211,60 +54,6 @@ def _put(x: torch.Tensor, ids: list[list[int]], values, accumulate: bool = False
     rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(row) for row in ids]))
     values = torch.tensor(values, dtype=x.dtype).expand(len(cols))
     x.index_put_((rows.to(x.device), cols.to(x.device)), values.to(x.device), accumulate=accumulate)
-
-
-GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "repetition_penalty")
-
-
-def generation_defaults(folder: str | Path) -> dict:
-    """The sampling values a model's generation_config.json asks for, as `SamplingParams`
-    fields (only those it gives): what vLLM's `LLM` and server use where the caller gives
-    none (Qwen3, for one, asks for temperature 0.6, top_p 0.95, top_k 20). A value that
-    `SamplingParams` refuses is refused here, naming the file."""
-    path = Path(folder) / "generation_config.json"
-    if not path.is_file():
-        return {}
-    config = read_json_object(path, missing_ok=False)
-    got = {k: config[k] for k in GENERATION_KEYS if config.get(k) is not None}
-    for k in ("top_k", "max_new_tokens"):  # 20.0 is 20
-        if isinstance(got.get(k), float) and got[k].is_integer():
-            got[k] = int(got[k])
-    if got.get("top_k") == -1:  # vLLM's "off"
-        got["top_k"] = 0
-    try:
-        SamplingParams(**got)
-    except UsageError as e:
-        raise UsageError(f"{path}: {e}") from None
-    return got
-
-
-def truncation_error(k) -> str | None:
-    """What is wrong with a prompt truncation (keep the last k tokens; -1: as many as
-    fit), or None if nothing."""
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)):
-        return f"must be an integer >= 1, or -1 (as many as fit), got {shown(k)}"
-    return None
-
-
-def _is_id(t) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 63
-
-
-def token_bias(mapping) -> dict[int, float]:
-    """OpenAI's logit_bias as JSON gives it (token ids as strings of digits -> numbers),
-    as SamplingParams takes it; the keys are checked here, the values where
-    SamplingParams is made (`validate`)."""
-    if not isinstance(mapping, dict):
-        raise UsageError(f"logit_bias must be an object of token ids to numbers, got {shown(mapping)}")
-    out = {}
-    for key, value in mapping.items():
-        # at most 19 digits: any longer is no token id (and int() would refuse past 4300)
-        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19):
-            raise UsageError(f"logit_bias keys must be token ids, got {shown(key)}")
-        if int(key) in out:
-            raise UsageError(f"logit_bias has token id {int(key)} twice")
-        out[int(key)] = value
-    return out
 
 
 # SamplingBatch's buffers that only some modes have (None in a batch that does not need them)

@@ -16,10 +16,11 @@ from collections import OrderedDict
 import torch
 
 from treeflash.distributed import TPGroup
-from treeflash.memory import available_bytes
 from treeflash.engine.round import PREFILL_ALIGN, BatchState, GraphedState, SpeculativeDecoder, prefill_width
-from treeflash.engine.sampling import SamplingBatch, SamplingParams
+from treeflash.engine.sampling import SamplingBatch
 from treeflash.errors import InStepError, TreeflashError
+from treeflash.memory import available_bytes
+from treeflash.sampling_params import SamplingParams
 
 GRAPHED_PREFILL_MAX = 512  # padded prompt tokens of a batch up to which prefills are CUDA graphs:
                            # past it compute dominates (a longer cached rest runs in such chunks)

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from treeflash.chat import ChatFormat, checked_tools, plain_messages
-from treeflash.engine.sampling import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
-                                       SamplingParams, generation_defaults, token_bias)
 from treeflash.errors import TreeflashError, UsageError, shown
+from treeflash.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
+                                       SamplingParams, generation_defaults, token_bias)
 from treeflash.server.answers import HARMONY, MessageStream, chat_parsers, harmony_opened, request_tools
 from treeflash.structured.grammar import REASONING_TAGS, StructuredOutputs
 
