@@ -428,7 +428,8 @@ def test_with_method_decodes_another_way_on_the_same_weights(tmp_path):
         assert {o.stats["method"] for o in outs} == {method}
     assert base.generate(ENGINE_PROMPTS[:1], params)[0].stats["method"] == "dflash"
     for args, what in ((("beam",), "unknown method"), (("ddtree",), "budget"), (("ddtree", 0), "budget"),
-                       (("dflash", 4), "ddtree only"), (("ar", None, "yes"), "cuda_graphs")):
+                       (("dflash", 4), "ddtree only"), (("ar", None, "yes"), "cuda_graphs"),
+                       (("ddtree", 10 ** 6), "exceeds max_budget 512")):
         with pytest.raises(UsageError, match=what):
             base.with_method(*args)
     with pytest.raises(UsageError, match="needs a draft model"):

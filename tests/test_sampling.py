@@ -167,6 +167,7 @@ def test_filters_read_only_the_largest_logits():
     assert filter_width_of([sampled(top_k=20, top_p=0.95)]) == 64
     assert filter_width_of([sampled(min_p=0.1), sampled(top_k=3)]) == 16
     assert filter_width_of([sampled(top_p=0.9), sampled(top_k=5)]) == 0
+    assert filter_width_of([sampled(top_k=-1, top_p=0.9)]) == 0  # -1: top-k off, as 0
     assert filter_width_of([sampled(top_k=3000)]) == 0
     assert filter_width_of([SamplingParams(top_k=5, top_p=0.5)]) == 0  # greedy: nothing to filter
     logits = torch.randn(5, 9, 3000, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2
@@ -195,6 +196,20 @@ def test_ties_at_the_kth_logit_are_kept():
     pos = torch.arange(400)[None]
     got = sample(logits, pos, SamplingBatch.from_params([SamplingParams(temperature=1.0, top_k=2, seed=4)], "cpu"))
     assert set(got.flatten().tolist()) == {10, 3, 50, 77, 90}
+    # 30 ties, more than the 16 largest logits a top-k of 2 reads: top-p counts their mass
+    # all the same (e^2 / (e^2 + 30e) < 0.1, so the nucleus reaches them), alone or beside a
+    # top-p row (whose batch sorts the whole vocabulary)
+    from dataclasses import replace
+    from treeflash.engine.sampling import filter_floor
+    logits[..., 20:50] = 1.0
+    tied = SamplingParams(temperature=1.0, top_k=2, top_p=0.1, seed=4)
+    alone = SamplingBatch.from_params([tied], "cpu")
+    assert alone.filter_width == 16
+    floor = filter_floor(logits[:, :1], alone)
+    assert floor.item() == 1.0 and torch.equal(floor, filter_floor(logits[:, :1], replace(alone, filter_width=0)))
+    beside = SamplingBatch.from_params([tied, SamplingParams(temperature=1.0, top_p=0.9, seed=5)], "cpu")
+    both = sample(logits.expand(2, -1, -1), pos.expand(2, -1), beside)
+    assert torch.equal(both[0], sample(logits, pos, alone)[0]) and len(set(both[0].tolist())) > 20
 
 
 def test_mixed_batch_honours_each_requests_parameters():

@@ -597,14 +597,21 @@ def test_stop_token_ids_end_like_eos(client, llm):
 
 def test_warm_up_runs_rounds_in_every_mode(llm, monkeypatch):
     """`treeflash serve`'s warm-up runs rounds (with --eager that is what compiles the
-    round's kernels) in the greedy, sampled and top-p modes."""
+    round's kernels) in the greedy, sampled and top-p modes, and in the mode of the
+    model's sampling defaults (Qwen3's top-k 20 and top-p 0.95: a filter width of its
+    own; a repetition penalty: the penalized mode)."""
     from treeflash.server.cli import warm_up
+    from treeflash.server.protocol import SamplingDefaults
     modes = []
     real = llm.decoder.round
     monkeypatch.setattr(llm.decoder, "round", lambda st: modes.append(
-        (st.sampling.any_sampled, st.sampling.any_filtered)) or real(st))
-    warm_up(llm, chat_max_tokens=8)
-    assert set(modes) == {(False, False), (True, False), (True, True)}
+        (st.sampling.any_sampled, st.sampling.any_filtered, st.sampling.filter_width, st.sampling.any_penalized))
+        or real(st))
+    warm_up(llm, SamplingDefaults(max_tokens=8))
+    assert set(modes) == {(False, False, 0, False), (True, False, 0, False), (True, True, 0, False)}
+    modes.clear()
+    warm_up(llm, SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, max_tokens=8, repetition_penalty=1.05))
+    assert (True, True, 64, True) in modes
 
 
 def test_api_key_guards_the_v1_routes(llm):
@@ -1323,13 +1330,17 @@ def test_serving_on_the_gpu_with_cuda_graphs():
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
 def test_warm_up_captures_what_requests_need():
     """After `treeflash serve`'s warm-up, short requests and chat requests without
-    max_tokens (whose cache may fill the context) capture nothing, in any sampling mode."""
+    max_tokens (whose cache may fill the context) capture nothing, in any sampling mode,
+    the model's defaults (Qwen3's filters here) included."""
     from treeflash.server.cli import warm_up
+    from treeflash.server.protocol import SamplingDefaults
     gpu = LLM(device="cuda", dtype="bfloat16")
-    warm_up(gpu)
+    defaults = SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20)
+    warm_up(gpu, defaults)
     captured = gpu.graph_captures
-    with TestClient(build_app(gpu, "tiny", ChatTemplate("{{ messages[0].content }}"))) as c:
-        for extra in ({"temperature": 0}, {"temperature": 0.7}, {"temperature": 0.7, "top_p": 0.9}):
+    with TestClient(build_app(gpu, "tiny", ChatTemplate("{{ messages[0].content }}"), defaults=defaults)) as c:
+        for extra in ({"temperature": 0}, {"temperature": 0.7, "top_k": 0, "top_p": 1},
+                      {"temperature": 0.7, "top_k": 0, "top_p": 0.9}, {}):
             assert c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, **extra}).status_code == 200
             chat = {"messages": [{"role": "user", "content": PROMPT}], **extra}
             assert c.post("/v1/chat/completions", json=chat).status_code == 200

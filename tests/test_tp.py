@@ -303,18 +303,21 @@ def test_sharded_argmax_ties_go_to_the_lowest_id(n):
 @pytest.mark.parametrize("n", [2, 4])
 def test_sharded_sampling_equals_whole_vocabulary(n):
     gen = torch.Generator().manual_seed(1)
-    B, T, V = 4, 5, 64
-    logits = torch.randn(B, T, V, generator=gen, dtype=torch.float64) * 2
-    logits[1, 2, 40:] = logits[1, 2, :24]   # duplicated values: noise breaks those ties per id
+    B, T = 4, 5
     positions = torch.arange(T).expand(B, T) + 17
-    for params in ([SamplingParams(temperature=t, seed=s) for t, s in ((0.0, 1), (0.7, 2), (1.0, 3), (1.6, 4))],
-                   [SamplingParams(temperature=1.0, top_k=5, seed=5), SamplingParams(temperature=0.9, seed=6),
-                    SamplingParams(), SamplingParams(temperature=1.2, top_p=0.8, seed=7)],
-                   # only top-k rows: the ranks share their largest logits, not whole rows
-                   [SamplingParams(temperature=1.0, top_k=5, min_p=0.05, seed=8), SamplingParams(temperature=0.9, seed=9),
-                    SamplingParams(temperature=1.1, top_k=20, top_p=0.6, seed=10), SamplingParams(temperature=0.5,
-                                                                                                min_p=0.3, seed=11)]):
+    for V, params in ((64, [SamplingParams(temperature=t, seed=s) for t, s in ((0.0, 1), (0.7, 2), (1.0, 3), (1.6, 4))]),
+                      (64, [SamplingParams(temperature=1.0, top_k=5, seed=5), SamplingParams(temperature=0.9, seed=6),
+                            SamplingParams(), SamplingParams(temperature=1.2, top_p=0.8, seed=7)]),
+                      # only top-k rows: the ranks share their 64 largest logits (of slices of
+                      # 256-512), not whole rows
+                      (1024, [SamplingParams(temperature=1.0, top_k=5, min_p=0.05, seed=8),
+                              SamplingParams(temperature=0.9, seed=9),
+                              SamplingParams(temperature=1.1, top_k=20, top_p=0.6, seed=10),
+                              SamplingParams(temperature=0.5, min_p=0.3, seed=11)])):
+        logits = torch.randn(B, T, V, generator=gen, dtype=torch.float64) * 2
+        logits[1, 2, 40:64] = logits[1, 2, :24]   # duplicated values: noise breaks those ties per id
         sb = SamplingBatch.from_params(params, "cpu")
+        assert sb.filter_width == (64 if V == 1024 else 0)
         want = sample(logits, positions, sb)
         for got in on_ranks(n, lambda tp: sample(_shard(logits, tp), positions, sb, tp)):
             assert torch.equal(got, want)

@@ -199,6 +199,7 @@ class LLM:
         model, draft_model = model_folder(model), model_folder(draft_model)  # or a hub id, from its cache
         if isinstance(max_budget, bool) or not isinstance(max_budget, int) or max_budget < 1:
             raise UsageError(f"max_budget must be an integer >= 1, got {max_budget!r}")
+        self.max_budget = max_budget
         if method is not None and (not isinstance(method, str) or method not in METHODS):
             raise UsageError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
         if not isinstance(draft_mode, str) or draft_mode not in DRAFT_MODES:  # before any weight loads
@@ -332,6 +333,8 @@ class LLM:
             raise UsageError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
         if method == "ddtree" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise UsageError(f"ddtree budget must be an integer >= 1, got {budget!r}")
+        if method == "ddtree" and budget > self.max_budget:
+            raise UsageError(f"ddtree budget {budget} exceeds max_budget {self.max_budget}")
         if method != "ddtree" and budget is not None:
             raise UsageError(f"a tree budget applies to method ddtree only (method is {method})")
         if method != "ar" and self.drafter is None:

@@ -315,11 +315,10 @@ MAX_FILTER_WIDTH = 4096  # past it a top-k filter sorts the whole vocabulary
 
 def filter_width_of(params: list[SamplingParams]) -> int:
     """How many of a row's largest logits `filter_floor` needs for a batch of these
-    requests: twice the largest top_k (ties at the k-th value are kept, and all but the
-    extreme ties fit), a power of two (few graphs); 0 where a top-p without top-k needs
-    the whole vocabulary sorted."""
+    requests: twice the largest top_k, a power of two (few graphs); 0 where a top-p
+    without top-k (0 or -1: off) needs the whole vocabulary sorted."""
     rows = [p for p in params if not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0)]
-    if not rows or any(p.top_k == 0 and p.top_p < 1 for p in rows):
+    if not rows or any(p.top_k <= 0 and p.top_p < 1 for p in rows):
         return 0
     width = max(16, 1 << (2 * max(p.top_k for p in rows) - 1).bit_length())
     return width if width <= MAX_FILTER_WIDTH else 0
@@ -336,8 +335,10 @@ def filter_floor(x: torch.Tensor, sb: "SamplingBatch", tp: TPGroup = TPGroup()) 
     Thresholds, not masks: they are read off the row's largest values only (`filter_width`
     of them: one top-k and a few small ops, where sorting 152K logits per row cost ~30 us a
     row on an H200), and the sampler applies them in its one pass over the vocabulary.
-    Under tensor parallelism x is this rank's slice and the largest values come from
-    every rank (`TPGroup.topk`)."""
+    Tokens tied with the k-th logit past those values are counted (one pass) into
+    top-p's mass, so a row's floor does not depend on the width its batch chose. Under
+    tensor parallelism x is this rank's slice and the largest values come from every
+    rank (`TPGroup.topk`)."""
     if sb.filter_width:
         vals = tp.topk(x, sb.filter_width)[0].to(_wide(x))
     else:
@@ -349,7 +350,12 @@ def filter_floor(x: torch.Tensor, sb: "SamplingBatch", tp: TPGroup = TPGroup()) 
     min_p = vals[..., 0] + temp * torch.log(sb.min_p.to(vals.dtype))[:, None]          # -inf when off
     floor = torch.maximum(kth, min_p)
     kept = vals >= floor[..., None]
-    probs = torch.softmax((vals / temp[..., None]).masked_fill(~kept, float("-inf")), dim=-1)
+    mass = ((vals - vals[..., :1]) / temp[..., None]).masked_fill(~kept, float("-inf")).exp()
+    total = mass.sum(-1)
+    if sb.filter_width:  # kept tokens past the window: ties at the floor (k <= W / 2 keeps it inside)
+        past = tp.all_reduce((x >= floor[..., None]).sum(-1, dtype=vals.dtype)) - kept.sum(-1, dtype=vals.dtype)
+        total = total + past * ((floor - vals[..., 0]) / temp).exp()  # rows whose probs matter: top-k and top-p
+    probs = mass / total[..., None]
     p = sb.top_p.to(vals.dtype)[:, None, None]
     nucleus = kept & ((probs.cumsum(-1) - probs) < p)
     nucleus[..., 0] = True

@@ -71,18 +71,24 @@ def _check_listen(host: str, port: int) -> None:
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def warm_up(llm, chat_max_tokens: int | None = None) -> None:
+def warm_up(llm, defaults=None) -> None:
     """Compile the kernels and capture the rounds' CUDA graphs before the first client
     comes, not during its request (a cold Triton cache is many seconds): greedy, sampled,
-    and sampled with top-p (the engine keeps all three), each for a short request (run
-    for a few rounds: with --eager that is what compiles the kernels) and for a chat
-    request without max_tokens, which may fill the context (`chat_max_tokens`: the
-    sampling defaults' bound), ended after its prefill."""
+    sampled with top-p, and what a request that gives no sampling values gets
+    (`defaults`, a `SamplingDefaults`: the model's filters are a mode of their own, each
+    top-k width one), each for a short request (run for a few rounds: with --eager that
+    is what compiles the kernels) and for a chat request without max_tokens, which may
+    fill the context (the defaults' bound), ended after its prefill."""
     from treeflash import SamplingParams
     prompt = [llm.eos_token_ids[0] if llm.eos_token_ids else 0]
     room = llm.max_model_len - len(prompt)
-    for temperature, top_p in ((0.0, 1.0), (1.0, 1.0), (1.0, 0.9)):
-        params = SamplingParams(max_new_tokens=4, temperature=temperature, top_p=top_p, seed=0, ignore_eos=True)
+    chat_max_tokens = defaults.max_tokens if defaults is not None else None
+    modes = [SamplingParams(temperature=t, top_p=p) for t, p in ((0.0, 1.0), (1.0, 1.0), (1.0, 0.9))]
+    if defaults is not None:
+        modes.append(SamplingParams(temperature=defaults.temperature, top_p=defaults.top_p, top_k=defaults.top_k,
+                                    min_p=defaults.min_p, repetition_penalty=defaults.repetition_penalty))
+    for mode in modes:
+        params = replace(mode, max_new_tokens=4, seed=0, ignore_eos=True)
         llm.generate(prompt, params)
         llm.generate(prompt, replace(params, max_new_tokens=min(chat_max_tokens or room, room)),
                      on_tokens=lambda *_: True)
@@ -117,7 +123,7 @@ def cmd_serve(args) -> int:
                                            *([args.model] if args.model else [])]
     name, aliases = names[0], tuple(n for n in dict.fromkeys(names[1:]) if n != names[0])
     llm = make_llm(args)
-    warm_up(llm, defaults.max_tokens)
+    warm_up(llm, defaults)
     print(f"treeflash: serving '{name}' ({llm.method}) on http://{args.host}:{args.port}/v1"
           f"{'' if template else ' (no chat template: /v1/completions only)'}", file=sys.stderr, flush=True)
     if defaults != SamplingDefaults():
