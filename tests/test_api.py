@@ -427,7 +427,8 @@ def test_with_method_decodes_another_way_on_the_same_weights(tmp_path):
         assert [o.token_ids for o in outs] == [o.token_ids for o in want]
         assert {o.stats["method"] for o in outs} == {method}
     assert base.generate(ENGINE_PROMPTS[:1], params)[0].stats["method"] == "dflash"
-    for args, what in ((("beam",), "unknown method"), (("ddtree",), "budget"), (("ddtree", 0), "budget"),
+    assert base.with_method("ddtree").decoder.budget == 64  # the constructor's default
+    for args, what in ((("beam",), "unknown method"), (("ddtree", 0), "budget"),
                        (("dflash", 4), "ddtree only"), (("ar", None, "yes"), "cuda_graphs"),
                        (("ddtree", 10 ** 6), "exceeds max_budget 512")):
         with pytest.raises(UsageError, match=what):

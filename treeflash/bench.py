@@ -106,7 +106,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--graphs", help="on, off or on,off: CUDA graphs (default on,off; --shape: on on CUDA)")
     p.add_argument("--max-new-tokens", type=int, default=PAIR_NEW_TOKENS)
     p.add_argument("--temperatures", help="comma list, 0 = greedy (default 0,0.7,1.0; --shape: 0)")
-    p.add_argument("--top-k", type=int, default=0, help="top-k of every sampled request (0: off)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k of every sampled request (0 or -1: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="top-p of every sampled request (1: off)")
     p.add_argument("--min-p", type=float, default=0.0, help="min-p of every sampled request (0: off)")
     p.add_argument("--seed", type=int, default=0, help="request i samples with seed S + i")
@@ -274,7 +274,7 @@ def filters(args) -> dict:
 
 def filters_note(args) -> str:
     on = [f"{name.replace('_', '-')} {value:g}" for name, value in filters(args).items()
-          if value != {"top_k": 0, "top_p": 1.0, "min_p": 0.0}[name]]
+          if not (value in (0, -1) if name == "top_k" else value == {"top_p": 1.0, "min_p": 0.0}[name])]
     return f"; sampled requests with {', '.join(on)}" if on else ""
 
 

@@ -324,13 +324,16 @@ class LLM:
                     draft_mode: str | None = None) -> "LLM":
         """This engine's weights, tokenizer and caches of compiled constraints, decoding
         with another method, budget, graphs setting or draft mode, with states and graphs
-        of its own, while this engine is open: `treeflash bench` loads a checkpoint once
-        for every method. One process only (tensor-parallel workers hold the engine they
-        were built as)."""
+        of its own: `treeflash bench` loads a checkpoint once for every method. It shares
+        this engine's lifetime (closing either closes both). One process only
+        (tensor-parallel workers hold the engine they were built as). A ddtree budget left
+        out is the constructor's default."""
         if self._tp.size > 1:
             raise UsageError("with_method needs tp=1: the tensor-parallel workers decode as the engine was built")
         if method not in METHODS:
             raise UsageError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+        if method == "ddtree" and budget is None:
+            budget = DEFAULT_BUDGET
         if method == "ddtree" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise UsageError(f"ddtree budget must be an integer >= 1, got {budget!r}")
         if method == "ddtree" and budget > self.max_budget:

@@ -382,7 +382,7 @@ class GraphedRound:
         self.st = st
         st.max_n = None  # graphs read the whole cache: no data-dependent shapes
         st.n.zero_()
-        self.graph, self.out = capture(lambda: decoder.round(st), 2, pool)
+        self.graph, self.out = capture(lambda: decoder.round(st), 2, pool)  # 2 warm-up rounds: lazy set-up done
 
     def __call__(self, st: BatchState):
         assert st is self.st, "a graph replays on the buffers it was captured with"

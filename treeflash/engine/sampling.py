@@ -73,6 +73,7 @@ class SamplingBatch:
     any_sampled: bool
     any_filtered: bool
     filter_width: int = 0  # the largest values `filter_floor` reads (`filter_width_of`)
+    any_top_p: bool = False  # a sampled request has a top-p: `filter_floor` weighs the kept tokens
     any_logprobs: bool = False  # rounds also return the target's log-probabilities (`logprobs_of`)
     any_biased: bool = False    # rounds apply `bias` (module doc) with the three below
     bias: torch.Tensor | None = None       # [B, V] float32: logit_bias, -inf outside allowed_token_ids
@@ -119,7 +120,7 @@ class SamplingBatch:
             min_p=torch.tensor([float(p.min_p) for p in params], device=device),
             seed=torch.tensor(seeds, dtype=torch.long, device=device),
             **dict(zip(("any_sampled", "any_filtered", "any_logprobs", "any_biased", "any_penalized", "any_banned",
-                        "filter_width", "guided_rows"), cls.mode_of(params, automata))),
+                        "filter_width", "any_top_p", "guided_rows"), cls.mode_of(params, automata))),
         )
         B = len(params)
         if batch.any_biased:  # made on the device from the sparse entries (B x V is large)
@@ -175,13 +176,14 @@ class SamplingBatch:
                 any(p.penalized for p in params),
                 any(p.banned for p in params),
                 filter_width_of(params),
+                any(not p.greedy and p.top_p < 1 for p in params),
                 grammar_rows(params, automata or [None] * len(params)))  # last: `GraphedState` reads it
 
     @property
     def mode(self) -> tuple:
         """The host-side values that choose which code a round runs (and its graph)."""
         return (self.any_sampled, self.any_filtered, self.any_logprobs, self.any_biased, self.any_penalized,
-                self.any_banned, self.filter_width, self.guided_rows)
+                self.any_banned, self.filter_width, self.any_top_p, self.guided_rows)
 
     @property
     def any_guided(self) -> bool:
@@ -194,7 +196,7 @@ class SamplingBatch:
         kept: those modes' graphs read them. A structured-output table is made anew only
         to grow (the mode then names the rows of the table held)."""
         (self.any_sampled, self.any_filtered, self.any_logprobs, self.any_biased,
-         self.any_penalized, self.any_banned, self.filter_width, self.guided_rows) = other.mode
+         self.any_penalized, self.any_banned, self.filter_width, self.any_top_p, self.guided_rows) = other.mode
         for name in ("temperature", "top_k", "top_p", "min_p", "seed", *OPTIONAL_BUFFERS):
             src, dst = getattr(other, name), getattr(self, name)
             if src is None:
@@ -326,11 +328,11 @@ def filter_width_of(params: list[SamplingParams]) -> int:
 
 def filter_floor(x: torch.Tensor, sb: "SamplingBatch", tp: TPGroup = TPGroup()) -> torch.Tensor:
     """The smallest logit each row of x [B, T, V] keeps [B, T] (-inf: all; in the sampling
-    dtype, `_wide`) under min-p,
-    top-k and top-p of the temperature-scaled logits, as vLLM orders them: min-p keeps a
-    token whose probability is at least min_p x the most likely one's, top-k the k largest
-    (and every token tied with the k-th), top-p the largest whose mass before them
-    (among what min-p and top-k left) is below p, and those tied with the last.
+    dtype, `_wide`) under min-p, top-k and top-p of the temperature-scaled logits, as
+    vLLM orders them: min-p keeps a token whose probability is at least min_p x the most
+    likely one's, top-k the k largest (and every token tied with the k-th), top-p the
+    largest whose mass before them (among what min-p and top-k left) is below p, and
+    those tied with the last.
 
     Thresholds, not masks: they are read off the row's largest values only (`filter_width`
     of them: one top-k and a few small ops, where sorting 152K logits per row cost ~30 us a
@@ -349,6 +351,8 @@ def filter_floor(x: torch.Tensor, sb: "SamplingBatch", tp: TPGroup = TPGroup()) 
     kth = torch.where(k[..., 0] > 0, vals.gather(-1, (k - 1).clamp_min(0))[..., 0], float("-inf"))
     min_p = vals[..., 0] + temp * torch.log(sb.min_p.to(vals.dtype))[:, None]          # -inf when off
     floor = torch.maximum(kth, min_p)
+    if not sb.any_top_p:
+        return floor
     kept = vals >= floor[..., None]
     mass = ((vals - vals[..., :1]) / temp[..., None]).masked_fill(~kept, float("-inf")).exp()
     total = mass.sum(-1)
@@ -529,7 +533,7 @@ def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp:
         scaled = scaled.masked_fill(x < floor[..., None], float("-inf"))
     noisy = scaled + gumbel_noise(sb.seed, positions, start, logits.shape[-1]).to(dtype)
     # greedy rows (T == 0) take the plain argmax (the cast to dtype is exact and monotonic)
-    return tp.argmax(torch.where(temp[:, None, None] > 0, noisy, logits.to(dtype)), start)
+    return tp.argmax(torch.where(temp[:, None, None] > 0, noisy, x), start)
 
 
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, tp: TPGroup = TPGroup(), ranks: bool = False):
