@@ -14,6 +14,8 @@ and a power check shows the same test rejects a wrong distribution with p < 1e-1
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import ENGINE_PROMPTS
@@ -184,6 +186,43 @@ def test_filters_read_only_the_largest_logits():
     top = top.masked_fill(top < top[:, :1] + torch.log(torch.tensor(0.01, dtype=torch.float64)), float("-inf"))
     mass = torch.softmax(top, -1).cumsum(-1)
     assert torch.equal(kept[3], (mass < 0.5).sum(-1) + 1)
+
+
+def _floor_of_sorted_row(row: torch.Tensor, p: SamplingParams) -> float:
+    """The filters' smallest kept logit from the whole row sorted (the definition,
+    with the float32 parameters the batch holds)."""
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32).double().item()
+    T, top_p, min_p = max(f32(p.temperature), 1e-6), f32(p.top_p), f32(p.min_p)
+    v = row.sort(descending=True).values
+    floor = max(v[min(p.top_k, len(v)) - 1].item() if p.top_k > 0 else float("-inf"),
+                v[0].item() + T * math.log(min_p) if min_p > 0 else float("-inf"))
+    if top_p >= 1:
+        return floor
+    kept = v[v >= floor]
+    probs = torch.softmax((kept - kept[0]) / T, 0)
+    return kept[(probs.cumsum(0) - probs) < top_p].min().item()
+
+
+def test_filter_floor_is_the_whole_row_definition():
+    """Random rows (half of them on a coarse grid: many ties), random filters, rows in
+    batches of mixed widths and alone: the floor is the one a sort of the whole row
+    gives, the same whatever the batch."""
+    import random
+    from treeflash.engine.sampling import filter_floor
+    rng = random.Random(0)
+    for it in range(60):
+        B, V = rng.randint(1, 4), rng.choice([50, 300, 2000])
+        x = torch.randn(B, 2, V, dtype=torch.float64, generator=torch.Generator().manual_seed(it)) * rng.choice([1, 5])
+        if it % 2:
+            x = (x * 2).round() / 2
+        params = [SamplingParams(temperature=rng.choice([0.3, 1.0, 1.5]), top_k=rng.choice([0, -1, 1, 3, 20, 100]),
+                                 top_p=rng.choice([1.0, 0.9, 0.5, 0.1]), min_p=rng.choice([0.0, 0.05, 0.3]), seed=b)
+                  for b in range(B)]
+        got = filter_floor(x, SamplingBatch.from_params(params, "cpu"))
+        for b, p in enumerate(params):
+            alone = filter_floor(x[b:b + 1], SamplingBatch.from_params([p], "cpu"))[0]
+            want = torch.tensor([_floor_of_sorted_row(x[b, t], p) for t in range(2)], dtype=torch.float64)
+            assert torch.equal(got[b], want) and torch.equal(alone, want), (it, b, p)
 
 
 def test_ties_at_the_kth_logit_are_kept():
