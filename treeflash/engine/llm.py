@@ -188,7 +188,9 @@ class LLM:
                  method: str | None = None, budget: int | None = None, device: str = "auto",
                  dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
                  max_budget: int = 512, tp: int = 1, cuda_graphs: bool = True, draft_mode: str = "coupled",
-                 enable_prefix_caching: bool = False, max_batch: int = 256, quantization: str | None = None):
+                 enable_prefix_caching: bool = False, max_batch: int = 256, quantization: str | None = None,
+                 *, _worker=None):
+        # _worker: a tensor-parallel worker's runtime, building its shard of the driver's engine
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise UsageError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.max_batch = max_batch
@@ -277,7 +279,7 @@ class LLM:
                     max_budget=max_budget, tp=tp, cuda_graphs=cuda_graphs, draft_mode=draft_mode,
                     enable_prefix_caching=enable_prefix_caching, quantization=quantization)
         self.model_path = Path(args["model"])
-        self._tp = tp_attach(tp, self.device, args, self.config, dcfg)
+        self._tp = tp_attach(tp, self.device, args, self.config, dcfg, worker=_worker)
         self.device = self._tp.device
         try:
             rss0 = rss_bytes()

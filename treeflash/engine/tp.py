@@ -216,15 +216,14 @@ class Engine:
 
 _RUNTIMES: dict[tuple[int, str], "Runtime"] = {}
 _STARTED: list[tuple[int, str]] = []  # the key of every runtime this process started, closed ones too
-_WORKER: "Runtime | None" = None  # set in a worker process while it serves
 
 
-def attach(size: int, device: torch.device, kwargs: dict, config, draft_config):
+def attach(size: int, device: torch.device, kwargs: dict, config, draft_config, worker: "Runtime | None" = None):
     """The tensor-parallel handle an `LLM` is built with: rank, size, group, device, and
     `call` to run one of its methods on every rank. Starts the workers if needed and
     posts the build of this engine to them (they load while the driver loads)."""
-    if _WORKER is not None:  # a worker building the driver's engine
-        return WorkerEngine(_WORKER)
+    if worker is not None:  # a worker building its shard of the driver's engine
+        return WorkerEngine(worker)
     if size == 1:
         return Single(device)
     check_shardable(config, draft_config, size)
@@ -723,9 +722,7 @@ class Runtime:
             return 1
 
     def serve(self) -> None:
-        global _WORKER
         from treeflash.engine.llm import LLM
-        _WORKER = self
         engines: dict[int, object] = {}
         fault = os.environ.get(FAULT_ENV, "")
         while True:
@@ -743,7 +740,7 @@ class Runtime:
                 return
             if op == "build":
                 try:
-                    engines[eid] = LLM(**payload)
+                    engines[eid] = LLM(**payload, _worker=self)
                     self.reply(None)
                 except Exception as e:  # the driver reports it; this worker lives on
                     self.reply(one_line(e))
