@@ -273,8 +273,8 @@ def filters(args) -> dict:
 
 
 def filters_note(args) -> str:
-    on = [f"{name.replace('_', '-')} {value:g}" for name, value in filters(args).items()
-          if not (value in (0, -1) if name == "top_k" else value == {"top_p": 1.0, "min_p": 0.0}[name])]
+    off = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,)}
+    on = [f"{name.replace('_', '-')} {value:g}" for name, value in filters(args).items() if value not in off[name]]
     return f"; sampled requests with {', '.join(on)}" if on else ""
 
 
