@@ -162,6 +162,22 @@ class _Batch:
     active: list[bool]     # what st.active holds (as queued)
 
 
+def tree_budget(method: str, budget: int | None, max_budget: int) -> int | None:
+    """The DDTree budget `method` decodes with (DEFAULT_BUDGET if not given), checked;
+    None for the other methods, which take none."""
+    if method != "ddtree":
+        if budget is not None:
+            raise UsageError(f"a tree budget applies to method ddtree only (method is {method})")
+        return None
+    budget = DEFAULT_BUDGET if budget is None else budget
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise UsageError(f"ddtree budget must be an integer >= 1, got {budget!r}")
+    if budget > max_budget:
+        raise UsageError(f"ddtree budget {budget} exceeds max_budget {max_budget} "
+                         f"(raise it with --max-budget / max_budget=)")
+    return budget
+
+
 class LLM:
     """A target model, optionally with a DFlash drafter, ready to generate.
 
@@ -255,15 +271,7 @@ class LLM:
                 check_model_size(draft_model, DFlashDraftModel(dcfg, TPGroup()), draft_shapes)
         if method is None:
             method = "ddtree" if dcfg is not None else "ar"
-        if budget is not None and method != "ddtree":
-            raise UsageError(f"a tree budget applies to method ddtree only (method is {method})")
-        if method == "ddtree":
-            budget = DEFAULT_BUDGET if budget is None else budget
-            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-                raise UsageError(f"ddtree budget must be an integer >= 1, got {budget!r}")
-            if budget > max_budget:
-                raise UsageError(f"ddtree budget {budget} exceeds max_budget {max_budget} "
-                                 f"(raise it with --max-budget / max_budget=)")
+        budget = tree_budget(method, budget, max_budget)
         if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
                                           or max_model_len < 2):
             raise UsageError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
@@ -334,14 +342,7 @@ class LLM:
             raise UsageError("with_method needs tp=1: the tensor-parallel workers decode as the engine was built")
         if method not in METHODS:
             raise UsageError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
-        if method == "ddtree" and budget is None:
-            budget = DEFAULT_BUDGET
-        if method == "ddtree" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise UsageError(f"ddtree budget must be an integer >= 1, got {budget!r}")
-        if method == "ddtree" and budget > self.max_budget:
-            raise UsageError(f"ddtree budget {budget} exceeds max_budget {self.max_budget}")
-        if method != "ddtree" and budget is not None:
-            raise UsageError(f"a tree budget applies to method ddtree only (method is {method})")
+        budget = tree_budget(method, budget, self.max_budget)
         if method != "ar" and self.drafter is None:
             raise UsageError(f"method '{method}' needs a draft model")
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):

@@ -35,6 +35,16 @@ def _noise_key(seed_ptr, pos_ptr, row, T):
 
 
 @triton.jit
+def _gumbel(key, ids):
+    """g(seed, p) of global token ids [BLOCK] for a row's key (`_noise_key`):
+    `treeflash.engine.sampling.gumbel_noise`'s integer hash, 23-bit uniforms (u < 1, so
+    the noise is finite), then -log(-log(u))."""
+    h = _mix32(key ^ _mix32((ids * 0x85EBCA6B + 0x27D4EB2F) & 0xFFFFFFFF))
+    u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
 def _gumbel_argmax_kernel(logits_ptr, row_stride, seed_ptr, pos_ptr, temp_ptr, floor_ptr, out_ptr, val_ptr, start,
                           T, V: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr, SAMPLED: tl.constexpr,
                           FLOOR: tl.constexpr, PDL: tl.constexpr = False):
@@ -59,10 +69,7 @@ def _gumbel_argmax_kernel(logits_ptr, row_stride, seed_ptr, pos_ptr, temp_ptr, f
         inside = ids < V
         val = tl.load(logits_ptr + row * row_stride + ids, mask=inside, other=float("-inf")).to(tl.float32)
         if SAMPLED:
-            h = _mix32(key ^ _mix32(((ids + start) * 0x85EBCA6B + 0x27D4EB2F) & 0xFFFFFFFF))  # global token id
-            u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # 23 bits: u < 1, finite noise
-            g = -tl.log(-tl.log(u))
-            sampled = val / t_safe + g
+            sampled = val / t_safe + _gumbel(key, ids + start)  # the global token id's noise
             if FLOOR:
                 sampled = tl.where(val >= floor, sampled, float("-inf"))
             val = tl.where(greedy, val, sampled)
@@ -104,10 +111,7 @@ def _coupled_scores_kernel(x_ptr, seed_ptr, pos_ptr, temp_ptr, out_ptr, start, D
     key = _noise_key(seed_ptr, pos_ptr, row, D)
     t = tl.load(temp_ptr + row // D)
     x = tl.load(x_ptr + row * V + ids, mask=inside, other=0.0)
-    h = _mix32(key ^ _mix32(((ids + start) * 0x85EBCA6B + 0x27D4EB2F) & 0xFFFFFFFF))
-    u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-    g = -tl.log(-tl.log(u))
-    tl.store(out_ptr + row * V + ids, tl.where(t > 0, x / t + g, x), mask=inside)
+    tl.store(out_ptr + row * V + ids, tl.where(t > 0, x / t + _gumbel(key, ids + start), x), mask=inside)
 
 
 def coupled_scores(logits: torch.Tensor, seed: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor,
