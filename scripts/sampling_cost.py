@@ -1,7 +1,9 @@
 """What sampling one request's rows costs on the GPU, by filter, at the verify widths of
 the 8B shape (a 152K vocabulary; rows = 1 for AR, N + 1 for a verify of N nodes): the
-`sample()` call a round makes, replayed as a CUDA graph. Then whether the top-k path's
-floors equal those of a sort of the whole row on bf16 logits (ties included).
+`sample()` call a round makes, replayed as a CUDA graph; "sorted" rows time the same
+filters through the torch path that sorts every row (`filter_width` 0), and "flat" rows
+logits of a tenth the scale (a nucleus of thousands of tokens). Then how many floors
+equal those of a sort of the whole row on bf16 logits (ties included).
 
     python scripts/sampling_cost.py        # needs a CUDA GPU
 """
@@ -23,7 +25,12 @@ FILTERS = {
     "T=0.6 top-k 20 top-p 0.95": SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=1),
     "T=0.7 top-k 50": SamplingParams(temperature=0.7, top_k=50, seed=1),
     "T=0.7 min-p 0.05": SamplingParams(temperature=0.7, min_p=0.05, seed=1),
-    "T=0.7 top-p 0.9 (sorts)": SamplingParams(temperature=0.7, top_p=0.9, seed=1),
+    "T=0.7 top-p 0.9": SamplingParams(temperature=0.7, top_p=0.9, seed=1),
+}
+EXTRA = {  # name: (filters, sorted, logit scale)
+    "T=0.6 top-k 20 top-p 0.95, sorted": ("T=0.6 top-k 20 top-p 0.95", True, 3.0),
+    "T=0.7 top-p 0.9, sorted": ("T=0.7 top-p 0.9", True, 3.0),
+    "T=0.7 top-p 0.9, flat": ("T=0.7 top-p 0.9", False, 0.3),
 }
 
 
@@ -31,20 +38,24 @@ FILTERS = {
 def main() -> None:
     print("| filters | " + " | ".join(f"{r} rows µs" for r in ROWS) + " |")
     print("| --- |" + " --- |" * len(ROWS))
-    for name, params in FILTERS.items():
-        sb = SamplingBatch.from_params([params], "cuda")
+    cases = {name: (name, False, 3.0) for name in FILTERS} | EXTRA
+    for name, (filters, whole, scale) in cases.items():
+        sb = SamplingBatch.from_params([FILTERS[filters]], "cuda")
+        if whole:
+            sb = replace(sb, filter_width=0)
         times = []
         for rows in ROWS:
-            logits = torch.randn(1, rows, V, device="cuda", dtype=torch.bfloat16) * 3
+            logits = torch.randn(1, rows, V, device="cuda", dtype=torch.bfloat16) * scale
             positions = torch.arange(rows, device="cuda")[None] + 100
             times.append(graph_time(lambda: sample(logits, positions, sb)) * 1e6)
         print(f"| {name} | " + " | ".join(f"{t:.1f}" for t in times) + " |", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     same = total = 0
-    for scale in (1.0, 3.0, 8.0):
-        logits = (torch.randn(4, 64, V, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+    for scale in (0.3, 1.0, 3.0, 8.0):
+        logits = (torch.randn(7, 64, V, device="cuda", generator=gen) * scale).to(torch.bfloat16)
         params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=1)
-                  for t, k, p, m in ((0.6, 20, 0.95, 0.0), (1.0, 5, 1.0, 0.0), (0.7, 40, 0.8, 0.05), (1.2, 1, 1.0, 0.0))]
+                  for t, k, p, m in ((0.6, 20, 0.95, 0.0), (1.0, 5, 1.0, 0.0), (0.7, 40, 0.8, 0.05), (1.2, 1, 1.0, 0.0),
+                                     (0.7, 0, 0.9, 0.0), (1.0, -1, 0.95, 0.02), (1.5, 0, 0.5, 0.0))]
         sb = SamplingBatch.from_params(params, "cuda")
         a, b = filter_floor(logits, sb), filter_floor(logits, replace(sb, filter_width=0))
         same, total = same + int((a == b).sum()), total + a.numel()

@@ -294,7 +294,7 @@ def test_logit_controls_match_torch(dtype, rows, per_row, controls):
 def test_ops_in_the_triton_interpreter():
     run_interpreted(__file__, "gemv_matches or few_row_matmul or rope_into_cache or row_argmax or gumbel_argmax or cos_sin "
                     "or embedding_rows or logit_controls or node_states or path_states or grammar_mask or split_product "
-                    "or coupled_scores", 38)
+                    "or coupled_scores or filter_floor_kernels", 40)
 
 
 def _grammar_batch(V: int, B: int, seed: int):
@@ -364,3 +364,40 @@ def test_grammar_mask_matches_torch(start, C):
     want = grammar_masked(x, sb, states, start)
     got = grammar_mask_(x.clone().to(DEV), sb.grammar.to(DEV), states.to(DEV), start).cpu()
     assert torch.equal(got, want) and torch.isinf(want).any() and not torch.isinf(x).any()
+
+
+_FILTERS = [(0.7, 0, 0.9, 0.0), (1.5, -1, 0.5, 0.02), (0.6, 20, 0.95, 0.0), (1.0, 7, 1.0, 0.0), (0.8, 0, 1.0, 0.1),
+            (1.0, 0, 0.99, 0.0), (0.0, 0, 0.5, 0.0), (1.0, 0, 1.0, 0.0)]  # (T, top_k, top_p, min_p) per request
+
+
+@gpu_or_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("V", [3000, 20000 if CUDA else 9000])  # 1 to 3 chunks of the passes
+def test_filter_floor_kernels_match_the_sort(dtype, V):
+    """The GPU floor (`treeflash.ops.filter_floor`: the window's kernel, the mass pass,
+    and the search of a top-p without top-k, on peaked and on flat rows) against a sort
+    of the whole row in float64: the same logit in nearly every row, a cut within
+    float32 rounding of p in all; a top-p row without top-k gets the same floor alone
+    as in its batch (its search does not depend on the batch's window)."""
+    from sampling_oracle import floor_is_valid
+    from treeflash.engine.sampling import SamplingBatch, filter_floor
+    from treeflash.ops.filter_floor import filter_floor as fused
+    from treeflash.sampling_params import SamplingParams
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=1) for t, k, p, m in _FILTERS]
+    gen = torch.Generator().manual_seed(V)
+    scale = torch.tensor([3.0, 0.3, 2.0, 3.0, 1.0, 0.5, 2.0, 1.0])[:, None, None]  # 0.3, 0.5: flat rows
+    x = (torch.randn(len(params), 3, V, generator=gen) * scale).to(dtype)
+    x[1, 2] = (x[1, 2] * 8).round() / 8  # many ties
+    sb = SamplingBatch.from_params(params, DEV)
+    assert sb.filter_width == 64 and sb.any_open_top_p
+    with torch.inference_mode():
+        got = fused(x.to(DEV), x.to(DEV).topk(64).values, sb).cpu().double()
+        alone = [fused(x[b:b + 1].to(DEV), x[b:b + 1].to(DEV).topk(16).values,
+                       SamplingBatch.from_params([params[b]], DEV)).cpu().double() for b in (0, 1, 5)]
+    want = filter_floor(x.double(), SamplingBatch.from_params(params, "cpu"))
+    for b, (t, k, p, m) in enumerate(_FILTERS):
+        for r in range(3):
+            assert floor_is_valid(x[b, r], got[b, r].item(), t, k, p, m), (b, r, got[b, r], want[b, r])
+    assert (got == want).sum() >= 19  # of 24: the min-p row (3) is float32 against float64
+    for b, row in zip((0, 1, 5), alone):
+        assert torch.equal(row[0], got[b])

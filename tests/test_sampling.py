@@ -161,15 +161,18 @@ def test_greedy_and_degenerate_filters_give_the_argmax():
 def test_filters_read_only_the_largest_logits():
     """Top-k (with top-p and min-p over what it keeps) is decided from a row's few
     largest logits (`filter_width_of`: twice the largest k, a power of two), and gives
-    the thresholds a sort of the whole vocabulary gives; a top-p without top-k sorts the
-    whole vocabulary (width 0), as does a top-k past MAX_FILTER_WIDTH / 2."""
+    the thresholds a sort of the whole vocabulary gives; a top-k past MAX_FILTER_WIDTH / 2
+    sorts the whole vocabulary (width 0). A top-p without top-k reads 16 and flags the
+    batch (`any_open_top_p`): its nucleus may reach past them."""
     from dataclasses import replace
     from treeflash.engine.sampling import filter_floor, filter_width_of
     sampled = lambda **kw: SamplingParams(temperature=0.8, seed=0, **kw)
     assert filter_width_of([sampled(top_k=20, top_p=0.95)]) == 64
     assert filter_width_of([sampled(min_p=0.1), sampled(top_k=3)]) == 16
-    assert filter_width_of([sampled(top_p=0.9), sampled(top_k=5)]) == 0
-    assert filter_width_of([sampled(top_k=-1, top_p=0.9)]) == 0  # -1: top-k off, as 0
+    assert filter_width_of([sampled(top_p=0.9), sampled(top_k=5)]) == 16
+    assert filter_width_of([sampled(top_k=-1, top_p=0.9), sampled(top_k=40)]) == 128  # -1: top-k off, as 0
+    assert SamplingBatch.from_params([sampled(top_k=-1, top_p=0.9)], "cpu").any_open_top_p
+    assert not SamplingBatch.from_params([sampled(top_k=5, top_p=0.9), SamplingParams(top_p=0.5)], "cpu").any_open_top_p
     assert filter_width_of([sampled(top_k=3000)]) == 0
     assert filter_width_of([SamplingParams(top_k=5, top_p=0.5)]) == 0  # greedy: nothing to filter
     logits = torch.randn(5, 9, 3000, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2

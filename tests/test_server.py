@@ -608,7 +608,7 @@ def test_warm_up_runs_rounds_in_every_mode(llm, monkeypatch):
         (st.sampling.any_sampled, st.sampling.any_filtered, st.sampling.filter_width, st.sampling.any_penalized))
         or real(st))
     warm_up(llm, SamplingDefaults(max_tokens=8))
-    assert set(modes) == {(False, False, 0, False), (True, False, 0, False), (True, True, 0, False)}
+    assert set(modes) == {(False, False, 0, False), (True, False, 0, False), (True, True, 16, False)}
     modes.clear()
     warm_up(llm, SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, max_tokens=8, repetition_penalty=1.05))
     assert (True, True, 64, True) in modes

@@ -317,10 +317,35 @@ def test_sharded_sampling_equals_whole_vocabulary(n):
         logits = torch.randn(B, T, V, generator=gen, dtype=torch.float64) * 2
         logits[1, 2, 40:64] = logits[1, 2, :24]   # duplicated values: noise breaks those ties per id
         sb = SamplingBatch.from_params(params, "cpu")
-        assert sb.filter_width == (64 if V == 1024 else 0)
+        assert sb.filter_width == (64 if V == 1024 else 16 if sb.any_filtered else 0)
         want = sample(logits, positions, sb)
         for got in on_ranks(n, lambda tp: sample(_shard(logits, tp), positions, sb, tp)):
             assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the sharded floor's kernels need a CUDA GPU")
+@pytest.mark.parametrize("n", [2, 4])
+def test_sharded_filter_floor_kernels(n):
+    """On the GPU, the filters' floor of a vocabulary sharded over ranks (each rank's
+    mass and search bins summed over the ranks, its window from every rank): a valid
+    cut in every row, and mostly the logit one GPU's whole rows give."""
+    from sampling_oracle import floor_is_valid
+    from treeflash.engine.sampling import filter_floor
+    filters = [(0.7, 0, 0.9, 0.0), (1.5, -1, 0.5, 0.02), (0.6, 20, 0.95, 0.0), (1.0, 0, 0.99, 0.0)]
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=1) for t, k, p, m in filters]
+    gen = torch.Generator().manual_seed(n)
+    x = (torch.randn(4, 3, 16384, generator=gen) * torch.tensor([3.0, 0.3, 2.0, 0.5])[:, None, None]).cuda()
+    sb = SamplingBatch.from_params(params, "cuda")
+    with torch.inference_mode():
+        want = filter_floor(x, sb)
+        got = on_ranks(n, lambda tp: filter_floor(_shard(x, tp), sb, tp))
+    for floor in got:
+        assert torch.equal(floor, got[0])
+        for b, (t, k, p, m) in enumerate(filters):
+            for r in range(3):
+                assert floor_is_valid(x[b, r].cpu(), floor[b, r].item(), t, k, p, m), (n, b, r)
+    assert (got[0] == want).sum() >= 10
 
 
 @pytest.mark.parametrize("n", [2, 4])

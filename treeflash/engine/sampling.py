@@ -74,6 +74,7 @@ class SamplingBatch:
     any_filtered: bool
     filter_width: int = 0  # the largest values `filter_floor` reads (`filter_width_of`)
     any_top_p: bool = False  # a sampled request has a top-p: `filter_floor` weighs the kept tokens
+    any_open_top_p: bool = False  # ... without a top-k: its nucleus may reach past the largest logits
     any_logprobs: bool = False  # rounds also return the target's log-probabilities (`logprobs_of`)
     any_biased: bool = False    # rounds apply `bias` (module doc) with the three below
     bias: torch.Tensor | None = None       # [B, V] float32: logit_bias, -inf outside allowed_token_ids
@@ -120,7 +121,7 @@ class SamplingBatch:
             min_p=torch.tensor([float(p.min_p) for p in params], device=device),
             seed=torch.tensor(seeds, dtype=torch.long, device=device),
             **dict(zip(("any_sampled", "any_filtered", "any_logprobs", "any_biased", "any_penalized", "any_banned",
-                        "filter_width", "any_top_p", "guided_rows"), cls.mode_of(params, automata))),
+                        "filter_width", "any_top_p", "any_open_top_p", "guided_rows"), cls.mode_of(params, automata))),
         )
         B = len(params)
         if batch.any_biased:  # made on the device from the sparse entries (B x V is large)
@@ -177,13 +178,14 @@ class SamplingBatch:
                 any(p.banned for p in params),
                 filter_width_of(params),
                 any(not p.greedy and p.top_p < 1 for p in params),
+                any(not p.greedy and p.top_p < 1 and p.top_k <= 0 for p in params),
                 grammar_rows(params, automata or [None] * len(params)))  # last: `GraphedState` reads it
 
     @property
     def mode(self) -> tuple:
         """The host-side values that choose which code a round runs (and its graph)."""
         return (self.any_sampled, self.any_filtered, self.any_logprobs, self.any_biased, self.any_penalized,
-                self.any_banned, self.filter_width, self.any_top_p, self.guided_rows)
+                self.any_banned, self.filter_width, self.any_top_p, self.any_open_top_p, self.guided_rows)
 
     @property
     def any_guided(self) -> bool:
@@ -196,7 +198,8 @@ class SamplingBatch:
         kept: those modes' graphs read them. A structured-output table is made anew only
         to grow (the mode then names the rows of the table held)."""
         (self.any_sampled, self.any_filtered, self.any_logprobs, self.any_biased,
-         self.any_penalized, self.any_banned, self.filter_width, self.any_top_p, self.guided_rows) = other.mode
+         self.any_penalized, self.any_banned, self.filter_width, self.any_top_p, self.any_open_top_p,
+         self.guided_rows) = other.mode
         for name in ("temperature", "top_k", "top_p", "min_p", "seed", *OPTIONAL_BUFFERS):
             src, dst = getattr(other, name), getattr(self, name)
             if src is None:
@@ -316,11 +319,11 @@ MAX_FILTER_WIDTH = 4096  # past it a top-k filter sorts the whole vocabulary
 
 
 def filter_width_of(params: list[SamplingParams]) -> int:
-    """How many of a row's largest logits `filter_floor` needs for a batch of these
-    requests: twice the largest top_k, a power of two (few graphs); 0 where a top-p
-    without top-k (0 or -1: off) needs the whole vocabulary sorted."""
+    """How many of a row's largest logits `filter_floor` reads for a batch of these
+    requests: twice the largest top_k, a power of two (few graphs), at least 16; 0 where
+    a top-k past MAX_FILTER_WIDTH / 2 needs the whole vocabulary sorted."""
     rows = [p for p in params if not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0)]
-    if not rows or any(p.top_k <= 0 and p.top_p < 1 for p in rows):
+    if not rows:
         return 0
     width = max(16, 1 << (2 * max(p.top_k for p in rows) - 1).bit_length())
     return width if width <= MAX_FILTER_WIDTH else 0
@@ -334,17 +337,23 @@ def filter_floor(x: torch.Tensor, sb: "SamplingBatch", tp: TPGroup = TPGroup()) 
     largest whose mass before them (among what min-p and top-k left) is below p, and
     those tied with the last.
 
-    Thresholds, not masks: they are read off the row's largest values only (`filter_width`
-    of them: one top-k and a few small ops, where sorting 152K logits per row cost ~30 us a
-    row on an H200), and the sampler applies them in its one pass over the vocabulary.
-    Tokens tied with the k-th logit past those values are counted (one pass) into
-    top-p's mass, so a row's floor does not depend on the width its batch chose. Under
+    Thresholds, not masks: they are read off the row's largest values (`filter_width`
+    of them: one top-k, where sorting 152K logits per row cost ~17 us a row on an H200),
+    and the sampler applies them in its one pass over the vocabulary. Top-p's total is
+    the mass of every kept token, ties with the k-th past those values included, so a
+    row's floor does not depend on the width its batch chose. A top-p without top-k may
+    reach past them: on the GPU those rows search the rest (`treeflash.ops.filter_floor`,
+    which also does the rest of this in a few launches); here the row is sorted. Under
     tensor parallelism x is this rank's slice and the largest values come from every
     rank (`TPGroup.topk`)."""
-    if sb.filter_width:
-        vals = tp.topk(x, sb.filter_width)[0].to(_wide(x))
-    else:
+    if sb.filter_width and fused_enabled(x) and x.dtype != torch.float64:
+        from treeflash.ops.filter_floor import filter_floor as fused
+        return fused(x, tp.topk(x, sb.filter_width)[0], sb, tp)
+    whole = not sb.filter_width or sb.any_open_top_p
+    if whole:
         vals = tp.all_gather(x).sort(dim=-1, descending=True).values.to(_wide(x))
+    else:
+        vals = tp.topk(x, sb.filter_width)[0].to(_wide(x))
     B, T, W = vals.shape
     temp = sb.temperature.to(vals.dtype).clamp_min(1e-6)[:, None]                       # [B, 1]
     k = sb.top_k.clamp(0, W)[:, None, None].expand(B, T, 1)
@@ -355,10 +364,12 @@ def filter_floor(x: torch.Tensor, sb: "SamplingBatch", tp: TPGroup = TPGroup()) 
         return floor
     kept = vals >= floor[..., None]
     mass = ((vals - vals[..., :1]) / temp[..., None]).masked_fill(~kept, float("-inf")).exp()
-    total = mass.sum(-1)
-    if sb.filter_width:  # kept tokens past the window: ties at the floor (k <= W / 2 keeps it inside)
-        past = tp.all_reduce((x >= floor[..., None]).sum(-1, dtype=vals.dtype)) - kept.sum(-1, dtype=vals.dtype)
-        total = total + past * ((floor - vals[..., 0]) / temp).exp()  # rows whose probs matter: top-k and top-p
+    if whole:
+        total = mass.sum(-1)
+    else:  # every kept token's mass, past the largest values too
+        x = x.to(vals.dtype)
+        total = tp.all_reduce(((x - vals[..., :1]) / temp[..., None]).masked_fill(x < floor[..., None], float("-inf"))
+                              .exp().sum(-1))
     probs = mass / total[..., None]
     p = sb.top_p.to(vals.dtype)[:, None, None]
     nucleus = kept & ((probs.cumsum(-1) - probs) < p)
