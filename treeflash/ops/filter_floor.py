@@ -26,7 +26,7 @@ import triton.language as tl
 from treeflash.distributed import TPGroup
 from treeflash.kernels.chained import chained, start_after_previous
 
-SPAN = 8192   # vocabulary entries per program of a pass over the row (19 for a 152K vocabulary)
+SPAN = 4096   # vocabulary entries per program of a pass over the row (38 for a 152K vocabulary)
 BLOCK = 256   # of them at a time
 SEARCH_BELOW_TOP = tl.constexpr(40.0)  # nats (at T) below the top past which no token can be the cut
 
@@ -94,9 +94,11 @@ def _floor_kernel(vals_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, mass_ptr, CH
 @triton.jit
 def _key(x, BITS: tl.constexpr):
     """Order-preserving integer key of float32 values x: of their top BITS bits (exact
-    for bf16 values at 16), in [0, 2^BITS), int64."""
+    for bf16 values at 16), in [0, 2^BITS); int32 at 16 bits, int64 at 32."""
     H: tl.constexpr = 1 << (BITS - 1)
-    b = (x.to(tl.int32, bitcast=True) >> (32 - BITS)).to(tl.int64)
+    b = x.to(tl.int32, bitcast=True) >> (32 - BITS)
+    if BITS == 32:
+        b = b.to(tl.int64)
     return tl.where(b >= 0, b + H, H - 1 - (b & (H - 1)))
 
 
@@ -139,8 +141,9 @@ def _search_kernel(x_ptr, sx, vals_ptr, W, temp_ptr, lo_ptr, target_ptr, active_
     prefix = tl.zeros([], tl.int64)
     above = tl.zeros([], tl.float32)
     bins = tl.arange(0, 16)
+    prefix = prefix.to(ktop.dtype)
     if LEVEL > 0:
-        prefix = tl.load(prefix_ptr + (LEVEL - 1) * R + row)
+        prefix = tl.load(prefix_ptr + (LEVEL - 1) * R + row).to(ktop.dtype)
         above = tl.load(above_ptr + (LEVEL - 1) * R + row)
         c = tl.arange(0, CHP)
         hist = tl.sum(tl.load(hist_in_ptr + (row * CH + c[:, None]) * 16 + bins[None, :],
@@ -160,9 +163,10 @@ def _search_kernel(x_ptr, sx, vals_ptr, W, temp_ptr, lo_ptr, target_ptr, active_
             x = tl.load(x_ptr + row * sx + ids, mask=ids < V, other=float("-inf")).to(tl.float32)
             off = ktop - _key(x, BITS)
             group = (x >= lo) & ((off >> (shift + 4)) == prefix)
-            digit = (off >> shift) & 15
-            e = tl.exp((x - top) / t)
-            acc += tl.where(group[:, None] & (digit[:, None] == bins[None, :]), e[:, None], 0.0)
+            if tl.max(group.to(tl.int32), 0) > 0:  # past the first pass, most blocks hold none of the group
+                digit = (off >> shift) & 15
+                e = tl.exp((x - top) / t)
+                acc += tl.where(group[:, None] & (digit[:, None] == bins[None, :]), e[:, None], 0.0)
         tl.store(hist_ptr + (row * tl.num_programs(1) + chunk) * 16 + bins, tl.sum(acc, 0))
 
 
