@@ -9,13 +9,13 @@ past the window included: one pass over the row sums it.
 A top-p without top-k may reach past the window. Sorting 152K logits for it cost ~17 us
 a row (1.1 ms for a verify of 63 nodes), so those rows search instead. The cut is the
 largest logit v whose mass at or above it, C(v), reaches p x the total; C falls as v
-rises, so it is found 4 bits at a time on an order-preserving integer key of the logits
-(16 bits for bf16, 32 for float32): a pass sums the candidates' mass into 16 bins by the
+rises, so it is found 2 bits at a time on an order-preserving integer key of the logits
+(16 bits for bf16, 32 for float32): a pass sums the candidates' mass into 4 bins by the
 next digit of the key's distance from the row's largest logit, and keeps the bin where C
 crosses the target. Bins hold only integer-keyed groups, so the last pass leaves one
-logit, the exact cut. Other rows do no work in those passes.
-Tokens more than 40 / T below the top are left out of the search: their mass is below
-e^-40 each, and p < 1 in float32 is at most 1 - 6e-8, so the cut never reaches them.
+logit, the exact cut. Other rows do no work in those passes. Tokens more than 40 / T
+below the top are left out of the search: their mass is below e^-40 each, and p < 1 in
+float32 is at most 1 - 6e-8, so the cut never reaches them.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ import triton.language as tl
 from treeflash.distributed import TPGroup
 from treeflash.kernels.chained import chained, start_after_previous
 
-SPAN = 4096   # vocabulary entries per program of a pass over the row (38 for a 152K vocabulary)
-BLOCK = 256   # of them at a time
+SPAN = 2048   # vocabulary entries per program of a pass over the row (75 for a 152K vocabulary)
+BLOCK = 128   # of them at a time
 SEARCH_BELOW_TOP = tl.constexpr(40.0)  # nats (at T) below the top past which no token can be the cut
 
 
@@ -112,16 +112,16 @@ def _value(key, BITS: tl.constexpr):
 
 @triton.jit
 def _choose(hist, prefix, above, target):
-    """The next state of a row's search from its bins' masses [16] (by digit of the
+    """The next state of a row's search from its bins' masses [4] (by digit of the
     distance from the top: small digits hold large logits): the first digit where the
     mass above plus the bins so far reaches the target. If float rounding leaves every
     digit short, the last non-empty one (the cut takes the whole group)."""
-    bins = tl.arange(0, 16)
+    bins = tl.arange(0, 4)
     upto = tl.sum(tl.where(bins[None, :] <= bins[:, None], hist[None, :], 0.0), 1)
-    first = tl.min(tl.where(above + upto >= target, bins, 16), 0)
+    first = tl.min(tl.where(above + upto >= target, bins, 4), 0)
     last = tl.max(tl.where(hist > 0, bins, 0), 0)
-    d = tl.where(first < 16, first, last)
-    return prefix * 16 + d, above + tl.sum(tl.where(bins < d, hist, 0.0), 0)
+    d = tl.where(first < 4, first, last)
+    return prefix * 4 + d, above + tl.sum(tl.where(bins < d, hist, 0.0), 0)
 
 
 @triton.jit
@@ -130,44 +130,50 @@ def _search_kernel(x_ptr, sx, vals_ptr, W, temp_ptr, lo_ptr, target_ptr, active_
                    CHP: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, chunk) of pass LEVEL: the row's state (digits so far, mass above
     their group) from the previous pass's bins, then the mass of its chunk's logits in
-    that group by their next digit. The pass after the last (LEVEL = BITS / 4, one
-    program a row) writes the cut to the floor of the active rows."""
+    that group by their next 2-bit digit, in four running sums (a [BLOCK, bins] one-hot
+    was ~10x slower). The pass after the last (LEVEL = BITS / 2, one program a row)
+    writes the cut to the floor of the active rows."""
     start_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     active = tl.load(active_ptr + row) != 0
     top = tl.load(vals_ptr + row * W).to(tl.float32)
     ktop = _key(top, BITS)
-    prefix = tl.zeros([], tl.int64)
+    prefix = tl.zeros([], tl.int64).to(ktop.dtype)
     above = tl.zeros([], tl.float32)
-    bins = tl.arange(0, 16)
-    prefix = prefix.to(ktop.dtype)
+    bins = tl.arange(0, 4)
     if LEVEL > 0:
         prefix = tl.load(prefix_ptr + (LEVEL - 1) * R + row).to(ktop.dtype)
         above = tl.load(above_ptr + (LEVEL - 1) * R + row)
         c = tl.arange(0, CHP)
-        hist = tl.sum(tl.load(hist_in_ptr + (row * CH + c[:, None]) * 16 + bins[None, :],
+        hist = tl.sum(tl.load(hist_in_ptr + (row * CH + c[:, None]) * 4 + bins[None, :],
                               mask=(c[:, None] < CH) & active, other=0.0), 0)
         prefix, above = _choose(hist, prefix, above, tl.load(target_ptr + row))
-    if LEVEL == BITS // 4:
+    if LEVEL == BITS // 2:
         tl.store(floor_ptr + row, _value(ktop - prefix, BITS), mask=active)
     else:
         tl.store(prefix_ptr + LEVEL * R + row, prefix, mask=chunk == 0)
         tl.store(above_ptr + LEVEL * R + row, above, mask=chunk == 0)
-        shift: tl.constexpr = BITS - 4 * (LEVEL + 1)
+        shift: tl.constexpr = BITS - 2 * (LEVEL + 1)
         t = tl.maximum(tl.load(temp_ptr + row // T), 1e-6)
         lo = tl.load(lo_ptr + row)
-        acc = tl.zeros([BLOCK, 16], tl.float32)
+        m0 = tl.zeros([BLOCK], tl.float32)
+        m1 = tl.zeros([BLOCK], tl.float32)
+        m2 = tl.zeros([BLOCK], tl.float32)
+        m3 = tl.zeros([BLOCK], tl.float32)
         for i in range(0, tl.where(active, SPAN // BLOCK, 0)):
             ids = chunk * SPAN + i * BLOCK + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + row * sx + ids, mask=ids < V, other=float("-inf")).to(tl.float32)
             off = ktop - _key(x, BITS)
-            group = (x >= lo) & ((off >> (shift + 4)) == prefix)
-            if tl.max(group.to(tl.int32), 0) > 0:  # past the first pass, most blocks hold none of the group
-                digit = (off >> shift) & 15
-                e = tl.exp((x - top) / t)
-                acc += tl.where(group[:, None] & (digit[:, None] == bins[None, :]), e[:, None], 0.0)
-        tl.store(hist_ptr + (row * tl.num_programs(1) + chunk) * 16 + bins, tl.sum(acc, 0))
+            e = tl.where((x >= lo) & ((off >> (shift + 2)) == prefix), tl.exp((x - top) / t), 0.0)
+            digit = (off >> shift) & 3
+            m0 += tl.where(digit == 0, e, 0.0)
+            m1 += tl.where(digit == 1, e, 0.0)
+            m2 += tl.where(digit == 2, e, 0.0)
+            m3 += tl.where(digit == 3, e, 0.0)
+        sums = tl.where(bins == 0, tl.sum(m0, 0), tl.where(bins == 1, tl.sum(m1, 0),
+                                                           tl.where(bins == 2, tl.sum(m2, 0), tl.sum(m3, 0))))
+        tl.store(hist_ptr + (row * tl.num_programs(1) + chunk) * 4 + bins, sums)
 
 
 def filter_floor(x: torch.Tensor, vals: torch.Tensor, sb, tp: TPGroup = TPGroup()) -> torch.Tensor:
@@ -206,8 +212,8 @@ def _search(rows, vals, temp, lo, target, active, floor, T, tp: TPGroup) -> None
     """The passes of the cut's search (module doc) for the active rows, into `floor`."""
     R, V = rows.shape
     bits = 16 if rows.dtype == torch.bfloat16 else 32
-    levels, chunks = bits // 4, triton.cdiv(V, SPAN)
-    hist = torch.empty(levels, R, chunks, 16, device=rows.device)
+    levels, chunks = bits // 2, triton.cdiv(V, SPAN)
+    hist = torch.empty(levels, R, chunks, 4, device=rows.device)
     prefix = torch.empty(levels, R, dtype=torch.long, device=rows.device)
     above = torch.empty(levels, R, device=rows.device)
     hist_in, CH = hist[0], chunks
