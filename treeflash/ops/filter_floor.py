@@ -27,31 +27,31 @@ from treeflash.distributed import TPGroup
 from treeflash.kernels.chained import chained, start_after_previous
 
 SPAN = 2048   # vocabulary entries per program of a pass over the row (75 for a 152K vocabulary)
-BLOCK = 128   # of them at a time
+BLOCK = 256   # of them at a time
 SEARCH_BELOW_TOP = tl.constexpr(40.0)  # nats (at T) below the top past which no token can be the cut
 
 
 @triton.jit
-def _pre_floor(vals_ptr, row, W, b, temp_ptr, topk_ptr, minp_ptr):
+def _pre_floor(vals_ptr, row, WP, W, b, temp_ptr, topk_ptr, minp_ptr):
     """(the row's largest logit, T clamped as the torch path does, min-p's and top-k's
-    floor) from the window `vals` [R, W] (sorted, largest first)."""
+    floor) from the window `vals` [R, WP] (its first W sorted, largest first)."""
     t = tl.maximum(tl.load(temp_ptr + b), 1e-6)
-    top = tl.load(vals_ptr + row * W).to(tl.float32)
+    top = tl.load(vals_ptr + row * WP).to(tl.float32)
     k = tl.minimum(tl.maximum(tl.load(topk_ptr + b), 0), W)
-    kth = tl.load(vals_ptr + row * W + tl.maximum(k - 1, 0)).to(tl.float32)
+    kth = tl.load(vals_ptr + row * WP + tl.maximum(k - 1, 0)).to(tl.float32)
     kth = tl.where(k > 0, kth, float("-inf"))
     return top, t, tl.maximum(kth, top + t * tl.log(tl.load(minp_ptr + b)))
 
 
 @triton.jit
-def _row_mass_kernel(x_ptr, sx, vals_ptr, W, temp_ptr, topk_ptr, minp_ptr, out_ptr, T, V,
+def _row_mass_kernel(x_ptr, sx, vals_ptr, WP, W, temp_ptr, topk_ptr, minp_ptr, out_ptr, T, V,
                      BLOCK: tl.constexpr, SPAN: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, chunk): sum of exp((x - top) / T) over the chunk's logits x at or
     above the row's min-p / top-k floor."""
     start_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    top, t, floor = _pre_floor(vals_ptr, row, W, row // T, temp_ptr, topk_ptr, minp_ptr)
+    top, t, floor = _pre_floor(vals_ptr, row, WP, W, row // T, temp_ptr, topk_ptr, minp_ptr)
     acc = tl.zeros([BLOCK], tl.float32)
     for i in range(0, SPAN // BLOCK):
         ids = chunk * SPAN + i * BLOCK + tl.arange(0, BLOCK)
@@ -62,7 +62,7 @@ def _row_mass_kernel(x_ptr, sx, vals_ptr, W, temp_ptr, topk_ptr, minp_ptr, out_p
 
 @triton.jit
 def _floor_kernel(vals_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, mass_ptr, CH, floor_ptr, lo_ptr, target_ptr,
-                  active_ptr, T, W: tl.constexpr, CHP: tl.constexpr, TOP_P: tl.constexpr, OPEN: tl.constexpr,
+                  active_ptr, T, W, WP: tl.constexpr, CHP: tl.constexpr, TOP_P: tl.constexpr, OPEN: tl.constexpr,
                   PDL: tl.constexpr = False):
     """Program row: its floor from the window, as the torch path computes it (module
     doc); OPEN: also the search's bounds for the rows of a top-p without top-k (active).
@@ -71,12 +71,12 @@ def _floor_kernel(vals_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, mass_ptr, CH
     start_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     b = row // T
-    top, t, floor = _pre_floor(vals_ptr, row, W, b, temp_ptr, topk_ptr, minp_ptr)
+    top, t, floor = _pre_floor(vals_ptr, row, WP, W, b, temp_ptr, topk_ptr, minp_ptr)
     if TOP_P:
-        w = tl.arange(0, W)
-        vals = tl.load(vals_ptr + row * W + w).to(tl.float32)
+        w = tl.arange(0, WP)
+        vals = tl.load(vals_ptr + row * WP + w).to(tl.float32)
         p = tl.load(topp_ptr + b)
-        kept = vals >= floor
+        kept = (vals >= floor) & (w < W)
         c = tl.arange(0, CHP)
         total = tl.sum(tl.load(mass_ptr + row * CH + c, mask=c < CH, other=0.0), 0)
         probs = tl.where(kept, tl.exp((vals - top) / t), 0.0) / total
@@ -125,7 +125,7 @@ def _choose(hist, prefix, above, target):
 
 
 @triton.jit
-def _search_kernel(x_ptr, sx, vals_ptr, W, temp_ptr, lo_ptr, target_ptr, active_ptr, hist_in_ptr, CH, hist_ptr,
+def _search_kernel(x_ptr, sx, vals_ptr, WP, temp_ptr, lo_ptr, target_ptr, active_ptr, hist_in_ptr, CH, hist_ptr,
                    prefix_ptr, above_ptr, floor_ptr, R, T, V, LEVEL: tl.constexpr, BITS: tl.constexpr,
                    CHP: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, chunk) of pass LEVEL: the row's state (digits so far, mass above
@@ -137,7 +137,7 @@ def _search_kernel(x_ptr, sx, vals_ptr, W, temp_ptr, lo_ptr, target_ptr, active_
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     active = tl.load(active_ptr + row) != 0
-    top = tl.load(vals_ptr + row * W).to(tl.float32)
+    top = tl.load(vals_ptr + row * WP).to(tl.float32)
     ktop = _key(top, BITS)
     prefix = tl.zeros([], tl.int64).to(ktop.dtype)
     above = tl.zeros([], tl.float32)
@@ -179,13 +179,14 @@ def _search_kernel(x_ptr, sx, vals_ptr, W, temp_ptr, lo_ptr, target_ptr, active_
 def filter_floor(x: torch.Tensor, vals: torch.Tensor, sb, tp: TPGroup = TPGroup()) -> torch.Tensor:
     """`treeflash.engine.sampling.filter_floor` [B, T] (float32) of CUDA logits x [B, T, V]
     (this rank's slice) from `vals` [B, T, W], the W = sb.filter_width largest logits of
-    each whole row, largest first."""
+    each whole row (fewer in a smaller vocabulary), largest first."""
     B, T, V = x.shape
     R, W = B * T, vals.shape[-1]
     rows = x.reshape(R, V)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    vals = vals.reshape(R, W).contiguous()
+    WP = triton.next_power_of_2(W)  # the window kernel's block
+    vals = torch.nn.functional.pad(vals.reshape(R, W), (0, WP - W)).contiguous()
     temp, topk, topp, minp = (sb.temperature.float().contiguous(), sb.top_k.contiguous(),
                               sb.top_p.float().contiguous(), sb.min_p.float().contiguous())
     launch = chained(x.device)
@@ -194,14 +195,14 @@ def filter_floor(x: torch.Tensor, vals: torch.Tensor, sb, tp: TPGroup = TPGroup(
     if sb.any_top_p:
         CH = triton.cdiv(V, SPAN)
         mass = torch.empty(R, CH, device=x.device)
-        _row_mass_kernel[(R, CH)](rows, rows.stride(0), vals, W, temp, topk, minp, mass, T, V,
+        _row_mass_kernel[(R, CH)](rows, rows.stride(0), vals, WP, W, temp, topk, minp, mass, T, V,
                                   BLOCK=BLOCK, SPAN=SPAN, **launch)
         if tp.size > 1:
             mass, CH = tp.all_reduce(mass.sum(1, keepdim=True).contiguous()), 1
     search = sb.any_top_p and sb.any_open_top_p
     lo, target = (torch.empty(R, device=x.device) for _ in range(2)) if search else (floor, floor)
     active = torch.empty(R, dtype=torch.int32, device=x.device) if search else floor
-    _floor_kernel[(R,)](vals, temp, topk, topp, minp, mass, CH, floor, lo, target, active, T, W=W,
+    _floor_kernel[(R,)](vals, temp, topk, topp, minp, mass, CH, floor, lo, target, active, T, W, WP=WP,
                         CHP=triton.next_power_of_2(CH), TOP_P=sb.any_top_p, OPEN=search, num_warps=1, **launch)
     if search:
         _search(rows, vals, temp, lo, target, active, floor, T, tp)
