@@ -388,10 +388,14 @@ def test_filter_floor_kernels_match_the_sort(dtype, V):
     scale = torch.tensor([3.0, 0.3, 2.0, 3.0, 1.0, 0.5, 2.0, 1.0])[:, None, None]  # 0.3, 0.5: flat rows
     x = (torch.randn(len(params), 3, V, generator=gen) * scale).to(dtype)
     x[1, 2] = (x[1, 2] * 8).round() / 8  # many ties
+    x[0, 1] = -x[0, 1].abs() - 1  # its largest logits: -0.0 and +0.0
+    x[0, 1, :2] = torch.tensor([-0.0, 0.0])
     sb = SamplingBatch.from_params(params, DEV)
     assert sb.filter_width == 64 and sb.any_open_top_p
     with torch.inference_mode():
-        got = fused(x.to(DEV), x.to(DEV).topk(min(64, V)).values, sb).cpu().double()
+        vals = x.to(DEV).topk(min(64, V)).values
+        vals[0, 1, :2] = torch.tensor([-0.0, 0.0])  # the order a top-k may give them
+        got = fused(x.to(DEV), vals, sb).cpu().double()
         alone = [fused(x[b:b + 1].to(DEV), x[b:b + 1].to(DEV).topk(min(16, V)).values,
                        SamplingBatch.from_params([params[b]], DEV)).cpu().double() for b in (0, 1, 5)]
     want = filter_floor(x.double(), SamplingBatch.from_params(params, "cpu"))
@@ -401,3 +405,34 @@ def test_filter_floor_kernels_match_the_sort(dtype, V):
     assert (got == want).sum() >= 19  # of 24: the min-p row (3) is float32 against float64
     for b, row in zip((0, 1, 5), alone):
         assert torch.equal(row[0], got[b])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_a_rows_floor_does_not_depend_on_its_batch():
+    """Top-p's p set within a few float32 steps of the row's own prefix sums, where a
+    change in the order of additions would move the cut: a row's floor is the same
+    whichever window its batch reads (16, 64 or 4096 largest logits, or the whole row
+    sorted for a top-k past 2048)."""
+    from treeflash.engine.sampling import SamplingBatch, filter_floor
+    from treeflash.sampling_params import SamplingParams
+    gen = torch.Generator().manual_seed(0)
+    base = (torch.randn(6, 1024, generator=gen) * 2).cuda()
+    params, rows = [], []
+    for r in range(6):
+        for top_k, t in ((20, 0.7), (0, 1.0)):
+            v = base[r].double().sort(descending=True).values
+            probs = torch.softmax((v - v[0]) / t, 0)[:top_k or 200]
+            for c in (probs / probs.sum() if top_k else probs).cumsum(0)[::3].float():
+                for step in range(-4, 5):
+                    p = (c.view(torch.int32) + step).view(torch.float32).item()
+                    if 0 < p < 1:
+                        params.append(SamplingParams(temperature=t, top_k=top_k, top_p=p, seed=1))
+                        rows.append(r)
+    x, n = base[rows][:, None], len(params)
+    with torch.inference_mode():
+        alone = filter_floor(x, SamplingBatch.from_params(params, "cuda"))
+        for k in (40, 2000, 2049):
+            sb = SamplingBatch.from_params(params + [SamplingParams(temperature=1.0, top_k=k, seed=1)], "cuda")
+            assert sb.filter_width == {40: 128, 2000: 4096, 2049: 0}[k]
+            assert torch.equal(filter_floor(torch.cat([x, base[:1, None]]), sb)[:n], alone), k

@@ -341,19 +341,21 @@ def filter_floor(x: torch.Tensor, sb: "SamplingBatch", tp: TPGroup = TPGroup()) 
     of them: one top-k, where sorting 152K logits per row cost ~17 us a row on an H200),
     and the sampler applies them in its one pass over the vocabulary. Top-p's total is
     the mass of every kept token, ties with the k-th past those values included, so a
-    row's floor does not depend on the width its batch chose. A top-p without top-k may
-    reach past them: on the GPU those rows search the rest (`treeflash.ops.filter_floor`,
-    which also does the rest of this in a few launches); here the row is sorted. Under
-    tensor parallelism x is this rank's slice and the largest values come from every
-    rank (`TPGroup.topk`)."""
-    if sb.filter_width and fused_enabled(x) and x.dtype != torch.float64:
-        from treeflash.ops.filter_floor import filter_floor as fused
-        return fused(x, tp.topk(x, sb.filter_width)[0], sb, tp)
-    whole = not sb.filter_width or sb.any_open_top_p
-    if whole:
-        vals = tp.all_gather(x).sort(dim=-1, descending=True).values.to(_wide(x))
+    row's floor does not depend on the width its batch chose (nor do its prefix sums:
+    they add in order). A top-p without top-k may reach past them: on the GPU those rows
+    search the rest (`treeflash.ops.filter_floor`, which also does the rest of this in a
+    few launches); here the rows are sorted, as they are for a top-k past
+    MAX_FILTER_WIDTH / 2 (width 0). Under tensor parallelism x is this rank's slice and
+    the largest values come from every rank (`TPGroup.topk`)."""
+    fused = fused_enabled(x) and x.dtype != torch.float64
+    if sb.filter_width and (fused or not sb.any_open_top_p):
+        vals = tp.topk(x, sb.filter_width)[0]
     else:
-        vals = tp.topk(x, sb.filter_width)[0].to(_wide(x))
+        vals = tp.all_gather(x).sort(dim=-1, descending=True).values
+    if fused:
+        from treeflash.ops.filter_floor import filter_floor as fused_floor
+        return fused_floor(x, vals, sb, tp)
+    vals = vals.to(_wide(x))
     B, T, W = vals.shape
     temp = sb.temperature.to(vals.dtype).clamp_min(1e-6)[:, None]                       # [B, 1]
     k = sb.top_k.clamp(0, W)[:, None, None].expand(B, T, 1)
@@ -364,12 +366,9 @@ def filter_floor(x: torch.Tensor, sb: "SamplingBatch", tp: TPGroup = TPGroup()) 
         return floor
     kept = vals >= floor[..., None]
     mass = ((vals - vals[..., :1]) / temp[..., None]).masked_fill(~kept, float("-inf")).exp()
-    if whole:
-        total = mass.sum(-1)
-    else:  # every kept token's mass, past the largest values too
-        x = x.to(vals.dtype)
-        total = tp.all_reduce(((x - vals[..., :1]) / temp[..., None]).masked_fill(x < floor[..., None], float("-inf"))
-                              .exp().sum(-1))
+    x = x.to(vals.dtype)  # every kept token's mass, past the largest values too, summed alike whatever the width
+    total = tp.all_reduce(((x - vals[..., :1]) / temp[..., None]).masked_fill(x < floor[..., None], float("-inf"))
+                          .exp().sum(-1))
     probs = mass / total[..., None]
     p = sb.top_p.to(vals.dtype)[:, None, None]
     nucleus = kept & ((probs.cumsum(-1) - probs) < p)

@@ -32,26 +32,26 @@ SEARCH_BELOW_TOP = tl.constexpr(40.0)  # nats (at T) below the top past which no
 
 
 @triton.jit
-def _pre_floor(vals_ptr, row, WP, W, b, temp_ptr, topk_ptr, minp_ptr):
+def _pre_floor(vals_ptr, row, W, b, temp_ptr, topk_ptr, minp_ptr):
     """(the row's largest logit, T clamped as the torch path does, min-p's and top-k's
-    floor) from the window `vals` [R, WP] (its first W sorted, largest first)."""
+    floor) from the window `vals` [R, W] (sorted, largest first)."""
     t = tl.maximum(tl.load(temp_ptr + b), 1e-6)
-    top = tl.load(vals_ptr + row * WP).to(tl.float32)
+    top = tl.load(vals_ptr + row * W).to(tl.float32)
     k = tl.minimum(tl.maximum(tl.load(topk_ptr + b), 0), W)
-    kth = tl.load(vals_ptr + row * WP + tl.maximum(k - 1, 0)).to(tl.float32)
+    kth = tl.load(vals_ptr + row * W + tl.maximum(k - 1, 0)).to(tl.float32)
     kth = tl.where(k > 0, kth, float("-inf"))
     return top, t, tl.maximum(kth, top + t * tl.log(tl.load(minp_ptr + b)))
 
 
 @triton.jit
-def _row_mass_kernel(x_ptr, sx, vals_ptr, WP, W, temp_ptr, topk_ptr, minp_ptr, out_ptr, T, V,
+def _row_mass_kernel(x_ptr, sx, vals_ptr, W, temp_ptr, topk_ptr, minp_ptr, out_ptr, T, V,
                      BLOCK: tl.constexpr, SPAN: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, chunk): sum of exp((x - top) / T) over the chunk's logits x at or
     above the row's min-p / top-k floor."""
     start_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    top, t, floor = _pre_floor(vals_ptr, row, WP, W, row // T, temp_ptr, topk_ptr, minp_ptr)
+    top, t, floor = _pre_floor(vals_ptr, row, W, row // T, temp_ptr, topk_ptr, minp_ptr)
     acc = tl.zeros([BLOCK], tl.float32)
     for i in range(0, SPAN // BLOCK):
         ids = chunk * SPAN + i * BLOCK + tl.arange(0, BLOCK)
@@ -61,27 +61,35 @@ def _row_mass_kernel(x_ptr, sx, vals_ptr, WP, W, temp_ptr, topk_ptr, minp_ptr, o
 
 
 @triton.jit
-def _floor_kernel(vals_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr, mass_ptr, CH, floor_ptr, lo_ptr, target_ptr,
-                  active_ptr, T, W, WP: tl.constexpr, CHP: tl.constexpr, TOP_P: tl.constexpr, OPEN: tl.constexpr,
-                  PDL: tl.constexpr = False):
+def _floor_kernel(vals_ptr, W, temp_ptr, topk_ptr, topp_ptr, minp_ptr, mass_ptr, CH, floor_ptr, lo_ptr, target_ptr,
+                  active_ptr, T, CHP: tl.constexpr, TOP_P: tl.constexpr, OPEN: tl.constexpr,
+                  TILE: tl.constexpr = 16, PDL: tl.constexpr = False):
     """Program row: its floor from the window, as the torch path computes it (module
-    doc); OPEN: also the search's bounds for the rows of a top-p without top-k (active).
-    Those rows always search, even where the window holds their cut, so that their floor
-    does not depend on the window their batch chose."""
+    doc). Top-p's prefix sums run over tiles of TILE values, each carrying the sum before
+    it, until they pass p: the same additions whatever the window's width, so a row's
+    floor does not depend on the width its batch chose. OPEN: also the search's bounds
+    for the rows of a top-p without top-k (active); those rows always search, even where
+    the window holds their cut, for the same reason."""
     start_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     b = row // T
-    top, t, floor = _pre_floor(vals_ptr, row, WP, W, b, temp_ptr, topk_ptr, minp_ptr)
+    top, t, floor = _pre_floor(vals_ptr, row, W, b, temp_ptr, topk_ptr, minp_ptr)
     if TOP_P:
-        w = tl.arange(0, WP)
-        vals = tl.load(vals_ptr + row * WP + w).to(tl.float32)
         p = tl.load(topp_ptr + b)
-        kept = (vals >= floor) & (w < W)
         c = tl.arange(0, CHP)
         total = tl.sum(tl.load(mass_ptr + row * CH + c, mask=c < CH, other=0.0), 0)
-        probs = tl.where(kept, tl.exp((vals - top) / t), 0.0) / total
-        nucleus = (kept & (tl.cumsum(probs, 0) - probs < p)) | (w == 0)
-        cut = tl.min(tl.where(nucleus, vals, float("inf")), 0)
+        before = tl.zeros([], tl.float32)
+        cut = tl.full([], float("inf"), tl.float32)
+        j = tl.zeros([], tl.int32)
+        while (j < W) & (before < p):
+            w = j + tl.arange(0, TILE)
+            vals = tl.load(vals_ptr + row * W + w, mask=w < W, other=float("-inf")).to(tl.float32)
+            kept = (vals >= floor) & (w < W)
+            probs = tl.where(kept, tl.exp((vals - top) / t), 0.0) / total
+            nucleus = (kept & (before + (tl.cumsum(probs, 0) - probs) < p)) | (w == 0)
+            cut = tl.minimum(cut, tl.min(tl.where(nucleus, vals, float("inf")), 0))
+            before += tl.sum(probs, 0)
+            j += TILE
         if OPEN:
             active = (tl.load(topk_ptr + b) <= 0) & (p < 1) & (tl.load(temp_ptr + b) > 0)
             tl.store(lo_ptr + row, tl.maximum(floor, top - SEARCH_BELOW_TOP * t))
@@ -125,7 +133,7 @@ def _choose(hist, prefix, above, target):
 
 
 @triton.jit
-def _search_kernel(x_ptr, sx, vals_ptr, WP, temp_ptr, lo_ptr, target_ptr, active_ptr, hist_in_ptr, CH, hist_ptr,
+def _search_kernel(x_ptr, sx, vals_ptr, W, temp_ptr, lo_ptr, target_ptr, active_ptr, hist_in_ptr, CH, hist_ptr,
                    prefix_ptr, above_ptr, floor_ptr, R, T, V, LEVEL: tl.constexpr, BITS: tl.constexpr,
                    CHP: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, chunk) of pass LEVEL: the row's state (digits so far, mass above
@@ -137,8 +145,8 @@ def _search_kernel(x_ptr, sx, vals_ptr, WP, temp_ptr, lo_ptr, target_ptr, active
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     active = tl.load(active_ptr + row) != 0
-    top = tl.load(vals_ptr + row * WP).to(tl.float32)
-    ktop = _key(top, BITS)
+    top = tl.load(vals_ptr + row * W).to(tl.float32)
+    ktop = _key(tl.where(top == 0, 0.0, top), BITS)  # -0.0 keys below +0.0: the search takes both as +0.0
     prefix = tl.zeros([], tl.int64).to(ktop.dtype)
     above = tl.zeros([], tl.float32)
     bins = tl.arange(0, 4)
@@ -164,7 +172,7 @@ def _search_kernel(x_ptr, sx, vals_ptr, WP, temp_ptr, lo_ptr, target_ptr, active
         for i in range(0, tl.where(active, SPAN // BLOCK, 0)):
             ids = chunk * SPAN + i * BLOCK + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + row * sx + ids, mask=ids < V, other=float("-inf")).to(tl.float32)
-            off = ktop - _key(x, BITS)
+            off = ktop - _key(tl.where(x == 0, 0.0, x), BITS)
             e = tl.where((x >= lo) & ((off >> (shift + 2)) == prefix), tl.exp((x - top) / t), 0.0)
             digit = (off >> shift) & 3
             m0 += tl.where(digit == 0, e, 0.0)
@@ -179,14 +187,14 @@ def _search_kernel(x_ptr, sx, vals_ptr, WP, temp_ptr, lo_ptr, target_ptr, active
 def filter_floor(x: torch.Tensor, vals: torch.Tensor, sb, tp: TPGroup = TPGroup()) -> torch.Tensor:
     """`treeflash.engine.sampling.filter_floor` [B, T] (float32) of CUDA logits x [B, T, V]
     (this rank's slice) from `vals` [B, T, W], the W = sb.filter_width largest logits of
-    each whole row (fewer in a smaller vocabulary), largest first."""
+    each whole row (fewer in a smaller vocabulary; all of it where the width is 0),
+    largest first."""
     B, T, V = x.shape
     R, W = B * T, vals.shape[-1]
     rows = x.reshape(R, V)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    WP = triton.next_power_of_2(W)  # the window kernel's block
-    vals = torch.nn.functional.pad(vals.reshape(R, W), (0, WP - W)).contiguous()
+    vals = vals.reshape(R, W).contiguous()
     temp, topk, topp, minp = (sb.temperature.float().contiguous(), sb.top_k.contiguous(),
                               sb.top_p.float().contiguous(), sb.min_p.float().contiguous())
     launch = chained(x.device)
@@ -195,14 +203,14 @@ def filter_floor(x: torch.Tensor, vals: torch.Tensor, sb, tp: TPGroup = TPGroup(
     if sb.any_top_p:
         CH = triton.cdiv(V, SPAN)
         mass = torch.empty(R, CH, device=x.device)
-        _row_mass_kernel[(R, CH)](rows, rows.stride(0), vals, WP, W, temp, topk, minp, mass, T, V,
+        _row_mass_kernel[(R, CH)](rows, rows.stride(0), vals, W, temp, topk, minp, mass, T, V,
                                   BLOCK=BLOCK, SPAN=SPAN, **launch)
         if tp.size > 1:
             mass, CH = tp.all_reduce(mass.sum(1, keepdim=True).contiguous()), 1
     search = sb.any_top_p and sb.any_open_top_p
     lo, target = (torch.empty(R, device=x.device) for _ in range(2)) if search else (floor, floor)
     active = torch.empty(R, dtype=torch.int32, device=x.device) if search else floor
-    _floor_kernel[(R,)](vals, temp, topk, topp, minp, mass, CH, floor, lo, target, active, T, W, WP=WP,
+    _floor_kernel[(R,)](vals, W, temp, topk, topp, minp, mass, CH, floor, lo, target, active, T,
                         CHP=triton.next_power_of_2(CH), TOP_P=sb.any_top_p, OPEN=search, num_warps=1, **launch)
     if search:
         _search(rows, vals, temp, lo, target, active, floor, T, tp)
