@@ -66,10 +66,10 @@ def _floor_kernel(vals_ptr, W, temp_ptr, topk_ptr, topp_ptr, minp_ptr, mass_ptr,
                   TILE: tl.constexpr = 16, PDL: tl.constexpr = False):
     """Program row: its floor from the window, as the torch path computes it (module
     doc). Top-p's prefix sums run over tiles of TILE values, each carrying the sum before
-    it, until they pass p: the same additions whatever the window's width, so a row's
-    floor does not depend on the width its batch chose. OPEN: also the search's bounds
-    for the rows of a top-p without top-k (active); those rows always search, even where
-    the window holds their cut, for the same reason."""
+    it, until they pass p (not at all where p = 1): the same additions whatever the
+    window's width, so a row's floor does not depend on the width its batch chose. OPEN:
+    also the search's bounds for the rows of a top-p without top-k (active); those rows
+    always search, even where the window holds their cut, for the same reason."""
     start_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     b = row // T
@@ -81,7 +81,7 @@ def _floor_kernel(vals_ptr, W, temp_ptr, topk_ptr, topp_ptr, minp_ptr, mass_ptr,
         before = tl.zeros([], tl.float32)
         cut = tl.full([], float("inf"), tl.float32)
         j = tl.zeros([], tl.int32)
-        while (j < W) & (before < p):
+        while (j < W) & (before < p) & (p < 1):
             w = j + tl.arange(0, TILE)
             vals = tl.load(vals_ptr + row * W + w, mask=w < W, other=float("-inf")).to(tl.float32)
             kept = (vals >= floor) & (w < W)
