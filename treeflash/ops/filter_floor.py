@@ -207,7 +207,7 @@ def filter_floor(x: torch.Tensor, vals: torch.Tensor, sb, tp: TPGroup = TPGroup(
                                   BLOCK=BLOCK, SPAN=SPAN, **launch)
         if tp.size > 1:
             mass, CH = tp.all_reduce(mass.sum(1, keepdim=True).contiguous()), 1
-    search = sb.any_top_p and sb.any_open_top_p
+    search = sb.any_open_top_p  # implies any_top_p: the mass is summed above
     lo, target = (torch.empty(R, device=x.device) for _ in range(2)) if search else (floor, floor)
     active = torch.empty(R, dtype=torch.int32, device=x.device) if search else floor
     _floor_kernel[(R,)](vals, W, temp, topk, topp, minp, mass, CH, floor, lo, target, active, T,
