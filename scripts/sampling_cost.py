@@ -1,9 +1,11 @@
 """What sampling one request's rows costs on the GPU, by filter, at the verify widths of
 the 8B shape (a 152K vocabulary; rows = 1 for AR, N + 1 for a verify of N nodes): the
 `sample()` call a round makes, replayed as a CUDA graph; "sorted" rows time the same
-filters through the torch path that sorts every row (`filter_width` 0), and "flat" rows
-logits of a tenth the scale (a nucleus of thousands of tokens). Then how many floors
-equal those of a sort of the whole row on bf16 logits (ties included).
+filters with `filter_width` 0 (every row sorted, then the same floor kernels: a top-p
+without top-k still searches), and "flat" rows logits of a tenth the scale (a nucleus of
+~120K tokens). Then how many floors equal those from the sorted rows on bf16 logits
+(ties included): a top-k row's from its window against the whole sorted row; a top-p row
+without top-k searches on both sides (tests/test_fused_ops.py checks it against a sort).
 
     python scripts/sampling_cost.py        # needs a CUDA GPU
 """
@@ -59,7 +61,7 @@ def main() -> None:
         sb = SamplingBatch.from_params(params, "cuda")
         a, b = filter_floor(logits, sb), filter_floor(logits, replace(sb, filter_width=0))
         same, total = same + int((a == b).sum()), total + a.numel()
-    print(f"floors equal to the whole-row sort's: {same} of {total} rows (bf16 logits, ties included)")
+    print(f"floors equal to those from the sorted rows: {same} of {total} rows (bf16 logits, ties included)")
 
 
 if __name__ == "__main__":

@@ -321,7 +321,8 @@ MAX_FILTER_WIDTH = 4096  # past it a top-k filter sorts the whole vocabulary
 def filter_width_of(params: list[SamplingParams]) -> int:
     """How many of a row's largest logits `filter_floor` reads for a batch of these
     requests: twice the largest top_k, a power of two (few graphs), at least 16; 0 where
-    a top-k past MAX_FILTER_WIDTH / 2 needs the whole vocabulary sorted."""
+    no sampled request filters, or a top-k past MAX_FILTER_WIDTH / 2 needs the whole
+    vocabulary sorted."""
     rows = [p for p in params if not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0)]
     if not rows:
         return 0

@@ -1,9 +1,9 @@
 """The sampling filters' floor (`treeflash.engine.sampling.filter_floor`) on the GPU, in a
 few launches and without sorting the vocabulary.
 
-From a row's W largest logits (a fused top-k), one program per row computes min-p's and
-top-k's floor and, over the window, top-p's cut: ~20 small torch launches (~55 us at one
-row on an H200) become one. Top-p needs the mass of every kept token, ties with the k-th
+From a row's W largest logits (`ops.topk`: fused up to 64 of a 152K vocabulary), one
+program per row computes min-p's and top-k's floor and, over the window, top-p's cut:
+~20 small torch launches become one. Top-p needs the mass of every kept token, ties with the k-th
 past the window included: one pass over the row sums it.
 
 A top-p without top-k may reach past the window. Sorting 152K logits for it cost ~17 us
@@ -13,7 +13,7 @@ rises, so it is found 2 bits at a time on an order-preserving integer key of the
 (16 bits for bf16, 32 for float32): a pass sums the candidates' mass into 4 bins by the
 next digit of the key's distance from the row's largest logit, and keeps the bin where C
 crosses the target. Bins hold only integer-keyed groups, so the last pass leaves one
-logit, the exact cut. Other rows do no work in those passes. Tokens more than 40 / T
+logit, the exact cut. Other rows do no work in those passes. Tokens more than 40 T
 below the top are left out of the search: their mass is below e^-40 each, and p < 1 in
 float32 is at most 1 - 6e-8, so the cut never reaches them.
 """
