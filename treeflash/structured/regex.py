@@ -11,7 +11,8 @@ literals and escaped punctuation; \\n \\t \\r \\f \\v \\0 \\xHH \\uHHHH \\UHHHHH
 \\d \\w \\s and their negations (ECMA-262's meanings, which JSON Schema's patterns use:
 \\d and \\w ASCII, \\s Unicode's white space and line terminators); `.` (any character
 but newline); classes [...] and [^...]; groups ( ), (?: ), (?P<name> );
-alternation; quantifiers * + ? {m} {m,} {,n} {m,n}, greedy or lazy (the same language).
+alternation; quantifiers * + ? {m} {m,} {,n} {m,n}, greedy or lazy (the same language),
+one per atom (a second is "multiple repeat", as in Python's re).
 A leading ^ and a trailing $ are allowed and mean nothing more. Refused, with the
 reason: other anchors, backreferences, lookarounds, inline flags, possessive quantifiers.
 
@@ -137,21 +138,30 @@ class _Parser:
         return ("cat", items)
 
     def quantified(self, node):
-        while True:
-            c = self.peek()
-            if c in ("*", "+", "?"):
-                lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
-                self.i += 1
-            elif c == "{" and (m := _QUANTIFIER.match(self.p, self.i)) and (m.group(1) or m.group(2)):
-                lo, hi = repeat_bounds(*m.group(1, 2, 3), self.fail)
-                self.i = m.end()
-            else:
-                return node
-            if self.peek() == "?":    # lazy: the same language
-                self.i += 1
-            elif self.peek() == "+":
-                self.fail("possessive quantifiers are not supported")
-            node = ("rep", node, lo, hi)
+        """`node` under its quantifier, if one follows. One only: a second ("a**",
+        "a{2}*") is an error, as in Python's re and ECMAScript (group it to repeat a
+        repetition)."""
+        if not (q := self.quantifier()):
+            return node
+        if self.peek() == "?":    # lazy: the same language
+            self.i += 1
+        elif self.peek() == "+":
+            self.fail("possessive quantifiers are not supported")
+        if self.quantifier():
+            self.fail("multiple repeat (put the repeated part in a group)")
+        return ("rep", node, *q)
+
+    def quantifier(self):
+        """(min, max or None) of the quantifier at the cursor, consumed; None if none."""
+        c = self.peek()
+        if c in ("*", "+", "?"):
+            self.i += 1
+            return {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+        if c == "{" and (m := _QUANTIFIER.match(self.p, self.i)) and (m.group(1) or m.group(2)):
+            bounds = repeat_bounds(*m.group(1, 2, 3), self.fail)
+            self.i = m.end()
+            return bounds
+        return None
 
     def atom(self):
         c = self.peek()
