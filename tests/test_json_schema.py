@@ -123,7 +123,8 @@ def test_string_length_counts_characters_and_escapes_as_one():
 
 
 @pytest.mark.parametrize("fmt, good, bad", [
-    ("date", ["2024-02-29", "1999-12-31", "0001-01-01"], ["2024-13-01", "2024-1-01", "2024-01-32", "24-01-01", ""]),
+    ("date", ["2024-02-29", "1999-12-31", "0001-01-01", "2000-02-29", "2023-04-30"],
+     ["2024-13-01", "2024-1-01", "2024-01-32", "24-01-01", "", "2023-02-29", "1900-02-29", "2024-04-31", "2024-02-30"]),
     ("time", ["23:59:60Z", "00:00:00.123Z", "12:30:00Z", "12:30:00+05:30", "12:30:00.5-08:00"],
      ["24:00:00Z", "12:60:00Z", "12:30", "12:30:00+5:30", "12:30:00 Z", "12:30:00"]),
     ("date-time", ["2024-02-29T12:30:00Z", "2024-02-29T12:30:00.25+01:00"],
@@ -133,6 +134,25 @@ def test_string_length_counts_characters_and_escapes_as_one():
 ])
 def test_string_formats(fmt, good, bad):
     check({"type": "string", "format": fmt}, good=good, bad=bad)
+
+
+def test_dates_are_the_calendars():
+    """A date matches exactly when Python's calendar has that day: every day of 400 years
+    (the Gregorian cycle) and the days past each month's end."""
+    import datetime
+    from treeflash.structured.json_schema import DATE
+    day, end = datetime.date(1600, 1, 1), datetime.date(2001, 1, 1)
+    while day < end:
+        assert re.fullmatch(DATE, day.isoformat())
+        day += datetime.timedelta(days=1)
+    for y in range(1600, 2001):
+        for m in range(1, 13):
+            for d in range(28, 32):
+                text = f"{y:04d}-{m:02d}-{d:02d}"
+                try:
+                    datetime.date(y, m, d)
+                except ValueError:
+                    assert not re.fullmatch(DATE, text), text
 
 
 def test_string_pattern():

@@ -14,7 +14,7 @@ writes them (no leading zeros); enum and const values as `json.dumps` writes the
 (non-ASCII characters raw). Strings take any JSON string, escapes included.
 
 Supported: `type` (one or a list); string `minLength`, `maxLength`, `format` (date,
-time, date-time, uuid; days 01-31 whatever the month, a leap second in any minute) and
+time, date-time, uuid; a date is a day of the Gregorian calendar, a leap second may end any minute) and
 `pattern`; integer `minimum` or `exclusiveMinimum` meaning >= 0 or >= 1; array `items`,
 `minItems`, `maxItems`; object `properties`, `required`; `enum`, `const`, `anyOf`,
 `oneOf` (treated as anyOf: exclusivity is not enforced), `allOf` of one schema, `$ref`
@@ -59,7 +59,9 @@ STRING_CHAR = f'(?:[^{UNSAFE}]|\\\\["\\\\/bfnrt]|{UNICODE_ESCAPE})'
 NATURAL = "(?:0|[1-9][0-9]*)"
 INTEGER = "-?" + NATURAL
 NUMBER = INTEGER + "(?:\\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
-DATE = "[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+DATE = ("(?:[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+        "|02-(?:0[1-9]|1[0-9]|2[0-8]))|" + _LEAP_YEAR + "-02-29)")  # the calendar's days, Feb 29 in leap years
 TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"  # RFC 3339: with its offset
 FORMATS = {"date": DATE, "time": TIME, "date-time": DATE + "T" + TIME,
            "uuid": "-".join(f"[0-9a-fA-F]{{{n}}}" for n in (8, 4, 4, 4, 12))}
