@@ -14,7 +14,6 @@ and a power check shows the same test rejects a wrong distribution with p < 1e-1
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -191,26 +190,12 @@ def test_filters_read_only_the_largest_logits():
     assert torch.equal(kept[3], (mass < 0.5).sum(-1) + 1)
 
 
-def _floor_of_sorted_row(row: torch.Tensor, p: SamplingParams) -> float:
-    """The filters' smallest kept logit from the whole row sorted (the definition,
-    with the float32 parameters the batch holds)."""
-    f32 = lambda v: torch.tensor(v, dtype=torch.float32).double().item()
-    T, top_p, min_p = max(f32(p.temperature), 1e-6), f32(p.top_p), f32(p.min_p)
-    v = row.sort(descending=True).values
-    floor = max(v[min(p.top_k, len(v)) - 1].item() if p.top_k > 0 else float("-inf"),
-                v[0].item() + T * math.log(min_p) if min_p > 0 else float("-inf"))
-    if top_p >= 1:
-        return floor
-    kept = v[v >= floor]
-    probs = torch.softmax((kept - kept[0]) / T, 0)
-    return kept[(probs.cumsum(0) - probs) < top_p].min().item()
-
-
 def test_filter_floor_is_the_whole_row_definition():
     """Random rows (half of them on a coarse grid: many ties), random filters, rows in
     batches of mixed widths and alone: the floor is the one a sort of the whole row
     gives, the same whatever the batch."""
     import random
+    from sampling_oracle import floor_of_sorted_row
     from treeflash.engine.sampling import filter_floor
     rng = random.Random(0)
     for it in range(60):
@@ -224,7 +209,7 @@ def test_filter_floor_is_the_whole_row_definition():
         got = filter_floor(x, SamplingBatch.from_params(params, "cpu"))
         for b, p in enumerate(params):
             alone = filter_floor(x[b:b + 1], SamplingBatch.from_params([p], "cpu"))[0]
-            want = torch.tensor([_floor_of_sorted_row(x[b, t], p) for t in range(2)], dtype=torch.float64)
+            want = torch.tensor([floor_of_sorted_row(x[b, t], p) for t in range(2)], dtype=torch.float64)
             assert torch.equal(got[b], want) and torch.equal(alone, want), (it, b, p)
 
 
