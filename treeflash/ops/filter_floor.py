@@ -13,9 +13,11 @@ rises, so it is found 2 bits at a time on an order-preserving integer key of the
 (16 bits for bf16, 32 for float32): a pass sums the candidates' mass into 4 bins by the
 next digit of the key's distance from the row's largest logit, and keeps the bin where C
 crosses the target. Bins hold only integer-keyed groups, so the last pass leaves one
-logit, the exact cut. Other rows do no work in those passes. Tokens more than 40 T
-below the top are left out of the search: their mass is below e^-40 each, and p < 1 in
-float32 is at most 1 - 6e-8, so the cut never reaches them.
+logit, the exact cut. Rows whose cut lies among their 16 largest logits (most rows of a
+trained model at T <= 1) take it from the window; they and other rows do no work in those
+passes. Tokens more than 40 T below the top are left out of the search: their mass is
+below e^-40 each, and p < 1 in float32 is at most 1 - 6e-8, so the cut never reaches
+them.
 """
 from __future__ import annotations
 
@@ -68,8 +70,9 @@ def _floor_kernel(vals_ptr, W, temp_ptr, topk_ptr, topp_ptr, minp_ptr, mass_ptr,
     doc). Top-p's prefix sums run over tiles of TILE values, each carrying the sum before
     it, until they pass p (not at all where p = 1): the same additions whatever the
     window's width, so a row's floor does not depend on the width its batch chose. OPEN:
-    also the search's bounds for the rows of a top-p without top-k (active); those rows
-    always search, even where the window holds their cut, for the same reason."""
+    also the search's bounds for the rows of a top-p without top-k whose cut is past the
+    first tile (active): any window holds that tile, so whether a row searches does not
+    depend on its batch either."""
     start_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     b = row // T
@@ -79,6 +82,7 @@ def _floor_kernel(vals_ptr, W, temp_ptr, topk_ptr, topp_ptr, minp_ptr, mass_ptr,
         c = tl.arange(0, CHP)
         total = tl.sum(tl.load(mass_ptr + row * CH + c, mask=c < CH, other=0.0), 0)
         before = tl.zeros([], tl.float32)
+        first = tl.zeros([], tl.float32)  # the mass of the first tile
         cut = tl.full([], float("inf"), tl.float32)
         j = tl.zeros([], tl.int32)
         while (j < W) & (before < p) & (p < 1):
@@ -89,9 +93,11 @@ def _floor_kernel(vals_ptr, W, temp_ptr, topk_ptr, topp_ptr, minp_ptr, mass_ptr,
             nucleus = (kept & (before + (tl.cumsum(probs, 0) - probs) < p)) | (w == 0)
             cut = tl.minimum(cut, tl.min(tl.where(nucleus, vals, float("inf")), 0))
             before += tl.sum(probs, 0)
+            first = tl.where(j == 0, before, first)
             j += TILE
-        if OPEN:
-            active = (tl.load(topk_ptr + b) <= 0) & (p < 1) & (tl.load(temp_ptr + b) > 0)
+        if OPEN:  # the cut is past the first tile: search
+            active = ((tl.load(topk_ptr + b) <= 0) & (first < p) & (p < 1)
+                      & (tl.load(temp_ptr + b) > 0))
             tl.store(lo_ptr + row, tl.maximum(floor, top - SEARCH_BELOW_TOP * t))
             tl.store(target_ptr + row, p * total)
             tl.store(active_ptr + row, active.to(tl.int32))
