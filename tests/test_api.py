@@ -409,6 +409,19 @@ def test_budget_is_for_ddtree_only(tmp_path):
             LLM(target, draft_model=draft, method=method, budget=8, device="cpu")
 
 
+def test_the_default_budget_is_the_devices():
+    """A ddtree budget left out is 64 nodes on a GPU, where a wider verify costs little,
+    and 16 on a CPU, where a verify costs in proportion to its nodes (BENCHMARKS.md 4);
+    a max_budget below the default lowers it rather than refusing a budget nobody gave."""
+    from treeflash.engine.llm import tree_budget
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert (tree_budget("ddtree", None, 512, cuda), tree_budget("ddtree", None, 512, cpu)) == (64, 16)
+    assert (tree_budget("ddtree", None, 32, cuda), tree_budget("ddtree", None, 8, cpu)) == (32, 8)
+    assert tree_budget("ddtree", 100, 512, cpu) == 100 and tree_budget("dflash", None, 512, cuda) is None
+    with pytest.raises(UsageError, match="exceeds max_budget 32"):
+        tree_budget("ddtree", 64, 32, cuda)
+
+
 def test_with_method_decodes_another_way_on_the_same_weights(tmp_path):
     """`with_method` (what `treeflash bench` runs every method with): the same weights
     decoding with another method or budget give the tokens an engine built that way
@@ -427,7 +440,7 @@ def test_with_method_decodes_another_way_on_the_same_weights(tmp_path):
         assert [o.token_ids for o in outs] == [o.token_ids for o in want]
         assert {o.stats["method"] for o in outs} == {method}
     assert base.generate(ENGINE_PROMPTS[:1], params)[0].stats["method"] == "dflash"
-    assert base.with_method("ddtree").decoder.budget == 64  # the constructor's default
+    assert base.with_method("ddtree").decoder.budget == 16  # the constructor's default on a CPU
     for args, what in ((("beam",), "unknown method"), (("ddtree", 0), "budget"),
                        (("dflash", 4), "ddtree only"), (("ar", None, "yes"), "cuda_graphs"),
                        (("ddtree", 10 ** 6), "exceeds max_budget 512")):

@@ -37,7 +37,7 @@ from treeflash.sampling_params import (BAD_WORD_TOKENS, MAX_BAD_SEQUENCES, Sampl
 from treeflash.structured.grammar import TokenAutomaton, token_automaton
 from treeflash.tokenizer import CONTEXT_TOKENS, Tokenizer, stop_cut
 
-DEFAULT_BUDGET = 64
+DEFAULT_BUDGETS = {"cuda": 64, "cpu": 16}  # a CPU verify costs in proportion to its nodes (BENCHMARKS.md 4)
 AUTOMATA_KEPT = 32                # structured outputs' compiled automata kept per engine,
 AUTOMATA_BYTES = 4 << 30          # and their tables (host and device) at most (those in use always)
 REFUSALS_KEPT = 256               # constraints that failed to compile, remembered: a retry is refused at once
@@ -162,14 +162,16 @@ class _Batch:
     active: list[bool]     # what st.active holds (as queued)
 
 
-def tree_budget(method: str, budget: int | None, max_budget: int) -> int | None:
-    """The DDTree budget `method` decodes with (DEFAULT_BUDGET if not given), checked;
-    None for the other methods, which take none."""
+def tree_budget(method: str, budget: int | None, max_budget: int, device: torch.device) -> int | None:
+    """The DDTree budget `method` decodes with (if not given, the device's default: 64
+    nodes on a GPU, where a wider verify costs little, 16 on a CPU, where it costs in
+    proportion), checked; None for the other methods, which take none."""
     if method != "ddtree":
         if budget is not None:
             raise UsageError(f"a tree budget applies to method ddtree only (method is {method})")
         return None
-    budget = DEFAULT_BUDGET if budget is None else budget
+    if budget is None:
+        budget = min(DEFAULT_BUDGETS.get(device.type, DEFAULT_BUDGETS["cpu"]), max_budget)
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise UsageError(f"ddtree budget must be an integer >= 1, got {budget!r}")
     if budget > max_budget:
@@ -182,8 +184,9 @@ class LLM:
     """A target model, optionally with a DFlash drafter, ready to generate.
 
     method: 'ar', 'dflash' or 'ddtree' (default: 'ddtree' with a drafter, else 'ar').
-    budget: DDTree nodes per round (default 64), at most `max_budget` (a guard: a round
-    holds [N+1, vocab] logits and an [N+1, N+1] mask per request).
+    budget: DDTree nodes per round (default 64 on a GPU, 16 on a CPU), at most
+    `max_budget` (a guard: a round holds [N+1, vocab] logits and an [N+1, N+1] mask per
+    request).
     tp: tensor-parallel size. With tp > 1 this process is rank 0 (the driver) and
     starts tp - 1 worker processes (one per GPU, or gloo on CPU) that each hold a slice
     of the weights; see `treeflash.engine.tp`. Under torchrun, every rank calls `LLM`
@@ -271,7 +274,7 @@ class LLM:
                 check_model_size(draft_model, DFlashDraftModel(dcfg, TPGroup()), draft_shapes)
         if method is None:
             method = "ddtree" if dcfg is not None else "ar"
-        budget = tree_budget(method, budget, max_budget)
+        budget = tree_budget(method, budget, max_budget, self.device)
         if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
                                           or max_model_len < 2):
             raise UsageError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
@@ -342,7 +345,7 @@ class LLM:
             raise UsageError("with_method needs tp=1: the tensor-parallel workers decode as the engine was built")
         if method not in METHODS:
             raise UsageError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
-        budget = tree_budget(method, budget, self.max_budget)
+        budget = tree_budget(method, budget, self.max_budget, self.device)
         if method != "ar" and self.drafter is None:
             raise UsageError(f"method '{method}' needs a draft model")
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
