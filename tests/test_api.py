@@ -525,6 +525,11 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(hf_checkpoint):
     assert not calls
     got = llm.generate(text, replace(params, truncate_prompt_tokens=12))[0]
     assert calls and len(got.token_ids) == 5
+    for k in (48, 5000):  # past the context (vLLM refuses it too), whether or not the prompt would fit
+        with pytest.raises(UsageError, match=f"truncate_prompt_tokens {k} does not fit the context limit of 48 "
+                                             r"tokens \(at most 47"):
+            llm.generate(ids[:5], replace(params, truncate_prompt_tokens=k))
+    assert llm.encode(ids, truncate=47) == ids[-47:]
     for k in (0, -2, 1.5, True):
         with pytest.raises(UsageError, match="truncate_prompt_tokens must be"):
             SamplingParams(truncate_prompt_tokens=k)

@@ -180,6 +180,20 @@ def test_options_left_out_take_the_models_generation_config(capsys, broken, mode
     assert_error(*run(capsys, prompt, "--model", broken, "--device", "cpu"), 2, "generation_config.json", "top_p")
 
 
+def test_sampling_options_at_temperature_0_say_they_do_nothing(capsys, model):
+    """Decoding is greedy unless a temperature is given (or the model's
+    generation_config.json sets one), where vLLM's default temperature is 1: --top-p or
+    --seed alone gets a note that they have no effect, and the greedy tokens."""
+    args = (ENGINE_PROMPTS[1], "--model", model, "--device", "cpu", "--json", "--max-new-tokens", 6, "--ignore-eos")
+    rc, greedy, err = run(capsys, *args)
+    assert rc == 0 and "no effect" not in err, err
+    rc, out, err = run(capsys, *args, "--top-p", 0.9, "--seed", 3)
+    assert rc == 0 and json.loads(out)["token_ids"] == json.loads(greedy)["token_ids"]
+    assert "note: --top-p, --seed have no effect at temperature 0 (greedy decoding): give --temperature" in err
+    rc, out, err = run(capsys, *args, "--top-k", 5, "--temperature", 0.8, "--seed", 3)
+    assert rc == 0 and "no effect" not in err, err
+
+
 def test_a_hub_id_loads_from_the_hugging_face_cache(capsys, model, tmp_path, monkeypatch):
     """--model org/name (and LLM("org/name")) reads the snapshot that huggingface-cli and
     transformers left in the cache (refs/main's), as vLLM does offline; an id not cached

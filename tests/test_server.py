@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -705,6 +706,16 @@ def test_seed_minus_one_is_no_seed():
     assert parse_completion({"prompt": "x", "seed": 7}, "m", encode, 64).params.seed == 7
 
 
+def test_a_range_error_shows_its_bounds_as_written():
+    """'[1e-30, 1e+30]', not the float 1 / 1e30 printed as 9.999999999999999e-31."""
+    from treeflash.server.protocol import APIError, parse_completion
+    encode = lambda prompt, special=True, truncate=None: [5, 6]
+    for body, bounds in (({"repetition_penalty": -1}, "in [1e-30, 1e+30], got -1"),
+                         ({"temperature": 3}, "in [0, 2], got 3"), ({"top_p": 0}, "in (0, 1], got 0")):
+        with pytest.raises(APIError, match=re.escape(bounds)):
+            parse_completion({"prompt": "x", **body}, "m", encode, 64)
+
+
 def test_add_special_tokens_reaches_the_tokenizer(chat_model):
     """vLLM's add_special_tokens: a completion's text gets the tokenizer's special tokens
     (BOS) unless it says false; a chat prompt only if it says true (its template writes
@@ -748,6 +759,7 @@ def test_routes_and_errors_outside_the_api(client, llm, chat_model):
     assert client.get("/version").json() == {"version": __version__}  # vLLM's probe
     models = client.get("/v1/models").json()["data"]
     assert [m["id"] for m in models] == ["tiny"] and models[0]["max_model_len"] == llm.max_model_len
+    assert 0 < time.time() - models[0]["created"] < 3600  # when the server took the model, as vLLM's
     r = client.get("/v1/nope")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = client.get("/v1/completions")
@@ -1411,6 +1423,8 @@ def test_truncate_prompt_tokens(client, llm):
     for k in (0, -2, "9"):
         r = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": k})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+    r = client.post("/v1/completions", json={**body, "prompt": ids[:5], "truncate_prompt_tokens": llm.max_model_len})
+    assert r.status_code == 400 and "does not fit the context limit" in r.json()["error"]["message"], r.text
 
 
 def test_treeflash_serve_with_chat_parsers(chat_model):

@@ -167,9 +167,19 @@ def model_sampling_defaults(args) -> dict:
         applied = {k: v for k, v in applied.items() if k not in ("top_k", "top_p", "min_p")}  # greedy: moot
     if applied:
         told = ", ".join(f"{k} {v}" for k, v in applied.items())
-        print(f"treeflash: note: {told} from the model's generation_config.json (--generation-config none for "
-              f"greedy)", file=sys.stderr)
+        print(f"treeflash: note: {told} from the model's generation_config.json (--generation-config none "
+              f"leaves them out)", file=sys.stderr)
     return got
+
+
+def note_moot_sampling(args, params) -> None:
+    """A note when sampling options were given but decoding is greedy (temperature 0, the
+    default where the model sets none): vLLM's default temperature is 1, so its users
+    may expect --top-p or --seed alone to sample."""
+    given = [f"--{k.replace('_', '-')}" for k in ("top_k", "top_p", "min_p", "seed") if getattr(args, k) is not None]
+    if params.temperature == 0 and given:
+        print(f"treeflash: note: {', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect at "
+              f"temperature 0 (greedy decoding): give --temperature to sample", file=sys.stderr)
 
 
 def structured_from(args):
@@ -234,6 +244,7 @@ def cmd_generate(args) -> int:
     from treeflash.tokenizer import TextStream
     prompts = read_prompts(args)
     params = sampling_from(args, model_sampling_defaults(args))
+    note_moot_sampling(args, params)
     if params.logprobs is not None and not args.json:
         raise UsageError("--logprobs needs --json (they are printed with the tokens)")
     if args.max_batch < 1:

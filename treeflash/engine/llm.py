@@ -450,6 +450,9 @@ class LLM:
         tokenizer a minute, and a server's other requests wait for it)."""
         if (why := truncation_error(truncate)) is not None:
             raise UsageError(f"truncate {why}")
+        if truncate is not None and truncate >= self.max_model_len:  # vLLM refuses it as well
+            raise UsageError(f"truncate_prompt_tokens {truncate} does not fit the context limit of "
+                             f"{self.max_model_len} tokens (at most {self.max_model_len - 1}; -1: as many as fit)")
         if isinstance(prompt, str) and truncate is None:
             most = self.tokenizer.longest_token_bytes
             if len(prompt) > 2 * self.max_model_len * most:  # > 2 x max_model_len tokens (normalizers may merge a few)

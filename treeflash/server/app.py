@@ -331,6 +331,7 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
     tool_parser, reasoning_parser = chat_parsers(tool_parser, reasoning_parser)
     state = {}
     served = (model_name, *aliases)
+    created = int(time.time())  # the model cards' time, as vLLM's: when the server took the model
     checking: dict[asyncio.Task, asyncio.AbstractEventLoop] = {}  # requests being read and checked: drain ends them
 
     def worker() -> EngineWorker:
@@ -457,7 +458,7 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
                                                             tool_parser, reasoning_parser))
 
     def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": 0, "owned_by": "treeflash",
+        return {"id": name, "object": "model", "created": created, "owned_by": "treeflash",
                 "max_model_len": llm.max_model_len}
 
     async def models(request: HTTPRequest):

@@ -159,6 +159,7 @@ def _number(body: dict, key: str, default, kind, lo=None, hi=None, lo_open=False
         what = "an integer" if kind is int else "a finite number"
         raise APIError(f"'{key}' must be {what}, got {shown(value)}", param=key)
     if (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi):
+        lo, hi = (f"{b:.6g}" if isinstance(b, float) else b for b in (lo, hi))  # 1e-30, not 9.999999999999999e-31
         bounds = f"{'>' if lo_open else '>='} {lo}" if hi is None else f"in {'(' if lo_open else '['}{lo}, {hi}]"
         raise APIError(f"'{key}' must be {bounds}, got {shown(value)}", param=key)
     return value
