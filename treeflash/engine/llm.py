@@ -171,7 +171,7 @@ def tree_budget(method: str, budget: int | None, max_budget: int, device: torch.
             raise UsageError(f"a tree budget applies to method ddtree only (method is {method})")
         return None
     if budget is None:
-        budget = min(DEFAULT_BUDGETS.get(device.type, DEFAULT_BUDGETS["cpu"]), max_budget)
+        budget = min(DEFAULT_BUDGETS[device.type], max_budget)
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise UsageError(f"ddtree budget must be an integer >= 1, got {budget!r}")
     if budget > max_budget:
