@@ -254,7 +254,44 @@ def test_training_forward_matches_cached_drafter(target, tmp_path):
                 torch.testing.assert_close(dense[b, j], cached[0], atol=1e-4, rtol=1e-4)
 
 
-def test_drafter_on_generated_continuations(target, data_dir, tmp_path):
+def test_an_export_replaces_only_its_own_runs(target, data_dir, tmp_path, capsys):
+    """An export into a folder that holds something else (another model) is refused before
+    training, not written over; a resumed run re-exports into its own folder; a tokenizer
+    or a corpus is not written into a model's folder; a target without tokenizer.json
+    cannot be checked against the corpus, so a drafter is not trained for it."""
+    base, _ = target
+    model = base / "model"
+    victim = shutil.copytree(model, tmp_path / "victim")
+    files = {f.name: f.read_bytes() for f in victim.iterdir()}
+    opts = TrainOptions(max_steps=2, **OPTS)
+    with pytest.raises(UsageError, match=r"output folder .*victim is not empty \(config.json, "):
+        train_drafter(model, data_dir, tmp_path / "d", victim, DrafterShape(block_size=4), opts, tau_prompts=0)
+    with pytest.raises(UsageError, match="is not empty"):
+        train_target(data_dir, tmp_path / "t", victim, TINY, opts)
+    assert {f.name: f.read_bytes() for f in victim.iterdir()} == files
+    assert not (tmp_path / "d" / "state.pt").exists() and not (tmp_path / "t" / "state.pt").exists()
+    out = tmp_path / "drafter"
+    train_drafter(model, data_dir, tmp_path / "d", out, DrafterShape(block_size=4), opts, tau_prompts=0)
+    more = train_drafter(model, data_dir, tmp_path / "d", opts=TrainOptions(max_steps=3), resume=True, tau_prompts=0)
+    assert more["steps"] == 3 and json.loads((out / "config.json").read_text())["block_size"] == 4
+    other = tmp_path / "data2"  # the same tokenizer, other text: the run's stream of batches would change
+    write_corpus(data_dir, other, [_corpus_files(tmp_path / "src2", 12)], heldout_fraction=0.25)
+    with pytest.raises(UsageError, match="is not the one this run trained on"):
+        train_drafter(model, other, tmp_path / "d", opts=TrainOptions(max_steps=4), resume=True, tau_prompts=0)
+    with pytest.raises(UsageError, match="is not empty"):  # a fresh run may not replace another run's export
+        train_drafter(model, data_dir, tmp_path / "d2", out, DrafterShape(block_size=4), opts, tau_prompts=0)
+    for argv in (["tokenizer", "--roots", str(tmp_path), "--out", str(victim)],
+                 ["corpus", "--tokenizer", str(data_dir), "--roots", str(tmp_path), "--out", str(victim)]):
+        assert cli_main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "holds a model (config.json or weights)" in err and "\n" not in err, err
+    assert {f.name: f.read_bytes() for f in victim.iterdir()} == files
+    (victim / "tokenizer.json").unlink()
+    with pytest.raises(UsageError, match="has no tokenizer.json: the corpus's tokenizer cannot be checked"):
+        train_drafter(victim, data_dir, tmp_path / "d3", None, DrafterShape(block_size=4), opts, tau_prompts=0)
+
+
+def test_drafter_on_generated_continuations(target, data_dir, tmp_path, capsys):
     base, _ = target
     meta = generate_continuations(base / "model", data_dir, tmp_path / "gen", num_prompts=6, prompt_len=8,
                                   new_tokens=24, batch_size=4, device="cpu", heldout_prompts=3)
@@ -274,6 +311,8 @@ def test_drafter_on_generated_continuations(target, data_dir, tmp_path):
                             tau_prompts=0)
     assert summary["steps"] == 5 and np.isfinite(summary["eval_loss"])
     assert summary["heldout_text"] == "generated"  # selected on the text it learns, not the corpus
+    assert f"note: --seq-len sets the corpus windows' length; the rows of {meta['path']} are 32 tokens" \
+        in capsys.readouterr().err  # OPTS gives a seq_len
     # resumed, it keeps training on them: from the run's path, or from where the file moved
     more = train_drafter(base / "model", data_dir, tmp_path / "run", opts=TrainOptions(max_steps=6), resume=True)
     assert more["steps"] == 6 and more["data"] == str(meta["path"]) and more["heldout_text"] == "generated"
@@ -281,6 +320,12 @@ def test_drafter_on_generated_continuations(target, data_dir, tmp_path):
     more = train_drafter(base / "model", data_dir, tmp_path / "run", opts=TrainOptions(max_steps=7), resume=True,
                          generated=moved)
     assert more["steps"] == 7 and more["data"] == str(moved)
+    # but not other continuations: the run's training text would change under it
+    other_gen = generate_continuations(base / "model", data_dir, tmp_path / "gen2", num_prompts=4, prompt_len=8,
+                                       new_tokens=12, device="cpu", heldout_prompts=0)
+    with pytest.raises(UsageError, match="is not the file of generated sequences this run trained on"):
+        train_drafter(base / "model", data_dir, tmp_path / "run", opts=TrainOptions(max_steps=8), resume=True,
+                      generated=other_gen["path"])
     with pytest.raises(UsageError, match="heldout_prompts must be >= 0"):
         generate_continuations(base / "model", data_dir, tmp_path / "bad", num_prompts=2, heldout_prompts=-1)
     # damaged files: refused before training, not an internal error (or a silent run) after it

@@ -96,11 +96,12 @@ def _records_tokenizer(corpus_json: Path) -> bool:
 def run_tokenizer(args) -> int:
     from tokenizers import Tokenizer
 
-    from treeflash.train.common import check_out_dir
+    from treeflash.train.common import check_out_dir, refuse_model_folder
     from treeflash.train.corpus import check_out_outside_roots, collect
     from treeflash.train.tokenizer import check_vocab_size, train_tokenizer
     check_vocab_size(args.vocab_size)
     check_out_dir(args.out)
+    refuse_model_folder(args.out, "a new tokenizer.json")
     check_out_outside_roots(args.out, args.roots, tuple(args.suffixes))
     existing = Path(args.out) / "corpus.json"
     if existing.exists() and not _records_tokenizer(existing):

@@ -237,6 +237,29 @@ def check_out_dir(path: str | Path | None, keep: dict[str, str | Path] | None = 
             return
 
 
+def check_export_dir(out: Path, run: "RunDir") -> None:
+    """An export replaces only this run's own earlier export (its --out, or RUN/model): a
+    folder that holds anything else, another model say, is refused rather than overwritten."""
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not held:
+        return
+    if run.resume:
+        earlier = run.saved_options.get("out")
+        if (Path(earlier) if earlier else run.path / "model").resolve() == out.resolve():
+            return
+    raise UsageError(f"output folder {out} is not empty ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
+                     f"an export would replace its files; choose a new or empty folder, or remove it")
+
+
+def refuse_model_folder(out: str | Path, what: str) -> None:
+    """`what` (a tokenizer, a corpus) written into a model's folder would silently no longer
+    match its weights: refused."""
+    out = Path(out)
+    if out.is_dir() and ((out / "config.json").exists() or any(out.glob("*.safetensors"))):
+        raise UsageError(f"output folder {out} holds a model (config.json or weights): {what} written there "
+                         f"would no longer match it; choose another folder")
+
+
 def check_shard_mb(value) -> None:
     """The export's shard size, checked before training rather than at the export."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
@@ -449,8 +472,9 @@ class Trainer:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optim"])
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
-            raise TreeflashError(f"training state in {self.run.path} does not fit this model: "
-                                 f"{str(e).splitlines()[0]}") from None
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()] or ["?"]
+            why = lines[1] if len(lines) > 1 and lines[0].endswith(":") else lines[0]  # torch's heading, then what
+            raise TreeflashError(f"training state in {self.run.path} does not fit this model: {why}") from None
         try:
             self.gen.set_state(state["gen"])
             torch.set_rng_state(state["torch_rng"])

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from treeflash.errors import TreeflashError, UsageError
-from treeflash.train.common import Progress, check_out_dir, to_device, within
+from treeflash.train.common import Progress, check_out_dir, refuse_model_folder, to_device, within
 
 HELDOUT_FRACTION = 0.02
 MAX_FILE_BYTES = 512 * 1024    # larger .py files are mostly generated tables
@@ -219,6 +219,7 @@ def write_corpus(tokenizer_dir: str | Path, out_dir: str | Path, roots: list[str
     (train.npy / heldout.npy, or .npz when `compress`; corpus.json; the tokenizer files)."""
     from treeflash.tokenizer import Tokenizer
     check_out_dir(out_dir)
+    refuse_model_folder(out_dir, "a corpus (its ids and tokenizer files)")
     check_out_outside_roots(out_dir, roots, suffixes)
     tok = Tokenizer(tokenizer_dir)
     if not tok.eos_token_ids:
@@ -259,6 +260,15 @@ def tokenizer_hash(folder: Path) -> str:
     return hashlib.sha256((Path(folder) / "tokenizer.json").read_bytes()).hexdigest()[:16]
 
 
+def file_hash(path: str | Path) -> str:
+    """A hash of a file's bytes (a resumed run checks that its training file is the same)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
 @dataclass
 class TokenData:
     """A tokenized corpus folder, as written by `write_corpus`."""
@@ -267,6 +277,11 @@ class TokenData:
     meta: dict
     train: np.ndarray
     heldout: np.ndarray
+
+    @property
+    def sizes(self) -> str:
+        """Its splits' token counts: a resumed run refuses a corpus re-made from other text."""
+        return f"{self.train.size}+{self.heldout.size}"
 
 
 # What reading a damaged or foreign .npy / .npz raises (EOFError: an empty file)

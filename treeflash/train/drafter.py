@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,10 +35,11 @@ from treeflash.models.loader import build_on, check_sizes, load_weights, stored_
 from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
 from treeflash.train.common import (DEFAULT_OPTIONS, MiB, Progress, RunDir, TrainOptions, Trainer, abs_path,
-                                    check_logits_fit, check_out_dir, check_shard_mb, check_trainable, hf_tensors,
-                                    init_weights, save_safetensors, to_device, within,
+                                    check_export_dir, check_logits_fit, check_out_dir, check_shard_mb,
+                                    check_trainable, hf_tensors, init_weights, save_safetensors, to_device, within,
                                     write_summary)
-from treeflash.train.corpus import NPY_ERRORS, TokenWindows, fixed_windows, load_corpus, npy_error, tokenizer_hash
+from treeflash.train.corpus import (NPY_ERRORS, TokenWindows, file_hash, fixed_windows, load_corpus, npy_error,
+                                    tokenizer_hash)
 from treeflash.train.target import causal_inputs
 from treeflash.train.tokenizer import MASK
 
@@ -358,7 +360,10 @@ def _require_same_tokenizer(data, target_dir: str | Path) -> None:
     """The corpus keeps the tokenizer it was made with: another one than the target's
     would train on token ids that mean other text to it."""
     mine, theirs = Path(data.path) / "tokenizer.json", Path(target_dir) / "tokenizer.json"
-    if mine.exists() and theirs.exists() and not Tokenizer(data.path).same_vocabulary(Tokenizer(target_dir)):
+    if not theirs.exists():
+        raise UsageError(f"the target in {target_dir} has no tokenizer.json: the corpus's tokenizer cannot be "
+                         f"checked against it (copy the target's tokenizer.json there)")
+    if mine.exists() and not Tokenizer(data.path).same_vocabulary(Tokenizer(target_dir)):
         raise UsageError(f"the corpus in {data.path} was tokenized with another tokenizer than the target's "
                          f"in {target_dir}: re-tokenize it with the target's (treeflash train corpus)")
 
@@ -378,6 +383,7 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
     _require_target(target_dir)
     tcfg = ModelConfig.from_pretrained(target_dir)
     run = RunDir(run_dir, resume, "drafter")
+    seq_len_given = opts is not None and opts.seq_len is not None
     if generated is not None and "generated" in run.saved_options and run.saved_options["generated"] is None:
         raise UsageError("--resume: this run trains on the corpus; --generated would change its training text")
     o = run.settle_options({**asdict(opts or TrainOptions()), "generated": abs_path(generated), "gamma": gamma,
@@ -397,6 +403,7 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
         raise UsageError(f"need --gamma > 0 and --blocks-per-seq >= 1, got {gamma}, {blocks_per_seq}")
     out = Path(o["out"]) if o["out"] is not None else run.path / "model"
     check_out_dir(out, {"target": target_dir, "data": data_dir}, run.path)
+    check_export_dir(out, run)
     signature = {"target_layers": tcfg.num_layers, "target_hidden": tcfg.hidden_size,
                  "target_vocab": tcfg.vocab_size}
     spec = run.settle_spec({**asdict(shape or DrafterShape()), **signature}, DRAFTER_SHAPE)
@@ -420,7 +427,12 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
                                 f"run trained against (its config.json, tokenizer.json or weights differ)"),
              "corpus_tokenizer": run.bind("corpus_tokenizer", tokenizer_hash(data.path),
                                           f"the corpus in {data_dir} was made with another tokenizer than the "
-                                          f"run's (tokenizer.json differs)")}
+                                          f"run's (tokenizer.json differs)"),
+             "corpus_tokens": run.bind("corpus_tokens", data.sizes, f"the corpus in {data_dir} is not the one this "
+                                       f"run trained on (its token counts differ)")}
+    if generated is not None:  # its rows are the training text: the same file (wherever it now is)
+        bound["generated_sha256"] = run.bind("generated_sha256", file_hash(generated), f"{generated} is not the "
+                                             f"file of generated sequences this run trained on (its bytes differ)")
     if int(data.meta["vocab_size"]) > tcfg.vocab_size:
         raise UsageError(f"the corpus in {data_dir} was tokenized with a vocabulary of {data.meta['vocab_size']}, "
                          f"larger than the target's {tcfg.vocab_size}: use the target's tokenizer")
@@ -430,7 +442,8 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
     if shape.mask_token_id is None:
         shape.mask_token_id = Tokenizer(target_dir).tok.token_to_id(MASK)
         if shape.mask_token_id is None:
-            raise UsageError(f"the target's tokenizer has no {MASK} token: give the drafter's mask token id")
+            raise UsageError(f"the target's tokenizer has no {MASK} token: give the drafter's mask token id "
+                             f"(--mask-token-id)")
     config = drafter_config(shape, tcfg, o["dtype"] or target_dtype(tcfg, target_dir) or "bfloat16")
     if config["torch_dtype"] not in ("bfloat16", "float16", "float32"):
         raise UsageError(f"export dtype must be bfloat16, float16 or float32, got {config['torch_dtype']!r}")
@@ -440,6 +453,10 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
                      f"--batch-size {opts.batch_size} x --blocks-per-seq {blocks_per_seq} x block size {b}")
     source = GeneratedRows(generated, device, target_dir) if generated else TokenWindows(data.train, opts.seq_len, device)
     lo = source.lo if generated else 1  # a corpus window's first anchor needs one position of context
+    if generated and seq_len_given:
+        print(f"treeflash: note: --seq-len sets the corpus windows' length; the rows of {generated} are "
+              f"{source.length} tokens (held-out corpus windows, where the file has no held-out rows, keep it)",
+              file=sys.stderr)
     if source.length - b < lo:
         raise UsageError(f"training sequences of {source.length} tokens are too short for blocks of {b}")
     if generated and source.heldout is not None:  # evaluate on what it learns: the target's own text

@@ -25,8 +25,8 @@ from treeflash.models.loader import build_on
 from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
 from treeflash.train.common import (DEFAULT_OPTIONS, MiB, RunDir, TrainOptions, Trainer, abs_path,
-                                    check_logits_fit, check_out_dir, check_shard_mb, check_trainable, hf_tensors,
-                                    init_weights, save_safetensors, write_summary)
+                                    check_export_dir, check_logits_fit, check_out_dir, check_shard_mb,
+                                    check_trainable, hf_tensors, init_weights, save_safetensors, write_summary)
 from treeflash.train.corpus import TOKENIZER_FILES, TokenWindows, fixed_windows, load_corpus, tokenizer_hash
 from treeflash.train.tokenizer import PAD
 
@@ -154,6 +154,7 @@ def train_target(data_dir: str | Path, run_dir: str | Path, out_dir: str | Path 
         raise UsageError(f"export dtype must be bfloat16, float16 or float32, got {dtype!r}")
     out = Path(o["out"]) if o["out"] is not None else run.path / "model"
     check_out_dir(out, {"data": data_dir}, run.path)
+    check_export_dir(out, run)
     data = load_corpus(data_dir)
     vocab = int(data.meta["vocab_size"])
     # before the shape: another tokenizer's corpus would first differ in vocab_size, not a flag
@@ -162,6 +163,8 @@ def train_target(data_dir: str | Path, run_dir: str | Path, out_dir: str | Path 
                          f"(tokenizer.json differs)")
     spec = run.settle_spec({**asdict(shape or TargetShape()), "vocab_size": vocab}, TARGET_SHAPE)
     spec["corpus_tokenizer"] = tokenizer
+    spec["corpus_tokens"] = run.bind("corpus_tokens", data.sizes, f"the corpus in {data_dir} is not the one this "
+                                     f"run trained on (its token counts differ)")
     shape = TargetShape(**{k: v for k, v in spec.items() if k in TargetShape.__dataclass_fields__}).check()
     pad = Tokenizer(data.path).tok.token_to_id(PAD)
     config = hf_config(shape, vocab, opts.seq_len, int(data.meta["eos_token_id"]), pad, dtype)
