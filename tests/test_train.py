@@ -254,7 +254,7 @@ def test_training_forward_matches_cached_drafter(target, tmp_path):
                 torch.testing.assert_close(dense[b, j], cached[0], atol=1e-4, rtol=1e-4)
 
 
-def test_an_export_replaces_only_its_own_runs(target, data_dir, tmp_path, capsys):
+def test_an_export_replaces_only_its_own_runs(target, data_dir, tmp_path, capsys, monkeypatch):
     """An export into a folder that holds something else (another model) is refused before
     training, not written over; a resumed run re-exports into its own folder; a tokenizer
     or a corpus is not written into a model's folder; a target without tokenizer.json
@@ -274,6 +274,16 @@ def test_an_export_replaces_only_its_own_runs(target, data_dir, tmp_path, capsys
     train_drafter(model, data_dir, tmp_path / "d", out, DrafterShape(block_size=4), opts, tau_prompts=0)
     more = train_drafter(model, data_dir, tmp_path / "d", opts=TrainOptions(max_steps=3), resume=True, tau_prompts=0)
     assert more["steps"] == 3 and json.loads((out / "config.json").read_text())["block_size"] == 4
+    exported = {f.name: f.read_bytes() for f in out.iterdir()}
+
+    def interrupted(*args, **kwargs):  # Ctrl-C while the next export writes its weights
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr("treeflash.train.common.save_file", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            train_drafter(model, data_dir, tmp_path / "d", opts=TrainOptions(max_steps=4), resume=True, tau_prompts=0)
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == exported  # the earlier export, whole
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # nothing half-written
     other = tmp_path / "data2"  # the same tokenizer, other text: the run's stream of batches would change
     write_corpus(data_dir, other, [_corpus_files(tmp_path / "src2", 12)], heldout_fraction=0.25)
     with pytest.raises(UsageError, match="is not the one this run trained on"):

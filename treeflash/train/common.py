@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -226,15 +227,14 @@ def check_out_dir(path: str | Path | None, keep: dict[str, str | Path] | None = 
         where = "is" if Path(run).resolve() == out else "holds"
         raise UsageError(f"output folder {path} {where} the run folder {run}: choose another --out "
                          f"(default: RUN/model)")
-    for p in [out, *out.parents]:
-        if p.exists():
-            if not p.is_dir():
-                raise UsageError(f"output folder {path}: {p} exists and is not a folder")
-            try:  # a real write: os.access can be wrong (network mounts, root squashing, ACLs)
-                tempfile.TemporaryFile(dir=p).close()
-            except OSError as e:
-                raise UsageError(f"output folder {path}: cannot write in {p} ({e.strerror or e})") from None
-            return
+    # the folder itself where it exists, and where it is made (an export is written beside it)
+    for p in ([out] if out.exists() else []) + [next((p for p in out.parents if p.exists()), out)]:
+        if not p.is_dir():
+            raise UsageError(f"output folder {path}: {p} exists and is not a folder")
+        try:  # a real write: os.access can be wrong (network mounts, root squashing, ACLs)
+            tempfile.TemporaryFile(dir=p).close()
+        except OSError as e:
+            raise UsageError(f"output folder {path}: cannot write in {p} ({e.strerror or e})") from None
 
 
 def check_export_dir(out: Path, run: "RunDir") -> None:
@@ -624,6 +624,25 @@ def hf_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
         else:
             out[name] = p.detach()
     return out
+
+
+@contextlib.contextmanager
+def exporting(out: Path):
+    """A folder to write an export into, which takes `out`'s place only once complete: an
+    interrupted export leaves the earlier one whole (never weights without config.json, or
+    shards of two exports)."""
+    tmp = out.parent / f".{out.name}.export-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a process of this id that died exporting
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        old = out.parent / f".{out.name}.replaced-{os.getpid()}"
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], folder: Path, dtype: torch.dtype,

@@ -36,8 +36,8 @@ from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
 from treeflash.train.common import (DEFAULT_OPTIONS, MiB, Progress, RunDir, TrainOptions, Trainer, abs_path,
                                     check_export_dir, check_logits_fit, check_out_dir, check_shard_mb,
-                                    check_trainable, hf_tensors, init_weights, save_safetensors, to_device, within,
-                                    write_summary)
+                                    check_trainable, exporting, hf_tensors, init_weights, save_safetensors, to_device,
+                                    within, write_summary)
 from treeflash.train.corpus import (NPY_ERRORS, TokenWindows, file_hash, fixed_windows, load_corpus, npy_error,
                                     tokenizer_hash)
 from treeflash.train.target import causal_inputs
@@ -486,9 +486,9 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
     trainer = Trainer("drafter", run, drafter, opts, device)
     final = trainer.fit(batch_loss, lambda: evaluate_drafter(target, drafter, held, blocks_per_seq,
                                                              opts.batch_size, weights, device, held_lo))
-    out.mkdir(parents=True, exist_ok=True)
-    save_safetensors(hf_tensors(drafter), out, DTYPES[config["torch_dtype"]], int(o["max_shard_mb"] * MiB))
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    with exporting(out) as folder:
+        save_safetensors(hf_tensors(drafter), folder, DTYPES[config["torch_dtype"]], int(o["max_shard_mb"] * MiB))
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
     summary = {"kind": "drafter", "steps": trainer.step, "minutes": round(trainer.elapsed / 60, 2),
                "parameters": n_params, "data": str(generated) if generated else "corpus",
                "heldout_text": held_text, **final,

@@ -26,7 +26,8 @@ from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
 from treeflash.train.common import (DEFAULT_OPTIONS, MiB, RunDir, TrainOptions, Trainer, abs_path,
                                     check_export_dir, check_logits_fit, check_out_dir, check_shard_mb,
-                                    check_trainable, hf_tensors, init_weights, save_safetensors, write_summary)
+                                    check_trainable, exporting, hf_tensors, init_weights, save_safetensors,
+                                    write_summary)
 from treeflash.train.corpus import TOKENIZER_FILES, TokenWindows, fixed_windows, load_corpus, tokenizer_hash
 from treeflash.train.tokenizer import PAD
 
@@ -126,15 +127,15 @@ def export_target(model: CausalLM, config: dict, tokenizer_dir: Path, out_dir: s
                   max_shard_bytes: int = 16 * MiB) -> Path:
     """Write the HF checkpoint folder (weights in config['torch_dtype'])."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_safetensors(hf_tensors(model), out, DTYPES[config["torch_dtype"]], max_shard_bytes)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-           "pad_token_id": config["pad_token_id"], "do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).exists():
-            shutil.copy(tokenizer_dir / name, out / name)
+    with exporting(out) as folder:
+        save_safetensors(hf_tensors(model), folder, DTYPES[config["torch_dtype"]], max_shard_bytes)
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+        gen = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+               "pad_token_id": config["pad_token_id"], "do_sample": False}
+        (folder / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        for name in TOKENIZER_FILES:
+            if (tokenizer_dir / name).exists():
+                shutil.copy(tokenizer_dir / name, folder / name)
     return out
 
 
