@@ -2,7 +2,9 @@
 with (run.json), compares only the flags actually given, refuses a changed run option,
 and its log holds every step once (CPU, tiny shapes, a few seconds)."""
 import json
+import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -82,6 +84,33 @@ def test_resume_restores_the_runs_options_and_log(data_dir, tmp_path, capsys, mo
                             "--batch-size", "8"])
     assert "batch_size = 8 differs from the run's 4" in err
     assert json.loads((b / "summary.json").read_text())["steps"] == 12
+
+
+def test_ctrl_c_keeps_the_step_it_interrupts(data_dir, tmp_path, capsys, monkeypatch):
+    """Ctrl-C (SIGINT) while training stops where its step ends and saves that step:
+    nothing trained is lost (saves fall every 5 steps here), and the resumed run gives the
+    uninterrupted run's log and weights."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["target", "--data", str(data_dir), *SHAPE, *RUN, "--max-steps", "12"]
+    assert cli_main(common + ["--run", str(a), "--out", str(tmp_path / "a_out")]) == 0
+    lr = Trainer.lr
+
+    def ctrl_c_in_step_8(self):
+        if self.step == 7:  # the 8th step is under way
+            os.kill(os.getpid(), signal.SIGINT)
+        return lr(self)
+
+    monkeypatch.setattr(Trainer, "lr", ctrl_c_in_step_8)
+    capsys.readouterr()
+    assert cli_main(common + ["--run", str(b), "--out", str(tmp_path / "b_out")]) == 130
+    monkeypatch.undo()
+    assert "the state of step 8 is saved" in capsys.readouterr().out
+    assert torch.load(b / "state.pt", weights_only=False)["step"] == 8 and not (tmp_path / "b_out").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert cli_main(["target", "--data", str(data_dir), "--run", str(b), "--resume"]) == 0
+    assert _log(b) == _log(a)
+    full, resumed = _tensors(tmp_path / "a_out"), _tensors(tmp_path / "b_out")
+    assert full.keys() == resumed.keys() and all(torch.equal(full[k], resumed[k]) for k in full)
 
 
 def test_resume_compares_only_the_given_shape_flags(data_dir, tmp_path, capsys):

@@ -14,8 +14,10 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -554,40 +556,47 @@ class Trainer:
         start = time.perf_counter() - self.elapsed
         loss_sum = torch.zeros((), device=self.device)
         n, tokens, t_log = 0, 0, time.perf_counter()
-        while self.progress() < 1.0:
-            lr = self.lr()
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            with autocast(self.device):
-                loss, ntok = batch_loss(self.gen)
-            loss.backward()
-            if o.grad_clip:
-                nn.utils.clip_grad_norm_(self.model.parameters(), o.grad_clip)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.step += 1
-            self.elapsed = time.perf_counter() - start
-            loss_sum += loss.detach().float()
-            n, tokens = n + 1, tokens + ntok
-            bar.step()
-            last = self.progress() >= 1.0
-            if self.step % o.log_every == 0 or last:
-                mean = (loss_sum / n).item()
-                if not math.isfinite(mean):
-                    raise TreeflashError(f"{self.name}: loss became {mean} at step {self.step}; "
-                                         f"try a lower learning rate")
-                now = time.perf_counter()
-                self._record({"loss": round(mean, 5), "lr": float(f"{lr:.4g}"),
-                              "tok_per_s": round(tokens / max(now - t_log, 1e-9))}, bar)
-                loss_sum.zero_()
-                n, tokens, t_log = 0, 0, now
-            if self.step % o.eval_every == 0 and not last:
-                self._evaluate(evaluate, bar)
-                self._plot()
-                t_log = time.perf_counter()
-            if self.step % o.save_every == 0 and not last:
-                self._save()
-            self.elapsed = time.perf_counter() - start
+        with interrupt_at_step_end() as interrupted:
+            while self.progress() < 1.0:
+                lr = self.lr()
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                with autocast(self.device):
+                    loss, ntok = batch_loss(self.gen)
+                loss.backward()
+                if o.grad_clip:
+                    nn.utils.clip_grad_norm_(self.model.parameters(), o.grad_clip)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.step += 1
+                self.elapsed = time.perf_counter() - start
+                loss_sum += loss.detach().float()
+                n, tokens = n + 1, tokens + ntok
+                bar.step()
+                last = self.progress() >= 1.0
+                if self.step % o.log_every == 0 or last:
+                    mean = (loss_sum / n).item()
+                    if not math.isfinite(mean):
+                        raise TreeflashError(f"{self.name}: loss became {mean} at step {self.step}; "
+                                             f"try a lower learning rate")
+                    now = time.perf_counter()
+                    self._record({"loss": round(mean, 5), "lr": float(f"{lr:.4g}"),
+                                  "tok_per_s": round(tokens / max(now - t_log, 1e-9))}, bar)
+                    loss_sum.zero_()
+                    n, tokens, t_log = 0, 0, now
+                if self.step % o.eval_every == 0 and not last:
+                    self._evaluate(evaluate, bar)
+                    self._plot()
+                    t_log = time.perf_counter()
+                if self.step % o.save_every == 0 and not last:
+                    self._save()
+                self.elapsed = time.perf_counter() - start
+                if interrupted():  # Ctrl-C: keep this step, then stop
+                    self._save()
+                    bar.write(f"interrupted: the state of step {self.step} is saved in {self.run.path} "
+                              f"(--resume goes on from it)")
+                    bar.close()
+                    raise KeyboardInterrupt
         final = self.history[-1] if self.history else {}
         if "eval_loss" not in final or final["step"] != self.step or self.best is None:
             final = self._evaluate(evaluate, bar)  # else a finished run, resumed: its last evaluation stands
@@ -624,6 +633,29 @@ def hf_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
         else:
             out[name] = p.detach()
     return out
+
+
+@contextlib.contextmanager
+def interrupt_at_step_end():
+    """Ctrl-C while training is taken where the step it arrives in ends (`Trainer` saves
+    that step there: nothing trained is lost, and a resume stays exact); a second Ctrl-C
+    interrupts at once. Only in the main thread (where Python runs signal handlers), and
+    not where SIGINT is ignored."""
+    asked: list[bool] = []
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield lambda: False
+        return
+
+    def ask(signum, frame):
+        if asked:
+            raise KeyboardInterrupt
+        asked.append(True)
+    signal.signal(signal.SIGINT, ask)
+    try:
+        yield lambda: bool(asked)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @contextlib.contextmanager
