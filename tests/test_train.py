@@ -590,6 +590,16 @@ def test_corpora_and_runs_stay_tied_to_their_tokenizer_and_target(target, data_d
 
 def test_more_bad_training_input_is_one_line(data_dir, target, tmp_path, capsys):
     base, _ = target
+    # a drafter shape its target cannot feed is a usage error, refused before the run folder is written
+    for flags, what in ((["--target-layer-ids", "2,2"], "target_layer_ids"),
+                        (["--target-layer-ids", "1,9"], "taps target layers [9]"),
+                        (["--mask-token-id", "99999"], "mask_token_id")):
+        run = tmp_path / f"bad-{len(list(tmp_path.iterdir()))}"
+        assert cli_main(["drafter", "--target", str(base / "model"), "--data", str(data_dir), "--run", str(run),
+                         "--block-size", "4", "--max-steps", "1", "--tau-prompts", "0", *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("treeflash: error: ") and what in err and "\n" not in err, err
+        assert not (run / "run.json").exists()
     src = data_dir.parent / "src"
     # an output inside a corpus root whose suffixes match what is written would be read back
     assert cli_main(["tokenizer", "--out", str(src / "tok"), "--roots", str(src), "--vocab-size", "300",

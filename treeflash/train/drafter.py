@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from treeflash.config import DTYPES, DraftConfig, ModelConfig, default_target_layer_ids
 from treeflash.engine.llm import resolve_device
-from treeflash.errors import UsageError
+from treeflash.errors import TreeflashError, UsageError
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import build_on, check_sizes, load_weights, stored_shapes, weights_dtype
 from treeflash.models.transformer import CausalLM
@@ -105,8 +105,13 @@ def drafter_config(shape: DrafterShape, t: ModelConfig, dtype: str) -> dict:
 def build_drafter(config: dict, target: CausalLM, device: torch.device) -> DFlashDraftModel:
     """A trainable float32 drafter; its final norm starts as the target's, since both feed
     the same LM head."""
-    dcfg = DraftConfig.from_dict(config, "the drafter shape")
-    dcfg.check_fits(target.config)
+    try:  # the shape comes from the flags: a bad one is a usage error, not a damaged checkpoint
+        dcfg = DraftConfig.from_dict(config, "the drafter shape")
+        dcfg.check_fits(target.config)
+    except UsageError:
+        raise
+    except TreeflashError as e:
+        raise UsageError(str(e)) from None
     check_trainable(dcfg.layers, device, "the drafter shape", embeddings=False)
     with build_on(device, torch.float32):
         drafter = DFlashDraftModel(dcfg)
@@ -465,11 +470,10 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
         held, held_lo, held_text = fixed_windows(data.heldout, opts.seq_len, opts.eval_tokens), 1, "corpus"
         if held.shape[1] < b + 2:
             raise UsageError(f"the held-out split ({data.heldout.size} tokens) is too short for blocks of {b}")
-    run.begin({**asdict(shape), **signature, **bound}, o)
-
     torch.manual_seed(opts.seed)
     target = load_frozen_target(target_dir, device)
     drafter = build_drafter(config, target, device)
+    run.begin({**asdict(shape), **signature, **bound}, o)  # once every input was read and checked
     n = min(blocks_per_seq, source.length - b - lo + 1)
     weights = slot_weights(b, gamma, device)
     n_params = sum(p.numel() for p in drafter.parameters())

@@ -174,9 +174,9 @@ def train_target(data_dir: str | Path, run_dir: str | Path, out_dir: str | Path 
                                                                      f"{opts.seq_len}")
     windows = TokenWindows(data.train, opts.seq_len + 1, device)
     held = fixed_windows(data.heldout, opts.seq_len + 1, opts.eval_tokens)
-    run.begin(spec, o)
     torch.manual_seed(opts.seed)
     model = build_target(ModelConfig.from_dict(config, "the target shape"), device)
+    run.begin(spec, o)  # once every input was read and checked
     n_params = sum(p.numel() for p in model.parameters())
     print(f"[target] {n_params:,} parameters, {data.train.size:,} train tokens, "
           f"device {device}", flush=True)
