@@ -669,6 +669,7 @@ def exporting(out: Path):
     try:
         yield tmp
         old = out.parent / f".{out.name}.replaced-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
         if out.exists():
             os.replace(out, old)
         os.replace(tmp, out)
