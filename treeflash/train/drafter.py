@@ -449,6 +449,10 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
         if shape.mask_token_id is None:
             raise UsageError(f"the target's tokenizer has no {MASK} token: give the drafter's mask token id "
                              f"(--mask-token-id)")
+    if shape.mask_token_id in tcfg.eos_token_ids:
+        print(f"treeflash: note: mask token id {shape.mask_token_id} is the target's end of text, which it "
+              f"generates: the drafter cannot tell a masked position from it (give an id the target never "
+              f"produces, e.g. a reserved special token)", file=sys.stderr)
     config = drafter_config(shape, tcfg, o["dtype"] or target_dtype(tcfg, target_dir) or "bfloat16")
     if config["torch_dtype"] not in ("bfloat16", "float16", "float32"):
         raise UsageError(f"export dtype must be bfloat16, float16 or float32, got {config['torch_dtype']!r}")
