@@ -77,6 +77,10 @@ def test_resume_restores_the_runs_options_and_log(data_dir, tmp_path, capsys, mo
     shutil.rmtree(tmp_path / "b_out")
     assert cli_main(["target", "--data", str(data_dir), "--run", str(b), "--resume"]) == 0
     assert _log(b) == _log(a)
+    capsys.readouterr()
+    assert cli_main(["target", "--data", str(data_dir), "--run", str(b), "--resume", "--max-steps", "10"]) == 0
+    assert "note: the run is past --max-steps 10: nothing to train" in capsys.readouterr().out
+    assert _log(b) == _log(a)
     again = _tensors(tmp_path / "b_out")
     assert again.keys() == full.keys() and all(torch.equal(full[k], again[k]) for k in full)
     # a run option given with another value is refused, in one line, before training

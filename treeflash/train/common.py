@@ -552,6 +552,9 @@ class Trainer:
         bar = Progress(self.name, o.max_steps, self.step)
         if self.run.resume:
             bar.write(f"resuming at step {self.step} ({self.elapsed / 60:.2f} min done)")
+            if o.max_steps is not None and self.step > o.max_steps:
+                bar.write(f"note: the run is past --max-steps {o.max_steps}: nothing to train; its weights are "
+                          f"exported again")
         self.model.train()
         start = time.perf_counter() - self.elapsed
         loss_sum = torch.zeros((), device=self.device)
