@@ -108,8 +108,6 @@ def build_drafter(config: dict, target: CausalLM, device: torch.device) -> DFlas
     try:  # the shape comes from the flags: a bad one is a usage error, not a damaged checkpoint
         dcfg = DraftConfig.from_dict(config, "the drafter shape")
         dcfg.check_fits(target.config)
-    except UsageError:
-        raise
     except TreeflashError as e:
         raise UsageError(str(e)) from None
     check_trainable(dcfg.layers, device, "the drafter shape", embeddings=False)
