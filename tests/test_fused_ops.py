@@ -44,17 +44,20 @@ def test_fused_ops_match_torch(dtype, tol):
 @gpu_or_interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [True, False])
-@pytest.mark.parametrize("T", [7, 20])
-def test_rope_into_cache_matches_the_layer_steps(dtype, qk_norm, T):
+@pytest.mark.parametrize("T,D", [(7, 128), (20, 128), (20, 80)])
+def test_rope_into_cache_matches_the_layer_steps(dtype, qk_norm, T, D):
     """One launch = norm_rope(q), norm_rope(k) and the two cache writes at
     prefix_lens + t, bit for bit (decode/verify/draft path); and the k/v-only form the
     drafter's context projection uses. 14 and 40 tokens: one head per program and 8
-    (with a partial last block of heads)."""
+    (with a partial last block of heads). A head size of 80 (not a power of two, as in
+    some published models) runs the kernels with masked lanes: norm_rope is checked
+    against the torch layers there."""
     from treeflash.layers.attention import write_block
-    from treeflash.layers.rotary import RotaryEmbedding
+    from treeflash.layers.norm import RMSNorm
+    from treeflash.layers.rotary import RotaryEmbedding, apply_rotary
     from treeflash.ops.fused import norm_rope, rope_into_cache
     torch.manual_seed(1)
-    B, H, HKV, D, S = 2, 6, 2, 128, 80
+    B, H, HKV, S = 2, 6, 2, 80
     with torch.device(DEV):
         qkv = torch.randn(B, T, (H + 2 * HKV) * D, dtype=dtype)
         qw, kw = (torch.rand(D, dtype=dtype) + 0.5, torch.rand(D, dtype=dtype) + 0.5) if qk_norm else (None, None)
@@ -70,6 +73,12 @@ def test_rope_into_cache_matches_the_layer_steps(dtype, qk_norm, T):
         k_cache, v_cache = torch.full_like(k_ref, 7.0), torch.full_like(v_ref, 7.0)
         out = rope_into_cache(qkv, H, HKV, qw, kw, 1e-6, cos, sin, k_cache, v_cache, prefix)
         assert torch.equal(out, norm_rope(q, qw, 1e-6, cos, sin))
+        with torch.enable_grad():  # the torch layers
+            qn = RMSNorm(D, 1e-6).to(dtype)
+            if qw is not None:
+                qn.weight.data.copy_(qw)
+            want = apply_rotary(qn(q) if qw is not None else q, cos, sin)
+        assert (out.float() - want.float()).abs().max() <= (1e-5 if dtype == torch.float32 else 0.1)
         assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
         k_cache.fill_(7.0), v_cache.fill_(7.0)
         assert rope_into_cache(qkv[..., H * D:].contiguous(), H, HKV, qw, kw, 1e-6, cos, sin,
@@ -224,15 +233,16 @@ def test_cos_sin_matches_the_rotary_layer(dtype, scaling):
     positions up to a million; in the interpreter (numpy's cos) within a float32 rounding."""
     from treeflash.layers.rotary import RotaryEmbedding
     from treeflash.ops.fused import cos_sin
-    rot = RotaryEmbedding(128, 5e5, scaling)
     pos = torch.tensor([[0, 1, 2, 3, 4095, 4096, 131071, 999_999]] * 2) + torch.tensor([[0], [7]])
     pos = pos.to(DEV)
-    ref = rot.cos_sin(pos, dtype)  # grad enabled: the torch layer
-    got = cos_sin(pos, rot.inv_freq.to(DEV), dtype, rot.scale)
-    assert (rot.scale > 1.3) == (scaling is not None and "rope_type" in scaling)
-    for g, r in zip(got, ref):
-        assert g.shape == r.shape == (2, 8, 128) and g.dtype == dtype
-        assert torch.equal(g, r) if CUDA else (g - r).abs().max() <= 1e-6
+    for D in (128, 80):  # 80: not a power of two, masked lanes
+        rot = RotaryEmbedding(D, 5e5, scaling)
+        ref = rot.cos_sin(pos, dtype)  # grad enabled: the torch layer
+        got = cos_sin(pos, rot.inv_freq.to(DEV), dtype, rot.scale)
+        assert (rot.scale > 1.3) == (scaling is not None and "rope_type" in scaling)
+        for g, r in zip(got, ref):
+            assert g.shape == r.shape == (2, 8, D) and g.dtype == dtype
+            assert torch.equal(g, r) if CUDA else (g - r).abs().max() <= 1e-6
 
 
 @gpu_or_interpreter

@@ -58,6 +58,19 @@ def assert_graphed_equals_eager_and_ar(target, drafter, method: str, budget: int
     return llm
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_head_sizes_that_are_not_a_power_of_two(tmp_path, arch):
+    """Head size 80 (as in some published models): the fused RoPE ops run with masked
+    lanes. Graphed DDTree gives the eager and AR tokens, and AR on the GPU the CPU's."""
+    target = write_random_target(tmp_path / "t", arch=arch, hidden_size=256, num_layers=3, num_heads=4,
+                                 num_kv_heads=2, head_dim=80, intermediate_size=512, peaked_tokens=8, std=0.2)
+    drafter = write_random_drafter(target, tmp_path / "d", num_layers=2, block_size=8)
+    llm = assert_graphed_equals_eager_and_ar(target, drafter, "ddtree", 16, PROMPTS, 32)
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    cpu = LLM(target, method="ar", device="cpu", dtype="float32").generate(PROMPTS, params)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [o.token_ids for o in cpu]
+
+
 @pytest.fixture(scope="module")
 def warm_pair(pair, tmp_path_factory):
     """`pair` with its 8 peaked LM-head rows cut from 25x to 5x and the head halved:

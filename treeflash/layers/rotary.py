@@ -18,7 +18,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     factor = float(scaling["factor"])
     low = float(scaling.get("low_freq_factor", 1.0))
     high = float(scaling.get("high_freq_factor", 4.0))
-    old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+    old_ctx = float(scaling["original_max_position_embeddings"])  # config.py fills it in
     low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
     wavelen = 2 * math.pi / inv
     scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
@@ -69,7 +69,7 @@ class RotaryEmbedding(nn.Module):
         """cos, sin of shape [B, T, head_dim] for integer positions [B, T]."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        if fused_enabled(positions) and self.inv_freq.numel() & (self.inv_freq.numel() - 1) == 0:
+        if fused_enabled(positions):
             from treeflash.ops.fused import cos_sin
             return cos_sin(positions, self.inv_freq, dtype, self.scale)
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq

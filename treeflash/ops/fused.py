@@ -73,14 +73,16 @@ def add_rms_norm(x: torch.Tensor | SplitSums, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, scale, D: tl.constexpr, PDL: tl.constexpr = False):
+def _cos_sin_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, scale, D: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """Row (token): cos and sin of position * inv_freq, the D/2 frequencies twice, times scale."""
     start_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
-    j = tl.arange(0, D)
-    freq = tl.load(pos_ptr + row).to(tl.float32) * tl.load(inv_ptr + j % (D // 2))
-    tl.store(cos_ptr + row * D + j, (tl.cos(freq) * scale).to(cos_ptr.dtype.element_ty))
-    tl.store(sin_ptr + row * D + j, (tl.sin(freq) * scale).to(sin_ptr.dtype.element_ty))
+    j = tl.arange(0, BLOCK)
+    ok = j < D
+    freq = tl.load(pos_ptr + row).to(tl.float32) * tl.load(inv_ptr + j % (D // 2), mask=ok, other=0.0)
+    tl.store(cos_ptr + row * D + j, (tl.cos(freq) * scale).to(cos_ptr.dtype.element_ty), mask=ok)
+    tl.store(sin_ptr + row * D + j, (tl.sin(freq) * scale).to(sin_ptr.dtype.element_ty), mask=ok)
 
 
 def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
@@ -91,7 +93,7 @@ def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
     sin = torch.empty_like(cos)
     if positions.numel():  # (no tokens: nothing to launch)
         _cos_sin_kernel[(positions.numel(),)](positions.contiguous(), inv_freq, cos, sin, float(scale), D=D,
-                                              **chained(positions.device))
+                                              BLOCK=triton.next_power_of_2(D), **chained(positions.device))
     return cos, sin
 
 
@@ -113,6 +115,12 @@ def gather_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         _gather_rows_kernel[(ids.numel(), triton.cdiv(H, BLOCK))](weight, ids.contiguous(), out, H, BLOCK=BLOCK,
                                                                   **chained(weight.device))
     return out
+
+
+def half_tile(head_dim: int) -> int:
+    """The RoPE kernels' tile of half a head: a power of two (Triton's ranges are), the
+    lanes past head_dim / 2 masked (head sizes such as 80 or 96)."""
+    return triton.next_power_of_2(head_dim // 2)
 
 
 def heads_per_program(tokens: int) -> tuple[int, int]:
@@ -138,20 +146,22 @@ def _norm_rotate(a, b, wa, wb, c1, c2, s1, s2, eps, HAS_NORM: tl.constexpr, D: t
 
 @triton.jit
 def _norm_rope_kernel(x_ptr, sx_b, sx_t, sx_head, T, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, eps,
-                      HAS_NORM: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr = False):
+                      HAS_NORM: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr,
+                      PDL: tl.constexpr = False):
     start_after_previous(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * HB + tl.arange(0, HB)
-    ok = (head < heads)[:, None]
-    half = tl.arange(0, D // 2)[None, :]
+    half = tl.arange(0, HALF)[None, :]
+    in_half = half < D // 2
+    ok = (head < heads)[:, None] & in_half
     base = x_ptr + (tok // T) * sx_b + (tok % T) * sx_t + head[:, None] * sx_head
     a = tl.load(base + half, mask=ok, other=0.0).to(tl.float32)
     b = tl.load(base + D // 2 + half, mask=ok, other=0.0).to(tl.float32)
     wa, wb = a, b
     if HAS_NORM:
-        wa, wb = tl.load(w_ptr + half), tl.load(w_ptr + D // 2 + half)
-    c1, c2 = tl.load(cos_ptr + tok * D + half), tl.load(cos_ptr + tok * D + D // 2 + half)
-    s1, s2 = tl.load(sin_ptr + tok * D + half), tl.load(sin_ptr + tok * D + D // 2 + half)
+        wa, wb = tl.load(w_ptr + half, mask=in_half), tl.load(w_ptr + D // 2 + half, mask=in_half)
+    c1, c2 = tl.load(cos_ptr + tok * D + half, mask=in_half), tl.load(cos_ptr + tok * D + D // 2 + half, mask=in_half)
+    s1, s2 = tl.load(sin_ptr + tok * D + half, mask=in_half), tl.load(sin_ptr + tok * D + D // 2 + half, mask=in_half)
     lo, hi = _norm_rotate(a, b, wa, wb, c1.to(tl.float32), c2.to(tl.float32), s1.to(tl.float32),
                           s2.to(tl.float32), eps, HAS_NORM, D, out_ptr.dtype.element_ty)
     o = out_ptr + (tok * heads + head[:, None]) * D
@@ -170,7 +180,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     HB, warps = heads_per_program(B * T)
     _norm_rope_kernel[(B * T, triton.cdiv(H, HB))](
         x, x.stride(0), x.stride(1), x.stride(2), T, weight if weight is not None else x, cos, sin, out, H, eps,
-        HAS_NORM=weight is not None, D=D, HB=HB, num_warps=warps, **chained(x.device))
+        HAS_NORM=weight is not None, D=D, HALF=half_tile(D), HB=HB, num_warps=warps, **chained(x.device))
     return out
 
 
@@ -199,7 +209,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rope_into_cache_kernel(x_ptr, sx_tok, T, H, HKV, head0, qw_ptr, kw_ptr, eps, cos_ptr, sin_ptr,
                             q_ptr, k_ptr, v_ptr, sc_b, sc_h, sc_s, prefix_ptr,
-                            HAS_NORM: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr = False):
+                            HAS_NORM: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, HB: tl.constexpr,
+                            PDL: tl.constexpr = False):
     """Program (token, block of HB heads) of the merged [q | k | v] heads: q heads are
     normed, rotated and stored to q; k heads normed, rotated and stored into the cache
     at slot prefix_lens[b] + t; v heads copied into the cache there."""
@@ -210,31 +221,33 @@ def _rope_into_cache_kernel(x_ptr, sx_tok, T, H, HKV, head0, qw_ptr, kw_ptr, eps
     ok = head < H + 2 * HKV
     is_q, is_k = head < H, (head >= H) & (head < H + HKV)
     is_v = ok & (head >= H + HKV)
-    half = tl.arange(0, D // 2)[None, :]
+    half = tl.arange(0, HALF)[None, :]
+    in_half = half < D // 2
     base = x_ptr + tok * sx_tok + (head - head0)[:, None] * D
-    a = tl.load(base + half, mask=ok[:, None], other=0.0)
-    bb = tl.load(base + D // 2 + half, mask=ok[:, None], other=0.0)
+    a = tl.load(base + half, mask=ok[:, None] & in_half, other=0.0)
+    bb = tl.load(base + D // 2 + half, mask=ok[:, None] & in_half, other=0.0)
     slot = tl.load(prefix_ptr + b) + tok % T
     wa, wb = a, bb
     if HAS_NORM:
-        wa = tl.where(is_q[:, None], tl.load(qw_ptr + half), tl.load(kw_ptr + half))
-        wb = tl.where(is_q[:, None], tl.load(qw_ptr + D // 2 + half), tl.load(kw_ptr + D // 2 + half))
-    c1, c2 = tl.load(cos_ptr + tok * D + half), tl.load(cos_ptr + tok * D + D // 2 + half)
-    s1, s2 = tl.load(sin_ptr + tok * D + half), tl.load(sin_ptr + tok * D + D // 2 + half)
+        wa = tl.where(is_q[:, None], tl.load(qw_ptr + half, mask=in_half), tl.load(kw_ptr + half, mask=in_half))
+        wb = tl.where(is_q[:, None], tl.load(qw_ptr + D // 2 + half, mask=in_half),
+                      tl.load(kw_ptr + D // 2 + half, mask=in_half))
+    c1, c2 = tl.load(cos_ptr + tok * D + half, mask=in_half), tl.load(cos_ptr + tok * D + D // 2 + half, mask=in_half)
+    s1, s2 = tl.load(sin_ptr + tok * D + half, mask=in_half), tl.load(sin_ptr + tok * D + D // 2 + half, mask=in_half)
     lo, hi = _norm_rotate(a.to(tl.float32), bb.to(tl.float32), wa, wb, c1.to(tl.float32), c2.to(tl.float32),
                           s1.to(tl.float32), s2.to(tl.float32), eps, HAS_NORM, D, q_ptr.dtype.element_ty)
     lo, hi = lo.to(q_ptr.dtype.element_ty), hi.to(q_ptr.dtype.element_ty)
     q_out = q_ptr + (tok * H + head[:, None]) * D
-    tl.store(q_out + half, lo, mask=is_q[:, None])
-    tl.store(q_out + D // 2 + half, hi, mask=is_q[:, None])
+    tl.store(q_out + half, lo, mask=is_q[:, None] & in_half)
+    tl.store(q_out + D // 2 + half, hi, mask=is_q[:, None] & in_half)
     cache = b * sc_b + slot * sc_s
     kv_head = (head - H).to(tl.int64)[:, None]  # x S x D passes 2^31 with ~128 KV heads at 128K
     k_out = k_ptr + cache + kv_head * sc_h
-    tl.store(k_out + half, lo, mask=is_k[:, None])
-    tl.store(k_out + D // 2 + half, hi, mask=is_k[:, None])
+    tl.store(k_out + half, lo, mask=is_k[:, None] & in_half)
+    tl.store(k_out + D // 2 + half, hi, mask=is_k[:, None] & in_half)
     v_out = v_ptr + cache + (kv_head - HKV) * sc_h
-    tl.store(v_out + half, a, mask=is_v[:, None])
-    tl.store(v_out + D // 2 + half, bb, mask=is_v[:, None])
+    tl.store(v_out + half, a, mask=is_v[:, None] & in_half)
+    tl.store(v_out + D // 2 + half, bb, mask=is_v[:, None] & in_half)
 
 
 def rope_into_cache(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: torch.Tensor | None,
@@ -259,6 +272,7 @@ def rope_into_cache(qkv: torch.Tensor, heads: int, kv_heads: int, q_weight: torc
     _rope_into_cache_kernel[(B * T, triton.cdiv(heads + 2 * kv_heads - head0, HB))](
         qkv, qkv.stride(1), T, heads, kv_heads, head0, q_weight if has_norm else qkv,
         k_weight if has_norm else qkv, eps, cos, sin, q, k_cache, v_cache,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), prefix_lens, HAS_NORM=has_norm, D=D, HB=HB,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), prefix_lens, HAS_NORM=has_norm, D=D,
+        HALF=half_tile(D), HB=HB,
         num_warps=warps, **chained(qkv.device))
     return q if with_q else None
