@@ -95,6 +95,11 @@ def test_auto_dtype_without_a_config_dtype_is_the_weights(tmp_path):
         (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": said}))
         assert LLM(folder, device="cpu").target.lm_head.weight.dtype == torch.float64
 
+    # both keys: transformers 5 reads `dtype` (torch_dtype is its old name, kept for readers)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32", "dtype": "float64"}))
+    assert LLM(folder, device="cpu").target.lm_head.weight.dtype == torch.float64
+
 
 def test_one_sampling_params_per_prompt(llm):
     params = [SamplingParams(max_new_tokens=3, ignore_eos=True),

@@ -263,6 +263,26 @@ def test_bad_gpt_oss_configs_fail_in_one_line(gpt_oss, clone_checkpoint, change,
     assert "\n" not in str(e.value)
 
 
+def test_a_config_that_leaves_keys_out_takes_gpt_oss_defaults(gpt_oss):
+    """gpt-oss's own defaults (transformers' GptOssConfig: YaRN at theta 150000, eps 1e-5,
+    head size 64) for keys a config leaves out, not Llama's; a given rope_theta gets the
+    default YaRN, as in transformers."""
+    from transformers import GptOssConfig
+    from treeflash.config import ModelConfig
+    cfg = json.loads((gpt_oss[0] / "config.json").read_text())
+    for key in ("rope_parameters", "rope_scaling", "rope_theta", "rms_norm_eps", "head_dim"):
+        cfg.pop(key, None)
+    ours, theirs = ModelConfig.from_dict(cfg), GptOssConfig(**cfg)
+    rope = theirs.to_dict().get("rope_parameters") or {**theirs.rope_scaling, "rope_theta": theirs.rope_theta}
+    assert (ours.rms_norm_eps, ours.head_dim, ours.rope_theta) == (theirs.rms_norm_eps, theirs.head_dim,
+                                                                   rope["rope_theta"]) == (1e-5, 64, 150000.0)
+    for key in ("factor", "beta_fast", "beta_slow", "original_max_position_embeddings"):
+        assert ours.rope_scaling[key] == rope[key]
+    given = ModelConfig.from_dict({**cfg, "rope_theta": 5e5})
+    assert given.rope_theta == GptOssConfig(**cfg, rope_theta=5e5).rope_parameters["rope_theta"] == 5e5
+    assert given.rope_scaling == ours.rope_scaling
+
+
 def test_bad_gpt_oss_weights_and_options_fail_in_one_line(gpt_oss, tmp_path, clone_checkpoint):
     from safetensors.torch import load_file, save_file
     folder, _ = gpt_oss

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from conftest import ENGINE_PROMPTS, HF_VARIANTS, LLAMA3_ROPE
 from safetensors import safe_open
 
-from treeflash import LLM, SamplingParams
+from treeflash import LLM, SamplingParams, TreeflashError
 from treeflash.config import ModelConfig
 from treeflash.layers.attention import AttentionInputs
 
@@ -240,6 +240,29 @@ def test_transformers4_style_llama3_config_gives_same_logits(hf_checkpoint, tmp_
     plain = tf_logits(LLM(folder, device="cpu", dtype="float32"), torch.tensor([ids]))[0]
     assert rel_err(plain, hf_logits(ck.model, ids)) > 1e-3
     assert LLAMA3_ROPE["original_max_position_embeddings"] < len(ids)
+
+
+def test_llama3_rope_without_its_original_context_reads_max_position_embeddings(hf_checkpoint, tmp_path):
+    """A llama3 rope_scaling without original_max_position_embeddings: transformers takes
+    the config's max_position_embeddings (not Llama-3's 8192); without either it is refused."""
+    from transformers import AutoModelForCausalLM
+    ck = hf_checkpoint("llama3-rope")
+    folder = ck.copy_to(tmp_path / "no-original")
+    cfg = json.loads((folder / "config.json").read_text())
+    key = "rope_parameters" if "rope_parameters" in cfg else "rope_scaling"
+    del cfg[key]["original_max_position_embeddings"]
+    cfg["max_position_embeddings"] = 96
+    (folder / "config.json").write_text(json.dumps(cfg))
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(folder, device="cpu", dtype="float32")
+    ids = encode_all(llm)[1] * 2
+    want = hf_logits(ref, ids)
+    assert rel_err(tf_logits(llm, torch.tensor([ids]))[0], want) < 1e-5
+    assert rel_err(hf_logits(ck.model, ids), want) > 1e-3  # (the original context matters here)
+    del cfg["max_position_embeddings"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TreeflashError, match="llama3 rope scaling lacks 'original_max_position_embeddings'"):
+        LLM(folder, device="cpu")
 
 
 # --------------------------------------------------------------------------- other dtypes

@@ -91,7 +91,7 @@ def _rope(data: dict, where: str = "config.json") -> tuple[float, dict | None]:
         elif kind == "yarn":
             scaling = _yarn(scaling, where)
         elif kind != "llama3":
-            raise TreeflashError(f"unsupported rope scaling type '{kind}' (supported: llama3, yarn)")
+            raise TreeflashError(f"{where}: unsupported rope scaling type '{kind}' (supported: llama3, yarn)")
         else:
             if "factor" not in scaling:
                 raise TreeflashError(f"{where}: llama3 rope scaling lacks 'factor'")
@@ -103,6 +103,11 @@ def _rope(data: dict, where: str = "config.json") -> tuple[float, dict | None]:
             if not high > low:
                 raise TreeflashError(f"{where}: llama3 rope scaling needs high_freq_factor > low_freq_factor, "
                                      f"got {high} and {low}")
+            if scaling.get("original_max_position_embeddings") is None:  # as transformers: the config's context
+                if data.get("max_position_embeddings") is None:
+                    raise TreeflashError(f"{where}: llama3 rope scaling lacks 'original_max_position_embeddings'")
+                scaling = {**scaling, "original_max_position_embeddings": _require(
+                    data, "max_position_embeddings", where)}
     return theta, scaling
 
 
@@ -186,6 +191,24 @@ def _gpt_oss_fields(data: dict, num_layers: int, where: str) -> dict:
                 sliding_window=window if sliding else None, sliding_layers=sliding, attention_sinks=True,
                 expert_bias=True, swiglu_limit=_number(data.get("swiglu_limit", 7.0), "swiglu_limit", where),
                 swiglu_alpha=_number(data.get("swiglu_alpha", 1.702), "swiglu_alpha", where))
+
+
+# transformers' GptOssConfig defaults, for a config that leaves these keys out (the
+# published ones hold them all); Llama's and Qwen3's are the fallbacks in `from_dict`.
+GPT_OSS_DEFAULTS = {"rms_norm_eps": 1e-5, "head_dim": 64, "max_position_embeddings": 131072, "rope_theta": 150000.0}
+GPT_OSS_ROPE_SCALING = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                        "original_max_position_embeddings": 4096}
+
+
+def _with_arch_defaults(data: dict, arch: str) -> dict:
+    """`data` with its architecture's defaults for the keys it leaves out (gpt-oss: YaRN
+    unless the config gives a scaling, at its own rope_theta if it gives one)."""
+    if arch != "gpt_oss":
+        return data
+    filled = {**data, **{k: v for k, v in GPT_OSS_DEFAULTS.items() if data.get(k) is None}}
+    if data.get("rope_parameters") is None and data.get("rope_scaling") is None:
+        filled["rope_scaling"] = GPT_OSS_ROPE_SCALING
+    return filled
 
 
 def _mxfp4(quant, arch: str, where: str) -> bool:
@@ -378,6 +401,7 @@ class ModelConfig:
                                      f"with its target as the model")
             raise TreeflashError(f"{where}: unsupported architecture '{name}' "
                                  f"(supported: {', '.join(TARGET_ARCHITECTURES)})")
+        data = _with_arch_defaults(data, arch)
         fp8 = {} if _mxfp4(data.get("quantization_config"), arch, where) else \
             _fp8_blocks(data.get("quantization_config"), where)
         hidden = _require(data, "hidden_size", where)
@@ -417,7 +441,7 @@ class ModelConfig:
             tie_word_embeddings=_flag(data, "tie_word_embeddings", where),
             attention_bias=_flag(data, "attention_bias", where, default=arch == "gpt_oss"),
             mlp_bias=_flag(data, "mlp_bias", where),
-            torch_dtype=data.get("torch_dtype") or data.get("dtype"),
+            torch_dtype=data.get("dtype") or data.get("torch_dtype"),  # transformers 5 reads `dtype` first
             eos_token_ids=eos,
             **moe, **windows, **fp8,
         )
