@@ -396,18 +396,18 @@ def test_one_constraint_compiling_does_not_hold_up_another(engines, monkeypatch)
     import threading
     import time
 
-    import treeflash.engine.llm as llm_module
+    import treeflash.structured.cache as cache_module
     llm = engines["ar"]
     fast = SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]"))
     llm.automaton(fast)
     slow = SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]{2}"))
-    compiled, plain = [], llm_module.token_automaton
+    compiled, plain = [], cache_module.token_automaton
 
     def slow_compile(dfa, *args):
         compiled.append(dfa)
         time.sleep(3.0)
         return plain(dfa, *args)
-    monkeypatch.setattr(llm_module, "token_automaton", slow_compile)
+    monkeypatch.setattr(cache_module, "token_automaton", slow_compile)
     got = []
     threads = [threading.Thread(target=lambda: got.append(llm.automaton(slow))) for _ in range(2)]
     for t in threads:
@@ -719,33 +719,33 @@ def test_a_failed_compile_leaves_no_request_waiting(engines, monkeypatch):
     """A compile that fails in an unexpected way raises in the request that compiled and
     leaves nothing pending: the next request of that constraint compiles again (and
     fails the same), instead of waiting for good."""
-    import treeflash.engine.llm as llm_module
+    import treeflash.structured.cache as cache_module
     llm = engines["ar"]
     calls = []
 
     def broken(*args):
         calls.append(1)
         raise KeyError("boom")
-    monkeypatch.setattr(llm_module, "token_automaton", broken)
+    monkeypatch.setattr(cache_module, "token_automaton", broken)
     p = SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]{5}"))
     for _ in range(2):
         with pytest.raises(KeyError):
             llm.automaton(p)
-    assert len(calls) == 2 and not llm._compiling
+    assert len(calls) == 2 and not llm.automata.compiling
 
 
 def test_a_refused_constraint_is_refused_at_once_when_asked_again(engines, monkeypatch):
     """A constraint whose compile took seconds to refuse (a table past its limit) is not
     compiled again by every retry: the same one-line error comes back at once. An error
     that is not the input's fault (KeyError above, memory) is not remembered."""
-    import treeflash.engine.llm as llm_module
+    import treeflash.structured.cache as cache_module
     llm = engines["ar"]
-    calls, plain = [], llm_module.token_automaton
+    calls, plain = [], cache_module.token_automaton
 
     def counted(dfa, vocab, max_bytes):
         calls.append(1)
         return plain(dfa, vocab, 1000)  # a small table limit: [0-9]{6} is over it
-    monkeypatch.setattr(llm_module, "token_automaton", counted)
+    monkeypatch.setattr(cache_module, "token_automaton", counted)
     p = SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]{6}"))
     errors = []
     for _ in range(3):
@@ -753,7 +753,29 @@ def test_a_refused_constraint_is_refused_at_once_when_asked_again(engines, monke
             llm.automaton(p)
         errors.append((str(e.value), e.value.param))
     assert len(calls) == 1 and errors[0] == errors[1] == errors[2] and "structured output" in errors[0][0]
-    assert not llm._compiling
-    monkeypatch.setattr(llm_module, "token_automaton", plain)  # an engine's own limit: compiles
+    assert not llm.automata.compiling
+    monkeypatch.setattr(cache_module, "token_automaton", plain)  # an engine's own limit: compiles
     assert llm.automaton(SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]{7}"))) is not None
-    llm._refused.clear()  # the shared engine forgets this test's small limit
+    llm.automata.refused.clear()  # the shared engine forgets this test's small limit
+
+
+def test_an_automaton_in_use_by_one_engine_is_kept_when_another_compiles(engines, monkeypatch):
+    """Engines made by `with_method` share the compiled constraints, and what a batch of
+    one of them generates with stays compiled while the other compiles new ones past the
+    cache's limit (it was dropped: only the compiling engine's own batch was kept)."""
+    import treeflash.structured.cache as cache_module
+    monkeypatch.setattr(cache_module, "AUTOMATA_KEPT", 1)
+    llm = engines["ddtree"]
+    other = llm.with_method("dflash")
+    assert other.automata is llm.automata
+    used = StructuredOutputs(regex="[0-9]{2}[a-c]{3}")
+    seen = []
+
+    def meanwhile(i, new):  # while `other` generates: `llm` compiles two others (a server's other requests)
+        for regex in (f"x{len(seen)}[0-9]", f"y{len(seen)}[0-9]"):
+            llm.automaton(SamplingParams(structured_outputs=StructuredOutputs(regex=regex)))
+        seen.append(used.key() in llm.automata.kept)
+    out = other.generate("a = ", SamplingParams(max_new_tokens=8, structured_outputs=used), on_tokens=meanwhile)[0]
+    assert re.fullmatch("[0-9]{2}[a-c]{3}", out.text) and seen and all(seen)
+    llm.automaton(SamplingParams(structured_outputs=StructuredOutputs(regex="z[0-9]")))
+    assert used.key() not in llm.automata.kept  # unpinned after the batch: dropped as the limit says

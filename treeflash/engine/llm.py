@@ -9,8 +9,6 @@ import random
 import threading
 import time
 import weakref
-from collections import OrderedDict
-from concurrent.futures import Future
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from pathlib import Path
@@ -34,14 +32,11 @@ from treeflash.files import model_folder
 from treeflash.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from treeflash.sampling_params import (BAD_WORD_TOKENS, MAX_BAD_SEQUENCES, SamplingParams, generation_defaults,
                                        truncation_error)
-from treeflash.structured.grammar import TokenAutomaton, token_automaton
+from treeflash.structured.cache import AutomatonCache
+from treeflash.structured.grammar import TokenAutomaton
 from treeflash.tokenizer import CONTEXT_TOKENS, Tokenizer, stop_cut
 
 DEFAULT_BUDGETS = {"cuda": 64, "cpu": 16}  # a CPU verify costs in proportion to its nodes (BENCHMARKS.md 4)
-AUTOMATA_KEPT = 32                # structured outputs' compiled automata kept per engine,
-AUTOMATA_BYTES = 4 << 30          # and their tables (host and device) at most (those in use always)
-REFUSALS_KEPT = 256               # constraints that failed to compile, remembered: a retry is refused at once
-MAX_AUTOMATON_BYTES = 512 << 20   # a structured output's token table (states x vocabulary) at most
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
 
 
@@ -314,11 +309,7 @@ class LLM:
             }
             head_dims = [self.config.head_dim] + ([self.drafter.config.layers.head_dim] if self.drafter else [])
             self._decode_with(method, budget, draft_mode, cuda_graphs, attention_backend(self.device, head_dims))
-            self._automata: OrderedDict[str, TokenAutomaton] = OrderedDict()  # see `automaton`
-            self._compiling: dict[str, Future] = {}  # automata being compiled, by key
-            self._refused: OrderedDict[str, str] = OrderedDict()  # keys that failed to compile: why
-            self._in_use: set[str] = set()           # the keys of the batch being generated: kept
-            self._automata_lock = threading.Lock()
+            self.automata = AutomatonCache(self.tokenizer, self.config.vocab_size)  # shared by `with_method`
             self._tp.built()      # the workers' slices are loaded too
         except BaseException:
             self._tp.close()
@@ -538,12 +529,9 @@ class LLM:
         with self._generating:  # one call at a time: a batch's state and graphs are the engine's
             for s in range(0, len(ids), step):
                 e = s + step
-                self._in_use = {p.structured_outputs.key() for p in params[s:e] if p.structured_outputs}
-                try:
+                with self.automata.pinned([p.structured_outputs for p in params[s:e] if p.structured_outputs]):
                     results += self._generate_batch(ids[s:e], params[s:e], _shifted(on_tokens, s),
                                                     _shifted(on_done, s))
-                finally:
-                    self._in_use = set()
         return results
 
     def _generate_batch(self, ids: list[list[int]], params: list[SamplingParams], on_tokens, on_done):
@@ -675,60 +663,8 @@ class LLM:
 
     def automaton(self, p: SamplingParams) -> TokenAutomaton | None:
         """p's structured output as a token automaton (None without one), compiled once
-        per constraint (the last AUTOMATA_KEPT ones are kept, within AUTOMATA_BYTES)."""
-        if p.structured_outputs is None:
-            return None
-        key = p.structured_outputs.key()
-        with self._automata_lock:  # a server's requests come from its threads: one compiles a
-            if key in self._automata:  # constraint, the others wait for it, the rest go on
-                self._automata.move_to_end(key)
-                return self._automata[key]
-            if key in self._refused:  # a compile that took seconds to fail fails the same way again
-                self._refused.move_to_end(key)
-                raise UsageError(self._refused[key], param="structured_outputs")
-            pending, mine = self._compiling.get(key), key not in self._compiling
-            if mine:
-                pending = self._compiling[key] = Future()
-        if not mine:
-            return pending.result()
-        try:
-            made = token_automaton(p.structured_outputs.automaton(), self._grammar_vocab,
-                                   MAX_AUTOMATON_BYTES)
-        except BaseException as e:  # every waiter gets the error: none waits for good
-            failed = e
-            if isinstance(e, (UsageError, RecursionError, TypeError, ValueError)):  # one line, never a crash
-                failed = UsageError(str(e) if isinstance(e, UsageError) else f"the structured output cannot be "
-                                    f"compiled: {type(e).__name__}: {e}", param="structured_outputs")
-            with self._automata_lock:
-                del self._compiling[key]
-                if isinstance(failed, UsageError):  # the input's fault, not memory's or an interrupt's
-                    self._refused[key] = str(failed)
-                    while len(self._refused) > REFUSALS_KEPT:
-                        self._refused.popitem(last=False)
-            pending.set_exception(failed)
-            if failed is e:
-                raise
-            raise failed from None
-        with self._automata_lock:
-            del self._compiling[key]
-            self._automata[key] = made
-            for old in list(self._automata):
-                if len(self._automata) <= AUTOMATA_KEPT and sum(
-                        a.nbytes for a in self._automata.values()) <= AUTOMATA_BYTES:
-                    break
-                if old not in self._in_use and old != key:
-                    del self._automata[old]
-        pending.set_result(made)
-        return made
-
-    @cached_property
-    def _grammar_vocab(self) -> list[bytes | None]:
-        """Each model token id's bytes for structured outputs; None for special tokens
-        and ids past the tokenizer's."""
-        special = {i for i, t in self.tokenizer.tok.get_added_tokens_decoder().items() if t.special}
-        known = self.tokenizer.vocab_size
-        return [None if i in special or i >= known else self.tokenizer.token_bytes(i)
-                for i in range(self.config.vocab_size)]
+        per constraint (see `AutomatonCache`)."""
+        return None if p.structured_outputs is None else self.automata.get(p.structured_outputs)
 
     def bad_sequences(self, p: SamplingParams) -> list[list[int]]:
         """p's bad words as token sequences, as vLLM's: each word as the tokenizer writes
