@@ -253,7 +253,7 @@ script: dict = {}  # the scripted engine's answer, when not ANSWER
 def scripted(harmony_model):
     """A server (both Harmony parsers) for an engine whose answer is script["answer"]'s
     tokens, one per on_tokens call, ended, cut at stop strings and decoded by the
-    engine's own code (`LLM._accept`, `_cut_at_stop_string`, `_output`), with made-up
+    engine's own code (`LLM._append_until_end`, `_cut_at_stop_string`, `_output`), with made-up
     logprobs; the prompts it got are recorded."""
     llm = LLM(harmony_model, device="cpu", dtype="float32")
     prompts = []
@@ -266,7 +266,7 @@ def scripted(harmony_model):
             out, reason, lps = [], None, []
             for t in llm.encode(script.get("answer", ANSWER), special=False):
                 before = len(out)
-                reason = llm._accept([t], out, p, p.max_new_tokens)
+                reason = llm._append_until_end([t], out, p, p.max_new_tokens)
                 if p.stop and llm._cut_at_stop_string(out, before, p, prompt):
                     reason = "stop"
                 new = [TokenLogprob(t, -0.25, [(t, -0.25)]) for t in out[before:]] if p.logprobs is not None else None

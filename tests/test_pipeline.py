@@ -51,7 +51,7 @@ def sync_generate(llm: LLM, prompts, params: list[SamplingParams]):
             if done[b] or counts[b] == 0:
                 continue
             before = len(outs[b])
-            stop = llm._accept(new[b][:counts[b]], outs[b], params[b], limits[b])
+            stop = llm._append_until_end(new[b][:counts[b]], outs[b], params[b], limits[b])
             if params[b].stop and llm._cut_at_stop_string(outs[b], before, params[b], ids[b]):
                 stop = "stop"
             if stop:

@@ -166,6 +166,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def filtered(self) -> bool:
+        """Whether top-k, top-p or min-p cut this (sampled) request's distribution."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
 
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "repetition_penalty")
 

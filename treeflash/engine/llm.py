@@ -186,6 +186,7 @@ class LLM:
     starts tp - 1 worker processes (one per GPU, or gloo on CPU) that each hold a slice
     of the weights; see `treeflash.engine.tp`. Under torchrun, every rank calls `LLM`
     alike and only rank 0 returns. `close()` (or garbage collection, or exit) stops them.
+    max_batch: the most prompts `generate` decodes at once (more go in turn).
     enable_prefix_caching: a batch whose prompts begin with what a kept batch state of
     its size holds (a chat's next turn: the conversation so far, its last answer
     included) prefills only the rest, on those caches (copied into a larger state if the
@@ -321,7 +322,8 @@ class LLM:
         self.decoder = SpeculativeDecoder(self.target, self.drafter, method, budget or 0,
                                           draft_mode=draft_mode, attention_backend=backend)
         self.method = method
-        self.use_graphs(cuda_graphs)
+        self.states = KeptStates(self.decoder, self.device, cuda_graphs and self.device.type == "cuda",
+                                 self.enable_prefix_caching, self._tp.group)
         self._run = None  # `_Batch`: state, round and result pipeline of the batch in flight
 
     def with_method(self, method: str, budget: int | None = None, cuda_graphs: bool | None = None,
@@ -355,12 +357,10 @@ class LLM:
         """Release this engine on every rank; with tp > 1 the worker processes stop
         once no engine uses them. Idempotent; also done on garbage collection and exit.
         A round still in flight ends, and the graphs go, before the ranks are released."""
-        run, self._run = self._run, None
-        if run is not None:
-            try:
-                run.pipe.finish()  # a round still in flight ends before its graph goes
-            except Exception:
-                pass
+        try:
+            self._finish_run()  # a round still in flight ends before its graph goes
+        except Exception:
+            pass
         self.states.clear()
         self._tp.close()
 
@@ -484,8 +484,9 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  on_tokens=None, on_done=None) -> list[GenerationOutput]:
-        """Generate for a list of prompts (strings or token-id lists), `max_batch` at a
-        time, in order.
+        """Generate for a list of prompts (strings or token-id lists), in order, in batches
+        of `max_batch` (with prefix caching, as one batch: a batch reuses the caches of
+        the last batch of its size, which smaller chunks would overwrite).
 
         `on_tokens(i, new_ids, new_logprobs)` is called as request i commits tokens (for
         streaming; new_logprobs: their `TokenLogprob`s, or None if request i did not ask;
@@ -556,7 +557,7 @@ class LLM:
         starts = None if reuse is None else reuse[1]
         first, lp, plp = self._tp.call(self, "_start", (len(ids), max_len, params, ids, drop, reuse))
         state = self._run.st
-        prompt_logprobs = self._prompt_logprobs(ids, params, plp)
+        prompt_logprobs = self._prompt_token_logprobs(ids, params, plp)
         outs = [[] for _ in ids]
         logprobs = [[] if p.logprobs is not None else None for p in params]
         rounds = [1] * len(ids)
@@ -576,7 +577,7 @@ class LLM:
                 if done[b] or counts[b] == 0:
                     continue
                 before = len(outs[b])
-                stop = self._accept(new[b][:counts[b]], outs[b], params[b], limits[b])
+                stop = self._append_until_end(new[b][:counts[b]], outs[b], params[b], limits[b])
                 if params[b].stop and self._cut_at_stop_string(outs[b], before, params[b], ids[b]):
                     stop = "stop"
                 added = None
@@ -617,9 +618,13 @@ class LLM:
     def _release(self) -> None:
         """On every rank: free the finished batch's caches, as an eager engine keeps none
         (graphed states, and with prefix caching the last, are kept by `states`)."""
-        if self._run is not None:
-            self._run.pipe.finish()  # the round in flight ends before its caches go
-        self._run = None
+        self._finish_run()
+
+    def _finish_run(self) -> None:
+        """Wait for the batch in flight's last round (if any), then let go of its state."""
+        run, self._run = self._run, None
+        if run is not None:
+            run.pipe.finish()
 
     def _prefill_is_graphed(self, cells: int) -> bool:
         """Whether a batch's prefill of `cells` padded prompt tokens replays a CUDA graph
@@ -627,7 +632,7 @@ class LLM:
         return self.cuda_graphs and cells <= GRAPHED_PREFILL_MAX
 
     @staticmethod
-    def _prompt_logprobs(prompts: list[list[int]], params: list[SamplingParams], plp: list):
+    def _prompt_token_logprobs(prompts: list[list[int]], params: list[SamplingParams], plp: list):
         """Per request, its prompt's `TokenLogprob`s (None for requests that did not ask)
         from `prefill_tokens`' flat rows read back as lists (chosen [N], top values
         [N][K], top ids [N][K], ranks [N]: the asking requests' tokens but their first, in
@@ -736,9 +741,8 @@ class LLM:
         batch's state.
         Returns each request's first token, their logprobs and the prompts' (as lists;
         [] if not asked)."""
-        if self._run is not None:  # the previous batch's last round, still in flight: wait
-            self._run.pipe.finish()  # for it before its state or graph may be dropped
-        self._run = None  # the previous batch's caches go before the new ones are made
+        self._finish_run()  # before the previous batch's state or graph may be dropped, and its
+        # caches go before the new ones are made
         if drop:
             self.states.drop(drop)
             torch.cuda.empty_cache()
@@ -791,11 +795,6 @@ class LLM:
         new, counts, logprobs = run.run_round(st)
         return run.pipe.push(new, counts, *(logprobs or ()))
 
-    def use_graphs(self, on: bool) -> None:
-        """Run rounds as CUDA graphs (on CUDA) or eagerly, with no states or graphs kept yet."""
-        self.states = KeptStates(self.decoder, self.device, on and self.device.type == "cuda",
-                                 self.enable_prefix_caching, self._tp.group)
-
     @property
     def cuda_graphs(self) -> bool:
         """Whether rounds (and short prefills) run as CUDA graphs."""
@@ -810,7 +809,7 @@ class LLM:
         """Free the kept graphed batch states with their graphs: the next batch captures anew."""
         self.states.drop()
 
-    def _accept(self, got: list[int], out: list[int], p: SamplingParams, limit: int) -> str | None:
+    def _append_until_end(self, got: list[int], out: list[int], p: SamplingParams, limit: int) -> str | None:
         """Append committed tokens up to EOS / the token limit; return the stop reason."""
         ends = self.end_ids(p)
         for t in got:

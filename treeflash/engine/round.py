@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from treeflash.engine.kv_cache import DraftContextCache, KVCache
-from treeflash.engine.sampling import SamplingBatch, apply_bias, grammar_masked, gumbel_noise, logprobs_of, sample
+from treeflash.engine.sampling import (SamplingBatch, SamplingMode, apply_bias, grammar_masked, gumbel_noise,
+                                      logprobs_of, sample)
 from treeflash.engine.tree import DraftTree, build_chain_from_tokens, build_tree_from_topk, walk
 from treeflash.errors import TreeflashError, UsageError
 from treeflash.layers.attention import AttentionInputs
@@ -439,7 +440,7 @@ class GraphedState:
         self.st = decoder.new_state(batch, bucket, sampling)
         self.cache_bytes = self.nbytes = self.st.cache_bytes  # the caches; captures add their pool
         self.pool = torch.cuda.graph_pool_handle()
-        self.rounds: dict[tuple, GraphedRound] = {}  # by SamplingBatch.mode
+        self.rounds: dict[SamplingMode, GraphedRound] = {}
         self.prefills: dict[tuple, GraphedPrefill] = {}
 
     @contextmanager
@@ -458,9 +459,9 @@ class GraphedState:
             self.st.sampling.copy_(sampling)
         mode = self.st.sampling.mode
         if table is not None and self.st.sampling.grammar is not table:  # a larger structured-output
-            fresh = (0, mode[-1])                                        # table: graphs of the old one go
-            self.rounds = {m: g for m, g in self.rounds.items() if m[-1] in fresh}
-            self.prefills = {k: g for k, g in self.prefills.items() if k[len(mode) - 1] in fresh}
+            fresh = (0, mode.guided_rows)                                # table: graphs of the old one go
+            self.rounds = {m: g for m, g in self.rounds.items() if m.guided_rows in fresh}
+            self.prefills = {k: g for k, g in self.prefills.items() if k[0].guided_rows in fresh}
             if not self.rounds and not self.prefills:  # torch shares a pool only while one of its graphs
                 self.pool = torch.cuda.graph_pool_handle()  # lives: a released pool's id asserts at capture
         if mode not in self.rounds:
@@ -470,12 +471,12 @@ class GraphedState:
             self.captures += 1
         return self.rounds[mode]
 
-    def captured(self, mode: tuple) -> bool:
+    def captured(self, mode: SamplingMode) -> bool:
         """Whether a batch of `mode` (`SamplingBatch.mode_of`) replays a round captured
         already (a capture's warm-up rounds would write over the caches)."""
         table = self.st.sampling.grammar
-        if mode[-1] and table is not None and len(table) >= mode[-1]:  # it would use the table held
-            mode = (*mode[:-1], len(table))
+        if mode.guided_rows and table is not None and len(table) >= mode.guided_rows:  # it would use the
+            mode = mode._replace(guided_rows=len(table))                                 # table held
         return mode in self.rounds
 
     def prefill(self, ids: torch.Tensor, lens: torch.Tensor, begin: torch.Tensor | None = None):
@@ -483,7 +484,7 @@ class GraphedState:
         given) in the current mode: replayed, or captured now (capturing also prefills).
         Returns what `prefill_tokens` does."""
         sb = self.st.sampling
-        key = (*sb.mode, begin is not None, *ids.shape)
+        key = (sb.mode, begin is not None, *ids.shape)
         if key in self.prefills:
             return self.prefills[key](self.st, ids, lens, begin)
         with self._counted():

@@ -20,18 +20,19 @@ exactly the tokens that autoregressive decoding produces.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from treeflash.distributed import TPGroup
-from treeflash.ops import fused_enabled, triton_available
+from treeflash.ops import fused_enabled
 from treeflash.sampling_params import BAD_WORD_TOKENS, MAX_BAD_SEQUENCES, MAX_LOGPROBS, SamplingParams
 from treeflash.structured.grammar import TokenAutomaton
 
 _M32 = 0xFFFFFFFF
 
 
-def _block(p: SamplingParams, automaton: TokenAutomaton) -> tuple:
+def _table_key(p: SamplingParams, automaton: TokenAutomaton) -> tuple:
     """Which rows of a batch's table a request reads: requests of one automaton and the
     same stop tokens (its end tokens) share them."""
     return id(automaton), tuple(sorted(p.stop_token_ids))
@@ -41,7 +42,7 @@ def grammar_rows(params: list[SamplingParams], automata: list[TokenAutomaton | N
     """Rows of a batch's stacked token table (`SamplingBatch.grammar`): row 0 and every
     distinct table's, rounded up to a power of two, so that a captured graph serves
     later batches of up to as many states; 0 if no request of the batch is constrained."""
-    blocks = {_block(p, a): a for p, a in zip(params, automata) if a is not None}
+    blocks = {_table_key(p, a): a for p, a in zip(params, automata) if a is not None}
     return 1 << max(4, sum(a.num_states for a in blocks.values()).bit_length()) if blocks else 0
 
 
@@ -54,6 +55,21 @@ def _put(x: torch.Tensor, ids: list[list[int]], values, accumulate: bool = False
     rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(row) for row in ids]))
     values = torch.tensor(values, dtype=x.dtype).expand(len(cols))
     x.index_put_((rows.to(x.device), cols.to(x.device)), values.to(x.device), accumulate=accumulate)
+
+
+class SamplingMode(NamedTuple):
+    """The host-side values of a batch that choose which code a round runs (and which
+    captured graph replays it)."""
+    any_sampled: bool
+    any_filtered: bool     # a sampled request with top-k, top-p or min-p
+    any_logprobs: bool
+    any_biased: bool
+    any_penalized: bool
+    any_banned: bool
+    filter_width: int      # `filter_width_of`
+    any_top_p: bool
+    any_open_top_p: bool   # a top-p without a top-k
+    guided_rows: int       # `grammar_rows`
 
 
 # SamplingBatch's buffers that only some modes have (None in a batch that does not need them)
@@ -120,8 +136,7 @@ class SamplingBatch:
             top_p=torch.tensor([float(p.top_p) for p in params], device=device),
             min_p=torch.tensor([float(p.min_p) for p in params], device=device),
             seed=torch.tensor(seeds, dtype=torch.long, device=device),
-            **dict(zip(("any_sampled", "any_filtered", "any_logprobs", "any_biased", "any_penalized", "any_banned",
-                        "filter_width", "any_top_p", "any_open_top_p", "guided_rows"), cls.mode_of(params, automata))),
+            **cls.mode_of(params, automata)._asdict(),
         )
         B = len(params)
         if batch.any_biased:  # made on the device from the sparse entries (B x V is large)
@@ -156,7 +171,7 @@ class SamplingBatch:
             table = torch.zeros(batch.guided_rows, vocab_size, dtype=torch.int32, device=device)
             offsets, at, starts = {}, 1, []
             for p, a, ends in zip(params, automata, held_ids):
-                key = None if a is None else _block(p, a)
+                key = None if a is None else _table_key(p, a)
                 if key is not None and key not in offsets:
                     rows = a.table(ends, vocab_size, device)
                     table[at:at + len(rows)] = torch.where(rows >= 0, rows + at, -1)
@@ -168,24 +183,22 @@ class SamplingBatch:
         return batch
 
     @staticmethod
-    def mode_of(params: list[SamplingParams], automata: list[TokenAutomaton | None] | None = None) -> tuple:
+    def mode_of(params: list[SamplingParams], automata: list[TokenAutomaton | None] | None = None) -> SamplingMode:
         """The `mode` of a batch of these requests (`automata`: their structured outputs')."""
-        return (any(not p.greedy for p in params),
-                any(not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
-                any(p.logprobs is not None for p in params),
-                any(p.biased for p in params),
-                any(p.penalized for p in params),
-                any(p.banned for p in params),
-                filter_width_of(params),
-                any(not p.greedy and p.top_p < 1 for p in params),
-                any(not p.greedy and p.top_p < 1 and p.top_k <= 0 for p in params),
-                grammar_rows(params, automata or [None] * len(params)))  # last: `GraphedState` reads it
+        return SamplingMode(any_sampled=any(not p.greedy for p in params),
+                            any_filtered=any(p.filtered for p in params),
+                            any_logprobs=any(p.logprobs is not None for p in params),
+                            any_biased=any(p.biased for p in params),
+                            any_penalized=any(p.penalized for p in params),
+                            any_banned=any(p.banned for p in params),
+                            filter_width=filter_width_of(params),
+                            any_top_p=any(not p.greedy and p.top_p < 1 for p in params),
+                            any_open_top_p=any(not p.greedy and p.top_p < 1 and p.top_k <= 0 for p in params),
+                            guided_rows=grammar_rows(params, automata or [None] * len(params)))
 
     @property
-    def mode(self) -> tuple:
-        """The host-side values that choose which code a round runs (and its graph)."""
-        return (self.any_sampled, self.any_filtered, self.any_logprobs, self.any_biased, self.any_penalized,
-                self.any_banned, self.filter_width, self.any_top_p, self.any_open_top_p, self.guided_rows)
+    def mode(self) -> SamplingMode:
+        return SamplingMode(*(getattr(self, name) for name in SamplingMode._fields))
 
     @property
     def any_guided(self) -> bool:
@@ -197,9 +210,8 @@ class SamplingBatch:
         biased, penalized and guided modes are made at the first batch that needs them and
         kept: those modes' graphs read them. A structured-output table is made anew only
         to grow (the mode then names the rows of the table held)."""
-        (self.any_sampled, self.any_filtered, self.any_logprobs, self.any_biased,
-         self.any_penalized, self.any_banned, self.filter_width, self.any_top_p, self.any_open_top_p,
-         self.guided_rows) = other.mode
+        for name, value in other.mode._asdict().items():
+            setattr(self, name, value)
         for name in ("temperature", "top_k", "top_p", "min_p", "seed", *OPTIONAL_BUFFERS):
             src, dst = getattr(other, name), getattr(self, name)
             if src is None:
@@ -323,7 +335,7 @@ def filter_width_of(params: list[SamplingParams]) -> int:
     requests: twice the largest top_k, a power of two (few graphs), at least 16; 0 where
     no sampled request filters, or a top-k past MAX_FILTER_WIDTH / 2 needs the whole
     vocabulary sorted."""
-    rows = [p for p in params if not p.greedy and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0)]
+    rows = [p for p in params if p.filtered]
     if not rows:
         return 0
     width = max(16, 1 << (2 * max(p.top_k for p in rows) - 1).bit_length())
@@ -348,7 +360,7 @@ def filter_floor(x: torch.Tensor, sb: "SamplingBatch", tp: TPGroup = TPGroup()) 
     few launches); here the rows are sorted, as they are for a top-k past
     MAX_FILTER_WIDTH / 2 (width 0). Under tensor parallelism x is this rank's slice and
     the largest values come from every rank (`TPGroup.topk`)."""
-    fused = fused_enabled(x) and x.dtype != torch.float64
+    fused = _fused(x)
     if sb.filter_width and (fused or not sb.any_open_top_p):
         vals = tp.topk(x, sb.filter_width)[0]
     else:
@@ -378,6 +390,12 @@ def filter_floor(x: torch.Tensor, sb: "SamplingBatch", tp: TPGroup = TPGroup()) 
     return torch.where(p[..., 0] < 1, cut, floor)
 
 
+def _fused(x: torch.Tensor) -> bool:
+    """Sampling's Triton kernels take these logits (float64, the tests' exact dtype,
+    stays on the torch path)."""
+    return fused_enabled(x) and x.dtype != torch.float64
+
+
 def _wide(x: torch.Tensor) -> torch.dtype:
     """The dtype sampling works in: float64 stays, anything else is float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -388,7 +406,7 @@ def _controlled(x: torch.Tensor, sb: SamplingBatch, bias=None, penalties=None) -
     `bias` = (bias, held-back flags: [B, 1 or R, C]; positions [B, R]), `penalties` =
     (output counts, prompt flags: [B, 1 or R, C]). On the fused path one launch, the same
     kernel for every caller, so equal inputs give bit-equal outputs."""
-    if fused_enabled(x) and x.dtype != torch.float64:
+    if _fused(x):
         from treeflash.ops.logit_controls import logit_controls
         return logit_controls(x, None if bias is None else (*bias, sb.min_end),
                               None if penalties is None else (*penalties, sb.repetition, sb.frequency, sb.presence))
@@ -532,7 +550,7 @@ def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp:
         return tp.argmax(logits, start)
     dtype = _wide(logits)
     floor = filter_floor(logits, sb, tp) if sb.any_filtered else None
-    if logits.is_cuda and logits.dtype != torch.float64 and triton_available():
+    if _fused(logits):
         from treeflash.ops.gumbel_argmax import gumbel_argmax
         value, index = gumbel_argmax(logits, sb.seed, positions, sb.temperature, vocab_start=start,
                                      with_values=True, floor=floor)
