@@ -540,7 +540,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(hf_checkpoint):
             SamplingParams(truncate_prompt_tokens=k)
         with pytest.raises(UsageError, match="truncate must be an integer >= 1, or -1"):  # 0 kept all, -2 cut 2
             llm.encode("ab ab", truncate=k)
-    with pytest.raises(UsageError, match="special must be True or False"):
+    with pytest.raises(UsageError, match="special must be true or false"):
         llm.encode("ab", special="no")
     # so is a conversation whose rendered text cannot fit (it took the tokenizer 26 s at 20 MB)
     from treeflash.chat import ChatTemplate

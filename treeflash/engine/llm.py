@@ -157,6 +157,18 @@ class _Batch:
     active: list[bool]     # what st.active holds (as queued)
 
 
+def check_int(name: str, value, least: int) -> None:
+    """A count given by the user: an int (True is not 1) of at least `least`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise UsageError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
+def check_flag(name: str, value) -> None:
+    """A switch given by the user: True or False ("false" would read as true)."""
+    if not isinstance(value, bool):
+        raise UsageError(f"{name} must be true or false, got {value!r}")
+
+
 def tree_budget(method: str, budget: int | None, max_budget: int, device: torch.device) -> int | None:
     """The DDTree budget `method` decodes with (if not given, the device's default: 64
     nodes on a GPU, where a wider verify costs little, 16 on a CPU, where it costs in
@@ -167,8 +179,7 @@ def tree_budget(method: str, budget: int | None, max_budget: int, device: torch.
         return None
     if budget is None:
         budget = min(DEFAULT_BUDGETS[device.type], max_budget)
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise UsageError(f"ddtree budget must be an integer >= 1, got {budget!r}")
+    check_int("ddtree budget", budget, 1)
     if budget > max_budget:
         raise UsageError(f"ddtree budget {budget} exceeds max_budget {max_budget} "
                          f"(raise it with --max-budget / max_budget=)")
@@ -206,32 +217,27 @@ class LLM:
                  enable_prefix_caching: bool = False, max_batch: int = 256, quantization: str | None = None,
                  *, _worker=None):
         # _worker: a tensor-parallel worker's runtime, building its shard of the driver's engine
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise UsageError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        check_int("max_batch", max_batch, 1)
         self.max_batch = max_batch
         self._generating = threading.RLock()
         for name, path in (("model", model), ("draft_model", draft_model)):
             if path is not None and not isinstance(path, (str, Path)):
                 raise UsageError(f"{name} must be a folder path, got {path!r}")
         model, draft_model = model_folder(model), model_folder(draft_model)  # or a hub id, from its cache
-        if isinstance(max_budget, bool) or not isinstance(max_budget, int) or max_budget < 1:
-            raise UsageError(f"max_budget must be an integer >= 1, got {max_budget!r}")
+        check_int("max_budget", max_budget, 1)
         self.max_budget = max_budget
         if method is not None and (not isinstance(method, str) or method not in METHODS):
             raise UsageError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
         if not isinstance(draft_mode, str) or draft_mode not in DRAFT_MODES:  # before any weight loads
             raise UsageError(f"unknown draft mode {draft_mode!r} (choose from {', '.join(DRAFT_MODES)})")
-        if not isinstance(cuda_graphs, bool):  # "false" would read as true
-            raise UsageError(f"cuda_graphs must be true or false, got {cuda_graphs!r}")
+        check_flag("cuda_graphs", cuda_graphs)
         if model is None:
             model, builtin_draft = builtin_paths()
             if draft_model is None and method != "ar" and (builtin_draft / "config.json").exists():
                 draft_model = builtin_draft
-        if not isinstance(enable_prefix_caching, bool):
-            raise UsageError(f"enable_prefix_caching must be true or false, got {enable_prefix_caching!r}")
+        check_flag("enable_prefix_caching", enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise UsageError(f"tp must be an integer >= 1, got {tp!r}")
+        check_int("tp", tp, 1)
         if quantization not in (None, "fp8"):
             raise UsageError(f"unknown quantization {quantization!r} (supported: fp8)")
         self.device = resolve_device(device)
@@ -271,9 +277,8 @@ class LLM:
         if method is None:
             method = "ddtree" if dcfg is not None else "ar"
         budget = tree_budget(method, budget, max_budget, self.device)
-        if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
-                                          or max_model_len < 2):
-            raise UsageError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        if max_model_len is not None:
+            check_int("max_model_len", max_model_len, 2)
         if max_model_len is not None and max_model_len > self.config.max_position_embeddings:
             raise UsageError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                              f"({self.config.max_position_embeddings}): positions past it were never trained")
@@ -341,8 +346,8 @@ class LLM:
         budget = tree_budget(method, budget, self.max_budget, self.device)
         if method != "ar" and self.drafter is None:
             raise UsageError(f"method '{method}' needs a draft model")
-        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
-            raise UsageError(f"cuda_graphs must be true or false, got {cuda_graphs!r}")
+        if cuda_graphs is not None:
+            check_flag("cuda_graphs", cuda_graphs)
         other = copy.copy(self)
         other._decode_with(method, budget, draft_mode or self.decoder.draft_mode,
                            self.cuda_graphs if cuda_graphs is None else cuda_graphs, self.decoder.backend)
@@ -460,8 +465,7 @@ class LLM:
     def token_ids(self, prompt: str | list[int], special: bool = True) -> list[int]:
         """Checked token ids of a prompt, of any length; `special`: let the tokenizer add
         its special tokens (BOS), as for plain text (not for a rendered chat template)."""
-        if not isinstance(special, bool):
-            raise UsageError(f"special must be True or False, got {special!r}")
+        check_flag("special", special)
         if isinstance(prompt, str):
             try:
                 prompt.encode("utf-8")
@@ -552,7 +556,7 @@ class LLM:
         max_len = max(len(i) + m for i, m in zip(ids, limits)) + headroom
         start = time.perf_counter()
         drop = self.states.to_drop(len(ids), max_len)
-        reuse = self.states.prefix_to_reuse(len(ids), max_len, ids, params, drop,
+        reuse = self.states.prefix_to_reuse(max_len, ids, params, drop,
                                             [self.automaton(p) for p in params])
         starts = None if reuse is None else reuse[1]
         first, lp, plp = self._tp.call(self, "_start", (len(ids), max_len, params, ids, drop, reuse))

@@ -80,7 +80,7 @@ class KeptStates:
     alike whatever their own free memory; `runner` and `drop` run on every rank."""
 
     def __init__(self, decoder: SpeculativeDecoder, device: torch.device, graphs: bool, prefix_caching: bool,
-                 group: TPGroup = TPGroup()):
+                 group: TPGroup):
         self.decoder, self.device, self.group = decoder, device, group
         self.graphs, self.prefix_caching = graphs, prefix_caching
         self.graphed: OrderedDict[Key, GraphedState] = OrderedDict()  # most recently used last
@@ -131,7 +131,7 @@ class KeptStates:
             drop.append(kept.pop(0).key)
         return drop
 
-    def prefix_to_reuse(self, batch: int, max_len: int, prompts: list[list[int]], params: list[SamplingParams],
+    def prefix_to_reuse(self, max_len: int, prompts: list[list[int]], params: list[SamplingParams],
                         drop: list[Key], automata=None) -> tuple[Key, list[int]] | None:
         """Prefix caching, on the driver: the kept state to reuse (its key) and per request
         how many of its prompt's first tokens that state holds already (its last token is
@@ -144,6 +144,7 @@ class KeptStates:
         over before the rest prefills (a conversation outgrows its cache bucket)."""
         if not self.prefix_caching or any(p.prompt_logprobs is not None for p in params):
             return None
+        batch = len(prompts)
         key = state_key(batch, max_len)
         if self.graphs:
             mode = SamplingBatch.mode_of(params, automata)

@@ -215,13 +215,14 @@ class Engine:
 # ----------------------------------------------------------------------------- the runtime
 
 _RUNTIMES: dict[tuple[int, str], "Runtime"] = {}
-_STARTED: list[tuple[int, str]] = []  # the key of every runtime this process started, closed ones too
+_started_any = False  # whether this process ever started a runtime (closed ones count too)
 
 
 def attach(size: int, device: torch.device, kwargs: dict, config, draft_config, worker: "Runtime | None" = None):
     """The tensor-parallel handle an `LLM` is built with: rank, size, group, device, and
     `call` to run one of its methods on every rank. Starts the workers if needed and
     posts the build of this engine to them (they load while the driver loads)."""
+    global _started_any
     if worker is not None:  # a worker building its shard of the driver's engine
         return WorkerEngine(worker)
     if size == 1:
@@ -232,7 +233,7 @@ def attach(size: int, device: torch.device, kwargs: dict, config, draft_config, 
     if rt is None or rt.closed or rt.failure is not None:
         rt = start(size, device)
         _RUNTIMES[key] = rt
-        _STARTED.append(key)
+        _started_any = True
     return rt.new_engine(kwargs)
 
 
@@ -792,4 +793,4 @@ def shutdown_runtimes() -> bool:
             rt.shutdown(graceful=True)
         except Exception:
             pass
-    return bool(_STARTED)
+    return _started_any
