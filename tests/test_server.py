@@ -198,7 +198,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "temperature": 3}, 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k"),
-    ("/v1/completions", {"prompt": "x", "seed": -2}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "seed": -2 ** 63 - 1}, 400, "seed"),
     ("/v1/completions", {"prompt": "x", "seed": -1.0}, 400, "seed"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "max"}, 400,
      "reasoning_effort"),
@@ -430,6 +430,47 @@ def test_echo_with_logprobs_scores_the_prompt(client, llm):
     assert lp["token_logprobs"][1:] == [e.logprob for e in want.prompt_logprobs[1:] + want.logprobs]
     assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(ids) + 1)]
     assert all(2 <= len(t) <= 3 for t in lp["top_logprobs"][1:])
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_only(client, llm):
+    """OpenAI's legacy scoring call (GPT-3-era harnesses): echo, logprobs and max_tokens
+    0 give the prompt, its tokens' log-probabilities and no generated token, whole and
+    streamed; max_tokens 0 without echo is still refused."""
+    tok, ids = llm.tokenizer, llm.encode(PROMPT)
+    want = llm.generate(PROMPT, SamplingParams(max_new_tokens=1, logprobs=2, prompt_logprobs=2))[0]
+    body = {"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 2}
+    got = client.post("/v1/completions", json=body).json()
+    choice = got["choices"][0]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == [tok.token_text(t) for t in ids]
+    assert choice["logprobs"]["token_logprobs"][1:] == [e.logprob for e in want.prompt_logprobs[1:]]
+    assert got["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    chunks = events(client.post("/v1/completions", json={**body, "logprobs": None, "stream": True,
+                                                         "stream_options": {"include_usage": True}}))
+    assert chunks.pop() == "[DONE]" and chunks[-1]["usage"]["completion_tokens"] == 0
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == PROMPT
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    bad = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+
+
+def test_what_openai_clients_send_as_nothing_is_taken(client):
+    """Values a client sends that ask for nothing: an empty model name (the served one,
+    as vLLM answers), OpenAI's chat fields at null or their text-only value, and a signed
+    64-bit seed (reproducible as any other)."""
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for extra in ({"model": ""}, {"function_call": None}, {"function_call": "none"}, {"modalities": ["text"]},
+                  {"audio": None}, {"prediction": None}, {"web_search_options": None}):
+        r = client.post("/v1/chat/completions", json={**chat, **extra})
+        assert r.status_code == 200, (extra, r.text)
+    for extra, param in (({"modalities": ["text", "audio"]}, "modalities"), ({"audio": {"voice": "x"}}, "audio"),
+                         ({"function_call": {"name": "f"}}, "function_call")):
+        r = client.post("/v1/chat/completions", json={**chat, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    sampled = {"prompt": PROMPT, "max_tokens": 8, "temperature": 1.0}
+    texts = [client.post("/v1/completions", json={**sampled, "seed": s}).json()["choices"][0]["text"]
+             for s in (-5, -5, -2 ** 63)]
+    assert texts[0] == texts[1]
 
 
 def test_prompt_logprobs_as_vllm_returns_them(client, llm):
@@ -1447,14 +1488,14 @@ def test_treeflash_serve_with_chat_parsers(chat_model):
 def slow_compiles(monkeypatch):
     """Every structured output takes `seconds` to compile (a large vocabulary's table
     does); `compiling` counts those started."""
-    import treeflash.engine.llm as llm_module
-    plain, compiling, seconds = llm_module.token_automaton, [], 1.0
+    import treeflash.structured.cache as cache_module
+    plain, compiling, seconds = cache_module.token_automaton, [], 1.0
 
     def slow(*args):
         compiling.append(1)
         time.sleep(seconds)
         return plain(*args)
-    monkeypatch.setattr(llm_module, "token_automaton", slow)
+    monkeypatch.setattr(cache_module, "token_automaton", slow)
     return compiling
 
 

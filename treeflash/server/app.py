@@ -356,6 +356,10 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
             parts = [req.message_stream() for _ in job.runs]
             while (item := await job.deltas.get()) is not _DONE:
                 i, delta, logprobs, generated = item
+                if req.echo_only:  # the prompt only: the generated token is dropped
+                    if delta is None:
+                        yield _sse(chunk(req, model_name, text="", index=i, finish_reason="length"))
+                    continue
                 if delta is None:  # choice i is done: the rest of its text, and why it ended
                     out = job.outputs[i]
                     reasoning, text, calls = parts[i].push(job.texts[i].finish(out.text), final=True)

@@ -30,6 +30,11 @@ UNSUPPORTED = {
     "spaces_between_special_tokens": ((None, True), "spaces_between_special_tokens = false is not supported"),
     "use_beam_search": ((None, False), "beam search is not supported"),
     "chat_template": ((None,), "a request's own chat_template is not supported"),
+    "function_call": ((None, "none", "auto"), "function calls are not supported (use tools)"),
+    "modalities": ((None, ["text"]), "only text output is supported"),
+    "audio": ((None,), "audio output is not supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
 }
 # The ways to ask for structured outputs: vLLM's (current and older) and OpenAI's
 STRUCTURED_KEYS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -129,6 +134,7 @@ class Request:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives per prompt token
     one_call: bool = False  # parallel_tool_calls false: the answer's first tool call only
     named_call: bool = False  # tool_choice names the function: its call ends with 'stop' (OpenAI's)
+    echo_only: bool = False  # completions' echo with max_tokens 0: the prompt (and its logprobs) only
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -163,6 +169,14 @@ def _number(body: dict, key: str, default, kind, lo=None, hi=None, lo_open=False
         bounds = f"{'>' if lo_open else '>='} {lo}" if hi is None else f"in {'(' if lo_open else '['}{lo}, {hi}]"
         raise APIError(f"'{key}' must be {bounds}, got {shown(value)}", param=key)
     return value
+
+
+def _seed(body: dict) -> int | None:
+    """The request's seed: vLLM's int64 range (-1: no seed); a negative one is taken mod 2^63."""
+    if body.get("seed") == -1 and not isinstance(body["seed"], float):  # vLLM's "no seed"
+        return None
+    seed = _number(body, "seed", None, int, -2 ** 63, 2 ** 63 - 1)
+    return None if seed is None else seed % 2 ** 63
 
 
 def _flag(body: dict, key: str, default: bool) -> bool:
@@ -226,8 +240,7 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
             frequency_penalty=float(_number(body, "frequency_penalty", 0.0, (int, float), -MAX_PENALTY, MAX_PENALTY)),
             repetition_penalty=float(_number(body, "repetition_penalty", defaults.repetition_penalty, (int, float),
                                              1 / MAX_REPETITION_PENALTY, MAX_REPETITION_PENALTY)),
-            seed=None if body.get("seed") == -1 and not isinstance(body["seed"], float)  # vLLM's "no seed"
-            else _number(body, "seed", None, int, 0, 2 ** 63 - 1), stop=stop,
+            seed=_seed(body), stop=stop,
             ignore_eos=_flag(body, "ignore_eos", False), stop_token_ids=list(stop_ids or []),
             logprobs=_logprobs(body, kind), skip_special_tokens=_flag(body, "skip_special_tokens", True),
             include_stop_str_in_output=_flag(body, "include_stop_str_in_output", False),
@@ -358,7 +371,7 @@ def check_model(body: dict, served: str | tuple[str, ...]) -> None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError(f"'model' must be a string, got {shown(model)}", param="model")
-    if model is not None and model not in names:
+    if model and model not in names:  # "" (as null): the served model, as vLLM answers
         raise APIError(f"the model {shown(model)} does not exist (this server serves "
                        f"{', '.join(repr(n) for n in names)})",
                        status=404, param="model", code="model_not_found")
@@ -395,6 +408,11 @@ def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_mode
     truncate = _truncation(body)
     ids = [_encode(encode, p, param="prompt", special=special, truncate=truncate) for p in prompts]
     stream, include_usage, continuous = _stream_flags(body)
+    # OpenAI's legacy API and vLLM: echo with max_tokens 0 scores the prompt and generates nothing
+    echo_only = body.get("echo") is True and type(body.get("max_tokens")) is int and body["max_tokens"] == 0 \
+        and body.get("max_completion_tokens") is None
+    if echo_only:
+        body = {**body, "max_tokens": 1}  # one token is generated (the engine needs a round), and dropped
     params = _sampling(body, [len(i) for i in ids], max_model_len, DEFAULT_COMPLETION_TOKENS, defaults, vocab_size,
                        "completion")
     echo = None
@@ -407,7 +425,7 @@ def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_mode
         params = replace(params, prompt_logprobs=params.logprobs)  # scoring a text, as lm-eval does
     params, k = _with_prompt_logprobs(body, params, stream)
     return Request("completion", ids, params, stream, include_usage, _choices(body, len(ids)), echo=echo,
-                   continuous_usage=continuous, prompt_logprobs=k)
+                   continuous_usage=continuous, prompt_logprobs=k, echo_only=echo_only)
 
 
 def _with_prompt_logprobs(body: dict, params: SamplingParams, stream: bool) -> tuple[SamplingParams, int | None]:
@@ -577,7 +595,8 @@ def _encode(encode, prompt, param: str, **kw) -> list[int]:
 def usage(req: Request, outputs) -> dict:
     """OpenAI's usage of a request's GenerationOutputs (n per prompt: its prompt counted
     once); with prefix caching, the prompt tokens found in the caches (its first choice's)."""
-    prompt_tokens, completion_tokens = sum(map(len, req.prompts)), sum(len(o.token_ids) for o in outputs)
+    prompt_tokens = sum(map(len, req.prompts))
+    completion_tokens = 0 if req.echo_only else sum(len(o.token_ids) for o in outputs)
     body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
     if outputs and "cached_tokens" in outputs[0].stats:
@@ -621,6 +640,9 @@ def response(req: Request, model: str, outputs, tokenizer=None) -> dict:
     names the tokens of logprobs, if asked)."""
     chat = req.kind == "chat"
     echoed = req.echo is not None and req.params.logprobs is not None
+    if req.echo_only:  # the generated token is dropped: text, logprobs and count are the prompt's
+        outputs = [replace(o, text="", token_ids=[], logprobs=[], finish_reason="length", stop_reason=None)
+                   for o in outputs]
     choices = [{"index": i, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
                 "logprobs": logprobs_body(req, (out.prompt_logprobs if echoed else []) + (out.logprobs or []),
                                           tokenizer),
