@@ -155,7 +155,7 @@ def test_dependent_launches_read_what_the_previous_kernel_wrote():
     each one's programs are placed while the previous kernel runs. A chain in which
     every kernel reads what the one before it wrote last, graphed and replayed, gives
     the bits of the same chain run a kernel at a time, and of torch."""
-    from treeflash.engine.round import capture
+    from treeflash.engine.graphs import capture
     from treeflash.kernels.chained import chained
     from treeflash.kernels.gemv import gemv
     from treeflash.ops.fused import add_rms_norm
@@ -198,7 +198,7 @@ def test_norms_that_add_the_projections_shares_change_no_bit(pair, monkeypatch):
     A 16-token forward over a cache, graphed as the engine runs it, gives the hidden
     states and tapped features of the same forward whose products add their own shares,
     bit for bit (bf16), and both have taken the split path."""
-    from treeflash.engine.round import capture
+    from treeflash.engine.graphs import capture
     from treeflash.layers import linear as linear_mod
     from treeflash.layers.attention import AttentionInputs
     from treeflash.ops import SplitSums

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import treeflash.engine.round as round_module
+import treeflash.engine.graphs as graphs_module
 from treeflash import LLM, SamplingParams
 from treeflash.engine.llm import builtin_paths
 from treeflash.engine.sampling import SamplingBatch
@@ -134,7 +134,7 @@ def _cpu_graphs(monkeypatch, llm: LLM) -> LLM:
             fn()
         out = fn()
         return _Replayed(fn, out), out
-    monkeypatch.setattr(round_module, "capture", capture)
+    monkeypatch.setattr(graphs_module, "capture", capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 0)
     llm.states.graphs = True
@@ -263,16 +263,16 @@ def test_a_failed_capture_leaves_nothing_to_reuse(monkeypatch):
     llm = _cpu_graphs(monkeypatch, LLM(method="dflash", device="cpu", dtype="float64", enable_prefix_caching=True))
     fresh = LLM(method="dflash", device="cpu", dtype="float64")
     first, answer, turn = _turns(llm, GREEDY)
-    working = round_module.capture
+    working = graphs_module.capture
 
     def failing(fn, warmup, pool=None):
         for _ in range(warmup):
             fn()
         raise RuntimeError("CUDA out of memory (simulated)")
-    monkeypatch.setattr(round_module, "capture", failing)
+    monkeypatch.setattr(graphs_module, "capture", failing)
     with pytest.raises(RuntimeError, match="out of memory"):
         llm.generate([5, 6, 7], SAMPLED)  # a mode new to the state
-    monkeypatch.setattr(round_module, "capture", working)
+    monkeypatch.setattr(graphs_module, "capture", working)
     got = llm.generate(turn, GREEDY)[0]
     assert got.stats["cached_tokens"] == 0
     assert got.token_ids == fresh.generate(turn, GREEDY)[0].token_ids

@@ -40,8 +40,9 @@ from treeflash.cli import add_structured_args, read_prompts, structured_from
 from treeflash.config import FP8_BLOCK, DraftConfig, ModelConfig, default_target_layer_ids
 from treeflash.distributed import TPGroup
 from treeflash.engine.llm import LLM, attention_backend, builtin_paths, resolve_device, resolve_dtype
+from treeflash.engine.graphs import capture
 from treeflash.engine.pipeline import RoundPipeline
-from treeflash.engine.round import SpeculativeDecoder, capture
+from treeflash.engine.round import SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch
 from treeflash.engine.tp import COMM_HINTS, check_devices, check_shardable, join_group, torchrun_env
 from treeflash.engine.tree import empty_tree

@@ -16,7 +16,8 @@ from collections import OrderedDict
 import torch
 
 from treeflash.distributed import TPGroup
-from treeflash.engine.round import PREFILL_ALIGN, BatchState, GraphedState, SpeculativeDecoder, prefill_width
+from treeflash.engine.graphs import GraphedState
+from treeflash.engine.round import PREFILL_ALIGN, BatchState, SpeculativeDecoder, prefill_width
 from treeflash.engine.sampling import SamplingBatch
 from treeflash.errors import InStepError, TreeflashError
 from treeflash.memory import available_bytes
