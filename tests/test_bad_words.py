@@ -18,7 +18,7 @@ import torch
 from treeflash import LLM, SamplingParams, UsageError
 from treeflash.engine.llm import builtin_paths
 from treeflash.engine.sampling import _recent_tokens
-from treeflash.engine.tree import build_tree
+from tree_oracle import tree_of_logprobs
 
 PROMPTS = ["def add(a, b):\n    ", "def f(x):\n    if x:\n        return x\n    "]
 WORDS = [["return"], ["a + b", "return x"], ["self", " x"]]
@@ -72,7 +72,7 @@ def test_recent_tokens_follow_each_nodes_path():
     against a walk up the parents, on random trees."""
     gen = torch.Generator().manual_seed(0)
     B, D, V, K = 3, 6, 40, 5
-    tree = build_tree(torch.randn(B, D, V, generator=gen).log_softmax(-1), torch.randint(0, V, (B,), generator=gen), 30)
+    tree = tree_of_logprobs(torch.randn(B, D, V, generator=gen).log_softmax(-1), torch.randint(0, V, (B,), generator=gen), 30)
     recent = torch.randint(0, V, (B, K), generator=gen)
     recent[0, :2] = -1  # a short output
     got = _recent_tokens(recent, (tree.tokens, tree.ancestors), tree.tokens.shape[1])

@@ -30,7 +30,8 @@ import torch
 from treeflash import LLM, SamplingParams, TreeflashError, UsageError
 from treeflash.distributed import TPGroup
 from treeflash.engine.sampling import SamplingBatch, sample
-from treeflash.engine.tree import build_tree, build_tree_from_topk
+from tree_oracle import tree_of_logprobs
+from treeflash.engine.tree import build_tree
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 260  # the tiny tokenizer's 259 ids, padded to a multiple of 4
@@ -358,11 +359,11 @@ def test_sharded_draft_topk_and_tree(n):
     logprobs = torch.log_softmax(logits, -1)
     want_vals, want_ids = logprobs.topk(budget, -1)
     anchor = torch.tensor([1, 2, 3])
-    want = build_tree(logprobs, anchor, budget)
+    want = tree_of_logprobs(logprobs, anchor, budget)
 
     def ranked(tp):
         vals, ids = tp.topk(_shard(logits, tp), budget, tp.rank * (V // n), log_softmax=True)
-        return vals, ids, build_tree_from_topk(vals, ids, anchor, budget)
+        return vals, ids, build_tree(vals, ids, anchor, budget)
 
     results = on_ranks(n, ranked)
     for vals, ids, tree in results:

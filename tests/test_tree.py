@@ -8,11 +8,10 @@ import math
 
 import pytest
 import torch
-from tree_oracle import best_prefixes_heap
+from tree_oracle import best_prefixes_heap, chain_of_scores, tree_of_logprobs
 
 from treeflash.engine.kv_cache import KVCache
-from treeflash.engine.tree import (DraftTree, _ancestor_matrix, build_chain, build_tree,
-                                   empty_tree, walk)
+from treeflash.engine.tree import DraftTree, _ancestor_matrix, empty_tree, walk
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -96,7 +95,7 @@ def test_build_tree_matches_heap_reference(block_size, budget, vocab):
     lp = random_logprobs(B, D, vocab, seed=block_size * 1000 + budget * 7 + vocab)
     lp[1] = lp[0].roll(1, dims=-1)  # same probabilities, other tokens: rows must not be mixed up
     anchor = torch.tensor([11, 22, 33])
-    tree = build_tree(lp, anchor, budget)
+    tree = tree_of_logprobs(lp, anchor, budget)
     assert tree.size == budget
     assert tree.tokens[:, 0].tolist() == anchor.tolist()
     check_structure(tree, D)
@@ -114,7 +113,7 @@ def test_build_tree_matches_heap_reference(block_size, budget, vocab):
 def test_build_tree_pads_when_fewer_prefixes_than_budget():
     """vocab 3, depth 3: only 39 prefixes exist; a budget of 64 gets all 39 plus 25 invalid pads."""
     lp = random_logprobs(2, 3, 3, seed=5)
-    tree = build_tree(lp, torch.tensor([1, 2]), 64)
+    tree = tree_of_logprobs(lp, torch.tensor([1, 2]), 64)
     check_structure(tree, 3)
     every = {p for d in range(1, 4) for p in itertools.product(range(3), repeat=d)}
     for b in range(2):
@@ -128,7 +127,7 @@ def test_build_tree_with_filtered_draft_scores():
     V, D = 50, 3
     lp = torch.full((1, D, V), float("-inf"))
     lp[0, :, 7], lp[0, :, 9] = math.log(0.7), math.log(0.3)
-    tree = build_tree(lp, torch.tensor([0]), 16)
+    tree = tree_of_logprobs(lp, torch.tensor([0]), 16)
     check_structure(tree, D)
     got = node_prefixes(tree, 0)
     assert set(got) == {p for d in range(1, D + 1) for p in itertools.product((7, 9), repeat=d)}
@@ -143,7 +142,7 @@ def test_build_tree_certain_draft_gives_the_chain():
     for d in range(D):
         lp[0, d, (3 * d) % V] = 0.0
         lp[1, d, 5] = 0.0
-    tree = build_tree(lp, torch.tensor([1, 1]), D)
+    tree = tree_of_logprobs(lp, torch.tensor([1, 1]), D)
     check_structure(tree, D)
     assert node_prefixes(tree, 0) == [tuple((3 * d) % V for d in range(k)) for k in range(1, D + 1)]
     assert node_prefixes(tree, 1) == [(5,) * k for k in range(1, D + 1)]
@@ -152,7 +151,7 @@ def test_build_tree_certain_draft_gives_the_chain():
 def test_build_chain_is_top1_per_depth():
     lp = random_logprobs(3, 7, 40, seed=1)
     anchor = torch.tensor([4, 5, 6])
-    chain = build_chain(lp, anchor)
+    chain = chain_of_scores(lp, anchor)
     check_structure(chain, 7)
     assert chain.depths[0].tolist() == list(range(8))
     for b in range(3):
@@ -184,7 +183,7 @@ def test_tree_maximises_expected_acceptance(D, V, budget):
     size, found by brute force; and the walk really delivers that expectation when the
     target follows the draft distributions (exact enumeration of target outcomes)."""
     lp = random_logprobs(1, D, V, seed=100 * D + 10 * V + budget, scale=1.0)
-    tree = build_tree(lp, torch.tensor([0]), budget)
+    tree = tree_of_logprobs(lp, torch.tensor([0]), budget)
     check_structure(tree, D)
     nodes = node_prefixes(tree, 0)
     value = sum(path_value(lp[0], p) for p in nodes)
@@ -261,7 +260,7 @@ def test_walk_on_built_tree_with_padding():
     """On a real padded tree, a target that matches every node's token (valid or not)
     accepts exactly one valid path, whatever the padding nodes hold."""
     lp = random_logprobs(1, 2, 3, seed=9)
-    tree = build_tree(lp, torch.tensor([0]), 20)  # 12 prefixes + 8 pads
+    tree = tree_of_logprobs(lp, torch.tensor([0]), 20)  # 12 prefixes + 8 pads
     assert int((~tree.valid).sum()) == 8
     for pad in torch.nonzero(~tree.valid[0]).flatten().tolist():
         target = torch.zeros(1, 21, dtype=torch.long)
@@ -271,7 +270,7 @@ def test_walk_on_built_tree_with_padding():
 
 
 def test_walk_chain():
-    chain = build_chain(torch.log_softmax(torch.randn(2, 4, 10), -1), torch.tensor([1, 2]))
+    chain = chain_of_scores(torch.log_softmax(torch.randn(2, 4, 10), -1), torch.tensor([1, 2]))
     target = torch.cat([chain.tokens[:, 1:], torch.tensor([[3], [3]])], 1)  # target agrees everywhere
     target[1, 2] = (chain.tokens[1, 3] + 1) % 10                           # row 1: disagrees at depth 3
     w = walk(chain, target, 4)

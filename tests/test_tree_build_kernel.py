@@ -11,7 +11,7 @@ from interpreter import DEV, kernel, run_interpreted, spawns_interpreter
 from test_tree import check_structure, node_prefixes, random_logprobs
 from tree_oracle import best_prefixes_heap
 
-from treeflash.engine.tree import build_tree_from_topk
+from treeflash.engine.tree import build_tree
 
 pytest.importorskip("triton")
 from treeflash.kernels.tree_build import MAX_BUDGET, build_tree_fused, candidate_pairs  # noqa: E402
@@ -45,7 +45,7 @@ def both(top_vals, top_ids, anchor, budget):
     """(fused tree on DEV, moved to the CPU; torch builder's tree on the CPU)."""
     got = build_tree_fused(top_vals.to(DEV), top_ids.to(DEV), anchor.to(DEV), budget)
     got = type(got)(*(getattr(got, f).cpu() for f in ("tokens", "parents", "depths", "ancestors", "valid")))
-    return got, build_tree_from_topk(top_vals, top_ids, anchor, budget)
+    return got, build_tree(top_vals, top_ids, anchor, budget)
 
 
 # (B, D, V, budget, K): K columns of each depth's sorted distribution are passed (None: min(budget, V))

@@ -9,7 +9,8 @@ from interpreter import DEV, kernel, run_interpreted, spawns_interpreter
 from test_tree import PARENTS, TOKENS, make_tree, random_logprobs
 
 from treeflash.engine.kv_cache import KVCache
-from treeflash.engine.tree import build_chain, build_tree, empty_tree, walk
+from tree_oracle import chain_of_scores, tree_of_logprobs
+from treeflash.engine.tree import empty_tree, walk
 
 pytest.importorskip("triton")
 from treeflash.kernels.walk import compact_fused, walk_fused  # noqa: E402
@@ -58,7 +59,7 @@ def test_walk_on_hand_built_trees():
 def test_walk_on_built_trees(B, D, V, budget):
     """DDTrees (padding nodes included where the vocabulary is short) against targets
     that accept nothing, some, or every edge they can."""
-    tree = build_tree(random_logprobs(B, D, V, seed=budget), torch.arange(B) + 3, budget)
+    tree = tree_of_logprobs(random_logprobs(B, D, V, seed=budget), torch.arange(B) + 3, budget)
     for seed, accept in enumerate([0.0, 0.3, 0.7, 1.0]):
         ref = check_walk(tree, matching_target(tree, accept, seed), D)
         if accept == 1.0:
@@ -69,7 +70,7 @@ def test_walk_on_built_trees(B, D, V, budget):
 @pytest.mark.parametrize("D", [1, 3, 15])
 def test_walk_on_chains_and_the_empty_tree(D):
     B = 3
-    chain = build_chain(random_logprobs(B, D, 50, seed=D), torch.tensor([1, 2, 3]))
+    chain = chain_of_scores(random_logprobs(B, D, 50, seed=D), torch.tensor([1, 2, 3]))
     for seed, accept in enumerate([0.0, 0.5, 1.0]):
         check_walk(chain, matching_target(chain, accept, seed), D)
     ar = empty_tree(torch.tensor([4, 5, 6]))

@@ -6,6 +6,21 @@ from __future__ import annotations
 import heapq
 
 import numpy as np
+import torch
+
+from treeflash.engine.tree import DraftTree, build_chain, build_tree
+
+
+def tree_of_logprobs(logprobs: torch.Tensor, anchor: torch.Tensor, budget: int) -> DraftTree:
+    """`build_tree` of whole per-depth distributions logprobs [B, D, V] (the engine feeds
+    it each depth's top-k)."""
+    top_vals, top_ids = logprobs.float().topk(min(budget, logprobs.shape[-1]), dim=-1)
+    return build_tree(top_vals, top_ids, anchor, budget)
+
+
+def chain_of_scores(scores: torch.Tensor, anchor: torch.Tensor) -> DraftTree:
+    """DFlash-linear's chain: the top-1 token of scores [B, D, V] at every depth."""
+    return build_chain(scores.argmax(-1), anchor)
 
 
 def best_prefixes_heap(logprobs, budget: int) -> list[tuple[int, ...]]:

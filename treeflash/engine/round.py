@@ -20,7 +20,7 @@ import torch
 
 from treeflash.engine.kv_cache import DraftContextCache, KVCache
 from treeflash.engine.sampling import SamplingBatch, apply_bias, grammar_masked, gumbel_noise, logprobs_of, sample
-from treeflash.engine.tree import DraftTree, build_chain_from_tokens, build_tree_from_topk, walk
+from treeflash.engine.tree import DraftTree, build_chain, build_tree, walk
 from treeflash.errors import TreeflashError, UsageError
 from treeflash.layers.attention import AttentionInputs
 from treeflash.memory import available_bytes
@@ -285,7 +285,7 @@ class SpeculativeDecoder:
         key = (draft.shape, draft.device)
         if key not in self._chains:  # a capture's warm-up rounds come first: made outside the graph
             assert not (draft.is_cuda and torch.cuda.is_current_stream_capturing()), "chain made during a capture"
-            self._chains[key] = build_chain_from_tokens(draft, anchor)
+            self._chains[key] = build_chain(draft, anchor)
         return replace(self._chains[key], tokens=torch.cat([anchor[:, None], draft], dim=1))
 
     def tree_from_logits(self, logits: torch.Tensor, anchor: torch.Tensor) -> DraftTree:
@@ -302,7 +302,7 @@ class SpeculativeDecoder:
             if key not in self._candidates:
                 self._candidates[key] = tree_candidates(self.budget, min(self.budget, vals.shape[-1]), vals.device)
             return build_tree_fused(vals, ids, anchor, self.budget, self._candidates[key])
-        return build_tree_from_topk(vals, ids, anchor, self.budget)
+        return build_tree(vals, ids, anchor, self.budget)
 
     def verify(self, st: BatchState, tree: DraftTree):
         """The target over the root and every node of `tree` in one pass (each node sees

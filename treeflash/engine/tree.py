@@ -40,18 +40,10 @@ def _ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
 
 def empty_tree(anchor: torch.Tensor) -> DraftTree:
     """Autoregressive decoding: the root alone (a chain of no draft tokens)."""
-    return build_chain_from_tokens(anchor.new_zeros(anchor.shape[0], 0), anchor)
+    return build_chain(anchor.new_zeros(anchor.shape[0], 0), anchor)
 
 
-def build_chain(scores: torch.Tensor, anchor: torch.Tensor) -> DraftTree:
-    """DFlash-linear: the top-1 token at every depth, each the child of the previous one.
-
-    scores [B, D, V]: draft scores (log-probabilities or perturbed logits) for depths 1..D.
-    """
-    return build_chain_from_tokens(scores.argmax(-1), anchor)
-
-
-def build_chain_from_tokens(draft: torch.Tensor, anchor: torch.Tensor) -> DraftTree:
+def build_chain(draft: torch.Tensor, anchor: torch.Tensor) -> DraftTree:
     """The chain of draft tokens [B, D] (depths 1..D) below the anchor."""
     B, D = draft.shape
     dev = anchor.device
@@ -64,9 +56,13 @@ def build_chain_from_tokens(draft: torch.Tensor, anchor: torch.Tensor) -> DraftT
                      torch.ones(B, D + 1, dtype=torch.bool, device=dev))
 
 
-def build_tree(logprobs: torch.Tensor, anchor: torch.Tensor, budget: int) -> DraftTree:
+def build_tree(top_vals: torch.Tensor, top_ids: torch.Tensor, anchor: torch.Tensor, budget: int) -> DraftTree:
     """DDTree: the `budget` most probable prefixes (depth <= D) of the per-depth draft
-    distributions logprobs [B, D, V], exactly, as a tree below the anchor.
+    distributions, exactly, as a tree below the anchor; fed each depth's top-K
+    candidates: top_vals [B, D, K] log-probabilities in descending order and top_ids
+    [B, D, K] their token ids, K >= min(budget, V) (a sharded vocabulary's local top-k,
+    all-gathered and reduced: see `TPGroup.topk`). Only the first min(budget, K)
+    columns are used.
 
     Beam per depth: the top-N prefixes of depth d are among (top-N prefixes of depth
     d-1) x (top-N tokens at depth d), so one top-k over an N x K score matrix per
@@ -74,16 +70,6 @@ def build_tree(logprobs: torch.Tensor, anchor: torch.Tensor, budget: int) -> Dra
     union of the beams; a stable sort over depth-major candidates breaks ties toward
     shallower nodes, so a parent always precedes its children.
     """
-    top_vals, top_ids = logprobs.float().topk(min(budget, logprobs.shape[-1]), dim=-1)
-    return build_tree_from_topk(top_vals, top_ids, anchor, budget)
-
-
-def build_tree_from_topk(top_vals: torch.Tensor, top_ids: torch.Tensor, anchor: torch.Tensor,
-                         budget: int) -> DraftTree:
-    """`build_tree` fed each depth's top-K candidates instead of whole distributions:
-    top_vals [B, D, K] log-probabilities in descending order and top_ids [B, D, K] their
-    token ids, K >= min(budget, V) (a sharded vocabulary's local top-k, all-gathered and
-    reduced: see `TPGroup.topk`). Only the first min(budget, K) columns are used."""
     B, D, K = top_vals.shape
     N = budget
     K = min(N, K)

@@ -1,4 +1,4 @@
-"""The DDTree builder (`engine.tree.build_tree_from_topk`) as ONE Triton launch.
+"""The DDTree builder (`engine.tree.build_tree`) as ONE Triton launch.
 
 The torch builder is ~100 tiny kernels (a top-k per depth, then sort / scatter /
 gather and the ancestor matrix); under a CUDA graph that is still ~1 ms, more than a
@@ -243,7 +243,7 @@ def _warps(candidates: int, entries: int) -> int:
 
 def build_tree_fused(top_vals: torch.Tensor, top_ids: torch.Tensor, anchor: torch.Tensor,
                      budget: int, candidates: torch.Tensor | None = None) -> DraftTree:
-    """`engine.tree.build_tree_from_topk` in one launch: same arguments (top_vals [B, D, K]
+    """`engine.tree.build_tree` in one launch: same arguments (top_vals [B, D, K]
     descending log-probabilities, top_ids [B, D, K], K >= min(budget, V), anchor [B]),
     same tree. Equal scores are broken deterministically (beam: lower (rank, column)
     pair first), not necessarily as torch.topk does. `candidates`: `tree_candidates` of
