@@ -283,6 +283,21 @@ def test_shape_mode_tp2_over_gloo(tmp_path, capfd):
             assert r2["ratio"] == pytest.approx(r2["time_us"] / r2["floor_us"], rel=1e-2)
 
 
+def test_shape_mode_times_the_draft_mode_asked_for(monkeypatch, capsys):
+    """--draft-mode reaches the shape mode's rounds: sampled drafts were always timed
+    'coupled', whatever was asked for."""
+    from treeflash.engine.round import SpeculativeDecoder
+    draft_logits, seen = SpeculativeDecoder.draft_logits, set()
+
+    def spy(self, st):
+        seen.add(self.draft_mode)
+        return draft_logits(self, st)
+
+    monkeypatch.setattr(SpeculativeDecoder, "draft_logits", spy)
+    assert main(TINY + ["--draft-mode", "scaled", "--temperatures", "0.7"]) == 0, capsys.readouterr().err
+    assert seen == {"scaled"}
+
+
 def test_bench_argv_round_trip():
     """The ranks are started with the parent's options rebuilt from its parsed arguments."""
     args = build_parser().parse_args(["bench", "--shape", "tiny", "--contexts", "32,64", "--tp", "2", "--eos",

@@ -664,7 +664,7 @@ def copy_bandwidth(device: torch.device, mib: int) -> float:
     return 2 * n / (us * 1e-6)
 
 
-def round_ops(target, drafter, st, context: int, budgets: list[int], backend: str):
+def round_ops(target, drafter, st, budgets: list[int], backend: str, draft_mode: str):
     """[(op, N, kind, fn, is_round)] for one state: the pieces of a round and whole rounds.
 
     kind names the memory floor (`op_bytes`); every fn reads `st`, whose `n` the
@@ -674,7 +674,7 @@ def round_ops(target, drafter, st, context: int, budgets: list[int], backend: st
     forward + LM head (the slice: sampling reads it without gathering the vocabulary)."""
     def decoder(method, budget=0):
         return SpeculativeDecoder(target, drafter if method != "ar" else None, method, budget,
-                                  attention_backend=backend)
+                                  draft_mode=draft_mode, attention_backend=backend)
 
     ar, dflash = decoder("ar"), decoder("dflash")
     ar_state = dataclasses.replace(st, draft_cache=None)  # same buffers, no drafter context
@@ -876,7 +876,7 @@ def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets,
         st.n.copy_(n0)
 
     rows, ar_us = [], None
-    for op, n, kind, fn, is_round in round_ops(target, drafter, st, context, budgets, backend):
+    for op, n, kind, fn, is_round in round_ops(target, drafter, st, budgets, backend, args.draft_mode):
         us, wall = measure_op(fn, reset, args.iters, graphs, device, is_round)
         ar_us = us if op == "ar" else ar_us
         tokens = bs * (1 if op == "ar" else n + 1)  # target tokens: root + N (draft: the round's D + 1)
