@@ -704,9 +704,8 @@ def new_shape_state(target, drafter, context: int, batch: int, temperature: floa
     """A batch state as if every request had committed `context` tokens. The caches
     hold zeros: attention reads them all the same."""
     dev = target.lm_head.weight.device
-    dec = SpeculativeDecoder(target, drafter, "dflash")
-    slots = max(max(budgets) + 1, drafter.block_size)
-    capacity = -(-(context + slots) // 256) * 256  # tight: graph kernels size their work by capacity
+    dec = SpeculativeDecoder(target, drafter, "ddtree", max(budgets))  # the round that needs the most slots
+    capacity = -(-(context + dec.tree_slots) // 256) * 256  # tight: graph kernels size their work by capacity
     params = [SamplingParams(temperature=temperature, seed=seed + i, **(filters or {})) for i in range(batch)]
     st = dec.new_state(batch, capacity, SamplingBatch.from_params(params, dev))
     st.n.fill_(context)
