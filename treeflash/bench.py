@@ -42,7 +42,7 @@ from treeflash.distributed import TPGroup
 from treeflash.engine.llm import LLM, attention_backend, builtin_paths, resolve_device, resolve_dtype
 from treeflash.engine.graphs import capture
 from treeflash.engine.pipeline import RoundPipeline
-from treeflash.engine.round import SpeculativeDecoder
+from treeflash.engine.round import DRAFT_MODES, METHODS, SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch
 from treeflash.engine.tp import COMM_HINTS, check_devices, check_shardable, join_group, torchrun_env
 from treeflash.engine.tree import empty_tree
@@ -56,7 +56,7 @@ from treeflash.tokenizer import Tokenizer
 
 PAIR_BUDGETS = "16,32,64,128,256"
 SHAPE_BUDGETS = "0,15,31,63,127,255"
-PAIR_METHODS = "ar,dflash,ddtree"
+PAIR_METHODS = ",".join(METHODS)
 PAIR_NEW_TOKENS = 128
 SHAPE_CONTEXTS = "1024,4096,16384"
 SHAPE_DRAFT_LAYERS = 5
@@ -98,7 +98,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompt-file", help="one prompt per line, or JSONL with a 'prompt' field")
     p.add_argument("--corpus", help="tokenized corpus folder (treeflash train corpus): prompts from its held-out split")
     p.add_argument("--num-prompts", type=int, help="how many prompts to use (default: all of the file, else 8)")
-    p.add_argument("--methods", default=PAIR_METHODS, help="comma list of ar, dflash, ddtree")
+    p.add_argument("--methods", default=PAIR_METHODS, help=f"comma list of {', '.join(METHODS)}")
     p.add_argument("--budgets", help=f"DDTree budgets N (default {PAIR_BUDGETS}; --shape: {SHAPE_BUDGETS})")
     p.add_argument("--max-budget", type=int, default=512,
                    help="the largest budget accepted (default 512, as for generate: a round verifies N + 1 "
@@ -115,7 +115,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                                                              "(model-pair mode; default: none)")
     p.add_argument("--eos", action="store_true", help="stop requests at EOS (default: always generate "
                                                       "--max-new-tokens, so every method does the same work)")
-    p.add_argument("--draft-mode", default="coupled", choices=["scaled", "coupled"],
+    p.add_argument("--draft-mode", default="coupled", choices=DRAFT_MODES,
                    help="how trees are drafted at T > 0 (see SpeculativeDecoder)")
     add_structured_args(p)  # every request of model-pair mode constrained alike
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
@@ -251,9 +251,8 @@ def load_prompts(args) -> list:
 
 def pair_configs(methods: list[str], budgets: list[int]) -> list[tuple[str, int | None]]:
     """(method, budget) in run order: AR first, so every later row knows its speedup."""
-    order = {"ar": 0, "dflash": 1, "ddtree": 2}
     out = []
-    for m in sorted(methods, key=order.__getitem__):
+    for m in sorted(methods, key=METHODS.index):
         out += [(m, n) for n in budgets] if m == "ddtree" else [(m, None)]
     return out
 
@@ -324,9 +323,9 @@ def bench_pairs(args) -> int:
         raise UsageError(f"{shape_only[0]} applies to --shape only (model-pair mode times whole requests "
                          f"on a real model pair, in one process)")
     methods = parse_list(args.methods, str, "method")
-    bad = [m for m in methods if m not in ("ar", "dflash", "ddtree")]
+    bad = [m for m in methods if m not in METHODS]
     if bad:
-        raise UsageError(f"unknown method '{bad[0]}' (choose from ar, dflash, ddtree)")
+        raise UsageError(f"unknown method '{bad[0]}' (choose from {', '.join(METHODS)})")
     budgets = parse_budgets(args, minimum=None)
     if "ddtree" in methods and min(budgets) < 1:
         raise UsageError(f"ddtree budget must be >= 1, got {min(budgets)}")
