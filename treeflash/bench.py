@@ -910,11 +910,12 @@ SHAPE_COLUMNS = [("context", "context", "{}"), ("bs", "batch_size", "{}"), ("T",
 TP_COLUMNS = [("allred us", "allreduce_us", "{:.1f}"), ("allred", "allreduce_share", "{:.0%}")]
 
 
+SHAPE_SETTING = ("context", "batch_size", "temperature", "graphs")  # the rows of one state
+
+
 def print_ratios(rows: list[dict]) -> None:
     """verify(N)/AR and round(N)/AR per setting: the cost of verifying a bigger tree."""
-    groups = dict.fromkeys((r["context"], r["batch_size"], r["temperature"], r["graphs"]) for r in rows)
-    for c, bs, t, g in groups:
-        sel = [r for r in rows if (r["context"], r["batch_size"], r["temperature"], r["graphs"]) == (c, bs, t, g)]
+    for (c, bs, t, g), sel in grouped(rows, SHAPE_SETTING).items():
         for op in ("verify", "round"):
             pairs = "  ".join(f"N={r['N']}: {r['vs_ar']:.2f}" for r in sel if r["op"] == op)
             if pairs:
@@ -924,6 +925,14 @@ def print_ratios(rows: list[dict]) -> None:
 # ---------------------------------------------------------------------------
 # Output: table, JSONL, plots
 # ---------------------------------------------------------------------------
+
+def grouped(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
+    """The rows by their values of `keys`, groups in the order they first appear."""
+    groups = {}
+    for r in rows:
+        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return groups
+
 
 def _cell(value, fmt: str) -> str:
     if value is None:
@@ -1011,9 +1020,8 @@ def plot_pairs(rows: list[dict], path: str) -> bool:
         return False
     labels = list(dict.fromkeys(r["label"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.0 * len(labels) + 2), 4.5))
-    for bs, t, g in dict.fromkeys((r["batch_size"], r["temperature"], r["graphs"]) for r in rows):
-        pts = {r["label"]: r["tokens_per_s"] for r in rows
-               if (r["batch_size"], r["temperature"], r["graphs"]) == (bs, t, g)}
+    for (bs, t, g), sel in grouped(rows, ("batch_size", "temperature", "graphs")).items():
+        pts = {r["label"]: r["tokens_per_s"] for r in sel}
         xs = [i for i, lab in enumerate(labels) if lab in pts]
         ax.plot(xs, [pts[labels[i]] for i in xs], marker="o",
                 label=f"bs {bs}, T {t:g}, graphs {'on' if g else 'off'}")
@@ -1033,9 +1041,7 @@ def plot_shape(rows: list[dict], path: str) -> bool:
     if plt is None or not rows:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    keys = dict.fromkeys((r["context"], r["batch_size"], r["temperature"], r["graphs"]) for r in rows)
-    for i, key in enumerate(keys):
-        sel = [r for r in rows if (r["context"], r["batch_size"], r["temperature"], r["graphs"]) == key]
+    for i, (key, sel) in enumerate(grouped(rows, SHAPE_SETTING).items()):
         tag = f"C={key[0]} bs {key[1]}" + (f" T {key[2]:g}" if key[2] else "") + ("" if key[3] else " eager")
         color = f"C{i % 10}"
         for op, style in (("verify", "-o"), ("round", "--s")):
