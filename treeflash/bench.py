@@ -1013,11 +1013,11 @@ def _pyplot():
     return plt
 
 
-def plot_pairs(rows: list[dict], path: str) -> bool:
+def plot_pairs(rows: list[dict], path: str) -> None:
     """tokens/s per method/budget, one line per (batch size, temperature, graphs)."""
     plt = _pyplot()
     if plt is None or not rows:
-        return False
+        return
     labels = list(dict.fromkeys(r["label"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.0 * len(labels) + 2), 4.5))
     for (bs, t, g), sel in grouped(rows, ("batch_size", "temperature", "graphs")).items():
@@ -1031,15 +1031,15 @@ def plot_pairs(rows: list[dict], path: str) -> bool:
     ax.set_title("treeflash bench: tokens/s by method")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    return _save(fig, plt, path)
+    _save(fig, plt, path)
 
 
-def plot_shape(rows: list[dict], path: str) -> bool:
+def plot_shape(rows: list[dict], path: str) -> None:
     """verify(N) and round(N) time against N, one color per setting, with the AR step
     as a dotted line: where tree size stops being free."""
     plt = _pyplot()
     if plt is None or not rows:
-        return False
+        return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (key, sel) in enumerate(grouped(rows, SHAPE_SETTING).items()):
         tag = f"C={key[0]} bs {key[1]}" + (f" T {key[2]:g}" if key[2] else "") + ("" if key[3] else " eager")
@@ -1060,10 +1060,10 @@ def plot_shape(rows: list[dict], path: str) -> bool:
     ax.set_title(f"treeflash bench --shape {rows[0]['shape']} (dotted: AR step)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    return _save(fig, plt, path)
+    _save(fig, plt, path)
 
 
-def _save(fig, plt, path: str) -> bool:
+def _save(fig, plt, path: str) -> None:
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=120)
@@ -1072,4 +1072,3 @@ def _save(fig, plt, path: str) -> bool:
     finally:
         plt.close(fig)
     print(f"wrote {Path(path)}", file=sys.stderr)
-    return True
