@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from treeflash.bench import batch_indices, bench_argv
+from treeflash.bench.pairs import batch_indices
+from treeflash.bench.shape import bench_argv
 from treeflash.checkpoints import write_random_drafter, write_random_target
 from treeflash.cli import build_parser, main
 from treeflash.engine.llm import builtin_paths
@@ -323,11 +324,11 @@ def test_shape_tp_failing_rank_is_one_line(tmp_path, monkeypatch, capfd):
     (tmp_path / "sitecustomize.py").write_text(
         "import os\n"
         "if os.environ.get('RANK') == '1':\n"
-        "    import treeflash.bench as bench\n"
+        "    import treeflash.bench.shape as shape\n"
         "    from treeflash.errors import TreeflashError\n"
         "    def fail(*args, **kwargs):\n"
         "        raise TreeflashError('no room for the shard')\n"
-        "    bench.random_models = fail\n")
+        "    shape.random_models = fail\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     assert main(TINY + ["--tp", "2"]) == 1
     lines = capfd.readouterr().err.strip().splitlines()
@@ -369,12 +370,12 @@ def test_time_wall_runs_rounds_back_to_back_one_behind(monkeypatch):
     """The shape bench's wall time per round: `iters` rounds pipelined as the engine
     runs them (each round's tokens read while the next one runs), `reset` queued before
     each round and no synchronization in between (traced on CPU tensors)."""
-    from treeflash import bench
+    from treeflash.bench import shape
     log = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: log.append("sync"))
     new, counts = torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, dtype=torch.long)
 
-    class Traced(bench.RoundPipeline):
+    class Traced(shape.RoundPipeline):
         def push(self, n, c):
             got = super().push(n, c)
             log.append(("read", None if got is None else got[1][0]))
@@ -390,8 +391,8 @@ def test_time_wall_runs_rounds_back_to_back_one_behind(monkeypatch):
         log.append(("round", int(counts[0])))
         return new, counts
 
-    monkeypatch.setattr(bench, "RoundPipeline", Traced)
-    wall, busy = bench.time_wall(run, lambda: log.append("reset"), 3)
+    monkeypatch.setattr(shape, "RoundPipeline", Traced)
+    wall, busy = shape.time_wall(run, lambda: log.append("reset"), 3)
     assert wall > 0 and (busy is None) == (not torch.cuda.is_available())
     assert log == ["reset", ("round", 1), ("read", None), ("finish", 1),  # warm-up: buffers made
                    "sync", "reset", ("round", 2), ("read", None), "reset", ("round", 3), ("read", 2),

@@ -1,0 +1,170 @@
+"""What `treeflash bench` reports: an aligned table, one JSON object per row (--out,
+written as rows are measured) and a plot (--plot, when matplotlib is importable)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from treeflash.errors import TreeflashError, UsageError
+
+
+def grouped(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
+    """The rows by their values of `keys`, groups in the order they first appear."""
+    groups = {}
+    for r in rows:
+        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return groups
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if fmt == "onoff":
+        return "on" if value else "off"
+    return fmt.format(value)
+
+
+def format_table(rows: list[dict], columns) -> str:
+    """Aligned text table: text columns left-aligned, numbers right-aligned, None as '-'."""
+    cells = [[_cell(r.get(key), fmt) for _, key, fmt in columns] for r in rows]
+    widths = [max([len(title)] + [len(c[i]) for c in cells]) for i, (title, _, _) in enumerate(columns)]
+    left = [fmt == "onoff" or any(isinstance(r.get(key), str) for r in rows) for _, key, fmt in columns]
+
+    def line(values):
+        return "  ".join(v.ljust(w) if lft else v.rjust(w) for v, w, lft in zip(values, widths, left)).rstrip()
+
+    return "\n".join([line([t for t, _, _ in columns]), line(["-" * w for w in widths])] + [line(c) for c in cells])
+
+
+SHAPE_SETTING = ("context", "batch_size", "temperature", "graphs")  # the rows of one state
+
+
+def print_ratios(rows: list[dict]) -> None:
+    """verify(N)/AR and round(N)/AR per setting: the cost of verifying a bigger tree."""
+    for (c, bs, t, g), sel in grouped(rows, SHAPE_SETTING).items():
+        for op in ("verify", "round"):
+            pairs = "  ".join(f"N={r['N']}: {r['vs_ar']:.2f}" for r in sel if r["op"] == op)
+            if pairs:
+                print(f"{op}(N)/AR  C={c} bs={bs} T={t:g} graphs {'on' if g else 'off'}:  {pairs}")
+
+
+def open_out(path: str | None, inputs=()):
+    """Open --out before the (long) run, so a bad path fails at once; rows are written
+    as they are measured, so an interrupted GPU run keeps what it measured. Refused if
+    it is one of the run's `inputs` (files, or folders it lies in): opening it empties it,
+    and a model's config.json or the prompt file was lost that way."""
+    if not path:
+        return None
+    target = Path(path).resolve()
+    for given in inputs:
+        source = Path(given).resolve()
+        if target == source or source in target.parents:
+            raise UsageError(f"--out {path} is {'an input' if target == source else f'inside {given}'}, "
+                             f"which this run reads: choose another path")
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as e:
+        raise TreeflashError(f"cannot write {path}: {e.strerror}") from None
+
+
+def emit(out, row: dict) -> None:
+    if out is not None:
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+
+
+def close_out(out, path: str | None) -> None:
+    if out is not None:
+        out.close()
+        print(f"wrote {path}", file=sys.stderr)
+
+
+PLOT_FORMATS = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp")  # matplotlib's
+
+
+def check_plot_path(path: str | None) -> None:
+    """Refuse a --plot path that cannot be written before the run, not after it: a
+    folder, a name matplotlib would add .png to or cannot write, an unwritable folder."""
+    if not path:
+        return
+    if Path(path).is_dir():
+        raise UsageError(f"--plot {path} is a folder: give a file name ending in .png, .svg or .pdf")
+    if Path(path).suffix.lower() not in PLOT_FORMATS:
+        raise UsageError(f"--plot {path}: the name must end in .png, .svg or .pdf (or {', '.join(PLOT_FORMATS[3:])})")
+    folder = Path(path).resolve().parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise UsageError(f"cannot write the plot {path}: {folder} is not a writable folder")
+
+
+def _pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed: no plot written (pip install matplotlib)", file=sys.stderr)
+        return None
+    return plt
+
+
+def plot_pairs(rows: list[dict], path: str) -> None:
+    """tokens/s per method/budget, one line per (batch size, temperature, graphs)."""
+    plt = _pyplot()
+    if plt is None or not rows:
+        return
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.0 * len(labels) + 2), 4.5))
+    for (bs, t, g), sel in grouped(rows, ("batch_size", "temperature", "graphs")).items():
+        pts = {r["label"]: r["tokens_per_s"] for r in sel}
+        xs = [i for i, lab in enumerate(labels) if lab in pts]
+        ax.plot(xs, [pts[labels[i]] for i in xs], marker="o",
+                label=f"bs {bs}, T {t:g}, graphs {'on' if g else 'off'}")
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=30, ha="right")
+    ax.set_ylabel("tokens/s")
+    ax.set_title("treeflash bench: tokens/s by method")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    _save(fig, plt, path)
+
+
+def plot_shape(rows: list[dict], path: str) -> None:
+    """verify(N) and round(N) time against N, one color per setting, with the AR step
+    as a dotted line: where tree size stops being free."""
+    plt = _pyplot()
+    if plt is None or not rows:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (key, sel) in enumerate(grouped(rows, SHAPE_SETTING).items()):
+        tag = f"C={key[0]} bs {key[1]}" + (f" T {key[2]:g}" if key[2] else "") + ("" if key[3] else " eager")
+        color = f"C{i % 10}"
+        for op, style in (("verify", "-o"), ("round", "--s")):
+            pts = [(r["N"] + 1, r["time_us"]) for r in sel if r["op"] == op]
+            if pts:
+                ax.plot(*zip(*pts), style, color=color, label=f"{op} {tag}")
+        ar = [r["time_us"] for r in sel if r["op"] == "ar"]
+        if ar:
+            ax.axhline(ar[0], ls=":", lw=1, color=color)
+    ticks = sorted({r["N"] + 1 for r in rows if r["op"] in ("verify", "round")})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(t) for t in ticks])
+    ax.set_xlabel("tokens verified per round (N + 1)")
+    ax.set_ylabel("time (us)")
+    ax.set_title(f"treeflash bench --shape {rows[0]['shape']} (dotted: AR step)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    _save(fig, plt, path)
+
+
+def _save(fig, plt, path: str) -> None:
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise TreeflashError(f"cannot write {path}: {e.strerror}") from None
+    finally:
+        plt.close(fig)
+    print(f"wrote {Path(path)}", file=sys.stderr)
