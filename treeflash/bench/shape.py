@@ -28,8 +28,8 @@ from treeflash.bench.report import check_plot_path, close_out, emit, format_tabl
 from treeflash.config import DraftConfig, ModelConfig, default_target_layer_ids
 from treeflash.distributed import TPGroup
 from treeflash.engine.llm import attention_backend, resolve_device, resolve_dtype
-from treeflash.engine.pipeline import RoundPipeline
 from treeflash.engine.graphs import capture
+from treeflash.engine.pipeline import RoundPipeline
 from treeflash.engine.round import SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch
 from treeflash.engine.tp import COMM_HINTS, check_devices, check_shardable, join_group, torchrun_env
