@@ -155,6 +155,7 @@ class _Batch:
     run_round: object      # st -> (new, counts, logprobs): `decoder.round` or a `GraphedRound`
     pipe: RoundPipeline
     active: list[bool]     # what st.active holds (as queued)
+    eager: bool            # rounds run eagerly, their attention reads bounded by st.max_n (graphs read all)
 
 
 def check_int(name: str, value, least: int) -> None:
@@ -778,7 +779,7 @@ class LLM:
                 lp, plp = self.decoder.prefill_tokens(st, ids, lens, prompt_logprobs=scoring)
             else:
                 lp, plp = graphed.prefill(ids, lens)
-        self._run = _Batch(st, run_round, RoundPipeline(), [True] * batch)
+        self._run = _Batch(st, run_round, RoundPipeline(), [True] * batch, eager=graphed is None)
         return st.anchor.tolist(), [t.tolist() for t in lp or ()], [t.tolist() for t in plp or ()]
 
     def _step(self, active: list[bool] | None, max_n: int):
@@ -794,7 +795,7 @@ class LLM:
             src = torch.tensor(active, dtype=torch.bool, pin_memory=st.active.is_cuda)
             st.active.copy_(src, non_blocking=True)  # pinned: queued, the host goes on
             run.active = list(active)
-        if st.max_n is not None:
+        if run.eager:
             st.max_n = max_n
         new, counts, logprobs = run.run_round(st)
         return run.pipe.push(new, counts, *(logprobs or ()))

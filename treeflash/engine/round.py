@@ -230,16 +230,8 @@ class SpeculativeDecoder:
         full = torch.ones(B, b, b, dtype=torch.bool, device=st.n.device)
         kv_len = None if st.max_n is None else st.max_n + b
         inputs = AttentionInputs(positions, st.n, full, kv_len=kv_len, backend=self.backend)
-        c = d.config
-        embeds = self.target.embed(block)
-        if c.input_embedding_scale != 1.0:
-            embeds = embeds * c.input_embedding_scale
-        h = d(embeds, inputs, st.draft_cache)
-        logits = self.target.logits(h[:, 1:], gather=False).float()
-        if c.output_multiplier != 1.0:
-            logits = logits * c.output_multiplier
-        if c.final_logit_softcapping is not None:
-            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        h = d(self.target.embed(block), inputs, st.draft_cache)
+        logits = d.scaled_logits(self.target.logits(h[:, 1:], gather=False).float())
         sb = st.sampling
         if sb.any_biased:  # the target's bias on the draft too: its tokens stay ones the target may take
             logits = apply_bias(logits, positions[:, 1:], sb, self.tp.rank * logits.shape[-1])

@@ -96,10 +96,25 @@ class DFlashDraftModel(nn.Module):
 
     def forward(self, block_embeds: torch.Tensor, inputs: AttentionInputs,
                 cache: DraftContextCache) -> torch.Tensor:
-        """Hidden states [B, b, H] (after the final norm) of the draft block."""
+        """Hidden states [B, b, H] (after the final norm) of the draft block, from the
+        target's embeddings of its tokens."""
         cos, sin = self.rotary.cos_sin(inputs.positions, block_embeds.dtype)
         kvs = [(cache.k[i], cache.v[i]) for i in range(len(self.layers))]
-        return run_layers(self.layers, block_embeds, cos, sin, inputs, kvs, self.norm)[0]
+        return run_layers(self.layers, self._scaled_input(block_embeds), cos, sin, inputs, kvs, self.norm)[0]
+
+    def _scaled_input(self, embeds: torch.Tensor) -> torch.Tensor:
+        scale = self.config.input_embedding_scale  # some published drafters' (checkpoint's config)
+        return embeds if scale == 1.0 else embeds * scale
+
+    def scaled_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target LM head's logits of the drafter's hidden states, as the checkpoint's
+        config says its drafts are read: times output_multiplier, then soft-capped."""
+        c = self.config
+        if c.output_multiplier != 1.0:
+            logits = logits * c.output_multiplier
+        if c.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return logits
 
     def forward_dense(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
                       features: torch.Tensor, feature_positions: torch.Tensor,
@@ -109,5 +124,5 @@ class DFlashDraftModel(nn.Module):
         blocks themselves, as `mask` [B, M, P + M] allows. Returns normed hidden [B, M, H]."""
         cos, sin = self.rotary.cos_sin(block_positions, block_embeds.dtype)
         inputs = AttentionInputs(block_positions, None, mask)
-        return run_layers(self.layers, block_embeds, cos, sin, inputs, [None] * len(self.layers), self.norm,
-                          prefix_kvs=self.context_kv(features, feature_positions))[0]
+        return run_layers(self.layers, self._scaled_input(block_embeds), cos, sin, inputs, [None] * len(self.layers),
+                          self.norm, prefix_kvs=self.context_kv(features, feature_positions))[0]

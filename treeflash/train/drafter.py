@@ -151,7 +151,7 @@ def draft_logits(target: CausalLM, drafter: DFlashDraftModel, ids: torch.Tensor,
     fpos = torch.arange(S, device=ids.device).expand(B, S)
     h = drafter.forward_dense(embeds, pos, feats, fpos, mask)
     h = h.view(B, anchors.shape[1], b, -1)[:, :, 1:]
-    return target.logits(h).float(), labels
+    return drafter.scaled_logits(target.logits(h).float()), labels
 
 
 def slot_weights(block_size: int, gamma: float, device) -> torch.Tensor:
