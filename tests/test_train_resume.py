@@ -49,6 +49,8 @@ def _refused(capsys, args: list[str]) -> str:
 
 
 def test_resume_restores_the_runs_options_and_log(data_dir, tmp_path, capsys, monkeypatch):
+    # (non-interactive shells start background jobs with SIGINT ignored, and then so is Ctrl-C)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["target", "--data", str(data_dir), *SHAPE, *RUN, "--max-steps", "12"]
     assert cli_main(common + ["--run", str(a), "--out", str(tmp_path / "a_out")]) == 0
@@ -94,6 +96,8 @@ def test_ctrl_c_keeps_the_step_it_interrupts(data_dir, tmp_path, capsys, monkeyp
     """Ctrl-C (SIGINT) while training stops where its step ends and saves that step:
     nothing trained is lost (saves fall every 5 steps here), and the resumed run gives the
     uninterrupted run's log and weights."""
+    # (non-interactive shells start background jobs with SIGINT ignored, and then so is Ctrl-C)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["target", "--data", str(data_dir), *SHAPE, *RUN, "--max-steps", "12"]
     assert cli_main(common + ["--run", str(a), "--out", str(tmp_path / "a_out")]) == 0
