@@ -149,6 +149,21 @@ def _token_logprobs(tokens: list[int], rows, k: int) -> list[TokenLogprob]:
 
 
 @dataclass
+class _Request:
+    """A request of the batch being generated, as the host follows it."""
+    prompt: list[int]
+    params: SamplingParams
+    limit: int                      # new tokens at most (its max_new_tokens, within the context)
+    committed: int                  # n on the device after the rounds read so far
+    cached: int | None              # prompt tokens found in the caches (prefix caching)
+    prompt_logprobs: list[TokenLogprob] | None
+    logprobs: list[TokenLogprob] | None   # those of `out`, if asked
+    out: list[int] = field(default_factory=list)
+    rounds: int = 1
+    result: GenerationOutput | None = None  # once it has ended
+
+
+@dataclass
 class _Batch:
     """The batch in flight on this rank."""
     st: BatchState
@@ -559,66 +574,66 @@ class LLM:
         drop = self.states.to_drop(len(ids), max_len)
         reuse = self.states.prefix_to_reuse(max_len, ids, params, drop,
                                             [self.automaton(p) for p in params])
-        starts = None if reuse is None else reuse[1]
         first, lp, plp = self._tp.call(self, "_start", (len(ids), max_len, params, ids, drop, reuse))
         state = self._run.st
-        prompt_logprobs = self._prompt_token_logprobs(ids, params, plp)
-        outs = [[] for _ in ids]
-        logprobs = [[] if p.logprobs is not None else None for p in params]
-        rounds = [1] * len(ids)
-        done = [False] * len(ids)
-        results: list[GenerationOutput | None] = [None] * len(ids)
-        new = [[t] for t in first]
-        counts = [1] * len(ids)
-        committed = [len(i) for i in ids]  # n on the device after the rounds read so far
-        in_flight = None                   # `active` of the round launched but not read yet
+        reqs = [_Request(prompt, p, limit, committed=len(prompt), cached=None if reuse is None else reuse[1][b],
+                         prompt_logprobs=prompt_lp, logprobs=[] if p.logprobs is not None else None)
+                for b, (prompt, p, limit, prompt_lp) in enumerate(
+                    zip(ids, params, limits, self._prompt_token_logprobs(ids, params, plp)))]
+        new, counts = [[t] for t in first], [1] * len(ids)
+        in_flight = None  # `active` of the round launched but not read yet
         # Pipelined: `_step` launches round r and returns round r-1's tokens, which the
         # host processes while round r runs. A request that finishes at round r-1 is
         # still active in round r (its commits there are ignored below) and inactive
         # from round r+1 on; when all are done, the round in flight is discarded (the
         # next `_start` waits for it).
         while True:
-            for b in range(len(ids)):
-                if done[b] or counts[b] == 0:
+            for b, r in enumerate(reqs):
+                if r.result is not None or counts[b] == 0:
                     continue
-                before = len(outs[b])
-                stop = self._append_until_end(new[b][:counts[b]], outs[b], params[b], limits[b])
-                if params[b].stop and self._cut_at_stop_string(outs[b], before, params[b], ids[b]):
-                    stop = "stop"
-                added = None
-                if logprobs[b] is not None:  # those of the tokens kept
-                    added = _token_logprobs(outs[b][before:], [x[b] for x in lp], params[b].logprobs)
-                    logprobs[b] += added
-                if on_tokens is not None and len(outs[b]) > before and on_tokens(b, outs[b][before:], added) is True:
-                    stop = stop or "abort"
+                stop = self._take(b, r, new[b][:counts[b]], [x[b] for x in lp], on_tokens)
                 if stop:
-                    done[b] = True
-                    results[b] = self._output(outs[b], stop, params[b], rounds[b], time.perf_counter() - start,
-                                              logprobs[b], ids[b], prompt_logprobs[b],
-                                              None if starts is None else starts[b])
+                    r.result = self._output(r.out, stop, r.params, r.rounds, time.perf_counter() - start,
+                                            r.logprobs, r.prompt, r.prompt_logprobs, r.cached)
                     if on_done is not None:
-                        on_done(b, results[b])
-            if all(done):
+                        on_done(b, r.result)
+            active = [r.result is None for r in reqs]
+            if not any(active):
                 break
-            active = [not d for d in done]
             # bounds eager attention reads of this round: n before it is at most what
             # the host has read plus the commits of the round in flight
             flight = in_flight or [False] * len(ids)
-            max_n = max(c + per_round * f for c, f in zip(committed, flight))
-            got = self._tp.call(self, "_step", (active if any(done) else None, max_n))
+            max_n = max(r.committed + per_round * f for r, f in zip(reqs, flight))
+            got = self._tp.call(self, "_step", (None if all(active) else active, max_n))
             in_flight = active
             if got is None:  # the first round: nothing to read yet
                 new, counts = [[] for _ in ids], [0] * len(ids)
                 continue
             new, counts, *lp = got
-            for b in range(len(ids)):
-                committed[b] += counts[b]
-                rounds[b] += not done[b]  # a round whose tokens b uses (done: ignored)
+            for r, c, a in zip(reqs, counts, active):
+                r.committed += c
+                r.rounds += a  # a round whose tokens r uses (done: ignored)
         if self.enable_prefix_caching:  # every token but each request's last is in the caches
-            state.tokens = [i + o[:-1] for i, o in zip(ids, outs)]
+            state.tokens = [r.prompt + r.out[:-1] for r in reqs]
         if not self.cuda_graphs:
             self._tp.call(self, "_release", ())
-        return results
+        return [r.result for r in reqs]
+
+    def _take(self, b: int, r: _Request, got: list[int], lp_rows: list, on_tokens) -> str | None:
+        """Add a round's committed tokens to request b's output (up to its end: EOS, the
+        token limit, a stop string) with their logprobs if asked, tell `on_tokens`; the
+        stop reason if it ended ("abort": on_tokens said so), else None."""
+        before = len(r.out)
+        stop = self._append_until_end(got, r.out, r.params, r.limit)
+        if r.params.stop and self._cut_at_stop_string(r.out, before, r.params, r.prompt):
+            stop = "stop"
+        added = None
+        if r.logprobs is not None:  # those of the tokens kept
+            added = _token_logprobs(r.out[before:], lp_rows, r.params.logprobs)
+            r.logprobs += added
+        if on_tokens is not None and len(r.out) > before and on_tokens(b, r.out[before:], added) is True:
+            stop = stop or "abort"
+        return stop
 
     def _release(self) -> None:
         """On every rank: free the finished batch's caches, as an eager engine keeps none
