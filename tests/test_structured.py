@@ -264,7 +264,7 @@ def test_graphed_states_recapture_for_a_larger_table(monkeypatch):
     for params in (small, large, small, SamplingParams(max_new_tokens=12), large, small):
         assert llm.generate("def f(x):", params)[0].token_ids == ar.generate("def f(x):", params)[0].token_ids
         (state,) = llm.states.graphed.values()
-        rows.append(sorted(mode[-1] for mode in state.rounds))
+        rows.append(sorted(mode.guided_rows for mode in state.rounds))
     # small's table (16 rows) is dropped when large's (64) comes; small then runs in the larger
     assert rows == [[16], [64], [64], [0, 64], [0, 64], [0, 64]]
 

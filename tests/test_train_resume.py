@@ -49,8 +49,6 @@ def _refused(capsys, args: list[str]) -> str:
 
 
 def test_resume_restores_the_runs_options_and_log(data_dir, tmp_path, capsys, monkeypatch):
-    # (non-interactive shells start background jobs with SIGINT ignored, and then so is Ctrl-C)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["target", "--data", str(data_dir), *SHAPE, *RUN, "--max-steps", "12"]
     assert cli_main(common + ["--run", str(a), "--out", str(tmp_path / "a_out")]) == 0
@@ -92,12 +90,18 @@ def test_resume_restores_the_runs_options_and_log(data_dir, tmp_path, capsys, mo
     assert json.loads((b / "summary.json").read_text())["steps"] == 12
 
 
-def test_ctrl_c_keeps_the_step_it_interrupts(data_dir, tmp_path, capsys, monkeypatch):
+@pytest.fixture
+def ctrl_c_interrupts():
+    """SIGINT as an interactive shell delivers it (a background job starts with it ignored)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def test_ctrl_c_keeps_the_step_it_interrupts(data_dir, tmp_path, capsys, monkeypatch, ctrl_c_interrupts):
     """Ctrl-C (SIGINT) while training stops where its step ends and saves that step:
     nothing trained is lost (saves fall every 5 steps here), and the resumed run gives the
     uninterrupted run's log and weights."""
-    # (non-interactive shells start background jobs with SIGINT ignored, and then so is Ctrl-C)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
     a, b = tmp_path / "a", tmp_path / "b"
     common = ["target", "--data", str(data_dir), *SHAPE, *RUN, "--max-steps", "12"]
     assert cli_main(common + ["--run", str(a), "--out", str(tmp_path / "a_out")]) == 0

@@ -205,7 +205,7 @@ def _with_arch_defaults(data: dict, arch: str) -> dict:
     unless the config gives a scaling, at its own rope_theta if it gives one)."""
     if arch != "gpt_oss":
         return data
-    filled = {**data, **{k: v for k, v in GPT_OSS_DEFAULTS.items() if data.get(k) is None}}
+    filled = {**GPT_OSS_DEFAULTS, **data}  # (a null head_dim is hidden / heads there too)
     if data.get("rope_parameters") is None and data.get("rope_scaling") is None:
         filled["rope_scaling"] = GPT_OSS_ROPE_SCALING
     return filled

@@ -50,7 +50,6 @@ class GraphedRound:
 
     def __call__(self, st: BatchState):
         assert st is self.st, "a graph replays on the buffers it was captured with"
-        st.max_n = None  # as captured (a prefill since set it): the graph reads the whole cache
         self.graph.replay()
         return self.out
 

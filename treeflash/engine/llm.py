@@ -213,7 +213,8 @@ class LLM:
     starts tp - 1 worker processes (one per GPU, or gloo on CPU) that each hold a slice
     of the weights; see `treeflash.engine.tp`. Under torchrun, every rank calls `LLM`
     alike and only rank 0 returns. `close()` (or garbage collection, or exit) stops them.
-    max_batch: the most prompts `generate` decodes at once (more go in turn).
+    max_batch: the most prompts `generate` decodes at once (more go in turn; with prefix
+    caching, all at once).
     enable_prefix_caching: a batch whose prompts begin with what a kept batch state of
     its size holds (a chat's next turn: the conversation so far, its last answer
     included) prefills only the rest, on those caches (copied into a larger state if the
@@ -591,7 +592,7 @@ class LLM:
             for b, r in enumerate(reqs):
                 if r.result is not None or counts[b] == 0:
                     continue
-                stop = self._take(b, r, new[b][:counts[b]], [x[b] for x in lp], on_tokens)
+                stop = self._take(b, r, new[b][:counts[b]], lp, on_tokens)
                 if stop:
                     r.result = self._output(r.out, stop, r.params, r.rounds, time.perf_counter() - start,
                                             r.logprobs, r.prompt, r.prompt_logprobs, r.cached)
@@ -619,17 +620,18 @@ class LLM:
             self._tp.call(self, "_release", ())
         return [r.result for r in reqs]
 
-    def _take(self, b: int, r: _Request, got: list[int], lp_rows: list, on_tokens) -> str | None:
+    def _take(self, b: int, r: _Request, got: list[int], lp: list, on_tokens) -> str | None:
         """Add a round's committed tokens to request b's output (up to its end: EOS, the
-        token limit, a stop string) with their logprobs if asked, tell `on_tokens`; the
-        stop reason if it ended ("abort": on_tokens said so), else None."""
+        token limit, a stop string) with their logprobs (from the batch's rows `lp`) if
+        asked, tell `on_tokens`; the stop reason if it ended ("abort": on_tokens said so),
+        else None."""
         before = len(r.out)
         stop = self._append_until_end(got, r.out, r.params, r.limit)
         if r.params.stop and self._cut_at_stop_string(r.out, before, r.params, r.prompt):
             stop = "stop"
         added = None
         if r.logprobs is not None:  # those of the tokens kept
-            added = _token_logprobs(r.out[before:], lp_rows, r.params.logprobs)
+            added = _token_logprobs(r.out[before:], [x[b] for x in lp], r.params.logprobs)
             r.logprobs += added
         if on_tokens is not None and len(r.out) > before and on_tokens(b, r.out[before:], added) is True:
             stop = stop or "abort"

@@ -177,11 +177,10 @@ class SpeculativeDecoder:
         B, T = ids.shape
         dev = ids.device
         if begin is None:
-            begin, st.max_n = torch.zeros_like(lens), T
+            begin = torch.zeros_like(lens)
             inputs = AttentionInputs.causal(torch.arange(T, device=dev).expand(B, T), kv_len=T)
         else:
             assert not prompt_logprobs, "a prompt's logprobs need all of its positions"
-            st.max_n = kv_len
             inputs = AttentionInputs.causal(begin[:, None] + torch.arange(T, device=dev), prefix_lens=begin,
                                             kv_len=kv_len, backend=self.backend)
         h, feats = self.target(ids, inputs, st.cache, self.taps)

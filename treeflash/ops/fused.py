@@ -93,7 +93,7 @@ def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
     sin = torch.empty_like(cos)
     if positions.numel():  # (no tokens: nothing to launch)
         _cos_sin_kernel[(positions.numel(),)](positions.contiguous(), inv_freq, cos, sin, float(scale), D=D,
-                                              BLOCK=triton.next_power_of_2(D), **chained(positions.device))
+                                              BLOCK=2 * half_tile(D), **chained(positions.device))
     return cos, sin
 
 

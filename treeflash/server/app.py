@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from dataclasses import replace
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -102,7 +103,7 @@ class Job:
         if not self.started and self.metrics is not None:
             self.metrics.first_token(time.monotonic() - self.arrived)
         self.started = True
-        if self.texts:
+        if self.texts and not self.req.echo_only:  # (echo only: the token generated is not shown)
             self.generated[i] += len(ids)
             delta = self.texts[i].push(ids)
             body = logprobs_body(self.req, logprobs, self.tokenizer, self.offsets[i]) if logprobs else None
@@ -119,6 +120,9 @@ class Job:
             self.cancel()
 
     def on_done(self, i: int, output) -> None:  # worker thread
+        if self.req.echo_only:  # the prompt scored, the one token generated for it dropped
+            output = replace(output, text="", token_ids=[], logprobs=None if output.logprobs is None else [],
+                             finish_reason="length", stop_reason=None)
         self.outputs[i] = output
         if self.deltas is not None:
             self._to_loop((i, None, None, len(output.token_ids)))
@@ -356,10 +360,6 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
             parts = [req.message_stream() for _ in job.runs]
             while (item := await job.deltas.get()) is not _DONE:
                 i, delta, logprobs, generated = item
-                if req.echo_only:  # the prompt only: the generated token is dropped
-                    if delta is None:
-                        yield _sse(chunk(req, model_name, text="", index=i, finish_reason="length"))
-                    continue
                 if delta is None:  # choice i is done: the rest of its text, and why it ended
                     out = job.outputs[i]
                     reasoning, text, calls = parts[i].push(job.texts[i].finish(out.text), final=True)

@@ -595,8 +595,7 @@ def _encode(encode, prompt, param: str, **kw) -> list[int]:
 def usage(req: Request, outputs) -> dict:
     """OpenAI's usage of a request's GenerationOutputs (n per prompt: its prompt counted
     once); with prefix caching, the prompt tokens found in the caches (its first choice's)."""
-    prompt_tokens = sum(map(len, req.prompts))
-    completion_tokens = 0 if req.echo_only else sum(len(o.token_ids) for o in outputs)
+    prompt_tokens, completion_tokens = sum(map(len, req.prompts)), sum(len(o.token_ids) for o in outputs)
     body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
     if outputs and "cached_tokens" in outputs[0].stats:
@@ -640,9 +639,6 @@ def response(req: Request, model: str, outputs, tokenizer=None) -> dict:
     names the tokens of logprobs, if asked)."""
     chat = req.kind == "chat"
     echoed = req.echo is not None and req.params.logprobs is not None
-    if req.echo_only:  # the generated token is dropped: text, logprobs and count are the prompt's
-        outputs = [replace(o, text="", token_ids=[], logprobs=[], finish_reason="length", stop_reason=None)
-                   for o in outputs]
     choices = [{"index": i, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
                 "logprobs": logprobs_body(req, (out.prompt_logprobs if echoed else []) + (out.logprobs or []),
                                           tokenizer),
