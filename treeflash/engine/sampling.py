@@ -59,7 +59,8 @@ def _put(x: torch.Tensor, ids: list[list[int]], values, accumulate: bool = False
 
 class SamplingMode(NamedTuple):
     """The host-side values of a batch that choose which code a round runs (and which
-    captured graph replays it)."""
+    captured graph replays it): each a `SamplingBatch` field of the same name, read and
+    written by name (`SamplingBatch.mode`, `copy_`), so a new mode flag goes in both."""
     any_sampled: bool
     any_filtered: bool     # a sampled request with top-k, top-p or min-p
     any_logprobs: bool
