@@ -30,9 +30,9 @@ from treeflash.ops import fused_enabled
 from treeflash.sampling_params import MAX_LOGPROBS
 
 try:  # Triton, used only when `fused_enabled` (CUDA inference)
-    from treeflash.kernels.tree_build import build_tree_fused, tree_candidates
+    from treeflash.kernels.tree_build import build_tree_fused, fits
 except ImportError:
-    build_tree_fused = tree_candidates = None
+    build_tree_fused = fits = None
 
 METHODS = ("ar", "dflash", "ddtree")
 DRAFT_MODES = ("scaled", "coupled")
@@ -105,7 +105,6 @@ class SpeculativeDecoder:
         self.taps = drafter.target_layer_ids if method != "ar" else []
         self.backend = attention_backend
         self._chains: dict[tuple, DraftTree] = {}  # `chain`'s fixed fields, per (shape, device)
-        self._candidates: dict[tuple, torch.Tensor] = {}  # the fused tree build's, per (K, device)
 
     @property
     def tree_slots(self) -> int:
@@ -288,11 +287,8 @@ class SpeculativeDecoder:
             return self.chain(tp.argmax(logits, start), anchor)
         k = min(self.budget, self.target.lm_head.vocab_size)
         vals, ids = tp.topk(logits, k, start, log_softmax=True)
-        if fused_enabled(vals):  # one launch instead of ~100 (the same tree; equal scores may break differently)
-            key = (vals.shape[-1], vals.device)  # made by a capture's warm-up rounds, outside the graph
-            if key not in self._candidates:
-                self._candidates[key] = tree_candidates(self.budget, min(self.budget, vals.shape[-1]), vals.device)
-            return build_tree_fused(vals, ids, anchor, self.budget, self._candidates[key])
+        if fused_enabled(vals) and fits(self.budget, self.depth):  # one launch instead of ~100 (the same tree)
+            return build_tree_fused(vals, ids, anchor, self.budget)
         return build_tree(vals, ids, anchor, self.budget)
 
     def verify(self, st: BatchState, tree: DraftTree):

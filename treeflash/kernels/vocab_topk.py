@@ -4,7 +4,7 @@
 torch does it in ~6 launches (topk, then max / sub / exp / sum / log for the
 log-sum-exp) that together cost more than the tree builder at small budgets. Here
 program (row, chunk) reads its chunk of the row once, keeps its max and sum of
-exponentials, and selects the chunk's top k with the tree builder's bitonic top-k over
+exponentials, and selects the chunk's top k with a bitonic top-k (`_topk`) over
 packed (score, index) keys (ties toward the lower index). With one chunk that is the
 answer; otherwise merge launches take the top k of up to MERGE chunk candidates per
 program, and combine their log-sum-exps, level by level until one program per row is
@@ -24,9 +24,75 @@ import triton
 import triton.language as tl
 
 from treeflash.kernels.chained import chained, start_after_previous
-from treeflash.kernels.tree_build import _PAD_KEY, _key_score, _pack, _score_key, _topk, _unpack
 
 CHUNK = 4096  # the most vocabulary entries per program
+_PAD_KEY = tl.constexpr(-0x7FFFFFFF)  # below the key of -inf (0x807FFFFF): padding never beats a real entry
+
+
+@triton.jit
+def _score_key(s):
+    """int32 with the order of the float32 s (-0.0 folded into 0.0: they are equal scores)."""
+    bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _key_score(key):
+    bits = key ^ ((key >> 31) & 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pack(key, index):
+    """One int64 whose descending order is (key descending, index ascending)."""
+    return (key.to(tl.int64) << 32) | (0x7FFFFFFF - index).to(tl.int64)
+
+
+@triton.jit
+def _unpack(packed):
+    return (packed >> 32).to(tl.int32), 0x7FFFFFFF - (packed & 0x7FFFFFFF).to(tl.int32)
+
+
+@triton.jit
+def _side(NDIM: tl.constexpr, j: tl.constexpr):
+    """0 / 1: which half of hypercube axis j (counted from the innermost) an element is in."""
+    return tl.reshape(tl.arange(0, 2), [1] * (NDIM - j - 1) + [2] + [1] * j)
+
+
+@triton.jit
+def _compare_swap(h, flip, NDIM: tl.constexpr, j: tl.constexpr):
+    """Order every pair across hypercube axis j: the larger value goes to side 1, or to
+    side 0 where flip is 1. The partner is the pair's sum minus self (exact under
+    wrap-around): a sum reduction, which the interpreter does in numpy, where
+    tl.sort's xor reduction runs element by element in Python."""
+    other = tl.sum(h, NDIM - 1 - j, keep_dims=True) - h
+    return tl.where((h > other) != (flip ^ _side(NDIM, j)), other, h)
+
+
+@triton.jit
+def _bitonic_merge(h, NDIM: tl.constexpr, stage: tl.constexpr, DESCENDING: tl.constexpr):
+    """Sort bitonic runs of 2^stage: descending if DESCENDING, else alternating up/down."""
+    if DESCENDING:
+        flip = 1
+    else:
+        flip = _side(NDIM, stage)
+    for i in tl.static_range(stage):
+        h = _compare_swap(h, flip, NDIM, stage - 1 - i)
+    return h
+
+
+@triton.jit
+def _topk(x, LOG_N: tl.constexpr, LOG_K: tl.constexpr):
+    """The 2^LOG_K largest of x [2^LOG_N], in descending order (bitonic top-k: sort runs
+    of 2^LOG_K, alternately up and down; the elementwise max of an up and a down run
+    holds the top half of both, as a bitonic run; merge it; repeat)."""
+    h = tl.reshape(x, [2] * LOG_N)
+    for stage in tl.static_range(1, LOG_K + 1):
+        h = _bitonic_merge(h, LOG_N, stage, stage == LOG_N)
+    for i in tl.static_range(LOG_K + 1, LOG_N + 1):
+        h = tl.max(h, LOG_N - i)
+        h = _bitonic_merge(h, LOG_N - i + LOG_K, LOG_K, i == LOG_N)
+    return tl.reshape(h, [2 ** LOG_K])
 
 
 @triton.jit
