@@ -13,23 +13,14 @@ import triton.language as tl
 
 from treeflash.kernels.chained import chained, start_after_previous
 
-_TILE, _COL_TILE = 8192, 128  # ancestor matrix tile: elements, columns
-
-
-@triton.jit
-def _mismatch(tok_ptr, par_ptr, valid_ptr, tgt_ptr, cols, ok):
-    """Nodes whose token is not the target's token at their parent, or padding (never the root)."""
-    tok = tl.load(tok_ptr + cols, mask=ok, other=0)
-    par = tl.load(par_ptr + cols, mask=ok, other=0)
-    want = tl.load(tgt_ptr + par, mask=ok, other=0)
-    valid = tl.load(valid_ptr + cols, mask=ok, other=1)
-    return ((tok != want) | (valid == 0)) & (cols > 0) & ok
+_COL_TILE = 128  # columns of best's ancestor row per step
 
 
 @triton.jit
 def _walk_kernel(tok_ptr, par_ptr, dep_ptr, valid_ptr, anc_ptr, tgt_ptr,
                  best_ptr, acc_ptr, path_ptr, bonus_ptr, new_ptr,
-                 M, D: tl.constexpr, DP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr, PDL: tl.constexpr = False):
+                 M, D: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, JUMPS: tl.constexpr,
+                 CT: tl.constexpr, PDL: tl.constexpr = False):
     start_after_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     tok_ptr += b * M
@@ -39,26 +30,25 @@ def _walk_kernel(tok_ptr, par_ptr, dep_ptr, valid_ptr, anc_ptr, tgt_ptr,
     tgt_ptr += b * M
     anc_ptr += b * M * M
 
-    # best: the deepest node with no mismatch on its path from the root (first index on ties)
-    best_depth = tl.full([], -1, tl.int32)
-    best = tl.full([], 0, tl.int32)
-    for r0 in range(0, M, RT):
-        rows = r0 + tl.arange(0, RT)
-        row_ok = rows < M
-        bad = tl.zeros([RT], dtype=tl.int32)
-        for c0 in range(0, M, CT):
-            cols = c0 + tl.arange(0, CT)
-            col_ok = cols < M
-            mis = _mismatch(tok_ptr, par_ptr, valid_ptr, tgt_ptr, cols, col_ok)
-            anc = tl.load(anc_ptr + rows[:, None] * M + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0)
-            bad += tl.sum(((anc != 0) & mis[None, :]).to(tl.int32), 1)
-        dep = tl.load(dep_ptr + rows, mask=row_ok, other=0).to(tl.int32)
-        score = tl.where(row_ok & (bad == 0), dep, -1)
-        top = tl.max(score, 0)
-        first = tl.min(tl.where(score == top, rows, M), 0)
-        better = top > best_depth
-        best = tl.where(better, first, best)
-        best_depth = tl.where(better, top, best_depth)
+    # A node is accepted if it and every ancestor match: its token is the target's token at
+    # its parent, and it is not padding (the root always matches). The AND along each path is
+    # taken by pointer jumping in registers: after s jumps, ok[i] covers i's 2^s nearest
+    # ancestors-or-self and up[i] is its 2^s-th ancestor (the root's is itself).
+    node = tl.arange(0, MP)
+    live = node < M
+    up = tl.load(par_ptr + node, mask=live, other=0).to(tl.int32)
+    want = tl.gather(tl.load(tgt_ptr + node, mask=live, other=0), up, 0)
+    tok = tl.load(tok_ptr + node, mask=live, other=0)
+    valid = tl.load(valid_ptr + node, mask=live, other=0)
+    ok = (((tok == want) & (valid != 0)) | (node == 0)).to(tl.int32)
+    for _ in tl.static_range(JUMPS):
+        ok = ok & tl.gather(ok, up, 0)
+        up = tl.gather(up, up, 0)
+    # best: the deepest accepted node (the first on ties)
+    dep = tl.load(dep_ptr + node, mask=live, other=0).to(tl.int32)
+    score = tl.where(live & (ok != 0), dep, -1)
+    best_depth = tl.max(score, 0)
+    best = tl.min(tl.where(score == best_depth, node, MP), 0)
 
     # path[d]: best's ancestor at depth d (past best's depth: best); nxt[d] = path[d + 1]
     d = tl.arange(0, DP)
@@ -68,9 +58,9 @@ def _walk_kernel(tok_ptr, par_ptr, dep_ptr, valid_ptr, anc_ptr, tgt_ptr,
         cols = c0 + tl.arange(0, CT)
         col_ok = cols < M
         on = tl.load(anc_ptr + best * M + cols, mask=col_ok, other=0) != 0
-        dep = tl.load(dep_ptr + cols, mask=col_ok, other=-1).to(tl.int32)
-        path = tl.maximum(path, tl.max(tl.where(on[None, :] & (dep[None, :] == d[:, None]), cols[None, :], -1), 1))
-        nxt = tl.maximum(nxt, tl.max(tl.where(on[None, :] & (dep[None, :] == d[:, None] + 1), cols[None, :], -1), 1))
+        col_dep = tl.load(dep_ptr + cols, mask=col_ok, other=-1).to(tl.int32)
+        path = tl.maximum(path, tl.max(tl.where(on[None, :] & (col_dep[None, :] == d[:, None]), cols[None, :], -1), 1))
+        nxt = tl.maximum(nxt, tl.max(tl.where(on[None, :] & (col_dep[None, :] == d[:, None] + 1), cols[None, :], -1), 1))
     path = tl.where(path >= 0, path, best)
     nxt = tl.where(nxt >= 0, nxt, best)
     bonus = tl.load(tgt_ptr + best)
@@ -90,14 +80,14 @@ def walk_fused(tokens, parents, depths, valid, ancestors, target_tokens, max_dep
     dev = tokens.device
     D = max_depth
     MP = triton.next_power_of_2(M)
-    CT = min(_COL_TILE, MP)
     best, accepted, bonus = (torch.empty(B, dtype=torch.long, device=dev) for _ in range(3))
     path = torch.empty(B, D + 1, dtype=torch.long, device=dev)
     new = torch.empty(B, D + 1, dtype=torch.long, device=dev)
     _walk_kernel[(B,)](
         tokens.contiguous(), parents.contiguous(), depths.contiguous(), valid.contiguous().view(torch.uint8),
         ancestors.contiguous().view(torch.uint8), target_tokens.contiguous(),
-        best, accepted, path, bonus, new, M, D=D, DP=triton.next_power_of_2(D + 2), RT=min(MP, _TILE // CT), CT=CT,
+        best, accepted, path, bonus, new, M, D=D, DP=triton.next_power_of_2(D + 2), MP=MP,
+        JUMPS=D.bit_length(), CT=min(_COL_TILE, MP),
         **chained(tokens.device))
     return best, accepted, path, bonus, new
 
