@@ -11,7 +11,7 @@ import torch
 from tree_oracle import best_prefixes_heap, chain_of_scores, tree_of_logprobs
 
 from treeflash.engine.kv_cache import KVCache
-from treeflash.engine.tree import DraftTree, _ancestor_matrix, empty_tree, walk
+from treeflash.engine.tree import ANCESTOR_ROW_ALIGN, DraftTree, _ancestor_matrix, empty_tree, walk
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -99,6 +99,7 @@ def test_build_tree_matches_heap_reference(block_size, budget, vocab):
     assert tree.size == budget
     assert tree.tokens[:, 0].tolist() == anchor.tolist()
     check_structure(tree, D)
+    assert tree.ancestors.stride(1) % ANCESTOR_ROW_ALIGN == 0, "the attention kernel's mask rows are aligned"
     total = sum(vocab ** d for d in range(1, D + 1))
     for b in range(B):
         ref = best_prefixes_heap(lp[b].double().numpy(), budget)

@@ -11,7 +11,7 @@ from interpreter import DEV, INTERPRET, kernel, run_interpreted, spawns_interpre
 from test_tree import check_structure, node_prefixes, random_logprobs
 from tree_oracle import best_prefixes_heap
 
-from treeflash.engine.tree import build_tree
+from treeflash.engine.tree import ANCESTOR_ROW_ALIGN, build_tree
 
 pytest.importorskip("triton")
 from treeflash.kernels.tree_build import MAX_BUDGET, MAX_DEPTH, build_tree_fused, fits  # noqa: E402
@@ -44,6 +44,7 @@ def path_scores(tree, lp, b):
 def both(top_vals, top_ids, anchor, budget):
     """(fused tree on DEV, moved to the CPU; torch builder's tree on the CPU)."""
     got = build_tree_fused(top_vals.to(DEV), top_ids.to(DEV), anchor.to(DEV), budget)
+    assert got.ancestors.stride(1) % ANCESTOR_ROW_ALIGN == 0, "the attention kernel's mask rows are aligned"
     got = type(got)(*(getattr(got, f).cpu() for f in ("tokens", "parents", "depths", "ancestors", "valid")))
     return got, build_tree(top_vals, top_ids, anchor, budget)
 

@@ -10,7 +10,7 @@ from test_tree import PARENTS, TOKENS, make_tree, random_logprobs
 
 from treeflash.engine.kv_cache import KVCache
 from tree_oracle import chain_of_scores, tree_of_logprobs
-from treeflash.engine.tree import empty_tree, walk
+from treeflash.engine.tree import ancestor_buffer, empty_tree, walk
 
 pytest.importorskip("triton")
 from treeflash.kernels.walk import compact_fused, walk_fused  # noqa: E402
@@ -19,10 +19,13 @@ FIELDS = ("best", "accepted", "path", "bonus", "new")
 
 
 def check_walk(tree, target, depth):
-    """walk_fused on DEV equals the torch walk on the CPU, field for field."""
+    """walk_fused on DEV equals the torch walk on the CPU, field for field. The ancestors
+    go in the builders' layout (rows padded to `ancestor_buffer`'s alignment)."""
     ref = walk(tree, target, depth)
-    got = walk_fused(*(t.to(DEV) for t in (tree.tokens, tree.parents, tree.depths, tree.valid, tree.ancestors,
-                                           target)), depth)
+    anc = ancestor_buffer(*tree.ancestors.shape[:2], DEV)
+    anc.copy_(tree.ancestors)
+    got = walk_fused(*(t.to(DEV) for t in (tree.tokens, tree.parents, tree.depths, tree.valid)), anc,
+                     target.to(DEV), depth)
     for name, g in zip(FIELDS, got):
         assert g.dtype == torch.long and torch.equal(g.cpu(), getattr(ref, name)), name
     return ref

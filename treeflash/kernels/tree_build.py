@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from treeflash.engine.tree import DraftTree
+from treeflash.engine.tree import DraftTree, ancestor_buffer
 from treeflash.kernels.chained import chained, start_after_previous
 from treeflash.kernels.vocab_topk import _key_score, _score_key
 
@@ -72,7 +72,7 @@ def _better(key1, parent_score1, key2, parent_score2):
 def _build_tree_kernel(
     vals_ptr, ids_ptr, anchor_ptr, taken_ptr, chain_ptr,
     tok_ptr, par_ptr, dep_ptr, valid_ptr, anc_ptr,
-    sv_b, sv_d, sv_k, si_b, si_d, si_k, K,
+    sv_b, sv_d, sv_k, si_b, si_d, si_k, sa_b, sa_r, K,
     N: tl.constexpr, D: tl.constexpr, MP: tl.constexpr, DP: tl.constexpr,
     RT: tl.constexpr, CT: tl.constexpr, PDL: tl.constexpr = False,
 ):
@@ -126,7 +126,7 @@ def _build_tree_kernel(
         tl.store(chain + node * DP + tl.load(dep_out + a, mask=live, other=0), a, mask=live)
         a = tl.load(par_out + a, mask=live, other=0).to(tl.int32)
     tl.debug_barrier()
-    anc = anc_ptr + b * (M * M)
+    anc = anc_ptr + b * sa_b
     for r0 in range(0, M, RT):
         rows = r0 + tl.arange(0, RT)
         row_ok = rows < M
@@ -138,7 +138,7 @@ def _build_tree_kernel(
             ok = row_ok[:, None] & col_ok[None, :]
             up = ok & (col_dep[None, :] <= row_dep[:, None])
             at = tl.load(chain + rows[:, None] * DP + col_dep[None, :], mask=up, other=-1)
-            tl.store(anc + rows[:, None] * M + cols[None, :], (up & (at == cols[None, :])).to(tl.uint8), mask=ok)
+            tl.store(anc + rows[:, None] * sa_r + cols[None, :], (up & (at == cols[None, :])).to(tl.uint8), mask=ok)
 
 
 def build_tree_fused(top_vals: torch.Tensor, top_ids: torch.Tensor, anchor: torch.Tensor,
@@ -159,12 +159,12 @@ def build_tree_fused(top_vals: torch.Tensor, top_ids: torch.Tensor, anchor: torc
     parents = torch.empty(B, M, dtype=torch.long, device=dev)
     depths = torch.empty(B, M, dtype=torch.long, device=dev)
     valid = torch.empty(B, M, dtype=torch.bool, device=dev)
-    ancestors = torch.empty(B, M, M, dtype=torch.bool, device=dev)
+    ancestors = ancestor_buffer(B, M, dev)
     taken = torch.empty(B, MP, dtype=torch.int64, device=dev)
     chain = torch.empty(B, MP * DP, dtype=torch.int32, device=dev)
     top_vals = top_vals.float()
     _build_tree_kernel[(B,)](
         top_vals, top_ids, anchor, taken, chain, tokens, parents, depths, valid.view(torch.uint8),
-        ancestors.view(torch.uint8), *top_vals.stride(), *top_ids.stride(), min(N, K),
+        ancestors.view(torch.uint8), *top_vals.stride(), *top_ids.stride(), *ancestors.stride()[:2], min(N, K),
         N=N, D=D, MP=MP, DP=DP, RT=_ROW_TILE, CT=_COL_TILE, num_warps=4, **chained(dev))
     return DraftTree(tokens, parents, depths, ancestors, valid)

@@ -19,7 +19,7 @@ _COL_TILE = 128  # columns of best's ancestor row per step
 @triton.jit
 def _walk_kernel(tok_ptr, par_ptr, dep_ptr, valid_ptr, anc_ptr, tgt_ptr,
                  best_ptr, acc_ptr, path_ptr, bonus_ptr, new_ptr,
-                 M, D: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, JUMPS: tl.constexpr,
+                 M, sa_b, sa_r, D: tl.constexpr, DP: tl.constexpr, MP: tl.constexpr, JUMPS: tl.constexpr,
                  CT: tl.constexpr, PDL: tl.constexpr = False):
     start_after_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -28,7 +28,7 @@ def _walk_kernel(tok_ptr, par_ptr, dep_ptr, valid_ptr, anc_ptr, tgt_ptr,
     dep_ptr += b * M
     valid_ptr += b * M
     tgt_ptr += b * M
-    anc_ptr += b * M * M
+    anc_ptr += b * sa_b
 
     # A node is accepted if it and every ancestor match: its token is the target's token at
     # its parent, and it is not padding (the root always matches). The AND along each path is
@@ -57,7 +57,7 @@ def _walk_kernel(tok_ptr, par_ptr, dep_ptr, valid_ptr, anc_ptr, tgt_ptr,
     for c0 in range(0, M, CT):
         cols = c0 + tl.arange(0, CT)
         col_ok = cols < M
-        on = tl.load(anc_ptr + best * M + cols, mask=col_ok, other=0) != 0
+        on = tl.load(anc_ptr + best * sa_r + cols, mask=col_ok, other=0) != 0
         col_dep = tl.load(dep_ptr + cols, mask=col_ok, other=-1).to(tl.int32)
         path = tl.maximum(path, tl.max(tl.where(on[None, :] & (col_dep[None, :] == d[:, None]), cols[None, :], -1), 1))
         nxt = tl.maximum(nxt, tl.max(tl.where(on[None, :] & (col_dep[None, :] == d[:, None] + 1), cols[None, :], -1), 1))
@@ -83,10 +83,11 @@ def walk_fused(tokens, parents, depths, valid, ancestors, target_tokens, max_dep
     best, accepted, bonus = (torch.empty(B, dtype=torch.long, device=dev) for _ in range(3))
     path = torch.empty(B, D + 1, dtype=torch.long, device=dev)
     new = torch.empty(B, D + 1, dtype=torch.long, device=dev)
+    anc = ancestors if ancestors.stride(-1) == 1 else ancestors.contiguous()  # rows may be padded, not columns
     _walk_kernel[(B,)](
         tokens.contiguous(), parents.contiguous(), depths.contiguous(), valid.contiguous().view(torch.uint8),
-        ancestors.contiguous().view(torch.uint8), target_tokens.contiguous(),
-        best, accepted, path, bonus, new, M, D=D, DP=triton.next_power_of_2(D + 2), MP=MP,
+        anc.view(torch.uint8), target_tokens.contiguous(),
+        best, accepted, path, bonus, new, M, *anc.stride()[:2], D=D, DP=triton.next_power_of_2(D + 2), MP=MP,
         JUMPS=D.bit_length(), CT=min(_COL_TILE, MP),
         **chained(tokens.device))
     return best, accepted, path, bonus, new
