@@ -22,8 +22,7 @@ def check_walk(tree, target, depth):
     """walk_fused on DEV equals the torch walk on the CPU, field for field. The ancestors
     go in the builders' layout (rows padded to `ancestor_buffer`'s alignment)."""
     ref = walk(tree, target, depth)
-    anc = ancestor_buffer(*tree.ancestors.shape[:2], DEV)
-    anc.copy_(tree.ancestors)
+    anc = ancestor_buffer(*tree.ancestors.shape[:2], DEV, tree.ancestors)
     got = walk_fused(*(t.to(DEV) for t in (tree.tokens, tree.parents, tree.depths, tree.valid)), anc,
                      target.to(DEV), depth)
     for name, g in zip(FIELDS, got):

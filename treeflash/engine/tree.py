@@ -32,8 +32,8 @@ class DraftTree:
 ANCESTOR_ROW_ALIGN = 16  # bytes
 
 
-def ancestor_buffer(batch: int, nodes: int, device) -> torch.Tensor:
-    """An uninitialised [B, M, M] bool ancestor matrix whose rows start every
+def ancestor_buffer(batch: int, nodes: int, device, fill: torch.Tensor | None = None) -> torch.Tensor:
+    """A [B, M, M] bool ancestor matrix (uninitialised, or a copy of `fill`) whose rows start every
     ANCESTOR_ROW_ALIGN bytes (a view of [B, M, M rounded up]). The attention kernel
     loads it as its block mask, and Triton compiles a row stride that is not a multiple
     of 16 into unaligned loads and more registers: on an H200 the built-in pair's verify
@@ -42,13 +42,13 @@ def ancestor_buffer(batch: int, nodes: int, device) -> torch.Tensor:
     mask takes its strides. AR's [B, 1, 1] stays as it is (a stride of 1 compiles as
     well as any)."""
     row = nodes if nodes == 1 else -(-nodes // ANCESTOR_ROW_ALIGN) * ANCESTOR_ROW_ALIGN
-    return torch.empty(batch, nodes, row, dtype=torch.bool, device=device)[:, :, :nodes]
+    anc = torch.empty(batch, nodes, row, dtype=torch.bool, device=device)[:, :, :nodes]
+    return anc if fill is None else anc.copy_(fill)
 
 
 def _ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     B, M = parents.shape
-    anc = ancestor_buffer(B, M, parents.device)
-    anc.copy_(torch.eye(M, dtype=torch.bool, device=parents.device).expand(B, M, M))
+    anc = ancestor_buffer(B, M, parents.device, torch.eye(M, dtype=torch.bool, device=parents.device))
     cur = parents
     for _ in range(max_depth):
         anc.scatter_(2, cur[:, :, None], True)  # (a scalar, not index_put: graph-capturable)
@@ -69,8 +69,7 @@ def build_chain(draft: torch.Tensor, anchor: torch.Tensor) -> DraftTree:
     idx = torch.arange(D + 1, device=dev)
     parents = (idx - 1).clamp_min(0).expand(B, D + 1)
     depths = idx.expand(B, D + 1)
-    anc = ancestor_buffer(B, D + 1, dev)
-    anc.copy_(torch.ones(D + 1, D + 1, dtype=torch.bool, device=dev).tril().expand(B, D + 1, D + 1))
+    anc = ancestor_buffer(B, D + 1, dev, torch.ones(D + 1, D + 1, dtype=torch.bool, device=dev).tril())
     return DraftTree(tokens, parents.clone(), depths.clone(), anc,
                      torch.ones(B, D + 1, dtype=torch.bool, device=dev))
 
