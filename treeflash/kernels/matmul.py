@@ -5,10 +5,12 @@ At these sizes a product still streams its weight once (64 rows do 64 multiply-a
 weight, far from the tensor cores' limit), so the kernel is laid out for bandwidth:
 each program takes a strip of 64 weight rows through a deep pipeline of K steps, the
 weights as the tensor cores' first operand (`SWAP`), and K is split where the strips
-alone would leave SMs idle. Against cuBLAS on Qwen3-8B's projections (H200, 36 layers'
-weights in one graph) it is 0.75-0.98x the time at 16 rows and 0.88-1.06x at 64; being
-a Triton kernel it also joins the round's chain of dependent launches
-(`treeflash.kernels.chained`), which cuBLAS's kernels break (BENCHMARKS.md section 14).
+alone would leave SMs idle (an even spread of all K steps over one program per SM,
+stream-K, was slower: BENCHMARKS.md section 29). Against cuBLAS on Qwen3-8B's
+projections (H200, 36 layers' weights in one graph) it is 0.75-0.98x the time at 16
+rows and 0.88-1.06x at 64; being a Triton kernel it also joins the round's chain of
+dependent launches (`treeflash.kernels.chained`), which cuBLAS's kernels break
+(BENCHMARKS.md section 14).
 One row goes through the GEMV (`treeflash.kernels.gemv`); more than 64 rows, where
 the product becomes compute-bound, through cuBLAS. With `gated` the MLP's [gate; up]
 product stores silu(gate) * up: one launch and half the output where there were a
