@@ -808,9 +808,10 @@ def test_routes_and_errors_outside_the_api(client, llm, chat_model):
     with TestClient(build_app(llm, "tiny", None, aliases=("tiny-2", "./tiny"))) as c:  # every name it answers to
         assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny", "tiny-2", "./tiny"]
         assert c.get("/v1/models/tiny-2").json()["id"] == "tiny-2"  # OpenAI's retrieve-model route
-        r = c.get("/v1/models/other")
-        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-        assert "'tiny', 'tiny-2', './tiny'" in r.json()["error"]["message"]
+        for other in ("other", ""):  # an empty name is none of them (in a body it means the served one)
+            r = c.get(f"/v1/models/{other}")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            assert "'tiny', 'tiny-2', './tiny'" in r.json()["error"]["message"]
 
 
 def test_browser_pages_may_call_the_server(client, llm):

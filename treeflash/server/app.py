@@ -34,9 +34,9 @@ from treeflash import __version__
 from treeflash.errors import EngineDeadError, TreeflashError
 from treeflash.server.metrics import ServerMetrics
 from treeflash.server.answers import chat_parsers, forced_schema_error
-from treeflash.server.protocol import (STRUCTURED_KEYS, APIError, Request, SamplingDefaults, check_model, chunk,
+from treeflash.server.protocol import (STRUCTURED_KEYS, APIError, Request, SamplingDefaults, chunk,
                                       logprobs_body, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
-                                      response, usage)
+                                      response, unknown_model, usage)
 from treeflash.tokenizer import TextStream
 
 _DONE = object()  # end of a streamed job's deltas
@@ -473,11 +473,10 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
     async def model(request: HTTPRequest):  # OpenAI's retrieve-model route
         if (refused := unauthorized(request)) is not None:
             return refused
-        try:
-            check_model({"model": request.path_params["name"]}, served)
-        except APIError as e:
-            return error_response(e)
-        return AsciiJSONResponse(model_card(request.path_params["name"]))
+        name = request.path_params["name"]
+        if name not in served:  # here "" names no model: it is not a request body's null
+            return error_response(unknown_model(name, served))
+        return AsciiJSONResponse(model_card(name))
 
     async def health(_):
         """200 while the engine can serve; 503 once it has failed for good (a dead

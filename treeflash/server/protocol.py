@@ -372,9 +372,12 @@ def check_model(body: dict, served: str | tuple[str, ...]) -> None:
     if model is not None and not isinstance(model, str):
         raise APIError(f"'model' must be a string, got {shown(model)}", param="model")
     if model and model not in names:  # "" (as null): the served model, as vLLM answers
-        raise APIError(f"the model {shown(model)} does not exist (this server serves "
-                       f"{', '.join(repr(n) for n in names)})",
-                       status=404, param="model", code="model_not_found")
+        raise unknown_model(model, names)
+
+
+def unknown_model(model, names: tuple[str, ...]) -> APIError:
+    return APIError(f"the model {shown(model)} does not exist (this server serves "
+                    f"{', '.join(repr(n) for n in names)})", status=404, param="model", code="model_not_found")
 
 
 def check_keys(body: dict, kind: str) -> None:
