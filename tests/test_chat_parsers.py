@@ -420,6 +420,10 @@ def test_llm_chat_writes_the_tools_into_the_prompt(scripted):
     assert prompts[-1].startswith("[none]")
     with pytest.raises(UsageError, match="'tools' must be a list"):
         client.llm.chat(MESSAGES, tools=[{"type": "retrieval"}])
+    for parameters in ([], 0, "", False, {"type": "string"}):  # arguments are an object: keyword arguments
+        with pytest.raises(UsageError, match="'tools' must be a list"):
+            client.llm.chat(MESSAGES, tools=[{"type": "function", "function": {"name": "f", "parameters": parameters}}])
+    client.llm.chat(MESSAGES, tools=[{"type": "function", "function": {"name": "f", "parameters": None}}])
 
 
 # ----------------------------------------------------------------------------- llama3_json

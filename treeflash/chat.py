@@ -62,10 +62,16 @@ def checked_tools(tools) -> list[dict] | None:
     if not isinstance(tools, list) or not all(
             isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
             and isinstance(t["function"].get("name"), str) and t["function"]["name"]
-            and isinstance(t["function"].get("parameters") or {}, dict) for t in tools):
+            and _object_schema(t["function"].get("parameters")) for t in tools):
         raise UsageError("'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., "
-                         "\"parameters\": {...}}}", param="tools")
+                         "\"parameters\": {\"type\": \"object\", ...}}}", param="tools")
     return tools
+
+
+def _object_schema(parameters) -> bool:
+    """A function's parameters: none, or a schema of an object (its keyword arguments),
+    as OpenAI requires; [] or "string" would make calls no client can unpack."""
+    return parameters is None or isinstance(parameters, dict) and parameters.get("type", "object") == "object"
 
 
 def _tool_calls(calls, where: str) -> list[dict]:
