@@ -226,6 +226,7 @@ def test_automata_are_compiled_once_per_constraint(engines):
     (dict(structured_outputs={"regex": "a"}), "must be StructuredOutputs"),
     (dict(structured_outputs=StructuredOutputs(regex="a"), min_tokens=2), "combined with min_tokens"),
     (dict(structured_outputs=StructuredOutputs(regex="a"), allowed_token_ids=[1]), "combined with allowed_token_ids"),
+    (dict(structured_outputs=StructuredOutputs(choice=["yes"]), ignore_eos=True), "combined with ignore_eos"),
     # sizes past which compiling takes seconds (a server's other requests wait): refused first
     (dict(structured_outputs=StructuredOutputs(regex="a" * 100_001)), "regex of 100001 characters is over the limit"),
     (dict(structured_outputs=StructuredOutputs(choice=["abcdefghij"] * 10_001)), "choice of 100010 characters"),

@@ -137,7 +137,9 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 bad(f"structured_outputs must be StructuredOutputs, got {shown(self.structured_outputs)}")
             self.structured_outputs.validate()
-            for name in ("min_tokens", "allowed_token_ids"):  # either could leave a state no token
+            # min_tokens or allowed tokens could leave a state no token; ignore_eos would
+            # fill the rest of max_tokens with EOS once the output is complete
+            for name in ("min_tokens", "allowed_token_ids", "ignore_eos"):
                 if getattr(self, name):
                     bad(f"structured outputs cannot be combined with {name}", param=name)
         if vocab_size is not None:
