@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from treeflash import LLM, SamplingParams, TreeflashError, UsageError
+from treeflash import LLM, EngineDeadError, SamplingParams, TreeflashError, UsageError
 from treeflash.distributed import TPGroup
 from treeflash.engine.sampling import SamplingBatch, sample
 from tree_oracle import tree_of_logprobs
@@ -741,8 +741,9 @@ def test_a_closed_engine_leaves_the_others_working(tp_models, engines, reference
         other = engines("qwen3", "ar", tp)
         closed = LLM(tp_models["qwen3"][0], method="ar", device="cpu", dtype="float64", tp=tp)
         closed.close()
-        for call in (lambda: closed.generate(SINGLE, SamplingParams(max_new_tokens=2)), closed.rank_stats):
-            with pytest.raises(TreeflashError, match="this LLM has been closed"):
+        for call in (lambda: closed.generate(SINGLE, SamplingParams(max_new_tokens=2)), closed.rank_stats,
+                     closed.check_healthy):  # unhealthy: a server's /health says so
+            with pytest.raises(EngineDeadError, match="this LLM has been closed"):
                 call()
         assert _run(other, "greedy") == reference("qwen3", "ar", "greedy")
 

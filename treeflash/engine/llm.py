@@ -372,7 +372,7 @@ class LLM:
 
     def check_healthy(self) -> None:
         """Raise `EngineDeadError` if this engine can serve no more requests (a
-        tensor-parallel rank failed, or the workers were shut down)."""
+        tensor-parallel rank failed, the workers were shut down, or it was closed)."""
         self._tp.check()
 
     def close(self) -> None:

@@ -153,8 +153,7 @@ class Single:
         self.device = device
 
     def call(self, obj, name: str, args=(), collect: bool = False):
-        if self.closed:  # as at TP > 1: its caches and graphs are gone
-            raise TreeflashError("this LLM has been closed; create a new one")
+        self.check()  # as at TP > 1: its caches and graphs are gone
         out = getattr(obj, name)(*args)
         return [out] if collect else out
 
@@ -165,7 +164,12 @@ class Single:
         self.closed = True
 
     def check(self) -> None:
-        pass
+        if self.closed:
+            raise closed_error()
+
+
+def closed_error() -> EngineDeadError:
+    return EngineDeadError("this LLM has been closed; create a new one")
 
 
 class WorkerEngine(Single):
@@ -191,8 +195,10 @@ class Engine:
         return self.rt.call(self.eid, obj, name, args, collect)
 
     def check(self) -> None:
-        """Raise EngineDeadError if the ranks can serve no more."""
+        """Raise EngineDeadError if the ranks can serve no more, or this LLM was closed."""
         self.rt.check()
+        if self.eid not in self.rt.engines:  # the workers have dropped it
+            raise closed_error()
 
     def built(self) -> None:
         """Wait for the workers' slices; raise the first worker's load error."""
@@ -486,7 +492,7 @@ class Runtime:
     def _call(self, eid: int, obj, name: str, args, collect: bool):
         self.check()
         if eid not in self.engines:  # the workers have dropped it: they must not be asked
-            raise TreeflashError("this LLM has been closed; create a new one")
+            raise closed_error()
         seq = self.post("call", eid, (name, args), collect)
         self.busy = True
         try:
