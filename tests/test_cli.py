@@ -24,6 +24,8 @@ from treeflash.errors import UsageError
 
 STATS_KEYS = {"method", "new_tokens", "rounds", "tau", "seconds", "tokens_per_s"}
 
+DEEP = "[" * 5000 + "]" * 5000  # deeper than the JSON parser recurses
+
 
 def run(capsys, *args):
     capsys.readouterr()  # drop what fixtures printed (transformers' progress bars)
@@ -421,7 +423,8 @@ def test_empty_prompt_file(capsys, model, tmp_path, content):
 
 @pytest.mark.parametrize("line,words", [('{"prompt": "a", ', ["malformed JSON", ":2:"]),
                                         ('{"text": "a"}', ["'prompt'", ":2:"]),
-                                        ('{"prompt": 5}', ["'prompt'", ":2:"])])
+                                        ('{"prompt": 5}', ["'prompt'", ":2:"]),
+                                        ('{"x": ' + DEEP + '}', ["nested too deeply", ":2:"])])
 def test_malformed_jsonl(capsys, model, tmp_path, line, words):
     f = tmp_path / "prompts.jsonl"
     f.write_text('{"prompt": "def fib(n):"}\n' + line + "\n")
@@ -762,8 +765,9 @@ def test_chat_prompts_go_through_the_chat_template(capsys, broken):
                         SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
     assert json.loads(out)["token_ids"] == want.token_ids
     assert_error(*run(capsys, "x", "--model", broken, "--chat-template-kwargs", "{}"), 2, "needs --chat")
-    assert_error(*run(capsys, "x", "--model", broken, "--chat", "--chat-template-kwargs", "[1]"), 2,
-                 "not a JSON object")
+    for kwargs in ("[1]", '{"x": ' + DEEP + '}'):  # a JSON nesting too deep for the parser too
+        assert_error(*run(capsys, "x", "--model", broken, "--chat", "--chat-template-kwargs", kwargs), 2,
+                     "not a JSON object")
 
 
 @pytest.mark.parametrize("error,first", [

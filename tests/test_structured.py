@@ -214,6 +214,16 @@ def test_automata_are_compiled_once_per_constraint(engines):
     np.testing.assert_array_equal(a.next, c.next)
 
 
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+DEEP = _nested(5000)  # deeper than json.dumps recurses
+
+
 @pytest.mark.parametrize("kw,message", [
     (dict(structured_outputs=StructuredOutputs()), "exactly one of json, regex, choice, grammar and json_object, got none"),
     (dict(structured_outputs=StructuredOutputs(regex="a", json_object=True)), "got regex, json_object"),
@@ -227,6 +237,7 @@ def test_automata_are_compiled_once_per_constraint(engines):
     (dict(structured_outputs=StructuredOutputs(regex="a"), min_tokens=2), "combined with min_tokens"),
     (dict(structured_outputs=StructuredOutputs(regex="a"), allowed_token_ids=[1]), "combined with allowed_token_ids"),
     (dict(structured_outputs=StructuredOutputs(choice=["yes"]), ignore_eos=True), "combined with ignore_eos"),
+    (dict(structured_outputs=StructuredOutputs(json={"type": "object", "default": DEEP})), "nested too deeply"),
     # sizes past which compiling takes seconds (a server's other requests wait): refused first
     (dict(structured_outputs=StructuredOutputs(regex="a" * 100_001)), "regex of 100001 characters is over the limit"),
     (dict(structured_outputs=StructuredOutputs(choice=["abcdefghij"] * 10_001)), "choice of 100010 characters"),

@@ -24,6 +24,8 @@ def _jsonl_prompt(line: str, where: str) -> tuple[str, list[str]]:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise UsageError(f"{where}: malformed JSON line: {e}") from None
+    except RecursionError:
+        raise UsageError(f"{where}: malformed JSON line: nested too deeply") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
         raise UsageError(f"{where}: a JSONL line must be an object with a string 'prompt'")
     return obj["prompt"], [k for k in obj if k != "prompt"]
@@ -226,7 +228,7 @@ def _json_object(text: str) -> dict:
     """A JSON object on the command line (argparse turns the error into one line)."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         value = None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"not a JSON object: {shown(text)}")

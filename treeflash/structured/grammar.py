@@ -76,6 +76,8 @@ class StructuredOutputs:
                 text = json.dumps(self.json)
             except (TypeError, ValueError) as e:
                 raise UsageError(f"structured outputs: json is not a JSON value ({e})") from None
+            except RecursionError:
+                raise UsageError("structured outputs: json is nested too deeply") from None
         # past these sizes compiling (or refusing) takes seconds, which a server's other
         # requests would wait for: refused before any work
         sizes = {"regex": len(self.regex or ""), "grammar": len(self.grammar or ""),
@@ -103,6 +105,8 @@ class StructuredOutputs:
                 schema = json.loads(schema)
             except ValueError as e:
                 raise UsageError(f"structured outputs: json is not valid JSON ({e})") from None
+            except RecursionError:
+                raise UsageError("structured outputs: json is nested too deeply") from None
         return schema_regex(schema)
 
     def automaton(self) -> ByteDFA:
@@ -119,7 +123,7 @@ class StructuredOutputs:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except ValueError:  # refused when compiled
+            except (ValueError, RecursionError):  # refused when compiled
                 pass
         # not sorted: a schema's properties are written in their order
         return json.dumps([value, self.regex, None if self.choice is None else list(self.choice), self.grammar,
