@@ -667,6 +667,10 @@ def test_a_prompt_file_runs_in_batches_of_max_batch(capsys, model, api, tmp_path
     monkeypatch.undo()
     check_json_lines(out, ENGINE_PROMPTS, api, 4)
     assert_error(*run(capsys, "hi", "--model", model, "--max-batch", 0), 2, "--max-batch must be >= 1")
+    # a prompt that does not fit, after a batch's worth: refused before anything is generated
+    f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in [*ENGINE_PROMPTS[:2], "x = 1\n" * 2000]))
+    assert_error(*run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu", "--json",
+                      "--max-new-tokens", 4, "--max-batch", 2), 2, "does not fit the context limit")
 
 
 def test_prompt_file_with_jsonl(capsys, model, api, tmp_path):

@@ -257,6 +257,9 @@ def cmd_generate(args) -> int:
     if args.chat:  # each prompt a user's message, as the chat template renders it
         fmt = ChatFormat(args.chat_template_kwargs)
         prompts = [llm.chat_prompt([{"role": "user", "content": p}], fmt) for p in prompts]
+    # every prompt tokenized and fitted to the context first: one that does not fit, late
+    # in a file, stops the command before it has printed anything
+    prompts = [llm.encode(p, truncate=params.truncate_prompt_tokens) for p in prompts]
 
     def outputs(on_tokens=None):
         """A file of prompts goes in batches of --max-batch, each printed as it finishes."""
