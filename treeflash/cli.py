@@ -277,7 +277,7 @@ def cmd_generate(args) -> int:
                   flush=True)
         return 0
     stream = len(prompts) == 1 and not params.stop
-    context = llm.encode(prompts[0], truncate=params.truncate_prompt_tokens) if stream else ()
+    context = prompts[0] if stream else ()  # its token ids, encoded above
     printed = TextStream(llm.tokenizer, end_ids=llm.end_ids(params), context=context)
 
     def on_tokens(_, ids):
