@@ -153,7 +153,8 @@ class Single:
         self.device = device
 
     def call(self, obj, name: str, args=(), collect: bool = False):
-        self.check()  # as at TP > 1: its caches and graphs are gone
+        if self.closed:  # as at TP > 1: its caches and graphs are gone (checked every round)
+            raise closed_error()
         out = getattr(obj, name)(*args)
         return [out] if collect else out
 
