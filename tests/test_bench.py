@@ -197,6 +197,17 @@ def test_shape_mode_tiny(tmp_path, capsys):
     assert "verify(N)/AR  C=32" in captured.out and "floor us" in captured.out
 
 
+def test_shape_mode_refuses_weights_past_the_hosts_free_memory(monkeypatch, capsys):
+    """`--shape qwen3-8b` on a CPU is 34 GiB of float32 weights: on a smaller host it was
+    killed by the OS while the random weights were made; now one line first."""
+    import treeflash.memory as memory
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 2 ** 20)
+    assert main(["bench", "--shape", "tiny", "--iters", "1"]) != 0
+    err = capsys.readouterr().err
+    assert "not enough cpu memory for the weights" in err and "--dtype bfloat16" in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--shape", "gpt5"], "unknown shape"),
     (["--shape", "", "--iters", "1"], "unknown shape ''"),

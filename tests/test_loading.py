@@ -370,3 +370,20 @@ def test_a_drafter_checkpoint_skips_only_its_targets_embeddings_and_head(spec_ta
                                            "dflash_config": {**cfg.get("dflash_config", {}),
                                                              "target_layer_ids": twice}}),
             "target_layer_ids", "twice")
+
+
+def test_weights_past_the_hosts_free_memory_are_refused_before_loading(spec_target, spec_drafter, monkeypatch):
+    """On a CPU, weights that cannot fit in the memory left are refused in one line before
+    anything loads: Linux would kill the process mid-load without a word (an 8B bf16
+    checkpoint is 32 GB in float32, auto's CPU dtype). The need counts the drafter too,
+    in the dtype asked for."""
+    import treeflash.memory as memory
+    need = LLM(spec_target(), draft_model=spec_drafter(), device="cpu", dtype="float32").load_stats["param_bytes"]
+    load = lambda dtype: LLM(spec_target(), draft_model=spec_drafter(), device="cpu", dtype=dtype)  # noqa: E731
+    monkeypatch.setattr(memory, "available_bytes", lambda device: need - 1)
+    refused(lambda: load("float32"), "not enough cpu memory for the weights", "in float32", "--dtype bfloat16")
+    monkeypatch.setattr(memory, "available_bytes", lambda device: need // 2 - 1)
+    msg = refused(lambda: load("bfloat16"), "not enough cpu memory for the weights", "in bfloat16", "on a GPU")
+    assert "--dtype" not in msg
+    monkeypatch.setattr(memory, "available_bytes", lambda device: need // 2)
+    assert load("bfloat16").load_stats["param_bytes"] == need // 2

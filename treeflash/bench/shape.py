@@ -35,6 +35,7 @@ from treeflash.engine.sampling import SamplingBatch
 from treeflash.engine.tp import COMM_HINTS, check_devices, check_shardable, join_group, torchrun_env
 from treeflash.engine.tree import empty_tree
 from treeflash.errors import TreeflashError, UsageError
+from treeflash.memory import check_weights_fit
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import build_on
 from treeflash.models.moe import KIMI_K2_4L, weight_bytes_read
@@ -456,8 +457,10 @@ def _shape_plan(args) -> ShapePlan:
     if backend == "triton" and available != "triton":
         raise UsageError("--attention triton needs a CUDA device, the triton package and head_dim 64 or 128")
     cfg = dataclasses.replace(SHAPES[args.shape], fp8_block=None if args.fp8 is None else fp8_block(args.fp8))
-    return ShapePlan(cfg, draft_config(cfg, args.draft_layers), contexts, budgets, batch_sizes, temperatures, graphs,
-                     device, dtype, backend)
+    dcfg = draft_config(cfg, args.draft_layers)
+    with build_on("meta", torch.float32):  # sizes only
+        check_weights_fit([CausalLM(cfg, TPGroup()), DFlashDraftModel(dcfg, TPGroup())], dtype, device)
+    return ShapePlan(cfg, dcfg, contexts, budgets, batch_sizes, temperatures, graphs, device, dtype, backend)
 
 
 @contextlib.contextmanager

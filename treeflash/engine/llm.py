@@ -29,7 +29,7 @@ from treeflash.models.loader import (build_on, check_model_size, check_sizes, lo
                                      weights_dtype)
 from treeflash.models.transformer import CausalLM
 from treeflash.files import model_folder
-from treeflash.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+from treeflash.memory import check_weights_fit, peak_rss_bytes, reset_peak_rss, rss_bytes
 from treeflash.sampling_params import (BAD_WORD_TOKENS, MAX_BAD_SEQUENCES, SamplingParams, generation_defaults,
                                        truncation_error)
 from treeflash.structured.cache import AutomatonCache
@@ -270,7 +270,8 @@ class LLM:
         if quantize:
             self.config = replace(self.config, fp8_block=FP8_BLOCK)
         with build_on("meta", torch.float32):  # sizes only: nothing is allocated
-            check_model_size(model, CausalLM(self.config, TPGroup()), shapes)
+            shells = [CausalLM(self.config, TPGroup())]
+        check_model_size(model, shells[0], shapes)
         # the weights' headers are read only when "auto" needs them
         said = self.config.torch_dtype  # a name that is no float dtype ("int8", [1]) says nothing
         said = said if isinstance(said, str) and said.replace("torch.", "") in DTYPES else None
@@ -290,7 +291,9 @@ class LLM:
             check_sizes(draft_model, dcfg.layers, draft_shapes, embedding=False)
             dcfg.check_fits(self.config)
             with build_on("meta", torch.float32):
-                check_model_size(draft_model, DFlashDraftModel(dcfg, TPGroup()), draft_shapes)
+                shells.append(DFlashDraftModel(dcfg, TPGroup()))
+            check_model_size(draft_model, shells[1], draft_shapes)
+        check_weights_fit(shells, self.dtype, self.device)
         if method is None:
             method = "ddtree" if dcfg is not None else "ar"
         budget = tree_budget(method, budget, max_budget, self.device)
