@@ -458,8 +458,9 @@ def _shape_plan(args) -> ShapePlan:
         raise UsageError("--attention triton needs a CUDA device, the triton package and head_dim 64 or 128")
     cfg = dataclasses.replace(SHAPES[args.shape], fp8_block=None if args.fp8 is None else fp8_block(args.fp8))
     dcfg = draft_config(cfg, args.draft_layers)
-    with build_on("meta", torch.float32):  # sizes only
-        check_weights_fit([CausalLM(cfg, TPGroup()), DFlashDraftModel(dcfg, TPGroup())], dtype, device)
+    if torchrun_env() is None:  # the launcher checks the host once for all its ranks (they load at once)
+        with build_on("meta", torch.float32):  # sizes only
+            check_weights_fit([CausalLM(cfg, TPGroup()), DFlashDraftModel(dcfg, TPGroup())], dtype, device)
     return ShapePlan(cfg, dcfg, contexts, budgets, batch_sizes, temperatures, graphs, device, dtype, backend)
 
 

@@ -293,7 +293,8 @@ class LLM:
             with build_on("meta", torch.float32):
                 shells.append(DFlashDraftModel(dcfg, TPGroup()))
             check_model_size(draft_model, shells[1], draft_shapes)
-        check_weights_fit(shells, self.dtype, self.device)
+        if _worker is None:  # the driver checks the host once for all its ranks (they load at once)
+            check_weights_fit(shells, self.dtype, self.device)
         if method is None:
             method = "ddtree" if dcfg is not None else "ar"
         budget = tree_budget(method, budget, max_budget, self.device)
