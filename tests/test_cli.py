@@ -123,9 +123,9 @@ def test_unsupported_architecture(capsys, broken):
 
 
 def test_unsupported_rope_scaling(capsys, broken):
-    edit_config(broken, lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 2.0,
+    edit_config(broken, lambda c: c.update(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                             "rope_theta": 10000.0}))
-    assert_error(*run(capsys, "hi", "--model", broken, "--device", "cpu"), 1, "yarn")
+    assert_error(*run(capsys, "hi", "--model", broken, "--device", "cpu"), 1, "rope scaling type 'dynamic'")
 
 
 @pytest.mark.parametrize("change,words", [

@@ -250,7 +250,8 @@ def test_tp2_tokens_equal_tp1(spec_gpt_oss):
     (dict(sliding_window=0), "'sliding_window' must be a positive integer"),
     (dict(num_experts_per_tok=5), r"num_experts_per_tok \(5\) exceeds num_local_experts \(4\)"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), "yarn rope scaling lacks 'factor'"),
-    (dict(rope_parameters={**YARN, "original_max_position_embeddings": None}),
+    # without its own, YaRN's original context is max_position_embeddings (as transformers reads it)
+    (dict(rope_parameters={**YARN, "original_max_position_embeddings": None}, max_position_embeddings=None),
      "yarn rope scaling lacks 'original_max_position_embeddings'"),
     (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
      "gpt-oss is supported unquantized or with MXFP4 experts, not with quant_method 'fp8'"),

@@ -265,6 +265,53 @@ def test_llama3_rope_without_its_original_context_reads_max_position_embeddings(
         LLM(folder, device="cpu")
 
 
+def _legacy_type_key(cfg, rope):
+    rope["type"] = rope.pop("rope_type")
+    cfg["rope_parameters"] = rope
+
+
+def _theta_inside_rope_scaling(cfg, rope):
+    cfg["rope_scaling"] = rope           # its rope_theta wins over the top-level one
+    cfg["rope_theta"] = 10000.0
+
+
+def _original_context_at_top_level(cfg, rope):
+    cfg["original_max_position_embeddings"] = rope.pop("original_max_position_embeddings")
+    cfg["rope_parameters"] = rope
+
+
+@pytest.mark.parametrize("layout", [_legacy_type_key, _theta_inside_rope_scaling, _original_context_at_top_level])
+def test_rope_layouts_transformers_reads_alike_give_the_same_logits(hf_checkpoint, tmp_path, layout):
+    """Other ways a config.json says the same llama3 RoPE, as transformers 5 reads them:
+    each was read as plain RoPE or with another theta or context, a silent wrong answer."""
+    from transformers import AutoModelForCausalLM
+    ck = hf_checkpoint("llama3-rope")
+    folder = ck.copy_to(tmp_path / layout.__name__)
+    cfg = json.loads((folder / "config.json").read_text())
+    layout(cfg, cfg.pop("rope_parameters"))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(folder, device="cpu", dtype="float32")
+    ids = encode_all(llm)[1] * 4  # past the scaling's original context
+    want = hf_logits(ck.model, ids)
+    assert rel_err(tf_logits(llm, torch.tensor([ids]))[0], want) < 1e-5
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert rel_err(hf_logits(ref, ids), want) < 1e-5  # transformers reads the layout alike
+
+
+@pytest.mark.parametrize("change,words", [
+    # transformers 4 reads the scaling's own context, 5 the top-level one
+    (lambda cfg: cfg.update(original_max_position_embeddings=16), "transformers 4 reads the second, 5 the first"),
+    (lambda cfg: cfg.update(rope_parameters={"full_attention": cfg["rope_parameters"]}), "per layer type"),
+])
+def test_rope_layouts_read_differently_are_refused(hf_checkpoint, tmp_path, change, words):
+    folder = hf_checkpoint("llama3-rope").copy_to(tmp_path / "rope")
+    cfg = json.loads((folder / "config.json").read_text())
+    change(cfg)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TreeflashError, match=words):
+        LLM(folder, device="cpu")
+
+
 # --------------------------------------------------------------------------- other dtypes
 
 

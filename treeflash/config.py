@@ -75,39 +75,46 @@ def _number(value, key: str, where: str, positive: bool = True) -> float:
 
 
 def _rope(data: dict, where: str = "config.json") -> tuple[float, dict | None]:
-    """RoPE theta and scaling, from transformers 4 (`rope_theta`, `rope_scaling`) or 5
-    (`rope_parameters`) style configs."""
+    """RoPE theta and scaling as transformers 5 reads them from either style of config:
+    `rope_scaling` (transformers 4's key), when given, is the whole of it, else
+    `rope_parameters`; a `rope_theta` inside it wins over the top-level one; its type is
+    `rope_type`, else `type`. A scaling's original context is the top-level
+    `original_max_position_embeddings` (Phi-3's layout), else its own, else
+    `max_position_embeddings`; where the two are given and differ, transformers 4 and 5
+    disagree, so the config is refused."""
     params = data.get("rope_parameters") or {}
     scaling = data.get("rope_scaling") or None
     if not isinstance(params, dict) or not isinstance(scaling, (dict, type(None))):
         raise TreeflashError(f"{where}: rope_parameters / rope_scaling must be JSON objects")
-    theta = _number(params.get("rope_theta", data.get("rope_theta", 10000.0)), "rope_theta", where)
-    if scaling is None and params.get("rope_type", "default") != "default":
-        scaling = params
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind == "default":
-            scaling = None
-        elif kind == "yarn":
-            scaling = _yarn(scaling, where)
-        elif kind != "llama3":
-            raise TreeflashError(f"{where}: unsupported rope scaling type '{kind}' (supported: llama3, yarn)")
-        else:
-            if "factor" not in scaling:
-                raise TreeflashError(f"{where}: llama3 rope scaling lacks 'factor'")
-            for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-                if key in scaling:
-                    _number(scaling[key], f"rope scaling {key}", where)
-            # the defaults are layers.rotary's; the band between them is a ramp over 1 / their difference
-            low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-            if not high > low:
-                raise TreeflashError(f"{where}: llama3 rope scaling needs high_freq_factor > low_freq_factor, "
-                                     f"got {high} and {low}")
-            if scaling.get("original_max_position_embeddings") is None:  # as transformers: the config's context
-                if data.get("max_position_embeddings") is None:
-                    raise TreeflashError(f"{where}: llama3 rope scaling lacks 'original_max_position_embeddings'")
-                scaling = {**scaling, "original_max_position_embeddings": _require(
-                    data, "max_position_embeddings", where)}
+    rope = scaling if scaling is not None else params
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise TreeflashError(f"{where}: RoPE parameters per layer type are not supported")
+    theta = _number(rope.get("rope_theta", data.get("rope_theta", 10000.0)), "rope_theta", where)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind not in ("llama3", "yarn"):
+        raise TreeflashError(f"{where}: unsupported rope scaling type '{kind}' (supported: llama3, yarn)")
+    outer, inner = data.get("original_max_position_embeddings"), rope.get("original_max_position_embeddings")
+    if outer is not None and inner is not None and outer != inner:
+        raise TreeflashError(f"{where}: original_max_position_embeddings is {outer} but the rope scaling's is "
+                             f"{inner} (transformers 4 reads the second, 5 the first)")
+    original = next((v for v in (outer, inner, data.get("max_position_embeddings")) if v is not None), None)
+    if original is None:
+        raise TreeflashError(f"{where}: {kind} rope scaling lacks 'original_max_position_embeddings'")
+    scaling = {**rope, "original_max_position_embeddings": original}
+    if kind == "yarn":
+        return theta, _yarn(scaling, where)
+    if "factor" not in scaling:
+        raise TreeflashError(f"{where}: llama3 rope scaling lacks 'factor'")
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        if key in scaling:
+            _number(scaling[key], f"rope scaling {key}", where)
+    # the defaults are layers.rotary's; the band between them is a ramp over 1 / their difference
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    if not high > low:
+        raise TreeflashError(f"{where}: llama3 rope scaling needs high_freq_factor > low_freq_factor, "
+                             f"got {high} and {low}")
     return theta, scaling
 
 
