@@ -16,6 +16,7 @@ from conftest import ENGINE_PROMPTS
 
 from treeflash import LLM, GenerationOutput, SamplingParams, TreeflashError, UsageError
 from treeflash.checkpoints import write_random_target
+from treeflash.engine.llm import builtin_paths
 
 STATS_KEYS = {"method", "new_tokens", "rounds", "tau", "seconds", "tokens_per_s"}
 
@@ -504,6 +505,49 @@ def test_byte_fallback_text_keeps_whole_characters_as_streamed(tmp_path):
             stream = TextStream(tok)
             streamed = "".join(stream.push(ids[i:i + size]) for i in range(0, len(ids), size))
             assert want.startswith(streamed) and streamed + stream.finish(want) == want
+
+
+def test_bytes_no_token_can_finish_are_text_at_once_and_cost_linear_work():
+    """A run of stray UTF-8 continuation bytes (a client's logit_bias can ask for one)
+    decodes to U+FFFD for good: a stream hands each out as it comes, and neither the
+    stream nor the stop-string check decodes the output again at every token (they
+    waited for a character that could never finish: 1000 tokens with a stop string
+    took minutes on the thread that drives every request)."""
+    from treeflash.tokenizer import TextStream
+    llm = LLM(builtin_paths()[0], device="cpu", dtype="float32", method="ar")
+    tok = llm.tokenizer
+    stray = 225  # the byte 0x80
+    assert tok.token_bytes(stray) == b"\x80" and not tok.ends_mid_character([stray])
+    decoded = []
+    decode = tok.decode
+    tok.decode = lambda ids, skip_special=True: decoded.append(len(ids)) or decode(ids, skip_special)
+    try:
+        n, stream, out, params = 400, TextStream(tok, stop=["z"]), [], SamplingParams(stop=["z"])
+        for _ in range(n):
+            assert stream.push([stray]) == "\ufffd"
+            out.append(stray)
+            assert not llm._cut_at_stop_string(out, len(out) - 1, params)
+    finally:
+        tok.decode = decode
+    assert sum(decoded) < 300 * n, sum(decoded)  # was ~n^3 / 6 tokens decoded
+    assert tok.decode_continuation(out) == "\ufffd" * n
+
+
+def test_a_continuation_after_a_context_that_begins_inside_a_character_keeps_its_space(tmp_path):
+    """SentencePiece with byte fallback: the prompt's last 4 tokens began inside "你"'s
+    bytes, the decoder turned that run into U+FFFD, and the continuation was decoded
+    without context: " ab" became "ab", in the text and the stream."""
+    from conftest import write_sentencepiece_tokenizer
+
+    from treeflash.tokenizer import TextStream, Tokenizer
+    write_sentencepiece_tokenizer(tmp_path)
+    tok = Tokenizer(tmp_path)
+    prompt = tok.encode("你好", special=False)
+    gen = tok.encode("你好 ab", special=False)[len(prompt):]
+    assert len(prompt) > 4 and tok.decode(prompt + gen) == "你好 ab"
+    assert tok.decode_continuation(gen, prompt) == " ab"
+    stream = TextStream(tok, context=prompt)
+    assert "".join(stream.push([t]) for t in gen) + stream.finish(" ab") == " ab"
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(hf_checkpoint):

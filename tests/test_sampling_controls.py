@@ -476,8 +476,8 @@ def test_stop_strings_cut_where_the_whole_text_first_holds_one():
             stops.append(text[i:i + rng.randint(1, 6)] if rng.random() < 0.8 else "zz")
         p = SamplingParams(stop=stops, min_tokens=rng.choice([0, 0, 1, 3]))
 
-        def whole(k):
-            return tok.decode_continuation(ids[:k], prompt).rstrip("\ufffd")
+        def whole(k):  # less a character the k tokens only begin
+            return tok.decode_continuation(ids[:k], prompt, unfinished=False)
         floor = tok.min_tokens_floor(ids, p.min_tokens, prompt)
         want = next((k for k in range(p.min_tokens + 1, len(ids) + 1)
                      if stop_cut(whole(k), stops, False, ends_after=floor)), len(ids))

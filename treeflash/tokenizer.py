@@ -2,6 +2,7 @@
 `generation_config.json`, `config.json` and `tokenizer_config.json`."""
 from __future__ import annotations
 
+import codecs
 import re
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -25,7 +26,9 @@ def _byte_level_chars() -> dict[str, int]:
 
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece-style byte tokens (Llama 2, Mistral)
-CONTEXT_TOKENS = 4  # prompt tokens decoded ahead of generated ones (see Tokenizer.decode_continuation)
+# A context's last tokens decoded ahead of generated ones (Tokenizer.context_tail): 4, and up to
+# 3 more where the 4 begin inside a character; callers pass at least CONTEXT_TOKENS of them.
+CONTEXT_TOKENS = 7
 
 
 def stop_cut(text: str, stops: list[str], include: bool, start: int = 0,
@@ -117,8 +120,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special)
 
-    def decode_continuation(self, ids: list[int], context: list[int] = (), skip_special: bool = True) -> str:
-        """The text `ids` add after `context` (the prompt's last tokens). Decoded alone, a
+    def decode_continuation(self, ids: list[int], context: list[int] = (), skip_special: bool = True,
+                            unfinished: bool = True) -> str:
+        """The text `ids` add after `context` (the prompt's last tokens); without
+        `unfinished`, less the part of a character at its end. Decoded alone, a
         SentencePiece continuation would lose its first space (the decoder strips a
         text's first one: " Paris" became "Paris"); byte-level BPE gives the same either
         way. `TextStream` decodes the same way, so streamed deltas add up to this."""
@@ -134,7 +139,7 @@ class Tokenizer:
         # Character by character instead, as TextStream takes them.
         ids = context + list(ids)
         text, _, read = self.whole_text(ids, 0, len(context), skip_special)
-        return text + self.decode(ids[read:], skip_special)  # the part of a character at the end
+        return text + self.decode(ids[read:], skip_special) if unfinished else text
 
     def whole_text(self, ids: list[int], prefix: int, read: int, skip_special: bool = True) -> tuple[str, int, int]:
         """The text ids[read:] add after ids[prefix:read], taken token by token up to its last
@@ -151,7 +156,7 @@ class Tokenizer:
         ends in part of a character. Decoded after ids[prefix:read] (SentencePiece strips a
         text's first space), or alone where that text is not kept whole (a byte-fallback run)."""
         window = self.decode(ids[prefix:n], skip_special)
-        if window.endswith("\ufffd"):
+        if window.endswith("\ufffd") and self.ends_mid_character(ids[prefix:n], skip_special):
             return None
         known = self.decode(ids[prefix:read], skip_special)
         return window[len(known):] if window.startswith(known) else self.decode(ids[read:n], skip_special)
@@ -163,15 +168,45 @@ class Tokenizer:
         that the next token completes counts)."""
         if not min_tokens:
             return 0
-        return len(self.decode_continuation(ids[:min_tokens], context, skip_special).rstrip("\ufffd"))
+        return len(self.decode_continuation(ids[:min_tokens], context, skip_special, unfinished=False))
 
     def context_tail(self, context: list[int], skip_special: bool = True) -> list[int]:
-        """The last CONTEXT_TOKENS tokens of `context`, less any at its end that hold part
-        of a character (their text would end in U+FFFD)."""
-        context = list(context)[-CONTEXT_TOKENS:]
+        """The last tokens of `context` to decode a continuation after: four, or up to
+        CONTEXT_TOKENS where the four begin inside a character (a byte-fallback decoder
+        turns a whole run of byte tokens that starts there into U+FFFD, and a continuation
+        then decoded without its context lost its first space); less any at the end whose
+        text ends in U+FFFD (part of a character)."""
+        context = list(context)
+        start = max(0, len(context) - 4)
+        while start > max(0, len(context) - CONTEXT_TOKENS) and self._continues_a_character(context[start]):
+            start -= 1
+        context = context[start:]
         while context and self.decode(context, skip_special).endswith("\ufffd"):
             context.pop()
         return context
+
+    def ends_mid_character(self, ids: list[int], skip_special: bool = True) -> bool:
+        """Whether the bytes of `ids` end in an unfinished UTF-8 character, which a later
+        token may finish. Bytes that no token can finish (a stray continuation byte)
+        decode to U+FFFD for good: text waiting on them would wait forever."""
+        tail, special = b"", self.special_ids if skip_special else ()
+        for i in reversed(ids):
+            if i not in special:  # a skipped token adds no bytes: those around it join
+                tail = self.token_bytes(i) + tail
+                if len(tail) >= 4:  # an unfinished character has at most 3
+                    break
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(tail)
+        return bool(decoder.getstate()[0])
+
+    def _continues_a_character(self, token_id: int) -> bool:
+        first = self.token_bytes(token_id)[:1]
+        return bool(first) and 0x80 <= first[0] < 0xC0
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids that skip_special_tokens leaves out of a decoded text."""
+        return frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
 
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (half a character shows as U+FFFD):
@@ -236,7 +271,10 @@ class TextStream:
             if len(self.pushed) >= self.min_tokens:
                 self.floor = self.tokenizer.min_tokens_floor(self.pushed, self.min_tokens, self.context,
                                                              self.skip_special)
-        self.ids += ids[:-1] if ids and ids[-1] in self.end_ids else ids
+        ids = ids[:-1] if ids and ids[-1] in self.end_ids else ids
+        if self.skip_special:  # left out of the window: a long run of them made every decode longer
+            ids = [i for i in ids if i not in self.tokenizer.special_ids]
+        self.ids += ids
         piece = self.tokenizer.whole_piece(self.ids, self.prefix, self.read, len(self.ids), self.skip_special)
         if piece is not None and "\ufffd" not in piece:
             if piece:  # a whole character more

@@ -862,7 +862,7 @@ class LLM:
 
         def text(k: int) -> str:  # whole characters of out[lo:k], decoded after what precedes them
             context = (prompt_tail + out[max(0, lo - CONTEXT_TOKENS):lo])[-CONTEXT_TOKENS:]
-            return self.tokenizer.decode_continuation(out[lo:k], context, p.skip_special_tokens).rstrip("\ufffd")
+            return self.tokenizer.decode_continuation(out[lo:k], context, p.skip_special_tokens, unfinished=False)
 
         while lo > 0 and len(text(first)) < longest + 3:  # + the orphan bytes of a character cut at lo
             lo = max(0, lo - max(16, first - lo))
