@@ -696,6 +696,9 @@ def test_tokenize_and_detokenize(client, llm):
     r = client.post("/tokenize", json={"messages": [{"role": "user", "content": parts}]}).json()["tokens"]
     assert r == llm.encode("### user:\nfib\nfast\n### assistant:\n", special=False)
     assert client.post("/detokenize", json={"tokens": plain}).json()["prompt"] == PROMPT
+    eos = llm.eos_token_ids[0]  # special tokens are text too (a chat's tokens decode back to the chat)
+    assert client.post("/detokenize", json={"tokens": [eos] + plain}).json()["prompt"] == \
+        llm.tokenizer.token_text(eos) + PROMPT
     for path, body, param in [("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {}, "prompt"),
                               ("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
                               ("/tokenize", {"prompt": "a", "x": 1}, "x"),

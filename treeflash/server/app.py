@@ -505,7 +505,7 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
             ids = parse_detokenize(await _read_json(request), served, llm.config.vocab_size)
         except APIError as e:
             return error_response(e)
-        return AsciiJSONResponse({"prompt": llm.tokenizer.decode(ids)})
+        return AsciiJSONResponse({"prompt": llm.tokenizer.decode(ids, skip_special=False)})  # as vLLM: all of them
 
     async def metrics(_):
         w = worker()
