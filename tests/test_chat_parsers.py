@@ -604,3 +604,24 @@ def test_a_long_call_streamed_in_small_pieces_is_read_in_linear_time():
     calls += stream.push("", final=True)[2]
     assert time.perf_counter() - start < 1.5
     assert [c["function"]["name"] for c in calls] == ["f"] and len(calls[0]["function"]["arguments"]) > 200_000
+
+
+def test_special_tokens_named_only_in_special_tokens_map_json(tmp_path):
+    """Older transformers saved bos_token / eos_token in special_tokens_map.json only:
+    the template renders them and the end token ends generation, as transformers reads
+    that file; where tokenizer_config.json names one too, the config wins."""
+    import shutil
+
+    from treeflash.engine.llm import builtin_paths
+    from treeflash.tokenizer import Tokenizer
+    shutil.copy(builtin_paths()[0] / "tokenizer.json", tmp_path / "tokenizer.json")
+    template = "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<|pad|>", "eos_token": {"content": "<|endoftext|>", "special": True}}))
+    messages = [{"role": "user", "content": "hi"}]
+    assert ChatTemplate.from_folder(tmp_path).prompt(messages) == "<|pad|>hi<|endoftext|>"
+    assert Tokenizer(tmp_path).eos_token_ids == [0]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<|mask|>"}))
+    assert ChatTemplate.from_folder(tmp_path).prompt(messages) == "<|pad|>hi<|mask|>"
+    assert Tokenizer(tmp_path).eos_token_ids == [2]

@@ -8,7 +8,7 @@ from datetime import datetime
 from pathlib import Path
 
 from treeflash.errors import TreeflashError, UsageError
-from treeflash.files import read_json_object, read_text
+from treeflash.files import SPECIAL_TOKENS, read_text, tokenizer_settings
 
 
 def _token_text(value) -> str:
@@ -99,9 +99,6 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-
-
 def _generation_tag():
     """`{% generation %}...{% endgeneration %}`, which marks the assistant's tokens for
     training (TRL's assistant-only loss): rendered as its body, as transformers does."""
@@ -175,7 +172,7 @@ class ChatTemplate:
         'tool_use' for tools if there is one, which newer transformers save as
         additional_chat_templates/tool_use.jinja); None without one."""
         folder = Path(folder)
-        config = read_json_object(folder / "tokenizer_config.json")
+        config = tokenizer_settings(folder)
         source = config.get("chat_template")
         if (folder / "chat_template.jinja").exists():
             source = read_text(folder / "chat_template.jinja")

@@ -82,3 +82,17 @@ def model_folder(path):
     if path is None or Path(path).exists():
         return path
     return hub_snapshot(str(path)) or path
+
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def tokenizer_settings(folder: str | Path) -> dict:
+    """tokenizer_config.json, with the special tokens (bos_token, eos_token, ...) that
+    only special_tokens_map.json names, as older transformers saved them, filled in:
+    transformers reads both, and the config wins."""
+    folder = Path(folder)
+    config = read_json_object(folder / "tokenizer_config.json")
+    tokens = read_json_object(folder / "special_tokens_map.json")
+    names = (*SPECIAL_TOKENS, "additional_special_tokens")
+    return {**{k: v for k, v in tokens.items() if k in names}, **config}

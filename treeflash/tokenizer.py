@@ -12,7 +12,7 @@ from tokenizers.decoders import ByteLevel
 
 from treeflash.config import token_id_list
 from treeflash.errors import TreeflashError
-from treeflash.files import read_json_object
+from treeflash.files import read_json_object, tokenizer_settings
 
 
 @lru_cache(maxsize=1)
@@ -59,7 +59,7 @@ class Tokenizer:
             raise TreeflashError(f"cannot read {path}: {e}") from None
         config = read_json_object(folder / "config.json")
         gen = read_json_object(folder / "generation_config.json")
-        tok_cfg = read_json_object(folder / "tokenizer_config.json")
+        tok_cfg = tokenizer_settings(folder)
         # each end token id, and the file that names it (for errors)
         self.eos_sources = {i: "config.json" for i in token_id_list(config.get("eos_token_id"), "eos_token_id",
                                                                     str(folder / "config.json"))}
@@ -69,7 +69,7 @@ class Tokenizer:
         if isinstance(eos_tok, dict):
             eos_tok = eos_tok.get("content")
         if isinstance(eos_tok, str) and self.tok.token_to_id(eos_tok) is not None:
-            self.eos_sources[self.tok.token_to_id(eos_tok)] = "tokenizer_config.json"
+            self.eos_sources[self.tok.token_to_id(eos_tok)] = "tokenizer_config.json"  # or special_tokens_map.json
         self.eos_token_ids = sorted(self.eos_sources)
         self.bos_token_id = gen.get("bos_token_id", config.get("bos_token_id"))
         add_bos = tok_cfg.get("add_bos_token")
