@@ -387,3 +387,41 @@ def test_weights_past_the_hosts_free_memory_are_refused_before_loading(spec_targ
     assert "--dtype" not in msg
     monkeypatch.setattr(memory, "available_bytes", lambda device: need // 2)
     assert load("bfloat16").load_stats["param_bytes"] == need // 2
+
+
+def test_a_drafters_sliding_layers_see_the_contexts_last_keys_within_their_window(drafter_dict):
+    """A drafter whose layers slide (use_sliding_window, layer_types, is_causal false, as
+    some published ones): each block query sees the context's keys within the window
+    and the whole block, as the same weights do under that explicit mask (the window was
+    read but not built: every layer saw the whole context). Without is_causal false DFlash
+    makes sliding layers causal, which is refused, as is a window shorter than the block."""
+    from treeflash.models.dflash import DFlashDraftModel
+    L, W, P = drafter_dict["num_hidden_layers"], 5, 12
+    sliding = {**drafter_dict, "use_sliding_window": True, "sliding_window": W, "is_causal": False,
+               "layer_types": ["sliding_attention"] * L, "block_size": 4}
+    dcfg = DraftConfig.from_dict(sliding)
+    assert dcfg.layers.sliding_layers == tuple(range(L)) and dcfg.layers.sliding_window == W
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        windowed = DFlashDraftModel(dcfg).double()
+        plain = DFlashDraftModel(DraftConfig.from_dict({**drafter_dict, "block_size": 4})).double()
+    for p in windowed.parameters():
+        p.data.normal_(0, 0.3)
+    plain.load_state_dict(windowed.state_dict())
+    H, b = dcfg.layers.hidden_size, 4
+    features = torch.randn(1, P, len(dcfg.target_layer_ids) * H, dtype=torch.float64)
+    block = torch.randn(1, b, H, dtype=torch.float64)
+    cache = windowed.new_cache(1, 32)
+    windowed.commit_context(cache, features, torch.arange(P)[None], torch.zeros(1, dtype=torch.long))
+    inputs = AttentionInputs(P + torch.arange(b)[None], torch.tensor([P]), torch.ones(1, b, b, dtype=torch.bool))
+    got = windowed(block, inputs, cache)
+    query = P + torch.arange(b)[:, None]
+    mask = torch.cat([torch.arange(P)[None] > query - W, torch.ones(b, b, dtype=torch.bool)], 1)[None]
+    want = plain.forward_dense(block, P + torch.arange(b)[None], features, torch.arange(P)[None], mask)
+    torch.testing.assert_close(got, want)
+    whole = plain.forward_dense(block, P + torch.arange(b)[None], features, torch.arange(P)[None],
+                                torch.ones(1, b, P + b, dtype=torch.bool))
+    assert (got - whole).abs().max() > 1e-3  # the window matters here
+    refused(lambda: DraftConfig.from_dict({k: v for k, v in sliding.items() if k != "is_causal"}),
+            "sliding_attention", "is_causal")
+    refused(lambda: DraftConfig.from_dict({**sliding, "sliding_window": 3}), "sliding window of 3", "block of 4")

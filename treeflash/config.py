@@ -522,12 +522,22 @@ class DraftConfig:
         if data.get("is_causal"):
             raise TreeflashError(f"{where} sets is_causal: a causal draft block is not supported "
                                  f"(DFlash drafters attend to the whole block)")
+        # DFlash's rule: layers of type sliding_attention are causal unless is_causal is false
+        types = data.get("layer_types")
+        typed = "sliding_attention" in types if isinstance(types, list) else \
+            bool(data.get("use_sliding_window")) and data.get("max_window_layers", 28) < layers.num_layers
+        if typed and data.get("is_causal") is None:
+            raise TreeflashError(f"{where} has sliding_attention layers without is_causal false: DFlash makes "
+                                 f"them causal, and a causal draft block is not supported")
 
         def scale(key: str, default, positive: bool = True):  # dflash_config's, else the top level's
             value = dflash.get(key, data.get(key))
             return default if value is None else _number(value, key, where, positive)
 
         cap = scale("final_logit_softcapping", None, positive=False)  # 0: no cap
+        if layers.sliding_layers and layers.sliding_window < block:  # its keys ahead in the block would slide too
+            raise TreeflashError(f"{where}: a sliding window of {layers.sliding_window} is shorter than the "
+                                 f"block of {block}")
         return cls(layers=layers, block_size=block, mask_token_id=mask,
                    target_layer_ids=list(ids), num_target_layers=num_target,
                    input_embedding_scale=scale("input_embedding_scale", 1.0),

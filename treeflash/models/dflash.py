@@ -4,7 +4,8 @@ A few Qwen3-style layers with no embedding or LM head of their own. The target's
 tapped hidden states of each committed position are projected once (`fc`,
 `hidden_norm`, then every layer's k/v projection) into a `DraftContextCache`; a
 draft is one forward of the block `[anchor, MASK...]` whose queries see that
-context and the whole block (non-causal).
+context (its last `sliding_window` positions in a sliding layer) and the whole block
+(non-causal).
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ class DFlashDraftModel(nn.Module):
         self.block_size = cfg.block_size
         self.mask_token_id = cfg.mask_token_id
         self.target_layer_ids = list(cfg.target_layer_ids)
-        self.layers = nn.ModuleList([DecoderLayer(c, tp) for _ in range(c.num_layers)])
+        # a sliding layer's block queries see the context's last keys within the window (and the whole block)
+        self.layers = nn.ModuleList([DecoderLayer(c, tp, window=c.attention_window(i)) for i in range(c.num_layers)])
         # row-parallel over the concatenated target features (replicated on every rank)
         self.fc = RowParallelLinear(len(self.target_layer_ids) * c.hidden_size, c.hidden_size, tp=tp,
                                     what="DFlash fc input features", input_is_parallel=False)
