@@ -434,3 +434,41 @@ def test_bad_words_on_graphed_rounds_equal_ar():
         llm = LLM(target, draft_model=drafter, method=method, budget=budget, device="cuda", dtype="float32")
         for _ in range(2):
             assert [[o.token_ids for o in llm.generate([p] * 3, params)] for p in prompts] == want, method
+
+
+def test_a_sliding_drafter_layer_on_the_kernel_path_sees_its_window(pair):
+    """A drafter with sliding layers (window 40 over a 100-token context): its block, drafted
+    with the fused cache writes and the Triton attention, equals the same weights under
+    the window's explicit mask in the dense path."""
+    import json
+
+    from treeflash.config import DraftConfig
+    from treeflash.layers.attention import AttentionInputs
+    from treeflash.models.dflash import DFlashDraftModel
+    data = json.loads((pair[1] / "config.json").read_text())
+    L, W, P, b = data["num_hidden_layers"], 40, 100, data.get("block_size", 8)
+    dcfg = DraftConfig.from_dict({**data, "use_sliding_window": True, "sliding_window": W, "is_causal": False,
+                                  "layer_types": ["sliding_attention"] * L})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        drafter = DFlashDraftModel(dcfg).float()
+    for p in drafter.parameters():
+        p.data.normal_(0, 0.1)
+    H = dcfg.layers.hidden_size
+    features = torch.randn(1, P, len(dcfg.target_layer_ids) * H, device="cuda")
+    block = torch.randn(1, b, H, device="cuda")
+    cache = drafter.new_cache(1, 256)
+    with torch.inference_mode():
+        drafter.commit_context(cache, features, torch.arange(P, device="cuda")[None],
+                               torch.zeros(1, dtype=torch.long, device="cuda"))
+        positions = P + torch.arange(b, device="cuda")[None]
+        inputs = AttentionInputs(positions, torch.tensor([P], device="cuda"),
+                                 torch.ones(1, b, b, dtype=torch.bool, device="cuda"), backend="triton")
+        got = drafter(block, inputs, cache)
+        query = positions[0][:, None]
+        mask = torch.cat([torch.arange(P, device="cuda")[None] > query - W,
+                          torch.ones(b, b, dtype=torch.bool, device="cuda")], 1)[None]
+        for layer in drafter.layers:  # the dense path refuses a window: the mask carries it here
+            layer.self_attn.window = None
+        want = drafter.forward_dense(block, positions, features, torch.arange(P, device="cuda")[None], mask)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
