@@ -534,3 +534,24 @@ def test_the_bad_words_check_of_a_structured_output_matches_a_walk_of_its_texts(
             assert stuck, (trial, nxt, accepting, words)
             refused += 1
     assert 30 < refused < 270  # both answers are exercised
+
+
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_a_replacement_character_stop_string_inside_min_tokens_text_does_not_count(method):
+    """Bytes no token can finish decode to U+FFFD for good; a stop string "\\ufffd" in the
+    text of the first min_tokens tokens does not count, in the check while generating and
+    in the final text alike (the final text was cut to "" while the request ran to its
+    length: the two read the min_tokens floor differently)."""
+    target, drafter = builtin_paths()
+    llm = LLM(target, draft_model=drafter if method != "ar" else None, device="cpu", dtype="float32",
+              method=method)
+    lead = next(i for i in range(llm.config.vocab_size) if llm.tokenizer.token_bytes(i) == b"\xf3")
+    out = llm.generate("x = ", SamplingParams(max_new_tokens=8, stop=["\ufffd"], allowed_token_ids=[lead],
+                                              min_tokens=8))[0]
+    assert out.token_ids == [lead] * 8 and out.finish_reason == "length" and out.stop_reason is None
+    assert out.text == "\ufffd" * 8
+    out = llm.generate("x = ", SamplingParams(max_new_tokens=8, stop=["\ufffd"], allowed_token_ids=[lead],
+                                              min_tokens=2))[0]
+    # the second character is whole once the third byte came: the stop string ends there, past the floor
+    assert out.token_ids == [lead] * 3 and out.finish_reason == "stop" and out.stop_reason == "\ufffd"
+    assert out.text == "\ufffd"

@@ -147,16 +147,21 @@ class Tokenizer:
         text = ""
         for n in range(read + 1, len(ids) + 1):
             piece = self.whole_piece(ids, prefix, read, n, skip_special)
+            if piece is None:  # part of a character at the end: the text before that character is whole
+                n = prefix + self.unfinished_from(ids[prefix:n], skip_special)
+                piece = self.whole_piece(ids, prefix, read, n, skip_special, final=True) if n > read else ""
             if piece:
                 text, prefix, read = text + piece, read, n
         return text, prefix, read
 
-    def whole_piece(self, ids: list[int], prefix: int, read: int, n: int, skip_special: bool = True) -> str | None:
+    def whole_piece(self, ids: list[int], prefix: int, read: int, n: int, skip_special: bool = True,
+                    final: bool = False) -> str | None:
         """The text ids[read:n] add after ids[prefix:read] (whose text is known), or None if it
-        ends in part of a character. Decoded after ids[prefix:read] (SentencePiece strips a
-        text's first space), or alone where that text is not kept whole (a byte-fallback run)."""
+        ends in part of a character (unless `final`: the bytes after it, not a character's
+        rest, end it). Decoded after ids[prefix:read] (SentencePiece strips a text's first
+        space), or alone where that text is not kept whole (a byte-fallback run)."""
         window = self.decode(ids[prefix:n], skip_special)
-        if window.endswith("\ufffd") and self.ends_mid_character(ids[prefix:n], skip_special):
+        if not final and window.endswith("\ufffd") and self.unfinished_from(ids[prefix:n], skip_special) is not None:
             return None
         known = self.decode(ids[prefix:read], skip_special)
         return window[len(known):] if window.startswith(known) else self.decode(ids[read:n], skip_special)
@@ -185,19 +190,27 @@ class Tokenizer:
             context.pop()
         return context
 
-    def ends_mid_character(self, ids: list[int], skip_special: bool = True) -> bool:
-        """Whether the bytes of `ids` end in an unfinished UTF-8 character, which a later
-        token may finish. Bytes that no token can finish (a stray continuation byte)
-        decode to U+FFFD for good: text waiting on them would wait forever."""
-        tail, special = b"", self.special_ids if skip_special else ()
-        for i in reversed(ids):
-            if i not in special:  # a skipped token adds no bytes: those around it join
-                tail = self.token_bytes(i) + tail
+    def unfinished_from(self, ids: list[int], skip_special: bool = True) -> int | None:
+        """Where in `ids` the unfinished UTF-8 character at their end begins (the token
+        that holds its first byte), which a later token may finish; None if they end with
+        a whole character, or in bytes that no token can finish (a stray continuation
+        byte, a lead byte that another lead followed): those decode to U+FFFD for good,
+        and text that waited on them would wait forever."""
+        tail, sizes, special = b"", [], self.special_ids if skip_special else ()
+        for k in range(len(ids) - 1, -1, -1):
+            if ids[k] not in special:  # a skipped token adds no bytes: those around it join
+                raw = self.token_bytes(ids[k])
+                tail, sizes = raw + tail, sizes + [(k, len(raw))]
                 if len(tail) >= 4:  # an unfinished character has at most 3
                     break
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         decoder.decode(tail)
-        return bool(decoder.getstate()[0])
+        pending = len(decoder.getstate()[0])
+        for k, size in sizes:  # back from the end to the token of its first byte
+            pending -= size
+            if pending <= 0 < pending + size:
+                return k
+        return None
 
     def _continues_a_character(self, token_id: int) -> bool:
         first = self.token_bytes(token_id)[:1]

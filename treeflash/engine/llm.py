@@ -743,8 +743,11 @@ class LLM:
         ended_by_token = reason == "stop" and bool(ids) and ids[-1] in self.end_ids(p)
         shown = ids[:-1] if ended_by_token and not p.include_stop_str_in_output else ids
         text = self.tokenizer.decode_continuation(shown, prompt, p.skip_special_tokens)
-        floor = self.tokenizer.min_tokens_floor(ids, p.min_tokens, prompt, p.skip_special_tokens) if p.stop else 0
-        cut = stop_cut(text, p.stop, p.include_stop_str_in_output, ends_after=floor)
+        cut = None
+        if p.stop:  # in whole characters, as while generating (`_cut_at_stop_string`)
+            whole = self.tokenizer.decode_continuation(shown, prompt, p.skip_special_tokens, unfinished=False)
+            floor = self.tokenizer.min_tokens_floor(ids, p.min_tokens, prompt, p.skip_special_tokens)
+            cut = stop_cut(whole, p.stop, p.include_stop_str_in_output, ends_after=floor)
         if cut:
             text = text[:cut[0]]
         stop_reason = cut[1] if cut else ids[-1] if ended_by_token and ids[-1] in p.stop_token_ids else None
