@@ -267,6 +267,24 @@ def test_bad_words_that_leave_no_token_are_refused():
     assert json.loads(out.text).keys() == {"n"}
 
 
+def test_bad_words_of_several_tokens_that_leave_allowed_tokens_no_way_on_are_refused():
+    """allowed_token_ids "@" and "~" with bad words "@@" and "@~": after an "@" no allowed
+    token is left, and the sampler took token 0 (EOS, not allowed: with ignore_eos the
+    text went on past it, bad word and all). Refused, naming that output; bad words that
+    leave a way on, or whose dead end no allowed output reaches, are not."""
+    llm = LLM(builtin_paths()[0], device="cpu", dtype="float32", method="ar")
+    at, tilde = (llm.encode(c, special=False)[0] for c in "@~")
+    assert llm.encode("@@", special=False) == [at, at] and llm.encode("@~", special=False) == [at, tilde]
+    with pytest.raises(UsageError, match="bad_words ban every one of allowed_token_ids after '@'") as e:
+        llm.generate("x", SamplingParams(max_new_tokens=8, allowed_token_ids=[at, tilde], bad_words=["@@", "@~"],
+                                         ignore_eos=True))
+    assert e.value.param == "bad_words"
+    for bad in (["@@"], ["@", "~@@", "~@~"]):  # a way on; "~@" unreachable, "@" being banned
+        out = llm.generate("x", SamplingParams(max_new_tokens=8, allowed_token_ids=[at, tilde], bad_words=bad,
+                                               ignore_eos=True))[0]
+        assert len(out.token_ids) == 8 and set(out.token_ids) <= {at, tilde} and "@@" not in out.text
+
+
 def test_a_cached_prefix_keeps_min_tokens_counted_from_the_whole_prompt():
     """With prefix caching a next turn prefills only its new tokens; min_tokens still
     counts from the end of the whole prompt, and the tokens equal an engine's without."""

@@ -79,6 +79,21 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def _dead_end(sequences: list[list[int]], allowed: set[int]) -> list[int] | None:
+    """An output of allowed tokens, none banned as it was written, after which the bad
+    words (token sequences) ban every allowed token, or None. Only a bad word's beginning
+    can be one: an output bans what its longest end that begins a bad word bans. The
+    sampler would then have no token left (it took token 0, allowed or not)."""
+    def banned(out):
+        return {w[-1] for w in sequences if len(w) <= len(out) + 1 and w[:-1] == out[len(out) + 1 - len(w):]}
+    for w in sequences:
+        for k in range(1, len(w)):
+            out = w[:k]
+            if all(t in allowed and t not in banned(out[:i]) for i, t in enumerate(out)) and allowed <= banned(out):
+                return out
+    return None
+
+
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
     """`auto` = the checkpoint's dtype, except float32 on CPU for bf16/fp16 checkpoints
     (CPU half-precision matmuls are slow and not what a user testing on a laptop wants)."""
@@ -686,6 +701,9 @@ class LLM:
         if allowed is not None and allowed <= banned | (held if p.min_tokens else set()):
             raise UsageError("invalid sampling parameters: bad_words ban every one of allowed_token_ids"
                              + (" that min_tokens does not hold back" if p.min_tokens else ""), param="bad_words")
+        if allowed is not None and (dead := _dead_end(sequences, allowed)) is not None:
+            raise UsageError(f"invalid sampling parameters: bad_words ban every one of allowed_token_ids after "
+                             f"{shown(self.tokenizer.decode(dead, skip_special=False))}", param="bad_words")
         if p.structured_outputs is not None and not held:
             raise UsageError("structured outputs need an end token: this model has no EOS, give stop_token_ids")
         if (automaton := self.automaton(p)) is not None:
