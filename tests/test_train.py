@@ -117,6 +117,27 @@ def test_corpus_of_your_own_text(tmp_path, data_dir):
         collect([src], suffixes=("txt",))
 
 
+def test_rendered_chats_keep_their_special_tokens(tmp_path, data_dir):
+    """A .jsonl line is a chat rendered with the target's template: its special-token text
+    becomes the special token, as in the target's prompts; a source file that spells one
+    keeps it as text (no stray EOS or PAD). Neither keeps a byte-order mark."""
+    from treeflash.tokenizer import Tokenizer
+    chat = "<|pad|>user\nhello<|endoftext|>\n<|pad|>assistant\nhi there<|endoftext|>\n"
+    engine_ids = Tokenizer(data_dir).encode(chat, special=False)
+    assert engine_ids.count(1) == 2 and engine_ids.count(0) == 2
+    for name, suffix, body in (("chats", ".jsonl", json.dumps({"text": chat}) + "\n"), ("code", ".py", chat)):
+        root = tmp_path / name
+        root.mkdir()
+        (root / f"a{suffix}").write_bytes(b"\xef\xbb\xbf" + body.encode())
+        assert collect([root], heldout_fraction=0, suffixes=(suffix,)).train == [chat]
+        write_corpus(data_dir, tmp_path / f"{name}_ids", [root], heldout_fraction=0, suffixes=(suffix,))
+        ids = load_corpus(tmp_path / f"{name}_ids").train.tolist()
+        if suffix == ".jsonl":
+            assert ids == engine_ids + [0]
+        else:
+            assert 1 not in ids and ids.count(0) == 1 and ids[-1] == 0
+
+
 def test_tokenizer_files(data_dir, tmp_path):
     from treeflash.tokenizer import Tokenizer
     tok = Tokenizer(data_dir)

@@ -10,7 +10,7 @@ standard library first), in a pseudo-random order within a root (a second hash o
 path), so a capped corpus is a sample of each root, not its alphabetical head.
 
 `write_corpus` tokenizes both splits into flat id arrays (`train.npy`, `heldout.npy`:
-uint16 when the vocabulary allows, EOS after every file) beside a copy of the tokenizer
+uint16 when the vocabulary allows, EOS after every document) beside a copy of the tokenizer
 and `corpus.json`, so a GPU machine is given compact, pre-tokenized data. With
 `compress`, the arrays go into zlib-compressed `.npz` files instead: Python code is
 repetitive (licenses, boilerplate), so that holds ~2.8x more tokens in the same bytes.
@@ -56,6 +56,9 @@ class Corpus:
     train: list[str]
     heldout: list[str]
     stats: dict = field(default_factory=dict)
+    # per split, the documents that are .jsonl lines: rendered chats, whose special-token
+    # text (<|im_start|>) is tokenized into special tokens, as the target reads a prompt
+    rendered: dict[str, list[bool]] = field(default_factory=lambda: {"train": [], "heldout": []})
 
 
 def resolve_roots(roots: list[str | Path] | None) -> list[Path]:
@@ -104,7 +107,7 @@ def _read_source(path: Path) -> str | None:
     try:
         if code and path.stat().st_size > MAX_FILE_BYTES:
             return None
-        text = path.read_bytes().decode("utf-8")
+        text = path.read_bytes().decode("utf-8-sig")  # less a byte-order mark
     except (OSError, UnicodeDecodeError):
         return None
     text = text.replace("\r\n", "\n")
@@ -121,7 +124,7 @@ def _documents(path: Path, rel: str, split_key: float):
         yield _read_source(path), split_key
         return
     try:
-        with path.open(encoding="utf-8") as f:
+        with path.open(encoding="utf-8-sig") as f:
             for i, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -178,6 +181,7 @@ def collect(roots: list[str | Path] | None = None, heldout_fraction: float = HEL
             total += len(data)
             split = "heldout" if split_key < heldout_fraction else "train"
             getattr(corpus, split).append(text)
+            corpus.rendered[split].append(path.suffix == ".jsonl")
             stats[f"{split}_files"] += 1
             stats[f"{split}_bytes"] += len(data)
         if stats["capped"]:
@@ -193,19 +197,28 @@ def collect(roots: list[str | Path] | None = None, heldout_fraction: float = HEL
     return corpus
 
 
-def tokenize(texts: list[str], tokenizer, eos_id: int, dtype, desc: str = "tokenize") -> np.ndarray:
+def tokenize(texts: list[str], tokenizer, eos_id: int, dtype, desc: str = "tokenize",
+             rendered: list[bool] | None = None) -> np.ndarray:
     """Flat ids of all texts, each followed by EOS. Special-token text inside a source file
     (a string "<|endoftext|>" in a tokenizer's code) is tokenized as plain text: the only
-    EOS ids are the file ends, and MASK never appears."""
+    EOS ids are the file ends, and MASK never appears. A `rendered` document (a .jsonl
+    line: a chat rendered with the target's template) keeps its special tokens, which the
+    target reads as single ids (<|im_start|>) in every chat it is given."""
+    rendered = rendered or [False] * len(texts)
     bar = Progress(desc, len(texts), 0)
     parts, step = [], 512
     plain = tokenizer.encode_special_tokens
-    tokenizer.encode_special_tokens = True  # split special tokens' text like any other text
     try:
         for i in range(0, len(texts), step):
-            for enc in tokenizer.encode_batch(texts[i:i + step], add_special_tokens=False):
-                parts.append(np.asarray(enc.ids + [eos_id], dtype=dtype))
-            bar.step(len(texts[i:i + step]))
+            ids = [None] * len(texts[i:i + step])
+            for keep in (False, True):
+                picked = [j for j, r in enumerate(rendered[i:i + step]) if r == keep]
+                tokenizer.encode_special_tokens = not keep  # True: split special tokens' text like other text
+                for j, enc in zip(picked, tokenizer.encode_batch([texts[i + j] for j in picked],
+                                                                 add_special_tokens=False)):
+                    ids[j] = enc.ids
+            parts += [np.asarray(x + [eos_id], dtype=dtype) for x in ids]
+            bar.step(len(ids))
     finally:
         tokenizer.encode_special_tokens = plain
     bar.close()
@@ -230,8 +243,8 @@ def write_corpus(tokenizer_dir: str | Path, out_dir: str | Path, roots: list[str
     dtype = np.uint16 if vocab <= 1 << 16 else np.int32
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    train = tokenize(corpus.train, tok.tok, eos, dtype, "tokenize train")
-    heldout = tokenize(corpus.heldout, tok.tok, eos, dtype, "tokenize held-out")
+    train = tokenize(corpus.train, tok.tok, eos, dtype, "tokenize train", corpus.rendered["train"])
+    heldout = tokenize(corpus.heldout, tok.tok, eos, dtype, "tokenize held-out", corpus.rendered["heldout"])
     for split, ids in (("train", train), ("heldout", heldout)):
         for stale in (out / f"{split}.npy", out / f"{split}.npz"):
             stale.unlink(missing_ok=True)
