@@ -457,6 +457,10 @@ def test_bad_inputs(target, data_dir, tmp_path, capsys):
         torch.save({**state, field: value}, damaged / "state.pt")
         with pytest.raises(TreeflashError, match="is damaged: its step, elapsed time or loss history"):
             train_target(data_dir, damaged, shape=TINY, opts=opts, resume=True)
+    for field, value in (("loss_sum", "1.5"), ("loss_steps", -1)):
+        torch.save({**state, field: value}, damaged / "state.pt")
+        with pytest.raises(TreeflashError, match="is damaged: its pending loss"):
+            train_target(data_dir, damaged, shape=TINY, opts=opts, resume=True)
     torch.save(state, damaged / "state.pt")
     spec = json.loads((base / "run" / "run.json").read_text())
     for change, what in (({"lr": "abc"}, "lr must be a number, got 'abc'"),

@@ -101,9 +101,11 @@ def ctrl_c_interrupts():
 def test_ctrl_c_keeps_the_step_it_interrupts(data_dir, tmp_path, capsys, monkeypatch, ctrl_c_interrupts):
     """Ctrl-C (SIGINT) while training stops where its step ends and saves that step:
     nothing trained is lost (saves fall every 5 steps here), and the resumed run gives the
-    uninterrupted run's log and weights."""
+    uninterrupted run's log and weights: its next log line, at step 9, is the mean loss of
+    steps 7-9, as if the run had not stopped."""
     a, b = tmp_path / "a", tmp_path / "b"
-    common = ["target", "--data", str(data_dir), *SHAPE, *RUN, "--max-steps", "12"]
+    run = [*RUN[:RUN.index("--log-every")], "--log-every", "3", *RUN[RUN.index("--log-every") + 2:]]
+    common = ["target", "--data", str(data_dir), *SHAPE, *run, "--max-steps", "12"]
     assert cli_main(common + ["--run", str(a), "--out", str(tmp_path / "a_out")]) == 0
     lr = Trainer.lr
 
@@ -120,7 +122,7 @@ def test_ctrl_c_keeps_the_step_it_interrupts(data_dir, tmp_path, capsys, monkeyp
     assert torch.load(b / "state.pt", weights_only=False)["step"] == 8 and not (tmp_path / "b_out").exists()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert cli_main(["target", "--data", str(data_dir), "--run", str(b), "--resume"]) == 0
-    assert _log(b) == _log(a)
+    assert _log(b) == _log(a) and [s for s, _ in _log(a)][:4] == [3, 4, 6, 8]  # losses at 3, 6; evals at 4, 8
     full, resumed = _tensors(tmp_path / "a_out"), _tensors(tmp_path / "b_out")
     assert full.keys() == resumed.keys() and all(torch.equal(full[k], resumed[k]) for k in full)
 

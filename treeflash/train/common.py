@@ -458,6 +458,9 @@ class Trainer:
         self.optimizer = make_optimizer(model, opts, device)
         self.gen = torch.Generator().manual_seed(opts.seed + 1)
         self.step, self.elapsed, self.history = 0, 0.0, []
+        # the summed loss of the steps since the last log line (saved: a run stopped between
+        # log lines logs, once resumed, the mean an uninterrupted run would have)
+        self.loss_sum, self.loss_steps = torch.zeros(()), 0
         self.best = None  # (metrics, CPU copy of the weights) of the best evaluation
         self._plot_note = False
         if run.resume:
@@ -493,6 +496,13 @@ class Trainer:
                                  f"loss history is not what `_save` writes")
         self.step, self.elapsed, self.history = step, elapsed, history
         self.run.rewrite_log(self.history)
+        if "loss_sum" in state:  # absent in states of older runs: the log starts anew
+            loss_sum, loss_steps = state["loss_sum"], state.get("loss_steps")
+            if not isinstance(loss_sum, torch.Tensor) or loss_sum.numel() != 1 or \
+                    isinstance(loss_steps, bool) or not isinstance(loss_steps, int) or loss_steps < 0:
+                raise TreeflashError(f"training state {self.run.state_path} is damaged: its pending loss is not "
+                                     f"what `_save` writes")
+            self.loss_sum, self.loss_steps = loss_sum.reshape(()), loss_steps
         self.best = (state["best_metrics"], state["best_model"]) if state.get("best_model") else None
 
     def _save(self) -> None:
@@ -500,6 +510,7 @@ class Trainer:
             "step": self.step, "elapsed": self.elapsed, "history": self.history,
             "model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
             "gen": self.gen.get_state(), "torch_rng": torch.get_rng_state(),
+            "loss_sum": self.loss_sum.detach().cpu(), "loss_steps": self.loss_steps,
             "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
             "best_metrics": self.best[0] if self.best else None, "best_model": self.best[1] if self.best else None,
         })
@@ -557,8 +568,8 @@ class Trainer:
                           f"exported again")
         self.model.train()
         start = time.perf_counter() - self.elapsed
-        loss_sum = torch.zeros((), device=self.device)
-        n, tokens, t_log = 0, 0, time.perf_counter()
+        self.loss_sum = self.loss_sum.to(self.device, torch.float32)
+        tokens, t_log = 0, time.perf_counter()  # since t_log, in this process
         with interrupt_at_step_end() as interrupted:
             while self.progress() < 1.0:
                 lr = self.lr()
@@ -573,24 +584,24 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.step += 1
                 self.elapsed = time.perf_counter() - start
-                loss_sum += loss.detach().float()
-                n, tokens = n + 1, tokens + ntok
+                self.loss_sum += loss.detach().float()
+                self.loss_steps, tokens = self.loss_steps + 1, tokens + ntok
                 bar.step()
                 last = self.progress() >= 1.0
                 if self.step % o.log_every == 0 or last:
-                    mean = (loss_sum / n).item()
+                    mean = (self.loss_sum / self.loss_steps).item()
                     if not math.isfinite(mean):
                         raise TreeflashError(f"{self.name}: loss became {mean} at step {self.step}; "
                                              f"try a lower learning rate")
                     now = time.perf_counter()
                     self._record({"loss": round(mean, 5), "lr": float(f"{lr:.4g}"),
                                   "tok_per_s": round(tokens / max(now - t_log, 1e-9))}, bar)
-                    loss_sum.zero_()
-                    n, tokens, t_log = 0, 0, now
+                    self.loss_sum.zero_()
+                    self.loss_steps, tokens, t_log = 0, 0, now
                 if self.step % o.eval_every == 0 and not last:
                     self._evaluate(evaluate, bar)
                     self._plot()
-                    t_log = time.perf_counter()
+                    t_log, tokens = time.perf_counter(), 0
                 if self.step % o.save_every == 0 and not last:
                     self._save()
                 self.elapsed = time.perf_counter() - start
