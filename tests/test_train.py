@@ -344,6 +344,11 @@ def test_drafter_on_generated_continuations(target, data_dir, tmp_path, capsys):
     assert summary["heldout_text"] == "generated"  # selected on the text it learns, not the corpus
     assert f"note: --seq-len sets the corpus windows' length; the rows of {meta['path']} are 32 tokens" \
         in capsys.readouterr().err  # OPTS gives a seq_len
+    # a corpus without a held-out split: τ takes the prompts of the generated held-out rows
+    write_corpus(data_dir, tmp_path / "no-heldout", [data_dir.parent / "src"], heldout_fraction=0)
+    tau = train_drafter(base / "model", tmp_path / "no-heldout", tmp_path / "run-tau", None, DrafterShape(block_size=4),
+                        TrainOptions(max_steps=2, **OPTS), generated=meta["path"], tau_prompts=2, tau_new_tokens=8)
+    assert "tau_error" not in tau and tau["same_as_ar_dflash"] == tau["same_as_ar_ddtree"] == 1.0
     # resumed, it keeps training on them: from the run's path, or from where the file moved
     more = train_drafter(base / "model", data_dir, tmp_path / "run", opts=TrainOptions(max_steps=6), resume=True)
     assert more["steps"] == 6 and more["data"] == str(meta["path"]) and more["heldout_text"] == "generated"

@@ -259,7 +259,7 @@ class GeneratedRows:
                                      f"{cfg.vocab_size}")
         self.ids = torch.from_numpy(ids.astype(np.int64)).to(device)
         self.heldout = torch.from_numpy(held.astype(np.int64)) if held is not None and held.size else None
-        self.length, self.lo = ids.shape[1], max(prompt_len - 1, 1)
+        self.length, self.lo, self.prompt_len = ids.shape[1], max(prompt_len - 1, 1), prompt_len
 
     def sample(self, batch: int, gen: torch.Generator) -> torch.Tensor:
         rows = torch.randint(0, self.ids.shape[0], (batch,), generator=gen)
@@ -472,6 +472,7 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
         held, held_lo, held_text = fixed_windows(data.heldout, opts.seq_len, opts.eval_tokens), 1, "corpus"
         if held.shape[1] < b + 2:
             raise UsageError(f"the held-out split ({data.heldout.size} tokens) is too short for blocks of {b}")
+    tau_ids = tau_prompt_ids(data.heldout, source, tau_prompts, plen)
     torch.manual_seed(opts.seed)
     target = load_frozen_target(target_dir, device)
     drafter = build_drafter(config, target, device)
@@ -499,16 +500,27 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
                "parameters": n_params, "data": str(generated) if generated else "corpus",
                "heldout_text": held_text, **final,
                "export": str(out), "export_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
-    if tau_prompts:
+    if tau_ids:
         try:
-            summary.update(measure_tau(target_dir, out, held_prompts(data.heldout, tau_prompts, plen),
-                                       tau_new_tokens, opts.device))
+            summary.update(measure_tau(target_dir, out, tau_ids, tau_new_tokens, opts.device))
         except Exception as e:  # a measurement, not the product: never lose a trained drafter to it
             summary["tau_error"] = f"{type(e).__name__}: {e}"
             print(f"[drafter] warning: τ measurement failed: {summary['tau_error']}", flush=True)
     write_summary(run, summary)
     print(f"[drafter] {json.dumps(summary)}", flush=True)
     return summary
+
+
+def tau_prompt_ids(heldout: np.ndarray, source, count: int, length: int) -> list[list[int]]:
+    """τ's prompts: from the corpus's held-out split, or, where that is empty (training then
+    evaluates on generated held-out rows), the prompts of those rows (their last `length`
+    tokens)."""
+    if not count:
+        return []
+    if heldout.size:
+        return held_prompts(heldout, count, length)
+    rows = np.linspace(0, source.heldout.shape[0] - 1, min(count, source.heldout.shape[0])).astype(np.int64)
+    return [source.heldout[r, max(source.prompt_len - length, 0):source.prompt_len].tolist() for r in rows]
 
 
 def held_prompts(heldout: np.ndarray, count: int, length: int) -> list[list[int]]:
