@@ -362,6 +362,10 @@ def test_drafter_on_generated_continuations(target, data_dir, tmp_path, capsys):
     with pytest.raises(UsageError, match="is not the file of generated sequences this run trained on"):
         train_drafter(base / "model", data_dir, tmp_path / "run", opts=TrainOptions(max_steps=8), resume=True,
                       generated=other_gen["path"])
+    for missing, what in ((tmp_path / "nowhere.npz", "no such file"), (tmp_path, "a folder")):
+        with pytest.raises(UsageError, match=f"--generated .*: {what}; give the .npz file"):
+            train_drafter(base / "model", data_dir, tmp_path / "run-missing", None, DrafterShape(block_size=4),
+                          TrainOptions(max_steps=1, **OPTS), generated=missing, tau_prompts=0)
     with pytest.raises(UsageError, match="heldout_prompts must be >= 0"):
         generate_continuations(base / "model", data_dir, tmp_path / "bad", num_prompts=2, heldout_prompts=-1)
     # damaged files: refused before training, not an internal error (or a silent run) after it

@@ -433,6 +433,9 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
                                           f"run's (tokenizer.json differs)"),
              "corpus_tokens": run.bind("corpus_tokens", data.sizes, f"the corpus in {data_dir} is not the one this "
                                        f"run trained on (its token counts differ)")}
+    if generated is not None and not Path(generated).is_file():
+        raise UsageError(f"--generated {generated}: {'a folder' if Path(generated).is_dir() else 'no such file'}; "
+                         f"give the .npz file that `treeflash train generate` wrote")
     if generated is not None:  # its rows are the training text: the same file (wherever it now is)
         bound["generated_sha256"] = run.bind("generated_sha256", file_hash(generated), f"{generated} is not the "
                                              f"file of generated sequences this run trained on (its bytes differ)")
