@@ -265,6 +265,14 @@ def test_bad_words_that_leave_no_token_are_refused():
     out = llm.generate("def f", SamplingParams(max_new_tokens=24, structured_outputs=StructuredOutputs(json=schema),
                                                bad_words=["zebra"]))[0]
     assert json.loads(out.text).keys() == {"n"}
+    # a stop token that is also text is text no longer: with it, "$" banned leaves "[#$]" no way
+    dollar = llm.encode("$", special=False)
+    regex = StructuredOutputs(regex="[#$]")
+    with pytest.raises(UsageError, match="bad_words ban every") as e:
+        llm.generate("def f", SamplingParams(max_new_tokens=4, structured_outputs=regex, bad_words=["$"],
+                                             stop_token_ids=[hash_id]))
+    assert llm.generate("def f", SamplingParams(max_new_tokens=4, structured_outputs=regex,
+                                                stop_token_ids=[hash_id]))[0].token_ids[0] == dollar[0]
 
 
 def test_bad_words_of_several_tokens_that_leave_allowed_tokens_no_way_on_are_refused():
@@ -513,26 +521,42 @@ def test_stop_strings_cut_where_the_whole_text_first_holds_one():
 
 
 def test_the_bad_words_check_of_a_structured_output_matches_a_walk_of_its_texts():
-    """`check_bans` against a brute-force walk of small random automata: every token
-    sequence the constraint and the bad words allow, up to where the state and the
-    output's last tokens repeat, and whether each can still be finished."""
+    """`check` against a brute-force walk of small random automata: every token sequence
+    the constraint, the end tokens (no longer text; they end the text where it matches)
+    and the bad words allow, up to where the state and the output's last tokens repeat,
+    and whether each can still be finished."""
     import numpy as np
     from treeflash.structured.grammar import TokenAutomaton
     rng = np.random.default_rng(0)
     refused = 0
-    for trial in range(300):
+    for trial in range(400):
         S, V = int(rng.integers(2, 6)), int(rng.integers(2, 6))
         nxt = np.where(rng.random((S, V)) < 0.5, rng.integers(0, S, (S, V)), -1).astype(np.int32)
         accepting = rng.random(S) < 0.4
         words = [tuple(int(t) for t in rng.integers(0, V, int(rng.integers(1, 4)))) for _ in range(int(rng.integers(1, 4)))]
+        ends = [int(t) for t in rng.choice(V, int(rng.integers(0, 3)), replace=False)] if trial % 2 else []
         K = max(map(len, words)) - 1
+
+        def pruned(table):  # never into a state that cannot finish (as token_automaton and with_ends)
+            live = accepting.copy()
+            while grown := {a for a in range(S) for t in range(V) if not live[a] and live[table[a, t]] and
+                            table[a, t] >= 0}:
+                live[list(grown)] = True
+            table[(table >= 0) & ~live[np.maximum(table, 0)]] = -1
+            return table, live
+        nxt, live = pruned(nxt)
+        if not live[0]:
+            continue
+        table = nxt.copy()  # the request's: an end token stays put where the text matches
+        table[:, ends] = np.where(accepting, np.arange(S), -1)[:, None]
+        table, live = pruned(table)
 
         def moves(node):
             s, tail = node
             for t in range(V):
-                if nxt[s, t] >= 0 and not any(w[-1] == t and (tail + (t,))[-len(w):] == w
-                                              and len(tail) + 1 >= len(w) for w in words):
-                    yield int(nxt[s, t]), (tail + (t,))[-K:] if K else ()
+                if table[s, t] >= 0 and not any(w[-1] == t and (tail + (t,))[-len(w):] == w
+                                                and len(tail) + 1 >= len(w) for w in words):
+                    yield int(table[s, t]), (tail + (t,))[-K:] if K else ()
         seen, todo, edges = {(0, ())}, [(0, ())], set()
         while todo:
             node = todo.pop()
@@ -544,14 +568,14 @@ def test_the_bad_words_check_of_a_structured_output_matches_a_walk_of_its_texts(
         finishing = {n for n in seen if accepting[n[0]]}
         while grown := {a for a, b in edges if b in finishing and a not in finishing}:
             finishing |= grown
-        stuck = finishing != seen
+        stuck = not live[0] or finishing != seen
         try:
-            TokenAutomaton(nxt, accepting).check_bans([list(w) for w in words])
-            assert not stuck, (trial, nxt, accepting, words)
+            TokenAutomaton(nxt, accepting).check(ends, [list(w) for w in words])
+            assert not stuck, (trial, nxt, accepting, words, ends)
         except UsageError:
-            assert stuck, (trial, nxt, accepting, words)
+            assert stuck, (trial, nxt, accepting, words, ends)
             refused += 1
-    assert 30 < refused < 270  # both answers are exercised
+    assert 40 < refused < 360  # both answers are exercised
 
 
 @pytest.mark.parametrize("method", ["ar", "ddtree"])

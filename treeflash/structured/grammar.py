@@ -148,22 +148,24 @@ class TokenAutomaton:
         """Its host table and the device table kept with it."""
         return self.next.nbytes + sum(t.numel() * t.element_size() for t in list(self._tables.values()))
 
-    def check_ends(self, end_ids) -> None:
-        """Raise `with_ends`' UsageError now if these end tokens leave the text no way to
-        be finished (only end tokens that are also text can)."""
-        ends = [e for e in end_ids if e < self.next.shape[1] and (self.next[:, e] >= 0).any()]
-        if ends:
-            with_ends(self, ends, self.next.shape[1])
+    def check(self, end_ids, sequences) -> None:
+        """Raise UsageError (one line) if a request's end tokens and bad words leave the
+        text no way to be finished from its start, or from some point it can reach."""
+        V = self.next.shape[1]
+        ends = [e for e in end_ids if e < V and (self.next[:, e] >= 0).any()]  # also text: no longer
+        self.check_bans(sequences, with_ends(self, ends, V) if ends else self.next)
 
-    def check_bans(self, sequences) -> None:
+    def check_bans(self, sequences, table: np.ndarray | None = None) -> None:
         """Raise UsageError if bad words (token sequences: the last token is banned where
         the output ends with the others) let the text reach a point from which it can no
         longer be finished: there no token would be allowed, and the output would break
-        the constraint. A word of several tokens bans its last one only after the others
+        the constraint. `table`: the request's, with its end tokens (`with_ends`); by
+        default `next`. A word of several tokens bans its last one only after the others
         ("q#" written as "q", "#" leaves a choice of "q#" stuck after "q"), so the search
         runs over the pairs (state, the longest end of the output that begins a word)
         that the text can reach, which are few: any token of no word ends every begun
         word, and its edges are shared through one node per state."""
+        table = self.next if table is None else table
         V = self.next.shape[1]
         words = {tuple(w) for w in sequences if w and max(w) < V}
         if not words:
@@ -183,11 +185,11 @@ class TokenAutomaton:
                 after[m, column[t]] = -1 if any(q[i:] in words for i in range(len(q))) else \
                     next(index[q[i:]] for i in range(len(q) + 1) if q[i:] in index)
         S, M = self.num_states, len(begun)
-        others = self.next.copy()
+        others = table.copy()
         others[:, tokens] = -1
         src, dst = edges(others)  # a token of no word: the output no longer begins one
         bounds = np.searchsorted(src, np.arange(S + 1))
-        at_word = self.next[:, tokens]  # [S, words' tokens]
+        at_word = table[:, tokens]  # [S, words' tokens]
         hub = M * S  # node hub + s: state s, taking a token of no word
         frm, to, seen, todo = [], [], {0}, [0]
         while todo:
