@@ -771,6 +771,24 @@ def test_a_refused_constraint_is_refused_at_once_when_asked_again(engines, monke
     llm.automata.refused.clear()  # the shared engine forgets this test's small limit
 
 
+def test_a_schema_is_cached_as_itself(engines):
+    """A property named 1 (refused: names are strings) and one named "1" are two schemas:
+    neither's answer, remembered, is given to the other, in either order."""
+    llm = engines["ar"]
+    bad, good = ({"type": "object", "properties": {name: {"type": "null"}}, "required": ["1"]} for name in (1, "1"))
+    for first, second in ((bad, good), (good, bad)):
+        llm.automata.kept.clear()
+        llm.automata.refused.clear()
+        for schema in (first, second):
+            p = SamplingParams(max_new_tokens=12, structured_outputs=StructuredOutputs(json=schema))
+            if schema is bad:
+                with pytest.raises(UsageError, match="must be named by strings"):
+                    llm.automaton(p)
+            else:
+                assert json.loads(llm.generate("x = ", p)[0].text) == {"1": None}
+    llm.automata.refused.clear()
+
+
 def test_an_automaton_in_use_by_one_engine_is_kept_when_another_compiles(engines, monkeypatch):
     """Engines made by `with_method` share the compiled constraints, and what a batch of
     one of them generates with stays compiled while the other compiles new ones past the

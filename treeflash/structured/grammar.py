@@ -125,9 +125,10 @@ class StructuredOutputs:
                 value = json.loads(value)
             except (ValueError, RecursionError):  # refused when compiled
                 pass
-        # not sorted: a schema's properties are written in their order
-        return json.dumps([value, self.regex, None if self.choice is None else list(self.choice), self.grammar,
-                           self.json_object, self.reasoning])
+        # not sorted: a schema's properties are written in their order; repr, not JSON, which
+        # writes a key 1 (refused) as "1" (a valid name)
+        return repr([value, self.regex, None if self.choice is None else list(self.choice), self.grammar,
+                     self.json_object, self.reasoning])
 
 
 @dataclass(frozen=True)
