@@ -162,7 +162,9 @@ def test_string_pattern():
     # alternation inside a group; escaped metacharacters; braces that are not quantifiers
     check({"type": "string", "pattern": "^(?:cat|dog)s?\\.(x|y){1,2}\\{z}$"},
           good=["cat.x{z}", "dogs.yx{z}"], bad=["cat", "cats.xyz{z}", "bird.x{z}"])
-    check({"type": "string", "pattern": "^a{,2}$"}, good=["", "a", "aa"], bad=["aaa"])
+    check({"type": "string", "pattern": "^a{0,2}$"}, good=["", "a", "aa"], bad=["aaa"])
+    # ECMA-262, not Python: `.` is no line terminator, and {,n} is text (refused below)
+    check({"type": "string", "pattern": "^.$"}, good=["a", "\u0085", "日"], bad=["\u2028", "\u2029"])
     check({"type": "string", "pattern": "^$"}, good=[""], bad=["a"])
 
 
@@ -210,6 +212,7 @@ def test_pattern_never_produces_what_json_must_escape():
     ("^\\x22$", ["not allowed here"]),
     ("^[\\n\\t]$", ["not allowed here"]),
     ("^[z-a]$", ["out of order"]),
+    ("^a{,2}$", ["{,n} is text in a JSON Schema pattern", "write {0,n}"]),
 ])
 def test_pattern_refusals(pattern, words):
     refused({"type": "string", "pattern": pattern}, "'pattern' at $", *words)

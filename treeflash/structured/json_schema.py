@@ -22,7 +22,8 @@ to `#/$defs/...` or `#/definitions/...` (not recursive; a `$id` below the root i
 refused), OpenAPI's `nullable`.
 
 A `pattern` must be anchored with ^ and $ and use the regex dialect (no lookarounds,
-backreferences or flags; no alternation outside a group). Its characters are generated
+backreferences or flags; no alternation outside a group), read as ECMA-262 where it
+differs from Python's re: `.` is no line terminator, and {,n} is refused. Its characters are generated
 unescaped: `.`, negated classes and \\D \\W \\S leave out `"`, `\\` and control characters,
 \\s stands for a space (or another white space character that is no control character),
 classes lose those characters, and a pattern that names one elsewhere is refused.

@@ -49,6 +49,7 @@ _SPACE = [(0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0
 # what str.lstrip removes (Unicode whitespace): the reasoning parser drops it after the closing tag
 _PY_SPACE = [(0x09, 0x0D), (0x1C, 0x20), (0x85, 0x85), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
              (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000)]
+_ECMA_LINE_ENDS = [(0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)]  # what `.` is not, in ECMA-262
 _CLASS_ESCAPES = {"d": _DIGIT, "w": _WORD, "s": _SPACE}
 _CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a", "0": "\0"}
 _SPECIAL = set("\\.^$*+?()[]{}|-/")
@@ -102,10 +103,12 @@ def _complement(ranges) -> list[tuple[int, int]]:
 class _Parser:
     """Recursive descent to a small tree: ("set", ranges), ("cat", items),
     ("alt", items), ("rep", item, min, max or None). (`compile_regex` adds ("until",
-    text): any text up to and with the first `text`.)"""
+    text): any text up to and with the first `text`.) `ecma`: a JSON Schema pattern, read
+    as ECMA-262 reads it where that differs from Python's re: `.` is no line terminator
+    (\\n \\r U+2028 U+2029), and {,n} (text in ECMA, a repetition in Python) is refused."""
 
-    def __init__(self, pattern: str):
-        self.p, self.i = pattern, 0
+    def __init__(self, pattern: str, ecma: bool = False):
+        self.p, self.i, self.ecma = pattern, 0, ecma
 
     def fail(self, why: str):
         raise UsageError(f"regex {shown(self.p, 60)}: {why} (at character {self.i})")
@@ -158,6 +161,8 @@ class _Parser:
             self.i += 1
             return {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
         if c == "{" and (m := _QUANTIFIER.match(self.p, self.i)) and (m.group(1) or m.group(2)):
+            if self.ecma and not m.group(1):
+                self.fail("{,n} is text in a JSON Schema pattern (ECMA-262), not a repetition: write {0,n}")
             bounds = repeat_bounds(*m.group(1, 2, 3), self.fail)
             self.i = m.end()
             return bounds
@@ -187,7 +192,7 @@ class _Parser:
         if c == "[":
             return ("set", self.char_class())
         if c == ".":
-            return ("set", _complement([(0x0A, 0x0A)]))
+            return ("set", _complement(_ECMA_LINE_ENDS if self.ecma else [(0x0A, 0x0A)]))
         if c == "\\":
             return ("set", self.escape(in_class=False))
         return ("set", self.char(ord(c)))
@@ -560,8 +565,9 @@ def restricted(pattern: str, excluded: list[tuple[int, int]]) -> tuple[str, bool
     character set, written back in the dialect: it matches the texts `pattern` matches
     that hold none of them (a JSON string's pattern, generated without escapes). Also
     says whether its top level is an alternation (what `^a|b$` means depends on the
-    anchors). A set left empty is refused: the pattern named an excluded character."""
-    parser = _Parser(pattern)
+    anchors). A set left empty is refused: the pattern named an excluded character. Read
+    as ECMA-262, as JSON Schema's patterns are (`_Parser`'s `ecma`)."""
+    parser = _Parser(pattern, ecma=True)
     tree = parser.parse()
     return _written(tree, _normal(excluded), parser), tree[0] == "alt"
 
