@@ -304,7 +304,7 @@ def test_logit_controls_match_torch(dtype, rows, per_row, controls):
 def test_ops_in_the_triton_interpreter():
     run_interpreted(__file__, "gemv_matches or few_row_matmul or rope_into_cache or row_argmax or gumbel_argmax or cos_sin "
                     "or embedding_rows or logit_controls or node_states or path_states or grammar_mask or split_product "
-                    "or coupled_scores or filter_floor_kernels", 42)
+                    "or coupled_scores or filter_floor_kernels", 42, timeout=600)
 
 
 def _grammar_batch(V: int, B: int, seed: int):
