@@ -640,6 +640,12 @@ def test_more_bad_training_input_is_one_line(data_dir, target, tmp_path, capsys)
                      "--batch-size", "2", "--seq-len", "32", "--eval-tokens", "256", "--device", "cpu",
                      "--mask-token-id", str(eos)]) == 0
     assert f"note: mask token id {eos} is the target's end of text" in capsys.readouterr().err
+    common = np.bincount(load_corpus(data_dir).train).argmax()  # an ordinary token: "    " or so
+    assert cli_main(["drafter", "--target", str(base / "model"), "--data", str(data_dir), "--run",
+                     str(tmp_path / "text-mask"), "--block-size", "4", "--max-steps", "1", "--tau-prompts", "0",
+                     "--batch-size", "2", "--seq-len", "32", "--eval-tokens", "256", "--device", "cpu",
+                     "--mask-token-id", str(common)]) == 0
+    assert f"note: mask token id {common} is in the corpus's text" in capsys.readouterr().err
     src = data_dir.parent / "src"
     # an output inside a corpus root whose suffixes match what is written would be read back
     assert cli_main(["tokenizer", "--out", str(src / "tok"), "--roots", str(src), "--vocab-size", "300",

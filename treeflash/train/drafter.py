@@ -454,6 +454,10 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
         print(f"treeflash: note: mask token id {shape.mask_token_id} is the target's end of text, which it "
               f"generates: the drafter cannot tell a masked position from it (give an id the target never "
               f"produces, e.g. a reserved special token)", file=sys.stderr)
+    elif held := int(np.count_nonzero(data.train == shape.mask_token_id)):  # an ordinary token, or in a chat
+        print(f"treeflash: note: mask token id {shape.mask_token_id} is in the corpus's text {held} times: there "
+              f"the drafter cannot tell a masked position from it (give an id no text holds, e.g. a reserved "
+              f"special token)", file=sys.stderr)
     config = drafter_config(shape, tcfg, o["dtype"] or target_dtype(tcfg, target_dir) or "bfloat16")
     if config["torch_dtype"] not in ("bfloat16", "float16", "float32"):
         raise UsageError(f"export dtype must be bfloat16, float16 or float32, got {config['torch_dtype']!r}")
