@@ -433,10 +433,10 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
                                           f"run's (tokenizer.json differs)"),
              "corpus_tokens": run.bind("corpus_tokens", data.sizes, f"the corpus in {data_dir} is not the one this "
                                        f"run trained on (its token counts differ)")}
-    if generated is not None and not Path(generated).is_file():
-        raise UsageError(f"--generated {generated}: {'a folder' if Path(generated).is_dir() else 'no such file'}; "
-                         f"give the .npz file that `treeflash train generate` wrote")
     if generated is not None:  # its rows are the training text: the same file (wherever it now is)
+        if not Path(generated).is_file():
+            raise UsageError(f"--generated {generated}: {'a folder' if Path(generated).is_dir() else 'no such file'}"
+                             f"; give the .npz file that `treeflash train generate` wrote")
         bound["generated_sha256"] = run.bind("generated_sha256", file_hash(generated), f"{generated} is not the "
                                              f"file of generated sequences this run trained on (its bytes differ)")
     if int(data.meta["vocab_size"]) > tcfg.vocab_size:
@@ -454,8 +454,8 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
         print(f"treeflash: note: mask token id {shape.mask_token_id} is the target's end of text, which it "
               f"generates: the drafter cannot tell a masked position from it (give an id the target never "
               f"produces, e.g. a reserved special token)", file=sys.stderr)
-    elif held := int(np.count_nonzero(data.train == shape.mask_token_id)):  # an ordinary token, or in a chat
-        print(f"treeflash: note: mask token id {shape.mask_token_id} is in the corpus's text {held} times: there "
+    elif in_text := int(np.count_nonzero(data.train == shape.mask_token_id)):  # an ordinary token, or in a chat
+        print(f"treeflash: note: mask token id {shape.mask_token_id} is in the corpus's text {in_text} times: there "
               f"the drafter cannot tell a masked position from it (give an id no text holds, e.g. a reserved "
               f"special token)", file=sys.stderr)
     config = drafter_config(shape, tcfg, o["dtype"] or target_dtype(tcfg, target_dir) or "bfloat16")
