@@ -797,13 +797,15 @@ def test_an_unexpected_failure_is_one_line_without_cpp_frames(capsys, monkeypatc
     assert "frame #" not in err
 
 
-@pytest.mark.parametrize("command,argv,names", [
-    ("treeflash.cli.cmd_generate", ["generate", "x"], "--max-model-len"),
-    ("treeflash.train.cli.run_tokenizer", ["train", "tokenizer", "--out", "t"], "--batch-size"),
-    ("treeflash.bench.cmd_bench", ["bench"], "--batch-sizes"),
+@pytest.mark.parametrize("command,argv,names,absent", [
+    ("treeflash.cli.cmd_generate", ["generate", "x"], "--max-model-len", "--batch-size"),
+    ("treeflash.train.cli.run_tokenizer", ["train", "tokenizer", "--out", "t"], "--batch-size", "--max-model-len"),
+    ("treeflash.bench.cmd_bench", ["bench"], "--max-new-tokens", "--contexts"),
+    ("treeflash.bench.cmd_bench", ["bench", "--shape", "tiny"], "--contexts", "--max-new-tokens"),
 ])
-def test_running_out_of_memory_names_the_commands_own_options(capsys, monkeypatch, command, argv, names):
-    """A train run that runs out of memory is not told to shorten --max-model-len, which it lacks."""
+def test_running_out_of_memory_names_the_commands_own_options(capsys, monkeypatch, command, argv, names, absent):
+    """A train run that runs out of memory is not told to shorten --max-model-len, which it
+    lacks; nor bench --shape to ask for fewer --max-new-tokens, which it refuses."""
     def fail(args):
         raise MemoryError()
     monkeypatch.setattr(command, fail)
@@ -812,4 +814,4 @@ def test_running_out_of_memory_names_the_commands_own_options(capsys, monkeypatc
     rc = main(argv)
     err = capsys.readouterr().err
     assert rc == 1 and err.startswith("treeflash: error: out of memory") and names in err, err
-    assert ("--max-model-len" in err) == (names == "--max-model-len")
+    assert absent not in err, err

@@ -330,8 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
 LESS_MEMORY = {
     "generate": "ask for less (a shorter --max-model-len, a smaller --max-batch, shorter prompts)",
     "serve": "ask for less (a shorter --max-model-len, a smaller --max-batch)",
-    "bench": "ask for less (smaller --batch-sizes or --budgets, fewer --max-new-tokens, a smaller --shape or "
-             "--contexts)",
+    "bench": "ask for less (smaller --batch-sizes or --budgets, fewer --max-new-tokens)",
+    "bench --shape": "ask for less (a smaller --shape, shorter --contexts, smaller --batch-sizes or --budgets, "
+                     "a larger --tp)",
     "train": "ask for less (a smaller --batch-size, --seq-len or --new-tokens, a smaller model shape)",
 }
 
@@ -378,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         # torch's OutOfMemoryError on CUDA; its CPU allocator raises a RuntimeError
         if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or \
                 (isinstance(e, RuntimeError) and "can't allocate memory" in first):
-            hint = LESS_MEMORY.get(getattr(args, "command", None), "ask for less")
+            command = getattr(args, "command", None)
+            hint = LESS_MEMORY.get(f"{command} --shape" if getattr(args, "shape", None) else command, "ask for less")
             print(f"treeflash: error: out of memory ({first}): {hint}", file=sys.stderr)
             return 1
         print(f"treeflash: internal error: {type(e).__name__}: {first} (set TREEFLASH_DEBUG=1 for a traceback)",

@@ -171,9 +171,12 @@ def _pair_plan(args) -> PairPlan:
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise UsageError(f"unknown method '{bad[0]}' (choose from {', '.join(METHODS)})")
-    budgets = parse_budgets(args, minimum=None)
-    if "ddtree" in methods and min(budgets) < 1:
-        raise UsageError(f"ddtree budget must be >= 1, got {min(budgets)}")
+    if "ddtree" in methods:
+        budgets = parse_budgets(args, minimum=1)
+    elif args.budgets is not None:  # only ddtree builds trees: refused, as other options a run would ignore
+        raise UsageError("--budgets sets ddtree's tree sizes: add ddtree to --methods or leave --budgets out")
+    else:
+        budgets = []
     batch_sizes = parse_list(args.batch_sizes or "1,2,4", int, "batch size", minimum=1, maximum=MAX_BENCH_BATCH)
     temperatures = parse_list(args.temperatures or "0,0.7,1.0", float, "temperature", minimum=0.0)
     filters(args)

@@ -1,7 +1,8 @@
 """What `treeflash bench` reports: an aligned table, one JSON object per row (--out,
-written as rows are measured) and a plot (--plot, when matplotlib is importable)."""
+written as rows are measured) and a plot (--plot, which needs matplotlib)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -85,8 +86,8 @@ PLOT_FORMATS = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".eps", ".ps", ".tif", 
 
 
 def check_plot_path(path: str | None) -> None:
-    """Refuse a --plot path that cannot be written before the run, not after it: a
-    folder, a name matplotlib would add .png to or cannot write, an unwritable folder."""
+    """Refuse a --plot that cannot be written before the run, not after it: a folder, a
+    name matplotlib would add .png to or cannot write, an unwritable folder, no matplotlib."""
     if not path:
         return
     if Path(path).is_dir():
@@ -96,23 +97,22 @@ def check_plot_path(path: str | None) -> None:
     folder = Path(path).resolve().parent
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise UsageError(f"cannot write the plot {path}: {folder} is not a writable folder")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib (pip install matplotlib), or leave --plot out")
 
 
 def _pyplot():
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: matplotlib is not installed: no plot written (pip install matplotlib)", file=sys.stderr)
-        return None
+    """matplotlib's pyplot, drawing to files only (`check_plot_path` found it)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     return plt
 
 
 def plot_pairs(rows: list[dict], path: str) -> None:
     """tokens/s per method/budget, one line per (batch size, temperature, graphs)."""
     plt = _pyplot()
-    if plt is None or not rows:
+    if not rows:
         return
     labels = list(dict.fromkeys(r["label"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.0 * len(labels) + 2), 4.5))
@@ -134,7 +134,7 @@ def plot_shape(rows: list[dict], path: str) -> None:
     """verify(N) and round(N) time against N, one color per setting, with the AR step
     as a dotted line: where tree size stops being free."""
     plt = _pyplot()
-    if plt is None or not rows:
+    if not rows:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (key, sel) in enumerate(grouped(rows, SHAPE_SETTING).items()):

@@ -35,7 +35,7 @@ from treeflash.engine.sampling import SamplingBatch
 from treeflash.engine.tp import COMM_HINTS, check_devices, check_shardable, join_group, torchrun_env
 from treeflash.engine.tree import empty_tree
 from treeflash.errors import TreeflashError, UsageError
-from treeflash.memory import check_weights_fit
+from treeflash.memory import available_bytes, check_weights_fit
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import build_on
 from treeflash.models.moe import KIMI_K2_4L, weight_bytes_read
@@ -271,6 +271,10 @@ def copy_bandwidth(device: torch.device, mib: int) -> float:
     """Bytes/s of a large device-to-device copy, counting read + write: the practical
     peak that a memory-bound op can hope for."""
     n = mib * 2 ** 20
+    free = available_bytes(device)
+    if free is not None and 2 * n > free:
+        raise UsageError(f"--copy-mib {mib} needs {2 * mib} MiB (the source and its copy) but {free >> 20} MiB "
+                         f"are free: ask for less")
     src = torch.ones(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     for _ in range(2):
@@ -396,7 +400,8 @@ def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets,
         emit(out, row)
         if lead:
             print(f"  C={context} bs {bs} T {temperature:g} graphs {'on ' if graphs else 'off'} {op:<12} N={n:<3}: "
-                  f"{us:10.1f} us" + (f"  (floor {floor:.1f})" if floor else ""), file=sys.stderr)
+                  f"{row['time_us']:10.1f} us" + (f"  (floor {row['floor_us']:.1f})" if floor else ""),
+                  file=sys.stderr)  # the row's rounded values: the digits the table prints
     return rows
 
 
