@@ -18,7 +18,7 @@ Two modes, one command:
   all-reduces captured in the graphs), floors are per rank, and rank 0 reports.
 
 Both print an aligned table and can write one JSON object per row (`--out`) and a
-PNG plot (`--plot`, when matplotlib is importable): `report.py`. The option values
+PNG plot (`--plot`, which needs matplotlib): `report.py`. The option values
 both modes read are parsed in `options.py`; this module holds the command line.
 """
 from __future__ import annotations
