@@ -2,7 +2,7 @@
 Qwen3-FP8 and DeepSeek-V3 publish them) load as they are and run:
 
 - the logits equal transformers' on the dequantized weights (float32), with blocks that
-  do not divide the matrices, and with modules_to_not_convert;
+  do not divide the matrices, and with layers left unquantized (the stored dtypes say which);
 - DFlash and DDTree give AR's tokens on an FP8 target, greedy and sampled;
 - mixture-of-experts targets (Qwen3-MoE-FP8's per-expert layout) too: transformers'
   logits, speculative = AR, TP = 2 = TP = 1 with half the expert bytes per rank;
@@ -106,6 +106,27 @@ def test_logits_equal_transformers_on_the_dequantized_weights(hf_checkpoint, tmp
     _check_against_dequantized(llm, reference, ck.model)
 
 
+@pytest.mark.parametrize("listed", [None, ["model.layers.*.mlp"], ["model.layers.0"]], ids=["none", "regex", "prefix"])
+def test_the_stored_dtypes_say_which_layers_are_fp8(hf_checkpoint, tmp_path, listed):
+    """Writers read modules_to_not_convert differently (transformers 4 as substrings,
+    transformers 5 as prefixes, regexes or suffixes: "model.layers.1" is not layer 10's),
+    and some leave it out: the checkpoint's own dtypes say which layers are FP8. Its MLPs
+    stored in float32 load as such, whatever the list says (each of these was refused)."""
+    ck = hf_checkpoint("llama-tied-bias")
+    folder = write_fp8_copy(ck.path, tmp_path / "fp8", block=(16, 16), skip=("mlp",))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"].pop("modules_to_not_convert")
+    if listed is not None:
+        config["quantization_config"]["modules_to_not_convert"] = listed
+    (folder / "config.json").write_text(json.dumps(config))
+    reference, _ = _dequantized_model(ck.model, folder)
+    llm = LLM(folder, device="cpu", dtype="float64")
+    layer = llm.target.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    assert layer.mlp.down_proj.weight.dtype == layer.mlp.gate_up_proj.weight.dtype == torch.float64
+    _check_against_dequantized(llm, reference, ck.model)
+
+
 def test_speculative_methods_give_ar_tokens_on_an_fp8_target(spec_target, spec_drafter, tmp_path):
     target = write_fp8_copy(spec_target(), tmp_path / "fp8", block=(16, 32))
     drafter = spec_drafter()
@@ -185,7 +206,8 @@ def test_fp8_experts_that_a_block_would_straddle_are_refused(moe_checkpoint, tmp
     with pytest.raises(TreeflashError, match=r"experts\.\*\.down_proj: FP8 block size 32 does not divide its 16 "
                                              r"input features per rank"):
         LLM(write_fp8_copy(ck.path, tmp_path / "b", block=(16, 32)), device="cpu", tp=2)
-    with pytest.raises(TreeflashError, match="keeps some of the experts of model.layers.1.mlp.experts unquantized"):
+    with pytest.raises(TreeflashError, match="stores some of the experts of model.layers.1.mlp.experts in FP8 and "
+                                             "some in higher precision"):
         LLM(write_fp8_copy(ck.path, tmp_path / "c", block=(16, 16), skip=("experts.3.",)), device="cpu")
     # a block that no tensor-parallel size could cut is not blamed on the size
     from treeflash.config import ModelConfig
@@ -302,7 +324,7 @@ SCALE = "model.layers.0.self_attn.k_proj.weight_scale_inv"
     (lambda w: w.pop(SCALE), [SCALE, "missing"]),
     (lambda w: w.update({SCALE: w[SCALE][:1]}), [SCALE, "shape"]),
     (lambda w: w.update({SCALE.replace("_scale_inv", ""): w[SCALE.replace("_scale_inv", "")].float()}),
-     ["k_proj.weight", "F32", "modules_to_not_convert"]),
+     ["k_proj", "some in higher precision", "one merged layer"]),
     (lambda w: w.update({"model.layers.0.self_attn.o_proj.weight": w["model.layers.0.self_attn.o_proj.weight"]
                          .view(torch.uint8).to(torch.float8_e4m3fn).view(torch.uint8).fill_(0x7F)
                          .view(torch.float8_e4m3fn)}), ["o_proj.weight", "NaN"]),
@@ -318,7 +340,7 @@ def test_what_fp8_cannot_hold_is_refused(tmp_path, hf_checkpoint, spec_target, s
     ck = hf_checkpoint("qwen3")  # q 128, k and v 64 rows: a 48-row block straddles q and k
     with pytest.raises(TreeflashError, match="block size 48 does not divide its 128 output features of one merged"):
         LLM(write_fp8_copy(ck.path, tmp_path / "a", block=(48, 32)), device="cpu")
-    with pytest.raises(TreeflashError, match="keeps some of .*q_proj.* unquantized but not all"):
+    with pytest.raises(TreeflashError, match="stores some of .*q_proj.* in FP8 and some in higher precision"):
         LLM(write_fp8_copy(ck.path, tmp_path / "b", block=(16, 32), skip=("q_proj",)), device="cpu")
     drafter = tmp_path / "drafter"
     drafter.mkdir()

@@ -145,12 +145,15 @@ def write_fp8_copy(src: str | Path, out_dir: str | Path, block: tuple[int, int] 
     src, out = Path(src), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = _all_tensors(src)
-    for name in [n for n in tensors if ".layers." in n and n.endswith("_proj.weight") and tensors[n].dim() == 2
-                 and not any(s in n for s in skip)]:
-        tensors[name], tensors[name + "_scale_inv"] = fp8_blocks(tensors[name], block)
+    layers = [n for n in tensors if ".layers." in n and n.endswith("_proj.weight") and tensors[n].dim() == 2]
+    kept = sorted(n.removesuffix(".weight") for n in layers if any(s in n for s in skip))
+    for name in layers:
+        if name.removesuffix(".weight") not in kept:
+            tensors[name], tensors[name + "_scale_inv"] = fp8_blocks(tensors[name], block)
+    # the modules kept by their whole names: a substring, prefix or regex reading all agree
     _write_copy(src, out, tensors, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                     "weight_block_size": list(block),
-                                    **({"modules_to_not_convert": list(skip)} if skip else {})})
+                                    **({"modules_to_not_convert": kept} if kept else {})})
     return out
 
 

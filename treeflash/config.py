@@ -8,7 +8,7 @@ Both refuse what they cannot run with a one-line `TreeflashError`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -322,11 +322,7 @@ def _fp8_blocks(quant, where: str) -> dict:
         raise TreeflashError(f"{where}: FP8 {quant.get('fmt')} weights with "
                              f"{quant.get('activation_scheme')} activation scales are not supported (only e4m3, "
                              f"dynamic)")
-    skip = quant.get("modules_to_not_convert") or quant.get("ignored_layers") or []
-    if not (isinstance(skip, list) and all(isinstance(m, str) for m in skip)):
-        raise TreeflashError(f"{where}: quantization_config.modules_to_not_convert must be a list "
-                             f"of module names, got {skip!r}")
-    return {"fp8_block": tuple(block), "fp8_skip": tuple(skip)}
+    return {"fp8_block": tuple(block)}  # which layers: `from_pretrained` reads the weights' dtypes
 
 
 @dataclass
@@ -362,9 +358,10 @@ class ModelConfig:
     n_shared_experts: int = 0         # always-on experts of moe_intermediate_size each
     # FP8 weights (quantization_config fp8 with weight_block_size, as DeepSeek-V3's and
     # Qwen3-FP8's): each linear layer's weight in float8 e4m3 with one float scale per
-    # block of (rows, columns) (`layers.linear`), except modules named in fp8_skip
+    # block of (rows, columns) (`layers.linear`), except the layers whose weights (by
+    # checkpoint name) are in fp8_skip: those the checkpoint stores in higher precision
     fp8_block: tuple[int, int] | None = None
-    fp8_skip: tuple[str, ...] = ()
+    fp8_skip: frozenset[str] = frozenset()
     # a sliding window in some layers (gpt-oss; Qwen3 with use_sliding_window)
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
@@ -455,7 +452,14 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
-        return cls.from_dict(read_config_json(path), where=f"config.json in {path}")
+        cfg = cls.from_dict(read_config_json(path), where=f"config.json in {path}")
+        if cfg.fp8_block is None:
+            return cfg
+        # An FP8 checkpoint's layers are FP8 where its weights are: writers match the names in
+        # modules_to_not_convert as substrings ("layers.1" skips layer 10 too), prefixes or
+        # regexes, so only the stored dtypes say which layers they left unquantized.
+        from treeflash.models.loader import stored_unquantized  # the loader reads configs: not at the top
+        return replace(cfg, fp8_skip=stored_unquantized(path))
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

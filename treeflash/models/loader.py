@@ -98,18 +98,34 @@ def check_model_size(folder: str | Path, shell: nn.Module, shapes: dict) -> None
 SAFETENSORS_FLOATS = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
 
 
+def _stored(folder: str | Path):
+    """(name, safetensors dtype, number of elements) of every tensor of the checkpoint
+    in `folder`, from the files' headers."""
+    files = checkpoint_files(folder)
+    for path in set(files.values()):
+        with _open(path) as st:
+            for name in st.keys():
+                if files.get(name) == path:
+                    piece = _slice(st, name)
+                    yield name, piece.get_dtype(), int(torch.Size(piece.get_shape()).numel())
+
+
 def weights_dtype(folder: str | Path) -> str | None:
     """The floating dtype that most of a checkpoint's weights (by elements) are stored
     in: what dtype "auto" means when config.json does not say (as in transformers)."""
     sizes: dict[str, int] = {}
-    for path in set(checkpoint_files(folder).values()):
-        with _open(path) as st:
-            for name in st.keys():
-                piece = st.get_slice(name)
-                kind = SAFETENSORS_FLOATS.get(piece.get_dtype())
-                if kind is not None:
-                    sizes[kind] = sizes.get(kind, 0) + max(1, int(torch.Size(piece.get_shape()).numel()))
+    for _, dtype, numel in _stored(folder):
+        if dtype in SAFETENSORS_FLOATS:
+            kind = SAFETENSORS_FLOATS[dtype]
+            sizes[kind] = sizes.get(kind, 0) + max(1, numel)
     return max(sizes, key=sizes.get) if sizes else None
+
+
+def stored_unquantized(folder: str | Path) -> frozenset[str]:
+    """The `*.weight` tensors that the FP8 checkpoint in `folder` stores in a float dtype
+    (not float8): the layers it left unquantized (`ModelConfig.fp8_skip`)."""
+    return frozenset(name for name, dtype, _ in _stored(folder)
+                     if name.endswith(".weight") and dtype in SAFETENSORS_FLOATS)
 
 
 def _indexed_files(folder: Path, index: Path) -> dict[str, Path]:
@@ -183,8 +199,8 @@ def _read_slice(st, key: str, full_shape: tuple, shard_dim: int | None, rank: in
     if shape != full_shape:
         raise TreeflashError(f"weight {key} has shape {list(shape)}, expected {list(full_shape)}")
     if fp8 and sl.get_dtype() != FP8:
-        raise TreeflashError(f"weight {key} has dtype {sl.get_dtype()}, but config.json's quantization_config "
-                             f"says it is FP8 ({FP8}): list its module in modules_to_not_convert")
+        raise TreeflashError(f"weight {key} has dtype {sl.get_dtype()}: an FP8 checkpoint's layers hold {FP8} "
+                             f"or a float dtype")
     if not fp8 and sl.get_dtype() not in FLOAT_DTYPES:
         raise TreeflashError(f"weight {key} has dtype {sl.get_dtype()}; only float16, bfloat16, float32 "
                              f"and float64 weights are supported here (quantized weights only where "

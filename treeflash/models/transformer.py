@@ -194,8 +194,8 @@ MERGED_WEIGHTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("
 
 def to_fp8(module: nn.Module, prefix: str, cfg: ModelConfig) -> None:
     """FP8 weights (cfg.fp8_block) in every linear layer and every experts module of
-    `module` (named `prefix` in the checkpoint) but those whose checkpoint names hold an
-    entry of cfg.fp8_skip (HF's modules_to_not_convert)."""
+    `module` (named `prefix` in the checkpoint) but those whose weights the checkpoint
+    stores in higher precision (cfg.fp8_skip)."""
     for name, layer in module.named_modules(prefix=prefix):
         parent, _, local = name.rpartition(".")
         if isinstance(layer, Experts):
@@ -205,11 +205,11 @@ def to_fp8(module: nn.Module, prefix: str, cfg: ModelConfig) -> None:
             names = [f"{parent}.{m}" for m in MERGED_WEIGHTS.get(local, (local,))]
         else:
             continue
-        kept = {any(s in n for s in cfg.fp8_skip) for n in names}
+        kept = {f"{n}.weight" in cfg.fp8_skip for n in names}
         if len(kept) > 1:
             shown = ", ".join(names) if len(names) <= 3 else f"the experts of {name}"
-            raise TreeflashError(f"modules_to_not_convert keeps some of {shown} unquantized but not "
-                                 f"all: they are one merged layer here")
+            raise TreeflashError(f"the checkpoint stores some of {shown} in FP8 and some in higher precision: "
+                                 f"they are one merged layer here")
         if not kept.pop():
             layer.to_fp8(cfg.fp8_block, name)
 
