@@ -122,6 +122,14 @@ def test_unsupported_architecture(capsys, broken):
                  "unsupported architecture", "MixtralForCausalLM")
 
 
+def test_architectures_and_model_type_that_disagree(capsys, broken):
+    """transformers builds what model_type names: a Mistral (sliding window) whose
+    architectures say Llama ran as Llama, with other logits past the window."""
+    edit_config(broken, lambda c: c.update(model_type="mistral", sliding_window=8))
+    assert_error(*run(capsys, "hi", "--model", broken, "--device", "cpu"), 1,
+                 "architectures names", "but model_type is 'mistral'")
+
+
 def test_unsupported_rope_scaling(capsys, broken):
     edit_config(broken, lambda c: c.update(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                             "rope_theta": 10000.0}))

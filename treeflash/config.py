@@ -405,6 +405,10 @@ class ModelConfig:
                                      f"with its target as the model")
             raise TreeflashError(f"{where}: unsupported architecture '{name}' "
                                  f"(supported: {', '.join(TARGET_ARCHITECTURES)})")
+        if model_type is not None and model_type != arch:  # e.g. a Mistral's sliding window lost as Llama
+            named = next(a for a in archs if TARGET_ARCHITECTURES.get(a) == arch)
+            raise TreeflashError(f"{where}: architectures names {named} but model_type is '{model_type}' (transformers "
+                                 f"builds the model that model_type names): make them agree")
         data = _with_arch_defaults(data, arch)
         fp8 = {} if _mxfp4(data.get("quantization_config"), arch, where) else \
             _fp8_blocks(data.get("quantization_config"), where)
@@ -503,7 +507,7 @@ class DraftConfig:
         if data.get("quantization_config"):
             raise TreeflashError(f"{where} is quantized (quantization_config): drafters are loaded in "
                                  f"the model's dtype only")
-        layers = ModelConfig.from_dict({**data, "architectures": ["Qwen3ForCausalLM"]}, where)
+        layers = ModelConfig.from_dict({**data, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, where)
         block = dflash.get("block_size", data.get("block_size", 16))
         if isinstance(block, bool) or not isinstance(block, int) or not 2 <= block <= MAX_BLOCK_SIZE:
             raise TreeflashError(f"{where}: block_size must be an integer from 2 to {MAX_BLOCK_SIZE}, "
