@@ -201,7 +201,7 @@ def test_shape_mode_refuses_weights_past_the_hosts_free_memory(monkeypatch, caps
     killed by the OS while the random weights were made; now one line first."""
     import treeflash.memory as memory
     monkeypatch.setattr(memory, "available_bytes", lambda device: 2 ** 20)
-    assert main(["bench", "--shape", "tiny", "--iters", "1"]) != 0
+    assert main(["bench", "--shape", "tiny", "--iters", "1", "--device", "cpu"]) != 0
     err = capsys.readouterr().err
     assert "not enough cpu memory for the weights" in err and "--dtype bfloat16" in err
     assert len(err.strip().splitlines()) == 1, err

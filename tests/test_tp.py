@@ -588,12 +588,19 @@ TORCHRUN_SCRIPT = textwrap.dedent("""
     assert os.environ["RANK"] == "0"  # the other rank serves inside LLM() and exits with the driver
     params = SamplingParams(max_new_tokens=int(sys.argv[3]), ignore_eos=True, temperature=0.9, seed=11)
     print(json.dumps(llm.generate([[5, 17, 42, 9]], params)[0].token_ids), flush=True)
+    llm.close()  # the other rank has left: a next engine could only wait for it
+    try:
+        LLM(sys.argv[1], device="cpu", dtype="float64", tp=2)
+    except Exception as e:
+        print(f"{type(e).__name__}: {e}", flush=True)
 """)
 
 
 def test_torchrun_launch(tp_models, engines, tmp_path):
     """RANK / WORLD_SIZE / LOCAL_RANK set by torchrun: every process constructs the LLM
-    alike, rank 0 drives, the other serves; both exit cleanly."""
+    alike, rank 0 drives, the other serves; both exit cleanly. An LLM built after the
+    last one closed (the other rank has exited) is refused in one line: it failed with
+    gloo's connection errors against the first group's stale addresses."""
     target, drafter = tp_models["qwen3"]
     script = tmp_path / "run.py"
     script.write_text(TORCHRUN_SCRIPT)
@@ -601,10 +608,36 @@ def test_torchrun_launch(tp_models, engines, tmp_path):
                            str(script), str(target), str(drafter), str(N_NEW)],
                           capture_output=True, text=True, timeout=180, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    *_, tokens, refused = proc.stdout.strip().splitlines()
+    assert refused.startswith("UsageError: under torchrun the other ranks exit when the last LLM on them closes")
+    got = json.loads(tokens)
     want = engines("qwen3", "ddtree", 1).generate(SINGLE, SamplingParams(
         max_new_tokens=N_NEW, ignore_eos=True, temperature=0.9, seed=11))[0].token_ids
     assert got == want
+
+
+@pytest.mark.parametrize("value", ["10m", "0", "-5", "nan"])
+def test_a_bad_tp_timeout_is_one_line_before_any_worker_starts(tp_models, value):
+    """TREEFLASH_TP_TIMEOUT was read unchecked: '10m' an internal ValueError, 0 a worker's
+    C++ stack dump and then an internal error."""
+    target, _ = tp_models["qwen3"]
+    env = {**os.environ, "TREEFLASH_TP_TIMEOUT": value}
+    proc = subprocess.run([sys.executable, "-m", "treeflash", "generate", "--model", str(target), "--device", "cpu",
+                           "--tp", "2", "--max-new-tokens", "2", "x"], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env=env)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"treeflash: error: TREEFLASH_TP_TIMEOUT must be a number of seconds > 0, got '{value}'"], proc.stderr
+
+
+def test_dropping_graphs_is_a_command_of_every_rank(engines):
+    """`drop_graphs` frees the kept graphed states on every rank: the driver's alone going
+    would have it capture anew (with its collectives) while the workers replayed."""
+    llm = engines("qwen3", "ar", 2)
+    rt = llm._tp.rt
+    before = rt.seq
+    llm.drop_graphs()
+    assert rt.seq == before + 1  # one command posted to the workers, and run by them in step:
+    assert llm.generate(SINGLE, SamplingParams(max_new_tokens=4, ignore_eos=True))[0].token_ids  # still in step
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -723,7 +756,9 @@ def test_a_server_whose_worker_died_says_so(tp_models):
     proc = subprocess.run([sys.executable, "-c", SERVER_AFTER_DEATH, str(tp_models["qwen3"][0])],
                           capture_output=True, text=True, timeout=180, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    *_, tokens, refused = proc.stdout.strip().splitlines()
+    assert refused.startswith("UsageError: under torchrun the other ranks exit when the last LLM on them closes")
+    got = json.loads(tokens)
     assert got["codes"] == [200, 200, 503, 503, 503], got
     # the server's log says it in a line, without a traceback (a known failure)
     assert "generation failed: tensor-parallel worker rank 1 was killed" in proc.stderr, proc.stderr[-3000:]

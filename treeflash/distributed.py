@@ -14,8 +14,9 @@ ring.
 Decisions over a vocabulary sharded in contiguous, equal slices (rank r holds ids
 r*V/N ..) are made so that every rank gets bit-identical results: `argmax` and
 `topk` all-gather each rank's candidates (values and global ids) and reduce them in
-rank order, which also resolves ties toward the lowest global id exactly as
-`torch.argmax` over the whole vocabulary does.
+rank order. `argmax` so resolves ties toward the lowest global id exactly as
+`torch.argmax` over the whole vocabulary does; `topk` orders tied values as no rule
+says (as `torch.topk` does): the same on every rank, maybe not as one rank would.
 """
 from __future__ import annotations
 

@@ -852,7 +852,11 @@ class LLM:
         return self.states.captures
 
     def drop_graphs(self) -> None:
-        """Free the kept graphed batch states with their graphs: the next batch captures anew."""
+        """Free the kept graphed batch states with their graphs, on every rank: the next
+        batch captures anew."""
+        self._tp.call(self, "_drop_graphs", ())
+
+    def _drop_graphs(self) -> None:
         self.states.drop()
 
     def _append_until_end(self, got: list[int], out: list[int], p: SamplingParams, limit: int) -> str | None:

@@ -50,6 +50,7 @@ import ctypes
 import datetime
 import gc
 import json
+import math
 import os
 import pickle
 import signal
@@ -74,7 +75,15 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 
 
 def timeout_s() -> float:
-    return float(os.environ.get("TREEFLASH_TP_TIMEOUT", "600"))
+    """TREEFLASH_TP_TIMEOUT: seconds a collective or the store may wait (default 600)."""
+    text = os.environ.get("TREEFLASH_TP_TIMEOUT", "600")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise UsageError(f"TREEFLASH_TP_TIMEOUT must be a number of seconds > 0, got {text!r}")
+    return seconds
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -237,7 +246,11 @@ def attach(size: int, device: torch.device, kwargs: dict, config, draft_config, 
     check_shardable(config, draft_config, size)
     key = (size, device.type)
     rt = _RUNTIMES.get(key)
-    if rt is None or rt.closed or rt.failure is not None:
+    live = rt is not None and not rt.closed and rt.failure is None
+    if not live and _started_any and torchrun_env() is not None:  # one group per launch: its store keys
+        raise UsageError("under torchrun the other ranks exit when the last LLM on them closes or a rank fails: "
+                         "build the next LLM before closing the last one (or launch again)")
+    if not live:
         rt = start(size, device)
         _RUNTIMES[key] = rt
         _started_any = True
