@@ -756,9 +756,7 @@ def test_a_server_whose_worker_died_says_so(tp_models):
     proc = subprocess.run([sys.executable, "-c", SERVER_AFTER_DEATH, str(tp_models["qwen3"][0])],
                           capture_output=True, text=True, timeout=180, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    *_, tokens, refused = proc.stdout.strip().splitlines()
-    assert refused.startswith("UsageError: under torchrun the other ranks exit when the last LLM on them closes")
-    got = json.loads(tokens)
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["codes"] == [200, 200, 503, 503, 503], got
     # the server's log says it in a line, without a traceback (a known failure)
     assert "generation failed: tensor-parallel worker rank 1 was killed" in proc.stderr, proc.stderr[-3000:]
