@@ -56,11 +56,7 @@ _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 def stored_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape in the checkpoint in `folder`, from the files' headers (one
     open per file): what the size checks below compare config.json with."""
-    files, shapes = checkpoint_files(folder), {}
-    for path in set(files.values()):
-        with _open(path) as st:
-            shapes.update((key, tuple(_slice(st, key).get_shape())) for key in st.keys() if files.get(key) == path)
-    return shapes
+    return {name: shape for name, _, shape in _stored(folder)}
 
 
 def check_sizes(folder: str | Path, config: ModelConfig, shapes: dict, embedding: bool = True) -> None:
@@ -99,25 +95,25 @@ SAFETENSORS_FLOATS = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F
 
 
 def _stored(folder: str | Path):
-    """(name, safetensors dtype, number of elements) of every tensor of the checkpoint
-    in `folder`, from the files' headers."""
+    """(name, safetensors dtype, shape) of every tensor of the checkpoint in `folder`,
+    from the files' headers (one open per file)."""
     files = checkpoint_files(folder)
     for path in set(files.values()):
         with _open(path) as st:
             for name in st.keys():
                 if files.get(name) == path:
                     piece = _slice(st, name)
-                    yield name, piece.get_dtype(), int(torch.Size(piece.get_shape()).numel())
+                    yield name, piece.get_dtype(), tuple(piece.get_shape())
 
 
 def weights_dtype(folder: str | Path) -> str | None:
     """The floating dtype that most of a checkpoint's weights (by elements) are stored
     in: what dtype "auto" means when config.json does not say (as in transformers)."""
     sizes: dict[str, int] = {}
-    for _, dtype, numel in _stored(folder):
+    for _, dtype, shape in _stored(folder):
         if dtype in SAFETENSORS_FLOATS:
             kind = SAFETENSORS_FLOATS[dtype]
-            sizes[kind] = sizes.get(kind, 0) + max(1, numel)
+            sizes[kind] = sizes.get(kind, 0) + max(1, torch.Size(shape).numel())
     return max(sizes, key=sizes.get) if sizes else None
 
 
