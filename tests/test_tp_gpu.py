@@ -132,6 +132,20 @@ def test_prefix_caching_under_tp(graphs, engines):
     assert [o.token_ids for o in got] == [o.token_ids for o in tp1.generate(turns, params)]
 
 
+def test_dropped_graphs_are_captured_anew_on_every_rank(engines):
+    """`drop_graphs` frees the graphed states on both ranks, so the next batch captures
+    anew on each, in step, and gives the same tokens (the driver's alone going had it
+    run a capture's collectives against the worker's replays)."""
+    from treeflash import SamplingParams
+    llm = engines("qwen3-8b-widths", "ddtree", 2, True)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0, seed=5)
+    first = llm.generate([[5, 6, 7, 8]], params)[0].token_ids
+    captures = llm.graph_captures
+    llm.drop_graphs()
+    assert llm.generate([[5, 6, 7, 8]], params)[0].token_ids == first
+    assert llm.graph_captures > captures
+
+
 def test_a_batch_too_large_for_the_gpus_leaves_the_engine_working(engines, monkeypatch):
     """Caches that do not fit the GPUs fail with one line on both ranks at the same
     point (an all-reduce of who failed, before any collective of the batch): the engine,
