@@ -167,11 +167,14 @@ class KeptStates:
         (None without CUDA graphs: eager rounds and prefill). Graphed states are kept
         with every round and prefill captured on them; the sampling values are copied
         into the captured buffers. Eager states are made for the batch, or with prefix
-        caching bucketed and kept alike (the last one)."""
-        if not self.graphs and not self.prefix_caching:
-            st = self.allocated(lambda: self.decoder.new_state(batch, max_len, sampling))
-            return st, self.decoder.round, None
+        caching kept (the last one). On the Triton kernel, whose splits and key tiles
+        follow the cache length, an eager state takes the graphed state's bucketed length:
+        `--eager` then gives the graphed tokens in bf16 too, not only in float32."""
         key = state_key(batch, max_len)
+        if not self.graphs and not self.prefix_caching:
+            length = key[1] if self.decoder.backend == "triton" else max_len
+            st = self.allocated(lambda: self.decoder.new_state(batch, length, sampling))
+            return st, self.decoder.round, None
         if not self.graphs:  # prefix caching: the last state is kept, with what it holds
             if self.kept is None or key_of(self.kept) != key:
                 self.kept = None  # its caches go before the new ones are made
