@@ -634,8 +634,8 @@ def test_json_logprobs(capsys, model, api):
     assert rc == 0, err
     want = api.generate(ENGINE_PROMPTS[1], SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=2))[0]
     got = json.loads(out)["logprobs"]
-    assert [(e["token_id"], e["logprob"], [tuple(t) for t in e["top"]]) for e in got] == \
-        [(e.token_id, e.logprob, e.top) for e in want.logprobs]
+    assert [(e["token_id"], e["logprob"], e["rank"], [tuple(t) for t in e["top"]]) for e in got] == \
+        [(e.token_id, e.logprob, e.rank, e.top) for e in want.logprobs]
     assert_error(*run(capsys, "hi", "--model", model, "--device", "cpu", "--logprobs", 2), 2, "--json")
     assert_error(*run(capsys, "hi", "--model", model, "--device", "cpu", "--json", "--logprobs", 21), 2,
                  "logprobs")

@@ -57,6 +57,7 @@ def check_against_oracle(out, prompt, k, oracle):
         top_vals, top_ids = want[i].topk(k)
         assert [tid for tid, _ in e.top] == top_ids.tolist()
         assert [lp for _, lp in e.top] == pytest.approx(top_vals.tolist(), abs=1e-7)
+        assert e.rank == int((want[i] >= want[i, t]).sum())  # its place in the vocabulary (vLLM's rank)
 
 
 @pytest.mark.parametrize("method,budget", METHODS)
@@ -76,6 +77,7 @@ def test_logprobs_are_the_targets_and_change_no_token(pair, oracle, method, budg
     assert [o.token_ids for o in outs] == [w.token_ids for w in want]
     for prompt, out, p in zip(PROMPTS, outs, asked):
         check_against_oracle(out, prompt, p.logprobs, oracle)
+    assert any(e.rank > 1 for e in outs[1].logprobs), "the sampled request took only argmaxes: ranks not tested"
     if method != "ar":
         assert outs[0].stats["tau"] > 1.5 and outs[1].stats["tau"] > 1  # multi-token rounds
     mixed = llm.generate(PROMPTS, [asked[0], base[1]])

@@ -269,7 +269,7 @@ def cmd_generate(args) -> int:
     if args.json:
         for out in outputs():
             logprobs = None if out.logprobs is None else [
-                {"token_id": e.token_id, "logprob": _json_number(e.logprob),
+                {"token_id": e.token_id, "logprob": _json_number(e.logprob), "rank": e.rank,
                  "top": [(t, _json_number(v)) for t, v in e.top]} for e in out.logprobs]
             print(json.dumps({"text": out.text, "token_ids": out.token_ids,
                               "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
@@ -312,8 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "model's chat template (as the server's chat API does)")
     g.add_argument("--chat-template-kwargs", type=_json_object, metavar="JSON",
                    help="with --chat: the template's own variables, e.g. '{\"enable_thinking\": false}'")
-    g.add_argument("--logprobs", type=int, metavar="N", help="with --json: each token's log-probability "
-                                                             "and its N most likely alternatives' (N <= 20)")
+    g.add_argument("--logprobs", type=int, metavar="N", help="with --json: each token's log-probability, "
+                                                             "its rank in the vocabulary and its N most likely "
+                                                             "alternatives' (N <= 20)")
     add_model_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)

@@ -48,7 +48,7 @@ class TokenLogprob:
     token_id: int
     logprob: float | None  # None: a prompt's first token, which nothing before it predicts
     top: list[tuple[int, float]]
-    rank: int | None = None  # a prompt token's rank in the vocabulary (1: the most likely; ties: the last)
+    rank: int | None = None  # its rank in the vocabulary (1: the most likely; ties: the last); None: a prompt's first
 
 
 @dataclass
@@ -156,10 +156,10 @@ def _shifted(callback, offset: int):
 
 def _token_logprobs(tokens: list[int], rows, k: int) -> list[TokenLogprob]:
     """The `TokenLogprob`s of `tokens` from one request's logprobs read back as lists
-    (chosen [T], top values [T][K], top ids [T][K], and for a prompt ranks [T]; `tokens`
-    are its first T' <= T); `k` alternatives each."""
-    chosen, top_vals, top_ids, *ranks = rows
-    return [TokenLogprob(t, chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k])), ranks[0][i] if ranks else None)
+    (chosen [T], top values [T][K], top ids [T][K], ranks [T]; `tokens` are its first
+    T' <= T); `k` alternatives each."""
+    chosen, top_vals, top_ids, ranks = rows
+    return [TokenLogprob(t, chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k])), ranks[i])
             for i, t in enumerate(tokens)]
 
 

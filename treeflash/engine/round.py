@@ -196,7 +196,7 @@ class SpeculativeDecoder:
         st.active.fill_(True)
         if st.draft_cache is not None:
             self.drafter.commit_context(st.draft_cache, feats, inputs.positions, begin)
-        lp = logprobs_of(logits, first, self.tp) if st.sampling.any_logprobs else None
+        lp = logprobs_of(logits, first, self.tp, ranks=True) if st.sampling.any_logprobs else None
         return lp, (self._prompt_logprobs(h, ids, prompt_logprobs) if prompt_logprobs else None)
 
     def _prompt_logprobs(self, h: torch.Tensor, ids: torch.Tensor, rows: list[tuple[int, int]]):
@@ -329,5 +329,5 @@ class SpeculativeDecoder:
         logprobs = None
         if st.sampling.any_logprobs:  # w.new[:, i] (i <= accepted) is the target's token at node path[:, i]
             rows = logits.gather(1, w.path[:, :, None].expand(-1, -1, logits.shape[-1]))
-            logprobs = logprobs_of(rows, target_tokens.gather(1, w.path), self.tp)
+            logprobs = logprobs_of(rows, target_tokens.gather(1, w.path), self.tp, ranks=True)
         return w.new, counts, logprobs
