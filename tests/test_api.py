@@ -68,6 +68,42 @@ def test_max_new_tokens_is_respected(llm, n):
             SamplingParams(max_tokens=bad)
 
 
+def test_max_tokens_reads_and_sets_as_in_vllm(llm):
+    """vLLM's code reads and sets `params.max_tokens`: it is max_new_tokens, and a copy
+    made with `dataclasses.replace` (as `generate` makes one to draw a seed) keeps it.
+    Before, it was an init-only value: read back as Ellipsis, a later assignment was
+    ignored with a seed, taken without one (through generate's copy), and refused as
+    'not both' after max_tokens=5."""
+    import dataclasses
+    p = SamplingParams(max_tokens=5, ignore_eos=True)
+    assert p.max_tokens == p.max_new_tokens == 5
+    for seed in (1, None):
+        q = SamplingParams(seed=seed, temperature=0.8, ignore_eos=True)
+        q.max_tokens = 3
+        assert len(llm.generate(ENGINE_PROMPTS[0], q)[0].token_ids) == 3
+    p.max_tokens = 4
+    assert len(llm.generate(ENGINE_PROMPTS[0], p)[0].token_ids) == 4
+    assert dataclasses.replace(p, max_new_tokens=9).max_tokens == 9
+    assert dataclasses.replace(p, seed=2).max_tokens == 4
+    with pytest.raises(UsageError, match="not both"):  # 128, the default, given as well
+        SamplingParams(max_tokens=7, max_new_tokens=128)
+
+
+def test_filters_or_a_seed_without_a_temperature_warn():
+    """vLLM's default temperature is 1, this one's 0 (greedy): code written for vLLM that
+    sets top_p or a seed alone would be greedy without a word. A warning says so; off
+    values (vLLM's top_k -1) and a given temperature say nothing."""
+    import warnings
+    for kw in (dict(top_p=0.9), dict(top_k=20), dict(min_p=0.1), dict(seed=0)):
+        with pytest.warns(UserWarning, match="without a temperature is greedy"):
+            SamplingParams(**kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SamplingParams(top_k=-1, top_p=1.0, max_tokens=3)
+        SamplingParams(temperature=0, top_p=0.5, seed=1)
+        SamplingParams(temperature=0.7, top_k=20)
+
+
 def test_default_dtype_and_explicit_dtypes(hf_checkpoint):
     path = hf_checkpoint("qwen3").path
     assert LLM(path, device="cpu").target.lm_head.weight.dtype == torch.float32  # float32 checkpoint
@@ -179,6 +215,13 @@ def test_generate_without_parameters_takes_the_models_generation_config(llm, hf_
     path.write_text(json.dumps({**config, "top_p": 0}))
     with pytest.raises(UsageError, match="generation_config.json: invalid sampling parameters: top_p"):
         LLM(folder, device="cpu", dtype="float32")
+    # filters without a temperature are for transformers' (and vLLM's) 1, unless do_sample is false
+    path.write_text(json.dumps({**config, "top_k": 20}))
+    assert LLM(folder, device="cpu", dtype="float32").default_sampling_params() == \
+        SamplingParams(temperature=1.0, top_k=20)
+    path.write_text(json.dumps({**config, "top_k": 20, "do_sample": False}))
+    assert LLM(folder, device="cpu", dtype="float32").default_sampling_params() == \
+        SamplingParams(temperature=0.0, top_k=20)
 
 
 def test_streaming_callback_sees_every_token_once(llm):

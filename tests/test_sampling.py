@@ -171,9 +171,9 @@ def test_filters_read_only_the_largest_logits():
     assert filter_width_of([sampled(top_p=0.9), sampled(top_k=5)]) == 16
     assert filter_width_of([sampled(top_k=-1, top_p=0.9), sampled(top_k=40)]) == 128  # -1: top-k off, as 0
     assert SamplingBatch.from_params([sampled(top_k=-1, top_p=0.9)], "cpu").any_open_top_p
-    assert not SamplingBatch.from_params([sampled(top_k=5, top_p=0.9), SamplingParams(top_p=0.5)], "cpu").any_open_top_p
+    assert not SamplingBatch.from_params([sampled(top_k=5, top_p=0.9), SamplingParams(temperature=0, top_p=0.5)], "cpu").any_open_top_p
     assert filter_width_of([sampled(top_k=3000)]) == 0
-    assert filter_width_of([SamplingParams(top_k=5, top_p=0.5)]) == 0  # greedy: nothing to filter
+    assert filter_width_of([SamplingParams(temperature=0, top_k=5, top_p=0.5)]) == 0  # greedy: nothing to filter
     logits = torch.randn(5, 9, 3000, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2
     params = [sampled(top_k=20, top_p=0.95), sampled(top_k=7), sampled(top_k=40, min_p=0.2),
               sampled(top_k=30, top_p=0.5, min_p=0.01), sampled()]

@@ -4,7 +4,9 @@ How a batch of them samples on the device is `treeflash.engine.sampling`."""
 from __future__ import annotations
 
 import math
-from dataclasses import InitVar, dataclass, field
+import functools
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from treeflash.errors import UsageError, shown
@@ -44,17 +46,20 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as fit)
     structured_outputs: StructuredOutputs | None = None  # the text must match a schema, regex, choice or grammar
     bad_words: list[str] | None = None  # never generated: a word's last token is banned where it would end it
-    max_tokens: InitVar[int] = ...  # vLLM's name for max_new_tokens (... : not given): vLLM's code runs as it is
 
-    def __post_init__(self, max_tokens=...):
-        if max_tokens is not ...:
-            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-                raise UsageError(f"invalid sampling parameters: max_tokens must be an integer >= 1 (vLLM's None, "
-                                 f"as many as fit, is not taken), got {shown(max_tokens)}")
-            if self.max_new_tokens not in (DEFAULT_MAX_NEW_TOKENS, max_tokens):  # (128 given is not told apart)
-                raise UsageError("invalid sampling parameters: give max_tokens or max_new_tokens, not both")
-            self.max_new_tokens = max_tokens
+    def __post_init__(self):
         self.validate()  # where the caller makes it, as in vLLM; `generate` checks the vocabulary too
+
+    @property
+    def max_tokens(self) -> int:
+        """vLLM's name for max_new_tokens, read and set as in vLLM (also a keyword of the
+        constructor): vLLM's code runs as it is. Not a field, so `dataclasses.replace`
+        and copies carry max_new_tokens alone."""
+        return self.max_new_tokens
+
+    @max_tokens.setter
+    def max_tokens(self, value: int) -> None:
+        self.max_new_tokens = value
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         def bad(msg, param=None):
@@ -177,10 +182,35 @@ class SamplingParams:
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "repetition_penalty")
 
 
+def _as_in_vllm(init):
+    """The dataclass constructor, also taking vLLM's `max_tokens` keyword for
+    max_new_tokens, and warning where vLLM's code would sample and this does not: a
+    filter or a seed without a temperature (vLLM's default is 1, this one's greedy)."""
+    @functools.wraps(init)
+    def __init__(self, *args, max_tokens=..., **kwargs):
+        if "temperature" not in kwargs and len(args) < 2 and _samples_in_vllm(kwargs):
+            warnings.warn("SamplingParams without a temperature is greedy (temperature 0, where top_k, top_p, min_p "
+                          "and seed do nothing; vLLM's default is 1.0): give temperature", stacklevel=2)
+        if max_tokens is not ...:
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+                raise UsageError(f"invalid sampling parameters: max_tokens must be an integer >= 1 (vLLM's None, "
+                                 f"as many as fit, is not taken), got {shown(max_tokens)}")
+            if args or "max_new_tokens" in kwargs:
+                raise UsageError("invalid sampling parameters: give max_tokens or max_new_tokens, not both")
+            kwargs["max_new_tokens"] = max_tokens
+        init(self, *args, **kwargs)
+    return __init__
+
+
+SamplingParams.__init__ = _as_in_vllm(SamplingParams.__init__)
+
+
 def generation_defaults(folder: str | Path) -> dict:
     """The sampling values a model's generation_config.json asks for, as `SamplingParams`
     fields (only those it gives): what vLLM's `LLM` and server use where the caller gives
-    none (Qwen3, for one, asks for temperature 0.6, top_p 0.95, top_k 20). A value that
+    none (Qwen3, for one, asks for temperature 0.6, top_p 0.95, top_k 20). Filters without
+    a temperature come with transformers' and vLLM's 1 (0 with do_sample false), not
+    SamplingParams' greedy default, where they would do nothing. A value that
     `SamplingParams` refuses is refused here, naming the file."""
     path = Path(folder) / "generation_config.json"
     if not path.is_file():
@@ -192,11 +222,20 @@ def generation_defaults(folder: str | Path) -> dict:
             got[k] = int(got[k])
     if got.get("top_k") == -1:  # vLLM's "off"
         got["top_k"] = 0
+    if "temperature" not in got and _samples_in_vllm(got):  # filters for transformers' default temperature
+        got["temperature"] = 0.0 if config.get("do_sample") is False else 1.0  # (and vLLM's); or its greedy
     try:
         SamplingParams(**got)
     except UsageError as e:
         raise UsageError(f"{path}: {e}") from None
     return got
+
+
+def _samples_in_vllm(values: dict) -> bool:
+    """Whether `values` (SamplingParams keywords) set a filter or a seed: sampling at
+    vLLM's default temperature of 1."""
+    return values.get("top_k", 0) not in (0, -1) or values.get("top_p", 1.0) != 1 \
+        or values.get("min_p", 0.0) != 0 or values.get("seed") is not None
 
 
 def truncation_error(k) -> str | None:
