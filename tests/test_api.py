@@ -102,6 +102,9 @@ def test_filters_or_a_seed_without_a_temperature_warn():
         SamplingParams(top_k=-1, top_p=1.0, max_tokens=3)
         SamplingParams(temperature=0, top_p=0.5, seed=1)
         SamplingParams(temperature=0.7, top_k=20)
+        assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
+    with pytest.raises(UsageError, match="seed must be"):
+        SamplingParams(temperature=1.0, seed=-2)
 
 
 def test_default_dtype_and_explicit_dtypes(hf_checkpoint):

@@ -76,6 +76,8 @@ class SamplingParams:
             bad(f"top_p must be in (0, 1], got {shown(self.top_p)}")
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
             bad(f"min_p must be in [0, 1] (0 = off), got {shown(self.min_p)}")
+        if type(self.seed) is int and self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2 ** 63):
             bad(f"seed must be an integer in [0, 2^63), got {shown(self.seed)}")
@@ -188,9 +190,6 @@ def _as_in_vllm(init):
     filter or a seed without a temperature (vLLM's default is 1, this one's greedy)."""
     @functools.wraps(init)
     def __init__(self, *args, max_tokens=..., **kwargs):
-        if "temperature" not in kwargs and len(args) < 2 and _samples_in_vllm(kwargs):
-            warnings.warn("SamplingParams without a temperature is greedy (temperature 0, where top_k, top_p, min_p "
-                          "and seed do nothing; vLLM's default is 1.0): give temperature", stacklevel=2)
         if max_tokens is not ...:
             if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
                 raise UsageError(f"invalid sampling parameters: max_tokens must be an integer >= 1 (vLLM's None, "
@@ -198,7 +197,10 @@ def _as_in_vllm(init):
             if args or "max_new_tokens" in kwargs:
                 raise UsageError("invalid sampling parameters: give max_tokens or max_new_tokens, not both")
             kwargs["max_new_tokens"] = max_tokens
-        init(self, *args, **kwargs)
+        init(self, *args, **kwargs)  # checks the values first
+        if "temperature" not in kwargs and len(args) < 2 and _samples_in_vllm(kwargs):
+            warnings.warn("SamplingParams without a temperature is greedy (temperature 0, where top_k, top_p, min_p "
+                          "and seed do nothing; vLLM's default is 1.0): give temperature", stacklevel=2)
     return __init__
 
 
@@ -235,7 +237,7 @@ def _samples_in_vllm(values: dict) -> bool:
     """Whether `values` (SamplingParams keywords) set a filter or a seed: sampling at
     vLLM's default temperature of 1."""
     return values.get("top_k", 0) not in (0, -1) or values.get("top_p", 1.0) != 1 \
-        or values.get("min_p", 0.0) != 0 or values.get("seed") is not None
+        or values.get("min_p", 0.0) != 0 or values.get("seed") not in (None, -1)
 
 
 def truncation_error(k) -> str | None:
