@@ -696,12 +696,19 @@ def test_tokenize_and_detokenize(client, llm):
     r = client.post("/tokenize", json={"messages": [{"role": "user", "content": parts}]}).json()["tokens"]
     assert r == llm.encode("### user:\nfib\nfast\n### assistant:\n", special=False)
     assert client.post("/detokenize", json={"tokens": plain}).json()["prompt"] == PROMPT
+    # vLLM's return_token_strs: the vocabulary's spellings, as transformers' convert_ids_to_tokens
+    from transformers import PreTrainedTokenizerFast
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(llm.model_path / "tokenizer.json"))
+    r = client.post("/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()
+    assert r["tokens"] == llm.encode(PROMPT) and r["token_strs"] == hf.convert_ids_to_tokens(r["tokens"])
+    assert "token_strs" not in client.post("/tokenize", json={"prompt": PROMPT, "return_token_strs": False}).json()
     eos = llm.eos_token_ids[0]  # special tokens are text too (a chat's tokens decode back to the chat)
     assert client.post("/detokenize", json={"tokens": [eos] + plain}).json()["prompt"] == \
         llm.tokenizer.token_text(eos) + PROMPT
     for path, body, param in [("/tokenize", {"prompt": 5}, "prompt"), ("/tokenize", {}, "prompt"),
                               ("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
                               ("/tokenize", {"prompt": "a", "x": 1}, "x"),
+                              ("/tokenize", {"prompt": "a", "return_token_strs": 1}, "return_token_strs"),
                               ("/detokenize", {"tokens": [5, 99999]}, "tokens"),
                               ("/detokenize", {"tokens": "5"}, "tokens")]:
         r = client.post(path, json=body)

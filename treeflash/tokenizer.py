@@ -226,6 +226,11 @@ class Tokenizer:
         how logprobs name a token, as vLLM does."""
         return self._token(token_id)[0]
 
+    def vocab_spellings(self, ids: list[int]) -> list[str]:
+        """The tokens as the vocabulary spells them (byte-level BPE's 'Ġ' for a space), as
+        transformers' convert_ids_to_tokens gives them (vLLM's /tokenize token_strs)."""
+        return [self.tok.id_to_token(i) for i in ids]
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, exact where its text is not (a token may hold
         part of a UTF-8 character): byte-level BPE and byte-fallback tokens map back to

@@ -494,11 +494,11 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
     async def tokenize(request: HTTPRequest):
         try:
             body = await _read_json(request)
-            ids = await asyncio.get_running_loop().run_in_executor(
+            answer = await asyncio.get_running_loop().run_in_executor(
                 None, parse_tokenize, body, served, chat_template, llm.tokenizer)
         except APIError as e:
             return error_response(e)
-        return AsciiJSONResponse({"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids})
+        return AsciiJSONResponse({"count": answer.pop("count"), "max_model_len": llm.max_model_len, **answer})
 
     async def detokenize(request: HTTPRequest):
         try:

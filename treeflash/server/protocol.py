@@ -64,7 +64,8 @@ REASONING_EFFORTS = ("low", "medium", "high")
 KNOWN_KEYS = {"completion": SAMPLING_KEYS | {"prompt", "logprobs", "echo", "add_special_tokens"} | set(UNSUPPORTED),
               "chat": SAMPLING_KEYS | {"messages", "logprobs", "top_logprobs", "echo", "add_special_tokens",
                                        *CHAT_FORMAT_KEYS} | set(UNSUPPORTED),
-              "tokenize": {"model", "prompt", "messages", "tools", "add_special_tokens", *CHAT_FORMAT_KEYS},
+              "tokenize": {"model", "prompt", "messages", "tools", "add_special_tokens", "return_token_strs",
+                           *CHAT_FORMAT_KEYS},
               "detokenize": {"model", "tokens"}}
 MAX_STOPS = 64
 LOGPROB_FLOOR = -9999.0  # what a log-probability of -inf is reported as (JSON has no infinity), as in vLLM
@@ -551,12 +552,19 @@ def render_chat(body: dict, template, tools: list[dict] | None = None) -> str:
                    "chat_template.jinja): use /v1/completions")
 
 
-def parse_tokenize(body: dict, served: str | tuple[str, ...], template, tokenizer) -> list[int]:
-    """A /tokenize body (vLLM's): the token ids of a prompt, or of chat messages (and
-    tools) as the template renders them; `add_special_tokens` (default true for a prompt,
-    false for messages, whose template writes its own)."""
+def parse_tokenize(body: dict, served: str | tuple[str, ...], template, tokenizer) -> dict:
+    """A /tokenize answer (vLLM's) to its body: the token ids of a prompt, or of chat
+    messages (and tools) as the template renders them; `add_special_tokens` (default true
+    for a prompt, false for messages, whose template writes its own); with
+    `return_token_strs`, the tokens as the vocabulary spells them."""
     check_keys(body, "tokenize")
     check_model(body, served)
+    strs = _flag(body, "return_token_strs", False)
+    ids = _tokenize(body, template, tokenizer)
+    return {"count": len(ids), "tokens": ids, **({"token_strs": tokenizer.vocab_spellings(ids)} if strs else {})}
+
+
+def _tokenize(body: dict, template, tokenizer) -> list[int]:
     if ("prompt" in body) == ("messages" in body):
         raise APIError("give either 'prompt' or 'messages'", param="prompt")
     if "messages" in body:
