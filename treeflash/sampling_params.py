@@ -3,8 +3,8 @@ come from besides the caller (a model's generation_config.json, OpenAI's logit_b
 How a batch of them samples on the device is `treeflash.engine.sampling`."""
 from __future__ import annotations
 
-import math
 import functools
+import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
