@@ -283,6 +283,35 @@ def test_stop_strings_end_generation_at_their_first_occurrence(llm):
     assert kept.token_ids == out.token_ids and kept.text == text[:cut + len(stop)]
 
 
+def test_added_tokens_decoder_marks_tokens_special(tmp_path):
+    """A token that tokenizer.json adds as plain text and tokenizer_config.json's
+    added_tokens_decoder marks special is special, as transformers loads it: decoding
+    with skip_special_tokens leaves it out (before, only tokenizer.json's flag counted)."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+    from transformers import AutoTokenizer
+
+    from treeflash.checkpoints import write_tiny_tokenizer
+    from treeflash.tokenizer import Tokenizer
+    write_tiny_tokenizer(tmp_path)
+    raw = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    raw.add_tokens([AddedToken("<tool_call>", special=False), AddedToken("<plain>", special=False)])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    call, plain = raw.token_to_id("<tool_call>"), raw.token_to_id("<plain>")
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"] = {str(i): {"content": c, "special": s, "lstrip": False, "rstrip": False,
+                                               "normalized": False, "single_word": False}
+                                      for i, c, s in ((call, "<tool_call>", True), (plain, "<plain>", False))}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, hf = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "def f<tool_call>x<plain>y"
+    ids = ours.encode(text, False)
+    assert ids == hf.encode(text, add_special_tokens=False) and call in ids and plain in ids
+    for skip in (True, False):
+        assert ours.decode(ids, skip) == hf.decode(ids, skip_special_tokens=skip)
+    assert ours.decode(ids) == "def fx<plain>y" and call in ours.special_ids
+
+
 def test_special_tokens_in_the_text_on_request(eos_checkpoint):
     """skip_special_tokens=False: a special token generated mid-text (EOS, ignored)
     shows in the text; the token that ends a request never does."""

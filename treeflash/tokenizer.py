@@ -7,6 +7,7 @@ import re
 from functools import cached_property, lru_cache
 from pathlib import Path
 
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import ByteLevel
 
@@ -60,6 +61,7 @@ class Tokenizer:
         config = read_json_object(folder / "config.json")
         gen = read_json_object(folder / "generation_config.json")
         tok_cfg = tokenizer_settings(folder)
+        self._mark_special(tok_cfg.get("added_tokens_decoder"))
         # each end token id, and the file that names it (for errors)
         self.eos_sources = {i: "config.json" for i in token_id_list(config.get("eos_token_id"), "eos_token_id",
                                                                     str(folder / "config.json"))}
@@ -80,6 +82,22 @@ class Tokenizer:
         if self.add_bos:
             self._check_bos(folder, "generation_config.json" if "bos_token_id" in gen else "config.json")
         self._tokens: dict[int, tuple[str, bytes]] = {}  # see _token
+
+    def _mark_special(self, decoder) -> None:
+        """The added tokens that tokenizer_config.json's added_tokens_decoder marks special
+        and tokenizer.json does not are special here too, as transformers loads them:
+        decoding with skip_special_tokens leaves them out. (Not the other way: the
+        tokenizers library goes on skipping a token once it was special.)"""
+        if not isinstance(decoder, dict):
+            return
+        added = self.tok.get_added_tokens_decoder()
+        special = [AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip, rstrip=t.rstrip,
+                              normalized=t.normalized, special=True)
+                   for key, entry in decoder.items()
+                   if isinstance(entry, dict) and entry.get("special") is True and str(key).isdigit()
+                   and (t := added.get(int(key))) is not None and not t.special and t.content == entry.get("content")]
+        if special:
+            self.tok.add_special_tokens(special)
 
     def _check_bos(self, folder: Path, source: str) -> None:
         """The BOS id prepended to every prompt must be a token of this vocabulary (a
