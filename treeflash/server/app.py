@@ -494,11 +494,12 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
     async def tokenize(request: HTTPRequest):
         try:
             body = await _read_json(request)
-            answer = await asyncio.get_running_loop().run_in_executor(
+            ids, strs = await asyncio.get_running_loop().run_in_executor(
                 None, parse_tokenize, body, served, chat_template, llm.tokenizer)
         except APIError as e:
             return error_response(e)
-        return AsciiJSONResponse({"count": answer.pop("count"), "max_model_len": llm.max_model_len, **answer})
+        return AsciiJSONResponse({"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids,
+                                  **({"token_strs": llm.tokenizer.vocab_spellings(ids)} if strs else {})})
 
     async def detokenize(request: HTTPRequest):
         try:

@@ -552,16 +552,14 @@ def render_chat(body: dict, template, tools: list[dict] | None = None) -> str:
                    "chat_template.jinja): use /v1/completions")
 
 
-def parse_tokenize(body: dict, served: str | tuple[str, ...], template, tokenizer) -> dict:
-    """A /tokenize answer (vLLM's) to its body: the token ids of a prompt, or of chat
-    messages (and tools) as the template renders them; `add_special_tokens` (default true
-    for a prompt, false for messages, whose template writes its own); with
-    `return_token_strs`, the tokens as the vocabulary spells them."""
+def parse_tokenize(body: dict, served: str | tuple[str, ...], template, tokenizer) -> tuple[list[int], bool]:
+    """A /tokenize body (vLLM's): the token ids of a prompt, or of chat messages (and
+    tools) as the template renders them (`add_special_tokens`: default true for a prompt,
+    false for messages, whose template writes its own), and whether `return_token_strs`
+    asks for the tokens as the vocabulary spells them."""
     check_keys(body, "tokenize")
     check_model(body, served)
-    strs = _flag(body, "return_token_strs", False)
-    ids = _tokenize(body, template, tokenizer)
-    return {"count": len(ids), "tokens": ids, **({"token_strs": tokenizer.vocab_spellings(ids)} if strs else {})}
+    return _tokenize(body, template, tokenizer), _flag(body, "return_token_strs", False)
 
 
 def _tokenize(body: dict, template, tokenizer) -> list[int]:
