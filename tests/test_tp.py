@@ -390,7 +390,7 @@ def test_sharded_logprobs_equal_whole_vocabulary(n):
     tokens[0, 0] = 0
     whole = torch.log_softmax(logits, -1)
     want_vals, want_ids = whole.topk(k, -1)
-    results = on_ranks(n, lambda tp: tp.logprobs(_shard(logits, tp), tokens, k, tp.rank * (V // n), ranks=True))
+    results = on_ranks(n, lambda tp: tp.logprobs(_shard(logits, tp), tokens, k, tp.rank * (V // n)))
     want_ranks = (logits >= logits.gather(-1, tokens[..., None])).sum(-1)
     assert want_ranks[0, 0] == V and want_ranks.max() > k  # ranks past the top k too
     for chosen, vals, ids, ranks in results:

@@ -99,14 +99,14 @@ class TPGroup:
         vals, ids, lse, _ = self._top(x, k, start, log_softmax)
         return (vals - lse if log_softmax else vals), ids
 
-    def logprobs(self, x: torch.Tensor, tokens: torch.Tensor, k: int, start: int = 0, ranks: bool = False):
+    def logprobs(self, x: torch.Tensor, tokens: torch.Tensor, k: int, start: int = 0):
         """Log-probabilities over the whole vocabulary of x [..., V/N] (this rank's slice
         from id `start`): of the global ids `tokens` [...], and the top k (values and
-        global ids [..., k]), identical on every rank. The rank holding a token offers
-        its logit, the others -inf, in the same all-gather as the top-k candidates.
-        With `ranks`, also each token's rank [...] in the vocabulary: how many ids have a
-        logit at least as large, itself included (vLLM's: a tie ranks after every id it
-        ties with); one more all-reduce."""
+        global ids [..., k]), and each token's rank [...] in the vocabulary: how many ids
+        have a logit at least as large, itself included (vLLM's: a tie ranks after every
+        id it ties with), identical on every rank. The rank holding a token offers its
+        logit, the others -inf, in the same all-gather as the top-k candidates; the ranks
+        take one more all-reduce."""
         if self.size == 1:
             picked = x.gather(-1, tokens[..., None])
         else:
@@ -115,8 +115,6 @@ class TPGroup:
             picked = x.gather(-1, local.clamp(0, x.shape[-1] - 1)[..., None])
             picked = picked.masked_fill(~mine[..., None], float("-inf"))
         vals, ids, lse, picked = self._top(x, k, start, True, picked)
-        if not ranks:
-            return (picked - lse)[..., 0], vals - lse, ids
         at_least = (x >= picked).sum(-1)
         return (picked - lse)[..., 0], vals - lse, ids, self.all_reduce(at_least) if self.size > 1 else at_least
 

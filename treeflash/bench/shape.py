@@ -25,7 +25,7 @@ import torch
 from treeflash.bench.options import (MAX_BENCH_BATCH, check_seed, filters, filters_note, parse_budgets, parse_graphs,
                                      parse_list, usable_graphs)
 from treeflash.bench.report import check_plot_path, close_out, emit, format_table, open_out, plot_shape, print_ratios
-from treeflash.config import DraftConfig, ModelConfig, default_target_layer_ids
+from treeflash.config import GPT_OSS_ROPE_SCALING, DraftConfig, ModelConfig, default_target_layer_ids
 from treeflash.distributed import TPGroup
 from treeflash.engine.llm import attention_backend, resolve_device, resolve_dtype
 from treeflash.engine.graphs import capture
@@ -51,8 +51,6 @@ ALLREDUCE_RUN = 16       # all-reduces per timed call when measuring one's laten
 # Shapes and random weights
 # ---------------------------------------------------------------------------
 
-GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                "original_max_position_embeddings": 4096}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
 
@@ -77,7 +75,7 @@ SHAPES = {
     "kimi-k2-4l": KIMI_K2_4L,
     "gpt-oss-20b": ModelConfig("gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
                                num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5,
-                               rope_theta=150000.0, rope_scaling=GPT_OSS_ROPE, max_position_embeddings=131072,
+                               rope_theta=150000.0, rope_scaling=GPT_OSS_ROPE_SCALING, max_position_embeddings=131072,
                                attention_bias=True, num_experts=32, num_experts_per_tok=4,
                                moe_intermediate_size=2880, norm_topk_prob=True, sliding_window=128,
                                sliding_layers=tuple(range(0, 24, 2)), attention_sinks=True, expert_bias=True,

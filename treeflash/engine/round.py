@@ -196,11 +196,11 @@ class SpeculativeDecoder:
         st.active.fill_(True)
         if st.draft_cache is not None:
             self.drafter.commit_context(st.draft_cache, feats, inputs.positions, begin)
-        lp = logprobs_of(logits, first, self.tp, ranks=True) if st.sampling.any_logprobs else None
+        lp = logprobs_of(logits, first, self.tp) if st.sampling.any_logprobs else None
         return lp, (self._prompt_logprobs(h, ids, prompt_logprobs) if prompt_logprobs else None)
 
     def _prompt_logprobs(self, h: torch.Tensor, ids: torch.Tensor, rows: list[tuple[int, int]]):
-        """`logprobs_of` (with ranks) each prompt token but the first of the requests `rows`
+        """`logprobs_of` each prompt token but the first of the requests `rows`
         ((row, length) pairs), from the prefill's hidden states h [B, T, H] at the positions
         before them: only those positions (not the padding, nor other requests'), and
         PROMPT_LOGPROB_ROWS of them at a time (a long prompt's logits over the whole
@@ -213,7 +213,7 @@ class SpeculativeDecoder:
             empty = torch.empty(0, k, device=ids.device)
             return empty[:, 0], empty, empty.long(), empty[:, 0].long()
         parts = [logprobs_of(self.target.logits(states[s:s + PROMPT_LOGPROB_ROWS, None], gather=False),
-                             tokens[s:s + PROMPT_LOGPROB_ROWS, None], self.tp, ranks=True)
+                             tokens[s:s + PROMPT_LOGPROB_ROWS, None], self.tp)
                  for s in range(0, len(at), PROMPT_LOGPROB_ROWS)]
         return tuple(torch.cat(x, dim=0).flatten(0, 1) for x in zip(*parts))
 
@@ -329,5 +329,5 @@ class SpeculativeDecoder:
         logprobs = None
         if st.sampling.any_logprobs:  # w.new[:, i] (i <= accepted) is the target's token at node path[:, i]
             rows = logits.gather(1, w.path[:, :, None].expand(-1, -1, logits.shape[-1]))
-            logprobs = logprobs_of(rows, target_tokens.gather(1, w.path), self.tp, ranks=True)
+            logprobs = logprobs_of(rows, target_tokens.gather(1, w.path), self.tp)
         return w.new, counts, logprobs

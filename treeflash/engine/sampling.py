@@ -566,12 +566,12 @@ def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp:
     return tp.argmax(torch.where(temp[:, None, None] > 0, noisy, x), start)
 
 
-def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, tp: TPGroup = TPGroup(), ranks: bool = False):
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, tp: TPGroup = TPGroup()):
     """The target's log-probabilities at rows logits [B, T, V] (this rank's vocabulary
     slice): of `tokens` [B, T], and the MAX_LOGPROBS most likely tokens'. As vLLM
     reports them: log-softmax of the raw logits, before temperature and filters, so a
     token's figure does not depend on how it was sampled. Returns (chosen [B, T],
-    top values [B, T, K], top ids [B, T, K]), float32 (float64 for float64 logits),
-    identical on every rank; with `ranks`, also the tokens' ranks in the vocabulary [B, T]."""
+    top values [B, T, K], top ids [B, T, K], the tokens' ranks in the vocabulary [B, T]),
+    float32 (float64 for float64 logits) and int64, identical on every rank."""
     x = logits.to(_wide(logits))
-    return tp.logprobs(x, tokens, min(MAX_LOGPROBS, x.shape[-1] * tp.size), tp.rank * x.shape[-1], ranks)
+    return tp.logprobs(x, tokens, min(MAX_LOGPROBS, x.shape[-1] * tp.size), tp.rank * x.shape[-1])

@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from treeflash.engine.graphs import capture
 from treeflash.kernels.tree_attention import default_num_splits, default_row_programs, tree_attention
 from treeflash.layers.attention import AttentionInputs, sdpa_attention
 
@@ -28,17 +29,8 @@ ROTATE_BYTES = 512 << 20
 def graph_time(fn, reps: int = 20) -> float:
     """Median seconds of one replay of a CUDA graph of fn() (of fn() itself if it
     cannot be captured)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
     try:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
+        run = capture(fn, warmup=2)[0].replay
     except RuntimeError as e:
         print(f"(no CUDA graph: {str(e).splitlines()[0]}; timing eagerly)")
         run = fn

@@ -156,17 +156,16 @@ class TokenAutomaton:
         ends = [e for e in end_ids if e < V and (self.next[:, e] >= 0).any()]  # also text: no longer
         self.check_bans(sequences, with_ends(self, ends, V) if ends else self.next)
 
-    def check_bans(self, sequences, table: np.ndarray | None = None) -> None:
+    def check_bans(self, sequences, table: np.ndarray) -> None:
         """Raise UsageError if bad words (token sequences: the last token is banned where
         the output ends with the others) let the text reach a point from which it can no
         longer be finished: there no token would be allowed, and the output would break
-        the constraint. `table`: the request's, with its end tokens (`with_ends`); by
-        default `next`. A word of several tokens bans its last one only after the others
+        the constraint. `table`: the request's, with its end tokens (`with_ends`), or
+        `next` if it has none. A word of several tokens bans its last one only after the others
         ("q#" written as "q", "#" leaves a choice of "q#" stuck after "q"), so the search
         runs over the pairs (state, the longest end of the output that begins a word)
         that the text can reach, which are few: any token of no word ends every begun
         word, and its edges are shared through one node per state."""
-        table = self.next if table is None else table
         V = self.next.shape[1]
         words = {tuple(w) for w in sequences if w and max(w) < V}
         if not words:
