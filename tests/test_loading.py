@@ -279,6 +279,20 @@ def test_config_sizes_beyond_the_checkpoint_are_refused_before_building(hf_check
     refused(lambda: LLM(folder, device="cpu", dtype="float32"), *words)
 
 
+@pytest.mark.parametrize("arch,model_type", [
+    ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe"),   # z-lab's Qwen3.5 / 3.6 targets: linear attention
+    ("Qwen3NextForCausalLM", "qwen3_next"),                  # Qwen3-Coder-Next
+    ("DeepseekV3ForCausalLM", "kimi_k2"),                    # Kimi-K2.5's text model: latent attention
+])
+def test_published_drafters_targets_of_other_architectures_are_refused_by_name(hf_checkpoint, clone_checkpoint,
+                                                                               arch, model_type):
+    """Targets z-lab publishes drafters for whose layers treeflash does not have (README):
+    one line naming the architecture and the supported ones, before any weight is read."""
+    folder = clone_checkpoint(hf_checkpoint("qwen3").path, architectures=[arch], model_type=model_type)
+    refused(lambda: LLM(folder, device="cpu", dtype="float32"), "unsupported architecture", arch,
+            "Qwen3ForCausalLM")
+
+
 def test_a_drafter_given_as_the_model_says_where_it_belongs(spec_drafter):
     refused(lambda: LLM(spec_drafter(), device="cpu", dtype="float32"), "is a DFlash drafter", "--draft-model")
 
