@@ -20,7 +20,7 @@ from treeflash.engine.llm import builtin_paths
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 
 PAIR_FIELDS = {"mode", "method", "budget", "label", "batch_size", "graphs", "temperature", "requests",
-               "new_tokens", "rounds", "seconds", "tokens_per_s", "tau", "ms_per_round", "speedup",
+               "new_tokens", "batch_rounds", "request_rounds", "seconds", "tokens_per_s", "tau", "ms_per_round", "speedup",
                "same_as_ar", "recaptures", "device", "dtype"}
 SHAPE_FIELDS = {"mode", "shape", "context", "batch_size", "temperature", "graphs", "op", "N", "time_us",
                 "floor_us", "ratio", "vs_ar", "host_us", "bytes", "bandwidth_gbs", "tp", "allreduce_us",
@@ -54,6 +54,10 @@ def test_pair_mode(pair, tmp_path, capsys):
         assert r["requests"] == 2 and r["new_tokens"] == 16 and r["graphs"] is False
         assert r["tokens_per_s"] > 0 and r["ms_per_round"] > 0 and r["tau"] >= 1
         assert r["speedup"] > 0
+        # tau over the requests' own rounds; ms/round over the rounds the batches ran (a batch's longest request's)
+        assert r["tau"] == pytest.approx(r["new_tokens"] / r["request_rounds"], abs=1e-4)
+        assert r["ms_per_round"] == pytest.approx(1e3 * r["seconds"] / r["batch_rounds"], rel=1e-3)
+        assert r["batch_rounds"] * r["batch_size"] >= r["request_rounds"] >= r["batch_rounds"]
         if r["method"] == "ar":
             assert r["tau"] == 1.0 and r["speedup"] == 1.0 and r["same_as_ar"] is None
         else:
@@ -192,7 +196,10 @@ def test_shape_mode_tiny(tmp_path, capsys):
             assert r["vs_ar"] == 1.0
     floor = {(r["context"], r["op"], r["N"]): r["bytes"] for r in rows}
     assert floor[(64, "ar", 0)] > floor[(32, "ar", 0)]           # more context, more KV to read
-    assert floor[(32, "round", 3)] > max(floor[(32, "verify", 3)], floor[(32, "draft", 15)])
+    # a round is a draft and a verify, then the accepted tokens' projection into the drafter's context:
+    # its fc (one tap of 64 features) and the k/v rows of its 5 layers' QKV weights (2 KV heads of 16), float32
+    fc, kv_rows = 64 * 64 * 4, 5 * 2 * 2 * 16 * 64 * 4
+    assert floor[(32, "round", 3)] - floor[(32, "verify", 3)] - floor[(32, "draft", 15)] == fc + kv_rows
     assert "verify(N)/AR  C=32" in captured.out and "floor us" in captured.out
 
 

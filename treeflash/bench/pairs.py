@@ -93,9 +93,15 @@ def sync(device: torch.device) -> None:
 
 
 def measure_pair(llm, prompts: list[str], bs: int, temperature: float, args) -> dict:
-    """Warm up (with CUDA graphs on every batch once: prompts of another padded length
-    capture their prefill graph then, not while timed; else on the first), then time
-    all batches."""
+    """Warm up, then time all batches. On CUDA every batch runs once first: prompts of
+    another padded length capture their prefill graph, or compile kernels for their
+    shapes without graphs, then and not while timed; on a CPU the first batch.
+
+    batch_rounds: the rounds the batches ran (each batch's longest request's; the
+    prefill counts as one), which ms_per_round divides the time by; request_rounds: the
+    requests' own, which tau divides their new tokens by. A batch's time also holds the
+    one round the pipelined engine runs past its last tokens and drops (`LLM._step`),
+    which no count holds."""
     def params(i):
         return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=temperature,
                               seed=args.seed + i, ignore_eos=not args.eos, logprobs=args.logprobs,
@@ -105,7 +111,7 @@ def measure_pair(llm, prompts: list[str], bs: int, temperature: float, args) -> 
         return llm.generate([prompts[i] for i in batch], [params(i) for i in batch])
 
     batches = batch_indices(len(prompts), bs)
-    for batch in batches if llm.cuda_graphs else batches[:1]:
+    for batch in batches if llm.device.type == "cuda" else batches[:1]:
         generate(batch)
     captures = llm.graph_captures
     outs, steps = [], 0
@@ -120,7 +126,8 @@ def measure_pair(llm, prompts: list[str], bs: int, temperature: float, args) -> 
     seconds = time.perf_counter() - start
     tokens = sum(o.stats["new_tokens"] for o in outs)
     request_rounds = sum(o.stats["rounds"] for o in outs)
-    return {"requests": len(outs), "new_tokens": tokens, "rounds": steps, "seconds": round(seconds, 4),
+    return {"requests": len(outs), "new_tokens": tokens, "batch_rounds": steps, "request_rounds": request_rounds,
+            "seconds": round(seconds, 4),
             "tokens_per_s": round(tokens / seconds, 2), "tau": round(tokens / request_rounds, 4),
             "ms_per_round": round(1e3 * seconds / steps, 4), "recaptures": recaptures,
             "token_ids": [o.token_ids for o in outs]}

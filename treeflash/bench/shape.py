@@ -153,7 +153,9 @@ def op_bytes(kind: str, target, drafter, context: int, batch: int, tokens: int) 
     expected number of distinct ones the tokens pick) and the KV of the C committed tokens
     of every request (the rank's KV heads). Embedding rows, activations and the few KV
     slots written are negligible. A round reads the LM head twice (draft, then verify:
-    dependent, so they cannot share one read). None: no memory floor."""
+    dependent, so they cannot share one read), and so the k/v rows of the drafter's QKV
+    weights (the block's keys, then the accepted tokens' context after the verify) and
+    its fc once. None: no memory floor."""
     elem = target.lm_head.weight.element_size()
     head = _bytes(target.lm_head)
     body = weight_bytes_read(target, tokens)
@@ -161,7 +163,18 @@ def op_bytes(kind: str, target, drafter, context: int, batch: int, tokens: int) 
     draft = _bytes(drafter, skip={"fc.weight"})
     kv_d = batch * _kv_values(drafter.layers, context) * elem
     return {"ar": body + head + kv_t, "verify": body + head + kv_t, "draft": draft + head + kv_d,
-            "round": body + 2 * head + kv_t + draft + _bytes(drafter.fc) + kv_d}.get(kind)
+            "round": body + 2 * head + kv_t + draft + _bytes(drafter.fc) + _context_rows(drafter) + kv_d}.get(kind)
+
+
+def _context_rows(drafter) -> int:
+    """Bytes of the k/v rows of every drafter layer's QKV weight: what projecting the
+    committed tokens' features into its context cache reads (`commit_context`)."""
+    total = 0
+    for layer in drafter.layers:
+        w = layer.self_attn.qkv_proj.weight
+        q, k, v = layer.self_attn.qkv_proj.parts
+        total += (k + v) * w.shape[1] * w.element_size()
+    return total
 
 
 def _kv_values(layers, context: int) -> int:
@@ -360,8 +373,10 @@ def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets,
                device, dtype, out, allreduce=None, lead: bool = True) -> list[dict]:
     """Time every op of `round_ops` on one state; one row each. Whole rounds on CUDA
     also get wall_us, the wall time per round of back-to-back rounds pipelined as the
-    engine runs them (`time_wall`), and host_us = wall_us - the GPU-busy time of those
-    same rounds: the host time per round that the GPU waits for. With tensor parallelism
+    engine runs them (`time_wall`), and, with graphs, host_us = wall_us - the GPU-busy
+    time of those same rounds: the host time per round that the GPU waits for (without
+    graphs the GPU also waits for the host inside a round, between its launches, which
+    the events count as busy: no figure). With tensor parallelism
     (`allreduce`: see `allreduce_timer`) a row also has the latency of one hidden-state
     all-reduce at the op's (first) token count and the all-reduce share of the op: an
     estimate, count x latency / op time, from all-reduces timed alone (in the op they
@@ -387,7 +402,7 @@ def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets,
                "floor_us": round(floor, 2) if floor else None,
                "ratio": round(us / floor, 3) if floor else None, "vs_ar": round(us / ar_us, 3),
                "wall_us": round(wall[0], 2) if wall is not None else None,
-               "host_us": round(wall[0] - wall[1], 2) if wall is not None else None,
+               "host_us": round(wall[0] - wall[1], 2) if wall is not None and graphs else None,
                "bytes": need, "bandwidth_gbs": round(bandwidth / 1e9, 1), "attention": backend,
                "device": str(device), "dtype": str(dtype).replace("torch.", ""), "draft_layers": args.draft_layers,
                "tp": target.tp.size,
