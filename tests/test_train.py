@@ -227,6 +227,40 @@ def test_drafter_trains_exports_and_loads(target, data_dir, tmp_path):
     assert more["steps"] == 35
 
 
+@pytest.mark.parametrize("arch", ["llama-tied", "qwen3-moe", "gpt-oss"])
+def test_drafter_trains_for_every_target_architecture(arch, data_dir, tmp_path):
+    """A drafter for any target treeflash loads: a tied Llama, a Qwen3-MoE and a gpt-oss
+    (experts, sinks, a sliding window) written by transformers with the corpus's tokenizer.
+    Trained a few steps, exported and loaded beside its target, it drafts without
+    changing a token."""
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, max_position_embeddings=256, bos_token_id=0, eos_token_id=1)
+    config, model = {
+        "llama-tied": (lambda: transformers.LlamaConfig(**common, tie_word_embeddings=True),
+                       transformers.LlamaForCausalLM),
+        "qwen3-moe": (lambda: transformers.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                                          moe_intermediate_size=32), transformers.Qwen3MoeForCausalLM),
+        "gpt-oss": (lambda: transformers.GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                                      layer_types=["sliding_attention", "full_attention"] * 2),
+                    transformers.GptOssForCausalLM),
+    }[arch]
+    torch.manual_seed(0)
+    target = tmp_path / "target"
+    model(config()).save_pretrained(target)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(data_dir / name, target / name)
+    summary = train_drafter(target, data_dir, tmp_path / "run", tmp_path / "drafter",
+                            DrafterShape(num_layers=1, block_size=4), TrainOptions(max_steps=6, **OPTS),
+                            blocks_per_seq=4, tau_prompts=1, tau_new_tokens=8)
+    assert summary["steps"] == 6 and summary["same_as_ar_dflash"] == summary["same_as_ar_ddtree"] == 1.0
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    ar = LLM(target, device="cpu", dtype="float32").generate(PROMPT, params)[0].token_ids
+    for method in ("dflash", "ddtree"):
+        spec = LLM(target, draft_model=tmp_path / "drafter", method=method, device="cpu", dtype="float32")
+        assert spec.generate(PROMPT, params)[0].token_ids == ar
+
+
 @pytest.mark.parametrize("stored,exported", [(torch.float64, "bfloat16"), (torch.float32, "float32")])
 def test_drafter_for_a_target_whose_config_has_no_dtype(target, data_dir, tmp_path, stored, exported):
     """A target without torch_dtype in config.json: the drafter trains against it (in
