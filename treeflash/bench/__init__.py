@@ -83,7 +83,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "tokens at once, under an (N + 1)^2 mask)")
     p.add_argument("--batch-sizes", help="comma list (default 1,2,4; --shape: 1)")
     p.add_argument("--graphs", help="on, off or on,off: CUDA graphs (default on,off; --shape: on on CUDA)")
-    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--max-new-tokens", type=int, help="new tokens per request (default 128)")
     p.add_argument("--temperatures", help="comma list, 0 = greedy (default 0,0.7,1.0; --shape: 0)")
     p.add_argument("--top-k", type=int, default=0, help="top-k of every sampled request (0 or -1: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="top-p of every sampled request (1: off)")
@@ -94,7 +94,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--eos", action="store_true", help="stop requests at EOS (default: always generate "
                                                       "--max-new-tokens, so every method does the same work)")
     p.add_argument("--draft-mode", default="coupled", choices=DRAFT_MODES,
-                   help="how trees are drafted at T > 0 (see SpeculativeDecoder)")
+                   help="how trees are drafted at T > 0: coupled to the target's noise, or temperature-scaled "
+                        "(default coupled)")
     add_structured_args(p)  # every request of model-pair mode constrained alike
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype; --shape: bfloat16 on CUDA, "
@@ -108,9 +109,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--fp8", nargs="?", const=FP8_DEFAULT, metavar="ROWSxCOLS",
                    help="the target's linear layers in block-scaled FP8, one scale per block of ROWS x COLS "
                         "(default 128x128, as Qwen3-FP8 and DeepSeek-V3 publish them)")
-    s.add_argument("--contexts", help="committed tokens C per request")
-    s.add_argument("--draft-layers", type=int)
-    s.add_argument("--iters", type=int, help="timed calls per op (median)")
+    s.add_argument("--contexts", help="comma list of committed tokens C per request (default 1024,4096,16384)")
+    s.add_argument("--draft-layers", type=int, help="layers of the shape's drafter (default 5)")
+    s.add_argument("--iters", type=int, help="timed calls per op, their median reported (default 50)")
     s.add_argument("--attention", choices=["auto", "sdpa", "triton"],
                    help="attention backend (auto: triton on CUDA when installed)")
     s.add_argument("--copy-mib", type=int, help="size of the bandwidth copy (default 2048 on CUDA, 256 on CPU)")

@@ -60,8 +60,8 @@ def _train_args(p: argparse.ArgumentParser, defaults: dict) -> None:
     g.add_argument("--out", metavar="DIR", help="where to export the checkpoint (default RUN/model)")
     g.add_argument("--resume", action="store_true",
                    help="continue the run in --run, with its options; only the budget, the intervals, "
-                        "--device, the export, --tau-prompts / --tau-new-tokens and a moved --generated file "
-                        "may change (TRAINING.md)")
+                        "--device and the export may change (a drafter's also --tau-prompts / --tau-new-tokens "
+                        "and a moved --generated file; TRAINING.md)")
     g.add_argument("--max-steps", type=int, help="stop after this many optimizer steps in total")
     g.add_argument("--max-minutes", type=float, help="stop after this much training time in total")
     for name, kind, text in (
@@ -175,7 +175,7 @@ def _add_commands(sub) -> None:
     g = p.add_argument_group("model shape (default: 384 wide, 8 layers, 6x64 heads, 2 KV heads, MLP 1024, tied)")
     for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
         g.add_argument("--" + name.replace("_", "-"), type=int)
-    g.add_argument("--rope-theta", type=float)
+    g.add_argument("--rope-theta", type=float, help="RoPE base (default 10000)")
     g.add_argument("--untied", dest="tie_word_embeddings", action="store_false", default=None,
                    help="a separate LM head instead of tied embeddings")
     p.add_argument("--dtype", help="export dtype: bfloat16, float16 or float32 (default bfloat16)")
