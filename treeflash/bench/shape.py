@@ -172,7 +172,7 @@ def _context_rows(drafter) -> int:
     total = 0
     for layer in drafter.layers:
         w = layer.self_attn.qkv_proj.weight
-        q, k, v = layer.self_attn.qkv_proj.parts
+        _, k, v = layer.self_attn.qkv_proj.parts
         total += (k + v) * w.shape[1] * w.element_size()
     return total
 
