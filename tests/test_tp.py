@@ -188,6 +188,28 @@ def test_an_eager_engine_frees_its_caches_on_every_rank(engines):
         assert [s["cache_bytes"] for s in llm.rank_stats()] == [0] * tp
 
 
+class CallbackFailed(Exception):
+    pass
+
+
+def test_an_eager_engine_frees_a_failed_batchs_caches(engines):
+    """A callback that raises mid-batch ends `generate` with its error, and the batch's
+    caches go with it on every rank (they stayed until the next call); the engine then
+    generates as before."""
+    for tp in (1, 2):
+        llm = engines("qwen3", "ddtree", tp)
+        expected = llm.generate(BATCH, CONFIGS["greedy"])
+
+        def fail(i, ids):
+            raise CallbackFailed(f"request {i}")
+
+        for callbacks in ({"on_tokens": fail}, {"on_done": lambda i, out: fail(i, out)}):
+            with pytest.raises(CallbackFailed):
+                llm.generate(BATCH, CONFIGS["greedy"], **callbacks)
+            assert [s["cache_bytes"] for s in llm.rank_stats()] == [0] * tp, callbacks
+        assert [o.token_ids for o in llm.generate(BATCH, CONFIGS["greedy"])] == [o.token_ids for o in expected]
+
+
 def test_sharding_errors(tp_models, spec_target, clone_checkpoint):
     target, drafter = tp_models["qwen3"]
     start = time.monotonic()

@@ -1,6 +1,7 @@
 """The user-facing API: `LLM(model, draft_model=..., method=...).generate(prompts, params)`."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import inspect
@@ -600,7 +601,24 @@ class LLM:
                          prompt_logprobs=prompt_lp, logprobs=[] if p.logprobs is not None else None)
                 for b, (prompt, p, limit, prompt_lp) in enumerate(
                     zip(ids, params, limits, self._prompt_token_logprobs(ids, params, plp)))]
-        new, counts = [[t] for t in first], [1] * len(ids)
+        try:
+            self._decode(reqs, first, lp, start, on_tokens, on_done)
+        except BaseException:
+            if not self.cuda_graphs:  # an eager engine keeps no caches, a failed batch's neither
+                with contextlib.suppress(Exception):  # a dead runtime: the first error is the one to tell
+                    self._tp.call(self, "_release", ())
+            raise
+        if self.enable_prefix_caching:  # every token but each request's last is in the caches
+            state.tokens = [r.prompt + r.out[:-1] for r in reqs]
+        if not self.cuda_graphs:
+            self._tp.call(self, "_release", ())
+        return [r.result for r in reqs]
+
+    def _decode(self, reqs: list[_Request], first: list[int], lp: list, start: float, on_tokens, on_done) -> None:
+        """Run the batch's rounds until every request has its result (the state `_start`
+        made); tell the callbacks as tokens come."""
+        per_round = self.decoder.depth + 1
+        new, counts = [[t] for t in first], [1] * len(reqs)
         in_flight = None  # `active` of the round launched but not read yet
         # Pipelined: `_step` launches round r and returns round r-1's tokens, which the
         # host processes while round r runs. A request that finishes at round r-1 is
@@ -622,22 +640,17 @@ class LLM:
                 break
             # bounds eager attention reads of this round: n before it is at most what
             # the host has read plus the commits of the round in flight
-            flight = in_flight or [False] * len(ids)
+            flight = in_flight or [False] * len(reqs)
             max_n = max(r.committed + per_round * f for r, f in zip(reqs, flight))
             got = self._tp.call(self, "_step", (None if all(active) else active, max_n))
             in_flight = active
             if got is None:  # the first round: nothing to read yet
-                new, counts = [[] for _ in ids], [0] * len(ids)
+                new, counts = [[] for _ in reqs], [0] * len(reqs)
                 continue
             new, counts, *lp = got
             for r, c, a in zip(reqs, counts, active):
                 r.committed += c
                 r.rounds += a  # a round whose tokens r uses (done: ignored)
-        if self.enable_prefix_caching:  # every token but each request's last is in the caches
-            state.tokens = [r.prompt + r.out[:-1] for r in reqs]
-        if not self.cuda_graphs:
-            self._tp.call(self, "_release", ())
-        return [r.result for r in reqs]
 
     def _take(self, b: int, r: _Request, got: list[int], lp: list, on_tokens) -> str | None:
         """Add a round's committed tokens to request b's output (up to its end: EOS, the
