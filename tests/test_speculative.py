@@ -141,7 +141,7 @@ def test_drafter_scales_shape_the_draft_and_stay_lossless(spec_target, spec_draf
     for name, engine in (("scaled", llm), ("plain", plain)):
         build = engine.decoder.tree_from_logits
         monkeypatch.setattr(engine.decoder, "tree_from_logits",
-                            lambda lg, anchor, name=name, build=build: build(logits.setdefault(name, lg), anchor))
+                            lambda lg, st, name=name, build=build: build(logits.setdefault(name, lg), st))
         if name == "plain":  # the plain drafter, fed the doubled embeddings by hand
             forward = engine.drafter.forward
             monkeypatch.setattr(engine.drafter, "forward", lambda embeds, *a, f=forward: f(embeds * 2.0, *a))

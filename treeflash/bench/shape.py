@@ -342,7 +342,7 @@ def round_ops(target, drafter, st, budgets: list[int], backend: str, draft_mode:
 
     def tree_for(n):
         """The DDTree of N nodes over the fixed draft, as the round builds it."""
-        return ddtree[n].tree_from_logits(logits, st.anchor) if n else empty_tree(st.anchor)
+        return ddtree[n].tree_from_logits(logits, st) if n else empty_tree(st.anchor)
 
     D = drafter.block_size - 1
     ops = [("ar", 0, "ar", lambda: ar.round(ar_state), True)]

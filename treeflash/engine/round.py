@@ -60,6 +60,7 @@ class BatchState:
     max_n: int | None = None   # host's max of n, bounds reference attention reads (None: whole cache)
     tokens: list[list[int]] | None = None  # the driver's record, per request, of the tokens whose
                                            # K/V and drafter context the caches hold (prefix caching)
+    chain: DraftTree | None = None  # ar's and dflash's chain: fixed fields made once, read by the graphs
 
     @property
     def batch_size(self) -> int:
@@ -104,7 +105,6 @@ class SpeculativeDecoder:
         self.budget = {"ar": 0, "dflash": self.depth, "ddtree": budget}[method]
         self.taps = drafter.target_layer_ids if method != "ar" else []
         self.backend = attention_backend
-        self._chains: dict[tuple, DraftTree] = {}  # `chain`'s fixed fields, per (shape, device)
 
     @property
     def tree_slots(self) -> int:
@@ -265,26 +265,29 @@ class SpeculativeDecoder:
         """The round's tree. Draft decisions are made on vocabulary slices (local
         argmax / top-k, one all-gather of the candidates): every rank builds the same tree."""
         if self.method == "ar":
-            return self.chain(st.anchor.new_zeros(st.batch_size, 0), st.anchor)
-        return self.tree_from_logits(self.draft_logits(st), st.anchor)
+            return self.chain(st, st.anchor.new_zeros(st.batch_size, 0))
+        return self.tree_from_logits(self.draft_logits(st), st)
 
-    def chain(self, draft: torch.Tensor, anchor: torch.Tensor) -> DraftTree:
-        """The chain of draft tokens [B, D] below the anchor (D = 0: AR's root alone). Its
-        parents, depths, ancestors and validity are the same every round: made once per
-        batch size, so that a round launches only the concatenation (not ~10 kernels)."""
-        key = (draft.shape, draft.device)
-        if key not in self._chains:  # a capture's warm-up rounds come first: made outside the graph
+    def chain(self, st: BatchState, draft: torch.Tensor) -> DraftTree:
+        """The chain of draft tokens [B, D] below st's anchor (D = 0: AR's root alone).
+        Its parents, depths, ancestors and validity are the same every round: made once
+        per batch state (and gone with it), so that a round launches only the
+        concatenation (not ~10 kernels)."""
+        anchor = st.anchor
+        if st.chain is None:  # a capture's warm-up rounds come first: made outside the graph
             assert not (draft.is_cuda and torch.cuda.is_current_stream_capturing()), "chain made during a capture"
-            self._chains[key] = build_chain(draft, anchor)
-        return replace(self._chains[key], tokens=torch.cat([anchor[:, None], draft], dim=1))
+            st.chain = build_chain(draft, anchor)
+        assert st.chain.tokens.shape == (draft.shape[0], draft.shape[1] + 1), "a batch state of another decoder"
+        return replace(st.chain, tokens=torch.cat([anchor[:, None], draft], dim=1))
 
-    def tree_from_logits(self, logits: torch.Tensor, anchor: torch.Tensor) -> DraftTree:
-        """The chain (dflash) or the DDTree of `budget` nodes below `anchor`, from this
+    def tree_from_logits(self, logits: torch.Tensor, st: BatchState) -> DraftTree:
+        """The chain (dflash) or the DDTree of `budget` nodes below st's anchor, from this
         rank's slice of the draft logits [B, D, V/N]."""
         tp = self.tp
         start = tp.rank * logits.shape[-1]
+        anchor = st.anchor
         if self.method == "dflash":
-            return self.chain(tp.argmax(logits, start), anchor)
+            return self.chain(st, tp.argmax(logits, start))
         k = min(self.budget, self.target.lm_head.vocab_size)
         vals, ids = tp.topk(logits, k, start, log_softmax=True)
         if fused_enabled(vals) and fits(self.budget, self.depth):  # one launch instead of ~100 (the same tree)
