@@ -1568,3 +1568,36 @@ def test_an_app_serves_again_after_a_shutdown(llm, chat_model):
         with TestClient(app) as c:
             r = c.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path, body, slow", [
+    ("/tokenize", {"prompt": PROMPT, "return_token_strs": True}, "vocab_spellings"),
+    ("/detokenize", {"tokens": [5, 6, 7]}, "parse_detokenize"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "n": 3, "logprobs": 2}, "response"),
+])
+def test_building_an_answer_keeps_no_other_client_waiting(llm, chat_model, monkeypatch, path, body, slow):
+    """The work of an answer that grows with the request (a long text's tokens and their
+    spellings, a long id list's check and text, n choices' texts and logprobs) runs off
+    the event loop: a client that asks meanwhile is answered at once."""
+    import treeflash.server.app as app_module
+    entered, other_answered = threading.Event(), threading.Event()
+    owner = llm.tokenizer if slow == "vocab_spellings" else app_module
+    build = getattr(owner, slow)
+
+    def held(*args, **kwargs):  # until the other client has its answer (10 s at most)
+        entered.set()
+        other_answered.wait(10)
+        return build(*args, **kwargs)
+    monkeypatch.setattr(owner, slow, held)
+    with TestClient(build_app(llm, "tiny", ChatTemplate.from_folder(chat_model))) as c:
+        got = []
+        heavy = threading.Thread(target=lambda: got.append(c.post(path, json=body)))
+        heavy.start()
+        assert entered.wait(30)
+        start = time.time()
+        other = c.get("/v1/models")
+        waited = time.time() - start
+        other_answered.set()
+        heavy.join(60)
+    assert other.status_code == 200 and waited < 5, waited
+    assert got[0].status_code == 200, got[0].text

@@ -449,7 +449,9 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
             return error_response(api_error(e))
         finally:
             watcher.cancel()
-        return AsciiJSONResponse(response(req, model_name, outs, llm.tokenizer))
+        # n choices' texts and logprobs: built off the loop, as the request was checked
+        answer = await asyncio.get_running_loop().run_in_executor(None, response, req, model_name, outs, llm.tokenizer)
+        return AsciiJSONResponse(answer)
 
     async def completions(request: HTTPRequest):
         return await serve(request, lambda body: parse_completion(body, served, llm.encode, llm.max_model_len,
@@ -491,22 +493,28 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         """vLLM's /version: the engine's version, for clients that probe it."""
         return AsciiJSONResponse({"version": __version__})
 
+    def tokenized(body: dict) -> dict:
+        ids, strs = parse_tokenize(body, served, chat_template, llm.tokenizer)
+        return {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids,
+                **({"token_strs": llm.tokenizer.vocab_spellings(ids)} if strs else {})}
+
+    def detokenized(body: dict) -> dict:
+        ids = parse_detokenize(body, served, llm.config.vocab_size)
+        return {"prompt": llm.tokenizer.decode(ids, skip_special=False)}  # as vLLM: all of them
+
     async def tokenize(request: HTTPRequest):
-        try:
-            body = await _read_json(request)
-            ids, strs = await asyncio.get_running_loop().run_in_executor(
-                None, parse_tokenize, body, served, chat_template, llm.tokenizer)
-        except APIError as e:
-            return error_response(e)
-        return AsciiJSONResponse({"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids,
-                                  **({"token_strs": llm.tokenizer.vocab_spellings(ids)} if strs else {})})
+        return await answered_off_loop(request, tokenized)
 
     async def detokenize(request: HTTPRequest):
+        return await answered_off_loop(request, detokenized)
+
+    async def answered_off_loop(request: HTTPRequest, answer) -> JSONResponse:
+        """answer(body) run in a thread: a long text or id list keeps no other client waiting."""
         try:
-            ids = parse_detokenize(await _read_json(request), served, llm.config.vocab_size)
+            body = await _read_json(request)
+            return AsciiJSONResponse(await asyncio.get_running_loop().run_in_executor(None, answer, body))
         except APIError as e:
             return error_response(e)
-        return AsciiJSONResponse({"prompt": llm.tokenizer.decode(ids, skip_special=False)})  # as vLLM: all of them
 
     async def metrics(_):
         w = worker()
