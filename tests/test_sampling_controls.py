@@ -104,6 +104,17 @@ def test_biased_streams_equal_ar(kind, spec_target, spec_drafter, ar_reference):
         assert [o.token_ids for o in outs] == refs, f"{kind}: {method} N={budget} differs from AR"
 
 
+def test_allowed_token_ids_are_a_set_and_a_reseeded_copy_keeps_every_control():
+    """A long allowed_token_ids with repeats is its distinct ids (in order); a copy with
+    another seed (a server's n choices) keeps every other field, and the original its seed."""
+    p = SamplingParams(temperature=1.0, seed=3, allowed_token_ids=[9, 4, 9] * 100_000, logit_bias={4: 2.0},
+                       stop=["x"], bad_words=["y"])
+    assert p.allowed_token_ids == [9, 4]
+    q = p.with_seed(7)
+    assert (q.seed, p.seed) == (7, 3)
+    assert {**vars(q), "seed": 3} == vars(p)
+
+
 def test_min_tokens_holds_back_stop_tokens(spec_target, spec_drafter, ar_reference):
     """A stop token that AR meets early is held back until min_tokens new tokens came,
     greedy and sampled; every method gives AR's tokens, and drafts get accepted."""

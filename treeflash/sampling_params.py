@@ -3,6 +3,7 @@ come from besides the caller (a model's generation_config.json, OpenAI's logit_b
 How a batch of them samples on the device is `treeflash.engine.sampling`."""
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import warnings
@@ -49,6 +50,13 @@ class SamplingParams:
 
     def __post_init__(self):
         self.validate()  # where the caller makes it, as in vLLM; `generate` checks the vocabulary too
+
+    def with_seed(self, seed: int) -> "SamplingParams":
+        """A copy that samples with `seed`: checked already, so its lists (a long
+        allowed_token_ids or logit_bias) are not walked again, and shared."""
+        copied = copy.copy(self)
+        copied.seed = seed
+        return copied
 
     @property
     def max_tokens(self) -> int:
@@ -124,7 +132,7 @@ class SamplingParams:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids \
                     or not all(_is_id(t) for t in self.allowed_token_ids):
                 bad(f"allowed_token_ids must be a non-empty list of token ids, got {shown(self.allowed_token_ids)}")
-            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+            self.allowed_token_ids = list(dict.fromkeys(int(t) for t in self.allowed_token_ids))  # a set, in order
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_PENALTY <= v <= MAX_PENALTY:

@@ -560,7 +560,7 @@ class LLM:
         params = [p if type(p) is SamplingParams else SamplingParams(**{f.name: getattr(p, f.name)
                                                                         for f in fields(SamplingParams)})
                   for p in params]
-        params = [p if p.seed is not None else replace(p, seed=random.getrandbits(63)) for p in params]
+        params = [p if p.seed is not None else p.with_seed(random.getrandbits(63)) for p in params]
         on_tokens = _token_callback(on_tokens)
         if on_done is not None and not callable(on_done):
             raise UsageError(f"on_done must be a function, got {type(on_done).__name__}")

@@ -153,7 +153,7 @@ class Request:
         """(prompt, params) of each choice, prompt-major (choice index = prompt * n + j).
         With a seed, choice j samples with seed + j: n different answers, reproducible."""
         seeded = self.n > 1 and self.params.seed is not None
-        return [(p, replace(self.params, seed=(self.params.seed + j) % 2 ** 63) if seeded else self.params)
+        return [(p, self.params.with_seed((self.params.seed + j) % 2 ** 63) if seeded else self.params)
                 for p in self.prompts for j in range(self.n)]
 
 
