@@ -332,7 +332,7 @@ def round_ops(target, drafter, st, budgets: list[int], backend: str, draft_mode:
                                   draft_mode=draft_mode, attention_backend=backend)
 
     ar, dflash = decoder("ar"), decoder("dflash")
-    ar_state = dataclasses.replace(st, draft_cache=None)  # same buffers, no drafter context
+    ar_state = dataclasses.replace(st, draft_cache=None, chain=None)  # same buffers, no drafter context
     ddtree = {n: decoder("ddtree", n) for n in budgets if n}
     logits = dflash.draft_logits(st)  # a fixed draft: trees for verify and tree-build ops
 

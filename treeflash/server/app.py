@@ -442,6 +442,9 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         watcher = asyncio.ensure_future(_watch_disconnect(request, job))
         try:
             outs = await asyncio.wrap_future(job.future)
+            # n choices' texts and logprobs: built off the loop, as the request was checked
+            answer = await asyncio.get_running_loop().run_in_executor(None, response, req, model_name, outs,
+                                                                      llm.tokenizer)
         except asyncio.CancelledError:  # the server is shutting down and stops this request's task
             job.cancel(shutting_down())
             return error_response(shutting_down())
@@ -449,8 +452,6 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
             return error_response(api_error(e))
         finally:
             watcher.cancel()
-        # n choices' texts and logprobs: built off the loop, as the request was checked
-        answer = await asyncio.get_running_loop().run_in_executor(None, response, req, model_name, outs, llm.tokenizer)
         return AsciiJSONResponse(answer)
 
     async def completions(request: HTTPRequest):
