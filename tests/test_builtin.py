@@ -32,3 +32,19 @@ def test_transformers_gives_the_same_greedy_continuation(builtin):
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     assert ar.generate(ids, params)[0].token_ids == ref
     assert builtin.generate(ids, params)[0].token_ids == ref  # and DDTree gives that same stream
+
+
+def test_builtin_drafter_config_is_what_training_exports():
+    """The shipped drafter's config.json has every key a `treeflash train drafter` export
+    writes (TRAINING.md), with the same values where the target fixes them: it is the
+    format the README says treeflash trains."""
+    import json
+
+    from treeflash.config import ModelConfig
+    from treeflash.train.drafter import DrafterShape, drafter_config
+    shipped = json.loads((BUILTIN_DIR / "drafter" / "config.json").read_text())
+    target = ModelConfig.from_pretrained(BUILTIN_DIR / "target")
+    shape = DrafterShape(num_layers=shipped["num_hidden_layers"], block_size=shipped["block_size"],
+                         target_layer_ids=shipped["dflash_config"]["target_layer_ids"],
+                         mask_token_id=shipped["dflash_config"]["mask_token_id"])
+    assert shipped == drafter_config(shape, target, shipped["torch_dtype"])

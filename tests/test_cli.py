@@ -228,6 +228,17 @@ def test_a_hub_id_loads_from_the_hugging_face_cache(capsys, model, tmp_path, mon
                  "Hugging Face cache", "does not download")
     rc, out, err = run(capsys, *args, "--model", "./typo")  # a path, not an id: no word of the cache
     assert rc == 1 and "model folder not found" in err and "Hugging Face" not in err
+    # training takes the id too: its tokenizer for a corpus, and the target it generates with
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("def f(x):\n    return x + 1\n" * 40)
+    train = ["train", "corpus", "--tokenizer", "org/tiny", "--out", "corpus", "--roots", "src",
+             "--heldout-fraction", "0"]
+    assert main(train) == 0, capsys.readouterr().err
+    train = ["train", "generate", "--target", "org/tiny", "--data", "corpus", "--out", "gen", "--num-prompts", "2",
+             "--prompt-len", "4", "--new-tokens", "4", "--heldout-prompts", "0", "--device", "cpu"]
+    assert main(train) == 0, capsys.readouterr().err
+    assert (tmp_path / "gen.npz").is_file()
 
 
 def test_integer_weights_are_refused(capsys, broken):

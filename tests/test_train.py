@@ -371,21 +371,30 @@ def test_drafter_on_generated_continuations(target, data_dir, tmp_path, capsys):
         assert any(split[s:s + 8].tolist() == prompt for s in range(split.size - 7))
         ar = llm.generate([prompt], SamplingParams(max_new_tokens=24, ignore_eos=True))[0].token_ids
         assert row[8:].tolist() == ar
+    assert meta["path"] == str(tmp_path / "gen.npz")  # numpy's name; --generated finds it by the name given
     summary = train_drafter(base / "model", data_dir, tmp_path / "run", None, DrafterShape(block_size=4),
-                            TrainOptions(max_steps=5, **OPTS), generated=meta["path"], blocks_per_seq=4,
+                            TrainOptions(max_steps=5, **OPTS), generated=tmp_path / "gen", blocks_per_seq=30,
                             tau_prompts=0)
-    assert summary["steps"] == 5 and np.isfinite(summary["eval_loss"])
+    assert summary["steps"] == 5 and np.isfinite(summary["eval_loss"]) and summary["data"] == meta["path"]
     assert summary["heldout_text"] == "generated"  # selected on the text it learns, not the corpus
+    out, err = capsys.readouterr()
     assert f"note: --seq-len sets the corpus windows' length; the rows of {meta['path']} are 32 tokens" \
-        in capsys.readouterr().err  # OPTS gives a seq_len
+        in err  # OPTS gives a seq_len
+    # anchors from the last prompt token (7) to the last block start (28): 22, not the 30 asked for
+    assert "note: --blocks-per-seq 30 is more anchors than a sequence of 32 tokens has for blocks of 4: " \
+           "22 are drawn" in err and "22 blocks/sequence" in out
+    # OPTS warms up for 5 steps: a run of 5 never gets to its learning rate, and says so
+    assert "note: --warmup-steps 5 >= --max-steps 5: the run ends while the learning rate warms up" in out
     # a corpus without a held-out split: τ takes the prompts of the generated held-out rows
     write_corpus(data_dir, tmp_path / "no-heldout", [data_dir.parent / "src"], heldout_fraction=0)
     tau = train_drafter(base / "model", tmp_path / "no-heldout", tmp_path / "run-tau", None, DrafterShape(block_size=4),
                         TrainOptions(max_steps=2, **OPTS), generated=meta["path"], tau_prompts=2, tau_new_tokens=8)
     assert "tau_error" not in tau and tau["same_as_ar_dflash"] == tau["same_as_ar_ddtree"] == 1.0
     # resumed, it keeps training on them: from the run's path, or from where the file moved
+    capsys.readouterr()
     more = train_drafter(base / "model", data_dir, tmp_path / "run", opts=TrainOptions(max_steps=6), resume=True)
     assert more["steps"] == 6 and more["data"] == str(meta["path"]) and more["heldout_text"] == "generated"
+    assert "warmup" not in capsys.readouterr().out  # 5 warmup steps of 6: no note
     moved = shutil.copy(meta["path"], tmp_path / "moved.npz")
     more = train_drafter(base / "model", data_dir, tmp_path / "run", opts=TrainOptions(max_steps=7), resume=True,
                          generated=moved)

@@ -561,6 +561,9 @@ class Trainer:
     def _fit(self, batch_loss, evaluate) -> dict:
         o = self.opts
         bar = Progress(self.name, o.max_steps, self.step)
+        if o.max_steps is not None and o.warmup_steps and o.warmup_steps >= o.max_steps:
+            bar.write(f"note: --warmup-steps {o.warmup_steps} >= --max-steps {o.max_steps}: the run ends while "
+                      f"the learning rate warms up (it never reaches --lr {o.lr:g}); give fewer warmup steps")
         if self.run.resume:
             bar.write(f"resuming at step {self.step} ({self.elapsed / 60:.2f} min done)")
             if o.max_steps is not None and self.step > o.max_steps:

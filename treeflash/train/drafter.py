@@ -288,7 +288,7 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
     out = Path(out_path)
     if out.is_dir():  # not <folder>.npz beside it
         raise UsageError(f"--out {out} is a folder: give a file name")
-    out = out if out.suffix == ".npz" else out.with_name(out.name + ".npz")
+    out = out if out.suffix == ".npz" else out.with_name(out.name + ".npz")  # as numpy names it
     _check_generated_out(out, target_dir, data_dir)
     _require_target(target_dir)
     data = load_corpus(data_dir)
@@ -341,6 +341,13 @@ def measure_tau(target_dir: str | Path, drafter_dir: str | Path, prompts: list[l
     return out
 
 
+def generated_file(path: str | Path) -> Path:
+    """What `--generated path` reads: path, or path.npz where path is not there (`train
+    generate --out path` writes path.npz, as numpy names it)."""
+    path = Path(path)
+    return path if path.suffix == ".npz" or path.exists() else path.with_name(path.name + ".npz")
+
+
 def _check_generated_out(out: Path, target_dir: str | Path, data_dir: str | Path) -> None:
     """Before generating for minutes: the file must be writable, and not inside the
     target or the corpus (a train.npz there would take the corpus' place)."""
@@ -387,9 +394,10 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
     tcfg = ModelConfig.from_pretrained(target_dir)
     run = RunDir(run_dir, resume, "drafter")
     seq_len_given = opts is not None and opts.seq_len is not None
+    blocks_given = blocks_per_seq is not None  # (the default is cut to fit without a word)
     if generated is not None and "generated" in run.saved_options and run.saved_options["generated"] is None:
         raise UsageError("--resume: this run trains on the corpus; --generated would change its training text")
-    o = run.settle_options({**asdict(opts or TrainOptions()), "generated": abs_path(generated), "gamma": gamma,
+    o = run.settle_options({**asdict(opts or TrainOptions()), "generated": None if generated is None else abs_path(generated_file(generated)), "gamma": gamma,
                             "blocks_per_seq": blocks_per_seq, "dtype": dtype, "tau_prompts": tau_prompts,
                             "tau_new_tokens": tau_new_tokens, "out": abs_path(out_dir),
                             "max_shard_mb": max_shard_mb},
@@ -485,6 +493,9 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
     drafter = build_drafter(config, target, device)
     run.begin({**asdict(shape), **signature, **bound}, o)  # once every input was read and checked
     n = min(blocks_per_seq, source.length - b - lo + 1)
+    if n < blocks_per_seq and blocks_given:
+        print(f"treeflash: note: --blocks-per-seq {blocks_per_seq} is more anchors than a sequence of "
+              f"{source.length} tokens has for blocks of {b}: {n} are drawn", file=sys.stderr)
     weights = slot_weights(b, gamma, device)
     n_params = sum(p.numel() for p in drafter.parameters())
     print(f"[drafter] {n_params:,} parameters, taps {shape.target_layer_ids}, block {b}, "
