@@ -227,7 +227,8 @@ def test_a_hub_id_loads_from_the_hugging_face_cache(capsys, model, tmp_path, mon
     assert_error(*run(capsys, *args, "--model", "org/absent"), 1, "model folder not found: org/absent",
                  "Hugging Face cache", "does not download")
     rc, out, err = run(capsys, *args, "--model", "./typo")  # a path, not an id: no word of the cache
-    assert rc == 1 and "model folder not found" in err and "Hugging Face" not in err
+    assert rc == 1 and "model folder not found: ./typo" in err and "Hugging Face" not in err
+    assert "`hf download org/absent`" in run(capsys, *args, "--model", "org/absent")[2]
     # training takes the id too: its tokenizer for a corpus, and the target it generates with
     src = tmp_path / "src"
     src.mkdir()

@@ -384,7 +384,8 @@ def test_drafter_on_generated_continuations(target, data_dir, tmp_path, capsys):
     assert "note: --blocks-per-seq 30 is more anchors than a sequence of 32 tokens has for blocks of 4: " \
            "22 are drawn" in err and "22 blocks/sequence" in out
     # OPTS warms up for 5 steps: a run of 5 never gets to its learning rate, and says so
-    assert "note: --warmup-steps 5 >= --max-steps 5: the run ends while the learning rate warms up" in out
+    assert "note: the run ended at step 5, within its 5 warmup steps: its learning rate never reached --lr 0.01" \
+        in out
     # a corpus without a held-out split: τ takes the prompts of the generated held-out rows
     write_corpus(data_dir, tmp_path / "no-heldout", [data_dir.parent / "src"], heldout_fraction=0)
     tau = train_drafter(base / "model", tmp_path / "no-heldout", tmp_path / "run-tau", None, DrafterShape(block_size=4),

@@ -35,8 +35,8 @@ def read_config_json(path: str | Path, what: str = "model") -> dict:
     folder = Path(path)
     if not folder.exists():
         hint = (f" (nor in the Hugging Face cache: treeflash does not download; fetch it first, e.g. "
-                f"`huggingface-cli download {path}`)") if is_hub_id(str(path)) else ""
-        raise TreeflashError(f"{what} folder not found: {folder}{hint}")
+                f"`hf download {path}`)") if is_hub_id(str(path)) else ""
+        raise TreeflashError(f"{what} folder not found: {path}{hint}")
     if not folder.is_dir():
         raise TreeflashError(f"{what} path is not a folder: {folder}")
     cfg = folder / "config.json"

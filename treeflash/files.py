@@ -57,9 +57,9 @@ def is_hub_id(name) -> bool:
 
 def hub_snapshot(name: str) -> Path | None:
     """The local copy of hub id `name` in the Hugging Face cache (HF_HUB_CACHE, or the
-    older HUGGINGFACE_HUB_CACHE, or HF_HOME/hub, or ~/.cache/huggingface/hub), where
-    `huggingface-cli download` and transformers put it: the snapshot its refs/main names,
-    else the newest; None if none.
+    older HUGGINGFACE_HUB_CACHE, or HF_HOME/hub, or ~/.cache/huggingface/hub), where `hf
+    download` (`huggingface-cli download`) and transformers put it: the snapshot its
+    refs/main names, else the newest; None if none.
     Nothing is downloaded: the machines that serve models often cannot."""
     if not is_hub_id(name):
         return None

@@ -561,9 +561,6 @@ class Trainer:
     def _fit(self, batch_loss, evaluate) -> dict:
         o = self.opts
         bar = Progress(self.name, o.max_steps, self.step)
-        if o.max_steps is not None and o.warmup_steps and o.warmup_steps >= o.max_steps:
-            bar.write(f"note: --warmup-steps {o.warmup_steps} >= --max-steps {o.max_steps}: the run ends while "
-                      f"the learning rate warms up (it never reaches --lr {o.lr:g}); give fewer warmup steps")
         if self.run.resume:
             bar.write(f"resuming at step {self.step} ({self.elapsed / 60:.2f} min done)")
             if o.max_steps is not None and self.step > o.max_steps:
@@ -614,6 +611,9 @@ class Trainer:
                               f"(--resume goes on from it)")
                     bar.close()
                     raise KeyboardInterrupt
+        if 0 < self.step <= o.warmup_steps:  # (--max-steps or --max-minutes ran out first)
+            bar.write(f"note: the run ended at step {self.step}, within its {o.warmup_steps} warmup steps: its "
+                      f"learning rate never reached --lr {o.lr:g} (give fewer --warmup-steps)")
         final = self.history[-1] if self.history else {}
         if "eval_loss" not in final or final["step"] != self.step or self.best is None:
             final = self._evaluate(evaluate, bar)  # else a finished run, resumed: its last evaluation stands
