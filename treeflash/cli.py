@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "func", None):
             raise UsageError("no command given (try: treeflash generate --help)")
         args.model_id = getattr(args, "model", None)  # as given: a hub id is served under its name
-        for name in ("model", "draft_model", "target", "tokenizer"):  # a hub id reads its Hugging Face cache's copy
+        for name in ("model", "draft_model", "target", "tokenizer"):  # a hub id: its Hugging Face cache's copy
             if getattr(args, name, None):
                 setattr(args, name, str(model_folder(getattr(args, name))))
         return args.func(args)

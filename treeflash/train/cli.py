@@ -163,7 +163,8 @@ def _add_commands(sub) -> None:
     p.set_defaults(func=run_tokenizer)
 
     p = sub.add_parser("corpus", help="tokenize the Python corpus into train.npy / heldout.npy")
-    p.add_argument("--tokenizer", required=True, metavar="DIR", help="folder with tokenizer.json (any target's), or a hub id in the Hugging Face cache")
+    p.add_argument("--tokenizer", required=True, metavar="DIR",
+                   help="folder with tokenizer.json (any target's), or a hub id in the Hugging Face cache")
     p.add_argument("--out", required=True, metavar="DIR", help="corpus folder (also gets a copy of the tokenizer)")
     p.add_argument("--compress", action="store_true",
                    help="store the ids zlib-compressed (.npz): ~2.8x smaller for Python code")
@@ -183,7 +184,8 @@ def _add_commands(sub) -> None:
     p.set_defaults(func=run_target)
 
     p = sub.add_parser("generate", help="greedy target continuations of corpus prompts, for drafter training")
-    p.add_argument("--target", required=True, metavar="DIR", help="target checkpoint folder, or a hub id in the Hugging Face cache")
+    p.add_argument("--target", required=True, metavar="DIR",
+                   help="target checkpoint folder, or a hub id in the Hugging Face cache")
     p.add_argument("--data", required=True, metavar="DIR", help="tokenized corpus folder (prompts)")
     p.add_argument("--out", required=True, metavar="FILE", help="output .npz")
     p.add_argument("--num-prompts", type=int, default=512, help="training prompts (default 512)")
@@ -197,7 +199,8 @@ def _add_commands(sub) -> None:
     p.set_defaults(func=run_generate)
 
     p = sub.add_parser("drafter", help="train a DFlash drafter for a frozen target")
-    p.add_argument("--target", required=True, metavar="DIR", help="target checkpoint folder, or a hub id in the Hugging Face cache")
+    p.add_argument("--target", required=True, metavar="DIR",
+                   help="target checkpoint folder, or a hub id in the Hugging Face cache")
     p.add_argument("--data", required=True, metavar="DIR",
                    help="tokenized corpus folder, in the target's tokenizer (held-out eval, default training text)")
     p.add_argument("--generated", metavar="FILE", help="train on target-generated sequences (`train generate`)")

@@ -611,7 +611,7 @@ class Trainer:
                               f"(--resume goes on from it)")
                     bar.close()
                     raise KeyboardInterrupt
-        if 0 < self.step <= o.warmup_steps:  # (--max-steps or --max-minutes ran out first)
+        if o.warmup_steps and 0 < self.step <= o.warmup_steps:  # (--max-steps or --max-minutes ran out)
             bar.write(f"note: the run ended at step {self.step}, within its {o.warmup_steps} warmup steps: its "
                       f"learning rate never reached --lr {o.lr:g} (give fewer --warmup-steps)")
         final = self.history[-1] if self.history else {}
