@@ -123,8 +123,9 @@ def test_string_length_counts_characters_and_escapes_as_one():
 
 
 @pytest.mark.parametrize("fmt, good, bad", [
-    ("date", ["2024-02-29", "1999-12-31", "0001-01-01", "2000-02-29", "2023-04-30", "0000-02-29"],
-     ["2024-13-01", "2024-1-01", "2024-01-32", "24-01-01", "", "2023-02-29", "1900-02-29", "2024-04-31", "2024-02-30"]),
+    ("date", ["2024-02-29", "1999-12-31", "0001-01-01", "2000-02-29", "2023-04-30", "0400-02-29", "9999-12-31"],
+     ["2024-13-01", "2024-1-01", "2024-01-32", "24-01-01", "", "2023-02-29", "1900-02-29", "2024-04-31", "2024-02-30",
+      "0000-02-29", "0000-01-01"]),  # year 0: RFC 3339's, not Python's datetime (nor validators built on it)
     ("time", ["23:59:60Z", "00:00:00.123Z", "12:30:00Z", "12:30:00+05:30", "12:30:00.5-08:00"],
      ["24:00:00Z", "12:60:00Z", "12:30", "12:30:00+5:30", "12:30:00 Z", "12:30:00"]),
     ("date-time", ["2024-02-29T12:30:00Z", "2024-02-29T12:30:00.25+01:00"],
@@ -153,6 +154,10 @@ def test_dates_are_the_calendars():
                     datetime.date(y, m, d)
                 except ValueError:
                     assert not re.fullmatch(DATE, text), text
+    import calendar
+    for y in range(0, 10000):  # every year Python's datetime has, and its leap days
+        assert bool(re.fullmatch(DATE, f"{y:04d}-01-01")) == (y > 0)
+        assert bool(re.fullmatch(DATE, f"{y:04d}-02-29")) == (y > 0 and calendar.isleap(y)), y
 
 
 def test_string_pattern():
@@ -177,7 +182,9 @@ def test_pattern_never_produces_what_json_must_escape():
             assert not re.fullmatch(regex, text), (pattern, text)
     check({"type": "string", "pattern": "^[^@]+@[^@]+$"}, good=["me@example.org"], bad=["me@", "a@b@c"])
     check({"type": "string", "pattern": "^[ -~]+$"}, good=["Hello, World!"], bad=["é"])
-    check({"type": "string", "pattern": "^[^]a]+$"}, good=["bcd"], bad=["a", "b]"])
+    # ECMA-262: [^] is any character and [] none (Python would read a ']' there as a member)
+    check({"type": "string", "pattern": "^[^]a]+$"}, good=["xa]", "ba]]"], bad=["bcd", "a", "b]"])
+    check({"type": "string", "pattern": "^x[]?y$"}, good=["xy"], bad=["x]y", "x"])
     check({"type": "string", "pattern": "^[^a-]+$"}, good=["bcd"], bad=["-", "a"])
     check({"type": "string", "pattern": "^\\w+\\s\\w+$"}, good=["hello world"], bad=["hello\tworld"])
     check({"type": "string", "pattern": "^[\\s\\d]+$"}, good=["1 2"], bad=["1\t2"])
@@ -373,6 +380,34 @@ def test_any_of_one_of_all_of_nullable():
     check({"anyOf": two, "nullable": True, "description": "ignored"}, good=[1, None], bad=[False])
     check({"type": "object", "properties": {"x": {"type": "integer", "nullable": True}}, "required": ["x"]},
           good=[{"x": None}, {"x": 3}], bad=[{}])
+
+
+def test_one_of_only_where_no_value_fits_two_branches():
+    """oneOf compiles as anyOf, which generates the same texts only if no value can satisfy
+    two branches; any other oneOf is refused, since a text that fits two would break it."""
+    check({"oneOf": [{"type": "string"}, {"type": "null"}]}, good=["a", None], bad=[1])
+    check({"oneOf": [{"const": 1}, {"const": True}, {"enum": ["1", None]}]}, good=[1, True, "1", None], bad=[2])
+    cat = {"type": "object", "properties": {"pet": {"const": "cat"}, "lives": {"type": "integer"}},
+           "required": ["pet", "lives"]}
+    dog = {"type": "object", "properties": {"pet": {"enum": ["dog", "wolf"]}, "good": {"type": "boolean"}},
+           "required": ["pet"]}
+    union = {"$defs": {"Cat": cat, "Dog": dog}, "oneOf": [{"$ref": "#/$defs/Cat"}, {"allOf": [{"$ref": "#/$defs/Dog"}]}],
+             "discriminator": {"propertyName": "pet"}}  # as pydantic writes a discriminated union
+    check(union, good=[{"pet": "cat", "lives": 9}, {"pet": "wolf"}], bad=[{"pet": "cat"}, {"pet": "dog", "lives": 1}])
+    a, b = ({"type": "object", "properties": {k: {"type": "integer"}}, "required": [k]} for k in "ab")
+    check({"oneOf": [a, b]}, good=[{"a": 1}, {"b": 2}], bad=[{"a": 1, "b": 2}])
+    for branches in ([{"type": "string"}, {"type": "string", "maxLength": 3}],  # "" fits both
+                     [{"type": "integer"}, {"type": "number"}],
+                     [{"type": "integer", "minimum": 0}, {"type": "integer"}],
+                     [{"const": 1}, {"const": 1.0}],  # one value in JSON
+                     [{"const": "a"}, {"type": "string", "maxLength": 1}],
+                     [{"type": ["string", "null"]}, {"type": "null"}],
+                     [{"type": "integer", "nullable": True}, {"type": "string", "nullable": True}],
+                     [cat, {**dog, "properties": {**dog["properties"], "pet": {"type": "string"}}}],
+                     [a, {**a, "properties": {**a["properties"], "b": {"type": "integer"}}}]):
+        refused({"oneOf": branches}, "'oneOf' at $: branches 0 and 1 may both match one value", "anyOf allows both")
+    refused({"type": "array", "items": {"oneOf": [{"type": "integer"}, {"type": "string"}, {"type": "number"}]}},
+            "'oneOf' at $.items: branches 0 and 2")
 
 
 def test_refs():

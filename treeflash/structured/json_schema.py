@@ -14,10 +14,14 @@ writes them (no leading zeros); enum and const values as `json.dumps` writes the
 (non-ASCII characters raw). Strings take any JSON string, escapes included.
 
 Supported: `type` (one or a list); string `minLength`, `maxLength`, `format` (date,
-time, date-time, uuid; a date is a day of the Gregorian calendar, a leap second may end any minute) and
-`pattern`; integer `minimum` or `exclusiveMinimum` meaning >= 0 or >= 1; array `items`,
+time, date-time, uuid; a date is a day of the Gregorian calendar in the years 1-9999, a
+leap second may end any minute) and `pattern`; integer `minimum` or `exclusiveMinimum` meaning >= 0 or >= 1; array `items`,
 `minItems`, `maxItems`; object `properties`, `required`; `enum`, `const`, `anyOf`,
-`oneOf` (treated as anyOf: exclusivity is not enforced), `allOf` of one schema, `$ref`
+`oneOf` whose branches no value can satisfy twice (different types, listed values that
+differ, objects with a required property whose const or enum differs: a discriminated
+union, or objects that each require a property the other does not have; other oneOf is
+refused, since exclusivity is not enforced), `allOf`
+of one schema, `$ref`
 to `#/$defs/...` or `#/definitions/...` (not recursive; a `$id` below the root is
 refused), OpenAPI's `nullable`.
 
@@ -30,6 +34,7 @@ classes lose those characters, and a pattern that names one elsewhere is refused
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -60,8 +65,10 @@ STRING_CHAR = f'(?:[^{UNSAFE}]|\\\\["\\\\/bfnrt]|{UNICODE_ESCAPE})'
 NATURAL = "(?:0|[1-9][0-9]*)"
 INTEGER = "-?" + NATURAL
 NUMBER = INTEGER + "(?:\\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
-_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][048]|[13579][26])00)"  # year 0000 too
-DATE = ("(?:[0-9]{4}-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)"
+# years 0001-9999: RFC 3339 also has 0000, which Python's datetime and validators built on it refuse
+_YEAR = "(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+DATE = ("(?:" + _YEAR + "-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)"
         "|(?:0[13578]|1[02])-31)|" + _LEAP_YEAR + "-02-29)")  # the calendar's days: 29-30 but in February, 31 in 7 months
 TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"  # RFC 3339: with its offset
 FORMATS = {"date": DATE, "time": TIME, "date-time": DATE + "T" + TIME,
@@ -159,6 +166,24 @@ def _literal(value, path: str) -> str:
         _refuse(f"the value {shown(value)} at {path} is not JSON")
 
 
+def _canonical(value):
+    """A JSON value as a hashable key, equal for equal JSON values: 1 and 1.0 alike, true
+    unlike 1, objects whatever their key order. Its first item is the value's kind."""
+    if value is None:
+        return ("null", None)
+    if isinstance(value, bool):
+        return ("boolean", value)
+    if isinstance(value, (int, float)):
+        return ("number", int(value) if isinstance(value, float) and value.is_integer() else value)
+    if isinstance(value, str):
+        return ("string", value)
+    if isinstance(value, dict):
+        return ("object", tuple(sorted((str(k), _canonical(v)) for k, v in value.items())))
+    if isinstance(value, (list, tuple)):
+        return ("array", tuple(_canonical(v) for v in value))
+    return ("other", repr(value))
+
+
 def _json_types(value) -> set[str]:
     if value is None:
         return {"null"}
@@ -226,7 +251,86 @@ class _Compiler:
             _refuse(f"'{kw}' at {path} must be a non-empty list of schemas")
         if kw == "allOf" and len(arg) > 1:
             _refuse(f"'allOf' at {path} with more than one schema is not supported")
-        return _alt((self.node(sub, f"{_at(path, kw)}[{i}]") for i, sub in enumerate(arg)), path)
+        regex = _alt((self.node(sub, f"{_at(path, kw)}[{i}]") for i, sub in enumerate(arg)), path)
+        if kw == "oneOf":  # as anyOf, which is only the same where no value fits two branches
+            for (i, a), (j, b) in itertools.combinations(enumerate(arg), 2):
+                if not self.disjoint(a, b):
+                    _refuse(f"'oneOf' at {path}: branches {i} and {j} may both match one value, and exclusivity is "
+                            f"not enforced (supported: branches of different types or values, or objects told "
+                            f"apart by a required property); anyOf allows both")
+        return regex
+
+    def resolved(self, schema):
+        """schema with its `$ref`s followed and an allOf of one schema opened (as compiled)."""
+        for _ in range(64):
+            if not isinstance(schema, dict):
+                return schema
+            if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) == 1:
+                schema = schema["allOf"][0]
+            elif isinstance(schema.get("$ref"), str) and (m := re.fullmatch(r"#/(\$defs|definitions)/([^/]+)",
+                                                                             schema["$ref"])):
+                name = unquote(m.group(2)).replace("~1", "/").replace("~0", "~")
+                schema = self.root.get(m.group(1), {}).get(name)
+            else:
+                return schema
+        return schema
+
+    def values(self, schema) -> set | None:
+        """The values `schema` allows if it lists them (const, enum, unions of those), as
+        `_canonical` keys; None if it does not."""
+        schema = self.resolved(schema)
+        if not isinstance(schema, dict):
+            return None
+        nulls = {_canonical(None)} if schema.get("nullable") is True else set()
+        if "const" in schema:
+            return {_canonical(schema["const"])} | nulls
+        if isinstance(schema.get("enum"), list):
+            return {_canonical(v) for v in schema["enum"]} | nulls
+        for kw in ("anyOf", "oneOf"):
+            if isinstance(schema.get(kw), list):
+                parts = [self.values(sub) for sub in schema[kw]]
+                return None if None in parts else set().union(nulls, *parts)
+        return None
+
+    def kinds(self, schema) -> set[str]:
+        """The JSON kinds of value `schema` may take (integer is a number); all if unclear."""
+        every = {"null", "boolean", "number", "string", "array", "object"}
+        schema = self.resolved(schema)
+        if not isinstance(schema, dict):
+            return every
+        out = {"null"} if schema.get("nullable") is True else set()
+        if (listed := self.values(schema)) is not None:
+            return out | {key[0] for key in listed}
+        for kw in ("anyOf", "oneOf"):
+            if isinstance(schema.get(kw), list):
+                return out.union(*(self.kinds(sub) for sub in schema[kw]))
+        types = schema.get("type")
+        types = [types] if isinstance(types, str) else types if isinstance(types, list) else None
+        if types is None:
+            return every
+        return out | {"number" if t == "integer" else t for t in types}
+
+    def disjoint(self, a, b) -> bool:
+        """No JSON value satisfies both schemas (as far as can be told from their types, listed
+        values and discriminating properties; unsure is False)."""
+        va, vb = self.values(a), self.values(b)
+        if va is not None and vb is not None:
+            return va.isdisjoint(vb)
+        common = self.kinds(a) & self.kinds(b)
+        if not common:
+            return True
+        ra, rb = self.resolved(a), self.resolved(b)
+        if common != {"object"} or not (isinstance(ra, dict) and isinstance(rb, dict)):
+            return False
+        pa, pb = ra.get("properties"), rb.get("properties")
+        if not (isinstance(pa, dict) and isinstance(pb, dict)):
+            return False
+        qa, qb = ra.get("required") or [], rb.get("required") or []
+        if any(p not in pa for p in qb) and any(p not in pb for p in qa):
+            return True  # an object holds only its own properties: neither has all the other requires
+        both = [p for p in qa if p in qb and p in pa and p in pb]
+        return any((x := self.values(pa[p])) is not None and (y := self.values(pb[p])) is not None
+                   and x.isdisjoint(y) for p in both)
 
     def ref(self, ref, path: str) -> str:
         where = f"'$ref' at {path}"

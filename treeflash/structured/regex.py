@@ -105,7 +105,8 @@ class _Parser:
     ("alt", items), ("rep", item, min, max or None). (`compile_regex` adds ("until",
     text): any text up to and with the first `text`.) `ecma`: a JSON Schema pattern, read
     as ECMA-262 reads it where that differs from Python's re: `.` is no line terminator
-    (\\n \\r U+2028 U+2029), and {,n} (text in ECMA, a repetition in Python) is refused."""
+    (\\n \\r U+2028 U+2029), `[]` matches nothing and `[^]` any character (Python reads a
+    `]` there as a member), and {,n} (text in ECMA, a repetition in Python) is refused."""
 
     def __init__(self, pattern: str, ecma: bool = False):
         self.p, self.i, self.ecma = pattern, 0, ecma
@@ -228,7 +229,7 @@ class _Parser:
                 self.fail(f"\\{c}{digits} is not a character")
             return self.char(code)
         if c.isdigit():
-            self.fail("backreferences are not supported")
+            self.fail("backreferences and octal escapes are not supported (write \\xHH for a character)")
         if c.isalnum():
             self.fail(f"\\{c} is not supported (word boundaries and other anchors are not regular here)")
         return self.char(ord(c))
@@ -236,7 +237,7 @@ class _Parser:
     def char_class(self) -> list[tuple[int, int]]:
         negate = self.peek() == "^"
         self.i += negate
-        ranges, first = [], True
+        ranges, first = [], not self.ecma  # ECMA-262: [] matches nothing and [^] any character
         while True:
             c = self.peek()
             if not c:
