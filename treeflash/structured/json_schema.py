@@ -166,6 +166,13 @@ def _literal(value, path: str) -> str:
         _refuse(f"the value {shown(value)} at {path} is not JSON")
 
 
+def _ref_target(ref) -> tuple[str, str] | None:
+    """('$defs' or 'definitions', NAME) of a `$ref` to '#/$defs/NAME' or '#/definitions/NAME'
+    (NAME unescaped, as JSON Pointer and URI write it); None for any other."""
+    match = re.fullmatch(r"#/(\$defs|definitions)/([^/]+)", ref) if isinstance(ref, str) else None
+    return None if match is None else (match.group(1), unquote(match.group(2)).replace("~1", "/").replace("~0", "~"))
+
+
 def _canonical(value):
     """A JSON value as a hashable key, equal for equal JSON values: 1 and 1.0 alike, true
     unlike 1, objects whatever their key order. Its first item is the value's kind."""
@@ -267,10 +274,9 @@ class _Compiler:
                 return schema
             if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) == 1:
                 schema = schema["allOf"][0]
-            elif isinstance(schema.get("$ref"), str) and (m := re.fullmatch(r"#/(\$defs|definitions)/([^/]+)",
-                                                                             schema["$ref"])):
-                name = unquote(m.group(2)).replace("~1", "/").replace("~0", "~")
-                schema = self.root.get(m.group(1), {}).get(name)
+            elif (target := _ref_target(schema.get("$ref"))) is not None:
+                defs = self.root.get(target[0])
+                schema = defs.get(target[1]) if isinstance(defs, dict) else None
             else:
                 return schema
         return schema
@@ -334,10 +340,9 @@ class _Compiler:
 
     def ref(self, ref, path: str) -> str:
         where = f"'$ref' at {path}"
-        match = re.fullmatch(r"#/(\$defs|definitions)/([^/]+)", ref) if isinstance(ref, str) else None
-        if not match:
+        if (target := _ref_target(ref)) is None:
             _refuse(f"{where} is not supported: only '#/$defs/NAME' and '#/definitions/NAME' are, got {shown(ref)}")
-        defs, name = match.group(1), unquote(match.group(2)).replace("~1", "/").replace("~0", "~")
+        defs, name = target
         if not isinstance(self.root.get(defs), dict) or name not in self.root[defs]:
             _refuse(f"{where}: {shown(ref)} is not defined")
         if ref in self.expanding:
