@@ -406,6 +406,10 @@ def test_one_of_only_where_no_value_fits_two_branches():
                      [cat, {**dog, "properties": {**dog["properties"], "pet": {"type": "string"}}}],
                      [a, {**a, "properties": {**a["properties"], "b": {"type": "integer"}}}]):
         refused({"oneOf": branches}, "'oneOf' at $: branches 0 and 1 may both match one value", "anyOf allows both")
+    nullable = [{"allOf": [{"$ref": "#/$defs/Cat"}], "nullable": True},  # OpenAPI's nullable reference: null fits both
+                {"$ref": "#/$defs/Dog", "nullable": True}]
+    refused({"$defs": {"Cat": cat, "Dog": dog}, "oneOf": nullable}, "'oneOf' at $: branches 0 and 1")
+    refused({"$defs": {"Cat": cat}, "oneOf": [nullable[0], {"type": "null"}]}, "'oneOf' at $: branches 0 and 1")
     refused({"type": "array", "items": {"oneOf": [{"type": "integer"}, {"type": "string"}, {"type": "number"}]}},
             "'oneOf' at $.items: branches 0 and 2")
 

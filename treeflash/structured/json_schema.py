@@ -268,18 +268,21 @@ class _Compiler:
         return regex
 
     def resolved(self, schema):
-        """schema with its `$ref`s followed and an allOf of one schema opened (as compiled)."""
+        """schema with its `$ref`s followed and an allOf of one schema opened (as compiled);
+        a `nullable` met on the way stays, as an anyOf with null."""
+        nullable = False
         for _ in range(64):
             if not isinstance(schema, dict):
-                return schema
+                break
             if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) == 1:
-                schema = schema["allOf"][0]
+                nullable, schema = nullable or schema.get("nullable") is True, schema["allOf"][0]
             elif (target := _ref_target(schema.get("$ref"))) is not None:
                 defs = self.root.get(target[0])
+                nullable = nullable or schema.get("nullable") is True
                 schema = defs.get(target[1]) if isinstance(defs, dict) else None
             else:
-                return schema
-        return schema
+                break
+        return {"anyOf": [schema, {"type": "null"}]} if nullable else schema
 
     def values(self, schema) -> set | None:
         """The values `schema` allows if it lists them (const, enum, unions of those), as
