@@ -260,7 +260,8 @@ class _Compiler:
             _refuse(f"'allOf' at {path} with more than one schema is not supported")
         regex = _alt((self.node(sub, f"{_at(path, kw)}[{i}]") for i, sub in enumerate(arg)), path)
         if kw == "oneOf":  # as anyOf, which is only the same where no value fits two branches
-            for (i, a), (j, b) in itertools.combinations(enumerate(arg), 2):
+            facts = [(sub, self.values(sub), self.kinds(sub)) for sub in arg]  # once per branch, not per pair
+            for (i, a), (j, b) in itertools.combinations(enumerate(facts), 2):
                 if not self.disjoint(a, b):
                     _refuse(f"'oneOf' at {path}: branches {i} and {j} may both match one value, and exclusivity is "
                             f"not enforced (supported: branches of different types or values, or objects told "
@@ -319,13 +320,14 @@ class _Compiler:
             return every
         return out | {"number" if t == "integer" else t for t in types}
 
-    def disjoint(self, a, b) -> bool:
+    def disjoint(self, a: tuple, b: tuple) -> bool:
         """No JSON value satisfies both schemas (as far as can be told from their types, listed
-        values and discriminating properties; unsure is False)."""
-        va, vb = self.values(a), self.values(b)
+        values and discriminating properties; unsure is False); each is (schema, its
+        `values`, its `kinds`)."""
+        (a, va, ka), (b, vb, kb) = a, b
         if va is not None and vb is not None:
             return va.isdisjoint(vb)
-        common = self.kinds(a) & self.kinds(b)
+        common = ka & kb
         if not common:
             return True
         ra, rb = self.resolved(a), self.resolved(b)
