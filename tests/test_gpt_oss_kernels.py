@@ -84,6 +84,15 @@ def test_attention_matches_reference(kind, window, with_sinks, num_splits):
 
 
 @kernel_test
+@pytest.mark.parametrize("kind,window", [("chain", 40), ("all", 30)])
+def test_window_over_block_chunks(kind, window):
+    """100 tokens of a 2-head group (200 rows, 4 row programs in fp32): the block's keys
+    in chunks of 64, each chunk reading its own keys' positions for a window shorter
+    than the block."""
+    check_attention(kind, window, True, T=100, G=2, lens=(45, 240), seed=window)
+
+
+@kernel_test
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_window_of_one_sees_only_itself(with_sinks):
     """Window 1 excludes every prefix slot and every other block token: each row is its
@@ -147,11 +156,13 @@ def test_row_that_sees_no_key_is_zero(with_sinks):
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_gpu_attention_matches_reference(dtype, kind, window, with_sinks):
     """Every mask x window x sinks, default splits and 4, a GQA group of 8 at head dim
-    128 and of 3 at 64, and 37 tokens (past one 64-row tile in fp32)."""
+    128 and of 3 at 64, 37 tokens (past one 64-row tile in fp32) and 100 (the block's
+    keys in chunks)."""
     for num_splits in (None, 4):
         check_attention(kind, window, with_sinks, dtype, num_splits, seed=len(kind))
     check_attention(kind, window, with_sinks, dtype, 4, T=16, HKV=1, G=8, D=128, seed=1)
     check_attention(kind, window, with_sinks, dtype, 3, T=37, G=2, seed=2)
+    check_attention(kind, window, with_sinks, dtype, None, T=100, G=2, lens=(45, 240), seed=3)  # block in chunks
 
 
 @pytest.mark.gpu
@@ -274,4 +285,4 @@ def test_gpu_experts_at_model_sizes(dtype, tol, T, with_bias, with_clamp):
 @spawns_interpreter
 def test_kernels_in_the_triton_interpreter():
     run_interpreted(__file__, "not gpu and not interpreter",
-                    len(ATTENTION_CASES) + 2 + 8 + 1 + 2 + len(EXPERT_CASES) * len(VARIANTS) + len(FP8_CASES), timeout=900)
+                    len(ATTENTION_CASES) + 2 + 2 + 8 + 1 + 2 + len(EXPERT_CASES) * len(VARIANTS) + len(FP8_CASES), timeout=900)

@@ -91,10 +91,21 @@ def test_split_counts(num_splits):
 @pytest.mark.parametrize("row_programs, num_splits", [(1, 2), (2, 2), (3, 2), (2, 1)])
 def test_row_programs(row_programs, num_splits):
     """148 rows = 3 row tiles of 64 (fp32): one program walking all three (the block has
-    programs of its own), two sharing them unevenly, one per tile (the last prefix split
-    takes the block, also when it is the only split)."""
+    programs of its own), two sharing them unevenly, one per tile (past one row program
+    the block's keys have programs of their own, also beside a single split)."""
     check(B=2, T=37, HKV=2, G=4, D=64, S=300, dtype=torch.float32, mask_kind="tree",
           num_splits=num_splits, row_programs=row_programs, seed=row_programs + 10 * num_splits)
+
+
+@kernel_test
+@pytest.mark.parametrize("mask_kind", ["tree", "none", "all"])
+def test_block_keys_in_chunks(mask_kind):
+    """200 rows = 4 row tiles of 64 (fp32), a program per tile: the block's 100 keys are
+    attended in chunks of 64 by programs of their own (64 + 36 keys), each row's chunks
+    merged with its prefix splits; rows that see no key of a chunk, or of any."""
+    from treeflash.kernels.tree_attention import default_row_programs
+    assert default_row_programs(200, 64) == 4
+    check(B=2, T=100, HKV=2, G=2, D=64, S=300, dtype=torch.float32, mask_kind=mask_kind, seed=len(mask_kind))
 
 
 @kernel_test
@@ -187,5 +198,5 @@ def test_kernel_in_the_triton_interpreter():
     """CPU CI: splits, row programs, head sizes and dtypes in the interpreter (fp16 and
     fp32: its bf16 is raw integers)."""
     run_interpreted(__file__, "split_counts or row_programs or dtypes_and_head_dims or empty_splits or many_requests"
-                    " or single_token or long_splits", 26,
+                    " or single_token or long_splits or block_keys_in_chunks", 29,
                     timeout=600)

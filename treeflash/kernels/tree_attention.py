@@ -16,7 +16,10 @@ Why it is split in three (the verify reads the shared context once for all tree 
     otherwise wait for it: T = 1 at 4K 11.1 vs 11.9 us). Past that the kernel is
     compute-bound and fills the SMs in whole waves, so the last prefix split (the
     shortest: chunks are whole tiles) takes the block after its chunk (T = 256 at 4K:
-    192 -> 128 programs, 72.6 -> 52.9 us). So does it where a place in the wave for the
+    192 -> 128 programs, 72.6 -> 52.9 us), unless the block's key tiles can each have
+    programs of their own (one per row tile) in that same wave: a short prefix (the
+    built-in pair's trees of 64-256 nodes) then waits for no program that walks the
+    whole block after its chunk. So does it where a place in the wave for the
     block programs would cost one of only 1-3 splits per (request, KV head): 8 requests
     decoding at 4K (8B shape) took 7.29 ms a step with 1 split and a block program per
     (request, head), 5.92 ms with 2 splits, the second taking the block. A single new
@@ -131,7 +134,7 @@ def _partial_attention(
     HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_N_TREE: tl.constexpr, FP32_DOT: tl.constexpr, WINDOW: tl.constexpr, PREFIX_EVICTION: tl.constexpr,
-    OWN_KEY: tl.constexpr, PDL: tl.constexpr = False,
+    OWN_KEY: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (b * HKV + kv head, split, row program): the T*G rows of that KV head
     (row tiles row_program, row_program + row programs, ...) against one key range,
@@ -144,6 +147,8 @@ def _partial_attention(
     OWN_KEY (T = 1, block_split = -1): the last split adds the token's own key (slot L,
     if its mask entry lets it see itself; always inside its window) after its prefix.
     WINDOW: the prefix chunks cover only the slots some row can see (module doc).
+    BLOCK_CHUNKS: splits num_splits, num_splits + 1, ... attend one BLOCK_N_TREE-key chunk
+    of the block each, no prefix (block_split = -1).
     """
     start_after_previous(PDL)
     ROWS: tl.constexpr = T * G
@@ -159,6 +164,11 @@ def _partial_attention(
         lo = tl.maximum(L - window + 1, 0)
     start, end = _split_range(lo, L, split, num_splits, BLOCK_N)
     with_block = split == block_split  # split num_splits has no prefix: start >= L
+    chunk0, chunk_keys = 0, T
+    if BLOCK_CHUNKS:
+        with_block = split >= num_splits
+        chunk0 = (split - num_splits) * BLOCK_N_TREE
+        chunk_keys = tl.minimum(T - chunk0, BLOCK_N_TREE)
     own_key = OWN_KEY & (split == num_splits - 1)
     ran = (start < end) | with_block | own_key
 
@@ -189,9 +199,9 @@ def _partial_attention(
                              qk_scale, pos_base, sp_t, row_pos, window, D, BLOCK_M, BLOCK_N, False, FP32_DOT, WINDOW,
                              PREFIX_EVICTION)
             if with_block:
-                o_blk, lse_blk = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, L, T,
-                                         qk_scale, pos_base, sp_t, row_pos, window, D, BLOCK_M, BLOCK_N_TREE, True,
-                                         FP32_DOT, WINDOW, "")
+                o_blk, lse_blk = _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base + chunk0, sm_i,
+                                         L + chunk0, chunk_keys, qk_scale, pos_base + chunk0 * sp_t, sp_t, row_pos,
+                                         window, D, BLOCK_M, BLOCK_N_TREE, True, FP32_DOT, WINDOW, "")
                 o, lse = _combine(o, lse, o_blk, lse_blk)
             if OWN_KEY:
                 s_own = tl.sum(q.to(tl.float32) * k_own.to(tl.float32)[None, :], 1) * qk_scale
@@ -354,11 +364,16 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     else:
         splits, own_block = default_num_splits(B, HKV, rows, S, q.device, row_programs, single_token=T == 1)
     # The split that also attends the block: a program of its own, the last prefix
-    # split, or none where a single token's own key ends the last split.
-    own_key = T == 1 and not own_block
-    block_split = splits if own_block else -1 if own_key else splits - 1
-    parts = max(splits, block_split + 1)
+    # split, programs of its own per tile of keys (module doc, (b)), or none where a
+    # single token's own key ends the last split.
     block_n, stages = _key_tiles(block_m, fp32, min(S, window or S) // splits)
+    block_n_tree = max(16, min(block_n, triton.next_power_of_2(T)))
+    block_chunks = triton.cdiv(T, block_n_tree)
+    if row_programs == 1 or B * HKV * row_programs * (splits + block_chunks) > _sm_count(q.device):
+        block_chunks = 0
+    own_key = T == 1 and not own_block
+    block_split = -1 if block_chunks or own_key else splits if own_block else splits - 1
+    parts = max(splits + block_chunks, block_split + 1)
 
     # Partial outputs in the input dtype: normalised, so bf16 costs no more accuracy than
     # the bf16 output itself, and halves their traffic (T=16: 12% -> 6% of the prefix).
@@ -371,7 +386,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         q.stride(0), q.stride(1), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3],
         mask.stride(0), mask.stride(1), *positions.stride(), scale * LOG2E, splits, block_split, row_programs,
         window or 0, HKV=HKV, G=G, T=T, D=D, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_N_TREE=max(16, min(block_n, triton.next_power_of_2(T))), FP32_DOT=fp32, WINDOW=window is not None,
+        BLOCK_N_TREE=block_n_tree, FP32_DOT=fp32, WINDOW=window is not None, BLOCK_CHUNKS=block_chunks > 0,
         # With one row tile each prefix tile is read once: its L2 lines go first, before
         # the partials' (H200, 16K, T = 1: 22.6 -> 22.1 us). Several row tiles re-read it.
         PREFIX_EVICTION="evict_first" if rows <= block_m else "", OWN_KEY=own_key,
