@@ -16,13 +16,14 @@ Why it is split in three (the verify reads the shared context once for all tree 
     otherwise wait for it: T = 1 at 4K 11.1 vs 11.9 us). Past that the kernel is
     compute-bound and fills the SMs in whole waves, so the last prefix split (the
     shortest: chunks are whole tiles) takes the block after its chunk (T = 256 at 4K:
-    192 -> 128 programs, 72.6 -> 52.9 us), unless the block's key tiles can each have
-    programs of their own (one per row tile) in that same wave: a short prefix (the
-    built-in pair's trees of 64-256 nodes) then waits for no program that walks the
-    whole block after its chunk. So does it where a place in the wave for the
+    192 -> 128 programs, 72.6 -> 52.9 us). So does it where a place in the wave for the
     block programs would cost one of only 1-3 splits per (request, KV head): 8 requests
     decoding at 4K (8B shape) took 7.29 ms a step with 1 split and a block program per
-    (request, head), 5.92 ms with 2 splits, the second taking the block. A single new
+    (request, head), 5.92 ms with 2 splits, the second taking the block. Past one row
+    tile, where the block's key tiles can each have programs of their own (one per row
+    tile) in the prefix splits' wave, they do: then no program walks the whole block
+    after its prefix chunk (the built-in pair's trees of 64-256 nodes: the 257-row call
+    20.9 -> 9.0 us on an H100; the 8B shape's verify would need a second wave). A single new
     token (decoding) whose block program would cost a split needs no masked pass: its
     block is its own key, right after the prefix, which the last split adds from loads
     issued before its prefix loop (4 requests at 4K: the wave streams the prefix with
@@ -364,7 +365,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     else:
         splits, own_block = default_num_splits(B, HKV, rows, S, q.device, row_programs, single_token=T == 1)
     # The split that also attends the block: a program of its own, the last prefix
-    # split, programs of its own per tile of keys (module doc, (b)), or none where a
+    # split, programs of their own per tile of keys (module doc, (b)), or none where a
     # single token's own key ends the last split.
     block_n, stages = _key_tiles(block_m, fp32, min(S, window or S) // splits)
     block_n_tree = max(16, min(block_n, triton.next_power_of_2(T)))
