@@ -10,16 +10,21 @@ small model's whole round. Here one program per request does it all:
    per taken prefix, its next sibling. N times: take the frontier's best entry as the
    next node, put its next sibling in its place and its first child in a new slot.
    The frontier lives in registers as int64 keys, the float score's order-preserving
-   int32 above (depth, parent, column), so one max-reduction (carrying the parent's
+   int32 above (depth, parent, column), so a max-reduction (carrying the parent's
    score along) finds the entry and says everything about it. Ties go to the shallower
    depth, then the earlier parent, then the better column: the torch builder's order
    (its stable sort over depth-major beams), so a parent always precedes its children.
    Depth 1 runs on past the K columns with -inf scores: when fewer than N prefixes are
    finite, the padding nodes (valid=False) are those, as in the torch builder.
-   Each pop is a few hundred cycles of latency, against D sequential bitonic top-ks of
-   ~N ln N candidates in the beam-per-depth kernel this replaced: H200, D = 15, graphed,
-   N = 16 / 64 / 256 / 512 in 6.3 / 23 / 137 / 353 us instead of 13 / 38 / 239 / 875
-   (kernels/NOTES.md; 8 warps are no faster than 4, 1 or 2 slower past N = 64).
+   A pop's time is its cross-warp reduction (the loads it makes are 5%: kernels/NOTES.md),
+   so one reduction yields two nodes: it keeps the best two keys, and after the first is
+   taken the second node is the better of the runner-up and the first's two new
+   entries (its sibling and its child), which are all the frontier's changes (H100,
+   D = 15, N = 16 / 64 / 256 / 512: 6.1 / 22.9 / 166 / 465 us -> 5.4 / 20.1 / 150 / 409;
+   a third pop per reduction was no faster). 4 warps, 8 past N = 256, where the keys per
+   thread outweigh the cross-warp step. Each pop is a few hundred cycles of latency,
+   against D sequential bitonic top-ks of ~N ln N candidates in the beam-per-depth
+   kernel this replaced (H200: N = 256 in 137 us instead of 239; kernels/NOTES.md).
 2. Ancestors without a [N+1, N+1] register tile: A[i, k] = the ancestor of node i
    at depth k, written by walking each node's parent chain (D+1 steps); then
    ancestors[i, j] = depth[j] <= depth[i] and A[i, depth[j]] == j, in row x column
@@ -63,9 +68,34 @@ def _fields(key):
 
 
 @triton.jit
-def _better(key1, parent_score1, key2, parent_score2):
-    take = key1 > key2
-    return tl.where(take, key1, key2), tl.where(take, parent_score1, parent_score2)
+def _top_two(key1, ps1, next1, next_ps1, key2, ps2, next2, next_ps2):
+    """The best two frontier keys (and their parents' scores) of two halves."""
+    first = key1 > key2
+    best, best_ps = tl.where(first, key1, key2), tl.where(first, ps1, ps2)
+    loser, loser_ps = tl.where(first, key2, key1), tl.where(first, ps2, ps1)
+    runner, runner_ps = tl.where(first, next1, next2), tl.where(first, next_ps1, next_ps2)
+    take = loser > runner
+    return best, best_ps, tl.where(take, loser, runner), tl.where(take, loser_ps, runner_ps)
+
+
+@triton.jit
+def _pop(frontier, parent_score, best, ps, k, slot, vals, taken, sv_d, sv_k, K,
+         N: tl.constexpr, D: tl.constexpr, M: tl.constexpr):
+    """Take frontier key `best` (its parent scores `ps`) as node k: its next sibling
+    takes its slot, its first child slot k. Returns the frontier, the two new keys (the
+    sibling's parent score, the node's own score)."""
+    score = _key_score((best >> 32).to(tl.int32))
+    d, p, j = _fields(best)
+    tl.store(taken + k, best, mask=k < M)
+    sibling = j + 1 < tl.where(d == 1, N, K)      # past K: -inf (depth 1's padding)
+    y = tl.load(vals + (d - 1) * sv_d + (j + 1) * sv_k, mask=sibling & (j + 1 < K), other=float("-inf"))
+    sib = tl.where(sibling, _entry(ps + y, d, p, j + 1), _EMPTY)
+    frontier = tl.where(frontier == best, sib, frontier)
+    y = tl.load(vals + d * sv_d, mask=d < D, other=float("-inf"))
+    child = tl.where(d < D, _entry(score + y, d + 1, k, 0), _EMPTY)
+    frontier = tl.where(slot == k, child, frontier)
+    parent_score = tl.where(slot == k, score, parent_score)
+    return frontier, parent_score, sib, ps, child, score
 
 
 @triton.jit
@@ -90,22 +120,21 @@ def _build_tree_kernel(
     dep_out = dep_ptr + b * M
     valid_out = valid_ptr + b * M
 
-    # 1. best-first: slot k (k >= 1) holds node k's next child, slot 0 the root's
+    # 1. best-first: slot k (k >= 1) holds node k's next child, slot 0 the root's;
+    # two pops per reduction (the second is the better of the first's two new entries
+    # and the runner-up), the last one past M when N is odd (not stored)
     slot = tl.arange(0, MP)
     frontier = tl.where(slot == 0, _entry(tl.load(vals), 1, 0, 0), _EMPTY)
     parent_score = tl.zeros([MP], dtype=tl.float32)  # the root scores 0
-    for k in range(1, M):
-        best, ps = tl.reduce((frontier, parent_score), 0, _better)
-        score = _key_score((best >> 32).to(tl.int32))
-        d, p, j = _fields(best)
-        tl.store(taken + k, best)
-        sibling = j + 1 < tl.where(d == 1, N, K)      # past K: -inf (depth 1's padding)
-        y = tl.load(vals + (d - 1) * sv_d + (j + 1) * sv_k, mask=sibling & (j + 1 < K), other=float("-inf"))
-        frontier = tl.where(frontier == best, tl.where(sibling, _entry(ps + y, d, p, j + 1), _EMPTY), frontier)
-        child = d < D
-        y = tl.load(vals + d * sv_d, mask=child, other=float("-inf"))
-        frontier = tl.where(slot == k, tl.where(child, _entry(score + y, d + 1, k, 0), _EMPTY), frontier)
-        parent_score = tl.where(slot == k, score, parent_score)
+    for k in range(1, M, 2):
+        best, ps, second, second_ps = tl.reduce((frontier, parent_score, tl.full([MP], _EMPTY, tl.int64),
+                                                 parent_score), 0, _top_two)
+        frontier, parent_score, sib, sib_ps, child, score = _pop(
+            frontier, parent_score, best, ps, k, slot, vals, taken, sv_d, sv_k, K, N, D, M)
+        new, new_ps = tl.where(sib > child, sib, child), tl.where(sib > child, sib_ps, score)
+        best, ps = tl.where(new > second, new, second), tl.where(new > second, new_ps, second_ps)
+        frontier, parent_score, sib, sib_ps, child, score = _pop(
+            frontier, parent_score, best, ps, k + 1, slot, vals, taken, sv_d, sv_k, K, N, D, M)
 
     tl.debug_barrier()                    # every node's key stored
     node = slot
@@ -166,5 +195,5 @@ def build_tree_fused(top_vals: torch.Tensor, top_ids: torch.Tensor, anchor: torc
     _build_tree_kernel[(B,)](
         top_vals, top_ids, anchor, taken, chain, tokens, parents, depths, valid.view(torch.uint8),
         ancestors.view(torch.uint8), *top_vals.stride(), *top_ids.stride(), *ancestors.stride()[:2], min(N, K),
-        N=N, D=D, MP=MP, DP=DP, RT=_ROW_TILE, CT=_COL_TILE, num_warps=4, **chained(dev))
+        N=N, D=D, MP=MP, DP=DP, RT=_ROW_TILE, CT=_COL_TILE, num_warps=8 if N > 256 else 4, **chained(dev))
     return DraftTree(tokens, parents, depths, ancestors, valid)
