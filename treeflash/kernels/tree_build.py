@@ -82,8 +82,8 @@ def _top_two(key1, ps1, next1, next_ps1, key2, ps2, next2, next_ps2):
 def _pop(frontier, parent_score, best, ps, k, slot, vals, taken, sv_d, sv_k, K,
          N: tl.constexpr, D: tl.constexpr, M: tl.constexpr):
     """Take frontier key `best` (its parent scores `ps`) as node k: its next sibling
-    takes its slot, its first child slot k. Returns the frontier, the two new keys (the
-    sibling's parent score, the node's own score)."""
+    takes its slot, its first child slot k. Returns the frontier, its parents' scores,
+    the two new keys (the sibling's parent also scores `ps`) and the node's score."""
     score = _key_score((best >> 32).to(tl.int32))
     d, p, j = _fields(best)
     tl.store(taken + k, best, mask=k < M)
@@ -95,7 +95,7 @@ def _pop(frontier, parent_score, best, ps, k, slot, vals, taken, sv_d, sv_k, K,
     child = tl.where(d < D, _entry(score + y, d + 1, k, 0), _EMPTY)
     frontier = tl.where(slot == k, child, frontier)
     parent_score = tl.where(slot == k, score, parent_score)
-    return frontier, parent_score, sib, ps, child, score
+    return frontier, parent_score, sib, child, score
 
 
 @triton.jit
@@ -129,11 +129,11 @@ def _build_tree_kernel(
     for k in range(1, M, 2):
         best, ps, second, second_ps = tl.reduce((frontier, parent_score, tl.full([MP], _EMPTY, tl.int64),
                                                  parent_score), 0, _top_two)
-        frontier, parent_score, sib, sib_ps, child, score = _pop(
+        frontier, parent_score, sib, child, score = _pop(
             frontier, parent_score, best, ps, k, slot, vals, taken, sv_d, sv_k, K, N, D, M)
-        new, new_ps = tl.where(sib > child, sib, child), tl.where(sib > child, sib_ps, score)
+        new, new_ps = tl.where(sib > child, sib, child), tl.where(sib > child, ps, score)
         best, ps = tl.where(new > second, new, second), tl.where(new > second, new_ps, second_ps)
-        frontier, parent_score, sib, sib_ps, child, score = _pop(
+        frontier, parent_score, _, _, _ = _pop(
             frontier, parent_score, best, ps, k + 1, slot, vals, taken, sv_d, sv_k, K, N, D, M)
 
     tl.debug_barrier()                    # every node's key stored
