@@ -236,17 +236,19 @@ def test_dependent_launches_read_what_the_previous_kernel_wrote():
     assert torch.allclose(stepwise.double(), ref, rtol=1e-3, atol=1e-3)
 
 
-def test_norms_that_add_the_projections_shares_change_no_bit(pair, monkeypatch):
+def test_norms_that_add_the_projections_shares_change_no_bit(tmp_path, monkeypatch):
     """Verify- and draft-sized products of the o and down projections split K in shares
     and leave them for the next RMSNorm to add (`SplitSums`: a launch fewer per product).
     A 16-token forward over a cache, graphed as the engine runs it, gives the hidden
     states and tapped features of the same forward whose products add their own shares,
-    bit for bit (bf16), and both have taken the split path."""
+    bit for bit (bf16), and both have taken the split path (K of 512 and 1024: 4 and 8
+    steps of 128, shares of two steps or more)."""
     from treeflash.engine.graphs import capture
     from treeflash.layers import linear as linear_mod
     from treeflash.layers.attention import AttentionInputs
     from treeflash.ops import SplitSums
-    target, _ = pair
+    target = write_random_target(tmp_path, hidden_size=512, num_layers=3, num_heads=8, num_kv_heads=2,
+                                 head_dim=64, intermediate_size=1024)
     model = LLM(target, method="ar", device="cuda", dtype="bfloat16", cuda_graphs=False).target
     g = torch.Generator(device="cuda").manual_seed(0)
     cache = model.new_cache(2, 256)

@@ -189,12 +189,14 @@ def _config(M: int, N: int, K: int, itemsize: int, sms: int, gated: bool) -> tup
     (4 with `gated`, for shared memory; 3 past four waves of strips: the LM head), K
     split so that strips x shares fill the SMs about once (the 4096-row o and down
     projections: 2 shares; more shares cost more in float32 partial sums than they
-    gain). Up to 16 rows an ungated step is 20 KB, not 32, and 7 fit: the qkv product
+    gain), each share at least two steps (on small matrices, one-step shares lose more in
+    the sums than they gain: the built-in pair's rounds 8-10% faster, BENCHMARKS.md section
+    36). Up to 16 rows an ungated step is 20 KB, not 32, and 7 fit: the qkv product
     (96 strips, so 96 busy SMs) takes 15.9 us a layer at 16 rows, not 18.2 (section 19).
     float32 (tests) takes 32-column steps 3 deep."""
     strips, wide = triton.cdiv(N, 64), itemsize <= 2
     bk = 128 if wide else 32
-    split = max(1, min(triton.cdiv(K, bk), sms // strips))
+    split = max(1, min(triton.cdiv(K, bk) // 2, sms // strips))
     stages = (4 if gated else 7 if M <= 16 else 5) if wide and strips <= 4 * sms else 3
     return max(16, triton.next_power_of_2(M)), 64, bk, split, 4, stages, True
 
