@@ -190,7 +190,7 @@ def _config(M: int, N: int, K: int, itemsize: int, sms: int, gated: bool) -> tup
     split so that strips x shares fill the SMs about once (the 4096-row o and down
     projections: 2 shares; more shares cost more in float32 partial sums than they
     gain), each share at least two steps (on small matrices, one-step shares lose more in
-    the sums than they gain: the built-in pair's rounds 8-10% faster, BENCHMARKS.md section
+    the sums than they gain: the built-in pair's chain and 16-32-node rounds 8-13% shorter, section
     36). Up to 16 rows an ungated step is 20 KB, not 32, and 7 fit: the qkv product
     (96 strips, so 96 busy SMs) takes 15.9 us a layer at 16 rows, not 18.2 (section 19).
     float32 (tests) takes 32-column steps 3 deep."""
