@@ -262,6 +262,26 @@ def test_the_engine_refuses_what_it_cannot_compile(engines, so, message):
     assert err.value.param == "structured_outputs"
 
 
+@pytest.mark.parametrize("so,message", [
+    (StructuredOutputs(choice=["ok", "\ud800"]), r"structured outputs: choice\[1\] is not valid Unicode text"),
+    (StructuredOutputs(json={"enum": ["a", "\ud800"]}), "structured outputs: json is not valid Unicode text"),
+    (StructuredOutputs(json='{"const": "\\ud800"}'), "structured outputs: json is not valid Unicode text"),
+    (StructuredOutputs(grammar='root ::= "\ud800"'), "structured outputs: grammar is not valid Unicode text"),
+    (StructuredOutputs(json={"type": "object", "properties": {f"k{i}": {"type": "string", "maxLength": 60}
+                                                              for i in range(8)}}),
+     r"structured outputs: the JSON schema is too complex \(it expands past"),
+    (StructuredOutputs(grammar='root ::= ("a" | "b")* "a"' + ' ("a" | "b")' * 16),  # 2^17 states, as the regex's
+     "structured outputs: the grammar is too complex"),
+])
+def test_a_constraint_made_into_a_regex_is_refused_in_its_own_terms(so, message):
+    """A schema, choice or grammar is refused naming what the client wrote, never the
+    internal regex made from it (which it never saw, and whose character positions
+    point nowhere in its request)."""
+    with pytest.raises(UsageError, match=message) as err:
+        so.validate().automaton()
+    assert "regex" not in str(err.value)
+
+
 def test_graphed_states_recapture_for_a_larger_table(monkeypatch):
     """A graphed state's table grows with the batch's automata: graphs that read the
     smaller one are dropped and the mode recaptured; the tokens stay AR's."""

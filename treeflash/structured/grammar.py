@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from treeflash.errors import UsageError, shown
-from treeflash.structured.regex import ByteDFA, compile_regex, edges, escape, live_states, prune, searched
+from treeflash.structured.regex import ByteDFA, TooComplex, compile_regex, edges, escape, live_states, prune, searched
 
 # vLLM's reasoning parsers, whose answers' reasoning comes before the constrained text:
 # (the tag with which the answer opens it, or None where the prompt does; the tag that
@@ -30,6 +30,14 @@ from treeflash.structured.regex import ByteDFA, compile_regex, edges, escape, li
 REASONING_TAGS = {"qwen3": ("<think>", "</think>"), "deepseek_r1": (None, "</think>")}
 
 MAX_INPUT_CHARS = {"regex": 100_000, "grammar": 100_000, "choice": 100_000, "json": 1_000_000}
+
+
+def _check_text(name: str, text: str) -> None:
+    """A lone surrogate (a client cut a character in two) is no text UTF-8 can write."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(f"structured outputs: {name} is not valid Unicode text (it holds a lone surrogate)") from None
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,10 @@ class StructuredOutputs:
         if self.choice is not None and not (isinstance(self.choice, (list, tuple)) and self.choice
                                             and all(isinstance(c, str) for c in self.choice)):
             raise UsageError(f"structured outputs: choice must be a non-empty list of strings, got {shown(self.choice)}")
+        for i, c in enumerate(self.choice or ()):
+            _check_text(f"choice[{i}]", c)
+        if self.grammar is not None:
+            _check_text("grammar", self.grammar)
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise UsageError(f"structured outputs: json must be a JSON schema (an object, or its text), "
                              f"got {shown(self.json)}")
@@ -107,15 +119,23 @@ class StructuredOutputs:
                 raise UsageError(f"structured outputs: json is not valid JSON ({e})") from None
             except RecursionError:
                 raise UsageError("structured outputs: json is nested too deeply") from None
+        _check_text("json", json.dumps(schema, ensure_ascii=False))
         return schema_regex(schema)
 
     def automaton(self) -> ByteDFA:
         """The byte DFA of the whole answer: the reasoning, if any, then the pattern."""
         tags = None if self.reasoning is None else REASONING_TAGS[self.reasoning]
-        if self.grammar is not None:
-            from treeflash.structured.ebnf import grammar_automaton
-            return grammar_automaton(self.grammar, tags)
-        return compile_regex(self.pattern(), tags)
+        try:
+            if self.grammar is not None:
+                from treeflash.structured.ebnf import grammar_automaton
+                return grammar_automaton(self.grammar, tags)
+            return compile_regex(self.pattern(), tags)
+        except TooComplex as e:  # said of what the user wrote, not of the regex made from it
+            made_from = {"json": "the JSON schema", "choice": "the choice", "grammar": "the grammar"}
+            source = next((made_from[k] for k in made_from if getattr(self, k) is not None), None)
+            if source is None or e.trouble is None:
+                raise
+            raise TooComplex(f"structured outputs: {source} {e.trouble}") from None
 
     def key(self) -> str:
         """One text per constraint, for caching its automaton."""

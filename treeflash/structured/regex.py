@@ -72,7 +72,18 @@ def repeat_bounds(low: str, comma: str, high: str, fail) -> tuple[int, int | Non
 
 
 class TooComplex(UsageError):
-    """A pattern past the automaton's size limits (a grammar unrolls less deep, then)."""
+    """A pattern past the automaton's size limits (a grammar unrolls less deep, then).
+    `trouble` says what is wrong without quoting the pattern, for the error of a
+    constraint the pattern was made from (a schema, a choice, a grammar), which the user
+    never saw as a regex."""
+
+    def __init__(self, message: str, trouble: str | None = None):
+        super().__init__(message)
+        self.trouble = trouble
+
+
+def _too_complex(pattern: str, detail: str) -> TooComplex:
+    return TooComplex(f"regex {shown(pattern, 60)} is too complex ({detail})", f"is too complex ({detail})")
 
 
 def _normal(ranges) -> list[tuple[int, int]]:
@@ -419,7 +430,8 @@ def compile_regex(pattern: str, reasoning: tuple[str | None, str] | None = None)
         raise UsageError(f"a regex must be a string, got {shown(pattern)}")
     if len(pattern) > MAX_PATTERN_CHARS:
         raise TooComplex(f"regex {shown(pattern, 60)} is too long ({len(pattern)} characters, over "
-                         f"{MAX_PATTERN_CHARS})")
+                         f"{MAX_PATTERN_CHARS})", f"is too complex (a pattern of {len(pattern)} characters, over "
+                                                f"{MAX_PATTERN_CHARS})")
     try:
         tree = _Parser(pattern).parse()
         if reasoning is not None:
@@ -428,10 +440,10 @@ def compile_regex(pattern: str, reasoning: tuple[str | None, str] | None = None)
                                ("rep", ("set", _PY_SPACE), 0, None)])
             tree = ("cat", [thought if opening is None else ("rep", thought, 0, 1), tree])
         if _size(tree) > MAX_NFA_STATES:  # repetitions nest: the automaton would copy items past any bound
-            raise TooComplex(f"regex {shown(pattern, 60)} is too complex (it expands past "
-                             f"{MAX_NFA_STATES} states: repetitions and alternatives multiply them)")
+            raise _too_complex(pattern, f"it expands past {MAX_NFA_STATES} states: repetitions and alternatives "
+                                        f"multiply them")
     except RecursionError:
-        raise TooComplex(f"regex {shown(pattern, 60)} nests too deeply") from None
+        raise TooComplex(f"regex {shown(pattern, 60)} nests too deeply", "nests too deeply") from None
     nfa = _NFA()
     start = nfa.state()
     final = nfa.build(tree, start)
@@ -444,7 +456,7 @@ def compile_regex(pattern: str, reasoning: tuple[str | None, str] | None = None)
         here = sets[len(rows)]
         work += len(here) * len(reps)
         if work > MAX_SUBSET_WORK:
-            raise TooComplex(f"regex {shown(pattern, 60)} is too complex (its automaton takes too long to build)")
+            raise _too_complex(pattern, "its automaton takes too long to build")
         row = []
         for byte in reps:
             moved = [t for s in here for a, b, t in nfa.edges[s] if a <= byte <= b]
@@ -454,7 +466,7 @@ def compile_regex(pattern: str, reasoning: tuple[str | None, str] | None = None)
             nxt = nfa.closure(moved)
             if nxt not in index:
                 if len(sets) >= MAX_DFA_STATES:
-                    raise TooComplex(f"regex {shown(pattern, 60)} is too complex (over {MAX_DFA_STATES} states)")
+                    raise _too_complex(pattern, f"over {MAX_DFA_STATES} states")
                 index[nxt] = len(sets)
                 sets.append(nxt)
             row.append(index[nxt])
@@ -541,8 +553,7 @@ def _minimal(trans: np.ndarray, accepting: np.ndarray, pattern: str) -> tuple[np
     while True:
         work += trans.size + len(trans)
         if work > MAX_MINIMIZE_WORK:
-            raise TooComplex(f"regex {shown(pattern, 60)} is too complex (its automaton takes too long to "
-                             f"minimise: long bounded repetitions)")
+            raise _too_complex(pattern, "its automaton takes too long to minimise: long bounded repetitions")
         target = np.where(trans >= 0, part[np.maximum(trans, 0)], -1)
         refined = np.unique(np.concatenate([part[:, None], target], axis=1), axis=0,
                             return_inverse=True)[1].reshape(-1)
