@@ -218,6 +218,11 @@ def test_generate_without_parameters_takes_the_models_generation_config(llm, hf_
     path.write_text(json.dumps({**config, "top_p": 0}))
     with pytest.raises(UsageError, match="generation_config.json: invalid sampling parameters: top_p"):
         LLM(folder, device="cpu", dtype="float32")
+    # "none" (vLLM's "vllm") reads none of the file's sampling values: a bad one does not stop the load
+    assert LLM(folder, device="cpu", dtype="float32", generation_config="none").default_sampling_params() == \
+        SamplingParams()
+    with pytest.raises(UsageError, match="generation_config must be 'auto' or 'none', got 'vllm'"):
+        LLM(folder, device="cpu", dtype="float32", generation_config="vllm")
     # filters without a temperature are for transformers' (and vLLM's) 1, unless do_sample is false
     path.write_text(json.dumps({**config, "top_k": 20}))
     assert LLM(folder, device="cpu", dtype="float32").default_sampling_params() == \
@@ -426,6 +431,23 @@ def test_bad_prompts_raise_usage_error(llm, prompts, what):
 def test_an_empty_list_of_sampling_parameters_is_not_the_default(llm, params):
     with pytest.raises(UsageError, match="2 prompts but 0 sampling parameter sets"):
         llm.generate(["a", "b"], params)
+
+
+@pytest.mark.parametrize("callback", ["on_tokens", "on_done"])
+def test_a_callback_that_calls_generate_again_is_refused(llm, callback):
+    """The engine is decoding the call's batch while its callbacks run: a nested call
+    on the same engine is refused with a clear error (it would take over that batch's
+    state), and the engine then serves as before; another engine made from it by
+    `with_method` has states of its own and may be called."""
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    want = llm.generate(ENGINE_PROMPTS[0], params)[0].token_ids
+    with pytest.raises(UsageError, match="generate was called from its own on_tokens or on_done callback"):
+        llm.generate(ENGINE_PROMPTS[:2], params, **{callback: lambda i, *rest: llm.generate(ENGINE_PROMPTS[0], params)})
+    assert llm.generate(ENGINE_PROMPTS[0], params)[0].token_ids == want
+    other, nested = llm.with_method("ar"), []
+    llm.generate(ENGINE_PROMPTS[:2], params,
+                 on_done=lambda i, out: nested.append(other.generate(ENGINE_PROMPTS[0], params)[0].token_ids))
+    assert nested == [want, want]
 
 
 @pytest.mark.parametrize("callback", ["on_tokens", "on_done"])

@@ -188,6 +188,10 @@ def test_options_left_out_take_the_models_generation_config(capsys, broken, mode
     assert rc == 0 and len(json.loads(out)["token_ids"]) == 128 and "generation_config" not in err
     path.write_text(json.dumps({**config, "top_p": 0}))
     assert_error(*run(capsys, prompt, "--model", broken, "--device", "cpu"), 2, "generation_config.json", "top_p")
+    # none reads no sampling value of the file, so a bad one does not keep the model from loading
+    rc, out, err = run(capsys, prompt, "--model", broken, "--device", "cpu", "--json", "--max-new-tokens", 3,
+                       "--generation-config", "none")
+    assert rc == 0 and len(json.loads(out)["token_ids"]) <= 3, err
 
 
 def test_sampling_options_at_temperature_0_say_they_do_nothing(capsys, model):

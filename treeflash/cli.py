@@ -137,7 +137,7 @@ def make_llm(args):
                device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, tp=getattr(args, "tp", 1),
                draft_mode=args.draft_mode, cuda_graphs=not args.eager, max_budget=args.max_budget,
                enable_prefix_caching=getattr(args, "enable_prefix_caching", False), max_batch=args.max_batch,
-               quantization=args.quantization)
+               quantization=args.quantization, generation_config=getattr(args, "generation_config", "auto"))
 
 
 def sampling_from(args, model_defaults: dict | None = None):

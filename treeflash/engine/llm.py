@@ -241,6 +241,9 @@ class LLM:
     128 x 128 blocks, quantized from a checkpoint in higher precision while loading, as
     an FP8 checkpoint would hold them (vLLM's `--quantization fp8`, with DeepSeek-V3's
     blocks); an FP8 checkpoint loads as it is either way.
+    generation_config: "auto" (default) samples, where `generate` is given no parameters,
+    with the values of the model's generation_config.json, as vLLM's; "none" ignores
+    them (vLLM's "vllm"): SamplingParams' defaults.
     """
 
     def __init__(self, model: str | Path | None = None, draft_model: str | Path | None = None,
@@ -248,11 +251,12 @@ class LLM:
                  dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
                  max_budget: int = 512, tp: int = 1, cuda_graphs: bool = True, draft_mode: str = "coupled",
                  enable_prefix_caching: bool = False, max_batch: int = 256, quantization: str | None = None,
-                 *, _worker=None):
+                 generation_config: str = "auto", *, _worker=None):
         # _worker: a tensor-parallel worker's runtime, building its shard of the driver's engine
         check_int("max_batch", max_batch, 1)
         self.max_batch = max_batch
         self._generating = threading.RLock()
+        self._decoding = False  # inside `generate`: a callback that calls it again is refused
         for name, path in (("model", model), ("draft_model", draft_model)):
             if path is not None and not isinstance(path, (str, Path)):
                 raise UsageError(f"{name} must be a folder path, got {path!r}")
@@ -299,7 +303,10 @@ class LLM:
                 raise TreeflashError(f"{source} in {model}: end-of-text token id {eos} is outside the model's "
                                      f"vocabulary of {self.config.vocab_size} tokens")
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids))
-        self.generation_defaults = generation_defaults(model)  # a bad value fails here, not at generate
+        if generation_config not in ("auto", "none"):
+            raise UsageError(f"generation_config must be 'auto' or 'none', got {generation_config!r}")
+        # a bad value fails here, not at generate
+        self.generation_defaults = generation_defaults(model) if generation_config == "auto" else {}
         dcfg = None
         if draft_model is not None:
             dcfg = DraftConfig.from_pretrained(draft_model)
@@ -326,7 +333,8 @@ class LLM:
                     draft_model=None if draft_model is None else os.path.abspath(draft_model),
                     method=method, budget=budget, device=device, dtype=dtype, max_model_len=max_model_len,
                     max_budget=max_budget, tp=tp, cuda_graphs=cuda_graphs, draft_mode=draft_mode,
-                    enable_prefix_caching=enable_prefix_caching, quantization=quantization)
+                    enable_prefix_caching=enable_prefix_caching, quantization=quantization,
+                    generation_config=generation_config)
         self.model_path = Path(args["model"])
         self._tp = tp_attach(tp, self.device, args, self.config, dcfg, worker=_worker)
         self.device = self._tp.device
@@ -386,6 +394,7 @@ class LLM:
         if cuda_graphs is not None:
             check_flag("cuda_graphs", cuda_graphs)
         other = copy.copy(self)
+        other._decoding = False  # its own states: its callers may be this engine's callbacks
         other._decode_with(method, budget, draft_mode or self.decoder.draft_mode,
                            self.cuda_graphs if cuda_graphs is None else cuda_graphs, self.decoder.backend)
         return other
@@ -569,11 +578,18 @@ class LLM:
         step = len(ids) if self.enable_prefix_caching else self.max_batch
         results = []
         with self._generating:  # one call at a time: a batch's state and graphs are the engine's
-            for s in range(0, len(ids), step):
-                e = s + step
-                with self.automata.pinned([p.structured_outputs for p in params[s:e] if p.structured_outputs]):
-                    results += self._generate_batch(ids[s:e], params[s:e], _shifted(on_tokens, s),
-                                                    _shifted(on_done, s))
+            if self._decoding:  # the same thread, from a callback (the lock lets it in)
+                raise UsageError("generate was called from its own on_tokens or on_done callback, while this "
+                                 "engine decodes that call's batch: call it after generate returns")
+            self._decoding = True
+            try:
+                for s in range(0, len(ids), step):
+                    e = s + step
+                    with self.automata.pinned([p.structured_outputs for p in params[s:e] if p.structured_outputs]):
+                        results += self._generate_batch(ids[s:e], params[s:e], _shifted(on_tokens, s),
+                                                        _shifted(on_done, s))
+            finally:
+                self._decoding = False
         return results
 
     def _generate_batch(self, ids: list[list[int]], params: list[SamplingParams], on_tokens, on_done):
