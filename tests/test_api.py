@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from conftest import ENGINE_PROMPTS
@@ -53,6 +54,25 @@ def test_a_single_prompt_and_token_id_prompts(llm):
     assert llm.generate(ids, p)[0].token_ids == by_text[0].token_ids        # one prompt as ids
     assert llm.generate([ids, ids], p)[1].token_ids == by_text[0].token_ids  # a batch of id lists
     assert llm.generate([], p) == []
+    as_numpy = [np.int64(t) for t in ids]  # as a NumPy tokenizer gives them, alone or in a batch
+    assert [o.token_ids for o in llm.generate(as_numpy, p)] == [by_text[0].token_ids]
+    assert llm.generate([as_numpy], p)[0].token_ids == by_text[0].token_ids
+
+
+def test_numpy_numbers_are_sampling_parameters_as_pythons():
+    """vLLM takes NumPy scalars where it takes numbers (values read from an array or a
+    sweep): they become Python's, so checks, copies and TP workers see plain values;
+    a NumPy boolean or a string is still no number."""
+    p = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(20), top_p=np.float64(0.9), seed=np.int64(3),
+                       max_tokens=np.int32(7), stop_token_ids=[np.int64(5)], logit_bias={np.int64(4): np.float32(1)},
+                       logprobs=np.int8(2), allowed_token_ids=[np.uint16(9), 4])
+    assert p == SamplingParams(temperature=0.5, top_k=20, top_p=float(np.float64(0.9)), seed=3, max_tokens=7,
+                               stop_token_ids=[5], logit_bias={4: 1.0}, logprobs=2, allowed_token_ids=[9, 4])
+    assert [type(v) for v in (p.temperature, p.top_k, p.seed, p.max_new_tokens, p.stop_token_ids[0])] == \
+        [float, int, int, int, int]
+    for bad in (dict(temperature=np.bool_(True)), dict(top_k="20"), dict(seed=np.float64(3.0))):
+        with pytest.raises(UsageError, match="invalid sampling parameters"):
+            SamplingParams(**bad)
 
 
 @pytest.mark.parametrize("n", [1, 7])

@@ -455,6 +455,16 @@ def test_malformed_jsonl(capsys, model, tmp_path, line, words):
     assert_error(*run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu"), 2, *words)
 
 
+@pytest.mark.parametrize("name,line,words", [("prompts.jsonl", '{"prompt": ""}', ["prompts.jsonl:3: empty prompt"]),
+                                             ("prompts.txt", "x " * 5000, ["prompts.txt:3: prompt of", "does not fit"])])
+def test_a_prompt_the_engine_refuses_is_named_by_its_line(capsys, model, tmp_path, name, line, words):
+    """A prompt of a file that is empty once read, or too long for the context, stops
+    the command before any output, naming the line to mend."""
+    f = tmp_path / name
+    f.write_text(("a\n\n" if name.endswith(".txt") else '{"prompt": "a"}\n\n') + line + "\n")
+    assert_error(*run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu"), 2, *words)
+
+
 @pytest.mark.parametrize("key", ["max_tokens", "temperature", "seed", "bad_words", "response_format"])
 def test_jsonl_lines_with_per_prompt_settings_get_a_note(capsys, model, api, tmp_path, key):
     """The flags apply to every prompt: a setting in a line (a saved request body, say),

@@ -32,10 +32,15 @@ def _jsonl_prompt(line: str, where: str) -> tuple[str, list[str]]:
 
 
 def read_prompts(args) -> list[str]:
+    return [prompt for prompt, _ in read_placed_prompts(args)]
+
+
+def read_placed_prompts(args) -> list[tuple[str, str | None]]:
+    """The prompts, each with its place ("FILE:LINE") for errors, None for the argument."""
     if args.prompt is not None and args.prompt_file:
         raise UsageError("give a PROMPT or --prompt-file, not both")
     if args.prompt is not None:
-        return [args.prompt]
+        return [(args.prompt, None)]
     if not args.prompt_file:
         raise UsageError("no prompt: give a PROMPT or --prompt-file FILE")
     try:  # utf-8-sig: a byte-order mark (some editors write one) is not part of the first prompt
@@ -52,10 +57,10 @@ def read_prompts(args) -> list[str]:
             continue
         if jsonl:
             prompt, settings = _jsonl_prompt(line, f"{args.prompt_file}:{i}")
-            prompts.append(prompt)
+            prompts.append((prompt, f"{args.prompt_file}:{i}"))
             ignored += [k for k in settings if k not in ignored]
         else:
-            prompts.append(line.replace("\\n", "\n"))
+            prompts.append((line.replace("\\n", "\n"), f"{args.prompt_file}:{i}"))
     if not prompts:
         raise UsageError(f"prompt file {args.prompt_file} holds no prompt")
     if ignored:
@@ -244,7 +249,7 @@ def _json_number(x: float) -> float | None:
 def cmd_generate(args) -> int:
     from treeflash.chat import ChatFormat
     from treeflash.tokenizer import TextStream
-    prompts = read_prompts(args)
+    prompts, places = zip(*read_placed_prompts(args))
     params = sampling_from(args, model_sampling_defaults(args))
     note_moot_sampling(args, params)
     if params.logprobs is not None and not args.json:
@@ -257,9 +262,16 @@ def cmd_generate(args) -> int:
     if args.chat:  # each prompt a user's message, as the chat template renders it
         fmt = ChatFormat(args.chat_template_kwargs)
         prompts = [llm.chat_prompt([{"role": "user", "content": p}], fmt) for p in prompts]
+
+    def encoded(prompt, place):
+        try:
+            return llm.encode(prompt, truncate=params.truncate_prompt_tokens)
+        except UsageError as e:
+            raise UsageError(str(e) if place is None else f"{place}: {e}") from None
+
     # every prompt tokenized and fitted to the context first: one that does not fit, late
     # in a file, stops the command before it has printed anything
-    prompts = [llm.encode(p, truncate=params.truncate_prompt_tokens) for p in prompts]
+    prompts = [encoded(p, place) for p, place in zip(prompts, places)]
 
     def outputs(on_tokens=None):
         """A file of prompts goes in batches of --max-batch, each printed as it finishes."""

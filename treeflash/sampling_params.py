@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import numbers
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +73,13 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         def bad(msg, param=None):
             raise UsageError(f"invalid sampling parameters: {msg}", param=param)
+        for name in _NUMBERS:
+            setattr(self, name, plain_number(getattr(self, name)))
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if isinstance(getattr(self, name), (list, tuple)):
+                setattr(self, name, [plain_number(t) for t in getattr(self, name)])
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {plain_number(t): plain_number(v) for t, v in self.logit_bias.items()}
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
                 or self.max_new_tokens < 1:
             bad(f"max_new_tokens must be an integer >= 1, got {shown(self.max_new_tokens)}")
@@ -199,6 +207,7 @@ def _as_in_vllm(init):
     @functools.wraps(init)
     def __init__(self, *args, max_tokens=..., **kwargs):
         if max_tokens is not ...:
+            max_tokens = plain_number(max_tokens)
             if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
                 raise UsageError(f"invalid sampling parameters: max_tokens must be an integer >= 1 (vLLM's None, "
                                  f"as many as fit, is not taken), got {shown(max_tokens)}")
@@ -254,6 +263,19 @@ def truncation_error(k) -> str | None:
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)):
         return f"must be an integer >= 1, or -1 (as many as fit), got {shown(k)}"
     return None
+
+
+_NUMBERS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "prompt_logprobs",
+            "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "truncate_prompt_tokens")
+
+
+def plain_number(x):
+    """A NumPy (or any `numbers`) integer or real as Python's int or float, as vLLM takes
+    them (a TP worker unpickles plain values, and the checks know int and float); any
+    other value as it is, for the checks to judge."""
+    if isinstance(x, (bool, int, float)) or not isinstance(x, numbers.Real):
+        return x
+    return int(x) if isinstance(x, numbers.Integral) else float(x)
 
 
 def _is_id(t) -> bool:

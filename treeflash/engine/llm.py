@@ -5,6 +5,7 @@ import contextlib
 import copy
 import importlib.util
 import inspect
+import numbers
 import os
 import random
 import threading
@@ -518,8 +519,9 @@ class LLM:
             except UnicodeEncodeError:  # lone surrogates, e.g. from undecodable command-line bytes
                 raise UsageError("a prompt must be valid Unicode text (it holds undecodable characters)") from None
             ids = self.tokenizer.encode(prompt, special)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                        for t in prompt):
+            ids = [int(t) for t in prompt]  # NumPy's integers too
             bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
             if bad:
                 raise UsageError(f"token id {bad[0]} is outside the vocabulary of {self.config.vocab_size}")
@@ -551,7 +553,7 @@ class LLM:
         if not isinstance(prompts, (str, list, tuple)):
             raise UsageError(f"prompts must be a string, a list of token ids, or a list of those, "
                              f"got {type(prompts).__name__}")
-        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral))
         prompts = [prompts] if single else list(prompts)
         if not prompts:
             return []
