@@ -31,7 +31,7 @@ from starlette.testclient import TestClient  # noqa: E402
 from treeflash import LLM, SamplingParams, UsageError  # noqa: E402
 from treeflash.engine.llm import builtin_paths  # noqa: E402
 from treeflash.server.app import build_app  # noqa: E402
-from treeflash.chat import ChatTemplate  # noqa: E402
+from treeflash.chat import ChatFormat, ChatTemplate  # noqa: E402
 from treeflash.tokenizer import TextStream  # noqa: E402
 
 PROMPT = "def fib(n):"
@@ -965,6 +965,33 @@ def test_a_final_message_can_be_continued(llm, monkeypatch):
     monkeypatch.setitem(llm.__dict__, "chat_template", ChatTemplate("{{ messages[-1].content | upper }}"))
     with pytest.raises(UsageError, match="cannot be continued"):
         llm.chat(talk, params, add_generation_prompt=False, continue_final_message=True)
+
+
+@pytest.mark.parametrize("source,messages,continued,want", [
+    # a template that trims the final message: cut after its last text, not at an earlier
+    # message that begins alike ("Hi " is in "Hi there")
+    ("{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>{% endfor %}",
+     [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hi "}], True,
+     "<user>Hi there</user><assistant>Hi"),
+    ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}",
+     [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hi "}], True,
+     "<user>Hi there</user><assistant>Hi "),
+    # keys set to null are not defined for the template (OpenAI's SDK writes "tool_calls": null)
+    ("{% for m in messages %}{% if 'tool_calls' in m %}{{ m.tool_calls | length }}{% endif %}"
+     "{% if m.name is defined %}{{ m.name }}:{% endif %}{{ m.content }}|{% endfor %}",
+     [{"role": "user", "content": "a", "name": None}, {"role": "assistant", "content": "b", "tool_calls": None}],
+     False, "a|b|"),
+    # a turn's reasoning under any of its names reaches templates under each of them
+    ("{% for m in messages %}[{{ m.thinking }}|{{ m.reasoning_content }}]{{ m.content }}{% endfor %}",
+     [{"role": "assistant", "content": "b", "reasoning": "r"}, {"role": "assistant", "content": "c", "thinking": "t"},
+      {"role": "assistant", "content": "d", "reasoning_content": "rc", "thinking": "t2"}], False,
+     "[r|r]b[t|t]c[t2|rc]d"),
+])
+def test_messages_reach_the_template_as_transformers_gives_them(source, messages, continued, want):
+    """As transformers' apply_chat_template (and so vLLM) renders them, checked against it
+    where these cases were written."""
+    fmt = ChatFormat(add_generation_prompt=False, continue_final_message=continued)
+    assert ChatTemplate(source).prompt(messages, fmt) == want
 
 
 def test_a_model_without_chat_template_refuses_chat(llm):

@@ -21,6 +21,10 @@ def _refuse(message: str):
     raise TreeflashError(message)
 
 
+REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")  # the first that a message sets wins
+CONTINUE_MARK = "TreeflashContinueHere "  # where a continued final message ends, found in the rendered text
+
+
 def plain_messages(messages) -> list[dict]:
     """A conversation as a template takes it: [{"role", "content"}] with text content
     (OpenAI's list of text parts joined by newlines, as vLLM does) and the messages'
@@ -47,9 +51,15 @@ def plain_messages(messages) -> list[dict]:
             content.encode("utf-8"), m["role"].encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate: a client cut a character in two
             raise UsageError(f"messages[{i}] must be valid Unicode text") from None
-        entry = {**m, "role": m["role"], "content": content}
+        # keys set to null are left out (OpenAI's SDK writes "tool_calls": null into every
+        # message it returns, and templates test whether a key is defined), as transformers does
+        entry = {k: v for k, v in m.items() if v is not None} | {"content": content}
         if calls:
             entry["tool_calls"] = _tool_calls(calls, f"messages[{i}]")
+        # a turn's reasoning under each name templates read it by (gpt-oss's read `thinking`)
+        reasoning = next((entry[k] for k in REASONING_NAMES if k in entry), None)
+        if reasoning is not None:
+            entry = {"thinking": reasoning, **entry, "reasoning_content": reasoning}
         plain.append(entry)
     return plain
 
@@ -202,6 +212,8 @@ class ChatTemplate:
         """The prompt for `messages` (and the `tools` the model may call), by default ending
         where the assistant's answer starts (see `ChatFormat`)."""
         import jinja2
+        if fmt.continue_final_message and messages:  # marked, to cut the text where the message ends
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + CONTINUE_MARK}]
         try:
             template = self.template if tools is None else self.tool_template
             variables = {**self.special_tokens, **(fmt.variables or {})}  # a kwarg may set bos_token, as in transformers
@@ -213,14 +225,13 @@ class ChatTemplate:
             raise
         except Exception as e:  # a template's own arithmetic or string operation on the messages
             raise TreeflashError(f"{type(e).__name__}: {e}") from None
-        if fmt.continue_final_message and messages:  # cut after the final message's text, as transformers does
-            final = messages[-1]["content"]
-            for piece in (final, final.strip()):
-                at = text.rfind(piece)
-                if at >= 0:
-                    return text[:at + len(piece)]
-            raise TreeflashError("the template does not write the final message's text as given: "
-                                 "it cannot be continued")
+        if fmt.continue_final_message and messages:  # cut where the final message's text ends, as transformers
+            at = text.rfind(CONTINUE_MARK.strip())
+            # a template that trims the message trims the space after the text as well
+            text = text[:at] if text.startswith(CONTINUE_MARK, at) else text[:at].rstrip()
+            if at < 0 or not text.rstrip().endswith(messages[-1]["content"][:-len(CONTINUE_MARK)].strip()):
+                raise TreeflashError("the template does not write the final message's text as given: "
+                                     "it cannot be continued")
         return text
 
     def prompt(self, messages, fmt: ChatFormat = ChatFormat(), tools: list[dict] | None = None) -> str:
