@@ -661,6 +661,13 @@ def test_corpora_and_runs_stay_tied_to_their_tokenizer_and_target(target, data_d
                   opts, tau_prompts=0)
     with pytest.raises(UsageError, match="--resume: .* is not the target this run trained against"):
         train_drafter(changed, data_dir, tmp_path / "run-d", opts=TrainOptions(max_steps=2), resume=True)
+    # a target of another depth is another target too (its depth is no flag to leave out)
+    deeper = shutil.copytree(tmp_path / "run-d", tmp_path / "run-deeper")
+    spec = json.loads((deeper / "run.json").read_text())
+    (deeper / "run.json").write_text(json.dumps({**spec, "target_layers": spec["target_layers"] + 2}))
+    with pytest.raises(UsageError, match=rf"--resume: .* is not the target this run trained against \(target "
+                                         rf"layers {spec['target_layers']}, the run's {spec['target_layers'] + 2}\)$"):
+        train_drafter(base / "model", data_dir, deeper, opts=TrainOptions(max_steps=2), resume=True)
     run = resumed_with(tmp_path / "run-d", "corpus_tokenizer")
     with pytest.raises(UsageError, match="--resume: the corpus .* another tokenizer than the run's"):
         train_drafter(base / "model", data_dir, run, opts=TrainOptions(max_steps=2), resume=True)
@@ -690,6 +697,11 @@ def test_more_bad_training_input_is_one_line(data_dir, target, tmp_path, capsys)
                      "--batch-size", "2", "--seq-len", "32", "--eval-tokens", "256", "--device", "cpu",
                      "--mask-token-id", str(common)]) == 0
     assert f"note: mask token id {common} is in the corpus's text" in capsys.readouterr().err
+    # windows one token past a block: enough to train on, too short for the held-out blocks (at position 1)
+    assert cli_main(["drafter", "--target", str(base / "model"), "--data", str(data_dir), "--run",
+                     str(tmp_path / "short"), "--block-size", "4", "--max-steps", "1", "--tau-prompts", "0",
+                     "--seq-len", "5", "--device", "cpu"]) == 2
+    assert "seq_len 5 is too short for the held-out windows' blocks of 4 (needs >= 6)" in capsys.readouterr().err
     src = data_dir.parent / "src"
     # an output inside a corpus root whose suffixes match what is written would be read back
     assert cli_main(["tokenizer", "--out", str(src / "tok"), "--roots", str(src), "--vocab-size", "300",

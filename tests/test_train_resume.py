@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,6 +126,53 @@ def test_ctrl_c_keeps_the_step_it_interrupts(data_dir, tmp_path, capsys, monkeyp
     assert _log(b) == _log(a) and [s for s, _ in _log(a)][:4] == [3, 4, 6, 8]  # losses at 3, 6; evals at 4, 8
     full, resumed = _tensors(tmp_path / "a_out"), _tensors(tmp_path / "b_out")
     assert full.keys() == resumed.keys() and all(torch.equal(full[k], resumed[k]) for k in full)
+
+
+def test_ctrl_c_in_the_last_evaluation_keeps_the_finished_run(data_dir, tmp_path, capsys, monkeypatch,
+                                                               ctrl_c_interrupts):
+    """Ctrl-C while the last step's held-out evaluation runs (long, with the default
+    --eval-tokens) lets it finish and saves it, then stops before the export: --resume
+    trains nothing more and exports the uninterrupted run's weights."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = ["target", "--data", str(data_dir), *SHAPE, *RUN, "--max-steps", "6"]
+    assert cli_main(common + ["--run", str(a), "--out", str(tmp_path / "a_out")]) == 0
+    evaluate = Trainer._evaluate
+
+    def ctrl_c_in_the_last(self, *args):
+        if self.step == 6:
+            os.kill(os.getpid(), signal.SIGINT)
+        return evaluate(self, *args)
+
+    monkeypatch.setattr(Trainer, "_evaluate", ctrl_c_in_the_last)
+    capsys.readouterr()
+    assert cli_main(common + ["--run", str(b), "--out", str(tmp_path / "b_out")]) == 130
+    monkeypatch.undo()
+    assert "the state of step 6 is saved" in capsys.readouterr().out and not (tmp_path / "b_out").exists()
+    assert [p.name for p in b.glob("*.tmp")] == []
+    assert cli_main(["target", "--data", str(data_dir), "--run", str(b), "--resume"]) == 0
+    assert "resuming at step 6" in capsys.readouterr().out and _log(b) == _log(a)
+    full, resumed = _tensors(tmp_path / "a_out"), _tensors(tmp_path / "b_out")
+    assert full.keys() == resumed.keys() and all(torch.equal(full[k], resumed[k]) for k in full)
+
+
+def test_a_state_save_cut_short_leaves_the_last_whole_one(tmp_path, monkeypatch):
+    """A second Ctrl-C (or a full disk) while the state is written leaves the state of
+    the save before, and no half-written file beside it."""
+    from treeflash.train.common import RunDir
+    run = RunDir(tmp_path / "run", resume=False, kind="target")
+    run.path.mkdir()
+    run.save_state({"step": 1})
+    real = torch.save
+
+    def cut_short(obj, path, *args, **kwargs):
+        Path(path).write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        run.save_state({"step": 2})
+    monkeypatch.setattr(torch, "save", real)
+    assert sorted(p.name for p in run.path.iterdir()) == ["state.pt"] and run.load_state() == {"step": 1}
 
 
 def test_resume_compares_only_the_given_shape_flags(data_dir, tmp_path, capsys):

@@ -359,7 +359,11 @@ class RunDir:
 
     def save_state(self, state: dict) -> None:
         tmp = self.state_path.with_suffix(".pt.tmp")
-        torch.save(state, tmp)
+        try:
+            torch.save(state, tmp)
+        except BaseException:  # a second Ctrl-C, a full disk: the last whole state stays, alone
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, self.state_path)  # never leave a half-written state behind
 
     def load_state(self) -> dict:
@@ -607,18 +611,20 @@ class Trainer:
                 self.elapsed = time.perf_counter() - start
                 if interrupted():  # Ctrl-C: keep this step, then stop
                     self._save()
-                    bar.write(f"interrupted: the state of step {self.step} is saved in {self.run.path} "
-                              f"(--resume goes on from it)")
-                    bar.close()
-                    raise KeyboardInterrupt
-        if o.warmup_steps and 0 < self.step <= o.warmup_steps:  # (--max-steps or --max-minutes ran out)
-            bar.write(f"note: the run ended at step {self.step}, within its {o.warmup_steps} warmup steps: its "
-                      f"learning rate never reached --lr {o.lr:g} (give fewer --warmup-steps)")
-        final = self.history[-1] if self.history else {}
-        if "eval_loss" not in final or final["step"] != self.step or self.best is None:
-            final = self._evaluate(evaluate, bar)  # else a finished run, resumed: its last evaluation stands
-            self._save()  # the last weights: a resumed run continues from them
-            self._plot()
+                    self._stop(bar)
+            if o.warmup_steps and 0 < self.step <= o.warmup_steps:  # (--max-steps or --max-minutes ran out)
+                bar.write(f"note: the run ended at step {self.step}, within its {o.warmup_steps} warmup steps: its "
+                          f"learning rate never reached --lr {o.lr:g} (give fewer --warmup-steps)")
+            final = self.history[-1] if self.history else {}
+            if "eval_loss" not in final or final["step"] != self.step or self.best is None:
+                # else a finished run, resumed: its last evaluation stands. The last step is
+                # saved first: a second Ctrl-C during a long evaluation loses none of it
+                self._save()
+                final = self._evaluate(evaluate, bar)
+                self._save()  # with the evaluation: a resumed run does not repeat it
+                self._plot()
+            if interrupted():  # Ctrl-C during the last evaluation: it finished and is saved
+                self._stop(bar)
         best, weights = self.best
         if best["best_step"] != self.step:
             self.model.load_state_dict(weights)
@@ -626,6 +632,12 @@ class Trainer:
                       f"last {final['eval_loss']:.4f})")
         bar.close()
         return {**best, "final_eval_loss": final["eval_loss"]}
+
+    def _stop(self, bar: "Progress") -> None:
+        bar.write(f"interrupted: the state of step {self.step} is saved in {self.run.path} "
+                  f"(--resume goes on from it)")
+        bar.close()
+        raise KeyboardInterrupt
 
     def _plot(self) -> None:
         if not plot_history(self.history, self.run.plot_path, f"{self.name} loss") and not self._plot_note:

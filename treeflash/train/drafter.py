@@ -418,8 +418,10 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
     check_export_dir(out, run)
     signature = {"target_layers": tcfg.num_layers, "target_hidden": tcfg.hidden_size,
                  "target_vocab": tcfg.vocab_size}
-    spec = run.settle_spec({**asdict(shape or DrafterShape()), **signature}, DRAFTER_SHAPE)
-    shape = DrafterShape(**{k: v for k, v in spec.items() if k in DrafterShape.__dataclass_fields__})
+    for k, v in signature.items():  # not flags: a target of another shape is another target
+        run.bind(k, v, f"{target_dir} is not the target this run trained against ({k.replace('_', ' ')} {v}, "
+                       f"the run's {run.saved.get(k)})")
+    shape = DrafterShape(**run.settle_spec(asdict(shape or DrafterShape()), DRAFTER_SHAPE))
     if isinstance(shape.num_layers, bool) or not isinstance(shape.num_layers, int) or not 0 < shape.num_layers < 2 ** 31:
         raise UsageError(f"--num-layers must be a positive integer, got {shape.num_layers!r}")
     if isinstance(shape.block_size, bool) or not isinstance(shape.block_size, int) or shape.block_size < 2:
@@ -486,8 +488,11 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
         held, held_lo, held_text = source.heldout[:max(1, opts.eval_tokens // source.length)], lo, "generated"
     else:
         held, held_lo, held_text = fixed_windows(data.heldout, opts.seq_len, opts.eval_tokens), 1, "corpus"
-        if held.shape[1] < b + 2:
-            raise UsageError(f"the held-out split ({data.heldout.size} tokens) is too short for blocks of {b}")
+        if held.shape[1] < b + 2:  # a block after the first anchor, at position 1, and its label
+            raise UsageError(f"the held-out split ({data.heldout.size} tokens) is too short for blocks of {b}"
+                             if held.shape[1] < opts.seq_len else
+                             f"seq_len {opts.seq_len} is too short for the held-out windows' blocks of {b} "
+                             f"(needs >= {b + 2})")
     tau_ids = tau_prompt_ids(data.heldout, source, tau_prompts, plen)
     torch.manual_seed(opts.seed)
     target = load_frozen_target(target_dir, device)
