@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from treeflash.errors import TreeflashError, UsageError
+from treeflash.errors import TreeflashError, UsageError, is_text
 from treeflash.files import SPECIAL_TOKENS, read_text, tokenizer_settings
 
 
@@ -47,10 +47,8 @@ def plain_messages(messages) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise UsageError(f"messages[{i}] must have string 'content'")
-        try:
-            content.encode("utf-8"), m["role"].encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate: a client cut a character in two
-            raise UsageError(f"messages[{i}] must be valid Unicode text") from None
+        if not (is_text(content) and is_text(m["role"])):
+            raise UsageError(f"messages[{i}] must be valid Unicode text")
         # keys set to null are left out (OpenAI's SDK writes "tool_calls": null into every
         # message it returns, and templates test whether a key is defined), as transformers does
         entry = {k: v for k, v in m.items() if v is not None} | {"content": content}

@@ -26,6 +26,16 @@ class EngineDeadError(TreeflashError):
     answers 503 and reports itself unhealthy."""
 
 
+def is_text(s: str) -> bool:
+    """Whether UTF-8 can write `s`: a lone surrogate (a client that cut a character in
+    two, undecodable command-line bytes) it cannot, and no tokenizer or match takes it."""
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def shown(value, limit: int = 80) -> str:
     """repr(value), cut: an error message does not echo a megabyte of input back (nor
     fail on an integer too long to print)."""

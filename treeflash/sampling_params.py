@@ -11,7 +11,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from treeflash.errors import UsageError, shown
+from treeflash.errors import UsageError, is_text, shown
 from treeflash.files import read_json_object
 from treeflash.structured.grammar import StructuredOutputs
 
@@ -109,9 +109,7 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop must be a list of non-empty strings")
         for s in self.stop:
-            try:
-                s.encode("utf-8")
-            except UnicodeEncodeError:  # a lone surrogate: it could never match the output
+            if not is_text(s):  # it could never match the output
                 bad(f"stop string {shown(s)} is not valid Unicode text", param="stop")
         self.stop = [str(s) for s in self.stop]  # plain: a subclass may not unpickle in a TP worker
         if self.stop_token_ids is None:

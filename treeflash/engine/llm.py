@@ -25,7 +25,7 @@ from treeflash.engine.round import DRAFT_MODES, METHODS, BatchState, Speculative
 from treeflash.engine.sampling import SamplingBatch
 from treeflash.engine.states import GRAPHED_PREFILL_MAX, KeptStates, suffix_chunks
 from treeflash.engine.tp import attach as tp_attach
-from treeflash.errors import TreeflashError, UsageError, shown
+from treeflash.errors import TreeflashError, UsageError, is_text, shown
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import (build_on, check_model_size, check_sizes, load_weights, stored_shapes,
                                      weights_dtype)
@@ -514,10 +514,8 @@ class LLM:
         its special tokens (BOS), as for plain text (not for a rendered chat template)."""
         check_flag("special", special)
         if isinstance(prompt, str):
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError:  # lone surrogates, e.g. from undecodable command-line bytes
-                raise UsageError("a prompt must be valid Unicode text (it holds undecodable characters)") from None
+            if not is_text(prompt):
+                raise UsageError("a prompt must be valid Unicode text (it holds undecodable characters)")
             ids = self.tokenizer.encode(prompt, special)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
                                                         for t in prompt):
@@ -751,11 +749,9 @@ class LLM:
         word inside a text)."""
         out = []
         for word in p.bad_words or []:
-            try:
-                word.encode("utf-8")
-            except UnicodeEncodeError:
+            if not is_text(word):
                 raise UsageError(f"invalid sampling parameters: bad word {shown(word)} is not valid Unicode text",
-                                 param="bad_words") from None
+                                 param="bad_words")
             for prefix in ("", " "):
                 ids = self.tokenizer.encode(prefix + word.lstrip(), special=False)
                 if prefix and (ids[0] == out[-1][0] or len(ids) != len(out[-1])):

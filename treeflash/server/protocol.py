@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from treeflash.chat import ChatFormat, checked_tools, plain_messages
-from treeflash.errors import TreeflashError, UsageError, shown
+from treeflash.errors import TreeflashError, UsageError, is_text, shown
 from treeflash.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
                                        SamplingParams, generation_defaults, token_bias)
 from treeflash.server.answers import HARMONY, MessageStream, chat_parsers, harmony_opened, request_tools
@@ -576,10 +576,8 @@ def _tokenize(body: dict, template, tokenizer) -> list[int]:
             raise APIError(f"{key} applies to 'messages'", param=key)
     if not isinstance(body["prompt"], str):
         raise APIError("'prompt' must be a string", param="prompt")
-    try:
-        body["prompt"].encode("utf-8")
-    except UnicodeEncodeError:
-        raise APIError("'prompt' must be valid Unicode text", param="prompt") from None
+    if not is_text(body["prompt"]):
+        raise APIError("'prompt' must be valid Unicode text", param="prompt")
     return tokenizer.encode(body["prompt"], _flag(body, "add_special_tokens", True))
 
 

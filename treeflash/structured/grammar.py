@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from treeflash.errors import UsageError, shown
+from treeflash.errors import UsageError, is_text, shown
 from treeflash.structured.regex import ByteDFA, TooComplex, compile_regex, edges, escape, live_states, prune, searched
 
 # vLLM's reasoning parsers, whose answers' reasoning comes before the constrained text:
@@ -33,11 +33,8 @@ MAX_INPUT_CHARS = {"regex": 100_000, "grammar": 100_000, "choice": 100_000, "jso
 
 
 def _check_text(name: str, text: str) -> None:
-    """A lone surrogate (a client cut a character in two) is no text UTF-8 can write."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise UsageError(f"structured outputs: {name} is not valid Unicode text (it holds a lone surrogate)") from None
+    if not is_text(text):
+        raise UsageError(f"structured outputs: {name} is not valid Unicode text (it holds a lone surrogate)")
 
 
 @dataclass(frozen=True)
