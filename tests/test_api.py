@@ -470,6 +470,26 @@ def test_a_callback_that_calls_generate_again_is_refused(llm, callback):
     assert nested == [want, want]
 
 
+def test_close_from_another_thread_mid_batch_ends_it_as_closed(hf_checkpoint, monkeypatch):
+    """`close()` does not wait for a generating thread: if it ends the batch in flight
+    just after that thread's check, the thread's next round raises EngineDeadError (not
+    an AttributeError from inside the engine)."""
+    from treeflash.errors import EngineDeadError
+    llm = LLM(hf_checkpoint("qwen3").path, device="cpu", dtype="float32")
+    real, steps = llm._tp.call, []
+
+    def call(obj, name, args=(), collect=False):
+        if name == "_step":
+            steps.append(1)
+            if len(steps) == 3:  # the other thread's close, as far as ending the batch
+                llm._finish_run()
+        return real(obj, name, args, collect)
+
+    monkeypatch.setattr(llm._tp, "call", call)
+    with pytest.raises(EngineDeadError, match="closed"):
+        llm.generate(ENGINE_PROMPTS[:2], SamplingParams(max_new_tokens=12, ignore_eos=True))
+
+
 @pytest.mark.parametrize("callback", ["on_tokens", "on_done"])
 def test_callbacks_must_be_functions(llm, callback):
     with pytest.raises(UsageError, match=f"{callback} must be a function, got int"):

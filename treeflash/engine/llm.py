@@ -24,7 +24,7 @@ from treeflash.engine.pipeline import RoundPipeline
 from treeflash.engine.round import DRAFT_MODES, METHODS, BatchState, SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch
 from treeflash.engine.states import GRAPHED_PREFILL_MAX, KeptStates, suffix_chunks
-from treeflash.engine.tp import attach as tp_attach
+from treeflash.engine.tp import attach as tp_attach, closed_error
 from treeflash.errors import TreeflashError, UsageError, is_text, shown
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import (build_on, check_model_size, check_sizes, load_weights, stored_shapes,
@@ -858,6 +858,8 @@ class LLM:
         without waiting for the round in flight; `max_n` bounds eager attention reads (at
         least every request's n before this round)."""
         run = self._run
+        if run is None:  # `close()` from another thread ended the batch after this call's check
+            raise closed_error()
         st = run.st
         if active is not None and active != run.active:
             src = torch.tensor(active, dtype=torch.bool, pin_memory=st.active.is_cuda)
