@@ -244,6 +244,8 @@ def test_shape_mode_refuses_weights_past_the_hosts_free_memory(monkeypatch, caps
     (["--shape", "tiny", "--plot", "p.txt"], "the name must end in .png, .svg or .pdf"),
     (["--methods", "ar", "--plot", "plot", "--device", "cpu"], "the name must end in .png"),
     (["--shape", "tiny", "--plot", "/tmp"], "is a folder"),
+    (["--shape", "tiny", "--plot", "r.png", "--out", "./r.png"], "--plot and --out are the same file"),
+    (["--methods", "ar", "--plot", "r.png", "--out", "r.png", "--device", "cpu"], "--plot and --out are the same file"),
     # budgets that no method would build a tree of were checked, or ignored without a word
     (["--methods", "ar", "--budgets", "4", "--device", "cpu"], "--budgets sets ddtree's tree sizes"),
     (["--methods", "dflash,ar", "--budgets", "600", "--device", "cpu"], "--budgets sets ddtree's tree sizes"),
@@ -272,6 +274,21 @@ def test_bad_inputs_exit_2_with_one_line(argv, message, capsys):
     assert main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_a_run_that_fails_before_its_first_row_keeps_the_earlier_results(tmp_path, capsys):
+    """--out is checked before the run but emptied only by the run's first row: results
+    of an earlier run survive a run that fails at the start (a prompt past the context)."""
+    out, prompts = tmp_path / "results.jsonl", tmp_path / "long.txt"
+    out.write_text('{"earlier": 1}\n')
+    prompts.write_text("x " * 5000 + "\n")
+    assert main(["bench", "--methods", "ar", "--prompt-file", str(prompts), "--num-prompts", "1", "--device", "cpu",
+                 "--out", str(out)]) == 2
+    assert "does not fit" in capsys.readouterr().err and out.read_text() == '{"earlier": 1}\n'
+    assert main(["bench", "--shape", "tiny", "--contexts", "16", "--budgets", "0", "--iters", "1", "--device", "cpu",
+                 "--copy-mib", "8", "--temperatures", "-0", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and all("earlier" not in r and str(r["temperature"]) == "0.0" for r in rows)
 
 
 @pytest.mark.parametrize("mode", [["--shape", "tiny"], ["--methods", "ar", "--device", "cpu"]], ids=["shape", "pair"])

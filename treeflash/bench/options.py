@@ -27,6 +27,8 @@ def parse_list(text: str, kind, what: str, minimum=None, maximum=None) -> list:
             v = kind(t)
             if kind is float and not math.isfinite(v):
                 raise ValueError(t)
+            if kind is float:
+                v += 0.0  # -0 is 0 (in the table and the JSON lines)
         except ValueError:
             raise UsageError(f"bad {what} '{t}' (expected a comma-separated list of "
                              f"{'integers' if kind is int else 'numbers'})") from None

@@ -201,7 +201,7 @@ def _pair_plan(args) -> PairPlan:
             not Tokenizer(args.corpus).same_vocabulary(Tokenizer(model_dir)):  # before the model loads
         raise UsageError(f"the corpus in {args.corpus} was tokenized with another tokenizer than the model's: "
                          f"its prompts would be other text to it")
-    check_plot_path(args.plot)
+    check_plot_path(args.plot, args.out)
     graphs = usable_graphs(graphs, resolve_device(args.device))
     return PairPlan(methods, budgets, batch_sizes, temperatures, graphs, prompts, model_dir)
 

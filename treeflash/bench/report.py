@@ -51,11 +51,30 @@ def print_ratios(rows: list[dict]) -> None:
                 print(f"{op}(N)/AR  C={c} bs={bs} T={t:g} graphs {'on' if g else 'off'}:  {pairs}")
 
 
-def open_out(path: str | None, inputs=()):
-    """Open --out before the (long) run, so a bad path fails at once; rows are written
-    as they are measured, so an interrupted GPU run keeps what it measured. Refused if
-    it is one of the run's `inputs` (files, or folders it lies in): opening it empties it,
-    and a model's config.json or the prompt file was lost that way."""
+class RowsFile:
+    """--out, opened before the (long) run, so a bad path fails at once, but emptied only
+    when the first row comes: a run that fails before measuring anything leaves the
+    results of an earlier run as they were. Rows are written as they are measured, so
+    an interrupted GPU run keeps what it measured."""
+
+    def __init__(self, path: str):
+        self.file, self.rows = open(path, "a", encoding="utf-8"), 0
+
+    def write(self, row: dict) -> None:
+        if not self.rows:
+            self.file.truncate(0)
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        self.rows += 1
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def open_out(path: str | None, inputs=()) -> RowsFile | None:
+    """--out as a `RowsFile`. Refused if it is one of the run's `inputs` (files, or
+    folders it lies in): writing it would empty it, and a model's config.json or the
+    prompt file was lost that way."""
     if not path:
         return None
     target = Path(path).resolve()
@@ -65,15 +84,14 @@ def open_out(path: str | None, inputs=()):
             raise UsageError(f"--out {path} is {'an input' if target == source else f'inside {given}'}, "
                              f"which this run reads: choose another path")
     try:
-        return open(path, "w", encoding="utf-8")
+        return RowsFile(path)
     except OSError as e:
         raise TreeflashError(f"cannot write {path}: {e.strerror}") from None
 
 
-def emit(out, row: dict) -> None:
+def emit(out: RowsFile | None, row: dict) -> None:
     if out is not None:
-        out.write(json.dumps(row) + "\n")
-        out.flush()
+        out.write(row)
 
 
 def close_out(out, path: str | None) -> None:
@@ -85,11 +103,14 @@ def close_out(out, path: str | None) -> None:
 PLOT_FORMATS = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp")  # matplotlib's
 
 
-def check_plot_path(path: str | None) -> None:
+def check_plot_path(path: str | None, out: str | None) -> None:
     """Refuse a --plot that cannot be written before the run, not after it: a folder, a
-    name matplotlib would add .png to or cannot write, an unwritable folder, no matplotlib."""
+    name matplotlib would add .png to or cannot write, an unwritable folder, no matplotlib,
+    or --out's file (the plot would replace the rows)."""
     if not path:
         return
+    if out and Path(path).resolve() == Path(out).resolve():
+        raise UsageError(f"--plot and --out are the same file {path}: the plot would replace the rows")
     if Path(path).is_dir():
         raise UsageError(f"--plot {path} is a folder: give a file name ending in .png, .svg or .pdf")
     if Path(path).suffix.lower() not in PLOT_FORMATS:

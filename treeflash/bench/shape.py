@@ -450,7 +450,7 @@ def _shape_plan(args) -> ShapePlan:
     anything is built or launched."""
     if args.copy_mib is not None and args.copy_mib < 1:
         raise UsageError(f"--copy-mib must be >= 1, got {args.copy_mib}")
-    check_plot_path(args.plot)
+    check_plot_path(args.plot, args.out)
     if args.shape not in SHAPES:
         raise UsageError(f"unknown shape '{args.shape}' (choose from {', '.join(SHAPES)})")
     contexts = parse_list(args.contexts, int, "context", minimum=1)
