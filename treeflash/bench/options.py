@@ -25,9 +25,9 @@ def parse_list(text: str, kind, what: str, minimum=None, maximum=None) -> list:
     for t in items:
         try:
             v = kind(t)
-            if kind is float and not math.isfinite(v):
-                raise ValueError(t)
             if kind is float:
+                if not math.isfinite(v):
+                    raise ValueError(t)
                 v += 0.0  # -0 is 0 (in the table and the JSON lines)
         except ValueError:
             raise UsageError(f"bad {what} '{t}' (expected a comma-separated list of "
