@@ -239,6 +239,10 @@ def test_shape_mode_refuses_weights_past_the_hosts_free_memory(monkeypatch, caps
     (["--shape", "tiny", "--max-new-tokens", "0"], "--max-new-tokens applies to model-pair mode"),
     (["--shape", "tiny", "--copy-mib", "-1"], "--copy-mib must be >= 1"),
     (["--shape", "tiny", "--copy-mib", "0"], "--copy-mib must be >= 1"),
+    # 100000 layers spent minutes in the memory check's build
+    (["--shape", "tiny", "--draft-layers", "6"], "--draft-layers must be <= 5"),
+    (["--shape", "qwen3-8b", "--draft-layers", "100000"], "--draft-layers must be <= 36"),
+    (["--shape", "tiny", "--draft-layers", "0"], "--draft-layers must be >= 1"),
     (["--shape", "tiny", "--plot", "/nonexistent/p.png"], "cannot write the plot"),
     (["--methods", "ar", "--plot", "/nonexistent/p.png", "--device", "cpu"], "cannot write the plot"),
     (["--shape", "tiny", "--plot", "p.txt"], "the name must end in .png, .svg or .pdf"),

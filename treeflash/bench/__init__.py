@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 
-from treeflash.bench.options import PAIR_BUDGETS, SHAPE_BUDGETS
+from treeflash.bench.options import DRAFT_LAYERS, PAIR_BUDGETS, SHAPE_BUDGETS
 from treeflash.bench.pairs import bench_pairs
 from treeflash.bench.shape import SHAPES, bench_shape
 from treeflash.cli import add_structured_args
@@ -43,7 +43,7 @@ STRUCTURED = ("json_schema", "regex", "choice", "grammar", "json_object")  # add
 MODE_ONLY = {
     "tp": (SHAPE, 1),
     "contexts": (SHAPE, "1024,4096,16384"),
-    "draft_layers": (SHAPE, 5),
+    "draft_layers": (SHAPE, DRAFT_LAYERS),
     "iters": (SHAPE, 50),
     "attention": (SHAPE, "auto"),
     "copy_mib": (SHAPE, None),
@@ -110,7 +110,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="the target's linear layers in block-scaled FP8, one scale per block of ROWS x COLS "
                         "(default 128x128, as Qwen3-FP8 and DeepSeek-V3 publish them)")
     s.add_argument("--contexts", help="comma list of committed tokens C per request (default 1024,4096,16384)")
-    s.add_argument("--draft-layers", type=int, help="layers of the shape's drafter (default 5)")
+    s.add_argument("--draft-layers", type=int, help=f"layers of the shape's drafter (default {DRAFT_LAYERS}, at most the target's)")
     s.add_argument("--iters", type=int, help="timed calls per op, their median reported (default 50)")
     s.add_argument("--attention", choices=["auto", "sdpa", "triton"],
                    help="attention backend (auto: triton on CUDA when installed)")

@@ -13,6 +13,7 @@ from treeflash.sampling_params import SamplingParams
 
 PAIR_BUDGETS = "16,32,64,128,256"
 SHAPE_BUDGETS = "0,15,31,63,127,255"
+DRAFT_LAYERS = 5           # the shape mode's drafter (issue 7's draft step is of 5 layers)
 MAX_BENCH_BATCH = 4096     # a timed batch's requests at most (--batch-sizes 10^9 built 10^9 indices)
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from treeflash.bench.options import (MAX_BENCH_BATCH, check_seed, filters, filters_note, parse_budgets, parse_graphs,
-                                     parse_list, usable_graphs)
+from treeflash.bench.options import (DRAFT_LAYERS, MAX_BENCH_BATCH, check_seed, filters, filters_note, parse_budgets,
+                                     parse_graphs, parse_list, usable_graphs)
 from treeflash.bench.report import check_plot_path, close_out, emit, format_table, open_out, plot_shape, print_ratios
 from treeflash.config import GPT_OSS_ROPE_SCALING, DraftConfig, ModelConfig, default_target_layer_ids
 from treeflash.distributed import TPGroup
@@ -460,6 +460,10 @@ def _shape_plan(args) -> ShapePlan:
     filters(args)
     if args.draft_layers < 1:
         raise UsageError(f"--draft-layers must be >= 1, got {args.draft_layers}")
+    most = max(SHAPES[args.shape].num_layers, DRAFT_LAYERS)  # 100000 spent minutes building before any check
+    if args.draft_layers > most:
+        raise UsageError(f"--draft-layers must be <= {most} (the {args.shape} target's layers, or the default "
+                         f"{DRAFT_LAYERS}), got {args.draft_layers}")
     if args.iters < 1:
         raise UsageError(f"--iters must be >= 1, got {args.iters}")
     if args.tp < 1:
