@@ -240,6 +240,13 @@ def test_shape_mode_refuses_weights_past_the_hosts_free_memory(monkeypatch, caps
     (["--shape", "tiny", "--copy-mib", "-1"], "--copy-mib must be >= 1"),
     (["--shape", "tiny", "--copy-mib", "0"], "--copy-mib must be >= 1"),
     # 100000 layers spent minutes in the memory check's build
+    # options that no request of the run would use were accepted without a word
+    (["--methods", "ar", "--draft-mode", "scaled", "--device", "cpu"], "--draft-mode sets how dflash and ddtree draft"),
+    (["--methods", "ddtree", "--temperatures", "0", "--draft-mode", "scaled", "--device", "cpu"],
+     "--draft-mode act on sampled requests only"),
+    (["--temperatures", "0", "--top-p", "0.9", "--min-p", "0.1", "--device", "cpu"],
+     "--top-p and --min-p act on sampled requests only: give a --temperatures above 0 or leave them out"),
+    (["--shape", "tiny", "--top-k", "5"], "--top-k act on sampled requests only"),
     (["--shape", "tiny", "--draft-layers", "6"], "--draft-layers must be <= 5"),
     (["--shape", "qwen3-8b", "--draft-layers", "100000"], "--draft-layers must be <= 36"),
     (["--shape", "tiny", "--draft-layers", "0"], "--draft-layers must be >= 1"),

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 
-from treeflash.bench.options import DRAFT_LAYERS, PAIR_BUDGETS, SHAPE_BUDGETS
+from treeflash.bench.options import DRAFT_LAYERS, DRAFT_MODE, PAIR_BUDGETS, SHAPE_BUDGETS
 from treeflash.bench.pairs import bench_pairs
 from treeflash.bench.shape import SHAPES, bench_shape
 from treeflash.cli import add_structured_args
@@ -93,9 +93,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                                                              "(model-pair mode; default: none)")
     p.add_argument("--eos", action="store_true", help="stop requests at EOS (default: always generate "
                                                       "--max-new-tokens, so every method does the same work)")
-    p.add_argument("--draft-mode", default="coupled", choices=DRAFT_MODES,
-                   help="how trees are drafted at T > 0: coupled to the target's noise, or temperature-scaled "
-                        "(default coupled)")
+    p.add_argument("--draft-mode", choices=DRAFT_MODES,
+                   help=f"how dflash and ddtree draft at T > 0: coupled to the target's noise, or "
+                        f"temperature-scaled (default {DRAFT_MODE})")
     add_structured_args(p)  # every request of model-pair mode constrained alike
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype; --shape: bfloat16 on CUDA, "

@@ -11,6 +11,8 @@ import torch
 from treeflash.errors import UsageError
 from treeflash.sampling_params import SamplingParams
 
+DRAFT_MODE = "coupled"     # as the engine's: the higher mean tau on the built-in pair (BENCHMARKS.md)
+
 PAIR_BUDGETS = "16,32,64,128,256"
 SHAPE_BUDGETS = "0,15,31,63,127,255"
 DRAFT_LAYERS = 5           # the shape mode's drafter (issue 7's draft step is of 5 layers)
@@ -85,6 +87,23 @@ def filters(args) -> dict:
     given = {"top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p}
     SamplingParams(temperature=1.0, **given).validate()
     return given
+
+
+def check_sampled_options(args, temperatures: list[float], drafted: bool) -> str:
+    """Refuse the sampling-only options a run would ignore (as --budgets without ddtree):
+    the filters and --draft-mode act on sampled requests only, --draft-mode on drafted
+    ones only. Returns the draft mode (its default if not given)."""
+    given = [f"--{name.replace('_', '-')}" for name, value in filters(args).items()
+             if value != {"top_k": 0, "top_p": 1.0, "min_p": 0.0}[name]]
+    if args.draft_mode is not None:
+        if not drafted:
+            raise UsageError("--draft-mode sets how dflash and ddtree draft sampled requests: add one of them to "
+                             "--methods or leave --draft-mode out")
+        given.append("--draft-mode")
+    if given and max(temperatures) == 0:
+        raise UsageError(f"{' and '.join(given)} act on sampled requests only: give a --temperatures above 0 "
+                         f"or leave {'them' if len(given) > 1 else 'it'} out")
+    return args.draft_mode or DRAFT_MODE
 
 
 def filters_note(args) -> str:

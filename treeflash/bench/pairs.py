@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from treeflash.bench.options import (MAX_BENCH_BATCH, check_seed, filters, filters_note, parse_budgets, parse_graphs,
-                                     parse_list, usable_graphs)
+from treeflash.bench.options import (MAX_BENCH_BATCH, check_sampled_options, check_seed, filters, filters_note,
+                                     parse_budgets, parse_graphs, parse_list, usable_graphs)
 from treeflash.bench.report import check_plot_path, close_out, emit, format_table, open_out, plot_pairs
 from treeflash.cli import read_prompts, structured_from
 from treeflash.engine.llm import LLM, builtin_paths, resolve_device
@@ -169,6 +169,7 @@ class PairPlan:
     graphs: list[bool]
     prompts: list
     model_dir: Path
+    draft_mode: str
 
 
 def _pair_plan(args) -> PairPlan:
@@ -186,7 +187,7 @@ def _pair_plan(args) -> PairPlan:
         budgets = []
     batch_sizes = parse_list(args.batch_sizes or "1,2,4", int, "batch size", minimum=1, maximum=MAX_BENCH_BATCH)
     temperatures = parse_list(args.temperatures or "0,0.7,1.0", float, "temperature", minimum=0.0)
-    filters(args)
+    draft_mode = check_sampled_options(args, temperatures, drafted=methods != ["ar"])
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     SamplingParams(logprobs=args.logprobs).validate()
@@ -203,7 +204,7 @@ def _pair_plan(args) -> PairPlan:
                          f"its prompts would be other text to it")
     check_plot_path(args.plot, args.out)
     graphs = usable_graphs(graphs, resolve_device(args.device))
-    return PairPlan(methods, budgets, batch_sizes, temperatures, graphs, prompts, model_dir)
+    return PairPlan(methods, budgets, batch_sizes, temperatures, graphs, prompts, model_dir, draft_mode)
 
 
 def bench_pairs(args) -> int:
@@ -229,7 +230,7 @@ def bench_pairs(args) -> int:
     rows, ar = [], {}  # ar: (batch size, temperature, graphs) -> (tokens/s, token ids)
     for method, budget in pair_configs(methods, plan.budgets):
         for graphs in plan.graphs:
-            llm = base.with_method(method, budget, graphs, args.draft_mode)
+            llm = base.with_method(method, budget, graphs, plan.draft_mode)
             for bs in plan.batch_sizes:
                 for temperature in plan.temperatures:
                     m = measure_pair(llm, prompts, bs, temperature, args)

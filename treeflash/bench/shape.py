@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from treeflash.bench.options import (DRAFT_LAYERS, MAX_BENCH_BATCH, check_seed, filters, filters_note, parse_budgets,
-                                     parse_graphs, parse_list, usable_graphs)
+from treeflash.bench.options import (DRAFT_LAYERS, MAX_BENCH_BATCH, check_sampled_options, check_seed, filters,
+                                     filters_note, parse_budgets, parse_graphs, parse_list, usable_graphs)
 from treeflash.bench.report import check_plot_path, close_out, emit, format_table, open_out, plot_shape, print_ratios
 from treeflash.config import GPT_OSS_ROPE_SCALING, DraftConfig, ModelConfig, default_target_layer_ids
 from treeflash.distributed import TPGroup
@@ -369,7 +369,7 @@ def new_shape_state(target, drafter, context: int, batch: int, temperature: floa
     return st
 
 
-def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets, backend, bandwidth,
+def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets, backend, draft_mode, bandwidth,
                device, dtype, out, allreduce=None, lead: bool = True) -> list[dict]:
     """Time every op of `round_ops` on one state; one row each. Whole rounds on CUDA
     also get wall_us, the wall time per round of back-to-back rounds pipelined as the
@@ -388,7 +388,7 @@ def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets,
         st.n.copy_(n0)
 
     rows, ar_us = [], None
-    for op, n, kind, fn, is_round in round_ops(target, drafter, st, budgets, backend, args.draft_mode):
+    for op, n, kind, fn, is_round in round_ops(target, drafter, st, budgets, backend, draft_mode):
         us, wall = measure_op(fn, reset, args.iters, graphs, device, is_round)
         ar_us = us if op == "ar" else ar_us
         tokens = bs * (1 if op == "ar" else n + 1)  # target tokens: root + N (draft: the round's D + 1)
@@ -443,6 +443,7 @@ class ShapePlan:
     device: torch.device     # as resolved here; a rank under --tp runs on its own GPU
     dtype: torch.dtype
     backend: str             # attention backend
+    draft_mode: str
 
 
 def _shape_plan(args) -> ShapePlan:
@@ -457,7 +458,7 @@ def _shape_plan(args) -> ShapePlan:
     budgets = parse_budgets(args, minimum=0)
     batch_sizes = parse_list(args.batch_sizes or "1", int, "batch size", minimum=1, maximum=MAX_BENCH_BATCH)
     temperatures = parse_list(args.temperatures or "0", float, "temperature", minimum=0.0)
-    filters(args)
+    draft_mode = check_sampled_options(args, temperatures, drafted=True)  # every context times draft steps and rounds
     if args.draft_layers < 1:
         raise UsageError(f"--draft-layers must be >= 1, got {args.draft_layers}")
     most = max(SHAPES[args.shape].num_layers, DRAFT_LAYERS)  # 100000 spent minutes building before any check
@@ -483,7 +484,8 @@ def _shape_plan(args) -> ShapePlan:
     if torchrun_env() is None:  # the launcher checks the host once for all its ranks (they load at once)
         with build_on("meta", torch.float32):  # sizes only
             check_weights_fit([CausalLM(cfg, TPGroup()), DFlashDraftModel(dcfg, TPGroup())], dtype, device)
-    return ShapePlan(cfg, dcfg, contexts, budgets, batch_sizes, temperatures, graphs, device, dtype, backend)
+    return ShapePlan(cfg, dcfg, contexts, budgets, batch_sizes, temperatures, graphs, device, dtype, backend,
+                     draft_mode)
 
 
 @contextlib.contextmanager
@@ -564,7 +566,8 @@ def _time_shape(args, plan: ShapePlan, group: TPGroup, device: torch.device) -> 
                 for temperature in plan.temperatures:
                     for graphs in plan.graphs:
                         rows += shape_rows(args, target, drafter, context, bs, temperature, graphs, plan.budgets,
-                                           plan.backend, bandwidth, device, plan.dtype, out, allreduce, lead)
+                                           plan.backend, plan.draft_mode, bandwidth, device, plan.dtype, out, allreduce,
+                                           lead)
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
     if lead:
