@@ -105,13 +105,13 @@ def _rope(data: dict, where: str = "config.json") -> tuple[float, dict | None]:
     scaling = {**rope, "original_max_position_embeddings": original}
     if kind == "yarn":
         return theta, _yarn(scaling, where)
-    if "factor" not in scaling:
-        raise TreeflashError(f"{where}: llama3 rope scaling lacks 'factor'")
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):  # as transformers and vLLM: no defaults
+        if key not in scaling:
+            raise TreeflashError(f"{where}: llama3 rope scaling lacks '{key}'")
     for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-        if key in scaling:
-            _number(scaling[key], f"rope scaling {key}", where)
-    # the defaults are layers.rotary's; the band between them is a ramp over 1 / their difference
-    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        _number(scaling[key], f"rope scaling {key}", where)
+    # the band between them is a ramp over 1 / their difference
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     if not high > low:
         raise TreeflashError(f"{where}: llama3 rope scaling needs high_freq_factor > low_freq_factor, "
                              f"got {high} and {low}")

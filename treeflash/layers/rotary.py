@@ -16,8 +16,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         return yarn_inv_freq(inv, head_dim, theta, scaling)
     # Llama-3 frequency-dependent scaling.
     factor = float(scaling["factor"])
-    low = float(scaling.get("low_freq_factor", 1.0))
-    high = float(scaling.get("high_freq_factor", 4.0))
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])  # config.py requires them
     old_ctx = float(scaling["original_max_position_embeddings"])  # config.py fills it in
     low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
     wavelen = 2 * math.pi / inv
