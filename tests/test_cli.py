@@ -228,6 +228,18 @@ def test_a_hub_id_loads_from_the_hugging_face_cache(capsys, model, tmp_path, mon
     rc, want, err = run(capsys, *args, "--model", model)
     assert json.loads(out)["token_ids"] == json.loads(want)["token_ids"]
     assert treeflash.LLM("org/tiny", device="cpu").model_path == repo / "snapshots" / "abc123"
+    # without HF_HOME or HF_HUB_CACHE the cache is under $XDG_CACHE_HOME, as huggingface_hub puts it
+    from treeflash.files import hub_snapshot
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.delenv("HF_HOME", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    shutil.copytree(tmp_path / "hub", tmp_path / "xdg" / "huggingface" / "hub")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    xdg_repo = tmp_path / "xdg" / "huggingface" / "hub" / "models--org--tiny"
+    assert hub_snapshot("org/tiny") == xdg_repo / "snapshots" / "abc123"
+    monkeypatch.setenv("HF_HOME", "$XDG_CACHE_HOME/huggingface")  # expanded, as huggingface_hub does
+    assert hub_snapshot("org/tiny") is not None
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     assert_error(*run(capsys, *args, "--model", "org/absent"), 1, "model folder not found: org/absent",
                  "Hugging Face cache", "does not download")
     rc, out, err = run(capsys, *args, "--model", "./typo")  # a path, not an id: no word of the cache

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 
 from treeflash.errors import TreeflashError
@@ -15,12 +16,24 @@ from treeflash.errors import TreeflashError
 def read_text(path: str | Path) -> str:
     """The UTF-8 text of `path`."""
     path = Path(path)
+    check_regular_file(path)
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise TreeflashError(f"cannot read {_named(path)}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:  # a folder, a permission, a vanished file
         raise TreeflashError(f"cannot read {_named(path)}: {e.strerror or e}") from None
+
+
+def check_regular_file(path: Path) -> None:
+    """Refuse a FIFO, socket or device where a file is read (reading a FIFO waits for a
+    writer forever); a missing path or a folder is left to the read's own error."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        raise TreeflashError(f"cannot read {_named(path)}: not a regular file")
 
 
 def read_json(path: str | Path):
@@ -57,15 +70,17 @@ def is_hub_id(name) -> bool:
 
 def hub_snapshot(name: str) -> Path | None:
     """The local copy of hub id `name` in the Hugging Face cache (HF_HUB_CACHE, or the
-    older HUGGINGFACE_HUB_CACHE, or HF_HOME/hub, or ~/.cache/huggingface/hub), where `hf
+    older HUGGINGFACE_HUB_CACHE, or HF_HOME/hub, or $XDG_CACHE_HOME or ~/.cache, then
+    /huggingface/hub, as huggingface_hub finds it), where `hf
     download` (`huggingface-cli download`) and transformers put it: the snapshot its
     refs/main names, else the newest; None if none.
     Nothing is downloaded: the machines that serve models often cannot."""
     if not is_hub_id(name):
         return None
-    home = Path(os.environ.get("HF_HOME") or "~/.cache/huggingface").expanduser()
-    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or home / "hub"
-    repo = Path(cache).expanduser() / ("models--" + name.replace("/", "--"))
+    env = os.environ.get
+    home = env("HF_HOME") or str(Path(env("XDG_CACHE_HOME") or "~/.cache") / "huggingface")
+    cache = env("HF_HUB_CACHE") or env("HUGGINGFACE_HUB_CACHE") or str(Path(os.path.expandvars(home)) / "hub")
+    repo = Path(os.path.expandvars(cache)).expanduser() / ("models--" + name.replace("/", "--"))
     try:
         main = (repo / "refs" / "main").read_text().strip() if (repo / "refs" / "main").is_file() else ""
         if main and (repo / "snapshots" / main / "config.json").is_file():
