@@ -8,6 +8,7 @@ field or file at fault.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -252,11 +253,13 @@ def test_drafter_logit_and_embedding_scales_are_read_or_refused(drafter_dict):
     (dict(architectures=[], model_type={"a": 1}), "model_type"),
     (dict(architectures=[["Qwen3ForCausalLM"]]), "architectures"),
     # Llama-3 frequencies divide by low_freq_factor (ZeroDivisionError, before) and by high - low
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 0}), "low_freq_factor"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 0, "high_freq_factor": 4}),
+     "low_freq_factor"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 4, "high_freq_factor": 4}),
      "needs high_freq_factor > low_freq_factor"),
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 8}),   # above the default 4
-     "needs high_freq_factor > low_freq_factor"),
+    # transformers and vLLM refuse a llama3 scaling without both factors; it ran with made-up ones
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 8}), "lacks 'high_freq_factor'"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 4.0, "high_freq_factor": 4}), "lacks 'low_freq_factor'"),
 ])
 def test_bad_target_config_values(hf_checkpoint, clone_checkpoint, changes, field):
     folder = clone_checkpoint(hf_checkpoint("qwen3").path, **changes)
@@ -313,7 +316,76 @@ def test_bad_bos_settings_are_refused(hf_checkpoint, tmp_path, bos, add, word):
     assert Tokenizer(folder).encode("def fib(n):")[0] == 1
 
 
+def _tiny_tokenizer_folder(folder, config_changes: dict, tokenizer_changes: dict = ()):
+    from treeflash.checkpoints import write_tiny_tokenizer
+    write_tiny_tokenizer(folder)
+    for name, changes in (("tokenizer_config.json", config_changes), ("tokenizer.json", dict(tokenizer_changes))):
+        data = json.loads((folder / name).read_text())
+        (folder / name).write_text(json.dumps({**data, **changes}))
+    return folder
+
+
+def test_tokenizer_json_truncation_and_padding_do_not_touch_prompts(tmp_path):
+    """Some published tokenizer.json files keep the truncation and padding they were
+    trained with: transformers applies them only when asked, and so does treeflash (every
+    prompt was cut to 8 tokens and padded with pad ids, silently)."""
+    from transformers import AutoTokenizer
+
+    from treeflash.tokenizer import Tokenizer
+    folder = _tiny_tokenizer_folder(tmp_path, {}, {
+        "truncation": {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0},
+        "padding": {"strategy": {"Fixed": 16}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 1,
+                    "pad_type_id": 0, "pad_token": "<|pad|>"}})
+    text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
+    ids = Tokenizer(folder).encode(text)
+    assert ids == AutoTokenizer.from_pretrained(str(folder))(text)["input_ids"] and len(ids) > 16
+
+
+def test_tokens_declared_only_in_tokenizer_config_are_added(tmp_path):
+    """Tokens that tokenizer_config.json declares (added_tokens_decoder at their ids, or
+    named as eos_token / additional_special_tokens) and tokenizer.json lacks are added, as
+    transformers adds them: one token, an end token if named so. They were split into
+    pieces and never ended a generation."""
+    from transformers import AutoTokenizer
+
+    from treeflash.tokenizer import Tokenizer
+    from treeflash.checkpoints import write_tiny_tokenizer
+    write_tiny_tokenizer(tmp_path / "base")
+    n = Tokenizer(tmp_path / "base").vocab_size
+    entry = {"lstrip": False, "rstrip": False, "normalized": False, "single_word": False, "special": True}
+    folder = _tiny_tokenizer_folder(tmp_path / "ck", {
+        "added_tokens_decoder": {str(n): {**entry, "content": "<|im_end|>"}}, "eos_token": "<|im_end|>",
+        "additional_special_tokens": ["<|tool|>"]})
+    ours, hf = Tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+    text = "hi<|im_end|>x<|tool|>"
+    assert ours.encode(text) == hf(text)["input_ids"] == [*ours.encode("hi"), n, *ours.encode("x"), n + 1]
+    assert n in ours.eos_token_ids and ours.decode([n, n + 1]) == "" and ours.decode([n], False) == "<|im_end|>"
+    # declared at an id tokenizer.json would not give it: the model's row of that id means another token
+    bad = _tiny_tokenizer_folder(tmp_path / "bad", {"added_tokens_decoder": {str(n + 3): {**entry, "content": "<x>"}}})
+    refused(lambda: Tokenizer(bad), "tokenizer_config.json", "'<x>' is declared as id", f"gives it id {n}")
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_split_special_tokens_as_transformers(tmp_path, split):
+    from transformers import AutoTokenizer
+
+    from treeflash.tokenizer import Tokenizer
+    folder = _tiny_tokenizer_folder(tmp_path, {"split_special_tokens": split})
+    text = "a<|endoftext|>b"
+    ids = Tokenizer(folder).encode(text)
+    assert ids == AutoTokenizer.from_pretrained(str(folder))(text)["input_ids"] and (len(ids) > 3) == split
+    folder = _tiny_tokenizer_folder(tmp_path / "bad", {"split_special_tokens": "yes"})
+    refused(lambda: Tokenizer(folder), "'split_special_tokens' must be true or false")
+
+
 # --------------------------------------------------------------------------- unreadable files
+
+
+def test_a_tokenizer_json_that_is_a_fifo_is_named(hf_checkpoint, tmp_path):
+    folder = hf_checkpoint("qwen3").copy_to(tmp_path / "ck")
+    (folder / "tokenizer.json").unlink()
+    os.mkfifo(folder / "tokenizer.json")
+    refused(lambda: Tokenizer(folder), "tokenizer.json", "not a regular file")
 
 
 @pytest.mark.parametrize("source", ["generation_config.json", "tokenizer_config.json"])
@@ -338,10 +410,11 @@ def test_an_end_token_outside_the_vocabulary_is_refused_at_load(hf_checkpoint, t
 
 @pytest.mark.parametrize("name", ["config.json", "generation_config.json", "tokenizer_config.json",
                                   "model.safetensors.index.json"])
-@pytest.mark.parametrize("kind", ["folder", "deep", "not utf-8"])
+@pytest.mark.parametrize("kind", ["folder", "deep", "not utf-8", "fifo"])
 def test_small_files_that_cannot_be_read_are_named(hf_checkpoint, tmp_path, name, kind):
-    """A JSON file of the model folder that is a folder, nested past the parser, or not
-    UTF-8: one line naming it (they escaped as IsADirectoryError, RecursionError...)."""
+    """A JSON file of the model folder that is a folder, nested past the parser, not
+    UTF-8, or a FIFO: one line naming it (they escaped as IsADirectoryError,
+    RecursionError...; a FIFO hung the load forever)."""
     folder = hf_checkpoint("qwen3").copy_to(tmp_path / "ck")
     path = folder / name
     if name == "model.safetensors.index.json":  # read only where there is no model.safetensors
@@ -352,6 +425,8 @@ def test_small_files_that_cannot_be_read_are_named(hf_checkpoint, tmp_path, name
         path.mkdir()
     elif kind == "deep":
         path.write_text('{"x": ' + "[" * 100000 + "]" * 100000 + "}")
+    elif kind == "fifo":
+        os.mkfifo(path)
     else:
         path.write_bytes(b'{"x": "\xff\xfe"}')
     refused(lambda: LLM(folder, device="cpu", dtype="float32"), name)

@@ -13,7 +13,7 @@ from tokenizers.decoders import ByteLevel
 
 from treeflash.config import token_id_list
 from treeflash.errors import TreeflashError
-from treeflash.files import read_json_object, tokenizer_settings
+from treeflash.files import SPECIAL_TOKENS, check_regular_file, read_json_object, tokenizer_settings
 
 
 @lru_cache(maxsize=1)
@@ -54,13 +54,24 @@ class Tokenizer:
             raise TreeflashError(f"{folder} is a file: give the folder that holds tokenizer.json")
         if not path.exists():
             raise TreeflashError(f"tokenizer.json not found in {folder}")
+        check_regular_file(path)
         try:
             self.tok = _HFTokenizer.from_file(str(path))
         except Exception as e:
             raise TreeflashError(f"cannot read {path}: {e}") from None
+        # as transformers: the truncation and padding saved in the file apply only when asked
+        # for (a prompt is never cut or padded by them); special tokens split if configured
+        self.tok.no_truncation()
+        self.tok.no_padding()
         config = read_json_object(folder / "config.json")
         gen = read_json_object(folder / "generation_config.json")
         tok_cfg = tokenizer_settings(folder)
+        split = tok_cfg.get("split_special_tokens", False)
+        if not isinstance(split, bool):
+            raise TreeflashError(f"{folder / 'tokenizer_config.json'}: 'split_special_tokens' must be true or "
+                                 f"false, got {split!r}")
+        self.tok.encode_special_tokens = split
+        self._add_declared(tok_cfg, folder / "tokenizer_config.json")
         self._mark_special(tok_cfg.get("added_tokens_decoder"))
         # each end token id, and the file that names it (for errors)
         self.eos_sources = {i: "config.json" for i in token_id_list(config.get("eos_token_id"), "eos_token_id",
@@ -82,6 +93,34 @@ class Tokenizer:
         if self.add_bos:
             self._check_bos(folder, "generation_config.json" if "bos_token_id" in gen else "config.json")
         self._tokens: dict[int, tuple[str, bytes]] = {}  # see _token
+
+    def _add_declared(self, cfg: dict, where: Path) -> None:
+        """The tokens that tokenizer_config.json declares and tokenizer.json lacks, added
+        as transformers adds them at load: first added_tokens_decoder's, in id order, each
+        at the id it declares (else refused: the model's rows would mean other tokens),
+        then the special tokens it names (eos_token, additional_special_tokens, ...), at
+        the end of the vocabulary."""
+        decoder = cfg.get("added_tokens_decoder")
+        entries = sorted((int(k), e) for k, e in decoder.items() if str(k).isdigit() and isinstance(e, dict)
+                         and isinstance(e.get("content"), str)) if isinstance(decoder, dict) else []
+        for token_id, e in entries:
+            if self.tok.token_to_id(e["content"]) is None:
+                special = e.get("special") is True
+                self.tok.add_tokens([AddedToken(e["content"], single_word=e.get("single_word", False) is True,
+                                                lstrip=e.get("lstrip", False) is True,
+                                                rstrip=e.get("rstrip", False) is True,
+                                                normalized=e.get("normalized", not special) is True,
+                                                special=special)])
+                if self.tok.token_to_id(e["content"]) != token_id:
+                    raise TreeflashError(f"{where}: added token {e['content']!r} is declared as id {token_id}, "
+                                         f"but tokenizer.json's vocabulary gives it id "
+                                         f"{self.tok.token_to_id(e['content'])}")
+        extra = cfg.get("additional_special_tokens")
+        named = [cfg.get(k) for k in SPECIAL_TOKENS] + (extra if isinstance(extra, list) else [])
+        for t in named:
+            content = t.get("content") if isinstance(t, dict) else t
+            if isinstance(content, str) and content and self.tok.token_to_id(content) is None:
+                self.tok.add_special_tokens([AddedToken(content, normalized=False, special=True)])
 
     def _mark_special(self, decoder) -> None:
         """The added tokens that tokenizer_config.json's added_tokens_decoder marks special
