@@ -408,6 +408,8 @@ def test_generation_stops_at_the_context_limit(hf_checkpoint):
 @pytest.mark.parametrize("kwargs,what", [
     ({"temperature": -0.5}, "temperature"),
     ({"temperature": float("nan")}, "temperature"),
+    # inf as float32: masked logits (-inf / inf) turned NaN and the first (banned) token won
+    ({"temperature": 1e39}, "temperature must be at most"),
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -2}, "top_k"),

@@ -204,22 +204,33 @@ def test_gumbel_argmax_matches_reference(V):
     top3 = noisy[1].masked_fill(logits[1] < floor[1, :, None], float("-inf")).argmax(-1)
     assert torch.equal(got[0], logits[0].argmax(-1)) and torch.equal(got[1], top3)
     assert not torch.equal(top3, noisy[1].argmax(-1))  # the floor changed a pick
+    # below 1e-6 the temperature is 1e-6, as in the torch path (at 1e-40 every positive logit
+    # overflowed to +inf and the lowest such id won): the near-greedy pick
+    tiny = gumbel_argmax(logits.to(DEV), seed.to(DEV), pos.to(DEV), torch.tensor([0.0, 1e-40]).to(DEV)).cpu()
+    assert torch.equal(tiny[1], logits[1].argmax(-1))
 
 
 @gpu_or_interpreter
 def test_coupled_scores_match_reference():
-    """The coupled drafter's scores, logits / T + the target's noise for the same
-    position and token (a vocabulary slice from id 5000), in one pass: the torch
-    reference's values (up to the last ulp of log), unchanged for a greedy request."""
+    """The coupled drafter's scores, logits + T x the target's noise for the same
+    position and token (a vocabulary slice from id 5000) up to T = 1, logits / T + noise
+    past it, in one pass: the torch reference's values (up to the last ulp of log),
+    unchanged for a greedy request, and finite at a temperature of 1e-40 (logits / T
+    overflowed)."""
     from treeflash.engine.sampling import gumbel_noise
     from treeflash.ops.gumbel_argmax import coupled_scores
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(2, 3, 5000, generator=gen) * 4
     seed, pos = torch.tensor([7, 2 ** 40 + 1]), torch.tensor([[3, 4, 5], [90, 91, 92]])
-    temp = torch.tensor([0.0, 0.7])
-    got = coupled_scores(logits.to(DEV), seed.to(DEV), pos.to(DEV), temp.to(DEV), vocab_start=5000).cpu()
-    assert torch.equal(got[0], logits[0])
-    torch.testing.assert_close(got[1], logits[1] / 0.7 + gumbel_noise(seed, pos, 5000, 5000)[1], rtol=1e-5, atol=1e-5)
+    noise = gumbel_noise(seed, pos, 5000, 5000)[1]
+    for t in (0.7, 1e-40, 2.0):
+        temp = torch.tensor([0.0, t])
+        got = coupled_scores(logits.to(DEV), seed.to(DEV), pos.to(DEV), temp.to(DEV), vocab_start=5000).cpu()
+        assert torch.equal(got[0], logits[0])
+        want = logits[1] / t + noise if t > 1 else logits[1] + torch.tensor(t) * noise
+        torch.testing.assert_close(got[1], want, rtol=1e-5, atol=1e-5)
+        if t > 1e-30:  # each depth's best is the target's coupled pick, argmax(logits / T + g)
+            assert torch.equal(got[1].argmax(-1), (logits[1] / t + noise).argmax(-1))
 
 
 @gpu_or_interpreter

@@ -147,6 +147,31 @@ def test_sampling_accepts_draft_tokens(method, budget, spec_target, spec_drafter
 
 
 
+def test_a_tiny_temperature_drafts_the_greedy_tree(spec_target, spec_drafter, ar_reference):
+    """The coupled draft scores are logits + T g: at T = 1e-40 the tree is the greedy
+    request's tree, and tokens are still accepted. As logits / T + g they overflowed to
+    inf, the tree's log-probabilities were NaN, and every round committed one token."""
+    from treeflash.engine.sampling import SamplingBatch
+    target = spec_target("llama", "warm")
+    llm = spec_llm(target, spec_drafter("llama", "warm", 8), "ddtree", 64)
+    dec, prompt = llm.decoder, SPEC_PROMPTS[10]
+    trees = []
+    for t in (0.0, 1e-40):
+        sb = SamplingBatch.from_params([SamplingParams(temperature=t, seed=1)], "cpu")
+        st = dec.new_state(1, 128, sb)
+        dec.prefill(st, [prompt])
+        trees.append(dec.build(st))
+    assert torch.equal(trees[1].tokens, trees[0].tokens) and torch.equal(trees[1].valid, trees[0].valid)
+    taus = []
+    for t in (0.0, 1e-40):
+        count = Counter(llm)
+        sp = SamplingParams(max_new_tokens=48, temperature=t, seed=3)
+        assert llm.generate(prompt, sp)[0].token_ids == ar_reference(target, prompt, sp).token_ids
+        taus.append(count.committed / count.rounds)
+    print(f"tau greedy {taus[0]:.3f}, T = 1e-40 {taus[1]:.3f}")
+    assert taus[1] > 1.2 and taus[1] > 0.8 * taus[0]
+
+
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.5), (5, 1.0)])
 def test_filters_do_not_cut_the_draft_tree(top_k, top_p, spec_target, spec_drafter):
     """top-k/top-p filter the target's law, not the draft: the tree of a filtered request

@@ -18,6 +18,7 @@ from treeflash.structured.grammar import StructuredOutputs
 MAX_LOGPROBS = 20  # most likely alternatives a request may ask for per token (vLLM's default limit)
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value's bound, as OpenAI's
 MAX_PENALTY = 2.0       # presence / frequency penalties' bound, as OpenAI's
+FLOAT32_MAX = 3.4028234663852886e38  # a temperature past it is inf as float32
 MAX_REPETITION_PENALTY = 1e30  # it and its reciprocal bound it: both finite and normal in float32
 BAD_WORD_TOKENS = 8      # a bad word's token sequence at most (the last is banned after the others)
 MAX_BAD_SEQUENCES = 128  # a request's bad words' token sequences at most (two spellings per word)
@@ -86,6 +87,8 @@ class SamplingParams:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not math.isfinite(self.temperature) or self.temperature < 0:
             bad(f"temperature must be a finite number >= 0, got {shown(self.temperature)}")
+        if self.temperature > FLOAT32_MAX:  # inf as float32: masked logits (-inf / inf) became NaN and won
+            bad(f"temperature must be at most {FLOAT32_MAX:.4g} (float32's largest), got {shown(self.temperature)}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             bad(f"top_k must be an integer >= 0, or -1 (0 and -1: off, as in vLLM), got {shown(self.top_k)}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:

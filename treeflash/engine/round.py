@@ -82,12 +82,15 @@ class BatchState:
 class SpeculativeDecoder:
     """Runs rounds of `method` ('ar', 'dflash' or 'ddtree' with `budget` nodes).
 
-    draft_mode (sampling only): 'scaled' builds trees from temperature-scaled,
-    filtered draft distributions; 'coupled' also adds the target's own Gumbel noise
-    g(seed, p) to the draft logits, so the drafter guesses the very sample the target
-    will draw. Either way the output is the AR stream: the tree only sets the speed.
-    'coupled' is the default: on the built-in pair it gave the higher mean tau over
-    T = 0.7 and 1.0 (BENCHMARKS.md).
+    draft_mode (sampling only): 'scaled' builds trees from the temperature-scaled
+    draft distributions; 'coupled' from scores with the target's own Gumbel noise
+    g(seed, p), so that each depth's best is argmax(logits / T + g), the very sample the
+    target draws where the drafter is right: the draft logits + T g up to T = 1 (the
+    tree then weighs depths by the drafter's own confidence; logits / T + g, 1 / T
+    times as sharp, made the tree at T = 0.3 a near-chain and overflowed at 1e-40),
+    logits / T + g past it. Either way the output is the AR stream: the tree only sets
+    the speed. 'coupled' is the default: on the built-in pair it gave the higher tau
+    (BENCHMARKS.md).
     """
 
     def __init__(self, target: CausalLM, drafter: DFlashDraftModel | None, method: str, budget: int = 0,
@@ -239,12 +242,13 @@ class SpeculativeDecoder:
         if sb.any_sampled and self.draft_mode == "coupled" and fused_enabled(logits):
             from treeflash.ops.gumbel_argmax import coupled_scores
             logits = coupled_scores(logits, sb.seed, positions[:, 1:], sb.temperature, start)
-        elif sb.any_sampled:
-            t = torch.where(sb.temperature > 0, sb.temperature, torch.ones_like(sb.temperature))
+        elif sb.any_sampled and self.draft_mode == "coupled":  # T = 0: + 0 (the noise is finite)
+            t = sb.temperature[:, None, None]
+            noise = gumbel_noise(sb.seed, positions[:, 1:], start, logits.shape[-1])
+            logits = torch.where(t > 1, logits / t.clamp_min(1) + noise, logits + t * noise)
+        elif sb.any_sampled:  # as the target's sampler: below 1e-6, T is 1e-6 (1e-40 overflowed to inf)
+            t = torch.where(sb.temperature > 0, sb.temperature.clamp_min(1e-6), torch.ones_like(sb.temperature))
             logits = logits / t[:, None, None]
-            if self.draft_mode == "coupled":
-                noise = gumbel_noise(sb.seed, positions[:, 1:], start, logits.shape[-1])
-                logits = logits + torch.where(sb.temperature[:, None, None] > 0, noise, 0.0)
         if sb.any_guided:
             logits = self.guided_draft(logits, sb)
         return logits

@@ -49,7 +49,7 @@ def _gumbel_argmax_kernel(logits_ptr, row_stride, seed_ptr, pos_ptr, temp_ptr, f
                           T, V: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr, SAMPLED: tl.constexpr,
                           FLOOR: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, chunk): the argmax of ids chunk * SPAN + [0, SPAN) of its row;
-    SAMPLED: of logits / T + noise where T > 0 (FLOOR: only logits >= the row's floor),
+    SAMPLED: of logits / max(T, 1e-6) + noise where T > 0 (FLOOR: only logits >= the row's floor),
     a request's T rows sharing its seed and temperature. Writes (index, value) to slot
     row * chunks + chunk (a chunk of only -inf gives index 0, as a row of them does)."""
     start_after_previous(PDL)
@@ -59,7 +59,7 @@ def _gumbel_argmax_kernel(logits_ptr, row_stride, seed_ptr, pos_ptr, temp_ptr, f
         key = _noise_key(seed_ptr, pos_ptr, row, T)  # int64 holding the uint32 hash of (seed, position)
         t = tl.load(temp_ptr + row // T)             # float32, 0 = greedy
         greedy = t == 0
-        t_safe = tl.where(greedy, 1.0, t)
+        t_safe = tl.where(greedy, 1.0, tl.maximum(t, 1e-6))  # as the torch path: 1e-40 overflowed to +inf
         if FLOOR:
             floor = tl.load(floor_ptr + row)         # float32: filters keep logits >= it
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -103,7 +103,8 @@ def _chunks_argmax_kernel(idx_ptr, val_ptr, out_ptr, out_val_ptr, CHUNKS: tl.con
 @triton.jit
 def _coupled_scores_kernel(x_ptr, seed_ptr, pos_ptr, temp_ptr, out_ptr, start, D, V: tl.constexpr,
                            BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (row, chunk): x / T + noise of BLOCK ids of row b * D + d (x / 1 where T = 0)."""
+    """Program (row, chunk): x + T * noise of BLOCK ids of row b * D + d up to T = 1 (x
+    where T = 0), x / T + noise past it."""
     start_after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     ids = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -111,14 +112,15 @@ def _coupled_scores_kernel(x_ptr, seed_ptr, pos_ptr, temp_ptr, out_ptr, start, D
     key = _noise_key(seed_ptr, pos_ptr, row, D)
     t = tl.load(temp_ptr + row // D)
     x = tl.load(x_ptr + row * V + ids, mask=inside, other=0.0)
-    tl.store(out_ptr + row * V + ids, tl.where(t > 0, x / t + _gumbel(key, ids + start), x), mask=inside)
+    g = _gumbel(key, ids + start)  # finite: x + 0 * g is x
+    tl.store(out_ptr + row * V + ids, tl.where(t > 1.0, x / tl.maximum(t, 1.0) + g, x + t * g), mask=inside)
 
 
 def coupled_scores(logits: torch.Tensor, seed: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor,
                    vocab_start: int = 0) -> torch.Tensor:
-    """float32 logits [B, D, V] / T_b + g(seed_b, p) (unchanged where T_b == 0): the
-    coupled drafter's scores in one pass, where the torch noise took ~240 us at a 152K
-    vocabulary and D = 15 (H200)."""
+    """float32 logits [B, D, V] + T_b g(seed_b, p) for T_b <= 1 (unchanged where T_b ==
+    0), logits / T_b + g past it: the coupled drafter's scores (`SpeculativeDecoder`) in
+    one pass, where the torch noise took ~240 us at a 152K vocabulary and D = 15 (H200)."""
     B, D, V = logits.shape
     x = logits.contiguous()
     out = torch.empty_like(x)
