@@ -738,3 +738,15 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(hf_checkpoint):
     assert not calls
     got = llm.chat([{"role": "user", "content": text}], replace(params, truncate_prompt_tokens=12))[0]
     assert calls and got.token_ids == llm.generate(llm.token_ids(text, special=False)[-12:], params)[0].token_ids
+
+
+def test_stop_reason_of_an_end_token_also_listed_in_stop_token_ids(llm):
+    """EOS ends a request with stop_reason None even where stop_token_ids lists it too
+    (as vLLM, and as the README says); with ignore_eos it is only a stop token, and its
+    id is the reason."""
+    eos = llm.eos_token_ids[0]
+    forced = dict(max_new_tokens=4, logit_bias={eos: 100.0}, stop_token_ids=[eos])
+    out = llm.generate(ENGINE_PROMPTS[0], SamplingParams(**forced))[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", None)
+    out = llm.generate(ENGINE_PROMPTS[0], SamplingParams(**forced, ignore_eos=True))[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", eos)
