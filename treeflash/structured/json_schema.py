@@ -25,8 +25,9 @@ of one schema, `$ref`
 to `#/$defs/...` or `#/definitions/...` (not recursive; a `$id` below the root is
 refused), OpenAPI's `nullable`.
 
-A `pattern` must be anchored with ^ and $ and use the regex dialect (no lookarounds,
-backreferences or flags; no alternation outside a group), read as ECMA-262 where it
+A `pattern` matches anywhere in the string unless anchored with ^ and / or $ (then no
+alternation outside a group: ^a|b$ anchors each one separately), and uses the regex
+dialect (no lookarounds, backreferences or flags), read as ECMA-262 where it
 differs from Python's re: `.` is no line terminator, and {,n} is refused. Its characters are generated
 unescaped: `.`, negated classes and \\D \\W \\S leave out `"`, `\\` and control characters,
 \\s stands for a space (or another white space character that is no control character),
@@ -466,13 +467,20 @@ def _string_contents(schema: dict, path: str) -> str:
     return _repeat(STRING_CHAR, lo, hi)
 
 
+ANY = r"[\s\S]*"  # any text, less what a JSON string escapes (`restricted` takes it out)
+
+
 def _pattern(pattern, where: str) -> str:
     """A `pattern` as the regex of a JSON string's contents: its texts without the
     characters a JSON string must escape, so that they are written as they are."""
-    if not (isinstance(pattern, str) and len(pattern) >= 2 and pattern[0] == "^" and pattern[-1] == "$"
-            and (len(pattern) - 1 - len(pattern[:-1].rstrip("\\"))) % 2 == 0):
-        _refuse(f"{where} must be a string anchored with ^ and $ (an unanchored pattern matches "
-                f"anywhere in the string), got {shown(pattern)}")
+    if not isinstance(pattern, str):
+        _refuse(f"{where} must be a string, got {shown(pattern)}")
+    starts = pattern.startswith("^")
+    ends = pattern.endswith("$") and (len(pattern) - 1 - len(pattern[:-1].rstrip("\\"))) % 2 == 0
+    if not starts and not ends:  # it matches anywhere in the string, as JSON Schema reads it
+        pattern = f"^{ANY}(?:{pattern}){ANY}$"
+    else:  # anchored on one side: the other side may hold anything
+        pattern = ("" if starts else f"^{ANY}") + pattern + ("" if ends else f"{ANY}$")
     try:
         regex, alternatives = restricted(pattern, JSON_ESCAPED)
     except UsageError as e:
