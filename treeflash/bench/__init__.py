@@ -110,7 +110,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="the target's linear layers in block-scaled FP8, one scale per block of ROWS x COLS "
                         "(default 128x128, as Qwen3-FP8 and DeepSeek-V3 publish them)")
     s.add_argument("--contexts", help="comma list of committed tokens C per request (default 1024,4096,16384)")
-    s.add_argument("--draft-layers", type=int, help=f"layers of the shape's drafter (default {DRAFT_LAYERS}, at most the target's)")
+    s.add_argument("--draft-layers", type=int, help=f"layers of the shape's drafter (default {DRAFT_LAYERS}; more "
+                                                    f"only up to the target's layers)")
     s.add_argument("--iters", type=int, help="timed calls per op, their median reported (default 50)")
     s.add_argument("--attention", choices=["auto", "sdpa", "triton"],
                    help="attention backend (auto: triton on CUDA when installed)")
