@@ -71,8 +71,7 @@ class Tokenizer:
             raise TreeflashError(f"{folder / 'tokenizer_config.json'}: 'split_special_tokens' must be true or "
                                  f"false, got {split!r}")
         self.tok.encode_special_tokens = split
-        self._add_declared(tok_cfg, folder / "tokenizer_config.json")
-        self._mark_special(tok_cfg.get("added_tokens_decoder"))
+        self._declared_tokens(tok_cfg, folder / "tokenizer_config.json")
         # each end token id, and the file that names it (for errors)
         self.eos_sources = {i: "config.json" for i in token_id_list(config.get("eos_token_id"), "eos_token_id",
                                                                     str(folder / "config.json"))}
@@ -94,18 +93,25 @@ class Tokenizer:
             self._check_bos(folder, "generation_config.json" if "bos_token_id" in gen else "config.json")
         self._tokens: dict[int, tuple[str, bytes]] = {}  # see _token
 
-    def _add_declared(self, cfg: dict, where: Path) -> None:
-        """The tokens that tokenizer_config.json declares and tokenizer.json lacks, added
-        as transformers adds them at load: first added_tokens_decoder's, in id order, each
-        at the id it declares (else refused: the model's rows would mean other tokens),
-        then the special tokens it names (eos_token, additional_special_tokens, ...), at
-        the end of the vocabulary."""
+    def _declared_tokens(self, cfg: dict, where: Path) -> None:
+        """tokenizer_config.json's tokens, as transformers loads them. added_tokens_decoder's
+        entries, in id order: one that tokenizer.json lacks is added at the id it declares
+        (else refused: the model's rows would mean other tokens); one it has as a plain
+        added token but declares special is special here too (decoding with
+        skip_special_tokens leaves it out; not the other way: the tokenizers library goes
+        on skipping a token once it was special). Then the special tokens it names
+        (eos_token, additional_special_tokens, ...) that the vocabulary lacks, at its end."""
         decoder = cfg.get("added_tokens_decoder")
         entries = sorted((int(k), e) for k, e in decoder.items() if str(k).isdigit() and isinstance(e, dict)
                          and isinstance(e.get("content"), str)) if isinstance(decoder, dict) else []
+        added = self.tok.get_added_tokens_decoder()
         for token_id, e in entries:
-            if self.tok.token_to_id(e["content"]) is None:
-                special = e.get("special") is True
+            special, t = e.get("special") is True, added.get(token_id)
+            if t is not None and t.content == e["content"]:
+                if special and not t.special:
+                    self.tok.add_special_tokens([AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip,
+                                                            rstrip=t.rstrip, normalized=t.normalized, special=True)])
+            elif self.tok.token_to_id(e["content"]) is None:
                 self.tok.add_tokens([AddedToken(e["content"], single_word=e.get("single_word", False) is True,
                                                 lstrip=e.get("lstrip", False) is True,
                                                 rstrip=e.get("rstrip", False) is True,
@@ -121,22 +127,6 @@ class Tokenizer:
             content = t.get("content") if isinstance(t, dict) else t
             if isinstance(content, str) and content and self.tok.token_to_id(content) is None:
                 self.tok.add_special_tokens([AddedToken(content, normalized=False, special=True)])
-
-    def _mark_special(self, decoder) -> None:
-        """The added tokens that tokenizer_config.json's added_tokens_decoder marks special
-        and tokenizer.json does not are special here too, as transformers loads them:
-        decoding with skip_special_tokens leaves them out. (Not the other way: the
-        tokenizers library goes on skipping a token once it was special.)"""
-        if not isinstance(decoder, dict):
-            return
-        added = self.tok.get_added_tokens_decoder()
-        special = [AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip, rstrip=t.rstrip,
-                              normalized=t.normalized, special=True)
-                   for key, entry in decoder.items()
-                   if isinstance(entry, dict) and entry.get("special") is True and str(key).isdigit()
-                   and (t := added.get(int(key))) is not None and not t.special and t.content == entry.get("content")]
-        if special:
-            self.tok.add_special_tokens(special)
 
     def _check_bos(self, folder: Path, source: str) -> None:
         """The BOS id prepended to every prompt must be a token of this vocabulary (a
