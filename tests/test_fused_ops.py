@@ -235,7 +235,8 @@ def test_coupled_scores_match_reference():
 
 @gpu_or_interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("scaling", [None, {"factor": 8.0, "original_max_position_embeddings": 8192},
+@pytest.mark.parametrize("scaling", [None, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 8192},
                                      {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
                                       "truncate": False}], ids=["plain", "llama3", "yarn"])
 def test_cos_sin_matches_the_rotary_layer(dtype, scaling):
