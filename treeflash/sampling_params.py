@@ -272,9 +272,11 @@ _NUMBERS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", 
 
 def plain_number(x):
     """A NumPy (or any `numbers`) integer or real as Python's int or float, as vLLM takes
-    them (a TP worker unpickles plain values, and the checks know int and float); any
-    other value as it is, for the checks to judge."""
-    if isinstance(x, (bool, int, float)) or not isinstance(x, numbers.Real):
+    them, a subclass of int or float (an IntEnum of the caller's script) too: a TP
+    worker unpickles plain values only (it cannot load the caller's class, and died),
+    and the checks know int and float. Any other value as it is, for the checks to
+    judge (a bool too)."""
+    if type(x) in (bool, int, float) or not isinstance(x, numbers.Real):
         return x
     return int(x) if isinstance(x, numbers.Integral) else float(x)
 
