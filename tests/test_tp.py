@@ -22,6 +22,7 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -651,6 +652,35 @@ def test_a_bad_tp_timeout_is_one_line_before_any_worker_starts(tp_models, value)
         f"treeflash: error: TREEFLASH_TP_TIMEOUT must be a number of seconds > 0, got '{value}'"], proc.stderr
 
 
+@pytest.mark.parametrize("env,words", [
+    ({"WORLD_SIZE": "abc", "RANK": "0"}, ["WORLD_SIZE='abc' is not an integer", "unset RANK and WORLD_SIZE"]),
+    # a port in use answered with c10d's own error as an "internal error"; peers that never come with
+    # a C++ stack dump after the whole TREEFLASH_TP_TIMEOUT
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "PORT_IN_USE"},
+     ["rank 0 of 2 could not meet the other ranks at 127.0.0.1:", "EADDRINUSE", "unset RANK and WORLD_SIZE"]),
+    ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_PORT": "FREE_PORT", "TREEFLASH_TP_TIMEOUT": "2"},
+     ["rank 1 of 2 could not meet the other ranks", "DistNetworkError", "unset RANK and WORLD_SIZE"]),
+])
+def test_launch_variables_left_set_are_one_line(tp_models, env, words):
+    """RANK and WORLD_SIZE in the environment mean a torchrun (or bare) launch: left set by
+    mistake, the run waited for ranks that never came, then failed with an internal error."""
+    import socket
+    target, _ = tp_models["qwen3"]
+    with socket.socket() as busy, socket.socket() as free:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        free.bind(("127.0.0.1", 0))
+        ports = {"PORT_IN_USE": str(busy.getsockname()[1]), "FREE_PORT": str(free.getsockname()[1])}
+        env = {k: ports.get(v, v) for k, v in env.items()}
+        free.close()
+        proc = subprocess.run([sys.executable, "-m", "treeflash", "generate", "--model", str(target), "--device",
+                               "cpu", "--tp", "2", "--max-new-tokens", "2", "x"], capture_output=True, text=True,
+                              timeout=120, cwd=REPO, env={**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR", **env})
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert proc.returncode in (1, 2) and len(errors) == 1 and errors[0].startswith("treeflash: error: "), proc.stderr
+    assert all(w in errors[0] for w in words), errors[0]
+
+
 def test_dropping_graphs_is_a_command_of_every_rank(engines):
     """`drop_graphs` frees the kept graphed states on every rank: the driver's alone going
     would have it capture anew (with its collectives) while the workers replayed."""
@@ -700,6 +730,15 @@ def test_a_sampling_params_subclass_reaches_the_workers(engines, reference):
     llm = engines("qwen3", "ar", 2)
     got = llm.generate(BATCH, [Mine(**vars(p)) for p in CONFIGS["sampled"]])
     assert [o.token_ids for o in got] == reference("qwen3", "ar", "sampled")[0][1]
+    assert _run(llm, "greedy") == reference("qwen3", "ar", "greedy")
+    # so are the values in it: an IntEnum seed killed the workers for good
+    import enum
+
+    class Seeds(enum.IntEnum):
+        FIRST = CONFIGS["sampled"][0].seed
+
+    first = replace(CONFIGS["sampled"][0], seed=Seeds.FIRST)
+    assert llm.generate(BATCH[:1], first)[0].token_ids == reference("qwen3", "ar", "sampled")[0][1][0]
     assert _run(llm, "greedy") == reference("qwen3", "ar", "greedy")
 
 

@@ -257,13 +257,25 @@ def attach(size: int, device: torch.device, kwargs: dict, config, draft_config, 
     return rt.new_engine(kwargs)
 
 
+UNSET_LAUNCH = "unset RANK and WORLD_SIZE to let treeflash start its own workers"
+
+
 def torchrun_env() -> dict | None:
+    """The launch that RANK and WORLD_SIZE (> 1) describe, torchrun's or a bare one; None
+    without them."""
     env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env and int(env["WORLD_SIZE"]) > 1:
-        return {"rank": int(env["RANK"]), "world": int(env["WORLD_SIZE"]),
-                "local_rank": int(env.get("LOCAL_RANK", env["RANK"])),
-                "addr": env.get("MASTER_ADDR", "127.0.0.1"), "port": int(env.get("MASTER_PORT", "29500"))}
-    return None
+
+    def number(name: str, default: str | None = None) -> int:
+        try:
+            return int(env.get(name, default))
+        except ValueError:
+            raise UsageError(f"environment variable {name}={env.get(name)!r} is not an integer (RANK and "
+                             f"WORLD_SIZE describe a torchrun launch; {UNSET_LAUNCH})") from None
+
+    if "RANK" not in env or "WORLD_SIZE" not in env or number("WORLD_SIZE") <= 1:
+        return None
+    return {"rank": number("RANK"), "world": number("WORLD_SIZE"), "local_rank": number("LOCAL_RANK", env["RANK"]),
+            "addr": env.get("MASTER_ADDR", "127.0.0.1"), "port": number("MASTER_PORT", "29500")}
 
 
 def check_devices(size: int, device: torch.device) -> None:
@@ -328,10 +340,20 @@ def _torchrun_runtime(size: int, device: torch.device, tr: dict) -> "Runtime":
                              f"{torch.cuda.device_count()} GPUs are visible")
     # torchrun's agent serves the store at MASTER_ADDR:MASTER_PORT; a bare launch has rank 0 serve it
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(tr["addr"], tr["port"], None, tr["rank"] == 0 and not agent,
-                          timeout=_td(timeout_s()), wait_for_workers=False)
-    rt = Runtime(size, device.type, tr["rank"], tr["local_rank"], dist.PrefixStore("treeflash", store))
-    rt.connect()
+    where = f"{tr['addr']}:{tr['port']}"
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # not torchrun: variables left set by mistake wait the whole timeout
+        print(f"treeflash: RANK={tr['rank']} and WORLD_SIZE={tr['world']} are set: waiting up to {timeout_s():g} s "
+              f"for the other ranks at {where} ({UNSET_LAUNCH})", file=sys.stderr, flush=True)
+    try:
+        store = dist.TCPStore(tr["addr"], tr["port"], None, tr["rank"] == 0 and not agent,
+                              timeout=_td(timeout_s()), wait_for_workers=False)
+        rt = Runtime(size, device.type, tr["rank"], tr["local_rank"], dist.PrefixStore("treeflash", store))
+        rt.connect()
+    except dist.DistError as e:  # a timeout, or the address in use: one line, not c10d's dump
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TreeflashError(f"tensor-parallel rank {tr['rank']} of {tr['world']} could not meet the other ranks "
+                             f"at {where} ({type(e).__name__}: {first}); launch every rank, or "
+                             f"{UNSET_LAUNCH}") from None
     return rt
 
 
