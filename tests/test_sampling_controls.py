@@ -507,6 +507,8 @@ def test_stop_strings_cut_where_the_whole_text_first_holds_one():
         ids = [t for _ in range(rng.randint(1, 14)) for t in rng.choice(pieces)]
         prompt = [t for _ in range(rng.randint(1, 3)) for t in rng.choice(pieces)]
         text = tok.decode_continuation(ids, prompt)
+        if not text:  # all of it part of one character
+            continue
         stops = []
         for _ in range(rng.randint(1, 3)):
             i = rng.randrange(len(text))
@@ -514,7 +516,7 @@ def test_stop_strings_cut_where_the_whole_text_first_holds_one():
         p = SamplingParams(stop=stops, min_tokens=rng.choice([0, 0, 1, 3]))
 
         def whole(k):  # less a character the k tokens only begin
-            return tok.decode_continuation(ids[:k], prompt, unfinished=False)
+            return tok.decode_continuation(ids[:k], prompt)
         floor = tok.min_tokens_floor(ids, p.min_tokens, prompt)
         want = next((k for k in range(p.min_tokens + 1, len(ids) + 1)
                      if stop_cut(whole(k), stops, False, ends_after=floor)), len(ids))
@@ -602,7 +604,7 @@ def test_a_replacement_character_stop_string_inside_min_tokens_text_does_not_cou
     out = llm.generate("x = ", SamplingParams(max_new_tokens=8, stop=["\ufffd"], allowed_token_ids=[lead],
                                               min_tokens=8))[0]
     assert out.token_ids == [lead] * 8 and out.finish_reason == "length" and out.stop_reason is None
-    assert out.text == "\ufffd" * 8
+    assert out.text == "\ufffd" * 7  # the last lead byte, which the length cut left unfinished, is left out
     out = llm.generate("x = ", SamplingParams(max_new_tokens=8, stop=["\ufffd"], allowed_token_ids=[lead],
                                               min_tokens=2))[0]
     # the second character is whole once the third byte came: the stop string ends there, past the floor

@@ -167,10 +167,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special)
 
-    def decode_continuation(self, ids: list[int], context: list[int] = (), skip_special: bool = True,
-                            unfinished: bool = True) -> str:
-        """The text `ids` add after `context` (the prompt's last tokens); without
-        `unfinished`, less the part of a character at its end. Decoded alone, a
+    def decode_continuation(self, ids: list[int], context: list[int] = (), skip_special: bool = True) -> str:
+        """The text `ids` add after `context` (the prompt's last tokens), less the part of
+        a character at its end, which no later token finishes once a request has ended
+        (vLLM leaves it out too; a stream never shows it). Decoded alone, a
         SentencePiece continuation would lose its first space (the decoder strips a
         text's first one: " Paris" became "Paris"); byte-level BPE gives the same either
         way. `TextStream` decodes the same way, so streamed deltas add up to this."""
@@ -184,9 +184,7 @@ class Tokenizer:
         # whole run of byte tokens into U+FFFD when the run ends in part of a character, so
         # "你" and half of "好" decode to five of them, though "你" was whole (and streamed).
         # Character by character instead, as TextStream takes them.
-        ids = context + list(ids)
-        text, _, read = self.whole_text(ids, 0, len(context), skip_special)
-        return text + self.decode(ids[read:], skip_special) if unfinished else text
+        return self.whole_text(context + list(ids), 0, len(context), skip_special)[0]
 
     def whole_text(self, ids: list[int], prefix: int, read: int, skip_special: bool = True) -> tuple[str, int, int]:
         """The text ids[read:] add after ids[prefix:read], taken token by token up to its last
@@ -220,7 +218,7 @@ class Tokenizer:
         that the next token completes counts)."""
         if not min_tokens:
             return 0
-        return len(self.decode_continuation(ids[:min_tokens], context, skip_special, unfinished=False))
+        return len(self.decode_continuation(ids[:min_tokens], context, skip_special))
 
     def context_tail(self, context: list[int], skip_special: bool = True) -> list[int]:
         """The last tokens of `context` to decode a continuation after: four, or up to

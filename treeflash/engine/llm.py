@@ -788,10 +788,9 @@ class LLM:
         shown = ids[:-1] if ended_by_token and not p.include_stop_str_in_output else ids
         text = self.tokenizer.decode_continuation(shown, prompt, p.skip_special_tokens)
         cut = None
-        if p.stop:  # in whole characters, as while generating (`_cut_at_stop_string`)
-            whole = self.tokenizer.decode_continuation(shown, prompt, p.skip_special_tokens, unfinished=False)
+        if p.stop:  # as while generating (`_cut_at_stop_string`)
             floor = self.tokenizer.min_tokens_floor(ids, p.min_tokens, prompt, p.skip_special_tokens)
-            cut = stop_cut(whole, p.stop, p.include_stop_str_in_output, ends_after=floor)
+            cut = stop_cut(text, p.stop, p.include_stop_str_in_output, ends_after=floor)
         if cut:
             text = text[:cut[0]]
         by_eos = ended_by_token and not p.ignore_eos and ids[-1] in self.eos_token_ids  # None, as vLLM, if listed too
@@ -917,7 +916,7 @@ class LLM:
 
         def text(k: int) -> str:  # whole characters of out[lo:k], decoded after what precedes them
             context = (prompt_tail + out[max(0, lo - CONTEXT_TOKENS):lo])[-CONTEXT_TOKENS:]
-            return self.tokenizer.decode_continuation(out[lo:k], context, p.skip_special_tokens, unfinished=False)
+            return self.tokenizer.decode_continuation(out[lo:k], context, p.skip_special_tokens)
 
         while lo > 0 and len(text(first)) < longest + 3:  # + the orphan bytes of a character cut at lo
             lo = max(0, lo - max(16, first - lo))
