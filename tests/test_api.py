@@ -395,6 +395,20 @@ def test_a_round_larger_than_free_memory_is_refused(speculative_pair, monkeypatc
     assert ddtree.generate(["a"], SamplingParams(max_new_tokens=2))[0].token_ids
 
 
+def test_a_sampled_round_counts_the_samplers_copies(speculative_pair, monkeypatch):
+    """On the CPU a sampled round holds copies of its logits beside them (the noisy
+    logits, the noise): memory that fits a greedy round refuses a sampled one, clearly."""
+    from treeflash.engine import round as round_module
+    _, ddtree = speculative_pair
+    dec, cpu = ddtree.decoder, torch.device("cpu")
+    greedy = max(dec.round_bytes(1, n, cpu, False) for n in (1024, 2048))
+    assert dec.round_bytes(1, 1024, cpu, True) > greedy
+    monkeypatch.setattr(round_module, "available_bytes", lambda device: greedy)
+    assert ddtree.generate(["a"], SamplingParams(max_new_tokens=2))[0].token_ids
+    with pytest.raises(TreeflashError, match=r"not enough cpu memory for a round of 17 tokens"):
+        ddtree.generate(["a"], SamplingParams(max_new_tokens=2, temperature=1.0, seed=0))
+
+
 def test_generation_stops_at_the_context_limit(hf_checkpoint):
     llm = LLM(hf_checkpoint("qwen3").path, device="cpu", dtype="float32", max_model_len=16)
     ids = llm.tokenizer.encode(ENGINE_PROMPTS[0])

@@ -39,6 +39,7 @@ DRAFT_MODES = ("scaled", "coupled")
 PREFILL_ALIGN = 32  # prompts are padded to a multiple of this: a few prefill shapes (and graphs)
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose [positions, vocab] logits are made at a time
 GUIDE_CANDIDATES = 64  # draft tokens per depth the structured-output guide may take (`guided_draft`)
+SAMPLER_COPIES = 3     # float32 copies of a round's logits that sampling on the torch path (CPU) holds
 
 
 def prefill_width(longest: int, room: int) -> int:
@@ -120,27 +121,34 @@ class SpeculativeDecoder:
         st = BatchState(zeros, zeros.clone(), torch.ones(batch, dtype=torch.bool, device=dev), sampling,
                         self.target.new_cache(batch, max_len, dev),
                         self.drafter.new_cache(batch, max_len, dev) if self.drafter is not None else None)
-        self.check_round_memory(batch, max_len, dev)
+        self.check_round_memory(batch, max_len, dev, sampling.any_sampled)
         return st
 
-    def check_round_memory(self, batch: int, max_len: int, device: torch.device) -> None:
+    def check_round_memory(self, batch: int, max_len: int, device: torch.device, sampled: bool = False) -> None:
         """Refuse a batch whose round cannot fit beside its caches, rather than be killed
         by the OS mid-round (a budget of 100000 asked for a 10 GB ancestor matrix per
         request). Counted per request for T = budget + 1 tokens: the T x T ancestor
         matrix and the copy it is built from (bool), the reference attention's T x
-        max_len mask (bool), and this rank's T rows of logits. Not all of these are live
-        at once, so the count may be up to twice the peak; it bites only far past the
-        default budget (the logits of 64 requests at budget 512 and a 152K vocabulary
-        are 10 GB, and real)."""
+        max_len mask (bool), and this rank's T rows of logits; where a sampled batch
+        samples on the torch path (not CUDA's fused kernels), SAMPLER_COPIES more of them
+        in float32 (the noisy copy, its noise, the pick between it and the greedy rows;
+        top-p's sort of the vocabulary adds about 2.5 more, uncounted). It bites only far
+        past the default budget (the logits of 64 requests at budget 512 and a 152K
+        vocabulary are 10 GB, and real)."""
         T = self.budget + 1
-        head = self.target.lm_head.weight
-        need = batch * T * (2 * T + (max_len if self.backend == "sdpa" else 0) + head.shape[0] * head.element_size())
-        have = available_bytes(device)
+        need, have = self.round_bytes(batch, max_len, device, sampled), available_bytes(device)
         if have is not None and need > have:
             raise TreeflashError(f"not enough {device.type} memory for a round of {T} tokens per request "
                                  f"(budget {self.budget}) over {batch} requests: about {need / 2**30:.1f} GiB "
                                  f"of masks and logits, {have / 2**30:.1f} GiB free: lower the budget or the "
                                  f"batch size")
+
+    def round_bytes(self, batch: int, max_len: int, device: torch.device, sampled: bool) -> int:
+        """What `check_round_memory` counts for a round."""
+        T = self.budget + 1
+        head = self.target.lm_head.weight
+        row = head.shape[0] * (head.element_size() + (4 * SAMPLER_COPIES if sampled and device.type != "cuda" else 0))
+        return batch * T * (2 * T + (max_len if self.backend == "sdpa" else 0) + row)
 
     def prefill_inputs(self, st: BatchState, prompts: list[list[int]],
                        starts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -294,6 +294,10 @@ class SamplingBatch:
 
 
 
+NOISE_CHUNK = 16384  # vocabulary ids whose noise is hashed at once (the hash's int64 temporaries are
+                    # 8 bytes per logit each: over the whole vocabulary they were 7x the logits)
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer finalizer (bijective avalanche mix) on int64 tensors holding uint32."""
     x = x ^ (x >> 16)
@@ -310,16 +314,23 @@ def noise_key(seed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return _mix32((s[:, None] + positions * 0x9E3779B9) & _M32)
 
 
-def gumbel_noise(seed: torch.Tensor, positions: torch.Tensor, vocab_start: int, vocab_size: int) -> torch.Tensor:
-    """g(seed, p) for vocabulary ids vocab_start..+vocab_size: [B, T, V] float32.
+def gumbel_noise(seed: torch.Tensor, positions: torch.Tensor, vocab_start: int, vocab_size: int,
+                 add_to: torch.Tensor | None = None) -> torch.Tensor:
+    """g(seed, p) for vocabulary ids vocab_start..+vocab_size: [B, T, V] float32, or
+    `add_to` [B, T, V] plus it (in place: the sampler's peak stays a few copies of the
+    logits).
 
     seed [B] long, positions [B, T] long. Only (seed, position, token id) enter the
     hash, so a vocabulary shard computes its own slice of the same vector.
     """
-    key = noise_key(seed, positions)
-    ids = torch.arange(vocab_start, vocab_start + vocab_size, device=seed.device)
-    h = _mix32(key[..., None] ^ _mix32((ids * 0x85EBCA6B + 0x27D4EB2F) & _M32))       # [B, T, V]
-    return -torch.log(-torch.log(uniform_from_hash(h)))
+    key = noise_key(seed, positions)[..., None]
+    out = torch.zeros(*positions.shape, vocab_size, dtype=torch.float32, device=seed.device) \
+        if add_to is None else add_to
+    for lo in range(0, vocab_size, NOISE_CHUNK):  # the int64 hashes of one chunk at a time, not [B, T, V]
+        ids = torch.arange(vocab_start + lo, vocab_start + min(lo + NOISE_CHUNK, vocab_size), device=seed.device)
+        u = uniform_from_hash(_mix32(key ^ _mix32((ids * 0x85EBCA6B + 0x27D4EB2F) & _M32)))
+        out[..., lo:lo + len(ids)] -= u.log_().neg_().log_()
+    return out
 
 
 def uniform_from_hash(h: torch.Tensor) -> torch.Tensor:
@@ -558,10 +569,10 @@ def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp:
         return tp.pick_max(value, index + start)
     temp = sb.temperature.to(dtype)
     x = logits.to(dtype)
-    scaled = x / temp.clamp_min(1e-6)[:, None, None]
+    noisy = x / temp.clamp_min(1e-6)[:, None, None]  # in place from here: a few copies of the logits at most
     if floor is not None:
-        scaled = scaled.masked_fill(x < floor[..., None], float("-inf"))
-    noisy = scaled + gumbel_noise(sb.seed, positions, start, logits.shape[-1]).to(dtype)
+        noisy.masked_fill_(x < floor[..., None], float("-inf"))
+    gumbel_noise(sb.seed, positions, start, logits.shape[-1], add_to=noisy)
     # greedy rows (T == 0) take the plain argmax (the cast to dtype is exact and monotonic)
     return tp.argmax(torch.where(temp[:, None, None] > 0, noisy, x), start)
 
