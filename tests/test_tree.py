@@ -11,7 +11,7 @@ import torch
 from tree_oracle import best_prefixes_heap, chain_of_scores, tree_of_logprobs
 
 from treeflash.engine.kv_cache import KVCache
-from treeflash.engine.tree import ANCESTOR_ROW_ALIGN, DraftTree, _ancestor_matrix, empty_tree, walk
+from treeflash.engine.tree import ANCESTOR_ROW_ALIGN, DraftTree, _ancestor_matrix, build_chain, empty_tree, walk
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -149,14 +149,15 @@ def test_build_tree_certain_draft_gives_the_chain():
     assert node_prefixes(tree, 1) == [(5,) * k for k in range(1, D + 1)]
 
 
-def test_build_chain_is_top1_per_depth():
-    lp = random_logprobs(3, 7, 40, seed=1)
+def test_a_chain_is_a_tree_of_one_path():
+    """DFlash's chain: the drafted tokens in order below the anchor, node d at depth d
+    with parent d - 1; AR's tree is the anchor alone."""
     anchor = torch.tensor([4, 5, 6])
-    chain = chain_of_scores(lp, anchor)
+    drafted = torch.randint(0, 40, (3, 7), generator=torch.Generator().manual_seed(1))
+    chain = build_chain(drafted, anchor)
     check_structure(chain, 7)
-    assert chain.depths[0].tolist() == list(range(8))
-    for b in range(3):
-        assert chain.tokens[b].tolist() == [int(anchor[b])] + lp[b].argmax(-1).tolist()
+    assert chain.depths[0].tolist() == list(range(8)) and chain.parents[0].tolist() == [0] + list(range(7))
+    assert chain.tokens.tolist() == torch.cat([anchor[:, None], drafted], 1).tolist()
     ar = empty_tree(anchor)
     assert ar.size == 0 and ar.tokens[:, 0].tolist() == [4, 5, 6]
 
@@ -258,16 +259,24 @@ def test_walk_never_accepts_invalid_nodes():
 
 
 def test_walk_on_built_tree_with_padding():
-    """On a real padded tree, a target that matches every node's token (valid or not)
-    accepts exactly one valid path, whatever the padding nodes hold."""
-    lp = random_logprobs(1, 2, 3, seed=9)
+    """On a real padded tree a padding node is never accepted, even where the target
+    takes its token and no valid node matches: the walk stops at the root."""
+    from dataclasses import replace
+    V = 3
+    lp = random_logprobs(1, 2, V, seed=9)
     tree = tree_of_logprobs(lp, torch.tensor([0]), 20)  # 12 prefixes + 8 pads
     assert int((~tree.valid).sum()) == 8
     for pad in torch.nonzero(~tree.valid[0]).flatten().tolist():
-        target = torch.zeros(1, 21, dtype=torch.long)
-        target[0, tree.parents[0, pad]] = tree.tokens[0, pad]
-        w = walk(tree, target, 2)
-        assert bool(tree.valid[0, w.best[0]])
+        tokens = tree.tokens.clone()
+        tokens[0, pad] = V  # a token no valid node holds
+        padded = replace(tree, tokens=tokens)
+        target = torch.full((1, 21), V + 1, dtype=torch.long)  # matches no node...
+        target[0, tree.parents[0, pad]] = V                    # ...but the pad
+        w = walk(padded, target, 2)
+        assert w.best.tolist() == [0] and w.accepted.tolist() == [0] and w.bonus.tolist() == [V]
+        # the same walk with the pad counted as valid takes it: the check above can fail
+        w = walk(replace(padded, valid=torch.ones_like(tree.valid)), target, 2)
+        assert w.best.tolist() == [pad]
 
 
 def test_walk_chain():
