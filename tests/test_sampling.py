@@ -333,3 +333,44 @@ def test_stop_none_means_no_stop_strings():
     assert SamplingParams(stop=None).validate().stop == []
     with pytest.raises(UsageError):
         SamplingParams(stop=5).validate()
+
+
+def test_every_host_flag_of_a_batch_is_part_of_its_graph_key():
+    """A captured round is looked up by `SamplingMode`: a flag that chooses code in a
+    SamplingBatch but not in the key would replay a graph captured for another mode."""
+    from dataclasses import fields
+
+    from treeflash.engine.sampling import SamplingMode
+    host = [f.name for f in fields(SamplingBatch) if f.type in ("bool", "int")]
+    assert sorted(host) == sorted(SamplingMode._fields)
+
+
+def test_a_guided_batch_on_a_larger_held_table_reads_all_of_it():
+    """A kept state's structured-output table only grows: a batch whose table fits takes
+    the rows it needs and its mode names the rows held, which is the mode whose graph
+    `GraphedState.captured` looks for (a state reused for a prefix must replay, not
+    capture: a capture's warm-up rounds write its caches from slot 0)."""
+    V = 8
+
+    def guided(rows: int) -> SamplingBatch:
+        sb = SamplingBatch.from_params([SamplingParams()], torch.device("cpu"), V)
+        sb.guided_rows = rows
+        sb.grammar = torch.arange(rows * V, dtype=torch.int32).view(rows, V)
+        sb.grammar_start = sb.grammar_state = torch.zeros(1, dtype=torch.long)
+        return sb
+
+    held = guided(10)
+    table = held.grammar
+    small = guided(4)
+    assert small.mode.on_table(table).guided_rows == 10
+    held.copy_(small)
+    assert held.grammar is table and torch.equal(table[:4], small.grammar) and held.guided_rows == 10
+    assert held.mode == small.mode.on_table(table)
+    large = guided(12)
+    assert large.mode.on_table(table) == large.mode  # a larger table: made anew, its own rows
+    held.copy_(large)
+    assert held.grammar is not table and held.guided_rows == 12 and held.mode == large.mode
+    plain = SamplingBatch.from_params([SamplingParams()], torch.device("cpu"), V)
+    assert plain.mode.on_table(held.grammar) == plain.mode
+    held.copy_(plain)
+    assert held.guided_rows == 0 and held.mode == plain.mode

@@ -137,10 +137,7 @@ class GraphedState:
     def captured(self, mode: SamplingMode) -> bool:
         """Whether a batch of `mode` (`SamplingBatch.mode_of`) replays a round captured
         already (a capture's warm-up rounds would write over the caches)."""
-        table = self.st.sampling.grammar
-        if mode.guided_rows and table is not None and len(table) >= mode.guided_rows:  # it would use the
-            mode = mode._replace(guided_rows=len(table))                                 # table held
-        return mode in self.rounds
+        return mode.on_table(self.st.sampling.grammar) in self.rounds
 
     def prefill(self, ids: torch.Tensor, lens: torch.Tensor, begin: torch.Tensor | None = None):
         """The prefill of padded ids [B, T] (after `begin` cached tokens per request, if

@@ -72,6 +72,15 @@ class SamplingMode(NamedTuple):
     any_open_top_p: bool   # a top-p without a top-k
     guided_rows: int       # `grammar_rows`
 
+    def on_table(self, held: torch.Tensor | None) -> "SamplingMode":
+        """This mode on a state that holds the structured-output table `held`: a table's
+        rows only grow, so a guided batch whose table fits in it reads all of it (and
+        the mode names those rows). `SamplingBatch.copy_` and `GraphedState.captured`
+        both go by it: a reused state must replay the graph its batch will run."""
+        if not self.guided_rows or held is None or len(held) < self.guided_rows:
+            return self
+        return self._replace(guided_rows=len(held))
+
 
 # SamplingBatch's buffers that only some modes have (None in a batch that does not need them)
 OPTIONAL_BUFFERS = ("bias", "stop_mask", "min_end", "presence", "frequency", "repetition", "prompt_seen",
@@ -211,7 +220,7 @@ class SamplingBatch:
         biased, penalized and guided modes are made at the first batch that needs them and
         kept: those modes' graphs read them. A structured-output table is made anew only
         to grow (the mode then names the rows of the table held)."""
-        for name, value in other.mode._asdict().items():
+        for name, value in other.mode.on_table(self.grammar)._asdict().items():
             setattr(self, name, value)
         for name in ("temperature", "top_k", "top_p", "min_p", "seed", *OPTIONAL_BUFFERS):
             src, dst = getattr(other, name), getattr(self, name)
@@ -223,8 +232,6 @@ class SamplingBatch:
             if dst is None or dst.shape != src.shape:
                 setattr(self, name, torch.empty_like(src))
             getattr(self, name).copy_(src)
-        if self.guided_rows:  # the rows of the table the graphs read
-            self.guided_rows = len(self.grammar)
 
     def clear_history(self) -> None:
         """Before a prefill samples each request's first token: no output yet (a kept
