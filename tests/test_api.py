@@ -88,6 +88,38 @@ def test_max_new_tokens_is_respected(llm, n):
             SamplingParams(max_tokens=bad)
 
 
+def test_vllm_prompt_dicts_and_n_1_are_taken(llm):
+    """vLLM's scripts pass {"prompt": text} / {"prompt_token_ids": ids} (its TextPrompt and
+    TokensPrompt) and often spell out n=1: the same requests here. n > 1 and dicts with
+    other keys (multi-modal data) are refused in one line, not dropped."""
+    p = SamplingParams(n=1, max_new_tokens=4, ignore_eos=True)
+    ids = llm.encode(ENGINE_PROMPTS[0])
+    want = llm.generate(ENGINE_PROMPTS[0], p)[0].token_ids
+    got = llm.generate([{"prompt": ENGINE_PROMPTS[0]}, {"prompt_token_ids": ids}], p)
+    assert [o.token_ids for o in got] == [want, want]
+    assert llm.generate({"prompt_token_ids": ids}, p)[0].token_ids == want
+    for bad in ({"prompt": "a", "multi_modal_data": {}}, {}, {"text": "a"}):
+        with pytest.raises(UsageError, match="a prompt dict holds one key"):
+            llm.generate([bad], p)
+    for n in (2, 0, True, "1"):
+        with pytest.raises(UsageError, match="n must be 1, one output per prompt"):
+            SamplingParams(n=n)
+
+
+def test_an_engine_seed_repeats_unseeded_sampling(hf_checkpoint):
+    """vLLM's LLM(seed=...): sampled requests that give no seed draw theirs from it, so a
+    script's runs repeat; without it each run draws fresh ones."""
+    path = hf_checkpoint("qwen3").path
+    p = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True)
+    runs = [LLM(path, device="cpu", dtype="float32", seed=7).generate(ENGINE_PROMPTS, p) for _ in range(2)]
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    other = LLM(path, device="cpu", dtype="float32", seed=8).generate(ENGINE_PROMPTS, p)
+    assert [o.token_ids for o in other] != [o.token_ids for o in runs[0]]
+    for bad in (-1, 1.5, True, "7"):
+        with pytest.raises(UsageError, match="seed must be an integer >= 0"):
+            LLM(path, device="cpu", dtype="float32", seed=bad)
+
+
 def test_max_tokens_reads_and_sets_as_in_vllm(llm):
     """vLLM's code reads and sets `params.max_tokens`: it is max_new_tokens, and a copy
     made with `dataclasses.replace` (as `generate` makes one to draw a seed) keeps it.

@@ -203,10 +203,15 @@ GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "
 
 def _as_in_vllm(init):
     """The dataclass constructor, also taking vLLM's `max_tokens` keyword for
-    max_new_tokens, and warning where vLLM's code would sample and this does not: a
-    filter or a seed without a temperature (vLLM's default is 1, this one's greedy)."""
+    max_new_tokens and its `n` at 1 (vLLM's default, which its scripts often spell out;
+    a request here has one output), and warning where vLLM's code would sample and this
+    does not: a filter or a seed without a temperature (vLLM's default is 1, this one's
+    greedy)."""
     @functools.wraps(init)
-    def __init__(self, *args, max_tokens=..., **kwargs):
+    def __init__(self, *args, max_tokens=..., n=1, **kwargs):
+        if isinstance(n, bool) or plain_number(n) != 1:
+            raise UsageError(f"invalid sampling parameters: n must be 1, one output per prompt (give a prompt n "
+                             f"times, each with its own seed; the server takes n), got {shown(n)}")
         if max_tokens is not ...:
             max_tokens = plain_number(max_tokens)
             if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:

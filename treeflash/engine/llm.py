@@ -190,6 +190,18 @@ class _Batch:
     eager: bool            # rounds run eagerly, their attention reads bounded by st.max_n (graphs read all)
 
 
+def _unwrapped(prompt):
+    """A prompt as text or token ids: vLLM's TextPrompt {"prompt": text} and TokensPrompt
+    {"prompt_token_ids": ids} give theirs (other keys, such as multi-modal data, are
+    refused rather than dropped)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if len(prompt) == 1 and next(iter(prompt)) in ("prompt", "prompt_token_ids"):
+        return next(iter(prompt.values()))
+    raise UsageError(f"a prompt dict holds one key, 'prompt' (text) or 'prompt_token_ids' (vLLM's TextPrompt "
+                     f"and TokensPrompt), got {sorted(map(str, prompt))}")
+
+
 def check_int(name: str, value, least: int) -> None:
     """A count given by the user: an int (True is not 1) of at least `least`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -245,6 +257,8 @@ class LLM:
     generation_config: "auto" (default) samples, where `generate` is given no parameters,
     with the values of the model's generation_config.json, as vLLM's; "none" ignores
     them (vLLM's "vllm"): SamplingParams' defaults.
+    seed: where the seeds of sampled requests that give none are drawn from, so that a
+    script's runs repeat (vLLM's `seed`); None (default): fresh ones every run.
     """
 
     def __init__(self, model: str | Path | None = None, draft_model: str | Path | None = None,
@@ -252,9 +266,12 @@ class LLM:
                  dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
                  max_budget: int = 512, tp: int = 1, cuda_graphs: bool = True, draft_mode: str = "coupled",
                  enable_prefix_caching: bool = False, max_batch: int = 256, quantization: str | None = None,
-                 generation_config: str = "auto", *, _worker=None):
+                 generation_config: str = "auto", seed: int | None = None, *, _worker=None):
         # _worker: a tensor-parallel worker's runtime, building its shard of the driver's engine
         check_int("max_batch", max_batch, 1)
+        if seed is not None:
+            check_int("seed", seed, 0)
+        self._seeds = random.Random(seed)  # the seeds of sampled requests that give none
         self.max_batch = max_batch
         self._generating = threading.RLock()
         self._decoding = False  # inside `generate`: a callback that calls it again is refused
@@ -534,7 +551,8 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  on_tokens=None, on_done=None) -> list[GenerationOutput]:
-        """Generate for a list of prompts (strings or token-id lists), in order, in batches
+        """Generate for a list of prompts (strings or token-id lists, or vLLM's prompt dicts
+        {"prompt": text} and {"prompt_token_ids": ids}), in order, in batches
         of `max_batch` (with prefix caching, as one batch: a batch reuses the caches of
         the last batch of its size, which smaller chunks would overwrite).
 
@@ -548,11 +566,11 @@ class LLM:
         round r runs on the device (see `_step`, `RoundPipeline`), with tensor
         parallelism too (every rank runs ahead alike).
         """
-        if not isinstance(prompts, (str, list, tuple)):
+        if not isinstance(prompts, (str, dict, list, tuple)):
             raise UsageError(f"prompts must be a string, a list of token ids, or a list of those, "
                              f"got {type(prompts).__name__}")
-        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral))
-        prompts = [prompts] if single else list(prompts)
+        single = isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], numbers.Integral))
+        prompts = [_unwrapped(p) for p in ([prompts] if single else prompts)]
         if not prompts:
             return []
         params = self.default_sampling_params() if sampling_params is None else sampling_params
@@ -569,7 +587,7 @@ class LLM:
         params = [p if type(p) is SamplingParams else SamplingParams(**{f.name: getattr(p, f.name)
                                                                         for f in fields(SamplingParams)})
                   for p in params]
-        params = [p if p.seed is not None else p.with_seed(random.getrandbits(63)) for p in params]
+        params = [p if p.seed is not None else p.with_seed(self._seeds.getrandbits(63)) for p in params]
         on_tokens = _token_callback(on_tokens)
         if on_done is not None and not callable(on_done):
             raise UsageError(f"on_done must be a function, got {type(on_done).__name__}")
