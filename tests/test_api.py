@@ -488,7 +488,7 @@ def test_bad_sampling_params_raise_usage_error(llm, kwargs, what):
                                           ([[1, "a"]], "string or a list of token ids"),
                                           ([[True, False]], "string or a list of token ids"),
                                           (None, "prompts must be"), (5, "prompts must be"),
-                                          ({"prompt": "a"}, "prompts must be"),
+                                          ({"prompt": "a", "images": []}, "a prompt dict holds one key"),
                                           (["a\udcff"], "valid Unicode")])
 def test_bad_prompts_raise_usage_error(llm, prompts, what):
     with pytest.raises(UsageError, match=what):

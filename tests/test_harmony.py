@@ -276,7 +276,7 @@ def scripted(harmony_model):
                 if reason:
                     break
             outs.append(llm._output(out, reason or "length", p, 1, 1.0, lps if p.logprobs is not None else None,
-                                    prompt))
+                                    prompt, None, None))
             if on_done is not None:
                 on_done(k, outs[-1])
         return outs

@@ -157,7 +157,7 @@ def test_ddtree_greedy_is_lossless_plain_target(budget, spec_target, spec_drafte
     run_lossless(spec_llm(target, spec_drafter("llama", "plain", 8), "ddtree", budget), target, ar_reference)
 
 
-def test_ddtree_beats_chain_on_peaked_target(spec_target, spec_drafter, ar_reference):
+def test_ddtree_beats_chain_on_peaked_target(spec_target, spec_drafter):
     """The point of the tree: with the same drafter, 64 nodes accept more per round than the chain."""
     target, drafter = spec_target("qwen3", "peaked"), spec_drafter("qwen3", "peaked", 8)
     taus = {}
@@ -330,10 +330,9 @@ def test_perfect_drafter_commits_whole_blocks(block_size, constant_pair, ar_refe
 
 
 @pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 64)])
-def test_useless_drafter_still_lossless(method, budget, constant_pair, spec_target, spec_drafter, ar_reference):
+def test_useless_drafter_still_lossless(method, budget, constant_pair):
     """A drafter that is always wrong costs speed, never correctness: τ is exactly 1
-    against the constant target, and on a real target a drafter with no signal
-    (all-zero hidden states: uniform guesses) gives τ ≈ 1 and the AR tokens."""
+    against the constant target (on a real target: the next test)."""
     target, _, useless = constant_pair(8)
     log = RoundLog(spec_llm(target, useless, method, budget))
     outs = log.generate([[5], [6, 7, 8]], GREEDY64)
@@ -341,7 +340,7 @@ def test_useless_drafter_still_lossless(method, budget, constant_pair, spec_targ
     assert all(int(c) == 1 for r in log.rounds for c in r["counts"])
 
 
-def test_no_signal_drafter_on_real_target(spec_target, clone_checkpoint, ar_reference, tmp_path):
+def test_no_signal_drafter_on_real_target(spec_target, ar_reference, tmp_path):
     from safetensors.torch import load_file, save_file
     target = spec_target("qwen3", "peaked")
     drafter = write_random_drafter(target, tmp_path / "zero", block_size=8)

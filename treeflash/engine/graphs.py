@@ -1,4 +1,4 @@
-"""CUDA graphs of the round and the prefill (design section 8): captured once per batch
+"""CUDA graphs of the round and the prefill (design section 6): captured once per batch
 state and sampling mode over the state's static buffers, then replayed, so the host's
 work per round is one replay and reading the committed tokens."""
 from __future__ import annotations

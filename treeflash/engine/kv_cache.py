@@ -1,6 +1,6 @@
 """Static KV caches.
 
-`KVCache` holds one [B, Hkv, S, D] tensor pair per layer. A round writes its block
+`KVCache` holds one [L, B, Hkv, S, D] tensor pair (every layer's K and V). A round writes its block
 (tree nodes, drafter block) right after each request's committed prefix, then
 `compact` moves the accepted path to the front of that free space: the prefix
 itself is never copied or duplicated.
@@ -60,4 +60,5 @@ class KVCache:
 
 class DraftContextCache(KVCache):
     """The drafter's per-layer K/V of committed positions' target features, each
-    projected once, when it is committed ("load contexts once")."""
+    projected once, when it is committed ("load contexts once"). A KVCache; its own
+    class names it in an out-of-memory refusal."""

@@ -684,7 +684,7 @@ class LLM:
             new, counts, *lp = got
             for r, c, a in zip(reqs, counts, active):
                 r.committed += c
-                r.rounds += a  # a round whose tokens r uses (done: ignored)
+                r.rounds += a  # the round just read: r takes its tokens if it was going after the one before
 
     def _take(self, b: int, r: _Request, got: list[int], lp: list, on_tokens) -> str | None:
         """Add a round's committed tokens to request b's output (up to its end: EOS, the
@@ -794,8 +794,8 @@ class LLM:
         return set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
 
     def _output(self, ids: list[int], reason: str, p: SamplingParams, rounds: int, seconds: float,
-                logprobs: list[TokenLogprob] | None = None, prompt: list[int] = (),
-                prompt_logprobs: list[TokenLogprob] | None = None, cached: int | None = None) -> GenerationOutput:
+                logprobs: list[TokenLogprob] | None, prompt: list[int],
+                prompt_logprobs: list[TokenLogprob] | None, cached: int | None) -> GenerationOutput:
         """A finished request's output: its text (decoded after the prompt, see
         `Tokenizer.decode_continuation`) cut at the first stop string (at its start, or
         its end with include_stop_str_in_output) or without the token that ended it (kept
@@ -803,8 +803,8 @@ class LLM:
         batch's start to this request's last token; with prefix caching, the prompt
         tokens found in the caches)."""
         ended_by_token = reason == "stop" and bool(ids) and ids[-1] in self.end_ids(p)
-        shown = ids[:-1] if ended_by_token and not p.include_stop_str_in_output else ids
-        text = self.tokenizer.decode_continuation(shown, prompt, p.skip_special_tokens)
+        in_text = ids[:-1] if ended_by_token and not p.include_stop_str_in_output else ids
+        text = self.tokenizer.decode_continuation(in_text, prompt, p.skip_special_tokens)
         cut = None
         if p.stop:  # as while generating (`_cut_at_stop_string`)
             floor = self.tokenizer.min_tokens_floor(ids, p.min_tokens, prompt, p.skip_special_tokens)

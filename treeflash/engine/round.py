@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from treeflash.engine.kv_cache import DraftContextCache, KVCache
-from treeflash.engine.sampling import SamplingBatch, apply_bias, grammar_masked, gumbel_noise, logprobs_of, sample
+from treeflash.engine.sampling import (MIN_TEMPERATURE, SamplingBatch, apply_bias, grammar_masked, gumbel_noise,
+                                       logprobs_of, sample)
 from treeflash.engine.tree import DraftTree, build_chain, build_tree, walk
 from treeflash.errors import TreeflashError, UsageError
 from treeflash.layers.attention import AttentionInputs
@@ -230,7 +231,9 @@ class SpeculativeDecoder:
 
     def draft_logits(self, st: BatchState) -> torch.Tensor:
         """This rank's vocabulary slice of the per-depth draft scores [B, D, V/N] for
-        depths 1..D: float32 logits at each request's temperature, noised in coupled mode."""
+        depths 1..D: float32 logits; for sampled requests at their temperature (scaled
+        mode), or plus their temperature x the target's noise (coupled mode, T <= 1;
+        past it logits / T + noise)."""
         d = self.drafter
         B, b = st.batch_size, d.block_size
         block = torch.full((B, b), d.mask_token_id, dtype=torch.long, device=st.n.device)
@@ -254,8 +257,9 @@ class SpeculativeDecoder:
             t = sb.temperature[:, None, None]
             noise = gumbel_noise(sb.seed, positions[:, 1:], start, logits.shape[-1])
             logits = torch.where(t > 1, logits / t.clamp_min(1) + noise, logits + t * noise)
-        elif sb.any_sampled:  # as the target's sampler: below 1e-6, T is 1e-6 (1e-40 overflowed to inf)
-            t = torch.where(sb.temperature > 0, sb.temperature.clamp_min(1e-6), torch.ones_like(sb.temperature))
+        elif sb.any_sampled:  # as the target's sampler: T at least MIN_TEMPERATURE
+            t = torch.where(sb.temperature > 0, sb.temperature.clamp_min(MIN_TEMPERATURE),
+                            torch.ones_like(sb.temperature))
             logits = logits / t[:, None, None]
         if sb.any_guided:
             logits = self.guided_draft(logits, sb)

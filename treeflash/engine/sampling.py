@@ -346,6 +346,8 @@ def uniform_from_hash(h: torch.Tensor) -> torch.Tensor:
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
+MIN_TEMPERATURE = 1e-6  # a sampled request's temperature is at least this (1e-40 overflowed logits / T to
+                        # inf); the Triton kernels (treeflash.ops) write it out: they must sample alike
 MAX_FILTER_WIDTH = 4096  # past it a top-k filter sorts the whole vocabulary
 
 
@@ -389,7 +391,7 @@ def filter_floor(x: torch.Tensor, sb: "SamplingBatch", tp: TPGroup = TPGroup()) 
         return fused_floor(x, vals, sb, tp)
     vals = vals.to(_wide(x))
     B, T, W = vals.shape
-    temp = sb.temperature.to(vals.dtype).clamp_min(1e-6)[:, None]                       # [B, 1]
+    temp = sb.temperature.to(vals.dtype).clamp_min(MIN_TEMPERATURE)[:, None]            # [B, 1]
     k = sb.top_k.clamp(0, W)[:, None, None].expand(B, T, 1)
     kth = torch.where(k[..., 0] > 0, vals.gather(-1, (k - 1).clamp_min(0))[..., 0], float("-inf"))
     min_p = vals[..., 0] + temp * torch.log(sb.min_p.to(vals.dtype))[:, None]          # -inf when off
@@ -576,7 +578,7 @@ def sample(logits: torch.Tensor, positions: torch.Tensor, sb: SamplingBatch, tp:
         return tp.pick_max(value, index + start)
     temp = sb.temperature.to(dtype)
     x = logits.to(dtype)
-    noisy = x / temp.clamp_min(1e-6)[:, None, None]  # in place from here: a few copies of the logits at most
+    noisy = x / temp.clamp_min(MIN_TEMPERATURE)[:, None, None]  # in place from here: a few copies at most
     if floor is not None:
         noisy.masked_fill_(x < floor[..., None], float("-inf"))
     gumbel_noise(sb.seed, positions, start, logits.shape[-1], add_to=noisy)

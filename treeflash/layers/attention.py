@@ -27,7 +27,7 @@ class AttentionInputs:
     """Per-forward metadata, shared by all layers."""
 
     positions: torch.Tensor     # [B, T] RoPE positions of the block tokens
-    prefix_lens: torch.Tensor   # [B] committed (cached) tokens before the block
+    prefix_lens: torch.Tensor | None  # [B] committed (cached) tokens before the block (None: dense path)
     block_mask: torch.Tensor | None  # [B, T, T] bool: block query i may see block key j
                                      # (dense/training path: [B, T, S] or None for causal)
     kv_len: int | None = None   # cache slots a reference kernel needs to read (None: all)

@@ -20,7 +20,6 @@ class _VocabShard(nn.Module):
         self.vocab_size = vocab_size
         self.rows = tp.shard(vocab_size, "vocab_size")
         self.start = tp.rank * self.rows
-        self.parts = [vocab_size]
         self.weight = nn.Parameter(torch.empty(self.rows, dim), requires_grad=False)
 
 

@@ -37,7 +37,7 @@ SEARCH_BELOW_TOP = tl.constexpr(40.0)  # nats (at T) below the top past which no
 def _pre_floor(vals_ptr, row, W, b, temp_ptr, topk_ptr, minp_ptr):
     """(the row's largest logit, T clamped as the torch path does, min-p's and top-k's
     floor) from the window `vals` [R, W] (sorted, largest first)."""
-    t = tl.maximum(tl.load(temp_ptr + b), 1e-6)
+    t = tl.maximum(tl.load(temp_ptr + b), 1e-6)  # MIN_TEMPERATURE (treeflash.engine.sampling)
     top = tl.load(vals_ptr + row * W).to(tl.float32)
     k = tl.minimum(tl.maximum(tl.load(topk_ptr + b), 0), W)
     kth = tl.load(vals_ptr + row * W + tl.maximum(k - 1, 0)).to(tl.float32)
@@ -169,7 +169,7 @@ def _search_kernel(x_ptr, sx, vals_ptr, W, temp_ptr, lo_ptr, target_ptr, active_
         tl.store(prefix_ptr + LEVEL * R + row, prefix, mask=chunk == 0)
         tl.store(above_ptr + LEVEL * R + row, above, mask=chunk == 0)
         shift: tl.constexpr = BITS - 2 * (LEVEL + 1)
-        t = tl.maximum(tl.load(temp_ptr + row // T), 1e-6)
+        t = tl.maximum(tl.load(temp_ptr + row // T), 1e-6)  # MIN_TEMPERATURE
         lo = tl.load(lo_ptr + row)
         m0 = tl.zeros([BLOCK], tl.float32)
         m1 = tl.zeros([BLOCK], tl.float32)

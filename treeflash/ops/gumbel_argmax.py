@@ -59,7 +59,7 @@ def _gumbel_argmax_kernel(logits_ptr, row_stride, seed_ptr, pos_ptr, temp_ptr, f
         key = _noise_key(seed_ptr, pos_ptr, row, T)  # int64 holding the uint32 hash of (seed, position)
         t = tl.load(temp_ptr + row // T)             # float32, 0 = greedy
         greedy = t == 0
-        t_safe = tl.where(greedy, 1.0, tl.maximum(t, 1e-6))  # as the torch path: 1e-40 overflowed to +inf
+        t_safe = tl.where(greedy, 1.0, tl.maximum(t, 1e-6))  # MIN_TEMPERATURE, as the torch path
         if FLOOR:
             floor = tl.load(floor_ptr + row)         # float32: filters keep logits >= it
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
