@@ -213,7 +213,8 @@ def test_greedy_generation_matches_transformers(hf_checkpoint, name):
         expected = hf_greedy(ck.model, llm.encode(prompt), NEW_TOKENS)
         assert out.token_ids == expected, f"{name}: {prompt!r}"
         assert out.finish_reason == "length"
-        assert out.text == llm.tokenizer.decode(expected)
+        decoded = llm.tokenizer.decode(expected)  # less the part of a character the length cut left
+        assert decoded.startswith(out.text) and set(decoded[len(out.text):]) <= {"\ufffd"}
     # a real comparison: the model does not just repeat one token
     assert len(set(outs[0].token_ids)) > 5
 
