@@ -553,7 +553,7 @@ def test_sampling_parameters_of_the_wrong_type(llm, params):
 def test_a_cache_larger_than_free_memory_is_refused(llm, monkeypatch):
     """The KV cache is checked against free memory before it is allocated: a clear
     error, not an allocation failure or the OS killing the process."""
-    from treeflash.engine import kv_cache
+    from treeflash.layers import kv_cache
     monkeypatch.setattr(kv_cache, "available_bytes", lambda device: 1000)
     with pytest.raises(TreeflashError, match="not enough cpu memory for a KVCache"):
         llm.generate(["a"], SamplingParams(max_new_tokens=2))

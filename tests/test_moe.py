@@ -31,8 +31,8 @@ from treeflash import LLM, SamplingParams, TreeflashError
 from treeflash.config import ModelConfig
 from treeflash.distributed import TPGroup
 from treeflash.models.loader import build_on
-from treeflash.models.moe import (KIMI_K2_4L, Experts, Router, SparseMoE, expected_experts, experts_reference,
-                                  weight_bytes_read)
+from treeflash.bench.shape import KIMI_K2_4L, expected_experts, weight_bytes_read
+from treeflash.models.moe import Experts, Router, SparseMoE, experts_reference
 from treeflash.models.transformer import MLP, CausalLM
 
 # ----------------------------------------------------------------------------- transformers parity

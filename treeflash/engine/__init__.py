@@ -1,1 +1,2 @@
-"""Running models: caches, trees, sampling, the speculative round and the `LLM` API."""
+"""Running models: trees, sampling, the speculative round, its states and graphs, and the
+`LLM` API."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from treeflash.engine.kv_cache import DraftContextCache, KVCache
+from treeflash.layers.kv_cache import DraftContextCache, KVCache
 from treeflash.engine.sampling import (MIN_TEMPERATURE, SamplingBatch, apply_bias, grammar_masked, gumbel_noise,
                                        logprobs_of, sample)
 from treeflash.engine.tree import DraftTree, build_chain, build_tree, walk

@@ -1,5 +1,5 @@
 """The end of a round in two launches instead of ~30: the walk (`engine.tree.walk`) and
-the cache compaction (`engine.kv_cache.KVCache.compact`).
+the cache compaction (`layers.kv_cache.KVCache.compact`).
 
 On a small model a graphed round is bound by its launches (built-in pair on an H200:
 ~200 kernels, ~2 us each), and the torch walk alone is ~25 of them: comparisons,

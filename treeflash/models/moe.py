@@ -286,39 +286,3 @@ class SparseMoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts.partial(x)
         return self.tp.all_reduce(y).view(shape)
-
-
-# ----------------------------------------------------------------------------- bench support
-
-def expected_experts(experts: int, top_k: int, tokens: int) -> float:
-    """Expected number of distinct experts `tokens` tokens pick, each k of E uniformly."""
-    return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
-
-
-def weight_bytes_read(model: nn.Module, tokens: int) -> float:
-    """Bytes of weights a forward of `model` over `tokens` tokens (all requests of the
-    batch together) must read, embedding and LM head left out: every parameter, except
-    that each MoE layer's routed experts count only the expected number of distinct
-    experts picked under uniform routing. Under TP, this rank's bytes (its slices)."""
-    skip = {"model.embed_tokens.weight", "lm_head.weight"}
-    total = float(sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name not in skip))
-    for m in model.modules():
-        if isinstance(m, SparseMoE):
-            params = list(m.experts.parameters())   # [E, ...] each: weights, and FP8 scales
-            E = params[0].shape[0]
-            per_expert = sum(p[0].numel() * p.element_size() for p in params)
-            total -= (E - expected_experts(E, m.gate.top_k, tokens)) * per_expert
-    return total
-
-
-# Kimi-K2's shape, cut to 4 layers: the dense first layer and 3 MoE layers, 108 GB of
-# bf16 weights (each MoE layer is 34 GB), so one H200 holds it with a drafter and KV.
-# Kimi-K2 has MLA attention, which treeflash does not implement: this uses GQA with 64
-# query heads, 8 KV heads of 128 (and Qwen3's q/k norms). Routing is Qwen3-MoE's
-# (softmax, top-8, renormalized), not K2's sigmoid scores with group-limited top-k and
-# a scaling factor; RoPE without K2's YaRN scaling. For timing: the bytes are K2's.
-KIMI_K2_4L = ModelConfig(
-    "qwen3_moe", vocab_size=163840, hidden_size=7168, intermediate_size=18432, num_layers=4,
-    num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=50000.0, max_position_embeddings=131072,
-    num_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048, norm_topk_prob=True,
-    mlp_only_layers=[0], n_shared_experts=1)

@@ -16,7 +16,7 @@ from torch import nn
 
 from treeflash.config import ModelConfig
 from treeflash.distributed import TPGroup
-from treeflash.engine.kv_cache import KVCache
+from treeflash.layers.kv_cache import KVCache
 from treeflash.layers.attention import (AttentionInputs, attention_kernel, dense_attention, within_window,
                                        write_block)
 from treeflash.layers.embedding import ParallelLMHead, VocabParallelEmbedding
