@@ -18,7 +18,7 @@ from treeflash.layers.kv_cache import DraftContextCache
 from treeflash.layers.attention import AttentionInputs, write_block
 from treeflash.layers.linear import RowParallelLinear
 from treeflash.layers.norm import RMSNorm
-from treeflash.layers.rotary import RotaryEmbedding, apply_rotary
+from treeflash.layers.rotary import RotaryEmbedding
 from treeflash.models.transformer import MERGED_WEIGHTS, DecoderLayer, run_layers
 from treeflash.ops import fused_enabled
 
@@ -60,21 +60,16 @@ class DFlashDraftModel(nn.Module):
         return DraftContextCache(len(self.layers), batch, attn.num_kv_heads, max_len, attn.head_dim,
                                  p.dtype, device or p.device)
 
+    def _context(self, features: torch.Tensor, positions: torch.Tensor):
+        """Target features [B, P, taps*H] at positions [B, P] as every layer's context
+        input, with their RoPE (cos, sin)."""
+        ctx = self.hidden_norm(self.fc(features))
+        return ctx, *self.rotary.cos_sin(positions, ctx.dtype)
+
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor):
         """Per-layer (k, v) [B, P, Hkv, D] of target features [B, P, taps*H] at positions [B, P]."""
-        ctx = self.hidden_norm(self.fc(features))
-        cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
-        out = []
-        for layer in self.layers:
-            attn = layer.self_attn
-            B, P, _ = ctx.shape
-            _, k, v = attn.qkv_proj(ctx).split(attn.qkv_proj.parts, dim=-1)
-            k = k.view(B, P, attn.num_kv_heads, attn.head_dim)
-            v = v.view(B, P, attn.num_kv_heads, attn.head_dim)
-            if attn.k_norm is not None:
-                k = attn.k_norm(k)
-            out.append((apply_rotary(k, cos, sin), v))
-        return out
+        ctx, cos, sin = self._context(features, positions)
+        return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
 
     def commit_context(self, cache: DraftContextCache, features: torch.Tensor, positions: torch.Tensor,
                        start: torch.Tensor) -> None:
@@ -84,8 +79,7 @@ class DFlashDraftModel(nn.Module):
         prefix (static shapes) and are overwritten later.
         """
         if fused_enabled(features):  # k/v rows of the weights only; k norm, RoPE, cache writes in one launch
-            ctx = self.hidden_norm(self.fc(features))
-            cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
+            ctx, cos, sin = self._context(features, positions)
             for i, layer in enumerate(self.layers):
                 attn = layer.self_attn
                 rope_into_cache(attn.qkv_proj.kv_only(ctx), attn.num_heads, attn.num_kv_heads, *attn.qk_norms(),

@@ -69,6 +69,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
+    def project_kv(self, x: torch.Tensor, cos, sin):
+        """k (normed, rotated) and v [B, T, Hkv, D] of x, reading only the k/v rows of the
+        weight: the drafter's context projection needs no q."""
+        B, T, _ = x.shape
+        k, v = self.qkv_proj.kv_only(x).view(B, T, 2, self.num_kv_heads, self.head_dim).unbind(2)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rotary(k, cos, sin), v
+
     def qk_norms(self):
         """(q_norm weight, k_norm weight, eps) for the fused kernels; (None, None, 0.0)
         without q/k norms (Llama)."""
