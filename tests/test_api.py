@@ -585,7 +585,10 @@ def test_bad_constructor_arguments(hf_checkpoint):
                          (dict(method=""), "method"), (dict(method=0), "method"), (dict(method=False), "method"),
                          (dict(method="AR"), "method"), (dict(cuda_graphs="false"), "cuda_graphs"),
                          (dict(cuda_graphs=None), "cuda_graphs"), (dict(cuda_graphs=0), "cuda_graphs"),
-                         (dict(draft_mode="fast"), "draft mode"), (dict(draft_mode=None), "draft mode")):
+                         (dict(draft_mode="fast"), "draft mode"), (dict(draft_mode=""), "draft mode"),
+                         # AR drafts nothing (no drafter here: the method is ar), as a budget
+                         (dict(draft_mode="scaled"), r"a draft mode applies to methods dflash and ddtree \(method is ar\)"),
+                         (dict(draft_mode="coupled", method="ar"), "a draft mode applies")):
         with pytest.raises(UsageError, match=what):
             LLM(path, **{"device": "cpu", **kwargs})
 

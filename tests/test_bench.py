@@ -243,10 +243,10 @@ def test_shape_mode_refuses_weights_past_the_hosts_free_memory(monkeypatch, caps
     # options that no request of the run would use were accepted without a word
     (["--methods", "ar", "--draft-mode", "scaled", "--device", "cpu"], "--draft-mode sets how dflash and ddtree draft"),
     (["--methods", "ddtree", "--temperatures", "0", "--draft-mode", "scaled", "--device", "cpu"],
-     "--draft-mode act on sampled requests only"),
+     "--draft-mode acts on sampled requests only"),
     (["--temperatures", "0", "--top-p", "0.9", "--min-p", "0.1", "--device", "cpu"],
      "--top-p and --min-p act on sampled requests only: give a --temperatures above 0 or leave them out"),
-    (["--shape", "tiny", "--top-k", "5"], "--top-k act on sampled requests only"),
+    (["--shape", "tiny", "--top-k", "5"], "--top-k acts on sampled requests only"),
     (["--shape", "tiny", "--draft-layers", "6"], "--draft-layers must be <= 5"),
     (["--shape", "qwen3-8b", "--draft-layers", "100000"], "--draft-layers must be <= 36"),
     (["--shape", "tiny", "--draft-layers", "0"], "--draft-layers must be >= 1"),
@@ -409,6 +409,16 @@ def test_a_prompt_file_shorter_than_num_prompts_is_refused(tmp_path, capsys):
     f.write_text("def f(x):\n")
     assert main(["bench", "--prompt-file", str(f), "--num-prompts", "8", "--device", "cpu"]) == 2
     assert "--num-prompts 8, but" in capsys.readouterr().err
+
+
+def test_a_prompt_that_does_not_fit_is_named_by_its_line_before_the_run(tmp_path, capsys):
+    """As `generate` does: FILE:LINE, and nothing printed on stdout (no run started)."""
+    f = tmp_path / "p.txt"
+    f.write_text("def f(x):\n" + "x = 1 " * 3000 + "\n")
+    assert main(["bench", "--methods", "ar", "--prompt-file", str(f), "--max-new-tokens", "2", "--batch-sizes", "1",
+                 "--temperatures", "0", "--graphs", "off", "--device", "cpu"]) == 2
+    out, err = capsys.readouterr()
+    assert f"{f}:2: prompt of" in err and "does not fit the context limit" in err and out == ""
 
 
 def test_shape_tp_beyond_visible_gpus(monkeypatch, capsys):

@@ -513,6 +513,64 @@ def test_a_byte_order_mark_is_not_part_of_the_prompt(capsys, model, api, tmp_pat
     check_json_lines(out, [ENGINE_PROMPTS[0]], api, 3)
 
 
+def test_prompt_lines_end_only_at_newlines(capsys, model, api, tmp_path):
+    """A form feed in code or a raw U+2028 in a JSON string (json.dumps with
+    ensure_ascii=False writes one) is part of its line: the first split one prompt in two
+    silently, the second refused valid JSONL."""
+    f = tmp_path / "prompts.txt"
+    f.write_bytes(b"import os\x0cimport sys\r\nx = 1\x1c\n")
+    rc, out, err = run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu", "--json",
+                       "--max-new-tokens", 3, "--ignore-eos")
+    assert rc == 0, err
+    check_json_lines(out, ["import os\x0cimport sys", "x = 1\x1c"], api, 3)
+    f = tmp_path / "prompts.jsonl"
+    f.write_text(json.dumps({"prompt": "a\u2028b\x85c"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    rc, out, err = run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu", "--json",
+                       "--max-new-tokens", 3, "--ignore-eos")
+    assert rc == 0, err
+    check_json_lines(out, ["a\u2028b\x85c"], api, 3)
+
+
+def test_jsonl_under_other_names(capsys, model, api, tmp_path):
+    """.ndjson and .jsonlines are JSONL; a plain-text file whose lines all look like
+    JSONL prompts is read as text, as documented, with a note saying so."""
+    line = json.dumps({"prompt": ENGINE_PROMPTS[0]}) + "\n"
+    for name in ("prompts.ndjson", "prompts.jsonlines"):
+        (tmp_path / name).write_text(line)
+        rc, out, err = run(capsys, "--prompt-file", tmp_path / name, "--model", model, "--device", "cpu", "--json",
+                           "--max-new-tokens", 3, "--ignore-eos")
+        assert rc == 0, err
+        check_json_lines(out, [ENGINE_PROMPTS[0]], api, 3)
+    (tmp_path / "prompts.txt").write_text(line)
+    rc, out, err = run(capsys, "--prompt-file", tmp_path / "prompts.txt", "--model", model, "--device", "cpu",
+                       "--json", "--max-new-tokens", 3, "--ignore-eos")
+    assert rc == 0, err
+    check_json_lines(out, [line.strip()], api, 3)
+    assert "is read as plain text" in err and "name it .jsonl" in err
+
+
+@pytest.mark.parametrize("flag", ["--json-schema", "--grammar", "--prompt-file"])
+def test_option_files_that_never_end_are_refused(capsys, model, tmp_path, flag):
+    """A FIFO (or a device) named by an option waited forever, or read until memory ran
+    out; a schema or grammar file far past what a structured output may hold is refused
+    before it is read."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    args = ["--prompt-file", fifo] if flag == "--prompt-file" else ["hi", flag, fifo]
+    assert_error(*run(capsys, *args, "--model", model, "--device", "cpu"), 2 if flag != "--prompt-file" else 1,
+                 "not a regular file")
+    if flag != "--prompt-file":
+        big = tmp_path / "big"
+        big.write_text("x" * (4 * 1_000_000 + 1))
+        assert_error(*run(capsys, "hi", flag, big, "--model", model, "--device", "cpu"), 2, "more than the")
+
+
+def test_a_draft_mode_with_ar_is_refused(capsys, model):
+    """--draft-mode acts on dflash and ddtree drafts: with ar it did nothing, silently."""
+    assert_error(*run(capsys, "hi", "--model", model, "--device", "cpu", "--method", "ar", "--draft-mode", "scaled"),
+                 2, "a draft mode applies to methods dflash and ddtree (method is ar)")
+
+
 def test_non_finite_logprobs_are_json_null(capsys, model, monkeypatch):
     """JSON has no NaN or infinity: --json writes null there, so strict parsers read every line."""
     from treeflash.engine import llm as llm_module
@@ -779,15 +837,17 @@ def test_eos_stops_generation(capsys, eos_checkpoint):
 
 
 def test_eager_and_draft_mode_flags(capsys, model):
-    """--eager (no CUDA graphs) and --draft-mode are accepted and change no token."""
-    base = ["hi", "--model", model, "--device", "cpu", "--max-new-tokens", 6, "--json",
-            "--temperature", 0.8, "--seed", 3]
-    rc, out, err = run(capsys, *base)
-    assert rc == 0, err
-    for extra in (["--eager"], ["--draft-mode", "scaled"]):
-        rc2, out2, err2 = run(capsys, *base, *extra)
-        assert rc2 == 0, err2
-        assert json.loads(out2)["token_ids"] == json.loads(out)["token_ids"]
+    """--eager (no CUDA graphs) and --draft-mode are accepted and change no token (the
+    draft mode with the built-in pair: AR drafts nothing)."""
+    for base, extras in ((["hi", "--model", model], [["--eager"]]),
+                         (["def fib(n):"], [["--draft-mode", "scaled"], ["--draft-mode", "coupled"]])):
+        base = [*base, "--device", "cpu", "--max-new-tokens", 6, "--json", "--temperature", 0.8, "--seed", 3]
+        rc, out, err = run(capsys, *base)
+        assert rc == 0, err
+        for extra in extras:
+            rc2, out2, err2 = run(capsys, *base, *extra)
+            assert rc2 == 0, err2
+            assert json.loads(out2)["token_ids"] == json.loads(out)["token_ids"]
     assert_error(*run(capsys, *base, "--draft-mode", "fancy"), 2, "draft-mode")
 
 

@@ -96,7 +96,7 @@ def engines(tp_models):
             target, drafter = tp_models[arch]
             built[key] = LLM(target, draft_model=None if method == "ar" else drafter, method=method,
                              budget=12 if method == "ddtree" else None, device="cpu", dtype="float64", tp=tp,
-                             draft_mode=draft_mode)
+                             draft_mode=None if method == "ar" else draft_mode)
         return built[key]
 
     get.built = built

@@ -8,8 +8,9 @@ import os
 import sys
 from pathlib import Path
 
+from treeflash import __version__
 from treeflash.errors import TreeflashError, UsageError, shown
-from treeflash.files import model_folder
+from treeflash.files import model_folder, read_text
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,10 +32,6 @@ def _jsonl_prompt(line: str, where: str) -> tuple[str, list[str]]:
     return obj["prompt"], [k for k in obj if k != "prompt"]
 
 
-def read_prompts(args) -> list[str]:
-    return [prompt for prompt, _ in read_placed_prompts(args)]
-
-
 def read_placed_prompts(args) -> list[tuple[str, str | None]]:
     """The prompts, each with its place ("FILE:LINE") for errors, None for the argument."""
     if args.prompt is not None and args.prompt_file:
@@ -43,15 +40,13 @@ def read_placed_prompts(args) -> list[tuple[str, str | None]]:
         return [(args.prompt, None)]
     if not args.prompt_file:
         raise UsageError("no prompt: give a PROMPT or --prompt-file FILE")
-    try:  # utf-8-sig: a byte-order mark (some editors write one) is not part of the first prompt
-        lines = open(args.prompt_file, encoding="utf-8-sig").read().splitlines()
-    except OSError as e:
-        raise TreeflashError(f"cannot read prompt file {args.prompt_file}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"prompt file {args.prompt_file} is not UTF-8 text") from None
+    # lines end at "\n" (or "\r\n", "\r") only: a form feed in code, or U+2028 in a JSON string, is
+    # part of its line; a byte-order mark (some editors write one) is not part of the first prompt
+    lines = read_text(args.prompt_file).removeprefix("\ufeff").split("\n")
     prompts, ignored = [], []
-    # .jsonl or .json (any case): one object per line; else plain text, where a line starting "{" is a prompt too
-    jsonl = str(args.prompt_file).lower().endswith((".jsonl", ".json"))
+    # .jsonl, .json, .ndjson, .jsonlines (any case): one object per line; else plain text, where a line
+    # starting "{" is a prompt too (a note says so when every line looks like a JSONL line)
+    jsonl = str(args.prompt_file).lower().endswith((".jsonl", ".json", ".ndjson", ".jsonlines"))
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -63,12 +58,22 @@ def read_placed_prompts(args) -> list[tuple[str, str | None]]:
             prompts.append((line.replace("\\n", "\n"), f"{args.prompt_file}:{i}"))
     if not prompts:
         raise UsageError(f"prompt file {args.prompt_file} holds no prompt")
+    if not jsonl and all(_looks_like_jsonl(line) for line in lines if line.strip()):
+        print(f"treeflash: note: {args.prompt_file} is read as plain text, one prompt per line, though its lines "
+              f"look like JSON objects with a 'prompt': name it .jsonl to read them as such", file=sys.stderr)
     if ignored:
         named = ", ".join(shown(k, 40) for k in ignored[:10])
         named += f" and {len(ignored) - 10} more" if len(ignored) > 10 else ""
         print(f"treeflash: note: lines of {args.prompt_file} hold {named}, which are not read: only 'prompt' is, "
               f"and the command's flags apply to every prompt", file=sys.stderr)
     return prompts
+
+
+def _looks_like_jsonl(line: str) -> bool:
+    try:
+        return isinstance(value := json.loads(line), dict) and "prompt" in value
+    except ValueError:
+        return False
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -83,7 +88,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, float64")
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (they are on by default on CUDA)")
-    p.add_argument("--draft-mode", default="coupled", choices=["scaled", "coupled"],
+    p.add_argument("--draft-mode", choices=["scaled", "coupled"],
                    help="trees at T > 0: temperature-scaled draft, or coupled to the target's noise (default coupled)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: N processes, one per GPU "
                                                      "(gloo on CPU); under torchrun, WORLD_SIZE")
@@ -105,7 +110,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--generation-config", choices=("auto", "none"), default="auto",
                    help="auto (default): options left out take the model's generation_config.json values, as "
                         "LLM.generate, the server and vLLM do; none: greedy, 128 tokens, no filters or penalty")
-    p.add_argument("--seed", type=int, help="per-request seed (same seed, same tokens)")
+    p.add_argument("--seed", type=int, help="per-request seed (same seed, same tokens; -1: none, as vLLM's)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids",
                    help="token id that ends generation as EOS does (repeatable)")
@@ -200,24 +205,23 @@ def structured_from(args):
 
 def _schema(text: str) -> dict:
     """--json-schema: a JSON object, or the path of a file holding one."""
-    if not text.lstrip().startswith("{"):
-        try:
-            text = Path(text).read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise argparse.ArgumentTypeError(f"cannot read the schema file {shown(text)}: "
-                                             f"{getattr(e, 'strerror', None) or e}") from None
-    return _json_object(text)
+    return _json_object(text if text.lstrip().startswith("{") else _argument_file(text, "json"))
 
 
 def _grammar(text: str) -> str:
     """--grammar: GBNF rules, or the path of a file holding them."""
-    if "::=" in text:
-        return text
+    return text if "::=" in text else _argument_file(text, "grammar")
+
+
+def _argument_file(path: str, kind: str) -> str:
+    """The text of a file that an option names (a regular file, at most as many bytes as
+    a structured output of `kind` may have characters, times 4: a device or a FIFO
+    never ends), its error one argparse line."""
+    from treeflash.structured.grammar import MAX_INPUT_CHARS
     try:
-        return Path(text).read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise argparse.ArgumentTypeError(f"cannot read the grammar file {shown(text)}: "
-                                         f"{getattr(e, 'strerror', None) or e}") from None
+        return read_text(path, max_bytes=4 * MAX_INPUT_CHARS[kind])
+    except TreeflashError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _logit_bias(text: str) -> dict[int, float]:
@@ -312,6 +316,7 @@ def cmd_generate(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="treeflash", description="Lossless speculative decoding with DFlash drafters "
                                                    "and DDTree verification.")
+    parser.add_argument("--version", action="version", version=f"treeflash {__version__}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     g = sub.add_parser("generate", help="generate text for one prompt or a file of prompts")
     g.add_argument("prompt", nargs="?", help="the prompt text")

@@ -13,11 +13,15 @@ from pathlib import Path
 from treeflash.errors import TreeflashError
 
 
-def read_text(path: str | Path) -> str:
-    """The UTF-8 text of `path`."""
+def read_text(path: str | Path, max_bytes: int | None = None) -> str:
+    """The UTF-8 text of `path` (newlines as "\n"); a file past `max_bytes` is refused
+    before it is read."""
     path = Path(path)
     check_regular_file(path)
     try:
+        if max_bytes is not None and path.is_file() and path.stat().st_size > max_bytes:
+            raise TreeflashError(f"cannot read {_named(path)}: {path.stat().st_size:,} bytes, more than the "
+                                 f"{max_bytes:,} it may hold")
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise TreeflashError(f"cannot read {_named(path)}: not UTF-8 text ({e.reason} at byte {e.start})") from None

@@ -101,7 +101,8 @@ def check_sampled_options(args, temperatures: list[float], drafted: bool) -> str
                              "--methods or leave --draft-mode out")
         given.append("--draft-mode")
     if given and max(temperatures) == 0:
-        raise UsageError(f"{' and '.join(given)} act on sampled requests only: give a --temperatures above 0 "
+        raise UsageError(f"{' and '.join(given)} act{'' if len(given) > 1 else 's'} on sampled requests only: "
+                         f"give a --temperatures above 0 "
                          f"or leave {'them' if len(given) > 1 else 'it'} out")
     return args.draft_mode or DRAFT_MODE
 

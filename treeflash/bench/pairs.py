@@ -15,7 +15,7 @@ import torch
 from treeflash.bench.options import (MAX_BENCH_BATCH, check_sampled_options, check_seed, filters, filters_note,
                                      parse_budgets, parse_graphs, parse_list, usable_graphs)
 from treeflash.bench.report import check_plot_path, close_out, emit, format_table, open_out, plot_pairs
-from treeflash.cli import read_prompts, structured_from
+from treeflash.cli import read_placed_prompts, structured_from
 from treeflash.engine.llm import LLM, builtin_paths, resolve_device
 from treeflash.engine.round import METHODS
 from treeflash.errors import UsageError
@@ -54,22 +54,23 @@ def corpus_prompts(folder: str, k: int, length: int = 64) -> list[list[int]]:
     return held_prompts(heldout, k, length)
 
 
-def load_prompts(args) -> list:
+def load_prompts(args) -> list[tuple[str | list[int], str | None]]:
     """--prompt-file, else --corpus (held-out split), else the built-in Python prompts
-    (cycled up to --num-prompts)."""
+    (cycled up to --num-prompts); each with its place in the file ("FILE:LINE") for
+    errors, or None."""
     k = args.num_prompts
     if k is not None and not 1 <= k <= MAX_BENCH_PROMPTS:
         raise UsageError(f"--num-prompts must be from 1 to {MAX_BENCH_PROMPTS}, got {k}")
     if args.prompt_file and args.corpus:
         raise UsageError("give --prompt-file or --corpus, not both")
     if args.prompt_file:
-        prompts = read_prompts(argparse.Namespace(prompt=None, prompt_file=args.prompt_file))
+        prompts = read_placed_prompts(argparse.Namespace(prompt=None, prompt_file=args.prompt_file))
         if k and len(prompts) < k:
             raise UsageError(f"--num-prompts {k}, but {args.prompt_file} holds {len(prompts)} prompt(s)")
         return prompts[:k] if k else prompts
     if args.corpus:
-        return corpus_prompts(args.corpus, k or 8)
-    return [PYTHON_PROMPTS[i % len(PYTHON_PROMPTS)] for i in range(k or 8)]
+        return [(p, None) for p in corpus_prompts(args.corpus, k or 8)]
+    return [(PYTHON_PROMPTS[i % len(PYTHON_PROMPTS)], None) for i in range(k or 8)]
 
 
 def pair_configs(methods: list[str], budgets: list[int]) -> list[tuple[str, int | None]]:
@@ -167,7 +168,7 @@ class PairPlan:
     batch_sizes: list[int]
     temperatures: list[float]
     graphs: list[bool]
-    prompts: list
+    prompts: list  # (prompt, its place in --prompt-file or None): `load_prompts`
     model_dir: Path
     draft_mode: str
 
@@ -209,7 +210,7 @@ def _pair_plan(args) -> PairPlan:
 
 def bench_pairs(args) -> int:
     plan = _pair_plan(args)
-    prompts, methods = plan.prompts, plan.methods
+    prompts, methods = [p for p, _ in plan.prompts], plan.methods
     inputs = [args.prompt_file, args.corpus, plan.model_dir, args.draft_model or builtin_paths()[1]]
     out = open_out(args.out, inputs=[i for i in inputs if i])
 
@@ -219,9 +220,15 @@ def bench_pairs(args) -> int:
                max_batch=max(plan.batch_sizes), quantization=args.quantization)  # each timed batch: one engine batch
     if base.drafter is None and set(methods) - {"ar"}:
         raise UsageError(f"methods {', '.join(m for m in methods if m != 'ar')} need a drafter (--draft-model)")
+    lengths = []
+    for prompt, place in plan.prompts:  # each checked before the run starts, named by its place in the file
+        try:
+            lengths.append(len(base.encode(prompt)))
+        except UsageError as e:
+            raise UsageError(f"{place}: {e}" if place else str(e)) from None
     print(f"bench: {len(prompts)} prompts, {args.max_new_tokens} new tokens each, on {base.device} "
           f"({str(base.dtype).replace('torch.', '')}){filters_note(args)}")
-    short = sum(len(base.encode(p)) + args.max_new_tokens > base.max_model_len for p in prompts)
+    short = sum(n + args.max_new_tokens > base.max_model_len for n in lengths)
     if short:  # their requests stop at the context: fewer tokens, and rounds of another length
         print(f"note: {short} of {len(prompts)} prompts leave less than --max-new-tokens {args.max_new_tokens} "
               f"of the context of {base.max_model_len} tokens: their requests stop there (the new_tokens column "

@@ -235,6 +235,8 @@ class LLM:
     """A target model, optionally with a DFlash drafter, ready to generate.
 
     method: 'ar', 'dflash' or 'ddtree' (default: 'ddtree' with a drafter, else 'ar').
+    draft_mode: how dflash and ddtree draft for sampled requests: 'coupled' (default) to
+    the target's noise, or 'scaled' by the temperature (see `SpeculativeDecoder`).
     budget: DDTree nodes per round (default 64 on a GPU, 16 on a CPU), at most
     `max_budget` (a guard: a round holds [N+1, vocab] logits and an [N+1, N+1] mask per
     request).
@@ -264,7 +266,7 @@ class LLM:
     def __init__(self, model: str | Path | None = None, draft_model: str | Path | None = None,
                  method: str | None = None, budget: int | None = None, device: str = "auto",
                  dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
-                 max_budget: int = 512, tp: int = 1, cuda_graphs: bool = True, draft_mode: str = "coupled",
+                 max_budget: int = 512, tp: int = 1, cuda_graphs: bool = True, draft_mode: str | None = None,
                  enable_prefix_caching: bool = False, max_batch: int = 256, quantization: str | None = None,
                  generation_config: str = "auto", seed: int | None = None, *, _worker=None):
         # _worker: a tensor-parallel worker's runtime, building its shard of the driver's engine
@@ -283,7 +285,7 @@ class LLM:
         self.max_budget = max_budget
         if method is not None and (not isinstance(method, str) or method not in METHODS):
             raise UsageError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
-        if not isinstance(draft_mode, str) or draft_mode not in DRAFT_MODES:  # before any weight loads
+        if draft_mode is not None and (not isinstance(draft_mode, str) or draft_mode not in DRAFT_MODES):
             raise UsageError(f"unknown draft mode {draft_mode!r} (choose from {', '.join(DRAFT_MODES)})")
         check_flag("cuda_graphs", cuda_graphs)
         if model is None:
@@ -339,6 +341,8 @@ class LLM:
         if method is None:
             method = "ddtree" if dcfg is not None else "ar"
         budget = tree_budget(method, budget, max_budget, self.device)
+        if draft_mode is not None and method == "ar":  # before any weight loads, as a budget
+            raise UsageError("a draft mode applies to methods dflash and ddtree (method is ar)")
         if max_model_len is not None:
             check_int("max_model_len", max_model_len, 2)
         if max_model_len is not None and max_model_len > self.config.max_position_embeddings:
@@ -377,7 +381,8 @@ class LLM:
                 "rss_growth_bytes": None if rss0 is None or peak is None else peak - rss0,
             }
             head_dims = [self.config.head_dim] + ([self.drafter.config.layers.head_dim] if self.drafter else [])
-            self._decode_with(method, budget, draft_mode, cuda_graphs, attention_backend(self.device, head_dims))
+            self._decode_with(method, budget, draft_mode or "coupled", cuda_graphs,
+                              attention_backend(self.device, head_dims))
             self.automata = AutomatonCache(self.tokenizer, self.config.vocab_size)  # shared by `with_method`
             self._tp.built()      # the workers' slices are loaded too
         except BaseException:
