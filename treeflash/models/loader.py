@@ -332,7 +332,10 @@ def _check_unused(model: nn.Module, folder, files: dict[str, Path], used: set[st
 
 @contextmanager
 def build_on(device: torch.device | str, dtype: torch.dtype):
-    """Create modules directly on `device` in `dtype` (no float32 copy on the host)."""
+    """Create modules directly on `device` in `dtype` (no float32 copy on the host).
+    torch's default dtype is process-wide: while this runs, tensors that another thread
+    makes without a dtype get `dtype` too (an engine loads on the thread that calls
+    `LLM`; the server loads before it serves)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
