@@ -431,10 +431,10 @@ class LLM:
         """Release this engine on every rank; with tp > 1 the worker processes stop
         once no engine uses them. Idempotent; also done on garbage collection and exit.
         A round still in flight ends, and the graphs go, before the ranks are released."""
-        try:
-            self._finish_run()  # a round still in flight ends before its graph goes
-        except Exception:
-            pass
+        # a round still in flight ends before its graph goes; an error there (a dead device
+        # or rank) was told to the batch's caller already, and closing goes on regardless
+        with contextlib.suppress(Exception):
+            self._finish_run()
         self.states.clear()
         self._tp.close()
 
