@@ -195,6 +195,7 @@ def test_shape_mode_tiny(tmp_path, capsys):
             assert r["floor_us"] > 0 and r["ratio"] == pytest.approx(r["time_us"] / r["floor_us"], rel=1e-2)
         if r["op"] == "ar":
             assert r["vs_ar"] == 1.0
+        assert r["bytes"] is None or type(r["bytes"]) is int
     floor = {(r["context"], r["op"], r["N"]): r["bytes"] for r in rows}
     assert floor[(64, "ar", 0)] > floor[(32, "ar", 0)]           # more context, more KV to read
     # a round is a draft and a verify, then the accepted tokens' projection into the drafter's context:
@@ -202,6 +203,18 @@ def test_shape_mode_tiny(tmp_path, capsys):
     fc, kv_rows = 64 * 64 * 4, 5 * 2 * 2 * 16 * 64 * 4
     assert floor[(32, "round", 3)] - floor[(32, "verify", 3)] - floor[(32, "draft", 15)] == fc + kv_rows
     assert "verify(N)/AR  C=32" in captured.out and "floor us" in captured.out
+
+
+@pytest.mark.parametrize("bandwidth,noted", [(1e3, True), (1e15, False)])
+def test_ops_faster_than_their_floor_say_the_bandwidth_was_measured_low(monkeypatch, capsys, bandwidth, noted):
+    """A floor is a lower bound: an op under it means the copy that measured the
+    bandwidth was slow (a small --copy-mib in a cache, a cold first copy), said in a note."""
+    from treeflash.bench import shape
+    monkeypatch.setattr(shape, "copy_bandwidth", lambda device, mib: bandwidth)
+    assert main(["bench", "--shape", "tiny", "--contexts", "32", "--budgets", "0", "--iters", "1",
+                 "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert ("ran faster than their memory floor" in err) == noted, err
 
 
 def test_shape_mode_refuses_weights_past_the_hosts_free_memory(monkeypatch, capsys):

@@ -436,7 +436,7 @@ def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets,
                "ratio": round(us / floor, 3) if floor else None, "vs_ar": round(us / ar_us, 3),
                "wall_us": round(wall[0], 2) if wall is not None else None,
                "host_us": round(wall[0] - wall[1], 2) if wall is not None and graphs else None,
-               "bytes": need, "bandwidth_gbs": round(bandwidth / 1e9, 1), "attention": backend,
+               "bytes": round(need) if need else None, "bandwidth_gbs": round(bandwidth / 1e9, 1), "attention": backend,
                "device": str(device), "dtype": str(dtype).replace("torch.", ""), "draft_layers": args.draft_layers,
                "tp": target.tp.size,
                "allreduce_us": round(allreduce(plan[0][1], graphs), 2) if plan else None,
@@ -589,7 +589,7 @@ def _time_shape(args, plan: ShapePlan, group: TPGroup, device: torch.device) -> 
         print(f"bench: shape {args.shape}{f' fp8 {args.fp8}' if args.fp8 else ''} ({_size(_bytes(target))} target, "
               f"{_size(_bytes(drafter))} "
               f"drafter of {args.draft_layers} layers{ranks}), {str(plan.dtype).replace('torch.', '')} on {device}, "
-              f"attention {plan.backend}; copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write, {mib} MiB)"
+              f"attention {plan.backend}; copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write, {mib} MiB)"
               f"{filters_note(args)}")
 
     rows = []
@@ -607,6 +607,11 @@ def _time_shape(args, plan: ShapePlan, group: TPGroup, device: torch.device) -> 
         close_out(out, args.out)
         print(format_table(rows, SHAPE_COLUMNS + (TP_COLUMNS if group.size > 1 else [])))
         print_ratios(rows)
+        fast = [r for r in rows if r["ratio"] is not None and r["ratio"] < 1]
+        if fast:  # a floor is a lower bound: the copy that measured the bandwidth was slow (a cache, a cold start)
+            print(f"note: {len(fast)} ops ran faster than their memory floor, so the copy bandwidth of "
+                  f"{bandwidth / 1e9:.1f} GB/s ({mib} MiB) is below what they reached: their floors and ratios "
+                  f"say little (a larger --copy-mib measures it better)", file=sys.stderr)
         if args.plot:
             plot_shape(rows, args.plot)
 
