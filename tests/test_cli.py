@@ -851,10 +851,13 @@ def test_eager_and_draft_mode_flags(capsys, model):
     assert_error(*run(capsys, *base, "--draft-mode", "fancy"), 2, "draft-mode")
 
 
-def test_chat_prompts_go_through_the_chat_template(capsys, broken):
+def test_chat_prompts_go_through_the_chat_template(capsys, broken, monkeypatch):
     """--chat: each prompt is a user's message as the model's template renders it (what
-    LLM.chat generates); a model without a template is a usage error."""
-    rc, out, err = run(capsys, "hi", "--model", broken, "--device", "cpu", "--chat")
+    LLM.chat generates); a model without a template is a usage error, before it loads."""
+    import treeflash.cli
+    with monkeypatch.context() as m:
+        m.setattr(treeflash.cli, "make_llm", lambda args: pytest.fail("loaded a model --chat cannot use"))
+        rc, out, err = run(capsys, "hi", "--model", broken, "--device", "cpu", "--chat")
     assert_error(rc, out, err, 2, "no chat template")
     (broken / "chat_template.jinja").write_text(
         "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")

@@ -153,6 +153,10 @@ class ChatFormat:
         return self
 
 
+NO_TEMPLATE = ("has no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja): give plain "
+               "prompts (LLM.generate; treeflash generate without --chat; the server's /v1/completions)")
+
+
 class ChatTemplate:
     """A checkpoint's template; `tool_source`: the one for conversations with tools, where
     a checkpoint names one ('tool_use', as Hermes models do; transformers picks it so)."""
@@ -181,6 +185,23 @@ class ChatTemplate:
         additional_chat_templates/tool_use.jinja); None without one."""
         folder = Path(folder)
         config = tokenizer_settings(folder)
+        sources = cls.sources(folder, config)
+        if sources is None:
+            return None
+        # set ones only (null: not defined for the template, as in transformers)
+        tokens = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if _token_text(config.get(k))}
+        extra = config.get("additional_special_tokens")
+        if isinstance(extra, list):
+            tokens["additional_special_tokens"] = [_token_text(t) for t in extra]
+        return cls(sources[0], tokens, sources[1])
+
+    @staticmethod
+    def sources(folder: Path, config: dict | None = None) -> tuple[str, str | None] | None:
+        """The (default, tool_use) template sources of a checkpoint folder (`config`: its
+        tokenizer_config.json, if read already), or None without a template: whether there
+        is one is known before the model (and jinja2) loads."""
+        folder = Path(folder)
+        config = tokenizer_settings(folder) if config is None else config
         source = config.get("chat_template")
         if (folder / "chat_template.jinja").exists():
             source = read_text(folder / "chat_template.jinja")
@@ -199,12 +220,7 @@ class ChatTemplate:
             return None
         if not isinstance(source, str) or not isinstance(tool_source, (str, type(None))):
             raise TreeflashError(f"{folder}: 'chat_template' must be a string or a list of named templates")
-        # set ones only (null: not defined for the template, as in transformers)
-        tokens = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if _token_text(config.get(k))}
-        extra = config.get("additional_special_tokens")
-        if isinstance(extra, list):
-            tokens["additional_special_tokens"] = [_token_text(t) for t in extra]
-        return cls(source, tokens, tool_source)
+        return source, tool_source
 
     def render(self, messages: list[dict], fmt: ChatFormat = ChatFormat(), tools: list[dict] | None = None) -> str:
         """The prompt for `messages` (and the `tools` the model may call), by default ending

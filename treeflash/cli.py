@@ -251,7 +251,8 @@ def _json_number(x: float) -> float | None:
 
 
 def cmd_generate(args) -> int:
-    from treeflash.chat import ChatFormat
+    from treeflash.chat import NO_TEMPLATE, ChatFormat, ChatTemplate
+    from treeflash.engine.llm import builtin_paths
     from treeflash.tokenizer import TextStream
     prompts, places = zip(*read_placed_prompts(args))
     params = sampling_from(args, model_sampling_defaults(args))
@@ -262,6 +263,9 @@ def cmd_generate(args) -> int:
         raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.chat_template_kwargs is not None and not args.chat:
         raise UsageError("--chat-template-kwargs needs --chat")
+    folder = Path(args.model) if args.model else builtin_paths()[0]
+    if args.chat and ChatTemplate.sources(folder) is None:  # before the model loads
+        raise UsageError(f"{folder.resolve()} {NO_TEMPLATE}")
     llm = make_llm(args)
     if args.chat:  # each prompt a user's message, as the chat template renders it
         fmt = ChatFormat(args.chat_template_kwargs)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from treeflash.chat import ChatFormat, ChatTemplate, checked_tools
+from treeflash.chat import NO_TEMPLATE, ChatFormat, ChatTemplate, checked_tools
 from treeflash.config import DTYPES, FP8_BLOCK, DraftConfig, ModelConfig
 from treeflash.distributed import TPGroup
 from treeflash.engine.pipeline import RoundPipeline
@@ -503,9 +503,7 @@ class LLM:
 
     def _chat_text(self, messages: list[dict], fmt: ChatFormat, tools: list[dict] | None) -> str:
         if self.chat_template is None:
-            raise UsageError(f"{self.model_path} has no chat template (tokenizer_config.json 'chat_template' "
-                             "or chat_template.jinja): give plain prompts (LLM.generate; treeflash generate "
-                             "without --chat; the server's /v1/completions)")
+            raise UsageError(f"{self.model_path} {NO_TEMPLATE}")
         return self.chat_template.prompt(messages, fmt, tools)
 
     def encode(self, prompt: str | list[int], special: bool = True, truncate: int | None = None) -> list[int]:
