@@ -10,8 +10,8 @@ import pytest
 import torch
 from tree_oracle import best_prefixes_heap, chain_of_scores, tree_of_logprobs
 
-from treeflash.layers.kv_cache import KVCache
 from treeflash.engine.tree import ANCESTOR_ROW_ALIGN, DraftTree, _ancestor_matrix, build_chain, empty_tree, walk
+from treeflash.layers.kv_cache import KVCache
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -8,9 +8,10 @@ import torch
 from interpreter import DEV, kernel, run_interpreted, spawns_interpreter
 from test_tree import PARENTS, TOKENS, make_tree, random_logprobs
 
-from treeflash.layers.kv_cache import KVCache
 from tree_oracle import chain_of_scores, tree_of_logprobs
+
 from treeflash.engine.tree import ancestor_buffer, empty_tree, walk
+from treeflash.layers.kv_cache import KVCache
 
 pytest.importorskip("triton")
 from treeflash.kernels.walk import compact_fused, walk_fused  # noqa: E402

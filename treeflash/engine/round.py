@@ -18,12 +18,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from treeflash.layers.kv_cache import DraftContextCache, KVCache
 from treeflash.engine.sampling import (MIN_TEMPERATURE, SamplingBatch, apply_bias, grammar_masked, gumbel_noise,
                                        logprobs_of, sample)
 from treeflash.engine.tree import DraftTree, build_chain, build_tree, walk
 from treeflash.errors import TreeflashError, UsageError
 from treeflash.layers.attention import AttentionInputs
+from treeflash.layers.kv_cache import DraftContextCache, KVCache
 from treeflash.memory import available_bytes
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.transformer import CausalLM
@@ -125,7 +125,7 @@ class SpeculativeDecoder:
         self.check_round_memory(batch, max_len, dev, sampling.any_sampled)
         return st
 
-    def check_round_memory(self, batch: int, max_len: int, device: torch.device, sampled: bool = False) -> None:
+    def check_round_memory(self, batch: int, max_len: int, device: torch.device, sampled: bool) -> None:
         """Refuse a batch whose round cannot fit beside its caches, rather than be killed
         by the OS mid-round (a budget of 100000 asked for a 10 GB ancestor matrix per
         request). Counted per request for T = budget + 1 tokens: the T x T ancestor

@@ -14,8 +14,8 @@ from torch import nn
 
 from treeflash.config import DraftConfig
 from treeflash.distributed import TPGroup
-from treeflash.layers.kv_cache import DraftContextCache
 from treeflash.layers.attention import AttentionInputs, write_block
+from treeflash.layers.kv_cache import DraftContextCache
 from treeflash.layers.linear import RowParallelLinear
 from treeflash.layers.norm import RMSNorm
 from treeflash.layers.rotary import RotaryEmbedding

@@ -16,11 +16,11 @@ from torch import nn
 
 from treeflash.config import ModelConfig
 from treeflash.distributed import TPGroup
-from treeflash.layers.kv_cache import KVCache
+from treeflash.errors import TreeflashError
 from treeflash.layers.attention import (AttentionInputs, attention_kernel, dense_attention, within_window,
                                        write_block)
 from treeflash.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from treeflash.errors import TreeflashError
+from treeflash.layers.kv_cache import KVCache
 from treeflash.layers.linear import ColumnParallelLinear, RowParallelLinear, ShardedLinear
 from treeflash.layers.norm import RMSNorm
 from treeflash.layers.rotary import RotaryEmbedding, apply_rotary
