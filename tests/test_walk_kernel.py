@@ -7,7 +7,6 @@ import pytest
 import torch
 from interpreter import DEV, kernel, run_interpreted, spawns_interpreter
 from test_tree import PARENTS, TOKENS, make_tree, random_logprobs
-
 from tree_oracle import chain_of_scores, tree_of_logprobs
 
 from treeflash.engine.tree import ancestor_buffer, empty_tree, walk
