@@ -302,6 +302,10 @@ def test_eos_stops_generation(eos_checkpoint):
     # ignore_eos runs through it
     on = llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=48, ignore_eos=True))[0]
     assert on.finish_reason == "length" and on.token_ids == eos_checkpoint.full
+    # EOS as the last token the limit allows ends the request as EOS does, not by length
+    last = llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=k + 1))[0]
+    assert last.token_ids == out.token_ids and (last.finish_reason, last.stop_reason) == ("stop", None)
+    assert last.text == out.text
 
 
 def test_a_request_stopping_early_does_not_disturb_its_batch(eos_checkpoint):
@@ -671,6 +675,17 @@ def test_sentencepiece_continuations_keep_their_first_space(tmp_path):
     j = len(out.text) - len(out.text.lstrip(" "))  # cut at the first letter: the spaces before it stay
     cut = llm.generate(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True, stop=[out.text[j]]))[0]
     assert 0 < j < len(out.text) and cut.text == out.text[:j]
+
+
+def test_a_stream_never_sends_the_start_of_a_stop_string():
+    """A stop string that arrives over several pushes is held back whole: the deltas add
+    up to the text before it, never its first characters (the final text cuts them, so a
+    stream that sent them would no longer add up to it)."""
+    from treeflash.tokenizer import TextStream, Tokenizer
+    tok = Tokenizer(builtin_paths()[0])
+    stream = TextStream(tok, stop=[" world"])
+    deltas = [stream.push(tok.encode(piece, special=False)) for piece in ["Hello", " worl", "d", "!"]]
+    assert "".join(deltas) == "Hello"
 
 
 def test_byte_fallback_text_keeps_whole_characters_as_streamed(tmp_path):

@@ -86,6 +86,20 @@ def test_recent_tokens_follow_each_nodes_path():
             assert got[b, t].tolist() == want, (b, t)
 
 
+def test_the_history_keeps_only_committed_tokens():
+    """After a round that committed 2 of its 4 tokens, a request's recent tokens are those
+    2 after what came before (none here): not the round's unaccepted rest, which would
+    make a later bad word of 3 tokens match where it should not, or not where it should."""
+    from treeflash.engine.sampling import SamplingBatch
+    sb = SamplingBatch.from_params([SamplingParams(bad_words=["x"])], "cpu", 16, [[1]], [set()],
+                                   bad_sequences=[[[3, 4, 5]]])
+    sb.extend_history(torch.tensor([[5, 6, 9, 9]]), torch.tensor([2]))
+    recent = sb.recent[0].tolist()
+    assert recent[-2:] == [5, 6] and set(recent[:-2]) == {-1}
+    sb.extend_history(torch.tensor([[7, 8, 8, 8]]), torch.tensor([1]))
+    assert sb.recent[0].tolist()[-3:] == [5, 6, 7]
+
+
 def test_a_word_the_tokenizer_writes_two_ways(engines):
     """As vLLM: the word as written, and after a space where that is another first token
     of as many tokens; a word longer than the limit is refused."""

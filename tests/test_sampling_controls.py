@@ -72,11 +72,36 @@ def test_samples_follow_the_biased_softmax(bias, allowed, temperature):
 def test_greedy_takes_the_biased_argmax():
     top = int(LOGITS.argmax())
     cases = [({}, None, top), ({top: -100.0}, None, int(LOGITS.topk(2).indices[1])), ({4: 100.0}, None, 4),
-             ({}, [2, 9], 2), ({2: -1.5}, [2, 9], 9)]
+             ({}, [2, 9], 2), ({2: -1.5}, [2, 9], 9),
+             # a bias does not bring back a token that allowed_token_ids left out
+             ({4: 100.0, 2: 5.0}, [2, 9], 2)]
     for bias, allowed, want in cases:
         params = [SamplingParams(logit_bias=bias or None, allowed_token_ids=allowed)]
         sb = SamplingBatch.from_params(params, "cpu", V, [[0] * 5], [set()])
         assert sample(LOGITS.float()[None, None], torch.tensor([[5]]), sb).item() == want, (bias, allowed)
+
+
+def test_the_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    """vLLM's (and CTRL's) rule: a token seen in the prompt or output becomes less likely
+    either way; the greedy reference below cannot see the negative side (a penalized
+    negative logit never wins)."""
+    from treeflash.engine.sampling import apply_controls
+    sb = SamplingBatch.from_params([SamplingParams(repetition_penalty=2.0)], "cpu", 4, [[1, 2]], [set()])
+    got = apply_controls(torch.tensor([[[1.0, 3.0, -3.0, -1.0]]]), torch.tensor([[2]]), sb, 0)[0, 0]
+    assert got.tolist() == [1.0, 1.5, -6.0, -1.0]
+
+
+def test_min_tokens_lets_the_stop_token_come_right_after(eos_checkpoint):
+    """min_tokens = k holds EOS back for the first k tokens only: greedy decoding that
+    ends at token k + 1 still ends there (the boundary of the mask)."""
+    llm = LLM(eos_checkpoint.path, device="cpu", dtype="float32")
+    k = eos_checkpoint.step
+    for min_tokens, want in ((k, eos_checkpoint.full[:k + 1]), (k + 1, None)):
+        out = llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=k + 8, min_tokens=min_tokens))[0]
+        if want is not None:
+            assert out.token_ids == want and out.finish_reason == "stop"
+        else:  # held back at k: another token there
+            assert out.token_ids[:k] == eos_checkpoint.full[:k] and out.token_ids[k] != eos_checkpoint.eos
 
 
 def spec_llm(target, drafter, method, budget=None):

@@ -124,6 +124,10 @@ def test_continuous_usage_in_every_event(client, path, extra):
         seen[i] = usage["completion_tokens"]
     assert sorted(seen) == list(range(len(seen))) and all(n == 12 for n in seen.values())
     assert final["completion_tokens"] == sum(seen.values())
+    # each choice's prompt is its own (n = 2: choices 2k and 2k + 1 share prompt k; the final usage counts it once)
+    prompt_of = {e["choices"][0]["index"]: e["usage"]["prompt_tokens"] for e in got[:-2]}
+    assert all(prompt_of[i] == prompt_of[i + 1] for i in range(0, len(prompt_of), 2))
+    assert sum(prompt_of[i] for i in range(0, len(prompt_of), 2)) == final["prompt_tokens"]
 
 
 @pytest.mark.parametrize("stop", [["\n"], ["(n).is_p"]])

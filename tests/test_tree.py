@@ -244,6 +244,9 @@ def test_walk_rejects_subtree_of_mismatch_and_finds_deepest_path():
     assert w.path.tolist()[3][:3] == [0, 2, 5]
     # past the accepted depth the path repeats the deepest node (harmless moves into free space)
     assert w.path.tolist()[2] == [0, 0, 0, 0] and w.path.tolist()[3][3] == 5
+    # what the round commits: the accepted path's tokens, then the target's bonus token
+    for b, (n, path) in enumerate(zip(w.accepted.tolist(), w.path.tolist())):
+        assert w.new[b, :n + 1].tolist() == [TOKENS[i] for i in path[1:n + 1]] + [w.bonus[b].item()]
 
 
 def test_walk_never_accepts_invalid_nodes():
