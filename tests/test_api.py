@@ -106,6 +106,22 @@ def test_vllm_prompt_dicts_and_n_1_are_taken(llm):
             SamplingParams(n=n)
 
 
+def test_choices_that_differ_only_in_seed_are_checked_once(llm, monkeypatch):
+    """The server's n choices are one request's parameters with seeds seed + j: checked
+    (bad words tokenized, a long allowed_token_ids walked) once, not n times on the
+    engine's thread; parameters that differ otherwise are each checked."""
+    checked = []
+    real = llm.check_sampling
+    monkeypatch.setattr(llm, "check_sampling", lambda p: checked.append(p) or real(p))
+    p = SamplingParams(temperature=1.0, seed=5, bad_words=["if"], allowed_token_ids=list(range(200)),
+                       max_new_tokens=2)
+    llm.generate(["a"] * 8, [p.with_seed(5 + j) for j in range(8)])
+    assert len(checked) == 1
+    checked.clear()
+    llm.generate(["a"] * 3, [p, SamplingParams(**{**p.__dict__, "bad_words": ["else"]}), p.with_seed(9)])
+    assert len(checked) == 3
+
+
 def test_an_engine_seed_repeats_unseeded_sampling(hf_checkpoint):
     """vLLM's LLM(seed=...): sampled requests that give no seed draw theirs from it, so a
     script's runs repeat; without it each run draws fresh ones."""

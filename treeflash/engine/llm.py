@@ -190,6 +190,13 @@ class _Batch:
     eager: bool            # rounds run eagerly, their attention reads bounded by st.max_n (graphs read all)
 
 
+def _same_but_seed(a: SamplingParams, b: SamplingParams) -> bool:
+    """Whether a and b ask the same but for their seeds (copies made by `with_seed` share
+    their lists: no walk over a long allowed_token_ids)."""
+    return all(x is y or x == y for f in fields(SamplingParams) if f.name != "seed"
+               for x, y in [(getattr(a, f.name), getattr(b, f.name))])
+
+
 def _unwrapped(prompt):
     """A prompt as text or token ids: vLLM's TextPrompt {"prompt": text} and TokensPrompt
     {"prompt_token_ids": ids} give theirs (other keys, such as multi-modal data, are
@@ -580,10 +587,13 @@ class LLM:
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise UsageError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
+        last = None  # the parameters checked last: the n choices of a request differ only in their seeds
         for p in params:
             if not isinstance(p, SamplingParams):
                 raise UsageError(f"sampling parameters must be SamplingParams, got {type(p).__name__}")
-            self.check_sampling(p)
+            if last is None or not _same_but_seed(p, last):
+                self.check_sampling(p)
+                last = p
         ids = [self.encode(p, truncate=q.truncate_prompt_tokens) for p, q in zip(prompts, params)]
         # seeds are drawn here, so that every tensor-parallel rank samples alike; a subclass
         # becomes a plain SamplingParams (the workers could not unpickle a class of __main__)
