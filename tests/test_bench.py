@@ -261,6 +261,9 @@ def test_shape_mode_refuses_weights_past_the_hosts_free_memory(monkeypatch, caps
      "--top-p and --min-p act on sampled requests only: give a --temperatures above 0 or leave them out"),
     (["--shape", "tiny", "--top-k", "5"], "--top-k acts on sampled requests only"),
     (["--shape", "tiny", "--draft-layers", "6"], "--draft-layers must be <= 5"),
+    # a context past the shape's positions, with room for the round's tokens (tiny: 32768; budget 255)
+    (["--shape", "tiny", "--contexts", "32,40000"], "--contexts at most 32512"),
+    (["--shape", "qwen3-8b", "--contexts", "40960"], "--contexts at most 40704"),
     (["--shape", "qwen3-8b", "--draft-layers", "100000"], "--draft-layers must be <= 36"),
     (["--shape", "tiny", "--draft-layers", "0"], "--draft-layers must be >= 1"),
     (["--shape", "tiny", "--plot", "/nonexistent/p.png"], "cannot write the plot"),

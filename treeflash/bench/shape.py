@@ -93,7 +93,7 @@ SHAPES = {
                                sliding_layers=tuple(range(0, 24, 2)), attention_sinks=True, expert_bias=True,
                                swiglu_limit=7.0),
     "tiny": ModelConfig("qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4,
-                        num_heads=4, num_kv_heads=2, head_dim=16),
+                        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=32768),
 }
 
 
@@ -489,6 +489,10 @@ def _shape_plan(args) -> ShapePlan:
         raise UsageError(f"unknown shape '{args.shape}' (choose from {', '.join(SHAPES)})")
     contexts = parse_list(args.contexts, int, "context", minimum=1)
     budgets = parse_budgets(args, minimum=0)
+    room = SHAPES[args.shape].max_position_embeddings - max(max(budgets), BLOCK_SIZE - 1) - 1
+    if max(contexts) > room:  # a round's tokens sit past the context: positions the model never serves
+        raise UsageError(f"context {max(contexts)} leaves no room for a round's tokens within {args.shape}'s "
+                         f"{SHAPES[args.shape].max_position_embeddings} positions: --contexts at most {room}")
     batch_sizes = parse_list(args.batch_sizes or "1", int, "batch size", minimum=1, maximum=MAX_BENCH_BATCH)
     temperatures = parse_list(args.temperatures or "0", float, "temperature", minimum=0.0)
     draft_mode = check_sampled_options(args, temperatures, drafted=True)  # every context times draft steps and rounds
