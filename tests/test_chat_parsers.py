@@ -625,3 +625,42 @@ def test_special_tokens_named_only_in_special_tokens_map_json(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<|mask|>"}))
     assert ChatTemplate.from_folder(tmp_path).prompt(messages) == "<|pad|>hi<|mask|>"
     assert Tokenizer(tmp_path).eos_token_ids == [2]
+
+
+# ----------------------------------------------------------------------------- tool schemas (cases a mutation review found untested)
+
+TWO_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_tool_choice_required_without_parallel_tool_calls_allows_several_calls():
+    """parallel_tool_calls left out is true (OpenAI's default): only an explicit false
+    limits a forced answer to one call."""
+    from treeflash.server.answers import FORCED, request_tools
+    _, reader, schema = request_tools({"tools": TWO_TOOLS, "tool_choice": "required"}, None)
+    assert reader == FORCED and "maxItems" not in schema and schema["minItems"] == 1
+    _, _, one = request_tools({"tools": TWO_TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, None)
+    assert one["maxItems"] == 1
+
+
+def test_a_named_function_is_called_exactly_once():
+    from treeflash.server.answers import request_tools
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    _, _, schema = request_tools({"tools": TWO_TOOLS, "tool_choice": named}, None)
+    assert schema["minItems"] == schema["maxItems"] == 1
+    from treeflash.structured.json_schema import schema_regex
+    from treeflash.structured.regex import compile_regex
+    dfa = compile_regex(schema_regex(schema))
+    call = '{"name": "get_weather", "parameters": {"city": "Rome"}}'
+    assert dfa.matches(f"[{call}]".encode()) and not dfa.matches(f"[{call}, {call}]".encode())
+
+
+def test_a_const_value_shaped_like_a_reference_is_kept_as_data():
+    from treeflash.server.answers import forced_calls_schema
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "$defs": {"a": {"type": "string"}},
+        "properties": {"x": {"const": {"$ref": "#/$defs/a"}}, "y": {"$ref": "#/$defs/a"}}}}}]
+    params = forced_calls_schema(tools)["items"]["properties"]["parameters"]
+    assert params["properties"]["x"]["const"] == {"$ref": "#/$defs/a"}  # data, as written
+    assert params["properties"]["y"]["$ref"] != "#/$defs/a"  # a real reference is renamed apart

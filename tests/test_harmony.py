@@ -495,3 +495,22 @@ def test_a_real_engine_answer(harmony_model):
     reasoning, content, calls = split(out.text)
     assert (got["reasoning"], got["content"], got["calls"]) == (reasoning, content, calls)
     assert got["usage"]["completion_tokens"] == len(out.token_ids) == 40
+
+
+# ----------------------------------------------------------------------------- Harmony channels (cases a mutation review found untested)
+
+def test_harmony_call_on_the_analysis_channel_is_content_when_calls_are_not_read():
+    """Without the openai tool parser (or tool_choice none) a call's text is content,
+    whatever channel it is on: not reasoning."""
+    from treeflash.server.answers import MessageStream
+    text = '<|channel|>analysis to=functions.get_weather<|message|>{"city": "Rome"}<|call|>'
+    reasoning, content, calls = MessageStream("openai_gptoss", None).push(text, final=True)
+    assert (reasoning, content, calls) == ("", '{"city": "Rome"}', [])
+
+
+@pytest.mark.parametrize("end", ["<|call|>", "<|return|>"])
+def test_a_prompt_whose_last_message_is_closed_by_call_or_return_leaves_none_open(end):
+    from treeflash.server.answers import harmony_opened
+    prompt = ("<|start|>user<|message|>hi<|end|><|start|>assistant<|channel|>commentary to=functions.f "
+              "<|constrain|>json<|message|>{}" + end)
+    assert harmony_opened(prompt) is None

@@ -514,3 +514,167 @@ def test_a_drafters_sliding_layers_see_the_contexts_last_keys_within_their_windo
     refused(lambda: DraftConfig.from_dict({k: v for k, v in sliding.items() if k != "is_causal"}),
             "sliding_attention", "is_causal")
     refused(lambda: DraftConfig.from_dict({**sliding, "sliding_window": 3}), "sliding window of 3", "block of 4")
+
+
+# ----------------------------------------------------------------------------- config defaults and bounds (cases a mutation review found untested)
+
+TINY_TARGET = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
+          "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 16, "vocab_size": 300, "max_position_embeddings": 256}
+TINY_DRAFT = {**TINY_TARGET, "architectures": ["DFlashDraftModel"], "num_hidden_layers": 2, "block_size": 16,
+         "num_target_layers": 4, "dflash_config": {"mask_token_id": 2, "target_layer_ids": [1, 2]}}
+
+
+def test_an_eos_id_equal_to_the_vocabulary_size_is_outside_it():
+    from treeflash.config import ModelConfig
+    ModelConfig.from_dict({**TINY_TARGET, "eos_token_id": [0, 299]})
+    with pytest.raises(TreeflashError, match="outside the vocabulary"):
+        ModelConfig.from_dict({**TINY_TARGET, "eos_token_id": [0, 300]})
+
+
+def test_without_num_key_value_heads_every_head_has_its_own_kv():
+    """transformers' default (Llama 1, older configs): num_key_value_heads = num_attention_heads."""
+    from treeflash.config import ModelConfig
+    data = {k: v for k, v in TINY_TARGET.items() if k != "num_key_value_heads"}
+    assert ModelConfig.from_dict(data).num_kv_heads == 4
+    assert ModelConfig.from_dict({**data, "num_key_value_heads": None}).num_kv_heads == 4
+
+
+def test_gpt_oss_without_layer_types_slides_in_the_even_layers():
+    """transformers' GptOssConfig default: layer 0 sliding, then every other one."""
+    from treeflash.config import ModelConfig
+    data = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64,
+            "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "vocab_size": 300, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8}
+    cfg = ModelConfig.from_dict(data)
+    assert cfg.sliding_layers == (0, 2) and cfg.attention_window(0) == 8 and cfg.attention_window(1) is None
+
+
+def test_gpt_oss_has_attention_biases_unless_its_config_says_not():
+    """transformers' GptOssConfig default attention_bias is true (the published weights hold
+    q/k/v/o biases); Qwen3 and Llama default to none."""
+    from treeflash.config import ModelConfig
+    data = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "vocab_size": 300, "num_local_experts": 4, "num_experts_per_tok": 2}
+    assert ModelConfig.from_dict(data).attention_bias is True
+    assert ModelConfig.from_dict({**data, "attention_bias": False}).attention_bias is False
+    assert ModelConfig.from_dict(TINY_TARGET).attention_bias is False
+
+
+def test_rms_norm_eps_defaults_to_transformers_1e_6():
+    """Qwen3Config's and LlamaConfig's default: a config without the key must not normalize
+    with another epsilon (every logit would move)."""
+    from treeflash.config import ModelConfig
+    assert ModelConfig.from_dict(TINY_TARGET).rms_norm_eps == 1e-6
+    assert ModelConfig.from_dict({**TINY_TARGET, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+                                 ).rms_norm_eps == 1e-6
+
+
+def test_dflash_configs_block_size_wins_over_the_top_level_one():
+    from treeflash.config import DraftConfig
+    data = {**TINY_DRAFT, "block_size": 16, "dflash_config": {**TINY_DRAFT["dflash_config"], "block_size": 8}}
+    assert DraftConfig.from_dict(data).block_size == 8
+
+
+def test_a_top_level_mask_token_id_is_read():
+    from treeflash.config import DraftConfig
+    data = {**TINY_DRAFT, "mask_token_id": 5, "dflash_config": {"target_layer_ids": [1, 2]}}
+    assert DraftConfig.from_dict(data).mask_token_id == 5
+
+
+def test_default_taps_are_dflashs():
+    """DFlash's build_target_layer_ids: evenly from layer 1 to L - 3 (z-lab's Qwen3-8B
+    drafter: 36 target layers, 5 draft layers, taps [1, 9, 17, 25, 33])."""
+    from treeflash.config import DraftConfig, default_target_layer_ids
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(28, 5) == [1, 7, 13, 19, 25]
+    data = {**TINY_DRAFT, "num_target_layers": 36, "dflash_config": {"mask_token_id": 2}}
+    assert DraftConfig.from_dict(data).target_layer_ids == [1, 33]
+
+
+def test_a_tap_one_past_the_targets_last_layer_is_refused_at_load():
+    from treeflash.config import DraftConfig, ModelConfig
+    target = ModelConfig.from_dict(TINY_TARGET)
+    DraftConfig.from_dict({**TINY_DRAFT, "dflash_config": {"mask_token_id": 2, "target_layer_ids": [1, 3]}}) \
+        .check_fits(target)
+    bad = DraftConfig.from_dict({**TINY_DRAFT, "dflash_config": {"mask_token_id": 2, "target_layer_ids": [1, 4]}})
+    with pytest.raises(TreeflashError, match=r"taps target layers \[4\]"):
+        bad.check_fits(target)
+
+
+# ----------------------------------------------------------------------------- loader checks
+
+def _tiny_target(folder, **kw):
+    from treeflash.checkpoints import write_random_target
+    return write_random_target(folder, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                               intermediate_size=64, **kw)
+
+
+def test_a_config_wider_than_the_stored_embedding_is_refused_before_building(tmp_path):
+    from treeflash.config import ModelConfig
+    from treeflash.models.loader import check_sizes, stored_shapes
+    folder = _tiny_target(tmp_path / "t")
+    cfg = ModelConfig.from_pretrained(folder)
+    shapes = stored_shapes(folder)
+    check_sizes(folder, cfg, shapes)
+    from dataclasses import replace
+    with pytest.raises(TreeflashError, match="hidden_size 64"):
+        check_sizes(folder, replace(cfg, hidden_size=64), shapes)
+
+
+def test_stored_rotary_inverse_frequencies_are_ignored(tmp_path):
+    """Older checkpoints (Llama 2 era conversions) store layers.N.self_attn.rotary_emb.inv_freq:
+    recomputed, not refused as a tensor the config has no place for."""
+    from safetensors.torch import load_file, save_file
+
+    from treeflash import LLM, SamplingParams
+    folder = _tiny_target(tmp_path / "t")
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = 1.0 / (10000 ** (torch.arange(0, 16, 2) / 16))
+    save_file(tensors, str(folder / "model.safetensors"))
+    llm = LLM(folder, device="cpu", dtype="float32")
+    assert len(llm.generate("def", SamplingParams(max_new_tokens=2, ignore_eos=True))[0].token_ids) == 2
+
+
+def test_auto_dtype_is_the_dtype_most_weights_are_stored_in(tmp_path):
+    """A bf16 checkpoint with a few small float32 tensors (norms, scales) is bf16."""
+    from safetensors.torch import save_file
+
+    from treeflash.models.loader import weights_dtype
+    tmp_path.mkdir(exist_ok=True)
+    save_file({"a.weight": torch.zeros(64, 64, dtype=torch.bfloat16), "b.weight": torch.zeros(8, dtype=torch.float32),
+               "c.weight": torch.zeros(4, dtype=torch.float32)}, str(tmp_path / "model.safetensors"))
+    assert weights_dtype(tmp_path) == "bfloat16"
+
+
+def test_a_config_ten_times_the_checkpoints_size_is_refused(tmp_path):
+    from treeflash.models.loader import check_model_size
+    shapes = {"w": (1000, 1000)}
+    small = torch.nn.Linear(1000, 2000, bias=False, device="meta")
+    check_model_size(tmp_path, small, shapes)  # 2x: within the slack
+    big = torch.nn.Linear(1000, 10_000, bias=False, device="meta")
+    with pytest.raises(TreeflashError, match="describes a model of"):
+        check_model_size(tmp_path, big, shapes)
+
+
+# ----------------------------------------------------------------------------- tokenizer BOS
+
+def test_add_bos_token_with_a_post_processor_that_adds_it_gives_one_bos(tmp_path):
+    """Llama 2 / Mistral style: tokenizer.json's post-processor adds <s> and
+    tokenizer_config.json says add_bos_token: one BOS, as transformers gives."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import processors
+
+    from treeflash.checkpoints import write_tiny_tokenizer
+    from treeflash.tokenizer import Tokenizer
+    write_tiny_tokenizer(tmp_path)
+    tok = HF.from_file(str(tmp_path / "tokenizer.json"))
+    bos = tok.token_to_id("<|pad|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|pad|> $A", special_tokens=[("<|pad|>", bos)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": True, "bos_token": "<|pad|>"}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": bos}))
+    ids = Tokenizer(tmp_path).encode("def fib(n):")
+    assert ids[0] == bos and ids[1] != bos

@@ -829,3 +829,29 @@ def test_an_automaton_in_use_by_one_engine_is_kept_when_another_compiles(engines
     assert re.fullmatch("[0-9]{2}[a-c]{3}", out.text) and seen and all(seen)
     llm.automaton(SamplingParams(structured_outputs=StructuredOutputs(regex="z[0-9]")))
     assert used.key() not in llm.automata.kept  # unpinned after the batch: dropped as the limit says
+
+
+# ----------------------------------------------------------------------------- grammar and choice escapes (cases a mutation review found untested)
+
+def _grammar_automaton(g):
+    from treeflash.structured.grammar import StructuredOutputs
+    return StructuredOutputs(grammar=g).validate().automaton()
+
+
+def test_a_dash_before_the_closing_bracket_is_a_dash():
+    dfa = _grammar_automaton("root ::= [a-z_-]+ [+-]")
+    assert dfa.matches(b"ab-c_+") and dfa.matches(b"x-") and not dfa.matches(b"x*")
+
+
+def test_m_repeats_exactly_m_times():
+    dfa = _grammar_automaton('root ::= [0-9]{3} ("ab"){2}')
+    assert dfa.matches(b"123abab") and not dfa.matches(b"1234abab") and not dfa.matches(b"123ababab")
+
+
+def test_choices_are_matched_literally_through_structured_outputs():
+    from treeflash.structured.grammar import StructuredOutputs
+    dfa = StructuredOutputs(choice=["a.b", "1+1", "(x)", "[y]"]).validate().automaton()
+    for c in ("a.b", "1+1", "(x)", "[y]"):
+        assert dfa.matches(c.encode()), c
+    for other in ("aXb", "11", "x", "y"):
+        assert not dfa.matches(other.encode()), other

@@ -825,3 +825,25 @@ def test_tf32_is_for_training_only():
     assert flags() == before
     with tf32_products(torch.device("cpu")):
         assert flags() == before
+
+
+# ----------------------------------------------------------------------------- corpus split (cases a mutation review found untested)
+
+def test_the_split_is_the_same_wherever_the_corpus_lies(tmp_path):
+    """The held-out split hashes each file's path relative to its root: a corpus copied
+    to another folder (machine) splits alike."""
+    from treeflash.train.corpus import collect
+    a = tmp_path / "a" / "src"
+    a.mkdir(parents=True)
+    for i in range(60):
+        (a / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n")
+    b = tmp_path / "elsewhere" / "deeper" / "src"
+    shutil.copytree(a, b)
+    ca, cb = collect([a], heldout_fraction=0.3), collect([b], heldout_fraction=0.3)
+    assert ca.heldout and ca.heldout == cb.heldout and ca.train == cb.train
+
+
+def test_held_out_windows_spread_over_the_whole_split():
+    from treeflash.train.corpus import fixed_windows
+    w = fixed_windows(np.arange(1000), 10, 50)
+    assert w.shape == (5, 10) and int(w[0, 0]) == 0 and int(w[-1, -1]) == 999

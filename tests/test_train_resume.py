@@ -207,3 +207,31 @@ def test_drafter_resume_keeps_its_options(target_dir, data_dir, tmp_path, capsys
     assert "gamma = 7.0 differs from the run's 3.0" in _refused(capsys, run + ["--resume", "--gamma", "7"])
     err = _refused(capsys, run + ["--resume", "--generated", str(tmp_path / "gen.npz")])
     assert "this run trains on the corpus" in err
+
+
+# ----------------------------------------------------------------------------- options on resume (cases a mutation review found untested)
+
+def _run_dir(tmp_path, options):
+    from treeflash.train.common import RunDir
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "state.pt").write_bytes(b"")
+    (tmp_path / "run" / "run.json").write_text(json.dumps({"kind": "target", "options": options}))
+    return RunDir(tmp_path / "run", True, "target")
+
+
+def test_a_budget_given_on_resume_replaces_both_limits(tmp_path):
+    """A run started with --max-steps, resumed with --max-minutes: the time is its budget
+    (the old step count, already reached, would train nothing)."""
+    from treeflash.train.common import DEFAULT_OPTIONS
+    run = _run_dir(tmp_path, {**DEFAULT_OPTIONS, "max_steps": 12})
+    got = run.settle_options({k: None for k in DEFAULT_OPTIONS} | {"max_minutes": 5}, DEFAULT_OPTIONS)
+    assert got["max_minutes"] == 5 and got["max_steps"] is None
+    kept = run.settle_options({k: None for k in DEFAULT_OPTIONS}, DEFAULT_OPTIONS)
+    assert kept["max_steps"] == 12
+
+
+def test_a_resumed_run_may_move_to_another_device(tmp_path):
+    from treeflash.train.common import DEFAULT_OPTIONS
+    run = _run_dir(tmp_path, {**DEFAULT_OPTIONS, "max_steps": 12, "device": "cpu"})
+    got = run.settle_options({k: None for k in DEFAULT_OPTIONS} | {"device": "cuda"}, DEFAULT_OPTIONS)
+    assert got["device"] == "cuda"
