@@ -71,9 +71,16 @@ def read_placed_prompts(args) -> list[tuple[str, str | None]]:
 
 def _looks_like_jsonl(line: str) -> bool:
     try:
-        return isinstance(value := json.loads(line), dict) and "prompt" in value
-    except ValueError:
+        _jsonl_prompt(line, "")
+        return True
+    except UsageError:
         return False
+
+
+def target_folder(args) -> Path:
+    """The target checkpoint folder a command's --model names (the built-in one if none)."""
+    from treeflash.engine.llm import builtin_paths
+    return Path(args.model) if args.model else builtin_paths()[0]
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -169,11 +176,10 @@ def sampling_from(args, model_defaults: dict | None = None):
 def model_sampling_defaults(args) -> dict:
     """The model's generation_config.json values for the options left out (with a note
     saying which apply), or none with --generation-config none."""
-    from treeflash.engine.llm import builtin_paths
     from treeflash.sampling_params import generation_defaults
     if args.generation_config == "none":
         return {}
-    got = generation_defaults(Path(args.model) if args.model else builtin_paths()[0])
+    got = generation_defaults(target_folder(args))
     applied = {k: v for k, v in got.items() if getattr(args, k) is None}
     if (args.temperature if args.temperature is not None else got.get("temperature", 0)) == 0:
         applied = {k: v for k, v in applied.items() if k not in ("top_k", "top_p", "min_p")}  # greedy: moot
@@ -252,7 +258,6 @@ def _json_number(x: float) -> float | None:
 
 def cmd_generate(args) -> int:
     from treeflash.chat import NO_TEMPLATE, ChatFormat, ChatTemplate
-    from treeflash.engine.llm import builtin_paths
     from treeflash.tokenizer import TextStream
     prompts, places = zip(*read_placed_prompts(args))
     params = sampling_from(args, model_sampling_defaults(args))
@@ -263,7 +268,7 @@ def cmd_generate(args) -> int:
         raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
     if args.chat_template_kwargs is not None and not args.chat:
         raise UsageError("--chat-template-kwargs needs --chat")
-    folder = Path(args.model) if args.model else builtin_paths()[0]
+    folder = target_folder(args)
     if args.chat and ChatTemplate.sources(folder) is None:  # before the model loads
         raise UsageError(f"{folder.resolve()} {NO_TEMPLATE}")
     llm = make_llm(args)

@@ -19,9 +19,8 @@ def read_text(path: str | Path, max_bytes: int | None = None) -> str:
     path = Path(path)
     check_regular_file(path)
     try:
-        if max_bytes is not None and path.is_file() and path.stat().st_size > max_bytes:
-            raise TreeflashError(f"cannot read {_named(path)}: {path.stat().st_size:,} bytes, more than the "
-                                 f"{max_bytes:,} it may hold")
+        if max_bytes is not None and path.is_file() and (size := path.stat().st_size) > max_bytes:
+            raise TreeflashError(f"cannot read {_named(path)}: {size:,} bytes, more than the {max_bytes:,} it may hold")
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise TreeflashError(f"cannot read {_named(path)}: not UTF-8 text ({e.reason} at byte {e.start})") from None

@@ -15,7 +15,7 @@ import torch
 from treeflash.bench.options import (MAX_BENCH_BATCH, check_sampled_options, check_seed, filters, filters_note,
                                      parse_budgets, parse_graphs, parse_list, usable_graphs)
 from treeflash.bench.report import check_plot_path, close_out, emit, format_table, open_out, plot_pairs
-from treeflash.cli import read_placed_prompts, structured_from
+from treeflash.cli import read_placed_prompts, structured_from, target_folder
 from treeflash.engine.llm import LLM, builtin_paths, resolve_device
 from treeflash.engine.round import METHODS
 from treeflash.errors import UsageError
@@ -198,7 +198,7 @@ def _pair_plan(args) -> PairPlan:
     graphs = parse_graphs(args.graphs or "on,off")
     prompts = load_prompts(args)
     check_seed(args.seed, len(prompts))
-    model_dir = Path(args.model or builtin_paths()[0])
+    model_dir = target_folder(args)
     if args.corpus and (model_dir / "tokenizer.json").exists() and \
             not Tokenizer(args.corpus).same_vocabulary(Tokenizer(model_dir)):  # before the model loads
         raise UsageError(f"the corpus in {args.corpus} was tokenized with another tokenizer than the model's: "

@@ -8,7 +8,6 @@ import socket
 import sys
 import threading
 from dataclasses import replace
-from pathlib import Path
 
 from treeflash.errors import UsageError
 from treeflash.server.answers import REASONING_PARSERS, TOOL_PARSERS, chat_parsers
@@ -104,13 +103,12 @@ def cmd_serve(args) -> int:
     except ImportError as e:
         raise UsageError(f"treeflash serve needs the server packages ({e.name} is missing): "
                          f"pip install 'treeflash[serve]'") from None
-    from treeflash.cli import make_llm
-    from treeflash.engine.llm import builtin_paths
+    from treeflash.cli import make_llm, target_folder
     if args.max_batch < 1:
         raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
     args.tool_call_parser, args.reasoning_parser = chat_parsers(args.tool_call_parser, args.reasoning_parser)
     _check_listen(args.host, args.port)
-    folder = Path(args.model) if args.model else builtin_paths()[0]
+    folder = target_folder(args)
     template = ChatTemplate.from_folder(folder)  # a broken template fails here, before the load
     for flag, given in (("--tool-call-parser", args.tool_call_parser), ("--reasoning-parser", args.reasoning_parser)):
         if given and template is None:
