@@ -8,7 +8,9 @@ arguments raise `UsageError` before any work.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -322,6 +324,24 @@ def test_eos_stops_generation(eos_checkpoint):
     last = llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=k + 1))[0]
     assert last.token_ids == out.token_ids and (last.finish_reason, last.stop_reason) == ("stop", None)
     assert last.text == out.text
+
+
+def test_an_end_token_other_than_the_tokenizers_eos_is_the_stop_reason(eos_checkpoint, tmp_path):
+    """As vLLM: an end id that generation_config.json lists beside the tokenizer's own
+    EOS ends a request as a stop token id does, and is its stop_reason; ending on the
+    tokenizer's EOS has none."""
+    folder = Path(shutil.copytree(eos_checkpoint.path, tmp_path / "ckpt"))
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**settings, "eos_token": "<|pad|>"}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, eos_checkpoint.eos]}))
+    llm = LLM(folder, device="cpu", dtype="float32")
+    k = eos_checkpoint.step
+    out = llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=48))[0]
+    assert out.token_ids == eos_checkpoint.full[:k + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", eos_checkpoint.eos)
+    assert out.text == llm.tokenizer.decode(eos_checkpoint.full[:k])
+    pad = llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=4, logit_bias={1: 100.0}))[0]
+    assert (pad.token_ids, pad.finish_reason, pad.stop_reason) == ([1], "stop", None)
 
 
 def test_a_request_stopping_early_does_not_disturb_its_batch(eos_checkpoint):

@@ -80,8 +80,11 @@ class Tokenizer:
         eos_tok = tok_cfg.get("eos_token")
         if isinstance(eos_tok, dict):
             eos_tok = eos_tok.get("content")
-        if isinstance(eos_tok, str) and self.tok.token_to_id(eos_tok) is not None:
-            self.eos_sources[self.tok.token_to_id(eos_tok)] = "tokenizer_config.json"  # or special_tokens_map.json
+        # the tokenizer's own EOS (vLLM's model EOS: ending on it has no stop_reason; the
+        # others listed end a request as its stop token ids do), or None
+        self.eos_token_id = self.tok.token_to_id(eos_tok) if isinstance(eos_tok, str) else None
+        if self.eos_token_id is not None:
+            self.eos_sources[self.eos_token_id] = "tokenizer_config.json"  # or special_tokens_map.json
         self.eos_token_ids = sorted(self.eos_sources)
         self.bos_token_id = gen.get("bos_token_id", config.get("bos_token_id"))
         add_bos = tok_cfg.get("add_bos_token")

@@ -824,9 +824,11 @@ class LLM:
             cut = stop_cut(text, p.stop, p.include_stop_str_in_output, ends_after=floor)
         if cut:
             text = text[:cut[0]]
-        by_eos = ended_by_token and not p.ignore_eos and ids[-1] in self.eos_token_ids  # None, as vLLM, if listed too
-        stop_reason = cut[1] if cut else ids[-1] if ended_by_token and ids[-1] in p.stop_token_ids and not by_eos \
-            else None
+        # as vLLM: the tokenizer's EOS has no stop_reason (even if stop_token_ids lists it);
+        # another end id (generation_config.json's) is reported as a stop token id is
+        model_eos = self.eos_token_ids if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
+        by_eos = ended_by_token and not p.ignore_eos and ids[-1] in model_eos
+        stop_reason = cut[1] if cut else ids[-1] if ended_by_token and not by_eos else None
         n = len(ids)
         return GenerationOutput(text, ids, reason, stop_reason=stop_reason, logprobs=logprobs,
                                 prompt_logprobs=prompt_logprobs, stats={
