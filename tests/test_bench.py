@@ -369,9 +369,9 @@ def test_shape_mode_times_the_draft_mode_asked_for(monkeypatch, capsys):
     from treeflash.engine.round import SpeculativeDecoder
     draft_logits, seen = SpeculativeDecoder.draft_logits, set()
 
-    def spy(self, st):
+    def spy(self, st, max_n):
         seen.add(self.draft_mode)
-        return draft_logits(self, st)
+        return draft_logits(self, st, max_n)
 
     monkeypatch.setattr(SpeculativeDecoder, "draft_logits", spy)
     assert main(TINY + ["--draft-mode", "scaled", "--temperatures", "0.7"]) == 0, capsys.readouterr().err

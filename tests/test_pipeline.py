@@ -59,8 +59,7 @@ def sync_generate(llm: LLM, prompts, params: list[SamplingParams]):
         if all(done):
             break
         st.active.copy_(torch.tensor([not d for d in done]))
-        st.max_n = max(len(i) + len(o) for i, o in zip(ids, outs))
-        new_t, counts_t, _ = dec.round(st)
+        new_t, counts_t, _ = dec.round(st, max(len(i) + len(o) for i, o in zip(ids, outs)))
         new, counts = new_t.tolist(), counts_t.tolist()
         for b in range(len(ids)):
             rounds[b] += not done[b]
@@ -145,12 +144,12 @@ def test_cache_holds_the_round_in_flight_and_max_n_covers_it(constant_pair, meth
     dec, checked = llm.decoder, []
     plain = dec.round
 
-    def round_checked(st):
+    def round_checked(st, max_n):
         n = st.n.tolist()
-        assert st.max_n >= max(n)
-        assert max(n) + dec.tree_slots <= st.cache.max_len and st.max_n + dec.tree_slots <= st.cache.max_len
+        assert max_n >= max(n)
+        assert max(n) + dec.tree_slots <= st.cache.max_len and max_n + dec.tree_slots <= st.cache.max_len
         checked.append(n)
-        return plain(st)
+        return plain(st, max_n)
 
     dec.round = round_checked
     prompts = [list(range(3, 43)), [5]]

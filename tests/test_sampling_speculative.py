@@ -28,8 +28,8 @@ class Counter:
         self.committed = self.rounds = 0
         inner = llm.decoder.round
 
-        def round_(st):
-            new, counts, logprobs = inner(st)
+        def round_(st, max_n):
+            new, counts, logprobs = inner(st, max_n)
             self.committed += int(counts.sum())
             self.rounds += int((counts > 0).sum())
             return new, counts, logprobs

@@ -650,9 +650,9 @@ def test_warm_up_runs_rounds_in_every_mode(llm, monkeypatch):
     from treeflash.server.protocol import SamplingDefaults
     modes = []
     real = llm.decoder.round
-    monkeypatch.setattr(llm.decoder, "round", lambda st: modes.append(
+    monkeypatch.setattr(llm.decoder, "round", lambda st, max_n: modes.append(
         (st.sampling.any_sampled, st.sampling.any_filtered, st.sampling.filter_width, st.sampling.any_penalized))
-        or real(st))
+        or real(st, max_n))
     warm_up(llm, SamplingDefaults(max_tokens=8))
     assert set(modes) == {(False, False, 0, False), (True, False, 0, False), (True, True, 16, False)}
     modes.clear()

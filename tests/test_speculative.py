@@ -31,9 +31,9 @@ class RoundLog:
         self.forwards = self.draft_forwards = 0
         inner = llm.decoder.round
 
-        def round_(st):
+        def round_(st, max_n):
             self.state = st
-            new, counts, logprobs = inner(st)
+            new, counts, logprobs = inner(st, max_n)
             self.rounds.append(dict(new=new.clone(), counts=counts.clone()))
             return new, counts, logprobs
 

@@ -352,7 +352,7 @@ def allreduce_timer(group: TPGroup, hidden: int, dtype: torch.dtype, device: tor
 # The ops of one state, timed into rows
 # ---------------------------------------------------------------------------
 
-def round_ops(target, drafter, st, budgets: list[int], backend: str, draft_mode: str):
+def round_ops(target, drafter, st, budgets: list[int], backend: str, draft_mode: str, max_n: int | None):
     """[(op, N, kind, fn, is_round)] for one state: the pieces of a round and whole rounds.
 
     kind names the memory floor (`op_bytes`); every fn reads `st`, whose `n` the
@@ -367,28 +367,28 @@ def round_ops(target, drafter, st, budgets: list[int], backend: str, draft_mode:
     ar, dflash = decoder("ar"), decoder("dflash")
     ar_state = dataclasses.replace(st, draft_cache=None, chain=None)  # same buffers, no drafter context
     ddtree = {n: decoder("ddtree", n) for n in budgets if n}
-    logits = dflash.draft_logits(st)  # a fixed draft: trees for verify and tree-build ops
+    logits = dflash.draft_logits(st, max_n)  # a fixed draft: trees for verify and tree-build ops
 
     def verify(tree):
         """Target forward over root + N nodes with the tree mask, and the LM head."""
-        return lambda: dflash.verify(st, tree)[0]
+        return lambda: dflash.verify(st, tree, max_n)[0]
 
     def tree_for(n):
         """The DDTree of N nodes over the fixed draft, as the round builds it."""
         return ddtree[n].tree_from_logits(logits, st) if n else empty_tree(st.anchor)
 
     D = drafter.block_size - 1
-    ops = [("ar", 0, "ar", lambda: ar.round(ar_state), True)]
+    ops = [("ar", 0, "ar", lambda: ar.round(ar_state, max_n), True)]
     ops += [("verify", n, "verify", verify(tree_for(n)), False) for n in budgets]
-    ops += [("draft", D, "draft", lambda: dflash.draft_logits(st), False)]
+    ops += [("draft", D, "draft", lambda: dflash.draft_logits(st, max_n), False)]
     ops += [("tree", n, None, (lambda n=n: tree_for(n)), False) for n in budgets if n]
-    ops += [("round-dflash", D, "round", lambda: dflash.round(st), True)]
-    ops += [("round", n, "round", (lambda d=ddtree[n]: d.round(st)), True) for n in budgets if n]
+    ops += [("round-dflash", D, "round", lambda: dflash.round(st, max_n), True)]
+    ops += [("round", n, "round", (lambda d=ddtree[n]: d.round(st, max_n)), True) for n in budgets if n]
     return ops
 
 
 def new_shape_state(target, drafter, context: int, batch: int, temperature: float, budgets: list[int],
-                    graphs: bool, seed: int, filters: dict | None = None):
+                    seed: int, filters: dict | None = None):
     """A batch state as if every request had committed `context` tokens. The caches
     hold zeros: attention reads them all the same."""
     dev = target.lm_head.weight.device
@@ -398,7 +398,6 @@ def new_shape_state(target, drafter, context: int, batch: int, temperature: floa
     st = dec.new_state(batch, capacity, SamplingBatch.from_params(params, dev))
     st.n.fill_(context)
     st.anchor.random_(0, target.config.vocab_size - 1)
-    st.max_n = None if graphs else context  # as the engine: graphs read the whole cache
     return st
 
 
@@ -414,14 +413,15 @@ def shape_rows(args, target, drafter, context, bs, temperature, graphs, budgets,
     all-reduce at the op's (first) token count and the all-reduce share of the op: an
     estimate, count x latency / op time, from all-reduces timed alone (in the op they
     may overlap other work, or wait for a slower rank)."""
-    st = new_shape_state(target, drafter, context, bs, temperature, budgets, graphs, args.seed, filters(args))
+    st = new_shape_state(target, drafter, context, bs, temperature, budgets, args.seed, filters(args))
     n0 = st.n.clone()
 
     def reset():
         st.n.copy_(n0)
 
     rows, ar_us = [], None
-    for op, n, kind, fn, is_round in round_ops(target, drafter, st, budgets, backend, draft_mode):
+    max_n = None if graphs else context  # as the engine: graphs read the whole cache
+    for op, n, kind, fn, is_round in round_ops(target, drafter, st, budgets, backend, draft_mode, max_n):
         us, wall = measure_op(fn, reset, args.iters, graphs, device, is_round)
         ar_us = us if op == "ar" else ar_us
         tokens = bs * (1 if op == "ar" else n + 1)  # target tokens: root + N (draft: the round's D + 1)

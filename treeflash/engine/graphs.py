@@ -44,11 +44,11 @@ class GraphedRound:
 
     def __init__(self, decoder: SpeculativeDecoder, st: BatchState, pool=None):
         self.st = st
-        st.max_n = None  # graphs read the whole cache: no data-dependent shapes
         st.n.zero_()
         self.graph, self.out = capture(lambda: decoder.round(st), 2, pool)  # 2 warm-up rounds: lazy set-up done
 
-    def __call__(self, st: BatchState):
+    def __call__(self, st: BatchState, max_n: int | None = None):
+        """One round; `max_n` is not used: the graph reads the whole cache."""
         assert st is self.st, "a graph replays on the buffers it was captured with"
         self.graph.replay()
         return self.out

@@ -184,10 +184,9 @@ class _Request:
 class _Batch:
     """The batch in flight on this rank."""
     st: BatchState
-    run_round: object      # st -> (new, counts, logprobs): `decoder.round` or a `GraphedRound`
+    run_round: object      # (st, max_n) -> (new, counts, logprobs): `decoder.round` or a `GraphedRound`
     pipe: RoundPipeline
     active: list[bool]     # what st.active holds (as queued)
-    eager: bool            # rounds run eagerly, their attention reads bounded by st.max_n (graphs read all)
 
 
 def _same_but_seed(a: SamplingParams, b: SamplingParams) -> bool:
@@ -881,7 +880,7 @@ class LLM:
                 lp, plp = self.decoder.prefill_tokens(st, ids, lens, prompt_logprobs=scoring)
             else:
                 lp, plp = graphed.prefill(ids, lens)
-        self._run = _Batch(st, run_round, RoundPipeline(), [True] * batch, eager=graphed is None)
+        self._run = _Batch(st, run_round, RoundPipeline(), [True] * batch)
         return st.anchor.tolist(), [t.tolist() for t in lp or ()], [t.tolist() for t in plp or ()]
 
     def _step(self, active: list[bool] | None, max_n: int):
@@ -899,9 +898,7 @@ class LLM:
             src = torch.tensor(active, dtype=torch.bool, pin_memory=st.active.is_cuda)
             st.active.copy_(src, non_blocking=True)  # pinned: queued, the host goes on
             run.active = list(active)
-        if run.eager:
-            st.max_n = max_n
-        new, counts, logprobs = run.run_round(st)
+        new, counts, logprobs = run.run_round(st, max_n)
         return run.pipe.push(new, counts, *(logprobs or ()))
 
     @property

@@ -59,7 +59,6 @@ class BatchState:
     sampling: SamplingBatch
     cache: KVCache
     draft_cache: DraftContextCache | None
-    max_n: int | None = None   # host's max of n, bounds reference attention reads (None: whole cache)
     tokens: list[list[int]] | None = None  # the driver's record, per request, of the tokens whose
                                            # K/V and drafter context the caches hold (prefix caching)
     chain: DraftTree | None = None  # ar's and dflash's chain: fixed fields made once, read by the graphs
@@ -229,18 +228,18 @@ class SpeculativeDecoder:
                  for s in range(0, len(at), PROMPT_LOGPROB_ROWS)]
         return tuple(torch.cat(x, dim=0).flatten(0, 1) for x in zip(*parts))
 
-    def draft_logits(self, st: BatchState) -> torch.Tensor:
+    def draft_logits(self, st: BatchState, max_n: int | None = None) -> torch.Tensor:
         """This rank's vocabulary slice of the per-depth draft scores [B, D, V/N] for
         depths 1..D: float32 logits; for sampled requests at their temperature (scaled
         mode), or plus their temperature x the target's noise (coupled mode, T <= 1;
-        past it logits / T + noise)."""
+        past it logits / T + noise). `max_n` as in `round`."""
         d = self.drafter
         B, b = st.batch_size, d.block_size
         block = torch.full((B, b), d.mask_token_id, dtype=torch.long, device=st.n.device)
         block[:, 0] = st.anchor
         positions = st.n[:, None] + torch.arange(b, device=st.n.device)
         full = torch.ones(B, b, b, dtype=torch.bool, device=st.n.device)
-        kv_len = None if st.max_n is None else st.max_n + b
+        kv_len = None if max_n is None else max_n + b
         inputs = AttentionInputs(positions, st.n, full, kv_len=kv_len, backend=self.backend)
         h = d(self.target.embed(block), inputs, st.draft_cache)
         logits = d.scaled_logits(self.target.logits(h[:, 1:], gather=False).float())
@@ -277,12 +276,12 @@ class SpeculativeDecoder:
         return grammar_masked(logits, sb, sb.path_states(ids), start)
 
     @torch.inference_mode()
-    def build(self, st: BatchState) -> DraftTree:
+    def build(self, st: BatchState, max_n: int | None = None) -> DraftTree:
         """The round's tree. Draft decisions are made on vocabulary slices (local
         argmax / top-k, one all-gather of the candidates): every rank builds the same tree."""
         if self.method == "ar":
             return self.chain(st, st.anchor.new_zeros(st.batch_size, 0))
-        return self.tree_from_logits(self.draft_logits(st), st)
+        return self.tree_from_logits(self.draft_logits(st, max_n), st)
 
     def chain(self, st: BatchState, draft: torch.Tensor) -> DraftTree:
         """The chain of draft tokens [B, D] below st's anchor (D = 0: AR's root alone).
@@ -310,24 +309,27 @@ class SpeculativeDecoder:
             return build_tree_fused(vals, ids, anchor, self.budget)
         return build_tree(vals, ids, anchor, self.budget)
 
-    def verify(self, st: BatchState, tree: DraftTree):
+    def verify(self, st: BatchState, tree: DraftTree, max_n: int | None = None):
         """The target over the root and every node of `tree` in one pass (each node sees
         the prefix and its ancestors): (logits [B, T, this rank's vocabulary slice], the
-        drafter's tapped features, the nodes' positions)."""
+        drafter's tapped features, the nodes' positions). `max_n` as in `round`."""
         positions = st.n[:, None] + tree.depths
-        kv_len = None if st.max_n is None else st.max_n + tree.size + 1
+        kv_len = None if max_n is None else max_n + tree.size + 1
         inputs = AttentionInputs(positions, st.n, tree.ancestors, kv_len=kv_len, backend=self.backend)
         h, feats = self.target(tree.tokens, inputs, st.cache, self.taps)
         return self.target.logits(h, gather=False), feats, positions
 
     @torch.inference_mode()
-    def round(self, st: BatchState):
+    def round(self, st: BatchState, max_n: int | None = None):
         """One round for the whole batch, updating `st` in place. Returns the new tokens
         [B, D+1], how many of them each request committed ([B]; 0 if inactive) and, if
         the batch asks for them, the new tokens' `logprobs_of` (else None): the target's
-        logits at the nodes of the accepted path are those AR would have sampled from."""
-        tree = self.build(st)
-        logits, feats, positions = self.verify(st, tree)
+        logits at the nodes of the accepted path are those AR would have sampled from.
+        `max_n` (at least every request's n) bounds the attention's reads to the cache
+        slots below max_n plus the round's; None reads the whole cache, as a CUDA graph
+        must (its shapes cannot depend on the data)."""
+        tree = self.build(st, max_n)
+        logits, feats, positions = self.verify(st, tree, max_n)
         sb = st.sampling
         states = sb.node_states(tree.tokens, tree.parents, tree.depths, self.depth) if sb.any_guided else None
         target_tokens = sample(logits, positions + 1, sb, self.tp, path=(tree.tokens, tree.ancestors),
