@@ -746,6 +746,25 @@ def test_plain_output_streams_the_text(capsys, model, api):
     assert "12 tokens" in err and "Traceback" not in err
 
 
+def test_an_interrupt_while_streaming_ends_the_streamed_line(capsys, model, api, monkeypatch):
+    """Ctrl-C in the middle of a streamed answer: what was streamed stays, its line is
+    ended (the shell's prompt does not follow the text), and the command exits 130."""
+    real = LLM.generate
+
+    def interrupted(self, prompts, params=None, on_tokens=None, on_done=None):
+        def first_then_stop(i, ids):
+            on_tokens(i, ids)
+            raise KeyboardInterrupt
+        return real(self, prompts, params, on_tokens=first_then_stop)
+
+    monkeypatch.setattr(LLM, "generate", interrupted)
+    rc, out, err = run(capsys, ENGINE_PROMPTS[0], "--model", model, "--device", "cpu", "--max-new-tokens", 12,
+                       "--ignore-eos")
+    expected = real(api, ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].text
+    assert rc == 130 and "interrupted" in err
+    assert out.endswith("\n") and expected.startswith(out[:-1]) and len(out) > 1
+
+
 def test_prompt_file_with_plain_lines(capsys, model, api, tmp_path):
     f = tmp_path / "prompts.txt"
     f.write_text(f"{ENGINE_PROMPTS[0]}\n\n{ENGINE_PROMPTS[2]}\n")

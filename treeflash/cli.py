@@ -304,21 +304,32 @@ def cmd_generate(args) -> int:
     stream = len(prompts) == 1 and not params.stop
     context = prompts[0] if stream else ()  # its token ids, encoded above
     printed = TextStream(llm.tokenizer, end_ids=llm.end_ids(params), context=context)
+    line_open = False  # the streamed text stops mid-line: an interrupt ends the line first
 
     def on_tokens(_, ids):
-        sys.stdout.write(printed.push(ids))
+        nonlocal line_open
+        text = printed.push(ids)
+        line_open = line_open if not text else not text.endswith("\n")
+        sys.stdout.write(text)
         sys.stdout.flush()
 
-    for i, out in enumerate(outputs(on_tokens if stream else None)):
-        if stream:
-            sys.stdout.write(printed.finish(out.text) + "\n")
-        else:
-            print(("\n" if i else "") + out.text)
-        s = out.stats
-        cut = out.finish_reason == "length" and s["new_tokens"] < params.max_new_tokens  # by the context
-        print(f"[{s['method']}: {s['new_tokens']} tokens, {s['rounds']} rounds, tau {s['tau']:.2f}, "
-              f"{s['tokens_per_s']} tok/s" + (f", stopped at the context limit of {llm.max_model_len}" if cut else "")
-              + "]", file=sys.stderr)
+    try:
+        for i, out in enumerate(outputs(on_tokens if stream else None)):
+            if stream:
+                sys.stdout.write(printed.finish(out.text) + "\n")
+                line_open = False
+            else:
+                print(("\n" if i else "") + out.text)
+            s = out.stats
+            cut = out.finish_reason == "length" and s["new_tokens"] < params.max_new_tokens  # by the context
+            print(f"[{s['method']}: {s['new_tokens']} tokens, {s['rounds']} rounds, tau {s['tau']:.2f}, "
+                  f"{s['tokens_per_s']} tok/s" + (f", stopped at the context limit of {llm.max_model_len}"
+                                                  if cut else "") + "]", file=sys.stderr)
+    except KeyboardInterrupt:
+        if line_open:  # the shell's prompt and "interrupted" start on a line of their own
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
     return 0
 
 
