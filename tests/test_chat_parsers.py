@@ -664,3 +664,17 @@ def test_a_const_value_shaped_like_a_reference_is_kept_as_data():
     params = forced_calls_schema(tools)["items"]["properties"]["parameters"]
     assert params["properties"]["x"]["const"] == {"$ref": "#/$defs/a"}  # data, as written
     assert params["properties"]["y"]["$ref"] != "#/$defs/a"  # a real reference is renamed apart
+
+
+def test_a_forced_tools_bad_schema_is_named_beside_a_text_response_format(scripted):
+    """response_format {"type": "text"} asks for nothing: a forced call whose tool's
+    schema cannot be compiled is still refused as tool_choice's, in the tool's own terms
+    (not as response_format's)."""
+    client, _ = scripted
+    bad = {"type": "object", "properties": {"b": {"type": "nonsense"}}}
+    tools = [{"type": "function", "function": {"name": "broken", "parameters": bad}}]
+    for choice in ("required", {"type": "function", "function": {"name": "broken"}}):
+        r = client.post("/v1/chat/completions", json={"messages": MESSAGES[:1], "tools": tools, "tool_choice": choice,
+                                                      "response_format": {"type": "text"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+        assert r.json()["error"]["message"].startswith("tool 'broken', parameters schema: "), r.text

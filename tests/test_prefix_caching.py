@@ -293,3 +293,49 @@ def test_tensor_parallel_ranks_reuse_alike(engines):
         got = llm.generate(turn, SAMPLED)[0]
         assert got.stats["cached_tokens"] > 0
         assert got.token_ids == fresh.generate(turn, SAMPLED)[0].token_ids
+
+
+def test_a_rest_that_ends_on_a_chunk_boundary_runs_its_last_token_again():
+    """A row whose rest ends exactly at the end of a chunk runs its last token again in
+    the next chunk (never an empty piece: its first new token comes from that chunk)."""
+    p, q = list(range(266)), list(range(600))  # two rows: 256-token chunks; p's rest ends with the first
+    chunks = suffix_chunks([p, q], [10, 0], room=2048)
+    assert chunks == [([p[10:], q[:256]], [10, 0]), ([p[265:], q[256:512]], [265, 256]),
+                      ([p[265:], q[512:]], [265, 512])]
+    assert all(piece for pieces, _ in chunks for piece in pieces)
+
+
+def test_graphed_states_kept_are_the_most_recently_used(monkeypatch):
+    """A graphed engine keeps the states of its last GRAPH_STATES batch shapes with their
+    graphs, dropping the least recently used first (a shape used again is recent), and
+    fewer when the memory budget says so; dropping graphs never lowers the count of
+    captures (a /metrics counter)."""
+    from treeflash.engine.states import GRAPH_STATES
+    llm = _cpu_graphs(monkeypatch, LLM(method="ar", device="cpu", dtype="float64"))
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    for batch in (1, 2, 3, 4, 1, 5):
+        llm.generate([[5, 6, 7]] * batch, params)
+    assert GRAPH_STATES == 4 and list(llm.states.graphed) == [state_key(b, 1024) for b in (3, 4, 1, 5)]
+    captures = llm.graph_captures
+    llm.drop_graphs()
+    assert not llm.states.graphed and llm.graph_captures == captures
+    llm.states.memory_budget = 0  # room for one state at a time: each new shape drops the others
+    for batch in (1, 2):
+        llm.generate([[5, 6, 7]] * batch, params)
+    assert list(llm.states.graphed) == [state_key(2, 1024)]
+
+
+def test_a_state_dropped_for_room_is_not_reused(monkeypatch):
+    """A next turn that needs a larger cache bucket, where the conversation's state is
+    dropped to make room for it (here: one graphed state at most), prefills its whole
+    prompt: the tokens of an engine without prefix caching, not a failure."""
+    import treeflash.engine.states as states_module
+    monkeypatch.setattr(states_module, "GRAPH_STATES", 1)
+    llm = _cpu_graphs(monkeypatch, LLM(method="ddtree", budget=16, device="cpu", dtype="float64",
+                                       enable_prefix_caching=True))
+    fresh = LLM(method="ddtree", budget=16, device="cpu", dtype="float64")
+    roomy = SamplingParams(max_new_tokens=1000, stop_token_ids=llm.encode("\n", special=False))  # 2048 slots
+    _, _, turn = _turns(llm, GREEDY)
+    got = llm.generate(turn, roomy)[0]
+    assert got.stats["cached_tokens"] == 0 and list(llm.states.graphed) == [state_key(1, 2048)]
+    assert got.token_ids == fresh.generate(turn, roomy)[0].token_ids

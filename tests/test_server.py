@@ -1632,3 +1632,242 @@ def test_building_an_answer_keeps_no_other_client_waiting(llm, chat_model, monke
         heavy.join(60)
     assert other.status_code == 200 and waited < 5, waited
     assert got[0].status_code == 200, got[0].text
+
+
+def test_echo_with_max_tokens_0_ends_by_length_whatever_the_token(client, llm):
+    """echo with max_tokens 0 generates nothing: finish_reason is "length" and stop_reason
+    null even where the one token the engine runs for it would have stopped it."""
+    first = llm.generate(PROMPT, SamplingParams(max_new_tokens=1, ignore_eos=True))[0].token_ids[0]
+    body = {"prompt": PROMPT, "max_tokens": 0, "echo": True, "stop_token_ids": [first]}
+    for stream in (False, True):
+        r = client.post("/v1/completions", json={**body, "stream": stream})
+        choices = [e["choices"][0] for e in events(r)[:-1]] if stream else r.json()["choices"]
+        assert "".join(c["text"] for c in choices) == PROMPT
+        assert (choices[-1]["finish_reason"], choices[-1]["stop_reason"]) == ("length", None)
+
+
+def test_metrics_count_every_prompt_of_a_request(client):
+    """A request of several prompts and n choices counts each prompt's tokens once in
+    treeflash_prompt_tokens_total: what its usage reports."""
+    _wait(lambda: scrape(client)["treeflash_requests_running"] == 0)
+    before = scrape(client)["treeflash_prompt_tokens_total"]
+    got = client.post("/v1/completions", json={"prompt": [PROMPT, "import os"], "max_tokens": 2, "n": 2}).json()
+    _wait(lambda: scrape(client)["treeflash_requests_running"] == 0)
+    assert scrape(client)["treeflash_prompt_tokens_total"] - before == got["usage"]["prompt_tokens"]
+
+
+def test_a_request_cancelled_between_its_parts_ends_there(fake_worker):
+    """A request of more prompts than max_batch runs in parts: one whose client leaves in
+    its first part is answered at once, and its later parts never run."""
+    from treeflash.server.app import Cancelled
+    fake, worker, job = fake_worker
+    fake.gate.set()
+    long = job([1], [2], [3], [4], [5], tokens=100000)  # max_batch 4: [1, 2, 3, 4], then [5]
+    worker.jobs.put(long)
+    _wait(lambda: long.started)
+    long.cancel()
+    with pytest.raises(Cancelled):
+        long.future.result(10)
+    assert fake.calls == [[1, 2, 3, 4]]
+
+
+class _FailingLLM(FakeLLM):
+    """FakeLLM whose prompt [667] gets a token and then fails its call (a device lost
+    mid-generation), and whose prompt [668] kills the engine: that call and every later
+    one raise EngineDeadError."""
+
+    dead = False
+
+    def generate(self, prompts, params, on_tokens=None, on_done=None):
+        from treeflash.errors import EngineDeadError
+        if not (self.dead or [667] in prompts or [668] in prompts):
+            return super().generate(prompts, params, on_tokens, on_done)
+        self.calls.append([p[0] for p in prompts])
+        self.gate.wait(30)
+        if self.dead or [668] in prompts:
+            self.dead = True
+            raise EngineDeadError("tensor-parallel worker rank 1 was killed")
+        for k, p in enumerate(prompts):
+            if p == [667]:
+                on_tokens(k, [7], None)
+        raise RuntimeError("lost midway")
+
+
+@pytest.fixture
+def failing_worker(llm):
+    from treeflash.server.app import EngineWorker
+    fake = _FailingLLM(llm.tokenizer)
+    worker = EngineWorker(fake, max_batch=4)
+    yield fake, worker, lambda *prompts: _job(llm.tokenizer, *prompts, metrics=worker.metrics)
+    worker.stop()
+
+
+def test_a_request_that_got_tokens_is_not_run_again(failing_worker):
+    """A batch that fails after one request received tokens: that request fails (run
+    again, its streamed client would get its tokens twice); the one that received none
+    runs again alone and is answered."""
+    fake, worker, job = failing_worker
+    plug = job([1])
+    worker.jobs.put(plug)
+    _wait(lambda: fake.calls)
+    streamed, other = job([667]), job([2])
+    worker.jobs.put(streamed)
+    worker.jobs.put(other)
+    fake.gate.set()
+    assert [o.text for o in other.future.result(30)] == ["2"]
+    with pytest.raises(RuntimeError, match="lost midway"):
+        streamed.future.result(30)
+    assert fake.calls == [[1], [667, 2], [2]]
+
+
+def test_a_dead_engine_fails_the_batch_without_retries(failing_worker):
+    """A batch that fails with EngineDeadError is not retried request by request: every
+    request of it gets that error at once."""
+    from treeflash.errors import EngineDeadError
+    fake, worker, job = failing_worker
+    plug = job([1])
+    worker.jobs.put(plug)
+    _wait(lambda: fake.calls)
+    jobs = [job([668]), job([2])]
+    for j in jobs:
+        worker.jobs.put(j)
+    fake.gate.set()
+    for j in jobs:
+        with pytest.raises(EngineDeadError):
+            j.future.result(30)
+    assert fake.calls == [[1], [668, 2]]
+
+
+def test_engine_errors_get_their_statuses(llm, monkeypatch):
+    """A failure the engine knows (a TreeflashError: the request's) is a 400 with its
+    message; running out of memory is a 503 (retry smaller), not a 500; the server goes
+    on serving, whole or streamed."""
+    import torch
+    from treeflash.errors import UsageError as EngineUsageError
+    real = llm.generate
+    failures = []
+
+    def failing(*args, **kw):
+        if failures:
+            raise failures.pop()
+        return real(*args, **kw)
+    monkeypatch.setattr(llm, "generate", failing)
+    body = {"prompt": PROMPT, "max_tokens": 2}
+    with TestClient(build_app(llm, "tiny", None)) as c:
+        for error, status, words in ((EngineUsageError("this batch is too large"), 400, "this batch is too large"),
+                                     (torch.OutOfMemoryError("CUDA out of memory"), 503, "out of memory"),
+                                     (MemoryError(), 503, "out of memory")):
+            failures.append(error)
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == status and words in r.json()["error"]["message"], r.text
+            assert r.json()["error"]["type"] == ("invalid_request_error" if status == 400 else "server_error")
+            failures.append(error)
+            got = events(c.post("/v1/completions", json={**body, "stream": True}))
+            assert words in got[0]["error"]["message"] and got[-1] == "[DONE]"
+            assert c.post("/v1/completions", json=body).status_code == 200
+
+
+async def _asgi(app, method: str, path: str, body: dict | None = None, leave=None):
+    """One request to `app` over raw ASGI: (status, body bytes). Its client goes away
+    (http.disconnect) once `leave(messages sent so far)` is true; at once after its body
+    when `leave` is None and there is a body."""
+    import asyncio
+    sent, gone, asked = [], asyncio.Event(), []
+    if body is not None and leave is None:
+        gone.set()
+
+    async def receive():
+        if not asked:
+            asked.append(1)
+            return {"type": "http.request", "body": json.dumps(body or {}).encode(), "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+        if leave is not None and leave(sent):
+            gone.set()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "server": ("testserver", 80)}
+    await app(scope, receive, send)
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def test_a_client_that_goes_away_ends_its_request(llm):
+    """A client that disconnects, while its whole answer is generated or in the middle
+    of its stream, ends its request at the next round (counted "cancelled", 499, not run
+    to max_tokens): the engine is free for the others."""
+    import asyncio
+    app = build_app(llm, "tiny", None)
+    body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+
+    async def metrics():
+        _, text = await _asgi(app, "GET", "/metrics")
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.decode().splitlines() if line and not line.startswith("#")}
+
+    async def scenario():
+        status, text = await _asgi(app, "POST", "/v1/completions", body)
+        assert status == 499 and "client went away" in json.loads(text)["error"]["message"]
+        status, _ = await _asgi(app, "POST", "/v1/completions", {**body, "stream": True},
+                                leave=lambda sent: any(b"text" in m.get("body", b"") for m in sent))
+        assert status == 200
+        for _ in range(2000):  # until the worker has answered both (at most 20 s)
+            got = await metrics()
+            if got["treeflash_requests_running"] == got["treeflash_requests_waiting"] == 0 and \
+                    sum(v for k, v in got.items() if k.startswith("treeflash_requests_total")) == 2:
+                return got
+            await asyncio.sleep(0.01)
+        raise AssertionError("the requests never ended")
+    try:
+        got = asyncio.run(scenario())
+    finally:
+        app.state.shutdown()
+    assert got['treeflash_requests_total{outcome="cancelled"}'] == 2
+    assert got["treeflash_generation_tokens_total"] < 200
+
+
+def test_metrics_gauge_running_and_waiting_requests(llm, monkeypatch):
+    """/metrics' treeflash_requests_running and _waiting: the request in the engine and
+    those queued behind it (max_batch 1), back to 0 once answered."""
+    import threading as _threading
+    real, gate = llm.generate, _threading.Event()
+
+    def held(*args, **kw):
+        gate.wait(30)
+        return real(*args, **kw)
+    monkeypatch.setattr(llm, "generate", held)
+    with TestClient(build_app(llm, "tiny", None)) as c:
+        body = {"prompt": PROMPT, "max_tokens": 2}
+        threads = [_threading.Thread(target=c.post, args=("/v1/completions",), kwargs={"json": body})
+                   for _ in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            _wait(lambda: (lambda m: (m["treeflash_requests_running"], m["treeflash_requests_waiting"]) == (1, 2))(
+                scrape(c)), timeout=10)
+        finally:
+            gate.set()
+            for t in threads:
+                t.join(60)
+        _wait(lambda: (lambda m: m["treeflash_requests_running"] == m["treeflash_requests_waiting"] == 0)(scrape(c)))
+
+
+
+def test_min_tokens_holds_stop_strings_back_in_a_stream_too(client, llm):
+    """min_tokens: a stop string in the first min_tokens tokens' text does not end the
+    answer, streamed or whole: the stream's text is the whole answer's, and the text from
+    that stop string on streams as it comes (not held to the answer's end)."""
+    full = llm.generate(PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True))[0].token_ids
+    k = next(i for i in range(1, 30) if "\n" in llm.tokenizer.decode(full[:i]))  # its first newline
+    body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stop": ["\n"],
+            "min_tokens": k + 2}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert "\n" in whole["text"]  # the first newline was held back
+    streamed = events(client.post("/v1/completions", json={**body, "stream": True}))[:-1]
+    assert "".join(e["choices"][0]["text"] for e in streamed) == whole["text"]
+    assert streamed[-1]["choices"][0]["finish_reason"] == whole["finish_reason"]
+    # streamed as it comes, not held to the end as if the newline might still stop it
+    assert "\n" in "".join(e["choices"][0]["text"] for e in streamed if e["choices"][0]["finish_reason"] is None)
