@@ -507,3 +507,58 @@ def test_out_may_not_overwrite_an_input(tmp_path, capsys):
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and where in err and "choose another path" in err, err
     assert (model / "config.json").read_text() == config and prompts.read_text() == "def f(x):\n"
+
+
+# ----------------------------------------------------------------------------- rows and tables (cases a mutation review found untested)
+
+def test_a_pair_rows_speedup_and_same_as_ar_are_against_ar_at_its_setting():
+    """speedup = tokens/s over AR's at the same (batch size, temperature, graphs), not its
+    inverse; same_as_ar = the fraction of requests with AR's tokens (none for AR itself)."""
+    from types import SimpleNamespace
+
+    from treeflash.bench.pairs import pair_row
+    args = SimpleNamespace(logprobs=None, top_k=0, top_p=1.0, min_p=0.0, model=None, draft_model=None)
+
+    def engine(method, budget):
+        return SimpleNamespace(method=method, decoder=SimpleNamespace(budget=budget), device=torch.device("cpu"),
+                               dtype=torch.float32)
+    measured = {"tokens_per_s": 300.0, "tau": 2.5, "token_ids": [[1, 2], [3, 4], [5, 6], [7, 8]]}
+    ar = (100.0, [[1, 2], [3, 4], [5, 6], [7, 9]])
+    row = pair_row(engine("ddtree", 8), 8, (4, 0.0, False), measured, ar, args)
+    assert (row["label"], row["speedup"], row["same_as_ar"]) == ("ddtree-8", 3.0, 0.75)
+    assert (row["batch_size"], row["temperature"], row["graphs"]) == (4, 0.0, False) and "token_ids" not in row
+    row = pair_row(engine("dflash", 7), None, (4, 0.0, False), {**measured, "tokens_per_s": 50.0}, ar, args)
+    assert (row["label"], row["speedup"]) == ("dflash", 0.5)
+    row = pair_row(engine("ar", None), None, (4, 0.0, False), {**measured, "tokens_per_s": 100.0}, ar, args)
+    assert (row["speedup"], row["same_as_ar"]) == (1.0, None)
+
+
+def test_the_pair_table_right_aligns_numbers_and_shows_each_columns_value():
+    from treeflash.bench.pairs import PAIR_COLUMNS
+    from treeflash.bench.report import format_table
+    rows = [{"label": "ar", "graphs": True, "batch_size": 1, "temperature": 0.0, "tokens_per_s": 1234.56, "tau": 1.0,
+             "ms_per_round": 3.456, "speedup": 1.0, "same_as_ar": None},
+            {"label": "ddtree-16", "graphs": False, "batch_size": 16, "temperature": 0.7, "tokens_per_s": 99.0,
+             "tau": 3.25, "ms_per_round": 12.0, "speedup": 2.5, "same_as_ar": 1.0}]
+    assert format_table(rows, PAIR_COLUMNS).splitlines() == [
+        "method     graphs  bs    T   tok/s   tau  ms/round  speedup  same as AR",
+        "---------  ------  --  ---  ------  ----  --------  -------  ----------",
+        "ar         on       1    0  1234.6  1.00      3.46    1.00x           -",
+        "ddtree-16  off     16  0.7    99.0  3.25     12.00    2.50x        1.00"]
+
+
+def test_shape_ratios_are_printed_per_setting_and_op(capsys):
+    """verify(N)/AR and round(N)/AR: each line the ratios of its own op, one line per
+    (context, batch size, temperature, graphs)."""
+    from treeflash.bench.report import print_ratios
+
+    def row(op, n, vs_ar, **setting):
+        return {"context": 32, "batch_size": 1, "temperature": 0.0, "graphs": False, **setting,
+                "op": op, "N": n, "vs_ar": vs_ar}
+    print_ratios([row("ar", 0, 1.0), row("verify", 3, 1.5), row("verify", 7, 1.75), row("draft", 15, 0.5),
+                  row("tree", 3, None), row("round", 3, 2.25),
+                  row("verify", 3, 1.25, context=64, batch_size=2, temperature=0.7, graphs=True)])
+    assert capsys.readouterr().out.splitlines() == [
+        "verify(N)/AR  C=32 bs=1 T=0 graphs off:  N=3: 1.50  N=7: 1.75",
+        "round(N)/AR  C=32 bs=1 T=0 graphs off:  N=3: 2.25",
+        "verify(N)/AR  C=64 bs=2 T=0.7 graphs on:  N=3: 1.25"]

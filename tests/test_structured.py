@@ -855,3 +855,125 @@ def test_choices_are_matched_literally_through_structured_outputs():
         assert dfa.matches(c.encode()), c
     for other in ("aXb", "11", "x", "y"):
         assert not dfa.matches(other.encode()), other
+
+
+# ----------------------------------------------------------------------------- the compiled-constraint cache (cases a mutation review found untested)
+
+def _fresh_cache(llm):
+    """An empty cache of `llm`'s vocabulary (the shared engines' cache holds other tests' constraints)."""
+    from treeflash.structured.cache import AutomatonCache
+    return AutomatonCache(llm.tokenizer, llm.config.vocab_size)
+
+
+def test_the_cache_drops_the_least_recently_used_constraint(engines, monkeypatch):
+    """Past AUTOMATA_KEPT the constraint asked for longest ago goes, not the one compiled
+    first: one that every request uses stays compiled; the limit itself is kept."""
+    import treeflash.structured.cache as cache_module
+    monkeypatch.setattr(cache_module, "AUTOMATA_KEPT", 2)
+    cache = _fresh_cache(engines["ar"])
+    a, b, c = (StructuredOutputs(regex=r) for r in ("[0-9]", "[a-c]", "x[0-9]"))
+    first = cache.get(a)
+    cache.get(b)
+    assert list(cache.kept) == [a.key(), b.key()]  # two, as the limit allows
+    assert cache.get(a) is first  # asked again: now the most recent
+    cache.get(c)
+    assert list(cache.kept) == [a.key(), c.key()] and cache.get(a) is first
+
+
+def test_the_cache_keeps_its_tables_within_its_byte_limit(engines, monkeypatch):
+    import treeflash.structured.cache as cache_module
+    monkeypatch.setattr(cache_module, "AUTOMATA_BYTES", 1)  # any two tables are past it: the newest stays
+    cache = _fresh_cache(engines["ar"])
+    for regex in ("[0-9]", "[a-c]", "x[0-9]"):
+        cache.get(StructuredOutputs(regex=regex))
+    assert list(cache.kept) == [StructuredOutputs(regex="x[0-9]").key()]
+
+
+def test_a_constraint_compiled_while_the_others_are_in_use_is_kept(engines, monkeypatch):
+    """The cache is full of constraints that batches generate with: the one just compiled
+    stays too (it was dropped at once, so every request compiled it again)."""
+    import treeflash.structured.cache as cache_module
+    monkeypatch.setattr(cache_module, "AUTOMATA_KEPT", 1)
+    cache = _fresh_cache(engines["ar"])
+    used, new = StructuredOutputs(regex="[0-9]{2}"), StructuredOutputs(regex="[a-c]{2}")
+    with cache.pinned([used]):
+        cache.get(used)
+        made = cache.get(new)
+        assert list(cache.kept) == [used.key(), new.key()] and cache.get(new) is made
+
+
+def test_a_failed_compile_fails_every_request_waiting_for_it(engines, monkeypatch):
+    """Requests that wait for another's compile of their constraint get its error when it
+    fails (they waited for good), and the error is the one-line refusal."""
+    import threading
+    import time
+
+    import treeflash.structured.cache as cache_module
+    cache = _fresh_cache(engines["ar"])
+
+    def failing(*args):
+        time.sleep(1.0)
+        raise UsageError("the structured output's token table is too large", param="structured_outputs")
+    monkeypatch.setattr(cache_module, "token_automaton", failing)
+    so, errors = StructuredOutputs(regex="[0-9]{3}"), []
+
+    def ask():
+        try:
+            cache.get(so)
+        except UsageError as e:
+            errors.append(str(e))
+    threads = [threading.Thread(target=ask, daemon=True) for _ in range(3)]
+    threads[0].start()
+    time.sleep(0.3)  # the others come while it compiles
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads), "a request still waits for the failed compile"
+    assert errors == ["the structured output's token table is too large"] * 3 and not cache.compiling
+
+
+@pytest.mark.parametrize("error", [RecursionError("maximum recursion depth exceeded"), ValueError("bad state")])
+def test_a_compile_that_crashes_on_the_input_is_refused_in_one_line(engines, monkeypatch, error):
+    """An input that drives the compiler too deep (RecursionError) or into a ValueError is
+    the input's fault: a one-line UsageError on structured_outputs, remembered."""
+    import treeflash.structured.cache as cache_module
+    cache = _fresh_cache(engines["ar"])
+
+    def crash(*args):
+        raise error
+    monkeypatch.setattr(cache_module, "token_automaton", crash)
+    so = StructuredOutputs(regex="[0-9]{4}")
+    with pytest.raises(UsageError, match=f"cannot be compiled: {type(error).__name__}") as err:
+        cache.get(so)
+    assert err.value.param == "structured_outputs" and so.key() in cache.refused
+
+
+def test_a_refusal_is_said_in_its_own_words(engines):
+    """The compiler's one-line refusal reaches the user as it is, not wrapped in 'cannot be
+    compiled: UsageError: ...'."""
+    cache = _fresh_cache(engines["ar"])
+    with pytest.raises(UsageError) as err:
+        cache.get(StructuredOutputs(regex="[ab]*a[ab]{16}"))  # 2^17 states
+    assert "too complex" in str(err.value) and "UsageError" not in str(err.value)
+    assert "cannot be compiled" not in str(err.value)
+
+
+def test_remembered_refusals_are_bounded(engines, monkeypatch):
+    import treeflash.structured.cache as cache_module
+    monkeypatch.setattr(cache_module, "REFUSALS_KEPT", 2)
+    cache = _fresh_cache(engines["ar"])
+    bad = [StructuredOutputs(regex="(" * (i + 1)) for i in range(3)]
+    for so in bad:
+        with pytest.raises(UsageError):
+            cache.get(so)
+    assert list(cache.refused) == [bad[1].key(), bad[2].key()]
+
+
+def test_special_tokens_are_never_text(engines):
+    """A constraint's text is spelled by ordinary tokens: <|mask|>, <|pad|>, <|endoftext|>
+    are not its bytes, whatever the pattern allows."""
+    llm = engines["ar"]
+    specials = [i for i, t in llm.tokenizer.tok.get_added_tokens_decoder().items() if t.special]
+    automaton = _fresh_cache(llm).get(StructuredOutputs(regex=r"[<|>a-z]{1,20}"))
+    assert specials and (automaton.next[:, specials] == -1).all()

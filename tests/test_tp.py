@@ -924,3 +924,40 @@ def test_close_stops_the_workers(engines):
     with pytest.raises(TreeflashError, match="shut down"):
         tp2[0].generate(SINGLE, SamplingParams(max_new_tokens=2))
 
+
+# ----------------------------------------------------------------------------- launches and build errors (cases a mutation review found untested)
+
+def test_a_one_process_launch_is_not_a_torchrun_group(monkeypatch):
+    """RANK=0 and WORLD_SIZE=1 (`torchrun --nproc-per-node 1`, or variables left set) is no
+    group to join: an LLM with tp=N starts its own workers, as without them."""
+    from treeflash.engine.tp import torchrun_env
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert torchrun_env() is None
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert torchrun_env()["world"] == 2
+
+
+WORKER_CANNOT_LOAD = textwrap.dedent("""
+    import json, os
+    info = os.environ.get("TREEFLASH_TP_WORKER")
+    if info and json.loads(info)["rank"] == 1:
+        import treeflash.models.loader as loader
+        from treeflash.errors import TreeflashError
+        def fail(*args, **kwargs):
+            raise TreeflashError("no room for the shard")
+        loader.load_weights = fail
+""")
+
+
+def test_a_worker_that_cannot_build_its_shard_is_named_in_one_line(tp_models, tmp_path):
+    """The driver reports the rank whose build failed, by its rank (1 here, of 2), with
+    that worker's own one-line error."""
+    (tmp_path / "sitecustomize.py").write_text(WORKER_CANNOT_LOAD)  # rank 1 only: the driver loads
+    env = {k: v for k, v in os.environ.items() if k != "TREEFLASH_TP_FAULT"} | {"PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "treeflash", "generate", "--model", str(tp_models["qwen3"][0]),
+                           "--method", "ar", "--device", "cpu", "--dtype", "float64", "--max-new-tokens", "2",
+                           "--tp", "2", "def f(x):"], capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "treeflash: error: tensor-parallel worker rank 1 could not build the model: no room for the shard"], proc.stderr

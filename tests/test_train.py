@@ -847,3 +847,207 @@ def test_held_out_windows_spread_over_the_whole_split():
     from treeflash.train.corpus import fixed_windows
     w = fixed_windows(np.arange(1000), 10, 50)
     assert w.shape == (5, 10) and int(w[0, 0]) == 0 and int(w[-1, -1]) == 999
+
+
+# ----------------------------------------------------------------------------- drafter loss and metrics (cases a mutation review found untested)
+
+def test_blocks_hold_the_anchor_then_masks_and_label_the_next_tokens():
+    """Slot k of a block anchored at a is labelled x_{a+k} (same position, no shift), the
+    block sees the context before its anchor and its own block, never another block."""
+    from treeflash.train.drafter import make_blocks
+    ids = torch.arange(100, 120).reshape(2, 10)
+    anchors = torch.tensor([[1, 5], [3, 6]])
+    block, pos, labels, mask = make_blocks(ids, anchors, 3, mask_id=2)
+    assert block.tolist() == [[101, 2, 2, 105, 2, 2], [113, 2, 2, 116, 2, 2]]
+    assert pos.tolist() == [[1, 2, 3, 5, 6, 7], [3, 4, 5, 6, 7, 8]]
+    assert labels.tolist() == [[[102, 103], [106, 107]], [[114, 115], [117, 118]]]
+    assert mask.shape == (2, 6, 10 + 6)
+    for b in range(2):
+        for j, a in enumerate(anchors[b].tolist()):
+            for row in range(3 * j, 3 * j + 3):
+                assert mask[b, row, :10].tolist() == [p < a for p in range(10)]
+                assert mask[b, row, 10:].tolist() == [3 * j <= c < 3 * j + 3 for c in range(6)]
+
+
+def test_anchors_are_distinct_positions_from_lo_to_hi():
+    from treeflash.train.drafter import sample_anchors
+    gen = torch.Generator().manual_seed(0)
+    every = sample_anchors(16, 3, 9, 7, gen)  # as many anchors as positions: each once
+    assert all(sorted(row) == list(range(3, 10)) for row in every.tolist())
+    some = sample_anchors(200, 3, 9, 2, gen)
+    assert int(some.min()) == 3 and int(some.max()) == 9 and all(a != b for a, b in some.tolist())
+
+
+def test_slots_are_weighted_by_depth_and_the_loss_is_their_weighted_mean():
+    """exp(-(k-1)/gamma) for slot k: the first slot counts most; the loss is a weighted
+    mean per block (log V for a drafter that knows nothing, whatever the weights)."""
+    from treeflash.train.drafter import slot_weights, weighted_ce
+    w = slot_weights(4, 2.0, "cpu")
+    torch.testing.assert_close(w, torch.exp(-torch.tensor([0.0, 1.0, 2.0]) / 2.0))
+    labels = torch.randint(0, 10, (2, 3, 3), generator=torch.Generator().manual_seed(0))
+    assert weighted_ce(torch.zeros(2, 3, 3, 10), labels, w).item() == pytest.approx(math.log(10), rel=1e-6)
+
+
+def test_held_out_metrics_count_per_slot_accuracy_and_leading_runs(monkeypatch):
+    """acc1 is the first slot's accuracy; tau_est is 1 + the run of leading correct slots
+    (a hit after a miss is never committed), not 1 + every hit."""
+    import treeflash.train.drafter as drafter_module
+    from types import SimpleNamespace
+
+    def scripted(target, drafter, ids, anchors):  # 4 slots: hit, miss, hit, miss
+        B, n = anchors.shape
+        labels = torch.zeros(B, n, 4, dtype=torch.long)
+        logits = torch.zeros(B, n, 4, 5)
+        logits[:, :, [0, 2], 0] = 5.0
+        logits[:, :, [1, 3], 1] = 5.0
+        return logits, labels
+    monkeypatch.setattr(drafter_module, "draft_logits", scripted)
+    weights = drafter_module.slot_weights(5, 7.0, "cpu")
+    got = drafter_module.evaluate_drafter(None, SimpleNamespace(block_size=5), torch.zeros(4, 12, dtype=torch.long),
+                                          3, 2, weights, torch.device("cpu"))
+    assert (got["acc1"], got["acc_mean"], got["tau_est"]) == (1.0, 0.5, 2.0)
+
+
+def test_a_drafter_gamma_of_zero_is_refused(target, data_dir, tmp_path):
+    base, _ = target
+    with pytest.raises(UsageError, match="need --gamma > 0"):
+        train_drafter(base / "model", data_dir, tmp_path / "run", None, DrafterShape(block_size=4),
+                      TrainOptions(max_steps=1, **OPTS), gamma=0.0, tau_prompts=0)
+    assert not (tmp_path / "run" / "run.json").exists()
+
+
+# ----------------------------------------------------------------------------- the training loop (cases a mutation review found untested)
+
+def _toy_trainer(tmp_path, **options):
+    """A Trainer of one 2x2 weight (no bias) in a fresh run folder."""
+    from treeflash.train.common import RunDir
+    opts = TrainOptions.of({**DEFAULT_OPTIONS, "device": "cpu", "max_steps": 100, **options}).validate()
+    run = RunDir(tmp_path / "run", False, "target")
+    run.begin({}, {})
+    torch.manual_seed(0)
+    return Trainer("toy", run, torch.nn.Linear(2, 2, bias=False), opts, torch.device("cpu"))
+
+
+def test_the_learning_rate_warms_up_from_the_first_step_then_decays_to_its_floor(tmp_path):
+    t = _toy_trainer(tmp_path, lr=1.0, warmup_steps=10, min_lr_ratio=0.1, max_steps=100)
+    want = {0: 0.1, 4: 0.5 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.04))), 50: 0.55, 100: 0.1}
+    for step, lr in want.items():
+        t.step = step
+        assert t.lr() == pytest.approx(lr), step
+
+
+def test_a_time_budget_is_in_minutes(tmp_path):
+    t = _toy_trainer(tmp_path, max_steps=None, max_minutes=2.0)
+    t.elapsed = 30.0
+    assert t.progress() == pytest.approx(0.25)
+
+
+def test_weight_decay_is_for_matrices_only(tmp_path):
+    from treeflash.train.common import make_optimizer
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    opts = TrainOptions.of({**DEFAULT_OPTIONS, "max_steps": 1, "weight_decay": 0.3}).validate()
+    groups = make_optimizer(model, opts, torch.device("cpu")).param_groups
+    assert [(g["weight_decay"], sorted(p.dim() for p in g["params"])) for g in groups] == [(0.3, [2]), (0.0, [1, 1, 1])]
+
+
+def test_a_min_lr_ratio_past_one_is_refused():
+    with pytest.raises(UsageError, match="min_lr_ratio"):
+        TrainOptions.of({**DEFAULT_OPTIONS, **OPTS, "max_steps": 1, "min_lr_ratio": 1.5}).validate()
+
+
+def _steps_losses(t):
+    """batch_loss of step k (from 1): loss k, gradient ones (the weights move every step)."""
+    return lambda gen: (t.model.weight.sum() + (t.step + 1 - t.model.weight.sum().detach()), 10)
+
+
+def test_the_last_log_line_is_the_mean_of_its_own_steps(tmp_path):
+    """max_steps 7, log_every 5: the line at step 7 is the mean loss of steps 6-7 (not
+    their sum over 5)."""
+    t = _toy_trainer(tmp_path, max_steps=7, log_every=5, eval_every=100, save_every=100, warmup_steps=0)
+    t.fit(_steps_losses(t), lambda: {"eval_loss": 1.0})
+    assert [(r["step"], r["loss"]) for r in t.history if "loss" in r] == [(5, 3.0), (7, 6.5)]
+
+
+def test_the_model_ends_with_the_weights_of_its_best_evaluation(tmp_path):
+    """Held-out losses 3, 1, 2 at steps 2, 4, 6 and 5 at the last step, 7: the model
+    (and so the export) holds step 4's weights, and the result says so."""
+    t = _toy_trainer(tmp_path, max_steps=7, eval_every=2, save_every=100, warmup_steps=0, lr=0.1)
+    evals, snapshots = iter([3.0, 1.0, 2.0, 5.0]), {}
+
+    def evaluate():
+        snapshots[t.step] = t.model.weight.detach().clone()
+        return {"eval_loss": next(evals)}
+    result = t.fit(_steps_losses(t), evaluate)
+    assert (result["best_step"], result["eval_loss"], result["final_eval_loss"]) == (4, 1.0, 5.0)
+    assert torch.equal(t.model.weight, snapshots[4]) and not torch.equal(snapshots[4], snapshots[7])
+
+
+def test_the_drafters_final_norm_starts_as_the_targets(target):
+    """Both feed the target's LM head: the drafter's norm weight is the target's trained
+    one, not ones."""
+    from treeflash.config import ModelConfig
+    from treeflash.train.drafter import build_drafter, drafter_config, load_frozen_target
+    base, _ = target
+    tgt = load_frozen_target(base / "model", torch.device("cpu"))
+    shape = DrafterShape(num_layers=1, block_size=4, target_layer_ids=[1], mask_token_id=2)
+    drafter = build_drafter(drafter_config(shape, ModelConfig.from_pretrained(base / "model"), "float32"), tgt,
+                            torch.device("cpu"))
+    assert not torch.all(tgt.model.norm.weight == 1)
+    assert torch.equal(drafter.norm.weight, tgt.model.norm.weight.float())
+
+
+def test_gradients_are_clipped_to_grad_clip(tmp_path):
+    """A clip far below Adam's eps leaves the first step almost nothing to move: the
+    weights stay put; without a clip they move by about lr."""
+    moved = {}
+    for clip in (0.0, 1e-12):
+        t = _toy_trainer(tmp_path / str(clip), max_steps=1, grad_clip=clip, warmup_steps=0, lr=0.1, weight_decay=0.0)
+        before = t.model.weight.detach().clone()
+        t.fit(lambda gen: (t.model.weight.sum() * 100, 1), lambda: {"eval_loss": 1.0})
+        moved[clip] = (t.model.weight.detach() - before).abs().max().item()
+    assert moved[0.0] == pytest.approx(0.1, rel=1e-3) and moved[1e-12] < 1e-3
+
+
+def test_a_drafter_on_generated_rows_is_evaluated_on_their_continuations(target, data_dir, tmp_path, monkeypatch):
+    """Held-out rows of a generated file are evaluated from their last prompt token on, as
+    training anchors are: every label is a target-generated token, never prompt text."""
+    import treeflash.train.drafter as drafter_module
+    from treeflash.train.drafter import target_fingerprint
+    base, _ = target
+    gen = np.random.default_rng(0)
+    np.savez(tmp_path / "gen.npz", ids=gen.integers(3, 320, (4, 24)), heldout_ids=gen.integers(3, 320, (2, 24)),
+             prompt_len=np.int64(8), target=np.str_(target_fingerprint(base / "model")))
+    calls = []
+
+    def evaluate(target, drafter, windows, blocks, batch_size, weights, device, lo=1):
+        calls.append((windows.shape, lo))
+        return {"eval_loss": 1.0}
+    monkeypatch.setattr(drafter_module, "evaluate_drafter", evaluate)
+    summary = train_drafter(base / "model", data_dir, tmp_path / "run", None, DrafterShape(block_size=4),
+                            TrainOptions(max_steps=1, **OPTS), generated=tmp_path / "gen.npz", tau_prompts=0)
+    assert summary["heldout_text"] == "generated" and calls == [((2, 24), 7)]
+
+
+def test_generated_names_the_file_given_or_numpys_npz():
+    from pathlib import Path
+
+    from treeflash.train.drafter import generated_file
+    assert generated_file("/nowhere/gen.npz") == Path("/nowhere/gen.npz")  # not gen.npz.npz
+    assert generated_file("/nowhere/gen") == Path("/nowhere/gen.npz")
+
+
+def test_no_export_shard_is_empty(tmp_path):
+    """A first tensor larger than a shard gets a shard of its own, not an empty shard
+    before it."""
+    from safetensors import safe_open
+
+    from treeflash.train.common import save_safetensors
+    tensors = {"big": torch.ones(1000), "small": torch.ones(10), "last": torch.ones(400)}
+    paths = save_safetensors(tensors, tmp_path, torch.float32, max_shard_bytes=2048)
+    held = []
+    for p in paths:
+        with safe_open(str(p), framework="pt") as f:
+            held.append(sorted(f.keys()))
+    assert held == [["big"], ["last", "small"]]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(tensors) and index["metadata"]["total_size"] == 4 * 1410

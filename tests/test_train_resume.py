@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -235,3 +236,18 @@ def test_a_resumed_run_may_move_to_another_device(tmp_path):
     run = _run_dir(tmp_path, {**DEFAULT_OPTIONS, "max_steps": 12, "device": "cpu"})
     got = run.settle_options({k: None for k in DEFAULT_OPTIONS} | {"device": "cuda"}, DEFAULT_OPTIONS)
     assert got["device"] == "cuda"
+
+
+def test_a_second_ctrl_c_interrupts_at_once(ctrl_c_interrupts):
+    """The first Ctrl-C waits for the step's end; a second one (a step that never ends)
+    interrupts where it lands."""
+    from treeflash.train.common import interrupt_at_step_end
+    with interrupt_at_step_end() as interrupted:
+        assert not interrupted()
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert interrupted()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
