@@ -562,3 +562,56 @@ def test_shape_ratios_are_printed_per_setting_and_op(capsys):
         "verify(N)/AR  C=32 bs=1 T=0 graphs off:  N=3: 1.50  N=7: 1.75",
         "round(N)/AR  C=32 bs=1 T=0 graphs off:  N=3: 2.25",
         "verify(N)/AR  C=64 bs=2 T=0.7 graphs on:  N=3: 1.25"]
+
+
+def test_pair_mode_notes_only_requests_that_do_not_fit(tmp_path, capsys):
+    """A prompt and --max-new-tokens that fill the context exactly make every token asked
+    for: no note; one token more is cut, and noted."""
+    import json
+
+    from treeflash.checkpoints import write_random_target
+    from treeflash.cli import main
+    from treeflash.engine.llm import LLM
+    target = write_random_target(tmp_path / "t", max_position_embeddings=48)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def fib(n):\n")
+    room = 48 - len(LLM(target, method="ar", device="cpu").encode("def fib(n):"))  # the line, as bench reads it
+    out = tmp_path / "rows.jsonl"
+    argv = ["bench", "--model", str(target), "--prompt-file", str(prompts), "--methods", "ar", "--batch-sizes",
+            "1", "--graphs", "off", "--temperatures", "0", "--device", "cpu", "--out", str(out)]
+    assert main(argv + ["--max-new-tokens", str(room)]) == 0
+    assert "note:" not in capsys.readouterr().err and json.loads(out.read_text())["new_tokens"] == room
+    out.unlink()
+    assert main(argv + ["--max-new-tokens", str(room + 1)]) == 0
+    assert "note: 1 of 1 prompts leave less than" in capsys.readouterr().err
+
+
+def test_builtin_prompts_are_cycled_up_to_num_prompts():
+    from treeflash.bench.pairs import PYTHON_PROMPTS, load_prompts
+    from treeflash.cli import build_parser
+    args = build_parser().parse_args(["bench", "--num-prompts", str(len(PYTHON_PROMPTS) + 3)])
+    prompts = [p for p, _ in load_prompts(args)]
+    assert prompts == PYTHON_PROMPTS + PYTHON_PROMPTS[:3]
+
+
+def test_ms_per_round_divides_by_the_rounds_the_batches_ran(monkeypatch):
+    """A batch takes as many rounds as its longest request: ms/round is the time over
+    those (not over every request's rounds); tau is over the requests' own rounds."""
+    from types import SimpleNamespace
+
+    from treeflash.bench import pairs
+    from treeflash.cli import build_parser
+    rounds = {0: 3, 1: 5, 2: 2, 3: 2}  # by prompt: batches [0, 1] and [2, 3]
+
+    class Engine:
+        device, graph_captures = torch.device("cpu"), 0
+
+        def generate(self, prompts, params):
+            return [SimpleNamespace(stats={"rounds": rounds[p], "new_tokens": 2 * rounds[p]}, token_ids=[p])
+                    for p in prompts]
+    clock = iter([10.0, 10.7])  # 0.7 s timed
+    monkeypatch.setattr(pairs.time, "perf_counter", lambda: next(clock))
+    args = build_parser().parse_args(["bench", "--max-new-tokens", "8"])
+    m = pairs.measure_pair(Engine(), [0, 1, 2, 3], 2, 0.0, args)
+    assert (m["batch_rounds"], m["request_rounds"], m["new_tokens"]) == (7, 12, 24)
+    assert m["ms_per_round"] == pytest.approx(100.0) and m["tau"] == 2.0 and m["tokens_per_s"] == round(24 / 0.7, 2)
