@@ -8,6 +8,7 @@ also after the engine itself fails; and `treeflash serve` runs as a real HTTP se
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -1771,7 +1772,6 @@ async def _asgi(app, method: str, path: str, body: dict | None = None, leave=Non
     """One request to `app` over raw ASGI: (status, body bytes). Its client goes away
     (http.disconnect) once `leave(messages sent so far)` is true; at once after its body
     when `leave` is None and there is a body."""
-    import asyncio
     sent, gone, asked = [], asyncio.Event(), []
     if body is not None and leave is None:
         gone.set()
@@ -1799,7 +1799,6 @@ def test_a_client_that_goes_away_ends_its_request(llm):
     """A client that disconnects, while its whole answer is generated or in the middle
     of its stream, ends its request at the next round (counted "cancelled", 499, not run
     to max_tokens): the engine is free for the others."""
-    import asyncio
     app = build_app(llm, "tiny", None)
     body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "temperature": 0}
 
@@ -1832,8 +1831,7 @@ def test_a_client_that_goes_away_ends_its_request(llm):
 def test_metrics_gauge_running_and_waiting_requests(llm, monkeypatch):
     """/metrics' treeflash_requests_running and _waiting: the request in the engine and
     those queued behind it (max_batch 1), back to 0 once answered."""
-    import threading as _threading
-    real, gate = llm.generate, _threading.Event()
+    real, gate = llm.generate, threading.Event()
 
     def held(*args, **kw):
         gate.wait(30)
@@ -1841,7 +1839,7 @@ def test_metrics_gauge_running_and_waiting_requests(llm, monkeypatch):
     monkeypatch.setattr(llm, "generate", held)
     with TestClient(build_app(llm, "tiny", None)) as c:
         body = {"prompt": PROMPT, "max_tokens": 2}
-        threads = [_threading.Thread(target=c.post, args=("/v1/completions",), kwargs={"json": body})
+        threads = [threading.Thread(target=c.post, args=("/v1/completions",), kwargs={"json": body})
                    for _ in range(3)]
         for t in threads:
             t.start()
@@ -1853,7 +1851,6 @@ def test_metrics_gauge_running_and_waiting_requests(llm, monkeypatch):
             for t in threads:
                 t.join(60)
         _wait(lambda: (lambda m: m["treeflash_requests_running"] == m["treeflash_requests_waiting"] == 0)(scrape(c)))
-
 
 
 def test_min_tokens_holds_stop_strings_back_in_a_stream_too(client, llm):
