@@ -542,12 +542,17 @@ def test_token_bytes_rebuild_split_characters(llm, tmp_path):
         assert "".join(stream.push([t]) for t in ids[cut:]) == whole and stream.finish(whole) == ""
 
 
+def metric_samples(text: str) -> dict:
+    """Prometheus text as {sample name with labels: value}."""
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
 def scrape(client) -> dict:
     """GET /metrics as {sample name with labels: value}."""
     r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in r.text.splitlines() if line and not line.startswith("#")}
+    return metric_samples(r.text)
 
 
 def test_metrics_count_requests_tokens_and_forwards(client):
@@ -1804,8 +1809,7 @@ def test_a_client_that_goes_away_ends_its_request(llm):
 
     async def metrics():
         _, text = await _asgi(app, "GET", "/metrics")
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.decode().splitlines() if line and not line.startswith("#")}
+        return metric_samples(text.decode())
 
     async def scenario():
         status, text = await _asgi(app, "POST", "/v1/completions", body)

@@ -309,7 +309,8 @@ def cmd_generate(args) -> int:
     def on_tokens(_, ids):
         nonlocal line_open
         text = printed.push(ids)
-        line_open = line_open if not text else not text.endswith("\n")
+        if text:
+            line_open = not text.endswith("\n")
         sys.stdout.write(text)
         sys.stdout.flush()
 
