@@ -19,7 +19,7 @@ from conftest import ENGINE_PROMPTS
 
 from treeflash import LLM, GenerationOutput, SamplingParams, TreeflashError, UsageError
 from treeflash.checkpoints import write_random_target
-from treeflash.engine.llm import builtin_paths
+from treeflash.engine.options import builtin_paths
 
 STATS_KEYS = {"method", "new_tokens", "rounds", "tau", "seconds", "tokens_per_s"}
 
@@ -187,7 +187,7 @@ def test_default_dtype_and_explicit_dtypes(hf_checkpoint):
 def test_auto_dtype_without_a_config_dtype_is_the_weights(tmp_path):
     """A config.json without torch_dtype: "auto" is the dtype the weights are stored in
     (as in transformers), not float32."""
-    from treeflash.engine.llm import resolve_dtype
+    from treeflash.engine.options import resolve_dtype
     from treeflash.models.loader import weights_dtype
     for dtype in (torch.float64, torch.bfloat16):
         path = write_random_target(tmp_path / str(dtype), hidden_size=32, num_layers=1, num_heads=2,
@@ -647,7 +647,7 @@ def test_the_default_budget_is_the_devices():
     """A ddtree budget left out is 64 nodes on a GPU, where a wider verify costs little,
     and 16 on a CPU, where a verify costs in proportion to its nodes (BENCHMARKS.md 4);
     a max_budget below the default lowers it rather than refusing a budget nobody gave."""
-    from treeflash.engine.llm import tree_budget
+    from treeflash.engine.options import tree_budget
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert (tree_budget("ddtree", None, 512, cuda), tree_budget("ddtree", None, 512, cpu)) == (64, 16)
     assert (tree_budget("ddtree", None, 32, cuda), tree_budget("ddtree", None, 8, cpu)) == (32, 8)
@@ -769,7 +769,7 @@ def test_bytes_no_token_can_finish_are_text_at_once_and_cost_linear_work(byte):
         for i in range(n):
             assert stream.push([token]) == ("" if lead and i == 0 else "\ufffd")
             out.append(token)
-            assert not llm._cut_at_stop_string(out, len(out) - 1, params)
+            assert not llm.rules.cut_at_stop_string(out, len(out) - 1, params)
     finally:
         tok.decode = decode
     assert sum(decoded) < 600 * n, sum(decoded)  # linear (~350 n); was ~n^3 / 6 tokens decoded

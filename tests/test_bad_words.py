@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from treeflash import LLM, SamplingParams, UsageError
-from treeflash.engine.llm import builtin_paths
+from treeflash.engine.options import builtin_paths
 from treeflash.engine.sampling import _recent_tokens
 from tree_oracle import tree_of_logprobs
 
@@ -44,7 +44,7 @@ def test_every_method_gives_ar_tokens_without_the_words(engines, words):
     params = [SamplingParams(max_new_tokens=32, bad_words=words),
               SamplingParams(max_new_tokens=32, bad_words=words, temperature=1.0, seed=3),
               SamplingParams(max_new_tokens=32, temperature=1.0, seed=3)]
-    sequences = ar.bad_sequences(params[0])
+    sequences = ar.rules.bad_sequences(params[0])
     changed = False
     for prompt in PROMPTS:
         outs = {m: [o.token_ids for o in e.generate([prompt] * 3, params)] for m, e in engines.items()}
@@ -60,7 +60,7 @@ def test_the_prompt_may_hold_them(engines):
     """Matching looks at the output only (vLLM's): a word the prompt ends with half
     written is not completed against it."""
     ar = engines["ar"]
-    seq = ar.bad_sequences(SamplingParams(bad_words=["return x"]))[0]
+    seq = ar.rules.bad_sequences(SamplingParams(bad_words=["return x"]))[0]
     prompt = ar.tokenizer.encode("def f(x):\n    if x:\n        ", special=False) + seq[:-1]
     free = ar.generate(prompt, SamplingParams(max_new_tokens=4))[0].token_ids
     banned = ar.generate(prompt, SamplingParams(max_new_tokens=4, bad_words=["return x"]))[0].token_ids
@@ -104,7 +104,7 @@ def test_a_word_the_tokenizer_writes_two_ways(engines):
     """As vLLM: the word as written, and after a space where that is another first token
     of as many tokens; a word longer than the limit is refused."""
     ar = engines["ar"]
-    seqs = ar.bad_sequences(SamplingParams(bad_words=["return", "  return"]))
+    seqs = ar.rules.bad_sequences(SamplingParams(bad_words=["return", "  return"]))
     assert seqs[0] == ar.tokenizer.encode("return", special=False)
     assert ar.tokenizer.encode(" return", special=False) in seqs and len(seqs) == 4  # leading blanks: the same
     with pytest.raises(UsageError, match="is 10 tokens") as err:
@@ -159,7 +159,7 @@ def test_logprobs_stay_those_of_the_raw_logits(engines):
     prompt = ar.tokenizer.encode(PROMPTS[1], special=False)
     free = ar.generate(prompt, SamplingParams(max_new_tokens=3, logprobs=2))[0]
     banned = ar.generate(prompt, SamplingParams(max_new_tokens=3, logprobs=2, bad_words=["return x"]))[0]
-    (seq,) = [s for s in ar.bad_sequences(SamplingParams(bad_words=["return x"])) if s == free.token_ids[:2]]
+    (seq,) = [s for s in ar.rules.bad_sequences(SamplingParams(bad_words=["return x"])) if s == free.token_ids[:2]]
     assert banned.token_ids[0] == seq[0] and banned.token_ids[1] != seq[1]
     top = dict(banned.logprobs[1].top)
     assert seq[1] in top and top[seq[1]] > -1e30

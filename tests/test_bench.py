@@ -15,7 +15,7 @@ from treeflash.bench.pairs import batch_indices
 from treeflash.bench.shape import bench_argv
 from treeflash.checkpoints import write_random_drafter, write_random_target
 from treeflash.cli import build_parser, main
-from treeflash.engine.llm import builtin_paths
+from treeflash.engine.options import builtin_paths
 
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 
@@ -493,7 +493,7 @@ def test_out_may_not_overwrite_an_input(tmp_path, capsys):
     in the model's folder is refused, and the file is left as it was (a model's
     config.json was emptied so)."""
     import shutil
-    from treeflash.engine.llm import builtin_paths
+    from treeflash.engine.options import builtin_paths
     model = tmp_path / "target"
     shutil.copytree(builtin_paths()[0], model)
     prompts = tmp_path / "prompts.txt"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from treeflash import LLM, SamplingParams
-from treeflash.engine.llm import BUILTIN_DIR
+from treeflash.engine.options import BUILTIN_DIR
 
 PROMPT = "def fib(n):"
 

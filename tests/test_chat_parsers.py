@@ -91,7 +91,7 @@ from starlette.testclient import TestClient  # noqa: E402
 
 from treeflash import LLM, GenerationOutput  # noqa: E402
 from treeflash.chat import ChatTemplate  # noqa: E402
-from treeflash.engine.llm import builtin_paths  # noqa: E402
+from treeflash.engine.options import builtin_paths  # noqa: E402
 from treeflash.errors import UsageError  # noqa: E402
 from treeflash.server.app import build_app  # noqa: E402
 
@@ -612,7 +612,7 @@ def test_special_tokens_named_only_in_special_tokens_map_json(tmp_path):
     that file; where tokenizer_config.json names one too, the config wins."""
     import shutil
 
-    from treeflash.engine.llm import builtin_paths
+    from treeflash.engine.options import builtin_paths
     from treeflash.tokenizer import Tokenizer
     shutil.copy(builtin_paths()[0] / "tokenizer.json", tmp_path / "tokenizer.json")
     template = "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}"

@@ -574,8 +574,8 @@ def test_a_draft_mode_with_ar_is_refused(capsys, model):
 def test_non_finite_logprobs_are_json_null(capsys, model, monkeypatch):
     """JSON has no NaN or infinity: --json writes null there, so strict parsers read every line."""
     from treeflash.engine import llm as llm_module
-    real = llm_module._token_logprobs
-    monkeypatch.setattr(llm_module, "_token_logprobs", lambda *a: [
+    real = llm_module.token_logprobs
+    monkeypatch.setattr(llm_module, "token_logprobs", lambda *a: [
         llm_module.TokenLogprob(e.token_id, float("-inf"), [(t, float("nan")) for t, _ in e.top]) for e in real(*a)])
     rc, out, err = run(capsys, "hi", "--model", model, "--device", "cpu", "--json", "--max-new-tokens", 2,
                        "--ignore-eos", "--logprobs", 1)
@@ -605,7 +605,7 @@ def test_plain_prompt_lines_may_start_with_a_brace(capsys, model, api, tmp_path)
 def test_cuda_device_strings_are_checked(monkeypatch, device):
     """On a machine with one GPU (faked here), a device that is not cuda:0 is a usage
     error naming the devices there are, not torch's internal one."""
-    from treeflash.engine.llm import resolve_device
+    from treeflash.engine.options import resolve_device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert resolve_device("cuda:0") == torch.device("cuda:0")

@@ -437,7 +437,7 @@ def test_structured_outputs_on_graphed_rounds_equal_ar():
     import re
 
     from treeflash import StructuredOutputs
-    from treeflash.engine.llm import builtin_paths
+    from treeflash.engine.options import builtin_paths
     target, drafter = builtin_paths()
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                                "tags": {"type": "array", "items": {"enum": ["a", "b"]},
@@ -466,7 +466,7 @@ def test_bad_words_on_graphed_rounds_equal_ar():
     """bad_words in graphed rounds (each tree node matched against its own path; a kept
     state's recent tokens reset per request): graphed DFlash and DDTree give eager AR's
     tokens, greedy and sampled, beside a request without them."""
-    from treeflash.engine.llm import builtin_paths
+    from treeflash.engine.options import builtin_paths
     target, drafter = builtin_paths()
     prompts = ["def add(a, b):\n    ", "def f(x):\n    if x:\n        return x\n    "]
     params = [SamplingParams(max_new_tokens=40, bad_words=["a + b", "return x", "self"]),

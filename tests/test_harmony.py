@@ -197,7 +197,7 @@ from test_chat_parsers import TOOLS  # noqa: E402
 
 from treeflash import LLM, SamplingParams  # noqa: E402
 from treeflash.chat import ChatTemplate  # noqa: E402
-from treeflash.engine.llm import TokenLogprob  # noqa: E402
+from treeflash.engine.requests import TokenLogprob  # noqa: E402
 from treeflash.server.app import build_app  # noqa: E402
 
 # Harmony as gpt-oss's template writes it (much shortened): tools in a developer message,
@@ -253,7 +253,7 @@ script: dict = {}  # the scripted engine's answer, when not ANSWER
 def scripted(harmony_model):
     """A server (both Harmony parsers) for an engine whose answer is script["answer"]'s
     tokens, one per on_tokens call, ended, cut at stop strings and decoded by the
-    engine's own code (`LLM._append_until_end`, `_cut_at_stop_string`, `_output`), with made-up
+    engine's own code (`RequestRules.append_until_end`, `cut_at_stop_string`, `output`), with made-up
     logprobs; the prompts it got are recorded."""
     llm = LLM(harmony_model, device="cpu", dtype="float32")
     prompts = []
@@ -266,8 +266,8 @@ def scripted(harmony_model):
             out, reason, lps = [], None, []
             for t in llm.encode(script.get("answer", ANSWER), special=False):
                 before = len(out)
-                reason = llm._append_until_end([t], out, p, p.max_new_tokens)
-                if p.stop and llm._cut_at_stop_string(out, before, p, prompt):
+                reason = llm.rules.append_until_end([t], out, p, p.max_new_tokens)
+                if p.stop and llm.rules.cut_at_stop_string(out, before, p, prompt):
                     reason = "stop"
                 new = [TokenLogprob(t, -0.25, [(t, -0.25)]) for t in out[before:]] if p.logprobs is not None else None
                 lps += new or []
@@ -275,8 +275,8 @@ def scripted(harmony_model):
                     on_tokens(k, out[before:], new)
                 if reason:
                     break
-            outs.append(llm._output(out, reason or "length", p, 1, 1.0, lps if p.logprobs is not None else None,
-                                    prompt, None, None))
+            outs.append(llm.rules.output(out, reason or "length", p, prompt,
+                                         lps if p.logprobs is not None else None, None, {"rounds": 1}))
             if on_done is not None:
                 on_done(k, outs[-1])
         return outs

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from treeflash import LLM, SamplingParams, UsageError
-from treeflash.engine.llm import builtin_paths
+from treeflash.engine.options import builtin_paths
 from treeflash.sampling_params import MAX_LOGPROBS
 from treeflash.layers.attention import AttentionInputs
 

@@ -28,7 +28,7 @@ def engines(spec_target, spec_drafter):
     full = engines["ar"].generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
     step = next(i for i in range(9, 40) if full.token_ids[i] not in full.token_ids[:i])
     for llm in engines.values():
-        llm.eos_token_ids = [full.token_ids[step]]
+        llm.rules.eos_token_ids = [full.token_ids[step]]
     engines["eos_stream"] = full.token_ids[:step + 1]
     return engines
 
@@ -51,8 +51,8 @@ def sync_generate(llm: LLM, prompts, params: list[SamplingParams]):
             if done[b] or counts[b] == 0:
                 continue
             before = len(outs[b])
-            stop = llm._append_until_end(new[b][:counts[b]], outs[b], params[b], limits[b])
-            if params[b].stop and llm._cut_at_stop_string(outs[b], before, params[b], ids[b]):
+            stop = llm.rules.append_until_end(new[b][:counts[b]], outs[b], params[b], limits[b])
+            if params[b].stop and llm.rules.cut_at_stop_string(outs[b], before, params[b], ids[b]):
                 stop = "stop"
             if stop:
                 done[b], reasons[b] = True, stop

@@ -8,7 +8,7 @@ import torch
 
 import treeflash.engine.graphs as graphs_module
 from treeflash import LLM, SamplingParams
-from treeflash.engine.llm import builtin_paths
+from treeflash.engine.options import builtin_paths
 from treeflash.engine.sampling import SamplingBatch
 from treeflash.engine.states import state_key, suffix_chunks
 from treeflash.errors import UsageError

@@ -22,7 +22,7 @@ from conftest import ENGINE_PROMPTS, SPEC_PROMPTS
 from test_sampling import LOGITS, P_MIN, V, chi2_pvalue
 
 from treeflash import LLM, SamplingParams, StructuredOutputs, UsageError
-from treeflash.engine.llm import builtin_paths
+from treeflash.engine.options import builtin_paths
 from treeflash.engine.sampling import SamplingBatch, sample
 from treeflash.tokenizer import TextStream
 
@@ -259,7 +259,7 @@ def test_ids_outside_the_vocabulary_and_impossible_requests(hf_checkpoint):
         .token_ids[:2] == [5, 5]
     # bad words of one token that ban every allowed token leave nothing to sample
     word = llm.tokenizer.decode([5])
-    one = [s for s in llm.bad_sequences(SamplingParams(bad_words=[word])) if len(s) == 1]
+    one = [s for s in llm.rules.bad_sequences(SamplingParams(bad_words=[word])) if len(s) == 1]
     allowed = sorted({s[0] for s in one})
     with pytest.raises(UsageError, match="bad_words ban every one of allowed_token_ids") as e:
         llm.generate("x", SamplingParams(allowed_token_ids=allowed, bad_words=[word]))
@@ -551,7 +551,7 @@ def test_stop_strings_cut_where_the_whole_text_first_holds_one():
             before = len(out)
             out += ids[pos:pos + n]
             pos += n
-            if llm._cut_at_stop_string(out, before, p, prompt):
+            if llm.rules.cut_at_stop_string(out, before, p, prompt):
                 break
         assert out == ids[:want], (trial, ids, prompt, stops, p.min_tokens)
         cuts += want < len(ids)

@@ -30,7 +30,7 @@ pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
 
 from treeflash import LLM, SamplingParams, UsageError  # noqa: E402
-from treeflash.engine.llm import builtin_paths  # noqa: E402
+from treeflash.engine.options import builtin_paths  # noqa: E402
 from treeflash.server.app import build_app  # noqa: E402
 from treeflash.chat import ChatFormat, ChatTemplate  # noqa: E402
 from treeflash.tokenizer import TextStream  # noqa: E402
@@ -387,7 +387,7 @@ def test_logprobs_body_is_strict_json_for_any_value(llm):
     """A log-probability of -inf is reported as vLLM does (-9999) and a NaN (an overflow
     in the activations) as null: json.dumps would write the bare words -Infinity / NaN,
     which strict JSON parsers refuse."""
-    from treeflash.engine.llm import TokenLogprob
+    from treeflash.engine.requests import TokenLogprob
     from treeflash.server.protocol import LOGPROB_FLOOR, Request, logprobs_body
     entries = [TokenLogprob(5, float("nan"), [(5, float("nan"))]), TokenLogprob(6, float("-inf"), [(7, -0.5)])]
     for kind in ("completion", "chat"):

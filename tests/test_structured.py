@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from treeflash import LLM, SamplingParams, StructuredOutputs, UsageError
-from treeflash.engine.llm import builtin_paths
+from treeflash.engine.options import builtin_paths
 from treeflash.structured.grammar import token_automaton
 from treeflash.structured.regex import compile_regex, escape
 
@@ -205,11 +205,11 @@ def test_a_choice_ends_at_the_choice(engines):
 
 def test_automata_are_compiled_once_per_constraint(engines):
     llm = engines["ar"]
-    a = llm.automaton(SamplingParams(structured_outputs=StructuredOutputs(json={"type": "integer"})))
-    b = llm.automaton(SamplingParams(structured_outputs=StructuredOutputs(json='{ "type":"integer"}')))
+    a = llm.rules.automaton(SamplingParams(structured_outputs=StructuredOutputs(json={"type": "integer"})))
+    b = llm.rules.automaton(SamplingParams(structured_outputs=StructuredOutputs(json='{ "type":"integer"}')))
     assert a is not None and a.next.shape[1] == llm.config.vocab_size
     assert b is a  # the schema as text is the same constraint
-    c = llm.automaton(SamplingParams(structured_outputs=StructuredOutputs(regex="-?(?:0|[1-9][0-9]*)")))
+    c = llm.rules.automaton(SamplingParams(structured_outputs=StructuredOutputs(regex="-?(?:0|[1-9][0-9]*)")))
     assert c is not a
     np.testing.assert_array_equal(a.next, c.next)
 
@@ -388,8 +388,8 @@ def test_requests_of_one_constraint_share_its_rows(engines):
     llm = engines["ar"]
     so = StructuredOutputs(regex="[a-z]{1,30}")
     params = [SamplingParams(structured_outputs=so)] * 8 + [SamplingParams(structured_outputs=so, stop_token_ids=[5])]
-    automata = [llm.automaton(p) for p in params]
-    sb = SamplingBatch.from_params(params, "cpu", llm.config.vocab_size, [[1]] * 9, [llm.held_ids(p) for p in params],
+    automata = [llm.rules.automaton(p) for p in params]
+    sb = SamplingBatch.from_params(params, "cpu", llm.config.vocab_size, [[1]] * 9, [llm.rules.held_ids(p) for p in params],
                                    automata)
     S = automata[0].num_states
     assert sb.guided_rows == 1 << (1 + 2 * S).bit_length() and sb.grammar_start.tolist() == [1] * 8 + [1 + S]
@@ -431,7 +431,7 @@ def test_one_constraint_compiling_does_not_hold_up_another(engines, monkeypatch)
     import treeflash.structured.cache as cache_module
     llm = engines["ar"]
     fast = SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]"))
-    llm.automaton(fast)
+    llm.rules.automaton(fast)
     slow = SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]{2}"))
     compiled, plain = [], cache_module.token_automaton
 
@@ -441,12 +441,12 @@ def test_one_constraint_compiling_does_not_hold_up_another(engines, monkeypatch)
         return plain(dfa, *args)
     monkeypatch.setattr(cache_module, "token_automaton", slow_compile)
     got = []
-    threads = [threading.Thread(target=lambda: got.append(llm.automaton(slow))) for _ in range(2)]
+    threads = [threading.Thread(target=lambda: got.append(llm.rules.automaton(slow))) for _ in range(2)]
     for t in threads:
         t.start()
     time.sleep(0.2)
     start = time.perf_counter()
-    assert llm.automaton(fast) is not None and time.perf_counter() - start < 2.0
+    assert llm.rules.automaton(fast) is not None and time.perf_counter() - start < 2.0
     for t in threads:
         t.join()
     assert len(compiled) == 1 and got[0] is got[1]
@@ -762,8 +762,8 @@ def test_a_failed_compile_leaves_no_request_waiting(engines, monkeypatch):
     p = SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]{5}"))
     for _ in range(2):
         with pytest.raises(KeyError):
-            llm.automaton(p)
-    assert len(calls) == 2 and not llm.automata.compiling
+            llm.rules.automaton(p)
+    assert len(calls) == 2 and not llm.rules.automata.compiling
 
 
 def test_a_refused_constraint_is_refused_at_once_when_asked_again(engines, monkeypatch):
@@ -782,13 +782,13 @@ def test_a_refused_constraint_is_refused_at_once_when_asked_again(engines, monke
     errors = []
     for _ in range(3):
         with pytest.raises(UsageError) as e:
-            llm.automaton(p)
+            llm.rules.automaton(p)
         errors.append((str(e.value), e.value.param))
     assert len(calls) == 1 and errors[0] == errors[1] == errors[2] and "structured output" in errors[0][0]
-    assert not llm.automata.compiling
+    assert not llm.rules.automata.compiling
     monkeypatch.setattr(cache_module, "token_automaton", plain)  # an engine's own limit: compiles
-    assert llm.automaton(SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]{7}"))) is not None
-    llm.automata.refused.clear()  # the shared engine forgets this test's small limit
+    assert llm.rules.automaton(SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9]{7}"))) is not None
+    llm.rules.automata.refused.clear()  # the shared engine forgets this test's small limit
 
 
 def test_a_schema_is_cached_as_itself(engines):
@@ -797,16 +797,16 @@ def test_a_schema_is_cached_as_itself(engines):
     llm = engines["ar"]
     bad, good = ({"type": "object", "properties": {name: {"type": "null"}}, "required": ["1"]} for name in (1, "1"))
     for first, second in ((bad, good), (good, bad)):
-        llm.automata.kept.clear()
-        llm.automata.refused.clear()
+        llm.rules.automata.kept.clear()
+        llm.rules.automata.refused.clear()
         for schema in (first, second):
             p = SamplingParams(max_new_tokens=12, structured_outputs=StructuredOutputs(json=schema))
             if schema is bad:
                 with pytest.raises(UsageError, match="must be named by strings"):
-                    llm.automaton(p)
+                    llm.rules.automaton(p)
             else:
                 assert json.loads(llm.generate("x = ", p)[0].text) == {"1": None}
-    llm.automata.refused.clear()
+    llm.rules.automata.refused.clear()
 
 
 def test_an_automaton_in_use_by_one_engine_is_kept_when_another_compiles(engines, monkeypatch):
@@ -817,18 +817,18 @@ def test_an_automaton_in_use_by_one_engine_is_kept_when_another_compiles(engines
     monkeypatch.setattr(cache_module, "AUTOMATA_KEPT", 1)
     llm = engines["ddtree"]
     other = llm.with_method("dflash")
-    assert other.automata is llm.automata
+    assert other.rules.automata is llm.rules.automata
     used = StructuredOutputs(regex="[0-9]{2}[a-c]{3}")
     seen = []
 
     def meanwhile(i, new):  # while `other` generates: `llm` compiles two others (a server's other requests)
         for regex in (f"x{len(seen)}[0-9]", f"y{len(seen)}[0-9]"):
-            llm.automaton(SamplingParams(structured_outputs=StructuredOutputs(regex=regex)))
-        seen.append(used.key() in llm.automata.kept)
+            llm.rules.automaton(SamplingParams(structured_outputs=StructuredOutputs(regex=regex)))
+        seen.append(used.key() in llm.rules.automata.kept)
     out = other.generate("a = ", SamplingParams(max_new_tokens=8, structured_outputs=used), on_tokens=meanwhile)[0]
     assert re.fullmatch("[0-9]{2}[a-c]{3}", out.text) and seen and all(seen)
-    llm.automaton(SamplingParams(structured_outputs=StructuredOutputs(regex="z[0-9]")))
-    assert used.key() not in llm.automata.kept  # unpinned after the batch: dropped as the limit says
+    llm.rules.automaton(SamplingParams(structured_outputs=StructuredOutputs(regex="z[0-9]")))
+    assert used.key() not in llm.rules.automata.kept  # unpinned after the batch: dropped as the limit says
 
 
 # ----------------------------------------------------------------------------- grammar and choice escapes (cases a mutation review found untested)

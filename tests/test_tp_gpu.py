@@ -28,7 +28,7 @@ import torch
 
 from treeflash import LLM
 from treeflash.checkpoints import write_random_drafter, write_random_target, write_tiny_tokenizer
-from treeflash.engine.llm import builtin_paths
+from treeflash.engine.options import builtin_paths
 from treeflash.engine.tp import ABORT_S
 
 from test_tp import BATCH, CONFIGS, DRIVER, REPO, _gone, _run, exit_after_kill  # pytest puts tests/ on sys.path

@@ -9,9 +9,12 @@ def __getattr__(name: str):
     """The engine, and torch with it, loads on first use (PEP 562): the command line
     imports it inside its error handling, so Ctrl-C during the seconds of `import torch`
     is "interrupted", not a traceback."""
-    if name in ("LLM", "GenerationOutput", "TokenLogprob"):
-        from treeflash.engine import llm
-        return getattr(llm, name)
+    if name == "LLM":
+        from treeflash.engine.llm import LLM
+        return LLM
+    if name in ("GenerationOutput", "TokenLogprob"):
+        from treeflash.engine import requests
+        return getattr(requests, name)
     if name == "SamplingParams":
         from treeflash.sampling_params import SamplingParams
         return SamplingParams

@@ -79,7 +79,7 @@ def _looks_like_jsonl(line: str) -> bool:
 
 def target_folder(args) -> Path:
     """The target checkpoint folder a command's --model names (the built-in one if none)."""
-    from treeflash.engine.llm import builtin_paths
+    from treeflash.engine.options import builtin_paths
     return Path(args.model) if args.model else builtin_paths()[0]
 
 
@@ -303,7 +303,7 @@ def cmd_generate(args) -> int:
         return 0
     stream = len(prompts) == 1 and not params.stop
     context = prompts[0] if stream else ()  # its token ids, encoded above
-    printed = TextStream(llm.tokenizer, end_ids=llm.end_ids(params), context=context)
+    printed = TextStream(llm.tokenizer, end_ids=llm.rules.end_ids(params), context=context)
     line_open = False  # the streamed text stops mid-line: an interrupt ends the line first
 
     def on_tokens(_, ids):

@@ -16,7 +16,8 @@ from treeflash.bench.options import (MAX_BENCH_BATCH, check_sampled_options, che
                                      parse_budgets, parse_graphs, parse_list, usable_graphs)
 from treeflash.bench.report import check_plot_path, close_out, emit, format_table, open_out, plot_pairs
 from treeflash.cli import read_placed_prompts, structured_from, target_folder
-from treeflash.engine.llm import LLM, builtin_paths, resolve_device
+from treeflash.engine.llm import LLM
+from treeflash.engine.options import builtin_paths, resolve_device
 from treeflash.engine.round import METHODS
 from treeflash.errors import UsageError
 from treeflash.sampling_params import SamplingParams

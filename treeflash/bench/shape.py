@@ -27,7 +27,7 @@ from treeflash.bench.options import (DRAFT_LAYERS, MAX_BENCH_BATCH, check_sample
 from treeflash.bench.report import check_plot_path, close_out, emit, format_table, open_out, plot_shape, print_ratios
 from treeflash.config import GPT_OSS_ROPE_SCALING, DraftConfig, ModelConfig, default_target_layer_ids
 from treeflash.distributed import TPGroup
-from treeflash.engine.llm import attention_backend, resolve_device, resolve_dtype
+from treeflash.engine.options import attention_backend, resolve_device, resolve_dtype
 from treeflash.engine.graphs import capture
 from treeflash.engine.pipeline import RoundPipeline
 from treeflash.engine.round import SpeculativeDecoder

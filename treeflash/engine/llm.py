@@ -20,118 +20,24 @@ import torch
 from treeflash.chat import NO_TEMPLATE, ChatFormat, ChatTemplate, checked_tools
 from treeflash.config import DTYPES, FP8_BLOCK, DraftConfig, ModelConfig
 from treeflash.distributed import TPGroup
+from treeflash.engine.options import (attention_backend, builtin_paths, check_flag, check_int, resolve_device,
+                                      resolve_dtype, tree_budget)
 from treeflash.engine.pipeline import RoundPipeline
+from treeflash.engine.requests import (GenerationOutput, RequestRules, TokenLogprob, prompt_token_logprobs,
+                                       token_logprobs)
 from treeflash.engine.round import DRAFT_MODES, METHODS, BatchState, SpeculativeDecoder
 from treeflash.engine.sampling import SamplingBatch
 from treeflash.engine.states import GRAPHED_PREFILL_MAX, KeptStates, suffix_chunks
 from treeflash.engine.tp import attach as tp_attach, closed_error
-from treeflash.errors import TreeflashError, UsageError, is_text, shown
+from treeflash.errors import TreeflashError, UsageError, is_text
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import (build_on, check_model_size, check_sizes, load_weights, stored_shapes,
                                      weights_dtype)
 from treeflash.models.transformer import CausalLM
 from treeflash.files import model_folder
 from treeflash.memory import check_weights_fit, peak_rss_bytes, reset_peak_rss, rss_bytes
-from treeflash.sampling_params import (BAD_WORD_TOKENS, MAX_BAD_SEQUENCES, SamplingParams, generation_defaults,
-                                       truncation_error)
-from treeflash.structured.cache import AutomatonCache
-from treeflash.structured.grammar import TokenAutomaton
-from treeflash.tokenizer import CONTEXT_TOKENS, Tokenizer, stop_cut
-
-DEFAULT_BUDGETS = {"cuda": 64, "cpu": 16}  # a CPU verify costs in proportion to its nodes (BENCHMARKS.md 4)
-BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A generated token's log-probability under the target model (softmax of its raw
-    logits, before temperature and filters), with the request's `logprobs` most likely
-    tokens as (id, log-probability), most likely first."""
-    token_id: int
-    logprob: float | None  # None: a prompt's first token, which nothing before it predicts
-    top: list[tuple[int, float]]
-    rank: int | None = None  # its rank in the vocabulary (1: the most likely; ties: the last); None: a prompt's first
-
-
-@dataclass
-class GenerationOutput:
-    text: str
-    token_ids: list[int]
-    finish_reason: str           # "stop" (EOS or stop string), "length", or "abort" (ended by on_tokens)
-    stats: dict = field(default_factory=dict)
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: EOS, or not stopped)
-    logprobs: list[TokenLogprob] | None = None  # one per token id, if SamplingParams.logprobs asked for them
-    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, if SamplingParams.prompt_logprobs
-
-
-def resolve_device(device: str) -> torch.device:
-    if isinstance(device, torch.device):
-        device = str(device)
-    if not isinstance(device, str):
-        raise UsageError(f"device must be a string (auto, cpu, cuda or cuda:N), got {device!r}")
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise UsageError(f"unknown device '{device}' (choose auto, cpu or cuda)")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"device '{device}' requested but no CUDA GPU is available")
-    if device.startswith("cuda:") and not (device[5:].isdigit() and int(device[5:]) < torch.cuda.device_count()):
-        raise UsageError(f"unknown device '{device}' (this machine has cuda:0 to "
-                         f"cuda:{torch.cuda.device_count() - 1})")
-    return torch.device(device)
-
-
-def _dead_end(sequences: list[list[int]], allowed: set[int]) -> list[int] | None:
-    """An output of allowed tokens, none banned as it was written, after which the bad
-    words (token sequences) ban every allowed token, or None. Only a bad word's beginning
-    can be one: an output bans what its longest end that begins a bad word bans. The
-    sampler would then have no token left (it took token 0, allowed or not)."""
-    def banned(out):
-        return {w[-1] for w in sequences if len(w) <= len(out) + 1 and w[:-1] == out[len(out) + 1 - len(w):]}
-    for w in sequences:
-        for k in range(1, len(w)):
-            out = w[:k]
-            if all(t in allowed and t not in banned(out[:i]) for i, t in enumerate(out)) and allowed <= banned(out):
-                return out
-    return None
-
-
-def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
-    """`auto` = the checkpoint's dtype, except float32 on CPU for bf16/fp16 checkpoints
-    (CPU half-precision matmuls are slow and not what a user testing on a laptop wants)."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
-            raise UsageError(f"dtype {dtype} is not supported (choose float32, bfloat16, float16 or float64)")
-        return dtype
-    if not isinstance(dtype, str):
-        raise UsageError(f"dtype must be a string or a torch dtype, got {dtype!r}")
-    if dtype != "auto":
-        if dtype not in DTYPES:
-            raise UsageError(f"unknown dtype '{dtype}' (choose auto, {', '.join(sorted(set(DTYPES)))})")
-        return DTYPES[dtype]
-    chosen = DTYPES.get(str(checkpoint_dtype or "float32").replace("torch.", ""), torch.float32)
-    if device.type == "cpu" and chosen in (torch.bfloat16, torch.float16):
-        return torch.float32
-    return chosen
-
-
-def attention_backend(device: torch.device, head_dims: list[int]) -> str:
-    """'triton' (the tree-attention kernel) on CUDA when it is installed and fits the
-    head size, else the SDPA reference."""
-    if device.type != "cuda":
-        return "sdpa"
-    try:
-        from treeflash.kernels.tree_attention import supports
-    except ImportError:
-        return "sdpa"
-    return "triton" if all(supports(d) for d in head_dims) else "sdpa"
-
-
-def builtin_paths() -> tuple[Path, Path]:
-    target, drafter = BUILTIN_DIR / "target", BUILTIN_DIR / "drafter"
-    if not (target / "config.json").exists():
-        raise TreeflashError("no --model given and the built-in model is not installed")
-    return target, drafter
+from treeflash.sampling_params import SamplingParams, generation_defaults, truncation_error
+from treeflash.tokenizer import Tokenizer
 
 
 def _token_callback(on_tokens):
@@ -154,15 +60,6 @@ def _token_callback(on_tokens):
 def _shifted(callback, offset: int):
     """A per-request callback of a batch that starts at request `offset` of the call."""
     return callback if callback is None or offset == 0 else (lambda i, *rest: callback(i + offset, *rest))
-
-
-def _token_logprobs(tokens: list[int], rows, k: int) -> list[TokenLogprob]:
-    """The `TokenLogprob`s of `tokens` from one request's logprobs read back as lists
-    (chosen [T], top values [T][K], top ids [T][K], ranks [T]; `tokens` are its first
-    T' <= T); `k` alternatives each."""
-    chosen, top_vals, top_ids, ranks = rows
-    return [TokenLogprob(t, chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k])), ranks[i])
-            for i, t in enumerate(tokens)]
 
 
 @dataclass
@@ -206,35 +103,6 @@ def _unwrapped(prompt):
         return next(iter(prompt.values()))
     raise UsageError(f"a prompt dict holds one key, 'prompt' (text) or 'prompt_token_ids' (vLLM's TextPrompt "
                      f"and TokensPrompt), got {sorted(map(str, prompt))}")
-
-
-def check_int(name: str, value, least: int) -> None:
-    """A count given by the user: an int (True is not 1) of at least `least`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise UsageError(f"{name} must be an integer >= {least}, got {value!r}")
-
-
-def check_flag(name: str, value) -> None:
-    """A switch given by the user: True or False ("false" would read as true)."""
-    if not isinstance(value, bool):
-        raise UsageError(f"{name} must be true or false, got {value!r}")
-
-
-def tree_budget(method: str, budget: int | None, max_budget: int, device: torch.device) -> int | None:
-    """The DDTree budget `method` decodes with (if not given, the device's default: 64
-    nodes on a GPU, where a wider verify costs little, 16 on a CPU, where it costs in
-    proportion), checked; None for the other methods, which take none."""
-    if method != "ddtree":
-        if budget is not None:
-            raise UsageError(f"a tree budget applies to method ddtree only (method is {method})")
-        return None
-    if budget is None:
-        budget = min(DEFAULT_BUDGETS[device.type], max_budget)
-    check_int("ddtree budget", budget, 1)
-    if budget > max_budget:
-        raise UsageError(f"ddtree budget {budget} exceeds max_budget {max_budget} "
-                         f"(raise it with --max-budget / max_budget=)")
-    return budget
 
 
 class LLM:
@@ -328,7 +196,8 @@ class LLM:
             if eos >= self.config.vocab_size:
                 raise TreeflashError(f"{source} in {model}: end-of-text token id {eos} is outside the model's "
                                      f"vocabulary of {self.config.vocab_size} tokens")
-        self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids))
+        self.rules = RequestRules(self.tokenizer, self.config.vocab_size,  # shared by `with_method`
+                                  sorted(set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)))
         if generation_config not in ("auto", "none"):
             raise UsageError(f"generation_config must be 'auto' or 'none', got {generation_config!r}")
         # a bad value fails here, not at generate
@@ -389,7 +258,6 @@ class LLM:
             head_dims = [self.config.head_dim] + ([self.drafter.config.layers.head_dim] if self.drafter else [])
             self._decode_with(method, budget, draft_mode or "coupled", cuda_graphs,
                               attention_backend(self.device, head_dims))
-            self.automata = AutomatonCache(self.tokenizer, self.config.vocab_size)  # shared by `with_method`
             self._tp.built()      # the workers' slices are loaded too
         except BaseException:
             self._tp.close()
@@ -460,6 +328,16 @@ class LLM:
         if self._run is not None:
             states[id(self._run.st)] = self._run.st
         return {**self.load_stats, "pid": os.getpid(), "cache_bytes": sum(s.cache_bytes for s in states.values())}
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The ids that end a request unless it ignores EOS: the tokenizer's and
+        generation_config.json's."""
+        return self.rules.eos_token_ids
+
+    def check_sampling(self, p: SamplingParams) -> None:
+        """Raise UsageError (one line) if p does not fit this model (see `RequestRules`)."""
+        self.rules.check(p)
 
     def default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` sample with when given no parameters: `SamplingParams`'
@@ -615,7 +493,7 @@ class LLM:
             try:
                 for s in range(0, len(ids), step):
                     e = s + step
-                    with self.automata.pinned([p.structured_outputs for p in params[s:e] if p.structured_outputs]):
+                    with self.rules.automata.pinned([p.structured_outputs for p in params[s:e] if p.structured_outputs]):
                         results += self._generate_batch(ids[s:e], params[s:e], _shifted(on_tokens, s),
                                                         _shifted(on_done, s))
             finally:
@@ -640,13 +518,13 @@ class LLM:
         start = time.perf_counter()
         drop = self.states.to_drop(len(ids), max_len)
         reuse = self.states.prefix_to_reuse(max_len, ids, params, drop,
-                                            [self.automaton(p) for p in params])
+                                            [self.rules.automaton(p) for p in params])
         first, lp, plp = self._tp.call(self, "_start", (len(ids), max_len, params, ids, drop, reuse))
         state = self._run.st
         reqs = [_Request(prompt, p, limit, committed=len(prompt), cached=None if reuse is None else reuse[1][b],
                          prompt_logprobs=prompt_lp, logprobs=[] if p.logprobs is not None else None)
                 for b, (prompt, p, limit, prompt_lp) in enumerate(
-                    zip(ids, params, limits, self._prompt_token_logprobs(ids, params, plp)))]
+                    zip(ids, params, limits, prompt_token_logprobs(ids, params, plp)))]
         try:
             self._decode(reqs, first, lp, start, on_tokens, on_done)
         except BaseException:
@@ -677,8 +555,7 @@ class LLM:
                     continue
                 stop = self._take(b, r, new[b][:counts[b]], lp, on_tokens)
                 if stop:
-                    r.result = self._output(r.out, stop, r.params, r.rounds, time.perf_counter() - start,
-                                            r.logprobs, r.prompt, r.prompt_logprobs, r.cached)
+                    r.result = self._result(r, stop, time.perf_counter() - start)
                     if on_done is not None:
                         on_done(b, r.result)
             active = [r.result is None for r in reqs]
@@ -704,16 +581,26 @@ class LLM:
         asked, tell `on_tokens`; the stop reason if it ended ("abort": on_tokens said so),
         else None."""
         before = len(r.out)
-        stop = self._append_until_end(got, r.out, r.params, r.limit)
-        if r.params.stop and self._cut_at_stop_string(r.out, before, r.params, r.prompt):
+        stop = self.rules.append_until_end(got, r.out, r.params, r.limit)
+        if r.params.stop and self.rules.cut_at_stop_string(r.out, before, r.params, r.prompt):
             stop = "stop"
         added = None
         if r.logprobs is not None:  # those of the tokens kept
-            added = _token_logprobs(r.out[before:], [x[b] for x in lp], r.params.logprobs)
+            added = token_logprobs(r.out[before:], [x[b] for x in lp], r.params.logprobs)
             r.logprobs += added
         if on_tokens is not None and len(r.out) > before and on_tokens(b, r.out[before:], added) is True:
             stop = stop or "abort"
         return stop
+
+    def _result(self, r: _Request, reason: str, seconds: float) -> GenerationOutput:
+        """Request r's output, with its stats (`seconds` from the batch's start to its last
+        token; with prefix caching, the prompt tokens found in the caches)."""
+        n = len(r.out)
+        stats = {"method": self.method, "new_tokens": n, "rounds": r.rounds, "tau": round(n / r.rounds, 4),
+                 "seconds": round(seconds, 4), "tokens_per_s": round(n / seconds, 2) if seconds > 0 else None,
+                 **({"nodes_per_round": self.decoder.budget} if self.method == "ddtree" else {}),
+                 **({"cached_tokens": r.cached or 0} if self.enable_prefix_caching else {})}
+        return self.rules.output(r.out, reason, r.params, r.prompt, r.logprobs, r.prompt_logprobs, stats)
 
     def _release(self) -> None:
         """On every rank: free the finished batch's caches, as an eager engine keeps none
@@ -730,113 +617,6 @@ class LLM:
         """Whether a batch's prefill of `cells` padded prompt tokens replays a CUDA graph
         (else it runs eagerly)."""
         return self.cuda_graphs and cells <= GRAPHED_PREFILL_MAX
-
-    @staticmethod
-    def _prompt_token_logprobs(prompts: list[list[int]], params: list[SamplingParams], plp: list):
-        """Per request, its prompt's `TokenLogprob`s (None for requests that did not ask)
-        from `prefill_tokens`' flat rows read back as lists (chosen [N], top values
-        [N][K], top ids [N][K], ranks [N]: the asking requests' tokens but their first, in
-        order)."""
-        out, at = [], 0
-        for ids, p in zip(prompts, params):
-            if p.prompt_logprobs is None:
-                out.append(None)
-                continue
-            rows = [x[at:at + len(ids) - 1] for x in plp]
-            at += len(ids) - 1
-            out.append([TokenLogprob(ids[0], None, [])] + _token_logprobs(ids[1:], rows, p.prompt_logprobs))
-        return out
-
-    def check_sampling(self, p: SamplingParams) -> None:
-        """Raise UsageError (one line) if p does not fit this model."""
-        p.validate(self.config.vocab_size)
-        held = self.held_ids(p)
-        allowed = None if p.allowed_token_ids is None else set(p.allowed_token_ids)
-        if p.min_tokens and allowed is not None and allowed <= held:
-            raise UsageError("invalid sampling parameters: min_tokens holds back every one of allowed_token_ids "
-                             "(EOS and stop tokens)")
-        sequences = self.bad_sequences(p)  # tokenized once for the checks below
-        banned = {seq[0] for seq in sequences if len(seq) == 1}
-        if allowed is not None and allowed <= banned | (held if p.min_tokens else set()):
-            raise UsageError("invalid sampling parameters: bad_words ban every one of allowed_token_ids"
-                             + (" that min_tokens does not hold back" if p.min_tokens else ""), param="bad_words")
-        if allowed is not None and (dead := _dead_end(sequences, allowed)) is not None:
-            raise UsageError(f"invalid sampling parameters: bad_words ban every one of allowed_token_ids after "
-                             f"{shown(self.tokenizer.decode(dead, skip_special=False))}", param="bad_words")
-        if p.structured_outputs is not None and not held:
-            raise UsageError("structured outputs need an end token: this model has no EOS, give stop_token_ids")
-        if (automaton := self.automaton(p)) is not None:
-            automaton.check(held, sequences)
-
-    def automaton(self, p: SamplingParams) -> TokenAutomaton | None:
-        """p's structured output as a token automaton (None without one), compiled once
-        per constraint (see `AutomatonCache`)."""
-        return None if p.structured_outputs is None else self.automata.get(p.structured_outputs)
-
-    def bad_sequences(self, p: SamplingParams) -> list[list[int]]:
-        """p's bad words as token sequences, as vLLM's: each word as the tokenizer writes
-        it, and after a space where that gives another first token and as many tokens (a
-        word inside a text)."""
-        out = []
-        for word in p.bad_words or []:
-            if not is_text(word):
-                raise UsageError(f"invalid sampling parameters: bad word {shown(word)} is not valid Unicode text",
-                                 param="bad_words")
-            for prefix in ("", " "):
-                ids = self.tokenizer.encode(prefix + word.lstrip(), special=False)
-                if prefix and (ids[0] == out[-1][0] or len(ids) != len(out[-1])):
-                    continue
-                if len(ids) > BAD_WORD_TOKENS:
-                    raise UsageError(f"invalid sampling parameters: bad word {shown(word)} is {len(ids)} tokens "
-                                     f"(at most {BAD_WORD_TOKENS})", param="bad_words")
-                out.append(ids)
-        if len(out) > MAX_BAD_SEQUENCES:
-            raise UsageError(f"invalid sampling parameters: bad_words make {len(out)} token sequences "
-                             f"(at most {MAX_BAD_SEQUENCES})", param="bad_words")
-        return out
-
-    def held_ids(self, p: SamplingParams) -> set[int]:
-        """The token ids that min_tokens holds back: EOS (even with ignore_eos, as vLLM)
-        and p's stop token ids."""
-        return set(p.stop_token_ids) | set(self.eos_token_ids)
-
-    def end_ids(self, p: SamplingParams) -> set[int]:
-        """The token ids that end request p (its stop token ids, and EOS unless ignored):
-        kept in its tokens, left out of its text (as vLLM does)."""
-        return set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-
-    def _output(self, ids: list[int], reason: str, p: SamplingParams, rounds: int, seconds: float,
-                logprobs: list[TokenLogprob] | None, prompt: list[int],
-                prompt_logprobs: list[TokenLogprob] | None, cached: int | None) -> GenerationOutput:
-        """A finished request's output: its text (decoded after the prompt, see
-        `Tokenizer.decode_continuation`) cut at the first stop string (at its start, or
-        its end with include_stop_str_in_output) or without the token that ended it (kept
-        with include_stop_str_in_output, as vLLM does), and its stats (seconds from the
-        batch's start to this request's last token; with prefix caching, the prompt
-        tokens found in the caches)."""
-        ended_by_token = reason == "stop" and bool(ids) and ids[-1] in self.end_ids(p)
-        in_text = ids[:-1] if ended_by_token and not p.include_stop_str_in_output else ids
-        text = self.tokenizer.decode_continuation(in_text, prompt, p.skip_special_tokens)
-        cut = None
-        if p.stop:  # as while generating (`_cut_at_stop_string`)
-            floor = self.tokenizer.min_tokens_floor(ids, p.min_tokens, prompt, p.skip_special_tokens)
-            cut = stop_cut(text, p.stop, p.include_stop_str_in_output, ends_after=floor)
-        if cut:
-            text = text[:cut[0]]
-        # as vLLM: the tokenizer's EOS has no stop_reason (even if stop_token_ids lists it);
-        # another end id (generation_config.json's) is reported as a stop token id is
-        model_eos = self.eos_token_ids if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
-        by_eos = ended_by_token and not p.ignore_eos and ids[-1] in model_eos
-        stop_reason = cut[1] if cut else ids[-1] if ended_by_token and not by_eos else None
-        n = len(ids)
-        return GenerationOutput(text, ids, reason, stop_reason=stop_reason, logprobs=logprobs,
-                                prompt_logprobs=prompt_logprobs, stats={
-            "method": self.method, "new_tokens": n, "rounds": rounds,
-            "tau": round(n / rounds, 4), "seconds": round(seconds, 4),
-            "tokens_per_s": round(n / seconds, 2) if seconds > 0 else None,
-            **({"nodes_per_round": self.decoder.budget} if self.method == "ddtree" else {}),
-            **({"cached_tokens": cached or 0} if self.enable_prefix_caching else {}),
-        })
 
     def _start(self, batch: int, max_len: int, params: list[SamplingParams], prompts: list[list[int]],
                drop: list[tuple[int, int]], reuse: tuple[tuple[int, int], list[int]] | None = None):
@@ -856,9 +636,9 @@ class LLM:
         if reuse is not None:  # held before `runner` may replace the eager engine's kept state
             source = self.states.state(reuse[0])
         sampling = SamplingBatch.from_params(params, self.device, self.decoder.target.lm_head.vocab_size,
-                                             prompts, [self.held_ids(p) for p in params],
-                                             [self.automaton(p) for p in params],
-                                             [self.bad_sequences(p) for p in params])
+                                             prompts, [self.rules.held_ids(p) for p in params],
+                                             [self.rules.automaton(p) for p in params],
+                                             [self.rules.bad_sequences(p) for p in params])
         st, run_round, graphed = self.states.runner(batch, max_len, sampling)
         st.tokens = None  # the caches change from here; the driver records them when the batch is done
         if reuse is not None:  # the rest of each prompt, after what the caches hold
@@ -918,43 +698,3 @@ class LLM:
 
     def _drop_graphs(self) -> None:
         self.states.drop()
-
-    def _append_until_end(self, got: list[int], out: list[int], p: SamplingParams, limit: int) -> str | None:
-        """Append committed tokens up to EOS / the token limit; return the stop reason."""
-        ends = self.end_ids(p)
-        for t in got:
-            out.append(t)
-            if t in ends:
-                return "stop"
-            if len(out) >= limit:
-                return "length"
-        return None
-
-    def _cut_at_stop_string(self, out: list[int], before: int, p: SamplingParams, prompt: list[int] = ()) -> bool:
-        """If one of p's stop strings appeared among the tokens added after `before`, drop
-        every token after the one that completed it (as AR would have stopped there).
-        Not before p.min_tokens tokens, and then only one that ends past their text. Only
-        whole characters count (a stop string U+FFFD is not half a character), and only a
-        window of the text is decoded: the new tokens' and enough before it for the longest
-        stop string (decoding the whole output for each stop string, every round, made a
-        2000-token answer with 64 stop strings take 15 s)."""
-        first = max(before, p.min_tokens)  # a stop string must end in the text of out[first:]
-        if first >= len(out):
-            return False
-        lo, longest = first, max(map(len, p.stop))
-        prompt_tail = list(prompt[-CONTEXT_TOKENS:])
-
-        def text(k: int) -> str:  # whole characters of out[lo:k], decoded after what precedes them
-            context = (prompt_tail + out[max(0, lo - CONTEXT_TOKENS):lo])[-CONTEXT_TOKENS:]
-            return self.tokenizer.decode_continuation(out[lo:k], context, p.skip_special_tokens)
-
-        while lo > 0 and len(text(first)) < longest + 3:  # + the orphan bytes of a character cut at lo
-            lo = max(0, lo - max(16, first - lo))
-        after = len(text(first))  # what out[:first] wrote: a stop string there came too early
-        if not stop_cut(text(len(out)), p.stop, False, ends_after=after):
-            return False
-        for k in range(first + 1, len(out) + 1):
-            if stop_cut(text(k), p.stop, False, ends_after=after):
-                del out[k:]
-                return True
-        return False

@@ -168,7 +168,7 @@ class EngineWorker:
         self.thread.start()
 
     def submit(self, req: Request) -> Job:
-        job = Job(req, asyncio.get_running_loop(), self.llm.tokenizer, self.metrics, self.llm.end_ids(req.params))
+        job = Job(req, asyncio.get_running_loop(), self.llm.tokenizer, self.metrics, self.llm.rules.end_ids(req.params))
         self.jobs.put(job)
         return job
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from treeflash.config import DTYPES, ModelConfig
-from treeflash.engine.llm import resolve_device
+from treeflash.engine.options import resolve_device
 from treeflash.errors import UsageError
 from treeflash.layers.attention import AttentionInputs
 from treeflash.models.loader import build_on
