@@ -261,6 +261,60 @@ def test_mixed_batch_honours_each_requests_parameters():
     assert torch.equal(together[2], logits[2].argmax(-1))
 
 
+def test_a_greedy_request_beside_a_sampled_one_takes_the_plain_argmax():
+    """A greedy request gets the argmax of its logits whatever its neighbours: at exact ties
+    (common in bf16) the lowest id, as alone, never a tie broken by the sampler's noise."""
+    logits = torch.zeros(2, 64, 8, dtype=torch.float64)
+    logits[..., 5] = logits[..., 2] = 1.0  # a tie at the top, at every position
+    pos = torch.arange(64).expand(2, 64)
+    sb = SamplingBatch.from_params([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)], "cpu")
+    got = sample(logits, pos, sb)
+    alone = sample(logits[:1], pos[:1], SamplingBatch.from_params([SamplingParams(temperature=0.0)], "cpu"))
+    assert (got[0] == 2).all() and torch.equal(got[0], alone[0])
+
+
+def test_seeds_that_differ_only_in_their_high_bits_give_other_streams():
+    """A seed is any integer in [0, 2^63): two that agree in their low 32 bits still
+    sample independently (a client's random 64-bit seeds must not collide)."""
+    seeds = [3, 3 + 2 ** 32, 3 + 2 ** 62]
+    tokens = draw(LOGITS, 1.0, seeds=seeds, positions=64)
+    assert not torch.equal(tokens[0], tokens[1]) and not torch.equal(tokens[0], tokens[2])
+    assert not torch.equal(tokens[1], tokens[2])
+
+
+def test_a_request_without_structured_outputs_beside_a_constrained_one_samples_as_alone():
+    """In a batch with a structured-output request, an unconstrained one reads the table's
+    row 0, which allows every token: its draws are those it gets alone; the constrained
+    one's stay within what its state allows."""
+    params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0, seed=2)]
+    sb = SamplingBatch.from_params(params, "cpu", V)
+    sb.guided_rows = 16
+    sb.grammar = torch.zeros(16, V, dtype=torch.int32)  # row 0: every token, staying in row 0
+    sb.grammar[1] = -1
+    sb.grammar[1, [2, 5]] = 1  # row 1 (the constrained request's state): only tokens 2 and 5
+    sb.grammar_start = sb.grammar_state = torch.tensor([0, 1])
+    pos = torch.arange(200).expand(2, 200)
+    got = sample(LOGITS.expand(2, 200, -1).clone(), pos, sb, states=sb.grammar_state[:, None].expand(2, 200))
+    alone = sample(LOGITS.expand(1, 200, -1).clone(), pos[:1], SamplingBatch.from_params(params[:1], "cpu"))
+    assert torch.equal(got[0], alone[0]) and set(got[1].tolist()) == {2, 5}
+
+
+def test_a_guided_draft_path_takes_the_best_candidate_its_state_allows():
+    """Under structured outputs the drafter's path goes, depth by depth, through the first
+    (most likely) of its candidates that the state allows (none: row 0, which allows all):
+    the draft is masked by the states of the path the target is likeliest to accept."""
+    sb = SamplingBatch.from_params([SamplingParams()], "cpu", 8)
+    sb.guided_rows = 16
+    sb.grammar = torch.full((16, 8), -1, dtype=torch.int32)
+    sb.grammar[0] = 0
+    sb.grammar[1, 2], sb.grammar[1, 5] = 2, 3  # state 1: token 2 -> state 2, token 5 -> state 3
+    sb.grammar[2, 7] = 1
+    sb.grammar[3, [0, 1]] = 1
+    sb.grammar_start = sb.grammar_state = torch.tensor([1])
+    candidates = torch.tensor([[[4, 5, 2], [6, 1, 0], [3, 4, 6], [0, 1, 2]]])  # best first, per depth
+    assert sb.path_states(candidates).tolist() == [[1, 3, 1, 0]]
+
+
 # --------------------------------------------------------------------------- through the engine
 
 

@@ -430,6 +430,44 @@ def test_a_vocabulary_slice_gets_the_same_bias_and_penalties():
     assert torch.isinf(whole[1][:, [0, 2, 3]]).all() and not torch.isinf(whole[0]).all()
 
 
+def test_a_vocabulary_slice_bans_the_same_bad_words():
+    """Under tensor parallelism each rank bans only the bad words' last tokens in its own
+    slice: its slice of the checked logits (tree paths included) equals that slice of the
+    whole, also where a word ends in the first token of the next rank's slice."""
+    from treeflash.engine.sampling import apply_controls
+    params = [SamplingParams(bad_words=["x"]), SamplingParams(bad_words=["y"])]
+    sb = SamplingBatch.from_params(params, "cpu", V, bad_sequences=[[[4], [6, 8]], [[3, 8], [11]]])
+    sb.extend_history(torch.tensor([[6], [3]]), torch.tensor([1, 1]))
+    tokens = torch.tensor([[6, 5, 6], [3, 8, 3]])  # the root (the last committed token), then two children
+    ancestors = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool).expand(2, 3, 3)
+    logits = torch.randn(2, 3, V, generator=torch.Generator().manual_seed(0))
+    positions = torch.tensor([[4, 5, 5], [4, 5, 5]])
+    whole = apply_controls(logits, positions, sb, 0, (tokens, ancestors))
+    for start in (0, 4, 8):
+        part = apply_controls(logits[..., start:start + 4], positions, sb, start, (tokens, ancestors))
+        assert torch.equal(part, whole[..., start:start + 4]), start
+    assert torch.isinf(whole[0, :, 4]).all() and torch.isinf(whole[0, [0, 2], 8]).all() and whole[0, 1, 8] > -1e9
+    assert torch.isinf(whole[1, [0, 2], 8]).all() and whole[1, 1, 8] > -1e9 and torch.isinf(whole[1, :, 11]).all()
+
+
+def test_a_one_node_tree_gets_its_own_history():
+    """The smallest tree (the root and one node: DDTree of budget 1, DFlash with blocks of 2):
+    the node's row is penalized and bad-word-checked with its own token in the output,
+    exactly as AR's next step after committing that token."""
+    from treeflash.engine.sampling import apply_controls
+    params = [SamplingParams(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=2.0, bad_words=["x"])]
+    sb, ar = (SamplingBatch.from_params(params, "cpu", V, [[5]], [set()], bad_sequences=[[[2, 3]]]) for _ in range(2))
+    for batch in (sb, ar):
+        batch.extend_history(torch.tensor([[1]]), torch.tensor([1]))  # the output so far: token 1 (the anchor)
+    logits = torch.randn(1, 2, V, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    tokens, ancestors = torch.tensor([[1, 2]]), torch.tensor([[[1, 0], [1, 1]]], dtype=torch.bool)
+    got = apply_controls(logits, torch.tensor([[3, 4]]), sb, 0, (tokens, ancestors))
+    assert torch.equal(got[:, :1], apply_controls(logits[:, :1], torch.tensor([[3]]), ar, 0))
+    ar.extend_history(torch.tensor([[2]]), torch.tensor([1]))  # AR commits the node's token 2
+    assert torch.equal(got[:, 1:], apply_controls(logits[:, 1:], torch.tensor([[4]]), ar, 0))
+    assert got[0, 1, 3] == float("-inf") and got[0, 0, 3] > float("-inf")  # "2 3" would complete below the node
+
+
 @pytest.mark.parametrize("kind", ["warm", "plain"])
 def test_penalized_streams_equal_ar(kind, spec_target, spec_drafter, ar_reference):
     """Greedy, sampled and filtered requests with penalties (and one with a bias too):
@@ -477,6 +515,19 @@ def test_a_kept_state_starts_each_request_with_an_empty_history(monkeypatch):
     for prompt in ("def fib(n):", "class Stack:", " return x"):
         assert llm.generate(prompt, params)[0].token_ids == fresh.generate(prompt, params)[0].token_ids, prompt
     assert llm.graph_captures > 0
+
+
+def test_a_prefill_checks_bad_words_against_an_empty_output():
+    """A prefill in pieces (a prefix-cached prompt's long rest) samples a token after each
+    piece: the request's first token is then checked against no output, not against the
+    token an earlier piece sampled (which would ban a word's last token wrongly)."""
+    from treeflash.engine.sampling import apply_controls
+    sb = SamplingBatch.from_params([SamplingParams(bad_words=["x"])], "cpu", V, bad_sequences=[[[3, 4]]])
+    sb.extend_history(torch.tensor([[3]]), torch.tensor([1]))  # an earlier piece's sampled token
+    logits = torch.zeros(1, 1, V)
+    assert apply_controls(logits, torch.tensor([[9]]), sb, 0)[0, 0, 4] == float("-inf")
+    sb.clear_history()
+    assert torch.equal(apply_controls(logits, torch.tensor([[9]]), sb, 0), logits)
 
 
 @pytest.mark.parametrize("min_tokens,want", [(0, [130, 105]), (1, [130, 105]), (2, [130, 105] * 2),

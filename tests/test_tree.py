@@ -10,7 +10,8 @@ import pytest
 import torch
 from tree_oracle import best_prefixes_heap, chain_of_scores, tree_of_logprobs
 
-from treeflash.engine.tree import ANCESTOR_ROW_ALIGN, DraftTree, _ancestor_matrix, build_chain, empty_tree, walk
+from treeflash.engine.tree import (ANCESTOR_ROW_ALIGN, DraftTree, _ancestor_matrix, build_chain, build_tree, empty_tree,
+                                   walk)
 from treeflash.layers.kv_cache import KVCache
 
 
@@ -147,6 +148,19 @@ def test_build_tree_certain_draft_gives_the_chain():
     check_structure(tree, D)
     assert node_prefixes(tree, 0) == [tuple((3 * d) % V for d in range(k)) for k in range(1, D + 1)]
     assert node_prefixes(tree, 1) == [(5,) * k for k in range(1, D + 1)]
+
+
+def test_build_tree_reads_only_the_first_budget_columns():
+    """A caller may pass more candidates per depth than the budget (a whole sorted
+    vocabulary, a sharded top-k's union): the tree is the one the top `budget` give."""
+    lp = random_logprobs(2, 3, 30, seed=21)
+    anchor = torch.tensor([4, 5])
+    vals, ids = lp.sort(dim=-1, descending=True)
+    wide = build_tree(vals, ids, anchor, 6)
+    narrow = tree_of_logprobs(lp, anchor, 6)
+    for got, want in zip((wide.tokens, wide.parents, wide.depths, wide.ancestors, wide.valid),
+                         (narrow.tokens, narrow.parents, narrow.depths, narrow.ancestors, narrow.valid)):
+        assert torch.equal(got, want)
 
 
 def test_a_chain_is_a_tree_of_one_path():
