@@ -15,6 +15,8 @@ from treeflash.errors import UsageError, is_text, shown
 from treeflash.files import read_json_object
 from treeflash.structured.grammar import StructuredOutputs
 
+MIN_TEMPERATURE = 1e-6  # a sampled request's temperature is at least this, on every path that samples
+                        # (torch and Triton: they must sample alike); 1e-40 overflowed logits / T to inf
 MAX_LOGPROBS = 20  # most likely alternatives a request may ask for per token (vLLM's default limit)
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value's bound, as OpenAI's
 MAX_PENALTY = 2.0       # presence / frequency penalties' bound, as OpenAI's

@@ -18,8 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from treeflash.engine.sampling import (MIN_TEMPERATURE, SamplingBatch, apply_bias, grammar_masked, gumbel_noise,
-                                       logprobs_of, sample)
+from treeflash.engine.sampling import SamplingBatch, apply_bias, grammar_masked, gumbel_noise, logprobs_of, sample
 from treeflash.engine.tree import DraftTree, build_chain, build_tree, walk
 from treeflash.errors import TreeflashError, UsageError
 from treeflash.layers.attention import AttentionInputs
@@ -28,7 +27,7 @@ from treeflash.memory import available_bytes
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.transformer import CausalLM
 from treeflash.ops import fused_enabled
-from treeflash.sampling_params import MAX_LOGPROBS
+from treeflash.sampling_params import MAX_LOGPROBS, MIN_TEMPERATURE
 
 try:  # Triton, used only when `fused_enabled` (CUDA inference)
     from treeflash.kernels.tree_build import build_tree_fused, fits

@@ -26,7 +26,8 @@ import torch
 
 from treeflash.distributed import TPGroup
 from treeflash.ops import fused_enabled
-from treeflash.sampling_params import BAD_WORD_TOKENS, MAX_BAD_SEQUENCES, MAX_LOGPROBS, SamplingParams
+from treeflash.sampling_params import (BAD_WORD_TOKENS, MAX_BAD_SEQUENCES, MAX_LOGPROBS, MIN_TEMPERATURE,
+                                       SamplingParams)
 from treeflash.structured.grammar import TokenAutomaton
 
 _M32 = 0xFFFFFFFF
@@ -346,8 +347,6 @@ def uniform_from_hash(h: torch.Tensor) -> torch.Tensor:
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
-MIN_TEMPERATURE = 1e-6  # a sampled request's temperature is at least this (1e-40 overflowed logits / T to
-                        # inf); the Triton kernels (treeflash.ops) write it out: they must sample alike
 MAX_FILTER_WIDTH = 4096  # past it a top-k filter sorts the whole vocabulary
 
 

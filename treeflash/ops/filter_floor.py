@@ -27,6 +27,9 @@ import triton.language as tl
 
 from treeflash.distributed import TPGroup
 from treeflash.kernels.chained import chained, start_after_previous
+from treeflash.sampling_params import MIN_TEMPERATURE
+
+_MIN_T = tl.constexpr(MIN_TEMPERATURE)  # a global a kernel reads must be a constexpr
 
 SPAN = 2048   # vocabulary entries per program of a pass over the row (75 for a 152K vocabulary)
 BLOCK = 256   # of them at a time
@@ -37,7 +40,7 @@ SEARCH_BELOW_TOP = tl.constexpr(40.0)  # nats (at T) below the top past which no
 def _pre_floor(vals_ptr, row, W, b, temp_ptr, topk_ptr, minp_ptr):
     """(the row's largest logit, T clamped as the torch path does, min-p's and top-k's
     floor) from the window `vals` [R, W] (sorted, largest first)."""
-    t = tl.maximum(tl.load(temp_ptr + b), 1e-6)  # MIN_TEMPERATURE (treeflash.engine.sampling)
+    t = tl.maximum(tl.load(temp_ptr + b), _MIN_T)
     top = tl.load(vals_ptr + row * W).to(tl.float32)
     k = tl.minimum(tl.maximum(tl.load(topk_ptr + b), 0), W)
     kth = tl.load(vals_ptr + row * W + tl.maximum(k - 1, 0)).to(tl.float32)
@@ -169,7 +172,7 @@ def _search_kernel(x_ptr, sx, vals_ptr, W, temp_ptr, lo_ptr, target_ptr, active_
         tl.store(prefix_ptr + LEVEL * R + row, prefix, mask=chunk == 0)
         tl.store(above_ptr + LEVEL * R + row, above, mask=chunk == 0)
         shift: tl.constexpr = BITS - 2 * (LEVEL + 1)
-        t = tl.maximum(tl.load(temp_ptr + row // T), 1e-6)  # MIN_TEMPERATURE
+        t = tl.maximum(tl.load(temp_ptr + row // T), _MIN_T)
         lo = tl.load(lo_ptr + row)
         m0 = tl.zeros([BLOCK], tl.float32)
         m1 = tl.zeros([BLOCK], tl.float32)

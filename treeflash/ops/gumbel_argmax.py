@@ -14,6 +14,9 @@ import triton
 import triton.language as tl
 
 from treeflash.kernels.chained import chained, start_after_previous
+from treeflash.sampling_params import MIN_TEMPERATURE
+
+_MIN_T = tl.constexpr(MIN_TEMPERATURE)  # a global a kernel reads must be a constexpr
 
 
 @triton.jit
@@ -49,7 +52,7 @@ def _gumbel_argmax_kernel(logits_ptr, row_stride, seed_ptr, pos_ptr, temp_ptr, f
                           T, V: tl.constexpr, BLOCK: tl.constexpr, SPAN: tl.constexpr, SAMPLED: tl.constexpr,
                           FLOOR: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, chunk): the argmax of ids chunk * SPAN + [0, SPAN) of its row;
-    SAMPLED: of logits / max(T, 1e-6) + noise where T > 0 (FLOOR: only logits >= the row's floor),
+    SAMPLED: of logits / max(T, MIN_TEMPERATURE) + noise where T > 0 (FLOOR: only logits >= the row's floor),
     a request's T rows sharing its seed and temperature. Writes (index, value) to slot
     row * chunks + chunk (a chunk of only -inf gives index 0, as a row of them does)."""
     start_after_previous(PDL)
@@ -59,7 +62,7 @@ def _gumbel_argmax_kernel(logits_ptr, row_stride, seed_ptr, pos_ptr, temp_ptr, f
         key = _noise_key(seed_ptr, pos_ptr, row, T)  # int64 holding the uint32 hash of (seed, position)
         t = tl.load(temp_ptr + row // T)             # float32, 0 = greedy
         greedy = t == 0
-        t_safe = tl.where(greedy, 1.0, tl.maximum(t, 1e-6))  # MIN_TEMPERATURE, as the torch path
+        t_safe = tl.where(greedy, 1.0, tl.maximum(t, _MIN_T))  # as the torch path
         if FLOOR:
             floor = tl.load(floor_ptr + row)         # float32: filters keep logits >= it
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
