@@ -14,6 +14,7 @@ and a power check shows the same test rejects a wrong distribution with p < 1e-1
 """
 from __future__ import annotations
 
+import math
 
 import pytest
 import torch
@@ -211,6 +212,17 @@ def test_filter_floor_is_the_whole_row_definition():
             alone = filter_floor(x[b:b + 1], SamplingBatch.from_params([p], "cpu"))[0]
             want = torch.tensor([floor_of_sorted_row(x[b, t], p) for t in range(2)], dtype=torch.float64)
             assert torch.equal(got[b], want) and torch.equal(alone, want), (it, b, p)
+
+
+def test_top_p_stops_where_the_mass_before_a_token_reaches_p():
+    """As vLLM's top-p: a token is kept while the mass of the tokens before it is below p;
+    at exactly p it is not (probabilities 0.5, 0.25, 0.25 with top_p 0.5 keep the first)."""
+    from treeflash.engine.sampling import filter_floor
+    x = torch.tensor([[[math.log(2.0), 0.0, 0.0]]], dtype=torch.float64)
+    floor = filter_floor(x, SamplingBatch.from_params([SamplingParams(temperature=1.0, top_p=0.5, seed=0)], "cpu"))
+    assert floor.item() == math.log(2.0)
+    floor = filter_floor(x, SamplingBatch.from_params([SamplingParams(temperature=1.0, top_p=0.51, seed=0)], "cpu"))
+    assert floor.item() == 0.0
 
 
 def test_ties_at_the_kth_logit_are_kept():
