@@ -493,7 +493,8 @@ class LLM:
             try:
                 for s in range(0, len(ids), step):
                     e = s + step
-                    with self.rules.automata.pinned([p.structured_outputs for p in params[s:e] if p.structured_outputs]):
+                    constraints = [p.structured_outputs for p in params[s:e] if p.structured_outputs]
+                    with self.rules.automata.pinned(constraints):
                         results += self._generate_batch(ids[s:e], params[s:e], _shifted(on_tokens, s),
                                                         _shifted(on_done, s))
             finally:
