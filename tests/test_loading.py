@@ -124,6 +124,15 @@ def test_tied_embeddings_stored_as_lm_head_only(hf_checkpoint, tmp_path):
     refused(lambda: LLM(folder, device="cpu", dtype="float32"), "model.embed_tokens.weight", "missing")
 
 
+def test_a_shard_gone_from_a_sharded_checkpoint_is_named_as_missing(hf_checkpoint, tmp_path):
+    """A sharded checkpoint with a shard gone (an interrupted download): refused in one
+    line that names the shard as missing, not as "not a safetensors file"."""
+    folder = hf_checkpoint("qwen3-tied-sharded").copy_to(tmp_path / "ck")
+    shard = sorted(set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values()))[1]
+    (folder / shard).unlink()
+    refused(lambda: LLM(folder, device="cpu", dtype="float32"), shard, "is missing from")
+
+
 # --------------------------------------------------------------------------- configs we cannot run
 
 
@@ -637,6 +646,13 @@ def test_stored_rotary_inverse_frequencies_are_ignored(tmp_path):
     assert len(llm.generate("def", SamplingParams(max_new_tokens=2, ignore_eos=True))[0].token_ids) == 2
 
 
+def test_loading_in_another_dtype_leaves_torchs_default_dtype(tmp_path):
+    """Models are built in the load dtype (torch's default dtype, process-wide, while they
+    are built); afterwards the caller's tensors are float32 again, not bfloat16."""
+    LLM(_tiny_target(tmp_path / "t"), device="cpu", dtype="bfloat16")
+    assert torch.get_default_dtype() == torch.float32 and torch.zeros(1).dtype == torch.float32
+
+
 def test_auto_dtype_is_the_dtype_most_weights_are_stored_in(tmp_path):
     """A bf16 checkpoint with a few small float32 tensors (norms, scales) is bf16."""
     from safetensors.torch import save_file
@@ -656,6 +672,35 @@ def test_a_config_ten_times_the_checkpoints_size_is_refused(tmp_path):
     big = torch.nn.Linear(1000, 10_000, bias=False, device="meta")
     with pytest.raises(TreeflashError, match="describes a model of"):
         check_model_size(tmp_path, big, shapes)
+
+
+def test_an_fp8_layer_stored_as_raw_bytes_is_refused(hf_checkpoint, tmp_path):
+    """An FP8 checkpoint whose layer holds its bytes as U8 (not F8_E4M3): refused naming
+    the weight and its dtype, not cast value by value into garbage FP8 weights."""
+    from treeflash.checkpoints import write_fp8_copy
+    folder = write_fp8_copy(hf_checkpoint("qwen3").path, tmp_path / "fp8", block=(16, 32))
+    key = "model.layers.0.self_attn.o_proj.weight"
+    w = load_file(str(folder / "model.safetensors"))
+    w[key] = w[key].view(torch.uint8)
+    save_file(w, str(folder / "model.safetensors"))
+    refused(lambda: LLM(folder, device="cpu", dtype="float32"), key, "dtype U8", "F8_E4M3")
+
+
+def test_nan_in_gpt_oss_experts_is_refused(tmp_path):
+    """gpt-oss's experts load through their own layout, not slices: a NaN there is refused
+    in one line as in any other weight (NaN logits pick token 0: a silent early stop)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from treeflash.checkpoints import write_tiny_tokenizer
+    write_tiny_tokenizer(tmp_path)
+    GptOssForCausalLM(GptOssConfig(vocab_size=260, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=2,
+                                   num_experts_per_tok=1, bos_token_id=0, eos_token_id=0, pad_token_id=1)
+                      ).save_pretrained(tmp_path)
+    w = load_file(str(tmp_path / "model.safetensors"))
+    w["model.layers.1.mlp.experts.gate_up_proj"][1, 3, 5] = float("nan")
+    save_file(w, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    refused(lambda: LLM(tmp_path, device="cpu", dtype="float32"), "layers.1.mlp.experts", "NaN or infinite")
 
 
 # ----------------------------------------------------------------------------- tokenizer BOS

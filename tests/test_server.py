@@ -337,6 +337,20 @@ def test_n_choices_per_prompt(client, llm):
     assert len(chat["choices"]) == 2 and chat["choices"][0]["message"] == chat["choices"][1]["message"]
 
 
+def test_usage_counts_a_prompts_cached_tokens_once_whatever_n():
+    """usage with n choices per prompt: each prompt's tokens, and the tokens its first
+    choice found in the prefix caches, are counted once (the later choices find the
+    first's prompt cached: counting theirs too would report more cached tokens than
+    prompt tokens); every choice's completion tokens count."""
+    from types import SimpleNamespace
+
+    from treeflash.server.protocol import Request, usage
+    req = Request("completion", [[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=2), n=2)
+    outputs = [SimpleNamespace(token_ids=[7, 8], stats={"cached_tokens": c}) for c in (0, 3, 1, 2)]
+    assert usage(req, outputs) == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13,
+                                   "prompt_tokens_details": {"cached_tokens": 1}}
+
+
 def test_logprobs_are_the_engines_in_openai_form(client, llm):
     """Completions: `logprobs: N` gives the legacy lists (each token's text, logprob,
     text offset, and up to N + 1 alternatives: the chosen one included); chat:
@@ -507,6 +521,16 @@ def test_prompt_logprobs_as_vllm_returns_them(client, llm):
     plp = chat["prompt_logprobs"]
     assert plp[0] is None and all(len(entry) == 1 for entry in plp[1:]) and "prompt_logprobs" not in chat["choices"][0]
     assert len(plp) == len(llm.chat_prompt([{"role": "user", "content": PROMPT}]))
+
+
+def test_echos_logprobs_keep_their_alternatives_beside_fewer_prompt_logprobs(client, llm):
+    """echo with logprobs N and prompt_logprobs k < N: the echoed prompt tokens still get
+    N alternatives (the engine computes max(N, k)), prompt_logprobs only k."""
+    n = len(llm.encode(PROMPT))
+    got = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "temperature": 0, "echo": True,
+                                               "logprobs": 3, "prompt_logprobs": 1}).json()["choices"][0]
+    assert all(3 <= len(t) <= 4 for t in got["logprobs"]["top_logprobs"][1:n])
+    assert all(1 <= len(entry) <= 2 for entry in got["prompt_logprobs"][1:])
 
 
 def test_token_bytes_rebuild_split_characters(llm, tmp_path):
@@ -725,6 +749,56 @@ def test_tokenize_and_detokenize(client, llm):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body)
 
 
+def test_token_ids_from_0_to_the_vocabulary_size_are_taken_and_none_past_it(client, llm):
+    """Token ids run from 0 to vocab_size - 1: both ends are taken wherever a request
+    names ids, and the first id past them (vocab_size) is refused like any larger one,
+    with a 400 naming the field (not a null param from the engine's own check, and not
+    an empty /detokenize text)."""
+    vocab = llm.config.vocab_size
+    for path, body, param in [("/v1/completions", {"logit_bias": {str(vocab): 1}}, "logit_bias"),
+                              ("/v1/completions", {"allowed_token_ids": [vocab]}, "allowed_token_ids"),
+                              ("/v1/completions", {"stop_token_ids": [vocab]}, "stop_token_ids"),
+                              ("/detokenize", {"tokens": [vocab]}, "tokens")]:
+        r = client.post(path, json={**body, **({"prompt": PROMPT, "max_tokens": 2} if "/v1" in path else {})})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        assert str(vocab) in r.json()["error"]["message"]
+    ends = [0, vocab - 1]
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "allowed_token_ids": ends,
+                                             "stop_token_ids": ends, "logit_bias": {str(t): 1 for t in ends}})
+    assert r.status_code == 200, r.text
+    assert client.post("/detokenize", json={"tokens": ends}).status_code == 200
+
+
+def test_tokenize_adds_a_prompts_special_tokens_as_completions_do(chat_model):
+    """/tokenize gives the ids /v1/completions reads: a prompt with the tokenizer's
+    special tokens (BOS) unless add_special_tokens is false; messages only if it is true
+    (the template writes its own)."""
+    from treeflash.server.protocol import parse_tokenize
+    seen = []
+
+    class Tokenizer:
+        def encode(self, text, special):
+            seen.append(special)
+            return [5]
+    template = ChatTemplate.from_folder(chat_model)
+    for body in ({"prompt": "x"}, {"prompt": "x", "add_special_tokens": False},
+                 {"messages": [{"role": "user", "content": "x"}]},
+                 {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True}):
+        assert parse_tokenize(body, "m", template, Tokenizer()) == ([5], False)
+    assert seen == [True, False, False, True]
+
+
+def test_special_tokens_are_left_out_of_the_text_unless_asked(client, llm):
+    """skip_special_tokens is true unless a request says false (OpenAI's and vLLM's
+    default): a special token the model writes (EOS, forced here) is not in the text."""
+    eos = llm.eos_token_ids[0]
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "logit_bias": {str(eos): 100}}
+    plain = client.post("/v1/completions", json=body).json()
+    assert plain["choices"][0]["text"] == "" and plain["usage"]["completion_tokens"] == 2
+    kept = client.post("/v1/completions", json={**body, "skip_special_tokens": False}).json()
+    assert kept["choices"][0]["text"] == llm.tokenizer.token_text(eos) * 2 != ""
+
+
 def test_prefix_caching_serves_the_next_turn_from_the_caches(llm, client, chat_model):
     """With `serve --enable-prefix-caching`, a chat's next turn reports the prompt tokens
     it found in the caches (usage.prompt_tokens_details.cached_tokens, as OpenAI) and
@@ -765,6 +839,36 @@ def test_seed_minus_one_is_no_seed():
     encode = lambda prompt, special=True, truncate=None: [5, 6]
     assert parse_completion({"prompt": "x", "seed": -1}, "m", encode, 64).params.seed is None
     assert parse_completion({"prompt": "x", "seed": 7}, "m", encode, 64).params.seed == 7
+
+
+def test_blank_bad_words_ban_nothing():
+    """bad_words that are blank ("" or whitespace, which no token sequence spells as a
+    word) ask for nothing, as "" in stop does: dropped, not a 400 for the whole request."""
+    from treeflash.server.protocol import parse_completion
+    encode = lambda prompt, special=True, truncate=None: [5, 6]
+    assert parse_completion({"prompt": "x", "bad_words": ["", " ", "foo"]}, "m", encode, 64).params.bad_words \
+        == ["foo"]
+    assert parse_completion({"prompt": "x", "bad_words": ["", "\n"]}, "m", encode, 64).params.bad_words is None
+
+
+def test_max_tokens_left_out_is_openais_16_for_completions_and_what_fits_for_chat(chat_model):
+    """Without max_tokens a completion gets at most 16 tokens (OpenAI's default), fewer
+    where the context has less room; a chat request gets what fits the context."""
+    from treeflash.server.protocol import parse_chat, parse_completion
+    encode = lambda prompt, special=True, truncate=None: [5, 6]
+    assert parse_completion({"prompt": "x"}, "m", encode, 64).params.max_new_tokens == 16
+    assert parse_completion({"prompt": "x"}, "m", encode, 10).params.max_new_tokens == 8
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert parse_chat(chat, "m", ChatTemplate.from_folder(chat_model), encode, 64).params.max_new_tokens == 62
+
+
+def test_1024_choices_per_request_are_taken():
+    """The request limits are inclusive: 1024 prompts, or prompts x n = 1024 choices, are
+    taken (1025 are refused: the error table above)."""
+    from treeflash.server.protocol import parse_completion
+    encode = lambda prompt, special=True, truncate=None: [5, 6]
+    assert len(parse_completion({"prompt": ["x"] * 1024}, "m", encode, 64).runs()) == 1024
+    assert len(parse_completion({"prompt": ["x"] * 512, "n": 2}, "m", encode, 64).runs()) == 1024
 
 
 def test_a_range_error_shows_its_bounds_as_written():
@@ -1393,6 +1497,15 @@ def test_sampling_defaults_come_from_generation_config(tmp_path, llm):
             want = SamplingParams(max_new_tokens=12, temperature=1.5, min_p=want_p, seed=5, ignore_eos=True,
                                   repetition_penalty=rep)
             assert got == llm.generate(PROMPT, want)[0].text
+
+
+def test_generation_configs_max_new_tokens_is_the_chat_default(tmp_path):
+    """generation_config.json's max_new_tokens becomes the max_tokens of a chat request
+    that leaves it out (as in vLLM), and the startup line says so."""
+    from treeflash.server.protocol import SamplingDefaults
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "max_new_tokens": 7}))
+    defaults = SamplingDefaults.from_folder(tmp_path)
+    assert (defaults.temperature, defaults.max_tokens) == (0.7, 7) and "chat max_tokens 7" in defaults.describe()
 
 
 @pytest.mark.parametrize("args,words", [(["--max-batch", "0"], "--max-batch"), (["--port", "0"], "--port"),
