@@ -850,3 +850,86 @@ def test_stop_reason_of_an_end_token_also_listed_in_stop_token_ids(llm):
     assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", None)
     out = llm.generate(ENGINE_PROMPTS[0], SamplingParams(**forced, ignore_eos=True))[0]
     assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", eos)
+
+
+def test_allowed_token_ids_that_all_end_the_request_are_taken_without_min_tokens(llm):
+    """A request that may only pick one of a few label tokens, each of which ends it
+    (allowed_token_ids = stop_token_ids), is served: one label, stop_reason naming it;
+    only min_tokens holding every allowed token back is refused."""
+    labels = [5, 7]
+    out = llm.generate(ENGINE_PROMPTS[0], SamplingParams(allowed_token_ids=labels, stop_token_ids=labels,
+                                                         max_new_tokens=4))[0]
+    assert len(out.token_ids) == 1 and out.token_ids[0] in labels
+    assert (out.finish_reason, out.stop_reason, out.text) == ("stop", out.token_ids[0], "")
+
+
+def test_the_auto_device_is_the_gpu_where_there_is_one(monkeypatch):
+    """device="auto", LLM's and the command line's default, runs on the GPU where there is
+    one and on the CPU where there is none (not failing there)."""
+    from treeflash.engine.options import resolve_device
+    for available, want in ((False, "cpu"), (True, "cuda")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+        assert resolve_device("auto") == torch.device(want)
+
+
+def test_structured_outputs_on_a_model_without_an_end_token_need_a_stop_token(llm):
+    """A model with no EOS could never end a structured output: refused in one line, unless
+    stop_token_ids gives the token that ends it."""
+    from treeflash import StructuredOutputs
+    from treeflash.engine.requests import RequestRules
+    rules = RequestRules(llm.tokenizer, llm.config.vocab_size, eos_token_ids=[])
+    choice = StructuredOutputs(choice=["ab"])
+    with pytest.raises(UsageError, match="structured outputs need an end token: this model has no EOS, "
+                                         "give stop_token_ids"):
+        rules.check(SamplingParams(structured_outputs=choice))
+    rules.check(SamplingParams(structured_outputs=choice, stop_token_ids=[llm.eos_token_ids[0]]))
+
+
+def test_bad_words_at_their_limits_are_taken(llm):
+    """The bad-word limits are "at most": a word of BAD_WORD_TOKENS tokens, and words that
+    make MAX_BAD_SEQUENCES token sequences, are taken; one more is refused, saying so."""
+    from treeflash.sampling_params import BAD_WORD_TOKENS, MAX_BAD_SEQUENCES
+    rules = llm.rules
+    word = "abcdefghijklmnop"[:BAD_WORD_TOKENS]
+    assert len(llm.encode(word, special=False)) == BAD_WORD_TOKENS  # one token a letter
+    assert rules.bad_sequences(SamplingParams(bad_words=[word])) == [llm.encode(word, special=False)]
+    with pytest.raises(UsageError, match=f"is {BAD_WORD_TOKENS + 1} tokens \\(at most {BAD_WORD_TOKENS}\\)"):
+        rules.bad_sequences(SamplingParams(bad_words=[word + "q"]))
+    words = ["x="] * MAX_BAD_SEQUENCES  # one token sequence each (the spaced spelling is a token longer)
+    assert len(rules.bad_sequences(SamplingParams(bad_words=words))) == MAX_BAD_SEQUENCES
+    with pytest.raises(UsageError, match=f"make {MAX_BAD_SEQUENCES + 1} token sequences "
+                                         f"\\(at most {MAX_BAD_SEQUENCES}\\)"):
+        rules.bad_sequences(SamplingParams(bad_words=words + ["x="]))
+
+
+def test_a_bad_word_with_leading_blanks_is_the_word(llm):
+    """Blanks before a bad word do not change what it bans: the word as written and after
+    a space, as vLLM strips it (not a word spelled with those blanks)."""
+    rules = llm.rules
+    assert rules.bad_sequences(SamplingParams(bad_words=["  x="])) == \
+        rules.bad_sequences(SamplingParams(bad_words=["x="])) == [llm.encode("x=", special=False)]
+
+
+def test_the_tree_attention_kernel_is_taken_only_where_every_head_size_fits():
+    """On CUDA a model pair runs on the Triton tree-attention kernel only if it has tiles
+    for each of their head sizes (a drafter's may differ from its target's); else on the
+    SDPA reference, as on the CPU."""
+    pytest.importorskip("triton")
+    from treeflash.engine.options import attention_backend
+    from treeflash.kernels.tree_attention import supports
+    cuda, odd = torch.device("cuda", 0), 96  # a head size without tiles
+    assert supports(64) and supports(128) and not supports(odd)
+    assert attention_backend(cuda, [128, 64]) == "triton"
+    assert attention_backend(cuda, [128, odd]) == attention_backend(cuda, [odd, 128]) == "sdpa"
+    assert attention_backend(torch.device("cpu"), [128]) == "sdpa"
+
+
+def test_a_bad_words_spelling_after_a_space_counts_only_with_as_many_tokens():
+    """As vLLM: a bad word is banned as written, and after a space only where that spelling
+    is as many tokens ("hello", " hello": 3 each); " Python" (one token, "Python" two) is
+    not banned, so the engine bans what vLLM bans, no more."""
+    llm = LLM(builtin_paths()[0], device="cpu", dtype="float32", method="ar")
+    encode = llm.tokenizer.encode
+    assert len(encode("Python", special=False)) == 2 and len(encode(" Python", special=False)) == 1
+    assert llm.rules.bad_sequences(SamplingParams(bad_words=["Python", "hello"])) == \
+        [encode("Python", special=False), encode("hello", special=False), encode(" hello", special=False)]

@@ -678,3 +678,66 @@ def test_a_forced_tools_bad_schema_is_named_beside_a_text_response_format(script
                                                       "response_format": {"type": "text"}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
         assert r.json()["error"]["message"].startswith("tool 'broken', parameters schema: "), r.text
+
+
+# ------------------------------------------------------------------------------ messages and templates
+
+@pytest.mark.parametrize("messages,message", [
+    ([], "'messages' must be a non-empty list of messages"),
+    ([{"role": "assistant"}], r"messages\[0\] must have string 'content'"),  # no content and no tool calls
+    ([{"role": "user", "content": [{"text": "hi"}]}], r"messages\[0\]: only text content parts are supported"),
+    ([{"role": "user\udcff", "content": "hi"}], r"messages\[0\] must be valid Unicode text"),
+])
+def test_malformed_conversations_are_refused_naming_the_message(messages, message):
+    """A conversation the template could not render as given is a one-line UsageError
+    naming what is wrong, not a prompt rendered without it."""
+    with pytest.raises(UsageError, match=message):
+        ChatTemplate("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}").prompt(messages)
+
+
+def test_an_empty_list_of_tools_is_no_tools(scripted):
+    """OpenAI clients send "tools": [] for none: the prompt is the one without tools (the
+    template sees tools none), not a tool prompt listing nothing."""
+    client, prompts = scripted
+    client.llm.chat(MESSAGES, tools=[])
+    with_empty = prompts[-1]
+    client.llm.chat(MESSAGES)
+    assert with_empty == prompts[-1] and with_empty.startswith("[none]")
+
+
+def test_a_tools_parameters_without_a_type_are_an_object():
+    """A function's parameters schema that leaves out "type" (properties only) describes
+    keyword arguments as OpenAI reads it: taken, not refused as "must be a list"."""
+    from treeflash.chat import checked_tools
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"properties": {"city": {}}}}}]
+    assert checked_tools(tools) == tools
+
+
+def test_a_final_message_the_template_rewrites_cannot_be_continued():
+    """continue_final_message ends the prompt inside the final message's text: a template
+    that writes another text there is refused, not continued from a prompt that does not
+    end in what the client gave."""
+    from treeflash.chat import ChatFormat
+    template = ChatTemplate("{% for m in messages %}{{ m.content | replace('x', 'y') }}{% endfor %}")
+    continued = ChatFormat(add_generation_prompt=False, continue_final_message=True)
+    assert template.prompt([{"role": "assistant", "content": "abc"}], continued) == "abc"
+    with pytest.raises(UsageError, match="does not write the final message's text as given: it cannot be continued"):
+        template.prompt([{"role": "assistant", "content": "fix"}], continued)
+
+
+def test_tojson_in_a_template_writes_text_as_it_is():
+    """Templates write tools and calls with tojson as transformers' does (ensure_ascii off):
+    "°C" reaches the model as the characters, not as \\u00b0 escapes it was not trained on."""
+    template = ChatTemplate("{{ messages[0].content | tojson }}")
+    assert template.prompt([{"role": "user", "content": "20 °C, 東京"}]) == '"20 °C, 東京"'
+
+
+@pytest.mark.parametrize("name", ["add_generation_prompt", "continue_final_message"])
+def test_chat_format_switches_must_be_booleans(name):
+    """add_generation_prompt / continue_final_message given as "false" (which would read as
+    true) are refused, naming the option."""
+    from treeflash.chat import ChatFormat
+    with pytest.raises(UsageError, match=f"{name} must be true or false, got 'false'") as e:
+        ChatTemplate("{{ messages[0].content }}").prompt([{"role": "user", "content": "hi"}],
+                                                          ChatFormat(**{name: "false"}))
+    assert e.value.param == name
