@@ -297,6 +297,18 @@ def test_array():
     check(nested, good=[[], [[]], [[True], [False, True], []]], bad=[[[True, True, True]], [True]])
 
 
+def test_no_items_allowed_is_the_empty_array_only():
+    """maxItems 0: the automaton's one text is [] (two edges, '[' then ']'), no item in any form."""
+    from treeflash.structured.regex import compile_regex
+    dfa = compile_regex(regex_of({"type": "array", "items": {"type": "boolean"}, "maxItems": 0}))
+    assert dfa.matches(b"[]") and int((dfa.trans >= 0).sum()) == 2
+
+
+def test_counts_up_to_the_largest_supported_are_kept():
+    """A count of 1000, the largest supported (maxLength: 1000 is common), is enforced, not refused."""
+    check({"type": "string", "maxLength": 1000}, good=["a" * 1000], bad=["a" * 1001])
+
+
 def test_array_refusals():
     refused({"type": "array"}, "without 'items' at $")
     refused({"type": "array", "items": [{"type": "string"}]}, "'items' at $", "tuple form")
@@ -306,6 +318,7 @@ def test_array_refusals():
     refused({"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 2}, "'maxItems' at $")
     refused({"type": "array", "items": {"type": "string"}, "minItems": -1}, "'minItems' at $")
     refused({"type": "array", "items": {"type": "string"}, "maxItems": 2.5}, "'maxItems' at $")
+    refused({"type": "array", "items": {"type": "string"}, "minItems": True}, "'minItems' at $")  # not read as 1
     refused({"type": "array", "items": True}, "any JSON value at $.items")
 
 

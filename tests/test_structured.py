@@ -89,7 +89,7 @@ def test_the_automaton_is_minimal():
     ("[a", "missing '\\]'"), ("[z-a]", "out of order"), ("a^b", "anchors"), ("a{2000}", "above 1000"), ("a{" + "9" * 5000 + "}", "above 1000"),
     ("(?i)a", "flags"), (r"\x4", "hex digits"), ("[^\\s\\S]", "matches no text"), ("a\\", "trailing backslash"),
     ("(?:(?:a{1000}){1000}){1000}", "expands past"), (r"\012", "octal"), (r"\ud800", "surrogate"),
-    ("\ud800", "surrogate"), ("(" * 2000 + ")" * 2000, "nests too deeply"),
+    ("\ud800", "surrogate"), ("(" * 2000 + ")" * 2000, "nests too deeply"), (r"a|\U00110000", "not a character"),
     ("(" + "a?" * 5000 + ")", "takes too long to build"),  # each within the NFA's size, seconds to compile
     ("(?:, ?-?(?:0|[1-9][0-9]*)){999}", "takes too long to minimise"),
 ])
@@ -139,6 +139,32 @@ def test_a_constraint_the_tokens_cannot_spell_is_refused():
         token_automaton(compile_regex("z+"), [b"a", b"b", None])
     with pytest.raises(UsageError, match="too complex"):
         token_automaton(compile_regex("[ab]{0,50}"), [b"a", b"b"] * 100, max_bytes=1000)
+
+
+def test_a_stop_token_that_is_also_text_cuts_the_ways_only_it_went_on():
+    """Under "ab|c" with "b" a stop token (no longer text), "a" leads nowhere: it is not
+    allowed, so no state the text reaches is left without a token to take."""
+    from treeflash.structured.grammar import with_ends
+    table = with_ends(token_automaton(compile_regex("ab|c"), [b"a", b"b", b"c"]), [1], 3)
+    assert table[0, 0] == -1 and table[0, 2] >= 0
+
+
+def test_a_bad_word_stays_banned_inside_another_begun_one():
+    """bad_words "a b" and "c" under the regex "ac": after "a" (which begins "a b") the only
+    way on is "c", banned too, so the request is refused up front, not left stuck."""
+    auto = token_automaton(compile_regex("ac"), [b"a", b"b", b"c"])
+    with pytest.raises(UsageError, match="ban every way to finish"):
+        auto.check_bans([[0, 1], [2]], auto.next)
+
+
+def test_constraints_that_differ_in_any_field_are_cached_apart():
+    """The cache key tells every field apart, the reasoning parser included: a qwen3
+    request never gets the automaton of the same regex without reasoning."""
+    constraints = [StructuredOutputs(regex="a"), StructuredOutputs(regex="a", reasoning="qwen3"),
+                   StructuredOutputs(regex="a", reasoning="deepseek_r1"), StructuredOutputs(choice=["a"]),
+                   StructuredOutputs(grammar='root ::= "a"'), StructuredOutputs(json={"const": "a"}),
+                   StructuredOutputs(json_object=True)]
+    assert len({c.key() for c in constraints}) == len(constraints)
 
 
 # --- the engine ---
@@ -231,6 +257,7 @@ DEEP = _nested(100_000)  # deeper than json.dumps recurses (Python 3.12+ went pa
     (dict(structured_outputs=StructuredOutputs(choice=[])), "non-empty list of strings"),
     (dict(structured_outputs=StructuredOutputs(choice=["a", 3])), "non-empty list of strings"),
     (dict(structured_outputs=StructuredOutputs(regex=5)), "regex must be a string"),
+    (dict(structured_outputs=StructuredOutputs(grammar=5)), "grammar must be a string"),
     (dict(structured_outputs=StructuredOutputs(json=[1])), "json must be a JSON schema"),
     (dict(structured_outputs=StructuredOutputs(json={"type": object})), "not a JSON value"),
     (dict(structured_outputs={"regex": "a"}), "must be StructuredOutputs"),
@@ -697,6 +724,8 @@ def test_a_grammar_without_recursion_compiles_once_and_its_rules_once():
     ('start: "a"', "Lark"),
     ('root ::= "a', "missing closing"),
     ("root ::= []", "empty character class"),
+    ('root ::= "b" | [z-a]', "class range out of order"),
+    ('root ::= "\\udc00"', "\\udc00 is not a character"),  # a surrogate: said in the grammar's terms
     ('root ::= "\\q"', "unknown escape"),
     ('root ::= "a"\nroot ::= "b"', "defined twice"),
     ('root ::= "a" | (', "missing ')'"),
@@ -846,6 +875,19 @@ def test_a_dash_before_the_closing_bracket_is_a_dash():
 def test_m_repeats_exactly_m_times():
     dfa = _grammar_automaton('root ::= [0-9]{3} ("ab"){2}')
     assert dfa.matches(b"123abab") and not dfa.matches(b"1234abab") and not dfa.matches(b"123ababab")
+
+
+def test_plus_repeats_at_least_once_and_star_may_be_empty():
+    """GBNF's `+` needs one item at least, `*` and `?` none."""
+    dfa = _grammar_automaton('root ::= [0-9]+ "x"* "y"?')
+    assert dfa.matches(b"1") and dfa.matches(b"12xxy") and not dfa.matches(b"") and not dfa.matches(b"xy")
+
+
+def test_grammar_escapes_are_the_characters_they_name():
+    """In literals and classes, \\t \\r \\n \\\\ \\" \\xHH \\uHHHH are those characters (a TSV line's tab)."""
+    dfa = _grammar_automaton('root ::= "a\\tb\\r\\n\\\\\\"\\x41\\u00e9" [\\t]')
+    assert dfa.matches('a\tb\r\n\\"Aé\t'.encode())
+    assert not dfa.matches('atbrn\\"Aét'.encode()) and not dfa.matches(b'a\\tb\\r\\n\\\\\\"\\x41\\u00e9\\t')
 
 
 def test_choices_are_matched_literally_through_structured_outputs():
