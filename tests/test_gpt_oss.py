@@ -345,3 +345,57 @@ def test_gpu_engine_graphs_match_eager(method, budget, tmp_path):
     graphed = assert_graphed_equals_eager_and_ar(tmp_path, drafter, method, budget, prompts, 40)
     assert graphed.target.model.layers[0].self_attn.window == 8
     assert any(isinstance(m, SparseMoE) for m in graphed.target.modules())
+
+
+def test_tree_branches_deeper_than_the_window_match_transformers_on_their_paths(gpt_oss):
+    """DDTree's verify block: a tree node sits at position n + depth, not at n + its slot,
+    and its window counts positions along its own path. A root with two branches of 8
+    tokens (the second's slots 8 past its depths), window 6: every node gets the logits
+    transformers gives the prompt followed by that node's path."""
+    folder, model = gpt_oss
+    llm = LLM(folder, device="cpu", dtype="float32")
+    W = llm.config.sliding_window
+    ids = llm.encode(ENGINE_PROMPTS[1])
+    n, depth = 10, 8
+    assert depth > W and len(ids) > n + depth
+    root, first, second = ids[n], ids[n + 1:n + 1 + depth], [5 + i for i in range(depth)]
+    tokens = [root] + first + second
+    T = len(tokens)
+    positions = torch.tensor([n] + [n + d for d in range(1, depth + 1)] * 2)
+    mask = torch.zeros(T, T, dtype=torch.bool)
+    mask[:, 0] = True
+    for branch in (range(1, depth + 1), range(depth + 1, T)):
+        for i in branch:
+            mask[i, branch.start:i + 1] = True
+    cache = llm.target.new_cache(1, n + T)
+    with torch.no_grad():
+        llm.target(torch.tensor([ids[:n]]), AttentionInputs.causal(torch.arange(n)[None], kv_len=n), cache)
+        inputs = AttentionInputs(positions[None], torch.tensor([n]), mask[None], kv_len=n + T)
+        logits = llm.target.logits(llm.target(torch.tensor([tokens]), inputs, cache)[0])[0]
+    want_first = hf_logits(model, ids[:n + 1 + depth])[n:]
+    want_second = hf_logits(model, ids[:n + 1] + second)[n + 1:]
+    assert rel_err(logits[:depth + 1], want_first) < 1e-5
+    assert rel_err(logits[depth + 1:], want_second) < 1e-5
+
+
+# ------------------------------------------------------------------------------ MXFP4 experts under TP
+
+@pytest.mark.parametrize("intermediate", [32, 64], ids=["rank-slices-inside-a-group", "rank-slices-on-group-edges"])
+def test_mxfp4_experts_under_tp2_give_the_tp1_tokens(gpt_oss, tmp_path, intermediate):
+    """The published MXFP4 experts on 2 ranks: each rank dequantizes its own slice of the
+    down projection's 32-value groups (half an expert's intermediate size: a slice that
+    starts inside a group, or on a group's edge), and TP = 2 gives the TP = 1 tokens."""
+    folder = gpt_oss[0]
+    if intermediate != GPT_OSS_TINY["intermediate_size"]:
+        folder = tmp_path / "wide"
+        _write_gpt_oss(folder, intermediate_size=intermediate)
+    mx = write_mxfp4_copy(folder, tmp_path / "mxfp4")
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    outs = {}
+    for tp in (1, 2):
+        llm = LLM(mx, device="cpu", dtype="float64", tp=tp)
+        try:
+            outs[tp] = [o.token_ids for o in llm.generate(ENGINE_PROMPTS, params)]
+        finally:
+            llm.close()
+    assert outs[1] == outs[2]

@@ -13,6 +13,7 @@ vocabulary (an elementwise ratio would be meaningless for logits near zero).
 """
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -375,3 +376,136 @@ def test_a_batch_of_draft_rows_reads_each_weight_once():
         ops = [e.key for e in prof.key_averages()]
         assert "aten::bmm" not in ops and y.shape == (*x.shape[:-1], 48)
         assert torch.allclose(y, F.linear(x, w, b), rtol=0, atol=1e-12)
+
+
+# ------------------------------------------------------------------------ weights and configs a real checkpoint has
+
+
+def _retrained_copy(ck, folder, rms_norm_eps: float):
+    """transformers' model of checkpoint `ck` with another rms_norm_eps and its norm weights
+    and biases drawn away from their init (ones, zeros: where a swapped norm or a dropped
+    bias or eps changes nothing), saved to `folder` with ck's tokenizer."""
+    cfg = copy.deepcopy(ck.model.config)
+    cfg.rms_norm_eps = rms_norm_eps
+    model = type(ck.model)(cfg).eval()
+    model.load_state_dict(ck.model.state_dict())
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(folder)
+    for f in ck.path.iterdir():
+        if f.name.startswith("tokenizer"):
+            (folder / f.name).write_bytes(f.read_bytes())
+    return model
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama-tied-bias"])
+def test_trained_norm_weights_biases_and_eps_match_transformers(hf_checkpoint, tmp_path, name):
+    """A real checkpoint's norms (q/k norms included) have their own weights, its biases are
+    not zero and its rms_norm_eps is its own: each reaches the layer it belongs to."""
+    ck = hf_checkpoint(name)
+    model = _retrained_copy(ck, tmp_path, rms_norm_eps=0.05)
+    llm = LLM(tmp_path, device="cpu", dtype="float32")
+    prompts = encode_all(llm)
+    batch = padded(prompts)
+    cached = tf_logits(llm, batch, llm.target.new_cache(3, batch.shape[1]))
+    for b, ids in enumerate(prompts):
+        ref = hf_logits(model, ids)
+        assert rel_err(cached[b, :len(ids)], ref) < 1e-5, f"{name} prompt {b}"
+        assert rel_err(hf_logits(ck.model, ids), ref) > 1e-3  # the changes matter
+
+
+def test_qwen3_sliding_window_through_the_kv_cache_matches_transformers(hf_checkpoint, clone_checkpoint):
+    """The engine prefills a prompt through the KV cache and decodes from it: with a
+    Qwen3 sliding window (no sinks) shorter than the prompt, both give transformers'
+    logits and greedy tokens."""
+    from transformers import AutoModelForCausalLM
+    folder = clone_checkpoint(hf_checkpoint("qwen3").path, layer_types=None, use_sliding_window=True,
+                              sliding_window=8, max_window_layers=0)
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ref.generation_config.eos_token_id = None
+    llm = LLM(folder, device="cpu", dtype="float32")
+    assert llm.config.sliding_layers == (0, 1)
+    ids = encode_all(llm)[1]
+    assert len(ids) > 2 * llm.config.sliding_window
+    cached = tf_logits(llm, torch.tensor([ids]), llm.target.new_cache(1, len(ids)))[0]
+    assert rel_err(cached, hf_logits(ref, ids)) < 1e-5
+    out = llm.generate([ids], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(ref, ids, 12)
+
+
+@pytest.mark.parametrize("rope", [
+    # Qwen3's documented YaRN: beta_fast / beta_slow / truncate left to their defaults (32, 1, true)
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 65536},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 65536, "attention_factor": 0.8,
+     "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False},
+], ids=["defaults", "explicit"])
+def test_qwen3_yarn_rope_matches_transformers(hf_checkpoint, clone_checkpoint, rope):
+    """A Qwen3 with YaRN rope scaling, as Qwen documents it for long contexts (theta and
+    original context picked so that the ramp reaches past the middle of the head)."""
+    from transformers import AutoModelForCausalLM
+    ck = hf_checkpoint("qwen3")
+    folder = clone_checkpoint(ck.path, rope_parameters={**rope, "rope_theta": 10000.0})
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(folder, device="cpu", dtype="float32")
+    ids = encode_all(llm)[1]
+    want = hf_logits(ref, ids)
+    assert rel_err(tf_logits(llm, torch.tensor([ids]))[0], want) < 1e-5
+    assert rel_err(hf_logits(ck.model, ids), want) > 1e-3  # the scaling matters
+
+
+def test_tapped_features_are_transformers_hidden_states(hf_checkpoint):
+    """The drafter reads the target's residual stream after each tapped layer: what
+    transformers returns as hidden_states[id + 1] (after the final norm for the last
+    layer), which published drafters were trained on."""
+    ck = hf_checkpoint("qwen3")
+    llm = LLM(ck.path, device="cpu", dtype="float32")
+    ids = encode_all(llm)[1]
+    T = len(ids)
+    with torch.no_grad():
+        _, feats = llm.target(torch.tensor([ids]), AttentionInputs.causal(torch.arange(T)[None]), taps=[0, 1])
+        hidden = ck.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    H = llm.config.hidden_size
+    for j, layer in enumerate([0, 1]):
+        assert rel_err(feats[0, :, j * H:(j + 1) * H], hidden[layer + 1][0]) < 1e-5, layer
+
+
+def test_vocabulary_shards_embed_each_id_once():
+    """Under tensor parallelism each rank embeds only the ids of its vocabulary slice and
+    the all-reduce sums the shares: the ids at the slices' edges get their own row, once."""
+    from treeflash.distributed import TPGroup
+    from treeflash.layers.embedding import VocabParallelEmbedding
+
+    class Unreduced(TPGroup):   # each rank's share, before the all-reduce
+        def all_reduce(self, x):
+            return x
+
+    V, D, n = 12, 5, 3
+    table = torch.randn(V, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    ids = torch.arange(V)[None]
+    total = torch.zeros(1, V, D, dtype=torch.float64)
+    for rank in range(n):
+        emb = VocabParallelEmbedding(V, D, Unreduced(rank=rank, size=n)).double()
+        emb.weight.data.copy_(table[rank * V // n:(rank + 1) * V // n])
+        total += emb(ids)
+    assert torch.equal(total, table[None])
+
+
+def test_rms_norm_in_bfloat16_rounds_as_transformers(hf_checkpoint):
+    """A bf16 model's RMSNorm: computed in float32, cast back, then times the weight in
+    bf16, bit for bit as transformers' (any other order rounds differently)."""
+    from treeflash.layers.norm import RMSNorm
+    theirs = copy.deepcopy(hf_checkpoint("qwen3").model.model.norm)
+    ours = RMSNorm(theirs.weight.shape[0], theirs.variance_epsilon)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        ours.weight.copy_(1 + torch.randn(ours.weight.shape, generator=gen))
+        theirs.weight.copy_(ours.weight)
+    ours, theirs = ours.to(torch.bfloat16), theirs.to(torch.bfloat16)
+    x = (3 * torch.randn(4, 7, ours.weight.shape[0], generator=gen)).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(ours(x), theirs(x))

@@ -455,3 +455,32 @@ def test_invalid_budget_cli(budget, spec_target, spec_drafter, capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert err.count("\n") == 1 and "budget" in err and "Traceback" not in err
+
+
+# -------------------------------------------------------------------------- the drafter's context K/V
+
+def test_drafter_context_kv_is_its_layers_own_k_and_v():
+    """The drafter projects committed target features into its context cache with only
+    the k/v rows of each layer's QKV projection: the k (normed, rotated) and v that the
+    whole projection gives for those positions, its biases included (a drafter config may
+    set attention_bias), as the block's own keys are made."""
+    from treeflash.config import DraftConfig
+    from treeflash.models.dflash import DFlashDraftModel
+    cfg = DraftConfig.from_dict({
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": 300, "max_position_embeddings": 256, "attention_bias": True, "block_size": 8,
+        "num_target_layers": 4, "dflash_config": {"mask_token_id": 2, "target_layer_ids": [1, 2]}})
+    torch.manual_seed(0)
+    drafter = DFlashDraftModel(cfg).double()
+    for p in drafter.parameters():   # norm weights and biases away from their 1 and 0
+        p.data.normal_(0, 0.3)
+    assert drafter.layers[0].self_attn.qkv_proj.bias is not None and drafter.layers[0].self_attn.k_norm is not None
+    features = torch.randn(2, 5, 2 * 64, dtype=torch.float64)
+    positions = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
+    ctx = drafter.hidden_norm(drafter.fc(features))
+    cos, sin = drafter.rotary.cos_sin(positions, ctx.dtype)
+    for layer, (k, v) in zip(drafter.layers, drafter.context_kv(features, positions)):
+        _, k_all, v_all = layer.self_attn.project_qkv(ctx, cos, sin)
+        torch.testing.assert_close(k, k_all, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(v, v_all, rtol=1e-12, atol=1e-12)
