@@ -832,53 +832,53 @@ def test_serve_flags_reach_the_engine_and_app():
         is False
 
 
+def two_tokens(prompt, special=True, truncate=None) -> list[int]:
+    """An encoder for the request parsers that reads every prompt as two tokens."""
+    return [5, 6]
+
+
 def test_seed_minus_one_is_no_seed():
     """vLLM's seed -1 means "no seed" (front-ends send it for a random answer); other
     negative seeds stay errors (the error table above)."""
     from treeflash.server.protocol import parse_completion
-    encode = lambda prompt, special=True, truncate=None: [5, 6]
-    assert parse_completion({"prompt": "x", "seed": -1}, "m", encode, 64).params.seed is None
-    assert parse_completion({"prompt": "x", "seed": 7}, "m", encode, 64).params.seed == 7
+    assert parse_completion({"prompt": "x", "seed": -1}, "m", two_tokens, 64).params.seed is None
+    assert parse_completion({"prompt": "x", "seed": 7}, "m", two_tokens, 64).params.seed == 7
 
 
 def test_blank_bad_words_ban_nothing():
     """bad_words that are blank ("" or whitespace, which no token sequence spells as a
     word) ask for nothing, as "" in stop does: dropped, not a 400 for the whole request."""
     from treeflash.server.protocol import parse_completion
-    encode = lambda prompt, special=True, truncate=None: [5, 6]
-    assert parse_completion({"prompt": "x", "bad_words": ["", " ", "foo"]}, "m", encode, 64).params.bad_words \
+    assert parse_completion({"prompt": "x", "bad_words": ["", " ", "foo"]}, "m", two_tokens, 64).params.bad_words \
         == ["foo"]
-    assert parse_completion({"prompt": "x", "bad_words": ["", "\n"]}, "m", encode, 64).params.bad_words is None
+    assert parse_completion({"prompt": "x", "bad_words": ["", "\n"]}, "m", two_tokens, 64).params.bad_words is None
 
 
 def test_max_tokens_left_out_is_openais_16_for_completions_and_what_fits_for_chat(chat_model):
     """Without max_tokens a completion gets at most 16 tokens (OpenAI's default), fewer
     where the context has less room; a chat request gets what fits the context."""
     from treeflash.server.protocol import parse_chat, parse_completion
-    encode = lambda prompt, special=True, truncate=None: [5, 6]
-    assert parse_completion({"prompt": "x"}, "m", encode, 64).params.max_new_tokens == 16
-    assert parse_completion({"prompt": "x"}, "m", encode, 10).params.max_new_tokens == 8
+    assert parse_completion({"prompt": "x"}, "m", two_tokens, 64).params.max_new_tokens == 16
+    assert parse_completion({"prompt": "x"}, "m", two_tokens, 10).params.max_new_tokens == 8
     chat = {"messages": [{"role": "user", "content": "x"}]}
-    assert parse_chat(chat, "m", ChatTemplate.from_folder(chat_model), encode, 64).params.max_new_tokens == 62
+    assert parse_chat(chat, "m", ChatTemplate.from_folder(chat_model), two_tokens, 64).params.max_new_tokens == 62
 
 
 def test_1024_choices_per_request_are_taken():
     """The request limits are inclusive: 1024 prompts, or prompts x n = 1024 choices, are
     taken (1025 are refused: the error table above)."""
     from treeflash.server.protocol import parse_completion
-    encode = lambda prompt, special=True, truncate=None: [5, 6]
-    assert len(parse_completion({"prompt": ["x"] * 1024}, "m", encode, 64).runs()) == 1024
-    assert len(parse_completion({"prompt": ["x"] * 512, "n": 2}, "m", encode, 64).runs()) == 1024
+    assert len(parse_completion({"prompt": ["x"] * 1024}, "m", two_tokens, 64).runs()) == 1024
+    assert len(parse_completion({"prompt": ["x"] * 512, "n": 2}, "m", two_tokens, 64).runs()) == 1024
 
 
 def test_a_range_error_shows_its_bounds_as_written():
     """'[1e-30, 1e+30]', not the float 1 / 1e30 printed as 9.999999999999999e-31."""
     from treeflash.server.protocol import APIError, parse_completion
-    encode = lambda prompt, special=True, truncate=None: [5, 6]
     for body, bounds in (({"repetition_penalty": -1}, "in [1e-30, 1e+30], got -1"),
                          ({"temperature": 3}, "in [0, 2], got 3"), ({"top_p": 0}, "in (0, 1], got 0")):
         with pytest.raises(APIError, match=re.escape(bounds)):
-            parse_completion({"prompt": "x", **body}, "m", encode, 64)
+            parse_completion({"prompt": "x", **body}, "m", two_tokens, 64)
 
 
 def test_add_special_tokens_reaches_the_tokenizer(chat_model):
