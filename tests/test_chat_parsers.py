@@ -83,6 +83,25 @@ def test_what_stays_text():
     assert split_tool_calls(ANSWERS[9]) == (ANSWERS[9], [])  # 1e999 reads as inf, which JSON cannot write
 
 
+def test_an_unclosed_block_that_is_not_a_call_stays_as_written():
+    """An answer cut off inside a <tool_call> block that is no call (max_tokens, EOS): its
+    text comes back as the model wrote it, with no closing tag added."""
+    assert split_tool_calls("Sure <tool_call>not json") == ("Sure <tool_call>not json", [])
+
+
+def test_a_short_call_in_one_piece_after_a_long_call_is_a_call():
+    """A round of speculative decoding may bring many tokens at once: a piece holding a
+    long call's end and a whole short call after it gives both calls (the short one's
+    end is searched from its own start), and the text after them as content."""
+    long_call = CALL.replace('"days": 2', '"note": "' + "x" * 200 + '"')
+    pieces = [long_call[:100], long_call[100:] + '\n<tool_call>{"name": "f"}</tool_call>\nDone.', ""]
+    stream, content, calls = MessageStream(None, "hermes"), "", []
+    for i, piece in enumerate(pieces):
+        _, c, new = stream.push(piece, final=i == len(pieces) - 1)
+        content, calls = content + c, calls + new
+    assert (content, [c["function"]["name"] for c in calls]) == ("Done.", ["get_weather", "f"])
+
+
 # ----------------------------------------------------------------------------- server
 
 pytest.importorskip("starlette")
@@ -354,6 +373,13 @@ def test_split_reasoning():
     assert split_reasoning("  \n", "qwen3") == (None, "  \n")
 
 
+def test_reasoning_cut_off_inside_its_end_tag_stays_reasoning():
+    """An answer cut off (max_tokens) after part of `</think>`: that part is reasoning's
+    text; none of the reasoning leaks into the content."""
+    for parser, text in (("qwen3", "<think>\nwait</thi"), ("deepseek_r1", "wait</thi")):
+        assert split_reasoning(text, parser) == (text.removeprefix("<think>"), ""), parser
+
+
 def test_a_prompt_that_opens_the_reasoning_is_read_from_inside_it():
     """A Qwen3 prompt that ends with <think> (Qwen3-Thinking-2507's template; a final
     message continued inside the block) leaves the answer inside its reasoning: qwen3's
@@ -461,6 +487,13 @@ def test_llama3_json_stream_cut_anywhere_gives_the_whole_answer(text, piece):
     whole_content, whole = split_tool_calls(text, "llama3_json")
     assert ((content or None) if calls else content) == whole_content
     assert [c["function"] for c in calls] == [c["function"] for c in whole]
+
+
+def test_a_llama3_json_call_may_name_its_type():
+    """Llama 3.x may write `"type": "function"` beside the name and parameters: still a
+    call, with its parameters as the arguments."""
+    content, calls = split_tool_calls('{"type": "function", "name": "f", "parameters": {"x": 1}}', "llama3_json")
+    assert content is None and [c["function"] for c in calls] == [{"name": "f", "arguments": '{"x": 1}'}]
 
 
 def test_llama3_json_through_the_server(scripted, answer):

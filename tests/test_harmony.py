@@ -118,6 +118,13 @@ def test_without_the_tool_parser_a_call_is_content():
     assert split(ANSWERS[2], tools=False)[1] == 'Let me check the weather.\n{"city":"Oslo"}'
 
 
+def test_an_empty_message_adds_no_line_to_its_part():
+    """A message with no text (an empty preamble) gives its part nothing: the next
+    message of that part does not start with a newline, whole or streamed."""
+    text = "<|channel|>commentary<|message|><|end|><|start|>assistant<|channel|>final<|message|>Hi<|return|>"
+    assert split(text) == streamed(text, range(1, len(text))) == ("", "Hi", [])
+
+
 @pytest.mark.parametrize("text", ANSWERS)
 def test_a_stream_cut_anywhere_gives_the_whole_answer(text):
     whole = split(text)
