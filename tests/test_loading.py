@@ -233,6 +233,7 @@ def test_drafter_block_size_is_bounded(drafter_dict):
     (dict(architectures=5), "architectures"),
     (dict(architectures=[{"a": 1}]), "architectures"),
     (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(block_size=1), "block_size"),   # a block of one drafts nothing: from 2 on
 ])
 def test_bad_drafter_config_values(drafter_dict, changes, field):
     refused(lambda: DraftConfig.from_dict({**drafter_dict, **changes}), field)
@@ -269,6 +270,17 @@ def test_drafter_logit_and_embedding_scales_are_read_or_refused(drafter_dict):
     # transformers and vLLM refuse a llama3 scaling without both factors; it ran with made-up ones
     (dict(rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 8}), "lacks 'high_freq_factor'"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 4.0, "high_freq_factor": 4}), "lacks 'low_freq_factor'"),
+    # values that would load as something else: "false" as true, true as 1, an infinite theta
+    (dict(tie_word_embeddings="false"), "'tie_word_embeddings' must be true or false"),
+    (dict(num_hidden_layers=True), "'num_hidden_layers' must be a positive integer"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": float("inf")}), "'rope_theta' must be a number"),
+    (dict(eos_token_id=True), "'eos_token_id' must be a token id"),
+    # shapes attention cannot take: heads shared unevenly among kv heads, an odd rotary size
+    (dict(num_key_value_heads=3), "not a multiple of num_key_value_heads"),
+    (dict(head_dim=33), "head_dim 33 is odd"),
+    # DeepSeek's YaRN attention scale, which the engine does not apply: refused, not ignored
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0.7}),
+     "mscale"),
 ])
 def test_bad_target_config_values(hf_checkpoint, clone_checkpoint, changes, field):
     folder = clone_checkpoint(hf_checkpoint("qwen3").path, **changes)
@@ -723,3 +735,91 @@ def test_add_bos_token_with_a_post_processor_that_adds_it_gives_one_bos(tmp_path
     (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": bos}))
     ids = Tokenizer(tmp_path).encode("def fib(n):")
     assert ids[0] == bos and ids[1] != bos
+
+
+# ----------------------------------------------------------------------------- defaults as transformers reads them
+
+def test_keys_a_dense_config_leaves_out_take_transformers_defaults():
+    """A Qwen3 or Llama config without rope_theta, tie_word_embeddings, max_window_layers
+    (the first sliding layer), head_dim (Qwen3's is 128, Llama's hidden / heads) or
+    max_position_embeddings runs the model transformers builds from it: its config
+    classes' defaults, not others."""
+    from transformers import LlamaConfig, Qwen3Config
+    qwen3 = {**TINY_TARGET, "num_hidden_layers": 30, "use_sliding_window": True, "max_position_embeddings": 8192}
+    ours, theirs = ModelConfig.from_dict(qwen3), Qwen3Config(**qwen3)
+    rope = getattr(theirs, "rope_parameters", None) or {"rope_theta": theirs.rope_theta}
+    assert ours.rope_theta == rope["rope_theta"] == 10000.0
+    assert ours.tie_word_embeddings is theirs.tie_word_embeddings is False
+    slides = tuple(i for i, t in enumerate(theirs.layer_types) if t == "sliding_attention")
+    assert ours.sliding_layers == slides == (28, 29)
+    llama = {k: v for k, v in TINY_TARGET.items() if k not in ("head_dim", "max_position_embeddings")}
+    llama.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    assert ModelConfig.from_dict(llama).head_dim == LlamaConfig(**llama).head_dim == 16
+    assert ModelConfig.from_dict(llama).max_position_embeddings == LlamaConfig(**llama).max_position_embeddings
+    bare = {k: v for k, v in TINY_TARGET.items() if k not in ("head_dim", "max_position_embeddings")}
+    ours, theirs = ModelConfig.from_dict(bare), Qwen3Config(**bare)
+    assert (ours.head_dim, ours.max_position_embeddings) == (theirs.head_dim, theirs.max_position_embeddings) \
+        == (128, 32768)
+
+
+def test_keys_a_qwen3_moe_config_leaves_out_take_transformers_defaults():
+    """Qwen3MoeConfig's defaults: routing weights not renormalized (norm_topk_prob false)
+    and experts in every layer (decoder_sparse_step 1): other ones change the logits."""
+    from transformers import Qwen3MoeConfig
+    moe = {**TINY_TARGET, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 4,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    ours, theirs = ModelConfig.from_dict(moe), Qwen3MoeConfig(**moe)
+    assert (ours.norm_topk_prob, ours.decoder_sparse_step) == (theirs.norm_topk_prob, theirs.decoder_sparse_step) \
+        == (False, 1)
+    assert [ours.sparse_layer(i) for i in range(4)] == [True] * 4
+
+
+def test_keys_a_gpt_oss_config_leaves_out_take_transformers_defaults():
+    """GptOssConfig's sliding window (128) and the experts' SwiGLU clamp (7.0) for a
+    config that leaves them out."""
+    from transformers import GptOssConfig
+    data = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 16, "vocab_size": 300, "num_local_experts": 4, "num_experts_per_tok": 2}
+    ours, theirs = ModelConfig.from_dict(data), GptOssConfig(**data)
+    assert (ours.sliding_window, ours.swiglu_limit) == (theirs.sliding_window, theirs.swiglu_limit) == (128, 7.0)
+
+
+def test_a_one_layer_drafter_taps_the_targets_middle_layer_by_default():
+    """DFlash's build_target_layer_ids for a single draft layer: the target's layer
+    num_target_layers // 2 (not the evenly spaced rule of deeper drafters)."""
+    from treeflash.config import default_target_layer_ids
+    assert default_target_layer_ids(36, 1) == [18]
+    data = {**TINY_DRAFT, "num_hidden_layers": 1, "dflash_config": {"mask_token_id": 2}}
+    assert DraftConfig.from_dict(data).target_layer_ids == [2]
+
+
+def test_a_drafter_whose_layers_all_precede_max_window_layers_loads_unslid():
+    """use_sliding_window with max_window_layers = the drafter's layer count: transformers'
+    rule slides from that layer on, so none slides; nothing is causal, nothing refused."""
+    data = {**TINY_DRAFT, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2}
+    assert DraftConfig.from_dict(data).layers.sliding_layers == ()
+
+
+def test_a_moe_that_routes_to_every_expert_loads():
+    """num_experts_per_tok equal to num_experts (every expert active) is a valid config,
+    as transformers reads it: only more than there are is refused."""
+    moe = {**TINY_TARGET, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 4,
+           "num_experts_per_tok": 4, "moe_intermediate_size": 16}
+    assert ModelConfig.from_dict(moe).num_experts_per_tok == 4
+
+
+def test_dtype_wins_over_torch_dtype_as_in_transformers_5():
+    """A config holding both names (transformers 5 writes `dtype`, older ones
+    `torch_dtype`): the weights' dtype of dtype "auto" is the one transformers 5 reads."""
+    from transformers import Qwen3Config
+    data = {**TINY_TARGET, "dtype": "bfloat16", "torch_dtype": "float32"}
+    assert ModelConfig.from_dict(data).torch_dtype == "bfloat16"
+    assert Qwen3Config.from_dict(data).dtype == torch.bfloat16
+
+
+def test_architectures_as_a_lone_name_is_read_as_a_list_of_one():
+    """`"architectures": "LlamaForCausalLM"` (hand-written; transformers keeps it) names
+    the model as the one-name list does."""
+    data = {**TINY_TARGET, "architectures": "LlamaForCausalLM", "model_type": "llama"}
+    assert ModelConfig.from_dict(data).arch == "llama"

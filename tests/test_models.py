@@ -246,7 +246,8 @@ def test_transformers4_style_llama3_config_gives_same_logits(hf_checkpoint, tmp_
 
 def test_llama3_rope_without_its_original_context_reads_max_position_embeddings(hf_checkpoint, tmp_path):
     """A llama3 rope_scaling without original_max_position_embeddings: transformers takes
-    the config's max_position_embeddings (not Llama-3's 8192); without either it is refused."""
+    the config's max_position_embeddings (not Llama-3's 8192); without either, LlamaConfig's
+    default max_position_embeddings (2048), as transformers does."""
     from transformers import AutoModelForCausalLM
     ck = hf_checkpoint("llama3-rope")
     folder = ck.copy_to(tmp_path / "no-original")
@@ -263,8 +264,10 @@ def test_llama3_rope_without_its_original_context_reads_max_position_embeddings(
     assert rel_err(hf_logits(ck.model, ids), want) > 1e-3  # (the original context matters here)
     del cfg["max_position_embeddings"]
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(TreeflashError, match="llama3 rope scaling lacks 'original_max_position_embeddings'"):
-        LLM(folder, device="cpu")
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(folder, device="cpu", dtype="float32")
+    assert llm.config.rope_scaling["original_max_position_embeddings"] == ref.config.max_position_embeddings == 2048
+    assert rel_err(tf_logits(llm, torch.tensor([ids]))[0], hf_logits(ref, ids)) < 1e-5
 
 
 def _legacy_type_key(cfg, rope):

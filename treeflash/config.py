@@ -200,9 +200,16 @@ def _gpt_oss_fields(data: dict, num_layers: int, where: str) -> dict:
                 swiglu_alpha=_number(data.get("swiglu_alpha", 1.702), "swiglu_alpha", where))
 
 
-# transformers' GptOssConfig defaults, for a config that leaves these keys out (the
-# published ones hold them all); Llama's and Qwen3's are the fallbacks in `from_dict`.
-GPT_OSS_DEFAULTS = {"rms_norm_eps": 1e-5, "head_dim": 64, "max_position_embeddings": 131072, "rope_theta": 150000.0}
+# transformers' defaults (its Qwen3Config, Qwen3MoeConfig, LlamaConfig, GptOssConfig) for
+# the keys a config leaves out, where they differ from the fallbacks in `from_dict`
+# (head_dim: hidden / heads; rms_norm_eps 1e-6; rope_theta 10000); published configs hold
+# them all, hand-written ones may not.
+ARCH_DEFAULTS = {
+    "qwen3": {"head_dim": 128, "max_position_embeddings": 32768},
+    "qwen3_moe": {"max_position_embeddings": 32768},
+    "llama": {"max_position_embeddings": 2048},
+    "gpt_oss": {"rms_norm_eps": 1e-5, "head_dim": 64, "max_position_embeddings": 131072, "rope_theta": 150000.0},
+}
 GPT_OSS_ROPE_SCALING = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                         "original_max_position_embeddings": 4096}
 
@@ -210,10 +217,8 @@ GPT_OSS_ROPE_SCALING = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, 
 def _with_arch_defaults(data: dict, arch: str) -> dict:
     """`data` with its architecture's defaults for the keys it leaves out (gpt-oss: YaRN
     unless the config gives a scaling, at its own rope_theta if it gives one)."""
-    if arch != "gpt_oss":
-        return data
-    filled = {**GPT_OSS_DEFAULTS, **data}  # (a null head_dim is hidden / heads there too)
-    if data.get("rope_parameters") is None and data.get("rope_scaling") is None:
+    filled = {**ARCH_DEFAULTS[arch], **data}  # (a null head_dim is hidden / heads, as transformers' gpt-oss)
+    if arch == "gpt_oss" and data.get("rope_parameters") is None and data.get("rope_scaling") is None:
         filled["rope_scaling"] = GPT_OSS_ROPE_SCALING
     return filled
 
@@ -445,7 +450,8 @@ class ModelConfig:
             rms_norm_eps=_number(data.get("rms_norm_eps", 1e-6), "rms_norm_eps", where, positive=False),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=4096 if max_pos is None else _require(data, "max_position_embeddings", where),
+            max_position_embeddings=ARCH_DEFAULTS[arch]["max_position_embeddings"] if max_pos is None
+            else _require(data, "max_position_embeddings", where),
             tie_word_embeddings=_flag(data, "tie_word_embeddings", where),
             attention_bias=_flag(data, "attention_bias", where, default=arch == "gpt_oss"),
             mlp_bias=_flag(data, "mlp_bias", where),
