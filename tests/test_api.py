@@ -302,6 +302,16 @@ def test_generate_without_parameters_takes_the_models_generation_config(llm, hf_
         SamplingParams(temperature=0.0, top_k=20)
 
 
+def test_null_values_in_generation_config_are_left_out(tmp_path):
+    """generation_config.json may write a value as null (not set): it is left out, as if
+    not written (not refused: the model would not load), and the file's other values are
+    read (a filter without a temperature samples at 1)."""
+    from treeflash.sampling_params import generation_defaults
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": None, "top_p": 0.8, "top_k": None, "max_new_tokens": None, "repetition_penalty": None}))
+    assert generation_defaults(tmp_path) == {"top_p": 0.8, "temperature": 1.0}
+
+
 def test_streaming_callback_sees_every_token_once(llm):
     seen: dict[int, list[int]] = {0: [], 1: []}
     outs = llm.generate(ENGINE_PROMPTS[:2], SamplingParams(max_new_tokens=8, ignore_eos=True),
@@ -342,6 +352,22 @@ def test_an_end_token_other_than_the_tokenizers_eos_is_the_stop_reason(eos_check
     assert out.text == llm.tokenizer.decode(eos_checkpoint.full[:k])
     pad = llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=4, logit_bias={1: 100.0}))[0]
     assert (pad.token_ids, pad.finish_reason, pad.stop_reason) == ([1], "stop", None)
+
+
+def test_an_eos_token_written_as_an_added_token_object_is_the_tokenizers_eos(tmp_path):
+    """Older tokenizer_config.json files (Llama 2's) write eos_token as an AddedToken object
+    ({"content": "</s>", ...}): its content is still the tokenizer's own EOS, which ends a
+    request (with no stop_reason) where no config.json or generation_config.json names it."""
+    from treeflash.checkpoints import write_tiny_tokenizer
+    from treeflash.tokenizer import Tokenizer
+    write_tiny_tokenizer(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["eos_token"] = {"__type": "AddedToken", "content": "<|pad|>", "lstrip": False, "normalized": False,
+                        "rstrip": False, "single_word": False}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = Tokenizer(tmp_path)
+    pad = tok.tok.token_to_id("<|pad|>")
+    assert (tok.eos_token_id, tok.eos_token_ids, tok.eos_sources) == (pad, [pad], {pad: "tokenizer_config.json"})
 
 
 def test_a_request_stopping_early_does_not_disturb_its_batch(eos_checkpoint):
@@ -505,6 +531,7 @@ def test_generation_stops_at_the_context_limit(hf_checkpoint):
     ({"temperature": True}, "temperature"),
     ({"top_p": True}, "top_p"),
     ({"ignore_eos": "no"}, "ignore_eos"),
+    ({"include_stop_str_in_output": "no"}, "include_stop_str_in_output must be true or false"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"stop_token_ids": 7}, "stop_token_ids"),
     ({"stop_token_ids": [10_000]}, "outside the vocabulary"),
@@ -519,6 +546,12 @@ def test_bad_sampling_params_raise_usage_error(llm, kwargs, what):
     params = SamplingParams(**kwargs)
     with pytest.raises(UsageError, match=what):
         llm.generate(ENGINE_PROMPTS[0], params)
+
+
+def test_a_single_stop_string_is_a_list_of_one():
+    """As in vLLM, stop may be one string: it is that stop string (not refused, nor its
+    characters each a stop string)."""
+    assert SamplingParams(stop="\n\n").stop == ["\n\n"]
 
 
 @pytest.mark.parametrize("prompts,what", [("", "empty prompt"), ([[]], "empty prompt"),

@@ -211,6 +211,7 @@ def test_stop_strings_wait_for_min_tokens():
 
 @pytest.mark.parametrize("kw,message", [
     (dict(logit_bias={5: 101.0}), "logit_bias values must be in"),
+    (dict(logit_bias={5: -101.0}), "logit_bias values must be in"),
     (dict(logit_bias={5: float("nan")}), "logit_bias values must be in"),
     (dict(logit_bias={5: 10 ** 400}), "logit_bias values must be in"),
     (dict(logit_bias={-1: 1.0}), "logit_bias must map token ids"),
@@ -686,3 +687,51 @@ def test_a_replacement_character_stop_string_inside_min_tokens_text_does_not_cou
     # the second character is whole once the third byte came: the stop string ends there, past the floor
     assert out.token_ids == [lead] * 3 and out.finish_reason == "stop" and out.stop_reason == "\ufffd"
     assert out.text == "\ufffd"
+
+
+def test_a_skipped_special_token_inside_a_character_leaves_it_whole_in_the_text_and_the_stream():
+    """With skip_special_tokens a special token between the bytes of "é" adds none: the
+    bytes around it make "é", in the engine's text as in the stream (which leaves special
+    tokens out), even where a stray byte before puts the text on the token-by-token path."""
+    from treeflash.tokenizer import Tokenizer
+    tok = Tokenizer(builtin_paths()[0])
+    stray = next(i for i in range(tok.vocab_size) if tok.token_bytes(i) == b"\x80")
+    special = min(tok.special_ids - set(tok.eos_token_ids))
+    ids = [stray, 130, special, 105]  # 130, 105: the two bytes of "é"
+    assert tok.decode_continuation(ids) == "\ufffdé"
+    stream = TextStream(tok)
+    assert "".join(stream.push([t]) for t in ids) == "\ufffdé"
+
+
+def test_a_continuation_after_a_prompt_that_ends_in_part_of_a_character_keeps_its_whole_characters(tmp_path):
+    """A prompt that ends in the first byte of "你" (a byte-fallback run the output does not
+    finish): the output's "好" is whole, in its text and its stream, not turned into U+FFFD
+    by the run of bytes it would join were the prompt's last token decoded with it."""
+    from conftest import write_sentencepiece_tokenizer
+
+    from treeflash.tokenizer import Tokenizer
+    write_sentencepiece_tokenizer(tmp_path)
+    tok = Tokenizer(tmp_path)
+    prompt = tok.encode(" ab", False) + tok.encode("你", False)[1:2]
+    hao = tok.encode("好", False)[1:]  # its three byte tokens, without the leading space
+    assert len(hao) == 3 and tok.decode(hao) == "好"
+    assert tok.decode_continuation(hao, prompt) == "好"
+    stream = TextStream(tok, context=prompt)
+    assert "".join(stream.push([t]) for t in hao) == "好"
+
+
+def test_a_non_special_added_token_is_streamed_with_skip_special_tokens(tmp_path):
+    """Added tokens that tokenizer_config.json declares not special (Qwen3's <think>,
+    <tool_call>) stay in the text with skip_special_tokens, in the stream as in the
+    engine's text; only special ones are left out of both."""
+    from treeflash.checkpoints import write_tiny_tokenizer
+    from treeflash.tokenizer import Tokenizer
+    size = write_tiny_tokenizer(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["added_tokens_decoder"] = {str(size): {"content": "<think>", "special": False}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = Tokenizer(tmp_path)
+    ids = tok.encode("<think>def f<|pad|>", special=False)
+    assert size in ids and tok.decode_continuation(ids) == "<think>def f"
+    stream = TextStream(tok)
+    assert "".join(stream.push([t]) for t in ids) == "<think>def f"
