@@ -737,6 +737,23 @@ def test_add_bos_token_with_a_post_processor_that_adds_it_gives_one_bos(tmp_path
     assert ids[0] == bos and ids[1] != bos
 
 
+def test_add_bos_token_prepends_the_tokenizers_bos_token(tmp_path):
+    """add_bos_token prepends the bos_token tokenizer_config.json names, as transformers'
+    tokenizers do, also where no generation_config.json or config.json gives a
+    bos_token_id (the prompt lost its BOS), and before a different id they give."""
+    from treeflash.checkpoints import write_tiny_tokenizer
+    from treeflash.tokenizer import Tokenizer
+    write_tiny_tokenizer(tmp_path)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": True,
+                                                                "bos_token": {"content": "<|pad|>"}}))
+    tok = Tokenizer(tmp_path)
+    bos = tok.tok.token_to_id("<|pad|>")
+    assert tok.encode("def fib(n):")[0] == bos and tok.encode("def fib(n):", special=False)[0] != bos
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": bos + 1}))
+    assert Tokenizer(tmp_path).encode("def fib(n):")[0] == bos
+
+
 # ----------------------------------------------------------------------------- defaults as transformers reads them
 
 def test_keys_a_dense_config_leaves_out_take_transformers_defaults():

@@ -77,24 +77,35 @@ class Tokenizer:
                                                                     str(folder / "config.json"))}
         self.eos_sources |= {i: "generation_config.json" for i in token_id_list(
             gen.get("eos_token_id"), "eos_token_id", str(folder / "generation_config.json"))}
-        eos_tok = tok_cfg.get("eos_token")
-        if isinstance(eos_tok, dict):
-            eos_tok = eos_tok.get("content")
         # the tokenizer's own EOS (vLLM's model EOS: ending on it has no stop_reason; the
         # others listed end a request as its stop token ids do), or None
-        self.eos_token_id = self.tok.token_to_id(eos_tok) if isinstance(eos_tok, str) else None
+        self.eos_token_id = self._named_token(tok_cfg, "eos_token")
         if self.eos_token_id is not None:
             self.eos_sources[self.eos_token_id] = "tokenizer_config.json"  # or special_tokens_map.json
         self.eos_token_ids = sorted(self.eos_sources)
-        self.bos_token_id = gen.get("bos_token_id", config.get("bos_token_id"))
+        # the BOS that add_bos_token prepends: the tokenizer's bos_token, as transformers'
+        # tokenizers take it, else the bos_token_id of generation_config.json or config.json
+        self.bos_token_id = self._named_token(tok_cfg, "bos_token")
+        bos_source = "tokenizer_config.json"
+        if self.bos_token_id is None:
+            self.bos_token_id = gen.get("bos_token_id", config.get("bos_token_id"))
+            bos_source = "generation_config.json" if "bos_token_id" in gen else "config.json"
         add_bos = tok_cfg.get("add_bos_token")
         if add_bos is not None and not isinstance(add_bos, bool):  # bool("false") would be true
             raise TreeflashError(f"{folder / 'tokenizer_config.json'}: 'add_bos_token' must be true or false, "
                                  f"got {add_bos!r}")
         self.add_bos = bool(add_bos) and self.bos_token_id is not None
         if self.add_bos:
-            self._check_bos(folder, "generation_config.json" if "bos_token_id" in gen else "config.json")
+            self._check_bos(folder, bos_source)
         self._tokens: dict[int, tuple[str, bytes]] = {}  # see _token
+
+    def _named_token(self, cfg: dict, key: str) -> int | None:
+        """The id of the token tokenizer_config.json names as `key` ("eos_token", "bos_token":
+        its text, or an AddedToken object holding it), or None."""
+        name = cfg.get(key)
+        if isinstance(name, dict):
+            name = name.get("content")
+        return self.tok.token_to_id(name) if isinstance(name, str) else None
 
     def _declared_tokens(self, cfg: dict, where: Path) -> None:
         """tokenizer_config.json's tokens, as transformers loads them. added_tokens_decoder's
