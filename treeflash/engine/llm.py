@@ -331,8 +331,8 @@ class LLM:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        """The ids that end a request unless it ignores EOS: the tokenizer's and
-        generation_config.json's."""
+        """The ids that end a request unless it ignores EOS: the tokenizer's, config.json's
+        and generation_config.json's."""
         return self.rules.eos_token_ids
 
     def check_sampling(self, p: SamplingParams) -> None:

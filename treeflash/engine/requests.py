@@ -79,9 +79,9 @@ def _dead_end(sequences: list[list[int]], allowed: set[int]) -> list[int] | None
 class RequestRules:
     """A model's rules for its requests: checks of their `SamplingParams`, and what the
     host does with the tokens a round commits (ends, stop strings, the final text).
-    `eos_token_ids`: the tokenizer's and generation_config.json's end ids; `automata`
-    compiles each structured-output constraint once (an engine and its `with_method`
-    copies share it)."""
+    `eos_token_ids`: the end ids of the tokenizer, config.json and generation_config.json;
+    `automata` compiles each structured-output constraint once (an engine and its
+    `with_method` copies share it)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]):
         self.tokenizer = tokenizer
