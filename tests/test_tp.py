@@ -480,6 +480,33 @@ def test_tp_fp8_tokens_equal_tp1(tp_models, tmp_path):
         LLM(uneven, device="cpu", dtype="float64", tp=4)  # 64 query features over 4 ranks
 
 
+def test_tp_biased_llama_tokens_equal_tp1(tp_models, tmp_path):
+    """A Llama with attention_bias and mlp_bias: column-parallel layers slice their bias,
+    row-parallel ones (o_proj, down_proj) add theirs once after the all-reduce, not once
+    per rank, so TP = 2 decodes TP = 1's tokens (and the biases do change them)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    folder = tmp_path / "biased"
+    shutil.copytree(tp_models["llama"][0], folder)
+    w = load_file(str(folder / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    for name in [k for k in w if k.endswith("_proj.weight") and ".layers." in k]:
+        w[name.replace(".weight", ".bias")] = 0.3 * torch.randn(w[name].shape[0], generator=gen)
+    save_file(w, str(folder / "model.safetensors"))
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "attention_bias": True, "mlp_bias": True}))
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    outs = {}
+    for tp, model in ((1, folder), (2, folder), (0, tp_models["llama"][0])):
+        llm = LLM(model, method="ar", device="cpu", dtype="float64", tp=max(tp, 1))
+        try:
+            outs[tp] = [o.token_ids for o in llm.generate(BATCH, params)]
+        finally:
+            llm.close()
+    assert outs[2] == outs[1] != outs[0]
+
+
 def test_tp1_topk_is_the_plain_topk():
     x = torch.randn(2, 3, 50)
     vals, ids = TPGroup().topk(x, 7, log_softmax=True)
