@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from treeflash.config import DTYPES, DraftConfig, ModelConfig, default_target_layer_ids
-from treeflash.engine.options import resolve_device
+from treeflash.engine.options import resolve_device, resolve_dtype
 from treeflash.errors import TreeflashError, UsageError
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import build_on, check_sizes, load_weights, stored_shapes, weights_dtype
@@ -74,7 +74,6 @@ def target_dtype(cfg: ModelConfig, target_dir: str | Path) -> str | None:
 
 def load_frozen_target(target_dir: str | Path, device: torch.device) -> CausalLM:
     """The target in its inference dtype (bf16 on CUDA, float32 on CPU), without grads."""
-    from treeflash.engine.options import resolve_dtype
     cfg = ModelConfig.from_pretrained(target_dir)
     check_sizes(target_dir, cfg, stored_shapes(target_dir))
     with build_on(device, resolve_dtype("auto", target_dtype(cfg, target_dir), device)):
