@@ -404,6 +404,7 @@ def test_logprobs_body_is_strict_json_for_any_value(llm):
     from treeflash.engine.requests import TokenLogprob
     from treeflash.server.protocol import LOGPROB_FLOOR, Request, logprobs_body
     entries = [TokenLogprob(5, float("nan"), [(5, float("nan"))]), TokenLogprob(6, float("-inf"), [(7, -0.5)])]
+    assert LOGPROB_FLOOR == -9999.0  # vLLM's value: clients compare against it
     for kind in ("completion", "chat"):
         req = Request(kind, [[1]], SamplingParams(max_new_tokens=2, logprobs=1))
         body = json.loads(json.dumps(logprobs_body(req, entries, llm.tokenizer), allow_nan=False))
