@@ -915,6 +915,8 @@ def test_chat_prompts_go_through_the_chat_template(capsys, broken, monkeypatch):
     # a terminal or pipe whose encoding lacks a character of the text (PYTHONIOENCODING=ascii)
     (UnicodeEncodeError("ascii", "a\U0001f600b", 1, 2, "ordinal not in range(128)"),
      "treeflash: error: the output's encoding (ascii) cannot write the text ('\\U0001f600'): set PYTHONIOENCODING"),
+    # a file or folder the command was pointed at: the user's to mend, not an engine bug
+    (PermissionError(13, "Permission denied", "out.jsonl"), "treeflash: error: [Errno 13] Permission denied"),
 ])
 def test_an_unexpected_failure_is_one_line_without_cpp_frames(capsys, monkeypatch, error, first):
     def fail(args):
@@ -945,3 +947,217 @@ def test_running_out_of_memory_names_the_commands_own_options(capsys, monkeypatc
     err = capsys.readouterr().err
     assert rc == 1 and err.startswith("treeflash: error: out of memory") and names in err, err
     assert absent not in err, err
+
+
+# --------------------------------------------------------------------------- cases a mutation review found untested
+
+
+def test_a_prompt_and_a_prompt_file_together_are_refused(capsys, model, tmp_path):
+    """Both given: one of them would be dropped without a word, so neither is taken."""
+    f = tmp_path / "prompts.txt"
+    f.write_text("x = 1\n")
+    assert_error(*run(capsys, "hi", "--prompt-file", f, "--model", model, "--device", "cpu"), 2, "not both")
+
+
+def test_backslash_n_in_a_plain_prompt_file_is_a_newline(capsys, model, api, tmp_path):
+    """As --prompt-file's help says: a prompt of several lines fits on one line of the file."""
+    f = tmp_path / "prompts.txt"
+    f.write_text(ENGINE_PROMPTS[1].replace("\n", "\\n") + "\n")
+    rc, out, err = run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu", "--json",
+                       "--max-new-tokens", 3, "--ignore-eos")
+    assert rc == 0, err
+    check_json_lines(out, [ENGINE_PROMPTS[1]], api, 3)
+
+
+def test_a_plain_file_with_one_jsonl_looking_line_gets_no_note(capsys, model, tmp_path):
+    """The note that a .txt file may be JSONL is for files whose every line looks so, not
+    for code that holds one such line."""
+    f = tmp_path / "prompts.txt"
+    f.write_text('{"prompt": "a"}\nint main() {\n')
+    rc, out, err = run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu", "--json",
+                       "--max-new-tokens", 2, "--ignore-eos")
+    assert rc == 0 and "note" not in err, err
+
+
+def test_the_note_on_unread_jsonl_fields_names_each_once_and_at_most_ten(capsys, model, tmp_path):
+    """A file of saved request bodies repeats the same fields on every line: the note names
+    each once, ten at most, and counts the rest."""
+    keys = [f"k{i:02d}" for i in range(12)]
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p, **dict.fromkeys(keys, 1)}) + "\n" for p in ENGINE_PROMPTS[:2]))
+    rc, out, err = run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu", "--json",
+                       "--max-new-tokens", 2, "--ignore-eos")
+    assert rc == 0, err
+    named = ", ".join(f"'{k}'" for k in keys[:10])
+    assert f"note: lines of {f} hold {named} and 2 more, which are not read" in err
+
+
+def test_one_moot_sampling_option_gets_a_singular_note(capsys, model):
+    rc, out, err = run(capsys, "hi", "--model", model, "--device", "cpu", "--max-new-tokens", 2, "--seed", 3)
+    assert rc == 0 and "note: --seed has no effect at temperature 0" in err, err
+
+
+def test_plain_output_of_several_prompts_separates_them_by_a_blank_line(capsys, model, api, tmp_path):
+    """Without --json, a file's answers are printed one after the other: a blank line
+    tells where one ends and the next begins."""
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ENGINE_PROMPTS[:2]))
+    rc, out, err = run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu", "--max-new-tokens", 4,
+                       "--ignore-eos")
+    assert rc == 0, err
+    texts = [o.text for o in api.generate(ENGINE_PROMPTS[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))]
+    assert out == texts[0] + "\n\n" + texts[1] + "\n"
+
+
+def test_no_command_is_a_usage_error(capsys):
+    """`treeflash` alone (a script that lost its subcommand) fails, with a hint, not exit 0."""
+    capsys.readouterr()
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert_error(2, out, err, 2, "no command given", "treeflash generate --help")
+
+
+def _cached_snapshot(hub, name, commit, mtime):
+    """A snapshot folder of hub id `name` in the cache `hub`, made at `mtime`."""
+    folder = hub / ("models--" + name.replace("/", "--")) / "snapshots" / commit
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    os.utime(folder, (mtime, mtime))
+    return folder
+
+
+def test_the_cached_snapshot_is_refs_mains_else_the_newest(tmp_path, monkeypatch):
+    """As huggingface_hub: refs/main names the snapshot, though a newer one is there (a
+    branch or revision downloaded later); without refs/main, the newest with a config."""
+    from treeflash.files import hub_snapshot
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    old = _cached_snapshot(tmp_path / "hub", "org/m", "old", 1_000_000)
+    new = _cached_snapshot(tmp_path / "hub", "org/m", "new", 2_000_000)
+    newest_without_config = old.parent / "partial"
+    newest_without_config.mkdir()
+    assert hub_snapshot("org/m") == new
+    (old.parent.parent / "refs").mkdir()
+    (old.parent.parent / "refs" / "main").write_text("old\n")
+    assert hub_snapshot("org/m") == old
+
+
+def test_the_older_hub_cache_variable_and_a_home_relative_cache_are_read(tmp_path, monkeypatch):
+    """HUGGINGFACE_HUB_CACHE (older huggingface_hub's name) still names the cache, and a
+    cache given as ~/... is under the home folder, as huggingface_hub reads them."""
+    from treeflash.files import hub_snapshot
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    folder = _cached_snapshot(tmp_path / "old-hub", "org/m", "abc", 1_000_000)
+    monkeypatch.setenv("HUGGINGFACE_HUB_CACHE", str(tmp_path / "old-hub"))
+    assert hub_snapshot("org/m") == folder
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_CACHE", "~/old-hub")
+    assert hub_snapshot("org/m") == folder
+
+
+def test_a_local_folder_named_like_a_hub_id_wins_over_the_cache(tmp_path, monkeypatch):
+    """--model org/m where ./org/m exists is that folder, as vLLM and transformers read it."""
+    from treeflash.files import model_folder
+    _cached_snapshot(tmp_path / "hub", "org/m", "abc", 1_000_000)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "m").mkdir(parents=True)
+    assert model_folder("org/m") == "org/m"
+
+
+def test_an_inline_json_schema_may_start_with_blanks(tmp_path):
+    """A schema pasted from a file ('$(cat schema.json)' keeps its leading lines) is still
+    the schema, not a file name; a path names a file holding one."""
+    from treeflash.cli import build_parser
+    schema = {"type": "integer"}
+    parse = lambda value: build_parser().parse_args(["generate", "x", "--json-schema", value]).json_schema  # noqa: E731
+    assert parse("\n  " + json.dumps(schema)) == schema
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    assert parse(str(tmp_path / "schema.json")) == schema
+
+
+def test_generate_options_default_to_what_their_help_says():
+    """Left out, each option is what --help promises (scripts rely on the defaults)."""
+    from treeflash.cli import build_parser
+    args = build_parser().parse_args(["generate", "x"])
+    assert (args.max_budget, args.max_batch, args.min_tokens, args.tp) == (512, 16, 0, 1)
+    assert (args.device, args.dtype, args.generation_config) == ("auto", "auto", "auto")
+    assert (args.presence_penalty, args.frequency_penalty, args.stop, args.stop_token_ids) == (0.0, 0.0, [], [])
+
+
+def test_json_object_alone_constrains_the_output():
+    """--json-object, given with no other constraint, is one (it was the only one that
+    a check for "any given" could miss: a flag, not a value)."""
+    from treeflash.cli import build_parser, structured_from
+    parse = lambda *flags: structured_from(build_parser().parse_args(["generate", "x", *flags]))  # noqa: E731
+    assert parse() is None
+    assert parse("--json-object").json_object is True
+
+
+def test_an_explicit_temperature_0_wins_over_the_models_generation_config(capsys, broken, api):
+    """--temperature 0 is given, not left out: greedy, though generation_config.json
+    samples at 1.5, and no note claims the file's temperature applies."""
+    path = broken / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**config, "temperature": 1.5}))
+    rc, out, err = run(capsys, ENGINE_PROMPTS[1], "--model", broken, "--device", "cpu", "--json",
+                       "--max-new-tokens", 8, "--ignore-eos", "--temperature", 0)
+    assert rc == 0, err
+    want = api.generate(ENGINE_PROMPTS[1], SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
+    assert json.loads(out)["token_ids"] == want.token_ids and "temperature 1.5" not in err
+
+
+def test_the_generation_config_note_names_filters_only_where_they_sample(capsys, broken):
+    """The model's top_k applies where its temperature samples, and the note says so; at
+    --temperature 0 it would do nothing, and the note leaves it out."""
+    path = broken / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**config, "temperature": 1.5, "top_k": 20}))
+    args = ("hi", "--model", broken, "--device", "cpu", "--max-new-tokens", 2)
+    rc, out, err = run(capsys, *args)
+    assert rc == 0 and "top_k 20" in err and "from the model's generation_config.json" in err, err
+    rc, out, err = run(capsys, *args, "--temperature", 0)
+    assert rc == 0 and "top_k" not in err, err
+
+
+def test_treeflash_debug_shows_an_engine_errors_traceback(capsys, monkeypatch):
+    """TREEFLASH_DEBUG=1 lets an unexpected error through (with its traceback), for a bug report."""
+    def fail(args):
+        raise ValueError("engine bug")
+    monkeypatch.setattr("treeflash.cli.cmd_generate", fail)
+    monkeypatch.setenv("TREEFLASH_DEBUG", "1")
+    with pytest.raises(ValueError, match="engine bug"):
+        main(["generate", "x"])
+
+
+def test_model_flags_reach_the_engine(monkeypatch):
+    """Each model flag is the engine's matching option (--eager: no CUDA graphs, which a
+    CPU run cannot show)."""
+    import treeflash
+    from treeflash.cli import build_parser, make_llm
+    got = {}
+    monkeypatch.setattr(treeflash, "LLM", lambda model, **options: got.update(options, model=model))
+    make_llm(build_parser().parse_args(["generate", "x"]))
+    assert got["cuda_graphs"] is True and got["max_budget"] == 512
+    make_llm(build_parser().parse_args([
+        "generate", "x", "--model", "m", "--draft-model", "d", "--method", "dflash", "--budget", "8",
+        "--max-budget", "32", "--device", "cpu", "--dtype", "bfloat16", "--max-model-len", "100", "--eager",
+        "--draft-mode", "scaled", "--tp", "2", "--quantization", "fp8", "--max-batch", "3",
+        "--generation-config", "none"]))
+    assert got == dict(model="m", draft_model="d", method="dflash", budget=8, max_budget=32, device="cpu",
+                       dtype="bfloat16", max_model_len=100, cuda_graphs=False, draft_mode="scaled", tp=2,
+                       quantization="fp8", max_batch=3, enable_prefix_caching=False, generation_config="none")
+
+
+def test_a_malformed_file_is_named_with_its_folder(capsys, model, tmp_path):
+    """The target and the drafter both have a config.json: the error says whose is bad."""
+    import shutil
+
+    from treeflash.engine.options import builtin_paths
+    drafter = tmp_path / "drafter"
+    shutil.copytree(builtin_paths()[1], drafter)
+    (drafter / "config.json").write_text("{not json")
+    assert_error(*run(capsys, "hi", "--model", model, "--draft-model", drafter, "--device", "cpu"), 1,
+                 f"malformed config.json in {drafter}")

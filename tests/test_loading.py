@@ -840,3 +840,72 @@ def test_architectures_as_a_lone_name_is_read_as_a_list_of_one():
     the model as the one-name list does."""
     data = {**TINY_TARGET, "architectures": "LlamaForCausalLM", "model_type": "llama"}
     assert ModelConfig.from_dict(data).arch == "llama"
+
+
+# --------------------------------------------------------------------------- small files and memory figures (cases a mutation review found untested)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="reads Linux's /proc")
+def test_the_cpus_available_memory_is_in_bytes():
+    """Every memory check (weights, caches, rounds, training) compares bytes with this:
+    /proc/meminfo counts in KiB. It lies between the free memory (the kernel's MemFree,
+    less its reserve) and the whole of it."""
+    from treeflash.memory import available_bytes
+    page = os.sysconf("SC_PAGE_SIZE")
+    have = available_bytes(torch.device("cpu"))
+    assert os.sysconf("SC_AVPHYS_PAGES") * page / 2 < have <= os.sysconf("SC_PHYS_PAGES") * page
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="resets the peak through Linux's /proc")
+def test_the_load_figures_tell_the_resident_size_from_its_peak():
+    """load_stats' rss_growth_bytes is the peak resident size during a load, reset at its
+    start, less the size before it: 64 MiB touched, then unmapped, stay in the peak only."""
+    import mmap
+
+    from treeflash.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+    mib = 2 ** 20
+    with mmap.mmap(-1, 64 * mib) as pages:  # mapped and unmapped here, whatever malloc's free lists hold
+        for i in range(0, len(pages), mmap.PAGESIZE):
+            pages[i] = 1
+    assert rss_bytes() < peak_rss_bytes() - 32 * mib
+    reset_peak_rss()
+    assert peak_rss_bytes() < rss_bytes() + 32 * mib
+
+
+def test_a_file_of_exactly_the_size_limit_is_read(tmp_path):
+    """The limit is what a file may hold: at it the file is read, one byte past it refused."""
+    from treeflash.files import read_text
+    f = tmp_path / "grammar.txt"
+    f.write_text("root ::= \"a\"")
+    size = f.stat().st_size
+    assert read_text(f, max_bytes=size) == f.read_text()
+    refused(lambda: read_text(f, max_bytes=size - 1), f"{size:,} bytes, more than the {size - 1:,} it may hold")
+
+
+def test_only_a_cpu_load_is_checked_against_the_hosts_memory(monkeypatch):
+    """A GPU's weights do not stay in host memory: a host with less free memory than the
+    model still loads it onto the GPU (CUDA reports its own shortage)."""
+    import treeflash.memory as memory
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 0)
+    with torch.device("meta"):
+        shells = [torch.nn.Linear(64, 64)]
+    memory.check_weights_fit(shells, torch.bfloat16, torch.device("cuda"))
+    refused(lambda: memory.check_weights_fit(shells, torch.bfloat16, torch.device("cpu")),
+            "not enough cpu memory for the weights")
+
+
+def test_a_random_drafter_matches_its_target(tmp_path):
+    """write_random_drafter: the target's RoPE scaling (positions past the original
+    context must rotate as the target's do), taps clamped to its layers, the last token
+    as the default MASK; write_random_target writes the EOS id it is given, none too."""
+    from conftest import LLAMA3_ROPE
+
+    from treeflash.checkpoints import write_random_drafter, write_random_target
+    vocab, layers = 64, 2
+    target = write_random_target(tmp_path / "t", hidden_size=32, num_layers=layers, num_heads=2, num_kv_heads=1,
+                                 intermediate_size=64, vocab_size=vocab, rope_scaling=LLAMA3_ROPE, eos_token_id=None)
+    assert json.loads((target / "config.json").read_text())["eos_token_id"] is None
+    config = json.loads((write_random_drafter(target, tmp_path / "d", num_layers=1, target_layer_ids=[-1, 5])
+                         / "config.json").read_text())
+    assert config["rope_scaling"] == LLAMA3_ROPE
+    assert config["dflash_config"] == {"mask_token_id": vocab - 1, "target_layer_ids": [0, layers - 1]}

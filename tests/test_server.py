@@ -9,6 +9,7 @@ also after the engine itself fails; and `treeflash serve` runs as a real HTTP se
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import re
@@ -1510,6 +1511,7 @@ def test_generation_configs_max_new_tokens_is_the_chat_default(tmp_path):
 
 
 @pytest.mark.parametrize("args,words", [(["--max-batch", "0"], "--max-batch"), (["--port", "0"], "--port"),
+                                       (["--port", "65536"], "--port must be in 1..65535"),
                                        (["--generation-config", "x"], "--generation-config"),
                                        (["--tool-call-parser", "x"], "--tool-call-parser"),
                                        (["--tool-call-parser", "hermes"], "chat template"),  # the built-in has none
@@ -1986,3 +1988,157 @@ def test_min_tokens_holds_stop_strings_back_in_a_stream_too(client, llm):
     assert streamed[-1]["choices"][0]["finish_reason"] == whole["finish_reason"]
     # streamed as it comes, not held to the end as if the newline might still stop it
     assert "\n" in "".join(e["choices"][0]["text"] for e in streamed if e["choices"][0]["finish_reason"] is None)
+
+
+# ----------------------------------------------------------------------------- `treeflash serve`'s options (cases a mutation review found untested)
+
+
+def served(monkeypatch, llm, *argv) -> dict:
+    """What `treeflash serve ARGV` builds its app and uvicorn with: `llm` stands for the
+    model, and the server does not start."""
+    import uvicorn
+
+    import treeflash.cli
+    import treeflash.server.app
+    import treeflash.server.cli
+    from treeflash.cli import main
+    got = {}
+
+    class Started(Exception):
+        pass
+
+    def build_app_(*args, **kwargs):  # its arguments by name
+        got["app"] = inspect.signature(build_app).bind(*args, **kwargs).arguments
+        return object()
+
+    def config(app, **kwargs):
+        got["uvicorn"] = kwargs
+        raise Started
+
+    monkeypatch.setattr(treeflash.cli, "make_llm", lambda args: llm)
+    monkeypatch.setattr(treeflash.server.cli, "warm_up", lambda *args: None)
+    monkeypatch.setattr(treeflash.server.app, "build_app", build_app_)
+    monkeypatch.setattr(uvicorn, "Config", config)
+    main(["serve", "--port", str(_free_port()), *argv])
+    return got
+
+
+def test_serve_listens_on_localhost_port_8000_by_default():
+    """Not on every interface unless asked (--host 0.0.0.0), on vLLM's port."""
+    from treeflash.cli import build_parser
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.max_batch) == ("127.0.0.1", 8000, 1)
+
+
+def test_serve_names_the_model_by_its_folder_and_the_path_given(monkeypatch, llm, chat_model, capsys):
+    """Clients may send the folder's name or --model as given (as vLLM names it); the first
+    --served-model-name wins, the others are aliases (each once)."""
+    def names(*argv):
+        app = served(monkeypatch, llm, *argv)["app"]
+        return app["model_name"], tuple(app.get("aliases", ()))
+    assert names("--model", str(chat_model)) == (chat_model.name, (str(chat_model),))
+    assert names("--model", str(chat_model), "--served-model-name", "a", "b", "a", "b") == ("a", ("b",))
+    assert names() == ("treeflash-builtin", ())
+    assert f"serving '{chat_model.name}'" in capsys.readouterr().err
+
+
+def test_serve_names_a_hub_model_by_its_id(monkeypatch, llm, tmp_path):
+    """--model org/name read from the Hugging Face cache is served under the id, not the
+    snapshot folder's hash name."""
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc123"
+    shutil.copytree(builtin_paths()[0], snapshot)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    app = served(monkeypatch, llm, "--model", "org/tiny")["app"]
+    assert (app["model_name"], tuple(app.get("aliases", ()))) == ("org/tiny", ())
+
+
+def test_serve_takes_the_api_key_and_cors_origins(monkeypatch, llm):
+    """--api-key defaults to $TREEFLASH_API_KEY (an empty one: no key); browsers of any
+    origin may call the server unless --allowed-origins says otherwise."""
+    monkeypatch.setenv("TREEFLASH_API_KEY", "s3cret")
+    app = served(monkeypatch, llm)["app"]
+    assert (app["api_key"], tuple(app["allowed_origins"])) == ("s3cret", ("*",))
+    monkeypatch.setenv("TREEFLASH_API_KEY", "")
+    assert served(monkeypatch, llm)["app"]["api_key"] is None
+    app = served(monkeypatch, llm, "--api-key", "k", "--allowed-origins", "http://a")["app"]
+    assert (app["api_key"], tuple(app["allowed_origins"])) == ("k", ("http://a",))
+
+
+def test_serve_generation_config_none_leaves_the_models_defaults_out(monkeypatch, llm, tmp_path):
+    """--generation-config none: requests that leave sampling values out get OpenAI's,
+    not the model's generation_config.json ones."""
+    from treeflash.server.protocol import SamplingDefaults
+    folder = tmp_path / "m"
+    shutil.copytree(builtin_paths()[0], folder)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95}))
+    assert served(monkeypatch, llm, "--model", str(folder))["app"]["defaults"] == \
+        SamplingDefaults(temperature=0.6, top_p=0.95)
+    assert served(monkeypatch, llm, "--model", str(folder), "--generation-config", "none")["app"]["defaults"] == \
+        SamplingDefaults()
+
+
+def test_serve_access_log_is_on_unless_disabled(monkeypatch, llm):
+    assert served(monkeypatch, llm)["uvicorn"]["access_log"] is True
+    assert served(monkeypatch, llm, "--disable-uvicorn-access-log")["uvicorn"]["access_log"] is False
+
+
+# ----------------------------------------------------------------------------- /metrics' text (cases a mutation review found untested)
+
+
+def test_metrics_declare_each_familys_prometheus_type():
+    """A scraper takes rate() of counters and quantiles of histograms by the # TYPE lines,
+    and the exposition format ends in a line feed."""
+    from treeflash.server.metrics import ServerMetrics
+    text = ServerMetrics().render(running=1, waiting=2, graph_captures=3)
+    types = dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE "))
+    counters = ["requests_total", "choices_total", "prompt_tokens_total", "generation_tokens_total",
+                "generation_rounds_total", "graph_captures_total"]
+    assert types == {**{f"treeflash_{n}": "counter" for n in counters},
+                     **{f"treeflash_{n}": "histogram" for n in ("request_seconds", "time_to_first_token_seconds")},
+                     **{f"treeflash_requests_{n}": "gauge" for n in ("running", "waiting")}}
+    assert text.endswith("\n") and not text.endswith("\n\n")
+    samples = metric_samples(text)
+    assert (samples["treeflash_requests_running"], samples["treeflash_requests_waiting"],
+            samples["treeflash_graph_captures_total"]) == (1, 2, 3)
+
+
+def test_metrics_count_each_finish_reason_and_a_prompt_once():
+    """Finished generations by reason (an aborted one too, at 0 before any), their tokens
+    and rounds; the prompt's tokens once for its request's several choices."""
+    from types import SimpleNamespace
+
+    from treeflash.server.metrics import ServerMetrics
+    m = ServerMetrics()
+    assert {k: v for k, v in metric_samples(m.render(0, 0, 0)).items() if "choices" in k} == {
+        f'treeflash_choices_total{{finish_reason="{r}"}}': 0 for r in ("stop", "length", "abort")}
+    m.choice_done(5, SimpleNamespace(finish_reason="stop", token_ids=[1, 2, 3], stats={"rounds": 2}))
+    m.choice_done(0, SimpleNamespace(finish_reason="abort", token_ids=[], stats={}))  # the request's second choice
+    m.request_done("cancelled", 0.5)
+    got = metric_samples(m.render(0, 0, 0))
+    assert (got['treeflash_choices_total{finish_reason="stop"}'], got['treeflash_choices_total{finish_reason="abort"}'],
+            got['treeflash_choices_total{finish_reason="length"}']) == (1, 1, 0)
+    assert (got["treeflash_prompt_tokens_total"], got["treeflash_generation_tokens_total"],
+            got["treeflash_generation_rounds_total"]) == (5, 3, 2)
+    assert got['treeflash_requests_total{outcome="cancelled"}'] == 1 and got["treeflash_request_seconds_count"] == 1
+
+
+def test_warm_up_fills_the_context_only_as_far_as_a_chat_may():
+    """The warm-up's chat request (ended after its prefill) asks for the chat default's
+    max_tokens where generation_config.json bounds it, else for what fits the context:
+    what a chat request without max_tokens would ask, so its cache is the one captured."""
+    from types import SimpleNamespace
+
+    from treeflash.server.cli import warm_up
+    from treeflash.server.protocol import SamplingDefaults
+    asked = []
+    fake = SimpleNamespace(eos_token_ids=[0], max_model_len=64,
+                           generate=lambda prompt, params, on_tokens=None: asked.append(params.max_new_tokens))
+    warm_up(fake)
+    assert set(asked) == {4, 63}  # short requests, and the chat's whole context past the 1-token prompt
+    asked.clear()
+    warm_up(fake, SamplingDefaults(max_tokens=8))
+    assert set(asked) == {4, 8}
+    asked.clear()
+    warm_up(fake, SamplingDefaults(max_tokens=1000))
+    assert set(asked) == {4, 63}
