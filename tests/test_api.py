@@ -966,3 +966,21 @@ def test_a_bad_words_spelling_after_a_space_counts_only_with_as_many_tokens():
     assert len(encode("Python", special=False)) == 2 and len(encode(" Python", special=False)) == 1
     assert llm.rules.bad_sequences(SamplingParams(bad_words=["Python", "hello"])) == \
         [encode("Python", special=False), encode("hello", special=False), encode(" hello", special=False)]
+
+
+def test_an_engine_closed_by_a_callback_runs_no_further_batch(hf_checkpoint, monkeypatch):
+    """`close()` from a callback ends the call: the next command on the closed engine (the
+    batch's release, the next max_batch chunk) raises EngineDeadError rather than
+    running on an engine whose caches and graphs are gone."""
+    from treeflash.errors import EngineDeadError
+    llm = LLM(hf_checkpoint("qwen3").path, device="cpu", dtype="float32")
+    monkeypatch.setattr(llm, "max_batch", 1)
+    done = []
+
+    def on_done(i, out):
+        done.append(i)
+        llm.close()
+
+    with pytest.raises(EngineDeadError, match="closed"):
+        llm.generate(ENGINE_PROMPTS[:2], SamplingParams(max_new_tokens=4), on_done=on_done)
+    assert done == [0]

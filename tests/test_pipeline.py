@@ -238,3 +238,20 @@ def test_mixed_batch_on_the_gpu(spec_target, spec_drafter, graphs):
     for prompt, p, out in zip(prompts, params, outs):
         assert out.token_ids == llm.generate([prompt], [p])[0].token_ids
     assert [len(o.token_ids) for o in outs] == [3, 40, 17, 1, 29]
+
+
+def test_tree_slots_cover_the_drafters_block(spec_target, spec_drafter):
+    """`tree_slots` (the cache slots a round needs past the committed prefix, which the
+    engine's headroom and `bench --shape`'s tight capacity count on) covers the
+    drafter's block as well as the tree: a DDTree of fewer nodes than the block still
+    writes the whole block into the drafter's cache. A state of exactly n + tree_slots
+    slots runs its round."""
+    from treeflash.engine.sampling import SamplingBatch
+    target, drafter = spec_target("qwen3", "peaked"), spec_drafter("qwen3", "peaked", 8)
+    llm = LLM(target, draft_model=drafter, method="ddtree", budget=3, device="cpu", dtype="float64")
+    dec, prompt = llm.decoder, SPEC_PROMPTS[2]
+    assert dec.tree_slots == 8  # the block (8), not the tree (3 + 1)
+    st = dec.new_state(1, len(prompt) + dec.tree_slots, SamplingBatch.from_params([SamplingParams()], "cpu"))
+    dec.prefill(st, [prompt])
+    new, counts, _ = dec.round(st, len(prompt))
+    assert 1 <= int(counts[0]) <= 4

@@ -10,7 +10,7 @@ import treeflash.engine.graphs as graphs_module
 from treeflash import LLM, SamplingParams
 from treeflash.engine.options import builtin_paths
 from treeflash.engine.sampling import SamplingBatch
-from treeflash.engine.states import state_key, suffix_chunks
+from treeflash.engine.states import common_prefix, state_key, suffix_chunks
 from treeflash.errors import UsageError
 
 GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
@@ -339,3 +339,81 @@ def test_a_state_dropped_for_room_is_not_reused(monkeypatch):
     got = llm.generate(turn, roomy)[0]
     assert got.stats["cached_tokens"] == 0 and list(llm.states.graphed) == [state_key(1, 2048)]
     assert got.token_ids == fresh.generate(turn, roomy)[0].token_ids
+
+
+def test_a_short_rest_at_the_end_of_its_cache_bucket(engines):
+    """A next turn whose few new tokens sit near the end of the conversation's 1024-slot
+    state: their prefill's padded columns are cut to the slots left past the cached
+    prefix (PREFILL_ALIGN columns from slot 1001 would run past the cache)."""
+    llm, fresh = engines("ar", True), engines("ar", False)
+    first = [3 + i % 200 for i in range(1000)]
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    answer = llm.generate(first, params)[0]
+    turn = first + answer.token_ids + [5, 6, 7, 8]
+    got = llm.generate(turn, params)[0]
+    assert state_key(1, llm.states.kept.cache.max_len) == state_key(1, 1024)
+    assert got.stats["cached_tokens"] == len(first) + 1
+    assert got.token_ids == fresh.generate(turn, params)[0].token_ids
+
+
+def test_a_kept_state_starts_every_request_afresh(engines):
+    """The state a batch is kept on ends with its early finishers marked inactive; the
+    next batch on it runs every request from its first round: the tokens, and the rounds
+    and tau, of an engine that makes a new state."""
+    llm, fresh = engines("ar", True), engines("ar", False)
+    llm.generate([[5, 6, 7], [8, 9]], [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 12)])
+    prompts = [[40, 41], [50, 51, 52]]  # new conversations: nothing to reuse, the same state
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (10, 4)]
+    got, want = llm.generate(prompts, params), fresh.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [(o.stats["rounds"], o.stats["tau"]) for o in got] == [(10, 1.0), (4, 1.0)]
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_a_reused_prefix_drafts_as_a_full_prefill(engines, method):
+    """The rest's prefill puts its drafter context after the cached prefix's (not over
+    it): the drafts, so the rounds and tau, of the next turn are those of an engine that
+    prefills the whole prompt, not only its tokens."""
+    llm, fresh = engines(method, True), engines(method, False)
+    _, _, turn = _turns(llm, GREEDY)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    got, want = llm.generate(turn, params)[0], fresh.generate(turn, params)[0]
+    assert got.stats["cached_tokens"] > 0 and got.token_ids == want.token_ids
+    assert (got.stats["rounds"], got.stats["tau"]) == (want.stats["rounds"], want.stats["tau"])
+    assert got.stats["tau"] > 1.5  # the drafter is right often: a misplaced context would show
+
+
+def test_the_shared_prefix_is_counted_token_by_token():
+    """`common_prefix` compares long conversations a chunk at a time, yet counts exactly:
+    a difference anywhere in a chunk (first token, last, in between) ends the prefix there."""
+    a = list(range(1000))
+    for k in (0, 1, 100, 255, 256, 257, 300, 511, 512, 999):
+        assert common_prefix(a, a[:k] + [-1] + a[k + 1:]) == k, k
+    assert common_prefix(a, a) == 1000 and common_prefix(a, a[:600]) == common_prefix(a[:600], a) == 600
+    assert common_prefix([], a) == 0
+
+
+def test_the_kept_state_is_counted_and_freed_on_close():
+    """The state kept for the next turn holds caches: `rank_stats` counts them between
+    batches, and `close` lets them go (a closed engine the caller still references keeps
+    no KV caches)."""
+    llm = LLM(method="ar", device="cpu", dtype="float64", enable_prefix_caching=True)
+    llm.generate([[5, 6, 7]], GREEDY)
+    kept = llm.states.kept
+    assert kept is not None and llm.rank_stats()[0]["cache_bytes"] == kept.cache_bytes > 0
+    llm.close()
+    assert llm.states.held() == []
+
+
+def test_a_kept_shape_runs_on_its_graphs_with_every_state_kept(monkeypatch):
+    """A batch of a shape already kept replays its graphs: nothing is dropped or
+    captured again, even with GRAPH_STATES states kept."""
+    llm = _cpu_graphs(monkeypatch, LLM(method="ar", device="cpu", dtype="float64"))
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    for batch in (1, 2, 3, 4):
+        llm.generate([[5, 6, 7]] * batch, params)
+    captures = llm.graph_captures
+    for batch in (1, 3, 2, 4, 1):
+        llm.generate([[8, 9]] * batch, params)
+    assert llm.graph_captures == captures
+    assert list(llm.states.graphed) == [state_key(b, 1024) for b in (3, 2, 4, 1)]

@@ -189,3 +189,66 @@ def test_filters_do_not_cut_the_draft_tree(top_k, top_p, spec_target, spec_draft
         trees.append(dec.build(st))
     assert int(trees[0].valid.sum()) == 65
     assert torch.equal(trees[1].tokens, trees[0].tokens) and torch.equal(trees[1].valid, trees[0].valid)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_coupled_draft_picks_the_targets_own_sample(temperature, spec_target, spec_drafter):
+    """'coupled' draft scores rank the tokens of each depth as logits / T + g does (the
+    drafter's logits, the target's own noise g(seed, position)): their best is the very
+    sample the target draws where the drafter is right (logits + T g up to T = 1, the
+    same order; logits / T + g past it)."""
+    from treeflash.engine.sampling import SamplingBatch, gumbel_noise
+    target = spec_target("llama", "warm")
+    llm = spec_llm(target, spec_drafter("llama", "warm", 8), "ddtree", 16)
+    dec, prompt = llm.decoder, SPEC_PROMPTS[10]
+    sb = SamplingBatch.from_params([SamplingParams(temperature=temperature, seed=3)], "cpu")
+    st = dec.new_state(1, 128, sb)
+    dec.prefill(st, [prompt])
+    with torch.inference_mode():
+        scores = dec.draft_logits(st)
+        st.sampling = SamplingBatch.from_params([SamplingParams()], "cpu")  # greedy: the drafter's own logits
+        logits = dec.draft_logits(st)
+    positions = st.n[:, None] + torch.arange(1, dec.drafter.block_size)
+    noise = gumbel_noise(sb.seed, positions, 0, logits.shape[-1])
+    want = (logits / temperature + noise).topk(8, dim=-1).indices
+    assert torch.equal(scores.topk(8, dim=-1).indices, want)
+
+
+def test_a_tiny_temperature_drafts_the_greedy_tree_in_scaled_mode(spec_target, spec_drafter):
+    """'scaled' draft scores divide by T at least MIN_TEMPERATURE, as the target's
+    sampler does: at T = 1e-40 the tree is the greedy request's (logits / 1e-40
+    overflowed to inf, and the tree's log-probabilities were NaN)."""
+    from treeflash.engine.sampling import SamplingBatch
+    target = spec_target("llama", "warm")
+    llm = spec_llm(target, spec_drafter("llama", "warm", 8), "ddtree", 64, draft_mode="scaled")
+    dec, prompt = llm.decoder, SPEC_PROMPTS[10]
+    trees = []
+    for t in (0.0, 1e-40):
+        sb = SamplingBatch.from_params([SamplingParams(temperature=t, seed=1)], "cpu")
+        st = dec.new_state(1, 128, sb)
+        dec.prefill(st, [prompt])
+        trees.append(dec.build(st))
+    assert int(trees[1].valid.sum()) == 65
+    assert torch.equal(trees[1].tokens, trees[0].tokens) and torch.equal(trees[1].valid, trees[0].valid)
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 16)])
+def test_drafts_take_only_tokens_the_target_may_take(method, budget, spec_target, spec_drafter, ar_reference):
+    """allowed_token_ids (and logit_bias) act on the draft too: every drafted token is
+    one the target may sample, rather than the drafter's favourites that it may not."""
+    target = spec_target("qwen3", "peaked")
+    llm = spec_llm(target, spec_drafter("qwen3", "peaked", 8), method, budget)
+    dec, drafted = llm.decoder, set()
+    build = dec.build
+
+    def recorded(st, max_n=None):
+        tree = build(st, max_n)
+        drafted.update(tree.tokens[:, 1:][tree.valid[:, 1:]].tolist())
+        return tree
+
+    dec.build = recorded
+    allowed = list(range(20, 121))  # not the peaked target's (and its drafter's) favourites, 3..10
+    params = SamplingParams(max_new_tokens=24, allowed_token_ids=allowed)
+    outs = llm.generate(SPEC_PROMPTS[:3], params)
+    assert drafted and drafted <= set(allowed)
+    assert [o.token_ids for o in outs] == [ar_reference(target, p, params).token_ids for p in SPEC_PROMPTS[:3]]

@@ -15,6 +15,7 @@ from treeflash import LLM, SamplingParams, TreeflashError, UsageError
 from treeflash.checkpoints import write_random_drafter, write_random_target
 from treeflash.cli import main as cli_main
 from treeflash.engine.round import PREFILL_ALIGN
+from treeflash.engine.sampling import SamplingBatch
 from treeflash.layers.attention import AttentionInputs
 
 GREEDY64 = SamplingParams(max_new_tokens=64)
@@ -484,3 +485,80 @@ def test_drafter_context_kv_is_its_layers_own_k_and_v():
         _, k_all, v_all = layer.self_attn.project_qkv(ctx, cos, sin)
         torch.testing.assert_close(k, k_all, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(v, v_all, rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- eager read bounds
+
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 24), ("ar", None)])
+def test_bounded_reads_equal_whole_cache_reads(method, budget, spec_target, spec_drafter):
+    """`max_n` only spares eager attention the cache slots past the round's: the draft
+    scores, the verify logits, and so the tokens and counts of a round, are those of a
+    round that reads the whole cache (as a CUDA graph does), for requests at and below
+    max_n."""
+    target, drafter = spec_target("qwen3", "peaked"), spec_drafter("qwen3", "peaked", 8)
+    llm = spec_llm(target, None if method == "ar" else drafter, method, budget)
+    dec, prompts = llm.decoder, [SPEC_PROMPTS[9], SPEC_PROMPTS[2]]
+    sampling = SamplingBatch.from_params([GREEDY64] * 2, "cpu")
+    results = []
+    for bounded in (False, True):
+        st = dec.new_state(2, 128, sampling)
+        dec.prefill(st, prompts)
+        got = []
+        with torch.inference_mode():
+            for _ in range(3):
+                max_n = int(st.n.max()) if bounded else None
+                if method != "ar":
+                    got.append(dec.draft_logits(st, max_n))
+                got.append(dec.verify(st, dec.build(st, max_n), max_n)[0])
+                got += [t.clone() for t in dec.round(st, max_n)[:2]]
+        results.append(got)
+    for whole, bounded in zip(*results):
+        assert whole.shape == bounded.shape
+        assert torch.allclose(whole.double(), bounded.double(), atol=1e-9, rtol=0)
+
+
+def test_the_draft_is_the_drafters_training_forward(spec_target, spec_drafter):
+    """A round's draft scores (greedy) are those of the drafter's cache-free training
+    forward (`forward_dense`): the block [anchor, mask, ...] at positions n.. attending
+    to the target's features of the committed tokens and to itself. The drafter the
+    engine runs is the one that was trained."""
+    llm = spec_llm(spec_target("qwen3", "peaked"), spec_drafter("qwen3", "peaked", 8), "dflash")
+    dec, d, prompt = llm.decoder, llm.drafter, SPEC_PROMPTS[9]
+    st = dec.new_state(1, 128, SamplingBatch.from_params([GREEDY64], "cpu"))
+    dec.prefill(st, [prompt])
+    n, b = len(prompt), d.block_size
+    with torch.inference_mode():
+        got = dec.draft_logits(st)
+        cache = llm.target.new_cache(1, n + 1, torch.device("cpu"))
+        positions = torch.arange(n)[None]
+        _, feats = llm.target(torch.tensor([prompt]), AttentionInputs.causal(positions, kv_len=n), cache,
+                              d.target_layer_ids)
+        block = torch.tensor([[int(st.anchor[0])] + [d.mask_token_id] * (b - 1)])
+        h = d.forward_dense(llm.target.embed(block), n + torch.arange(b)[None], feats, positions,
+                            torch.ones(1, b, n + b, dtype=torch.bool))
+        want = d.scaled_logits(llm.target.logits(h[:, 1:], gather=False).float())
+    assert torch.allclose(got.double(), want.double(), atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("budget", [24, 64])
+def test_the_ddtree_is_the_budget_most_probable_prefixes(budget, spec_target, spec_drafter):
+    """A DDTree round verifies the `budget` most probable prefixes of the draft's
+    per-depth distributions (best-first search: tree_oracle), not a narrower tree."""
+    from tree_oracle import best_prefixes_heap
+    llm = spec_llm(spec_target("qwen3", "plain"), spec_drafter("qwen3", "plain", 8), "ddtree", budget)
+    dec = llm.decoder
+    st = dec.new_state(2, 128, SamplingBatch.from_params([GREEDY64] * 2, "cpu"))
+    dec.prefill(st, [SPEC_PROMPTS[9], SPEC_PROMPTS[2]])
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(dec.draft_logits(st).double(), -1)
+        tree = dec.build(st)
+    for b in range(2):
+        prefixes = set()
+        for i in range(1, budget + 1):
+            if tree.valid[b, i]:
+                path, j = [], i
+                while j != 0:
+                    path.append(int(tree.tokens[b, j]))
+                    j = int(tree.parents[b, j])
+                prefixes.add(tuple(reversed(path)))
+        assert prefixes == set(best_prefixes_heap(logprobs[b], budget))

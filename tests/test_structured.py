@@ -1019,3 +1019,40 @@ def test_special_tokens_are_never_text(engines):
     specials = [i for i, t in llm.tokenizer.tok.get_added_tokens_decoder().items() if t.special]
     automaton = _fresh_cache(llm).get(StructuredOutputs(regex=r"[<|>a-z]{1,20}"))
     assert specials and (automaton.next[:, specials] == -1).all()
+
+
+def test_a_constrained_chain_is_the_best_one_the_constraint_allows(engines):
+    """DFlash's chain under a constraint takes, depth by depth, the best draft token
+    that the state after the chain so far allows (exact while those tokens are among the
+    drafter's GUIDE_CANDIDATES best): the chain the target can accept."""
+    from treeflash.engine.round import GUIDE_CANDIDATES
+    llm = engines["dflash"]
+    dec, seen = llm.decoder, []
+    guided = dec.guided_draft
+
+    def recorded(logits, sb):
+        masked = guided(logits, sb)
+        seen.append((logits.clone(), masked.argmax(-1), sb.grammar_state.clone(), sb.grammar))
+        return masked
+
+    dec.guided_draft = recorded
+    try:
+        params = [SamplingParams(max_new_tokens=30, structured_outputs=so) for so in CONSTRAINTS]
+        llm.generate(["def add(a, b):\n"] * len(params), params)
+    finally:
+        del dec.guided_draft
+    checked = 0
+    for logits, chain, state, table in seen:
+        best = logits.topk(GUIDE_CANDIDATES, dim=-1).indices
+        for b in range(len(chain)):
+            s = int(state[b])
+            for d in range(logits.shape[1]):
+                allowed = table[s, :logits.shape[-1]] >= 0
+                if not allowed.any():
+                    break
+                want = int(logits[b, d].masked_fill(~allowed, float("-inf")).argmax())
+                if want not in best[b, d]:
+                    break  # past the candidates: the guide is no longer exact
+                assert int(chain[b, d]) == want
+                s, checked = int(table[s, want]), checked + 1
+    assert checked > 100

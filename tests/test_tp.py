@@ -372,10 +372,11 @@ def test_sharded_filter_floor_kernels(n):
     assert (got[0] == want).sum() >= 10
 
 
+@pytest.mark.parametrize("budget", [10, 40])  # 40: more candidates than a rank's slice holds
 @pytest.mark.parametrize("n", [2, 4])
-def test_sharded_draft_topk_and_tree(n):
+def test_sharded_draft_topk_and_tree(n, budget):
     gen = torch.Generator().manual_seed(2)
-    B, D, V, budget = 3, 5, 48, 10
+    B, D, V = 3, 5, 48
     logits = torch.randn(B, D, V, generator=gen) * 3
     # -inf outside the top 4
     logits[2] = logits[2].masked_fill(logits[2] < logits[2].topk(4).values[..., -1:], float("-inf"))
@@ -988,3 +989,92 @@ def test_a_worker_that_cannot_build_its_shard_is_named_in_one_line(tp_models, tm
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         "treeflash: error: tensor-parallel worker rank 1 could not build the model: no room for the shard"], proc.stderr
+
+
+def test_a_bare_launch_places_each_rank_by_its_rank(monkeypatch):
+    """Without LOCAL_RANK (a bare launch of one process per GPU on one host) rank r
+    takes cuda:r, not every rank cuda:0; MASTER_ADDR / MASTER_PORT default as torch's."""
+    from treeflash.engine.tp import torchrun_env
+    for name in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert torchrun_env() == {"rank": 1, "world": 2, "local_rank": 1, "addr": "127.0.0.1", "port": 29500}
+    monkeypatch.setenv("LOCAL_RANK", "0")  # torchrun's own, across hosts
+    assert torchrun_env()["local_rank"] == 0
+
+
+class _Exited:
+    def __init__(self, rc):
+        self.rc = rc
+
+    def poll(self):
+        return self.rc
+
+
+class _Reports:
+    """The store as the monitor's client sees it: err/<rank> keys the workers left."""
+
+    def __init__(self, errors: dict[int, tuple[str, bool]]):
+        self.values = {f"err/{r}": json.dumps({"error": e, "comm": c}) for r, (e, c) in errors.items()}
+
+    def check(self, keys):
+        return all(k in self.values for k in keys)
+
+    def get(self, key):
+        return self.values[key]
+
+
+def test_the_driver_names_the_root_cause_among_dead_workers():
+    """Of several dead workers the driver names the one that caused it: a worker's own
+    error or a signal before a peer's broken collective (which only followed it), and
+    of those the lowest rank; a worker still running is no cause."""
+    from treeflash.engine.tp import Runtime
+    rt = Runtime(5, "cpu", 0, 0, None, {1: _Exited(1), 2: _Exited(1), 3: _Exited(-9), 4: _Exited(None)})
+    reports = _Reports({1: ("RuntimeError: gloo connection closed by peer", True),
+                        2: ("RuntimeError: CUDA error: an illegal memory access", False)})
+    assert rt._diagnose(reports) == ("tensor-parallel worker rank 2 failed: "
+                                     "RuntimeError: CUDA error: an illegal memory access")
+    reports = _Reports({1: ("RuntimeError: gloo connection closed by peer", True)})
+    assert rt._diagnose(reports) == "tensor-parallel worker rank 2 exited unexpectedly with code 1"
+    rt.procs = {1: _Exited(1), 3: _Exited(-9)}
+    assert rt._diagnose(reports) == "tensor-parallel worker rank 3 was killed by signal SIGKILL"
+    assert rt._diagnose(None) == "tensor-parallel worker rank 1 exited unexpectedly with code 1"
+
+
+def test_a_workers_error_is_reported_in_one_line():
+    """What a worker leaves the driver (its build error, why it stopped) is the first
+    line of its error: a treeflash error as it reads, any other after its type's name,
+    at most 400 characters."""
+    from treeflash.engine.tp import one_line
+    assert one_line(TreeflashError("no room for the shard\nmore")) == "no room for the shard"
+    assert one_line(RuntimeError("  gloo: connection closed\ntraceback")) == "RuntimeError: gloo: connection closed"
+    assert one_line(KeyboardInterrupt()) == "KeyboardInterrupt"
+    assert one_line(TreeflashError("x" * 1000)) == "x" * 400
+    assert one_line(ValueError("y" * 1000)) == ("ValueError: " + "y" * 1000)[:400]
+
+
+@pytest.mark.parametrize("n,short", [(2, 1), (4, 2)])
+def test_a_rank_short_of_memory_for_the_caches_is_named_on_every_rank(n, short):
+    """Batch caches that do not fit on one rank make every rank raise InStepError at the
+    same point (the ranks stay in step): that rank with its own error, the others naming it."""
+    from treeflash.engine.states import KeptStates
+    from treeflash.errors import InStepError
+
+    def make_on(tp):
+        if tp.rank == short:
+            raise TreeflashError(f"not enough cpu memory for a KVCache on rank {tp.rank}\nmore")
+        return "state"
+
+    def run(tp):
+        states = KeptStates(None, torch.device("cpu"), graphs=False, prefix_caching=False, group=tp)
+        with pytest.raises(InStepError) as e:
+            states.allocated(lambda: make_on(tp))
+        fine = states.allocated(lambda: "state")  # and the next batch goes on
+        return str(e.value), fine
+
+    got = on_ranks(n, run)
+    assert [g[1] for g in got] == ["state"] * n
+    assert [g[0] for g in got] == [f"not enough cpu memory for a KVCache on rank {short}" if r == short else
+                                   f"tensor-parallel rank {short} has not enough memory for this batch's caches"
+                                   for r in range(n)]
