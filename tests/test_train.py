@@ -1051,3 +1051,353 @@ def test_no_export_shard_is_empty(tmp_path):
     assert held == [["big"], ["last", "small"]]
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(tensors) and index["metadata"]["total_size"] == 4 * 1410
+
+
+# ----------------------------------------------------------------------------- corpus building (cases a mutation review found untested)
+
+def test_code_files_that_are_data_are_skipped(tmp_path):
+    """A .py file over MAX_FILE_BYTES, or with a line over MAX_LINE_CHARS, is a data blob,
+    and a file holding a NUL byte is binary: all skipped. A line of exactly the limit is
+    kept, and a CRLF copy of a file is the same document (a duplicate)."""
+    from treeflash.train.corpus import MAX_FILE_BYTES, MAX_LINE_CHARS
+    src = _corpus_files(tmp_path / "src", 4)
+    row = "x = 1  # " + "-" * 60 + "\n"
+    (src / "table.py").write_text(row * (MAX_FILE_BYTES // len(row) + 1))
+    (src / "blob.py").write_text("DATA = '" + "a" * MAX_LINE_CHARS + "'\n")
+    (src / "edge.py").write_text("D = '" + "b" * (MAX_LINE_CHARS - 6) + "'\n")  # a line of MAX_LINE_CHARS
+    (src / "binary.py").write_text("x = 1\x00\n")
+    (src / "crlf.py").write_bytes(_source(0).replace("\n", "\r\n").encode())
+    c = collect([src], heldout_fraction=0)
+    assert c.stats["skipped"] == 3 and c.stats["duplicates"] == 1 and len(c.train) == 5
+    assert any(t.startswith("D = 'bbb") for t in c.train) and not any("\r" in t for t in c.train)
+
+
+def test_roots_are_read_in_priority_order_and_sampled_within(tmp_path):
+    """A cap keeps the first root whole before the next is read; within a root, files are
+    taken in a hash order (a sample, not the alphabetical head); a root inside another
+    is read once, as itself."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    for root, tag in ((first, "a"), (second, "b")):
+        root.mkdir()
+        for i in range(20):
+            (root / f"m{i:02d}.py").write_text(f"def {tag}{i:02d}():\n    return {i:03d}\n")
+    size = len((first / "m00.py").read_bytes())
+    c = collect([first, second], heldout_fraction=0, max_bytes=22 * size)
+    assert len(c.train) == 22 and c.stats["capped"] and {p.read_text() for p in first.iterdir()} <= set(c.train)
+    head = collect([first], heldout_fraction=0, max_bytes=5 * size).train
+    assert len(head) == 5 and set(head) != {(first / f"m{i:02d}.py").read_text() for i in range(5)}
+    inner = _corpus_files(first / "inner", 3)
+    both = collect([first, inner], heldout_fraction=0)
+    assert both.stats["files_seen"] == 23 and both.stats["duplicates"] == 0
+
+
+def test_a_cap_stops_at_the_first_document_past_it(tmp_path):
+    """max_bytes is a cap on the text read, in order: a corpus exactly as large is taken
+    whole, and reading stops at the first document that would pass the cap (a smaller
+    one after it is not taken)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    docs = ["a" * 100, "b" * 100, "c" * 300, "d" * 10]
+    (src / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    exact = collect([src], heldout_fraction=0, max_bytes=200, suffixes=(".jsonl",))
+    assert exact.train == docs[:2]
+    capped = collect([src], heldout_fraction=0, max_bytes=250, suffixes=(".jsonl",))
+    assert capped.train == docs[:2] and capped.stats["capped"]
+
+
+def test_jsonl_lines_are_split_and_checked_one_by_one(tmp_path):
+    """A .jsonl file is split line by line (one file gives both splits); a blank "text" is
+    skipped; a file that is not UTF-8 is a one-line usage error naming it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    lines = [{"text": f"document number {i}"} for i in range(200)] + [{"text": "   "}]
+    (src / "all.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    c = collect([src], heldout_fraction=0.3, suffixes=(".jsonl",))
+    assert c.train and c.heldout and len(c.train) + len(c.heldout) == 200 and c.stats["skipped"] == 1
+    (src / "all.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    with pytest.raises(UsageError, match=r"all\.jsonl is not UTF-8 text"):
+        collect([src], suffixes=(".jsonl",))
+
+
+def test_corpus_settings_are_checked(tmp_path):
+    src = _corpus_files(tmp_path / "src", 2)
+    for kwargs, what in ((dict(suffixes=(".",)), "suffixes must look like"),
+                         (dict(heldout_fraction=1.0), r"held-out fraction must be in \[0, 1\)"),
+                         (dict(max_bytes=0), "max_bytes must be >= 1")):
+        with pytest.raises(UsageError, match=what):
+            collect([src], **kwargs)
+
+
+def test_a_corpus_written_again_replaces_its_arrays(data_dir, tmp_path):
+    """A corpus re-made in its folder without --compress does not leave the earlier
+    train.npz behind, which would be loaded in its place."""
+    write_corpus(data_dir, tmp_path / "c", [data_dir.parent / "src"], heldout_fraction=0.25, compress=True)
+    other = _corpus_files(tmp_path / "other", 6)
+    meta = write_corpus(data_dir, tmp_path / "c", [other], heldout_fraction=0.25)
+    assert sorted(p.name for p in (tmp_path / "c").glob("*.np?")) == ["heldout.npy", "train.npy"]
+    assert load_corpus(tmp_path / "c").train.size == meta["train_tokens"]
+    assert meta["bytes_per_token"] == round(meta["train_bytes"] / meta["train_tokens"], 3)
+    assert (tmp_path / "c" / "tokenizer_config.json").read_text() == (data_dir / "tokenizer_config.json").read_text()
+
+
+def test_damaged_corpus_arrays_and_metadata_are_refused(data_dir, tmp_path):
+    """Arrays that are not flat token ids, negative ids, an empty train split and a
+    corpus.json without its EOS id are one-line errors; a corpus.json from before the
+    tokenizer hash still loads."""
+    broken = shutil.copytree(data_dir, tmp_path / "broken")
+    (broken / "train.npz").unlink()
+    for ids, what in ((np.zeros((4, 8), np.uint16), "is not a flat array of token ids"),
+                      (np.full(10, -1, np.int32), "outside its vocabulary"),
+                      (np.zeros(0, np.uint16), "the train split in .* holds no tokens")):
+        np.save(broken / "train.npy", ids)
+        with pytest.raises(TreeflashError, match=what):
+            load_corpus(broken)
+    legacy = shutil.copytree(data_dir, tmp_path / "legacy")
+    meta = json.loads((legacy / "corpus.json").read_text())
+    (legacy / "corpus.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "tokenizer_sha256"}))
+    assert load_corpus(legacy).train.size == meta["train_tokens"]
+    (legacy / "corpus.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "eos_token_id"}))
+    with pytest.raises(TreeflashError, match="'eos_token_id' must be a token count or id, got None"):
+        load_corpus(legacy)
+
+
+def test_held_out_windows_of_a_short_split():
+    """A held-out split shorter than a window is one shorter window; one of fewer than two
+    tokens is refused (nothing to predict)."""
+    from treeflash.train.corpus import fixed_windows
+    assert fixed_windows(np.arange(7), 10, 50).tolist() == [list(range(7))]
+    with pytest.raises(UsageError, match="the held-out split is empty"):
+        fixed_windows(np.arange(1), 10, 50)
+
+
+def test_a_tokenizer_without_an_eos_token_is_refused(data_dir, tmp_path):
+    """Every document ends with EOS: a tokenizer folder that names none is refused."""
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    shutil.copy(data_dir / "tokenizer.json", tok)  # no tokenizer_config.json: no eos_token
+    with pytest.raises(TreeflashError, match="defines no EOS token"):
+        write_corpus(tok, tmp_path / "c", [data_dir.parent / "src"])
+
+
+# ----------------------------------------------------------------------------- exports and CLI options (cases a mutation review found untested)
+
+def test_the_target_export_holds_what_loaders_read(target, data_dir, tmp_path):
+    """The default export is bfloat16, with the tokenizer's PAD and the corpus's EOS in
+    config.json and generation_config.json (greedy), the tokenizer files beside it; the
+    summary counts its bytes and the held-out tokens evaluated (at most --eval-tokens)."""
+    from treeflash.tokenizer import Tokenizer
+    base, summary = target
+    folder = base / "model"
+    config = json.loads((folder / "config.json").read_text())
+    pad, eos = Tokenizer(data_dir).tok.token_to_id("<|pad|>"), load_corpus(data_dir).meta["eos_token_id"]
+    assert (config["pad_token_id"], config["eos_token_id"], config["torch_dtype"]) == (pad, eos, "bfloat16")
+    assert {t.dtype for t in _tensors(folder).values()} == {torch.bfloat16}
+    assert json.loads((folder / "generation_config.json").read_text()) == {
+        "bos_token_id": eos, "eos_token_id": eos, "pad_token_id": pad, "do_sample": False}
+    assert (folder / "tokenizer_config.json").read_text() == (data_dir / "tokenizer_config.json").read_text()
+    assert summary["export_bytes"] == sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    assert 0 < summary["heldout_tokens_evaluated"] <= OPTS["eval_tokens"] < load_corpus(data_dir).heldout.size
+    with pytest.raises(UsageError, match="export dtype must be bfloat16, float16 or float32, got 'int8'"):
+        train_target(data_dir, tmp_path / "run", None, TINY, TrainOptions(max_steps=1, **OPTS), dtype="int8")
+
+
+def test_target_shape_and_budget_flags(data_dir, tmp_path):
+    """--untied exports an LM head of its own, --rope-theta reaches config.json, and
+    --max-minutes takes a fraction of a minute."""
+    flags = ["--hidden-size", "32", "--num-layers", "2", "--num-heads", "2", "--num-kv-heads", "1", "--head-dim",
+             "16", "--intermediate-size", "64"] + [f"--{k.replace('_', '-')}={v}" for k, v in OPTS.items()]
+    assert cli_main(["target", "--data", str(data_dir), "--run", str(tmp_path / "run"), "--untied", "--rope-theta",
+                     "500", "--max-steps", "2", "--max-minutes", "0.5", *flags]) == 0
+    config = json.loads((tmp_path / "run" / "model" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and config["rope_theta"] == 500.0
+    assert "lm_head.weight" in _tensors(tmp_path / "run" / "model")
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["options"]["max_minutes"] == 0.5
+
+
+def test_corpus_and_tokenizer_cli_options(data_dir, tmp_path, capsys):
+    """--max-bytes takes K/M/G (powers of 1024, with or without B / iB); --compress writes
+    .npz, without it .npy; the defaults are the library's (a 2% held-out split of .py
+    files) and, for `train tokenizer`, a vocabulary of 4096."""
+    from treeflash.train.corpus import HELDOUT_FRACTION
+    src = data_dir.parent / "src"
+    assert cli_main(["corpus", "--tokenizer", str(data_dir), "--out", str(tmp_path / "a"), "--roots", str(src),
+                     "--max-bytes", "2K"]) == 0
+    meta = json.loads((tmp_path / "a" / "corpus.json").read_text())
+    assert (meta["max_bytes"], meta["heldout_fraction"], meta["suffixes"]) == (2048, HELDOUT_FRACTION, [".py"])
+    assert (tmp_path / "a" / "train.npy").exists() and not (tmp_path / "a" / "train.npz").exists()
+    assert cli_main(["corpus", "--tokenizer", str(data_dir), "--out", str(tmp_path / "b"), "--roots", str(src),
+                     "--max-bytes", "1.5MiB", "--compress"]) == 0
+    assert json.loads((tmp_path / "b" / "corpus.json").read_text())["max_bytes"] == 3 << 19
+    assert (tmp_path / "b" / "train.npz").exists() and not (tmp_path / "b" / "train.npy").exists()
+    capsys.readouterr()
+    assert cli_main(["tokenizer", "--out", str(tmp_path / "tok"), "--roots", str(src)]) == 0
+    size = len(json.loads((tmp_path / "tok" / "tokenizer.json").read_text())["model"]["vocab"])
+    assert f"vocabulary of {size} written to {tmp_path / 'tok'} (asked for 4096: the corpus has fewer merges)" \
+        in capsys.readouterr().out
+    assert cli_main(["drafter", "--target", "t", "--data", "d", "--run", "r", "--target-layer-ids", "1,x"]) == 2
+    assert "not a comma-separated list of integers: '1,x'" in capsys.readouterr().err
+
+
+def test_generate_defaults_and_its_bad_inputs(target, data_dir, tmp_path):
+    """At least 16 held-out continuations by default; prompts longer than the corpus, a
+    held-out split too short for its prompts, and rows past the target's context are
+    refused before generating."""
+    base, _ = target
+    meta = generate_continuations(base / "model", data_dir, tmp_path / "gen", num_prompts=1, prompt_len=4,
+                                  new_tokens=2, device="cpu")
+    with np.load(meta["path"]) as f:
+        assert f["ids"].shape == (1, 6) and f["heldout_ids"].shape == (16, 6)
+    size = load_corpus(data_dir).train.size
+    with pytest.raises(UsageError, match=f"the corpus has {size} tokens, too few for prompts of {size}"):
+        generate_continuations(base / "model", data_dir, tmp_path / "g", num_prompts=1, prompt_len=size,
+                               new_tokens=2, device="cpu", heldout_prompts=0)
+    write_corpus(data_dir, tmp_path / "no-heldout", [data_dir.parent / "src"], heldout_fraction=0)
+    with pytest.raises(UsageError, match="the held-out split has 0 tokens, too few for prompts of 4"):
+        generate_continuations(base / "model", tmp_path / "no-heldout", tmp_path / "g", num_prompts=1, prompt_len=4,
+                               new_tokens=2, device="cpu")
+    with pytest.raises(UsageError, match="prompt_len \\+ new_tokens = 40 exceeds the target's context of 32"):
+        generate_continuations(base / "model", data_dir, tmp_path / "g", num_prompts=1, prompt_len=8, new_tokens=32,
+                               device="cpu", heldout_prompts=0)
+    assert not (tmp_path / "g.npz").exists()
+
+
+def test_drafter_options_are_checked_before_training(target, data_dir, tmp_path):
+    base, _ = target
+    opts = TrainOptions(max_steps=1, **OPTS)
+    shape = DrafterShape(block_size=4)
+    big = shutil.copytree(data_dir, tmp_path / "big-vocab")
+    meta = json.loads((big / "corpus.json").read_text())
+    (big / "corpus.json").write_text(json.dumps({**meta, "vocab_size": 10 ** 6}))
+    for kwargs, what in ((dict(tau_new_tokens=0), "--tau-new-tokens >= 1, got 0, 0"),
+                         (dict(blocks_per_seq=0), "--blocks-per-seq >= 1, got 7.0, 0"),
+                         (dict(opts=TrainOptions(**{**OPTS, "max_steps": 1, "seq_len": 4})),
+                          "seq_len 4 is too short for blocks of 4"),
+                         (dict(tau_prompts=1, tau_new_tokens=32),
+                          "32 new tokens leave no room for a prompt in the target's context of 32"),
+                         (dict(dtype="int8"), "export dtype must be bfloat16, float16 or float32, got 'int8'"),
+                         (dict(data=big), "tokenized with a vocabulary of 1000000, larger than the target's 320")):
+        args = {"opts": opts, "tau_prompts": 0, **kwargs}
+        with pytest.raises(UsageError, match=what):
+            train_drafter(base / "model", args.pop("data", data_dir), tmp_path / "run", None, shape, **args)
+        assert not (tmp_path / "run" / "run.json").exists()
+
+
+def test_a_target_tokenizer_without_a_mask_token_needs_an_id(target, data_dir, tmp_path, capsys):
+    """A tokenizer without <|mask|> (another target's) needs --mask-token-id; given one,
+    the drafter trains with it."""
+    base, _ = target
+    tok = shutil.copytree(data_dir, tmp_path / "tok", ignore=shutil.ignore_patterns("*.np?", "corpus.json"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tok / name).write_text((tok / name).read_text().replace("<|mask|>", "<|reserved_0|>"))
+    write_corpus(tok, tmp_path / "data", [data_dir.parent / "src"], heldout_fraction=0.25)
+    model = shutil.copytree(base / "model", tmp_path / "model")
+    shutil.copy(tok / "tokenizer.json", model / "tokenizer.json")
+    shutil.copy(tok / "tokenizer_config.json", model / "tokenizer_config.json")
+    with pytest.raises(UsageError, match=r"has no <\|mask\|> token: give the drafter's mask token id"):
+        train_drafter(model, tmp_path / "data", tmp_path / "run", None, DrafterShape(block_size=4),
+                      TrainOptions(max_steps=1, **OPTS), tau_prompts=0)
+    train_drafter(model, tmp_path / "data", tmp_path / "run", tmp_path / "drafter",
+                  DrafterShape(block_size=4, mask_token_id=2), TrainOptions(max_steps=1, **OPTS), tau_prompts=0)
+    assert json.loads((tmp_path / "drafter" / "config.json").read_text())["dflash_config"]["mask_token_id"] == 2
+
+
+def test_bad_generated_rows_are_refused(target, data_dir, tmp_path):
+    base, _ = target
+    mark = np.str_(target_fingerprint(base / "model"))
+    rows = np.random.default_rng(0).integers(3, 320, (4, 24))
+    for ids, what in ((np.where(rows == rows[0, 0], -1, rows), "'ids' holds token ids outside"),
+                      (rows[:0], "holds no generated sequences"),
+                      (rows[0], "'ids' must be a 2-D array of token ids"),
+                      (rows[:, :10], "training sequences of 10 tokens are too short for blocks of 4")):
+        np.savez(tmp_path / "gen.npz", ids=ids, prompt_len=np.int64(8), target=mark)
+        with pytest.raises(UsageError, match=what):
+            train_drafter(base / "model", data_dir, tmp_path / "run", None, DrafterShape(block_size=4),
+                          TrainOptions(max_steps=1, **OPTS), generated=tmp_path / "gen.npz", tau_prompts=0)
+
+
+def test_generated_held_out_rows_are_capped_by_eval_tokens(target, data_dir, tmp_path, monkeypatch):
+    import treeflash.train.drafter as drafter_module
+    base, _ = target
+    gen = np.random.default_rng(0)
+    np.savez(tmp_path / "gen.npz", ids=gen.integers(3, 320, (4, 24)), heldout_ids=gen.integers(3, 320, (6, 24)),
+             prompt_len=np.int64(8), target=np.str_(target_fingerprint(base / "model")))
+    shapes = []
+    monkeypatch.setattr(drafter_module, "evaluate_drafter", lambda t, d, windows, *a, **k: (
+        shapes.append(tuple(windows.shape)) or {"eval_loss": 1.0}))
+    train_drafter(base / "model", data_dir, tmp_path / "run", None, DrafterShape(block_size=4),
+                  TrainOptions(max_steps=1, **{**OPTS, "eval_tokens": 2 * 24}), generated=tmp_path / "gen.npz",
+                  tau_prompts=0)
+    assert shapes == [(2, 24)]
+
+
+def test_a_failed_tau_measurement_keeps_the_trained_drafter(target, data_dir, tmp_path, monkeypatch):
+    import treeflash.train.drafter as drafter_module
+    base, _ = target
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("out of memory")
+    monkeypatch.setattr(drafter_module, "measure_tau", fails)
+    summary = train_drafter(base / "model", data_dir, tmp_path / "run", tmp_path / "drafter",
+                            DrafterShape(block_size=4), TrainOptions(max_steps=1, **OPTS), tau_prompts=1,
+                            tau_new_tokens=8)
+    assert summary["tau_error"] == "RuntimeError: out of memory"
+    assert (tmp_path / "drafter" / "config.json").exists()
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["tau_error"] == summary["tau_error"]
+
+
+def test_a_drafter_keeps_its_targets_rope_scaling(hf_checkpoint):
+    from treeflash.config import ModelConfig
+    from treeflash.train.drafter import drafter_config
+    cfg = ModelConfig.from_pretrained(hf_checkpoint("llama3-rope").path)
+    config = drafter_config(DrafterShape(num_layers=1, block_size=4, target_layer_ids=[0], mask_token_id=2), cfg,
+                            "float32")
+    assert cfg.rope_scaling and config["rope_scaling"] == cfg.rope_scaling
+
+
+# ----------------------------------------------------------------------------- options and run folders (cases a mutation review found untested)
+
+def test_every_count_option_must_be_at_least_one():
+    for key in ("batch_size", "seq_len", "eval_every", "save_every", "log_every", "eval_tokens"):
+        with pytest.raises(UsageError, match=f"{key}"):
+            TrainOptions.of({**DEFAULT_OPTIONS, **OPTS, "max_steps": 1, key: 0}).validate()
+    with pytest.raises(UsageError, match="warmup_steps"):
+        TrainOptions.of({**DEFAULT_OPTIONS, **OPTS, "max_steps": 1, "warmup_steps": -1}).validate()
+
+
+def test_out_may_not_hold_the_run_nor_weights_be_overwritten(data_dir, tmp_path, capsys):
+    with pytest.raises(UsageError, match="holds the run folder"):
+        train_target(data_dir, tmp_path / "out" / "run", tmp_path / "out", TINY, TrainOptions(max_steps=1, **OPTS))
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"x")
+    assert cli_main(["tokenizer", "--roots", str(data_dir.parent / "src"), "--out", str(weights)]) == 2
+    assert "holds a model (config.json or weights)" in capsys.readouterr().err
+
+
+def test_a_fresh_run_starts_its_own_log(tmp_path):
+    """A log.jsonl left by a fresh run that died before its first save is not continued."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "log.jsonl").write_text(json.dumps({"step": 99, "loss": 1.0}) + "\n")
+    t = _toy_trainer(tmp_path, max_steps=2, log_every=1, eval_every=100, save_every=100, warmup_steps=0)
+    t.fit(_steps_losses(t), lambda: {"eval_loss": 1.0})
+    assert [r["step"] for r in map(json.loads, (tmp_path / "run" / "log.jsonl").read_text().splitlines())] == [1, 2, 2]
+
+
+def test_exported_weights_are_readable_by_all(tmp_path):
+    """safetensors writes files for their owner only: an export served by another user
+    (a server account) must read them."""
+    from treeflash.train.common import save_safetensors
+    (path,) = save_safetensors({"w": torch.ones(3)}, tmp_path, torch.float32)
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_resumed_run_replaces_only_its_own_export(target, data_dir, tmp_path):
+    """--out given on resume may move the export, but not over another folder's files."""
+    base, _ = target
+    run = shutil.copytree(base / "run", tmp_path / "run")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    with pytest.raises(UsageError, match="is not empty"):
+        train_target(data_dir, run, other, opts=TrainOptions(max_steps=41), resume=True)
+    assert [p.name for p in other.iterdir()] == ["config.json"]

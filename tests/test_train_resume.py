@@ -251,3 +251,26 @@ def test_a_second_ctrl_c_interrupts_at_once(ctrl_c_interrupts):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1.0)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_session_options_may_change_on_resume(tmp_path):
+    """The intervals, the export and the τ measurement are this session's: given on
+    resume, they replace the run's rather than being refused."""
+    from treeflash.train.common import DEFAULT_OPTIONS, SESSION_OPTIONS
+    saved = {**DEFAULT_OPTIONS, "max_steps": 12, "dtype": "bfloat16", "tau_prompts": 16, "tau_new_tokens": 128,
+             "generated": "/data/gen.npz", "out": "/models/a"}
+    run = _run_dir(tmp_path, saved)
+    changed = {"eval_every": 7, "save_every": 9, "log_every": 3, "device": "cuda", "out": "/models/b",
+               "max_shard_mb": 4, "dtype": "float32", "tau_prompts": 2, "tau_new_tokens": 64,
+               "generated": "/moved/gen.npz"}
+    assert set(changed) == SESSION_OPTIONS - {"max_steps", "max_minutes"}
+    got = run.settle_options({k: None for k in saved} | changed, DEFAULT_OPTIONS)
+    assert {k: got[k] for k in changed} == changed and got["max_steps"] == 12
+
+
+def test_a_run_resumes_only_as_its_own_kind(tmp_path):
+    from treeflash.errors import UsageError
+    from treeflash.train.common import RunDir
+    _run_dir(tmp_path, {})
+    with pytest.raises(UsageError, match="is a target run, not a drafter run"):
+        RunDir(tmp_path / "run", True, "drafter")
