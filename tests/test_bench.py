@@ -615,3 +615,16 @@ def test_ms_per_round_divides_by_the_rounds_the_batches_ran(monkeypatch):
     m = pairs.measure_pair(Engine(), [0, 1, 2, 3], 2, 0.0, args)
     assert (m["batch_rounds"], m["request_rounds"], m["new_tokens"]) == (7, 12, 24)
     assert m["ms_per_round"] == pytest.approx(100.0) and m["tau"] == 2.0 and m["tokens_per_s"] == round(24 / 0.7, 2)
+
+
+def test_filters_set_off_are_not_filters():
+    """--top-k -1 is off (as 0, and as vLLM's): not refused at temperature 0 as a filter
+    that the run would ignore, and not named as a filter of the sampled requests."""
+    from treeflash.bench.options import filters_note
+    from treeflash.bench.shape import _shape_plan
+    args = build_parser().parse_args(["bench", "--shape", "tiny", "--top-k", "-1", "--device", "cpu"])
+    assert _shape_plan(args).temperatures == [0.0]
+    args = build_parser().parse_args(["bench", "--shape", "tiny", "--top-k", "-1", "--temperatures", "0.7"])
+    assert filters_note(args) == ""
+    args = build_parser().parse_args(["bench", "--shape", "tiny", "--top-k", "3", "--temperatures", "0.7"])
+    assert filters_note(args) == "; sampled requests with top-k 3"

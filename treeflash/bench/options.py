@@ -17,6 +17,7 @@ PAIR_BUDGETS = "16,32,64,128,256"
 SHAPE_BUDGETS = "0,15,31,63,127,255"
 DRAFT_LAYERS = 5           # the shape mode's drafter (issue 7's draft step is of 5 layers)
 MAX_BENCH_BATCH = 4096     # a timed batch's requests at most (--batch-sizes 10^9 built 10^9 indices)
+FILTERS_OFF = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,)}  # the values that filter nothing (-1: vLLM's)
 
 
 def parse_list(text: str, kind, what: str, minimum=None, maximum=None) -> list:
@@ -94,7 +95,7 @@ def check_sampled_options(args, temperatures: list[float], drafted: bool) -> str
     the filters and --draft-mode act on sampled requests only, --draft-mode on drafted
     ones only. Returns the draft mode (its default if not given)."""
     given = [f"--{name.replace('_', '-')}" for name, value in filters(args).items()
-             if value != {"top_k": 0, "top_p": 1.0, "min_p": 0.0}[name]]
+             if value not in FILTERS_OFF[name]]
     if args.draft_mode is not None:
         if not drafted:
             raise UsageError("--draft-mode sets how dflash and ddtree draft sampled requests: add one of them to "
@@ -108,6 +109,6 @@ def check_sampled_options(args, temperatures: list[float], drafted: bool) -> str
 
 
 def filters_note(args) -> str:
-    off = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,)}
-    on = [f"{name.replace('_', '-')} {value:g}" for name, value in filters(args).items() if value not in off[name]]
+    on = [f"{name.replace('_', '-')} {value:g}" for name, value in filters(args).items()
+          if value not in FILTERS_OFF[name]]
     return f"; sampled requests with {', '.join(on)}" if on else ""
