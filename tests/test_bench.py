@@ -296,6 +296,14 @@ def test_shape_mode_refuses_weights_past_the_hosts_free_memory(monkeypatch, caps
     (["--batch-sizes", "1,1000000000", "--device", "cpu"], "batch size must be <= 4096"),
     (["--shape", "tiny", "--batch-sizes", "100000000000"], "batch size must be <= 4096"),
     (["--num-prompts", "100000000000", "--device", "cpu"], "--num-prompts must be from 1 to 65536"),
+    # the lower limits, and a round's drafted block of 16 past the context when every budget is smaller (tiny:
+    # 32768 positions): accepted until a second mutation review
+    (["--num-prompts", "0", "--device", "cpu"], "--num-prompts must be from 1 to 65536, got 0"),
+    (["--methods", "ar", "--max-new-tokens", "0", "--device", "cpu"], "--max-new-tokens must be >= 1, got 0"),
+    (["--shape", "tiny", "--iters", "0"], "--iters must be >= 1, got 0"),
+    (["--shape", "tiny", "--fp8", "0x128"], "--fp8 block sizes must be positive"),
+    (["--shape", "tiny", "--fp8", "128"], "--fp8 takes ROWSxCOLS"),
+    (["--shape", "tiny", "--budgets", "0,3", "--contexts", "32753"], "--contexts at most 32752"),
 ])
 def test_bad_inputs_exit_2_with_one_line(argv, message, capsys):
     assert main(["bench", *argv]) == 2
@@ -617,6 +625,339 @@ def test_ms_per_round_divides_by_the_rounds_the_batches_ran(monkeypatch):
     assert m["ms_per_round"] == pytest.approx(100.0) and m["tau"] == 2.0 and m["tokens_per_s"] == round(24 / 0.7, 2)
 
 
+# ----------------------------------------------------------------------------- defaults, limits, floors and timers (a second mutation review)
+
+def test_pair_mode_defaults_are_the_documented_ones(monkeypatch):
+    """`treeflash bench` with no options runs what --help says: every method, budgets
+    16..256, batch sizes 1,2,4, temperatures 0,0.7,1.0, graphs on and off, 8 built-in
+    prompts of 128 new tokens, --max-budget 512, and sampled drafts 'coupled'."""
+    from treeflash.bench import pairs
+    from treeflash.engine.round import METHODS
+    monkeypatch.setattr(pairs, "usable_graphs", lambda graphs, device: graphs)  # as on a CUDA device
+    args = build_parser().parse_args(["bench"])
+    plan = pairs._pair_plan(args)
+    assert plan.methods == list(METHODS) == ["ar", "dflash", "ddtree"]
+    assert plan.budgets == [16, 32, 64, 128, 256] and plan.batch_sizes == [1, 2, 4]
+    assert plan.temperatures == [0.0, 0.7, 1.0] and plan.graphs == [True, False]
+    assert len(plan.prompts) == 8 and args.max_new_tokens == 128 and args.max_budget == 512
+    assert plan.draft_mode == "coupled"
+
+
+def test_shape_mode_defaults_are_the_documented_ones():
+    """`--shape` alone: contexts 1024,4096,16384, budgets 0..255, batch size 1, greedy,
+    no graphs on a CPU (float32), 50 timed calls, a drafter of 5 layers drafting 'coupled'."""
+    from treeflash.bench import shape
+    args = build_parser().parse_args(["bench", "--shape", "tiny", "--device", "cpu"])
+    plan = shape._shape_plan(args)
+    assert plan.contexts == [1024, 4096, 16384] and plan.budgets == [0, 15, 31, 63, 127, 255]
+    assert plan.batch_sizes == [1] and plan.temperatures == [0.0] and plan.graphs == [False]
+    assert plan.dtype == torch.float32 and args.iters == 50 and args.draft_layers == 5
+    assert plan.draft_mode == "coupled"
+
+
+def test_values_at_their_limits_are_accepted_and_repeats_timed_once():
+    """--budgets up to --max-budget, --batch-sizes up to 4096 and a seed whose last
+    request's seed is 2^63 - 1 are accepted (the bounds are inclusive); a value given
+    twice is one setting, timed once."""
+    from treeflash.bench.pairs import _pair_plan
+    from treeflash.bench.shape import _shape_plan
+    prompts = 8  # the built-in prompts: request i samples with seed S + i
+    plan = _pair_plan(build_parser().parse_args(
+        ["bench", "--methods", "ddtree", "--budgets", "512,4,4", "--batch-sizes", "4096,2,2", "--temperatures",
+         "0,0.5,0.5", "--graphs", "off,off", "--device", "cpu", "--seed", str(2 ** 63 - prompts)]))
+    assert (plan.budgets, plan.batch_sizes, plan.temperatures, plan.graphs) == ([512, 4], [4096, 2], [0.0, 0.5],
+                                                                                [False])
+    plan = _shape_plan(build_parser().parse_args(
+        ["bench", "--shape", "tiny", "--budgets", "0,3,0", "--contexts", "32,32,32752", "--max-budget", "3",
+         "--device", "cpu"]))
+    # 32752: the tiny shape's 32768 positions less a round's drafted block of 16 (above budget 3)
+    assert (plan.budgets, plan.contexts) == ([0, 3], [32, 32752])
+
+
+def test_num_prompts_takes_the_first_prompts_of_the_file(tmp_path):
+    from treeflash.bench.pairs import load_prompts
+    f = tmp_path / "p.txt"
+    f.write_text("a = 1\nb = 2\n")
+    for k, expected in ((1, [("a = 1", f"{f}:1")]), (2, [("a = 1", f"{f}:1"), ("b = 2", f"{f}:2")])):
+        args = build_parser().parse_args(["bench", "--prompt-file", str(f), "--num-prompts", str(k)])
+        assert load_prompts(args) == expected
+
+
+def test_measure_pair_warms_up_before_the_clock_and_counts_recaptures(monkeypatch):
+    """Untimed warm-up: on a CPU the first batch, on CUDA every batch; graphs captured
+    while timed (each timed batch here) are counted in `recaptures`, those of the warm-up
+    not."""
+    from types import SimpleNamespace
+
+    from treeflash.bench import pairs
+    now, calls = [0.0], []
+
+    class Engine:
+        graph_captures = 0
+
+        def __init__(self, device):
+            self.device = torch.device(device)
+
+        def generate(self, prompts, params):
+            calls.append((list(prompts), now[0]))
+            self.graph_captures += 1
+            now[0] += 1.0  # a second per batch
+            return [SimpleNamespace(stats={"rounds": 1, "new_tokens": 1}, token_ids=[p]) for p in prompts]
+    monkeypatch.setattr(pairs.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(pairs, "sync", lambda device: None)
+    args = build_parser().parse_args(["bench", "--max-new-tokens", "1"])
+    for device, warm in (("cpu", [[0, 1]]), ("cuda", [[0, 1], [2, 3]])):
+        calls.clear()
+        m = pairs.measure_pair(Engine(device), [0, 1, 2, 3], 2, 0.0, args)
+        assert [batch for batch, _ in calls] == warm + [[0, 1], [2, 3]]
+        assert m["seconds"] == 2.0 and m["recaptures"] == 2  # the two timed batches alone
+
+
+def test_a_pair_rows_run_fields():
+    """device, dtype (without 'torch.'), model ('built-in' without --model) and the drafter."""
+    from types import SimpleNamespace
+
+    from treeflash.bench.pairs import pair_row
+    engine = SimpleNamespace(method="ar", decoder=SimpleNamespace(budget=None), device=torch.device("cpu"),
+                             dtype=torch.bfloat16)
+    measured = {"tokens_per_s": 100.0, "token_ids": [[1]]}
+    for model, draft, shown in ((None, None, "built-in"), ("/m/target", "/m/drafter", "/m/target")):
+        args = SimpleNamespace(logprobs=None, top_k=0, top_p=1.0, min_p=0.0, model=model, draft_model=draft)
+        row = pair_row(engine, None, (1, 0.0, False), measured, None, args)
+        assert (row["device"], row["dtype"], row["model"], row["draft_model"]) == ("cpu", "bfloat16", shown, draft)
+
+
+def test_rows_are_on_disk_as_soon_as_they_are_measured(tmp_path):
+    """--out is flushed row by row: an interrupted run keeps what it measured."""
+    from treeflash.bench.report import close_out, emit, open_out
+    path = tmp_path / "rows.jsonl"
+    out = open_out(str(path))
+    emit(out, {"op": "ar"})
+    assert path.read_text() == '{"op": "ar"}\n'
+    emit(out, {"op": "verify"})
+    assert path.read_text().splitlines() == ['{"op": "ar"}', '{"op": "verify"}']
+    close_out(out, str(path))
+
+
+@pytest.mark.skipif(not HAVE_MPL, reason="needs matplotlib")
+def test_a_plot_name_in_capitals_is_accepted(tmp_path):
+    from treeflash.bench.report import check_plot_path
+    check_plot_path(str(tmp_path / "BENCH.PNG"), None)  # matplotlib reads the format case-blind
+
+
+@pytest.mark.skipif(not HAVE_MPL, reason="needs matplotlib")
+def test_the_plots_draw_the_figures_their_axes_name(monkeypatch, tmp_path):
+    """The pair plot: tokens/s per label, one line per (batch size, temperature, graphs);
+    the shape plot: time_us against N + 1 per op, and the AR step's time as a line."""
+    from treeflash.bench import report
+    figs = []
+    monkeypatch.setattr(report, "_save", lambda fig, plt, path: figs.append(fig))
+    rows = [{"label": lab, "batch_size": 1, "temperature": 0.0, "graphs": g, "tokens_per_s": tps, "ms_per_round": 9.0}
+            for lab, g, tps in (("ar", True, 100.0), ("ddtree-16", True, 250.0), ("ar", False, 80.0))]
+    report.plot_pairs(rows, str(tmp_path / "p.png"))
+    ax = figs[-1].axes[0]
+    assert ax.get_ylabel() == "tokens/s"
+    lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+    assert lines == {"bs 1, T 0, graphs on": [100.0, 250.0], "bs 1, T 0, graphs off": [80.0]}
+
+    def row(op, n, us, floor):
+        return {"shape": "tiny", "context": 32, "batch_size": 1, "temperature": 0.0, "graphs": False,
+                "op": op, "N": n, "time_us": us, "floor_us": floor}
+    report.plot_shape([row("ar", 0, 50.0, 10.0), row("verify", 3, 60.0, 11.0), row("verify", 7, 70.0, 12.0),
+                       row("round", 3, 90.0, 20.0)], str(tmp_path / "s.png"))
+    ax = figs[-1].axes[0]
+    assert ax.get_ylabel() == "time (us)" and ax.get_xlabel() == "tokens verified per round (N + 1)"
+    lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+    assert lines["verify C=32 bs 1 eager"] == ([4, 8], [60.0, 70.0])
+    assert lines["round C=32 bs 1 eager"] == ([4], [90.0])
+    (ar,) = [line for label, line in zip(lines, ax.get_lines()) if label.startswith("_")]  # the AR step
+    assert list(ar.get_ydata()) == [50.0, 50.0]
+
+
+def test_the_shape_table_shows_each_columns_value():
+    from treeflash.bench.report import format_table
+    from treeflash.bench.shape import SHAPE_COLUMNS
+    rows = [{"context": 32, "batch_size": 1, "temperature": 0.0, "graphs": False, "op": "ar", "N": 0, "time_us": 50.0,
+             "floor_us": 10.0, "ratio": 5.0, "vs_ar": 1.0, "host_us": None},
+            {"context": 32, "batch_size": 1, "temperature": 0.0, "graphs": True, "op": "round", "N": 3,
+             "time_us": 125.0, "floor_us": 25.0, "ratio": 5.0, "vs_ar": 2.5, "host_us": 7.5}]
+    assert format_table(rows, SHAPE_COLUMNS).splitlines() == [
+        "context  bs  T  graphs  op     N  time us  floor us  ratio  x AR  host us",
+        "-------  --  -  ------  -----  -  -------  --------  -----  ----  -------",
+        "     32   1  0  off     ar     0     50.0      10.0   5.00  1.00        -",
+        "     32   1  0  on      round  3    125.0      25.0   5.00  2.50      7.5"]
+
+
+def _qwen3_layer_params(cfg) -> int:
+    """A Qwen3 decoder layer's parameters, from its shape: q, k, v and o; the q/k norms;
+    gate, up and down; the two norms."""
+    q, kv, h = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size
+    return h * q + 2 * h * kv + q * h + 2 * cfg.head_dim + 3 * h * cfg.intermediate_size + 2 * h
+
+
+def test_shape_floors_are_the_bytes_each_op_reads(tmp_path, monkeypatch, capsys):
+    """Each floor's bytes, derived from the tiny shape: the target's layers and final norm
+    (not its embedding: rows are looked up), its LM head, and K and V of C tokens in every
+    layer for every request; a draft step reads the drafter's layers and norms, the LM
+    head and the drafter's KV; a round both, the LM head twice, plus the fc and the k/v
+    rows of the drafter's QKV weights. floor_us is those bytes over the copy bandwidth
+    (µs), and x AR the op's time over the AR step's."""
+    from treeflash.bench import shape
+    from treeflash.bench.options import DRAFT_LAYERS
+    bandwidth, mibs = 2e9, []  # bytes/s
+
+    def copy_bandwidth(device, mib):
+        mibs.append(mib)
+        return bandwidth
+    monkeypatch.setattr(shape, "copy_bandwidth", copy_bandwidth)
+    out, C, bs = tmp_path / "rows.jsonl", 32, 2
+    assert main(["bench", "--shape", "tiny", "--contexts", str(C), "--batch-sizes", str(bs), "--budgets", "0,3",
+                 "--iters", "1", "--device", "cpu", "--out", str(out)]) == 0
+    assert mibs == [256]  # the copy's default size on a CPU
+    assert "copy bandwidth 2.0 GB/s (read + write, 256 MiB)" in capsys.readouterr().out
+    rows = {(r["op"], r["N"]): r for r in map(json.loads, out.read_text().splitlines())}
+    cfg, f32 = shape.SHAPES["tiny"], 4
+    h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+    body = cfg.num_layers * _qwen3_layer_params(cfg) + h
+    head = cfg.vocab_size * h
+    kv_target = bs * cfg.num_layers * 2 * kv * C
+    drafter = DRAFT_LAYERS * _qwen3_layer_params(cfg) + 2 * h    # its hidden and final norms
+    kv_drafter = bs * DRAFT_LAYERS * 2 * kv * C
+    fc = 1 * h * h  # one tapped target layer (4 target layers, 5 drafter layers)
+    context_rows = DRAFT_LAYERS * 2 * kv * h
+    forward, draft = body + head + kv_target, drafter + head + kv_drafter
+    round_ = body + 2 * head + kv_target + drafter + fc + context_rows + kv_drafter
+    D = shape.BLOCK_SIZE - 1
+    expected = {("ar", 0): forward, ("verify", 0): forward, ("verify", 3): forward, ("draft", D): draft,
+                ("round-dflash", D): round_, ("round", 3): round_}
+    for key, params in expected.items():
+        r = rows[key]
+        assert r["bytes"] == f32 * params, key
+        assert r["floor_us"] == pytest.approx(1e6 * r["bytes"] / bandwidth, abs=0.01) and r["bandwidth_gbs"] == 2.0
+        assert r["vs_ar"] == pytest.approx(r["time_us"] / rows["ar", 0]["time_us"], rel=1e-2)
+
+
+def test_a_sliding_window_layer_floors_only_its_windows_kv(tmp_path, monkeypatch):
+    """A sliding-window layer (gpt-oss: every other one) reads the K and V of its window
+    alone, not of the whole context."""
+    import dataclasses
+
+    from treeflash.bench import shape
+    window, C = 8, 32
+    tiny = shape.SHAPES["tiny"]
+    monkeypatch.setitem(shape.SHAPES, "tiny-swa", dataclasses.replace(tiny, sliding_window=window,
+                                                                      sliding_layers=(0, 2)))
+    ar = {}
+    for name in ("tiny", "tiny-swa"):
+        out = tmp_path / f"{name}.jsonl"
+        assert main(["bench", "--shape", name, "--contexts", str(C), "--budgets", "0", "--iters", "1",
+                     "--device", "cpu", "--copy-mib", "1", "--out", str(out)]) == 0
+        ar[name] = next(r["bytes"] for r in map(json.loads, out.read_text().splitlines()) if r["op"] == "ar")
+    f32, kv = 4, tiny.num_kv_heads * tiny.head_dim
+    assert ar["tiny"] - ar["tiny-swa"] == f32 * 2 * 2 * kv * (C - window)  # 2 layers, K and V
+
+
+def test_time_device_on_a_cpu_is_the_median_call_in_microseconds(monkeypatch):
+    """The reset before each call is not timed; the median, not the mean, of the calls."""
+    from treeflash.bench import shape
+    now, durations = [0.0], iter([0.003, 0.001, 0.010])  # seconds
+
+    def run():
+        now[0] += next(durations)
+
+    def reset():
+        now[0] += 1.0
+    monkeypatch.setattr(shape.time, "perf_counter", lambda: now[0])
+    assert shape.time_device(run, reset, 3, torch.device("cpu")) == pytest.approx(3000.0)
+
+
+def test_copy_bandwidth_counts_the_read_and_the_write(monkeypatch):
+    """bytes/s = 2 x the copy's size over its time; the copy needs room for its source
+    and its destination (exactly that much is enough)."""
+    from treeflash.bench import shape
+    from treeflash.errors import UsageError
+    mib, us = 1, 1000.0
+    size = mib * 2 ** 20
+    monkeypatch.setattr(shape, "time_device", lambda run, reset, iters, device: us)
+    monkeypatch.setattr(shape, "available_bytes", lambda device: 2 * size)
+    assert shape.copy_bandwidth(torch.device("cpu"), mib) == pytest.approx(2 * size / (us * 1e-6))
+    monkeypatch.setattr(shape, "available_bytes", lambda device: 2 * size - 1)
+    with pytest.raises(UsageError, match="--copy-mib 1 needs 2 MiB"):
+        shape.copy_bandwidth(torch.device("cpu"), mib)
+
+
+def test_shape_rows_allreduce_fields_follow_each_ops_plan():
+    """Under --tp: allreduce_us is one all-reduce at the op's first token count (target
+    tokens x batch), allreduces their count, allreduce_share count x latency / op time,
+    summed over the op's forwards (a latency of 1 µs per token here)."""
+    from treeflash.bench import shape
+    from treeflash.bench.options import DRAFT_LAYERS
+    args = build_parser().parse_args(["bench", "--shape", "tiny", "--iters", "1"])
+    cfg, cpu, bs = shape.SHAPES["tiny"], torch.device("cpu"), 2
+    target, drafter = shape.random_models(cfg, shape.draft_config(cfg, DRAFT_LAYERS), cpu, torch.float32)
+    with torch.inference_mode():
+        rows = shape.shape_rows(args, target, drafter, 32, bs, 0.0, False, [0, 3], "sdpa", "coupled", 1e9, cpu,
+                                torch.float32, None, allreduce=lambda tokens, graphs: float(tokens), lead=False)
+    target_fwd = 2 * cfg.num_layers + 1   # after the embedding, and each layer's attention and MLP
+    draft_fwd = 2 * DRAFT_LAYERS + 1
+    block = bs * shape.BLOCK_SIZE
+    plans = {("ar", 0): [(target_fwd, bs)], ("verify", 3): [(target_fwd, bs * 4)],
+             ("draft", block // bs - 1): [(draft_fwd, block)],
+             ("round", 3): [(target_fwd, bs * 4), (draft_fwd, block), (1, block)]}  # + the fc over the block
+    seen = {(r["op"], r["N"]): r for r in rows}
+    for key, plan in plans.items():
+        r = seen[key]
+        assert r["allreduce_us"] == plan[0][1] and r["allreduces"] == sum(c for c, _ in plan), key
+        share = sum(c * t for c, t in plan) / r["time_us"]
+        assert r["allreduce_share"] == pytest.approx(share, rel=1e-2, abs=1e-3), key  # (rounded to 3 decimals)
+
+
+def test_each_timed_op_runs_its_own_budget(monkeypatch):
+    """verify N, tree N and round N each run a tree of N nodes (root + N tokens), the AR
+    step no drafter, the draft step and round-dflash the drafter's chain: each row's
+    time is of the op its (op, N) names."""
+    from treeflash.bench import shape
+    from treeflash.bench.options import DRAFT_LAYERS
+    from treeflash.engine.round import SpeculativeDecoder
+    cfg, cpu, budgets, C = shape.SHAPES["tiny"], torch.device("cpu"), [0, 3, 7], 32
+    target, drafter = shape.random_models(cfg, shape.draft_config(cfg, DRAFT_LAYERS), cpu, torch.float32)
+    calls, depth = [], [0]
+
+    def spy(name):  # logs the outermost calls: (name, method, ddtree's budget, the tree's nodes)
+        method = getattr(SpeculativeDecoder, name)
+
+        def called(self, *args, **kwargs):
+            depth[0] += 1
+            got = method(self, *args, **kwargs)
+            depth[0] -= 1
+            tree = args[1] if name == "verify" else got if name == "tree_from_logits" else None
+            if not depth[0]:
+                calls.append((name, self.method, self.budget if self.method == "ddtree" else None,
+                              None if tree is None else tree.tokens.shape[1] - 1))
+            return got
+        return called
+    for name in ("round", "verify", "tree_from_logits"):
+        monkeypatch.setattr(SpeculativeDecoder, name, spy(name))
+    with torch.inference_mode():
+        st = shape.new_shape_state(target, drafter, C, 1, 0.0, budgets, 0)
+        assert st.n.tolist() == [C]  # the timed state: C tokens committed
+        ops = shape.round_ops(target, drafter, st, budgets, "sdpa", "coupled", C)
+        ran = {}
+        for op, n, _, fn, _ in ops:
+            calls.clear()
+            st.n.fill_(C)
+            fn()
+            ran[op, n] = list(calls)
+    assert ran["ar", 0] == [("round", "ar", None, None)]
+    for n in budgets:
+        assert ran["verify", n] == [("verify", "dflash", None, n)]
+    for n in (3, 7):
+        assert ran["tree", n] == [("tree_from_logits", "ddtree", n, n)]
+        assert ran["round", n] == [("round", "ddtree", n, None)]
+    D = shape.BLOCK_SIZE - 1
+    assert ran["round-dflash", D] == [("round", "dflash", None, None)] and ran["draft", D] == []
+
+
 def test_filters_set_off_are_not_filters():
     """--top-k -1 is off (as 0, and as vLLM's): not refused at temperature 0 as a filter
     that the run would ignore, and not named as a filter of the sampled requests."""
@@ -628,3 +969,57 @@ def test_filters_set_off_are_not_filters():
     assert filters_note(args) == ""
     args = build_parser().parse_args(["bench", "--shape", "tiny", "--top-k", "3", "--temperatures", "0.7"])
     assert filters_note(args) == "; sampled requests with top-k 3"
+
+
+def test_pair_mode_counts_every_prompt_cut_by_the_context(tmp_path, capsys):
+    target = write_random_target(tmp_path / "t", max_position_embeddings=48)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def fib(n):\nimport os\n")
+    assert main(["bench", "--model", str(target), "--prompt-file", str(prompts), "--methods", "ar", "--batch-sizes",
+                 "1", "--graphs", "off", "--temperatures", "0", "--device", "cpu", "--max-new-tokens", "40"]) == 0
+    assert "note: 2 of 2 prompts leave less than --max-new-tokens 40" in capsys.readouterr().err
+
+
+def test_pair_mode_runs_each_timed_batch_as_one_engine_batch(pair, tmp_path, monkeypatch, capsys):
+    """The engine is made for the largest batch size: a timed batch of bs requests is one
+    batch of the engine, not several smaller ones after another."""
+    from treeflash.bench import pairs
+    made = []
+
+    class Engine(pairs.LLM):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs["max_batch"])
+            super().__init__(*args, **kwargs)
+    monkeypatch.setattr(pairs, "LLM", Engine)
+    target, _ = pair
+    assert main(["bench", "--model", str(target), "--methods", "ar", "--num-prompts", "4", "--batch-sizes", "1,4,2",
+                 "--temperatures", "0", "--max-new-tokens", "2", "--device", "cpu"]) == 0, capsys.readouterr().err
+    assert made == [4]
+
+
+
+@pytest.mark.skipif(not HAVE_MPL, reason="needs matplotlib")
+def test_a_plot_that_cannot_be_written_is_one_error(tmp_path):
+    """A folder removed during the run: one TreeflashError, not matplotlib's traceback."""
+    from treeflash.bench.report import plot_pairs
+    from treeflash.errors import TreeflashError
+    row = {"label": "ar", "batch_size": 1, "temperature": 0.0, "graphs": False, "tokens_per_s": 1.0}
+    with pytest.raises(TreeflashError, match="cannot write"):
+        plot_pairs([row], str(tmp_path / "gone" / "p.png"))
+
+
+def test_corpus_prompts_default_to_8(pair, tmp_path):
+    """--corpus without --num-prompts: 8 held-out prompts, as the built-in ones."""
+    import numpy as np
+
+    from treeflash.bench.pairs import load_prompts
+    target, _ = pair
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    np.save(corpus / "train.npy", (np.arange(4000) % 200 + 3).astype(np.uint16))
+    np.save(corpus / "heldout.npy", (np.arange(1000) % 200 + 3).astype(np.uint16))
+    (corpus / "corpus.json").write_text(json.dumps({"vocab_size": 4096, "eos_token_id": 0}))
+    shutil.copy(target / "tokenizer.json", corpus)   # a corpus keeps the tokenizer that made it
+    for given in ([], ["--corpus", str(corpus)]):
+        args = build_parser().parse_args(["bench", "--model", str(target), *given])
+        assert len(load_prompts(args)) == 8
