@@ -146,22 +146,26 @@ def test_sampling_accepts_draft_tokens(method, budget, spec_target, spec_drafter
     assert tau > 1.02
 
 
+def _trees_at(llm, prompt, temperatures):
+    """The DDTree each temperature's request (seed 1) drafts after prefilling `prompt`."""
+    from treeflash.engine.sampling import SamplingBatch
+    dec, trees = llm.decoder, []
+    for t in temperatures:
+        st = dec.new_state(1, 128, SamplingBatch.from_params([SamplingParams(temperature=t, seed=1)], "cpu"))
+        dec.prefill(st, [prompt])
+        trees.append(dec.build(st))
+    return trees
+
 
 def test_a_tiny_temperature_drafts_the_greedy_tree(spec_target, spec_drafter, ar_reference):
     """The coupled draft scores are logits + T g: at T = 1e-40 the tree is the greedy
     request's tree, and tokens are still accepted. As logits / T + g they overflowed to
     inf, the tree's log-probabilities were NaN, and every round committed one token."""
-    from treeflash.engine.sampling import SamplingBatch
     target = spec_target("llama", "warm")
     llm = spec_llm(target, spec_drafter("llama", "warm", 8), "ddtree", 64)
-    dec, prompt = llm.decoder, SPEC_PROMPTS[10]
-    trees = []
-    for t in (0.0, 1e-40):
-        sb = SamplingBatch.from_params([SamplingParams(temperature=t, seed=1)], "cpu")
-        st = dec.new_state(1, 128, sb)
-        dec.prefill(st, [prompt])
-        trees.append(dec.build(st))
-    assert torch.equal(trees[1].tokens, trees[0].tokens) and torch.equal(trees[1].valid, trees[0].valid)
+    prompt = SPEC_PROMPTS[10]
+    greedy, tiny = _trees_at(llm, prompt, (0.0, 1e-40))
+    assert torch.equal(tiny.tokens, greedy.tokens) and torch.equal(tiny.valid, greedy.valid)
     taus = []
     for t in (0.0, 1e-40):
         count = Counter(llm)
@@ -218,18 +222,10 @@ def test_a_tiny_temperature_drafts_the_greedy_tree_in_scaled_mode(spec_target, s
     """'scaled' draft scores divide by T at least MIN_TEMPERATURE, as the target's
     sampler does: at T = 1e-40 the tree is the greedy request's (logits / 1e-40
     overflowed to inf, and the tree's log-probabilities were NaN)."""
-    from treeflash.engine.sampling import SamplingBatch
-    target = spec_target("llama", "warm")
-    llm = spec_llm(target, spec_drafter("llama", "warm", 8), "ddtree", 64, draft_mode="scaled")
-    dec, prompt = llm.decoder, SPEC_PROMPTS[10]
-    trees = []
-    for t in (0.0, 1e-40):
-        sb = SamplingBatch.from_params([SamplingParams(temperature=t, seed=1)], "cpu")
-        st = dec.new_state(1, 128, sb)
-        dec.prefill(st, [prompt])
-        trees.append(dec.build(st))
-    assert int(trees[1].valid.sum()) == 65
-    assert torch.equal(trees[1].tokens, trees[0].tokens) and torch.equal(trees[1].valid, trees[0].valid)
+    llm = spec_llm(spec_target("llama", "warm"), spec_drafter("llama", "warm", 8), "ddtree", 64, draft_mode="scaled")
+    greedy, tiny = _trees_at(llm, SPEC_PROMPTS[10], (0.0, 1e-40))
+    assert int(tiny.valid.sum()) == 65
+    assert torch.equal(tiny.tokens, greedy.tokens) and torch.equal(tiny.valid, greedy.valid)
 
 
 @pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 16)])
