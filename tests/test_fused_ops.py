@@ -178,6 +178,8 @@ def test_row_argmax_matches_argmax(dtype, shape):
     x[..., -1] = 41
     x[0, ..., 15000 % shape[-1]] = 42  # one row's maximum alone, past the first 8192 entries
     assert torch.equal(row_argmax(x.to(DEV)).cpu(), x.argmax(-1))
+    x[..., 5] = float("nan")  # NaN never wins (torch.argmax would take it), not even its own lane
+    assert torch.equal(row_argmax(x.to(DEV)).cpu(), x.nan_to_num(float("-inf")).argmax(-1))
 
 
 @gpu_or_interpreter
@@ -204,6 +206,10 @@ def test_gumbel_argmax_matches_reference(V):
     top3 = noisy[1].masked_fill(logits[1] < floor[1, :, None], float("-inf")).argmax(-1)
     assert torch.equal(got[0], logits[0].argmax(-1)) and torch.equal(got[1], top3)
     assert not torch.equal(top3, noisy[1].argmax(-1))  # the floor changed a pick
+    # a logit equal to the floor is kept: at the row's largest logit (top-k 1) the pick is it
+    top1 = gumbel_argmax(logits.to(DEV), seed.to(DEV), pos.to(DEV), temp.to(DEV), vocab_start=5000,
+                         floor=logits.amax(-1).to(DEV)).cpu()
+    assert torch.equal(top1, logits.argmax(-1))
     # below 1e-6 the temperature is 1e-6, as in the torch path (at 1e-40 every positive logit
     # overflowed to +inf and the lowest such id won): the near-greedy pick
     tiny = gumbel_argmax(logits.to(DEV), seed.to(DEV), pos.to(DEV), torch.tensor([0.0, 1e-40]).to(DEV)).cpu()
@@ -316,7 +322,7 @@ def test_logit_controls_match_torch(dtype, rows, per_row, controls):
 def test_ops_in_the_triton_interpreter():
     run_interpreted(__file__, "gemv_matches or few_row_matmul or rope_into_cache or row_argmax or gumbel_argmax or cos_sin "
                     "or embedding_rows or logit_controls or node_states or path_states or grammar_mask or split_product "
-                    "or coupled_scores or filter_floor_kernels", 42, timeout=600)
+                    "or coupled_scores or filter_floor_kernels", 43, timeout=600)
 
 
 def _grammar_batch(V: int, B: int, seed: int):
@@ -427,6 +433,28 @@ def test_filter_floor_kernels_match_the_sort(dtype, V):
     assert (got == want).sum() >= 19  # of 24: the min-p row (3) is float32 against float64
     for b, row in zip((0, 1, 5), alone):
         assert torch.equal(row[0], got[b])
+
+
+@gpu_or_interpreter
+def test_filter_floor_kernels_reach_a_far_tail():
+    """A top-p without top-k whose cut lies far below the top (one peak and a heavy tail
+    8 to 9 nats down, at T = 1 and at T = 0.5 with the tail twice as far): the search
+    still covers the cut (it leaves out only tokens 40 T below the top)."""
+    from sampling_oracle import floor_is_valid
+    from treeflash.engine.sampling import SamplingBatch
+    from treeflash.ops.filter_floor import filter_floor as fused
+    from treeflash.sampling_params import SamplingParams
+    filters = [(1.0, 0, 0.9, 0.0), (0.5, 0, 0.8, 0.0)]
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=1) for t, k, p, m in filters]
+    gen = torch.Generator().manual_seed(0)
+    x = -8.5 + torch.rand(2, 1, 3000, generator=gen) - 0.5
+    x[1] *= 0.5
+    x[:, :, 7] = 0.0
+    sb = SamplingBatch.from_params(params, DEV)
+    with torch.inference_mode():
+        got = fused(x.to(DEV), x.to(DEV).topk(64).values, sb).cpu().double()
+    for b, (t, k, p, m) in enumerate(filters):
+        assert got[b, 0] < -5 * t and floor_is_valid(x[b, 0], got[b, 0].item(), t, k, p, m), (b, got[b, 0])
 
 
 @pytest.mark.gpu

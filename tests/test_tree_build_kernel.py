@@ -154,6 +154,23 @@ def test_fused_certain_and_filtered_drafts():
     assert node_prefixes(got, 0)[:D] == [tuple((3 * d) % V for d in range(k)) for k in range(1, D + 1)]
 
 
+@kernel
+def test_fused_at_the_deepest_depth():
+    """D = MAX_DEPTH (all of a key's depth bits): a certain chain to the last depth, where
+    no child may be put on the frontier, then the subtrees of its best siblings: the torch
+    builder's tree exactly."""
+    D, V, budget = MAX_DEPTH, 6, 70
+    lp = torch.full((1, D, V), -20.0) - torch.arange(V) * 0.5
+    lp[0, :, 2] = 0.0
+    lp[0, :, 4] = -1 - 0.01 * torch.arange(D)
+    vals, ids = lp.sort(-1, descending=True)
+    got, ref = both(vals, ids, torch.tensor([9]), budget)
+    check_structure(got, D)
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+    assert int(got.depths.max()) == D and got.valid.all()
+
+
 def test_limits():
     """Past its key's bits the kernel refuses (the round then takes the torch builder)."""
     assert fits(MAX_BUDGET, MAX_DEPTH) and not fits(MAX_BUDGET + 1, 15) and not fits(16, MAX_DEPTH + 1)
@@ -226,6 +243,26 @@ def test_fused_vocab_topk_reads_only_the_best_chunks(k):
     assert torch.allclose(lse, x.logsumexp(-1, keepdim=True), atol=1e-5, equal_nan=True)
 
 
+@kernel
+@pytest.mark.parametrize("V,k", [(300, 4), (1500, 4)])
+def test_fused_vocab_topk_signed_zeros_and_empty_chunks(V, k):
+    """-0.0 and +0.0 are equal values (the lower id first, as torch's stable sort), and a
+    row, or a chunk of 512 (1500: three chunks, all searched), of only -inf gives the
+    log-sum-exp of the finite rest (-inf for the row), not NaN."""
+    from treeflash.kernels.vocab_topk import topk_logsumexp
+    gen = torch.Generator().manual_seed(V)
+    x = -torch.rand(3, V, generator=gen) - 1
+    x[0, [V - 9, 2, V - 3, 5]] = torch.tensor([0.0, -0.0, -0.0, 0.0])  # the top four: ids 2, 5, V - 9, V - 3
+    x[1, :min(V, 1024) - 300] = float("-inf")  # 1500: the first chunk, and part of the second
+    x[1, V // 2] = -0.5
+    x[2] = float("-inf")
+    vals, ids, lse = (t.cpu() for t in topk_logsumexp(x.to(DEV), k))
+    ref = x.sort(dim=-1, descending=True, stable=True)
+    assert ids[0].tolist() == [2, 5, V - 9, V - 3]
+    assert torch.equal(vals, ref.values[..., :k]) and torch.equal(ids, ref.indices[..., :k])
+    assert torch.allclose(lse, x.logsumexp(-1, keepdim=True), atol=1e-5) and lse[2, 0] == float("-inf")
+
+
 def test_vocab_topk_limits():
     """The fused top-k takes the drafter's vocabulary at small k whatever its size (152K at
     budget 63); past k = 64 only smaller ones, where it is still faster than torch's."""
@@ -238,4 +275,4 @@ def test_vocab_topk_limits():
 
 @spawns_interpreter
 def test_kernel_in_the_triton_interpreter():
-    run_interpreted(__file__, "fused", len(CASES) - 2 + 3 + 1 + len(VOCAB_CASES) + 3 + 3)
+    run_interpreted(__file__, "fused", len(CASES) - 2 + 3 + 1 + len(VOCAB_CASES) + 3 + 3 + 2 + 1)

@@ -81,6 +81,42 @@ def test_walk_on_chains_and_the_empty_tree(D):
 
 
 @kernel
+def test_walk_to_late_nodes():
+    """Targets that accept exactly the path to one node whose parent is past the first
+    128-column tile of best's ancestor row (a flat first depth, a nearly certain second:
+    each node's child right after it), for which matching_target's first children are
+    all early nodes: that node is best, its whole path and tokens come out."""
+    B, D, V, budget = 2, 2, 100, 160
+    lp = torch.empty(B, D, V)
+    lp[:, 0] = -5 - 1e-3 * torch.arange(V)[torch.randperm(V, generator=torch.Generator().manual_seed(0))]
+    lp[:, 1] = -30 - 1e-2 * torch.arange(V)
+    lp[:, 1, 7] = 0.0
+    tree = tree_of_logprobs(lp, torch.tensor([3, 4]), budget)
+    target = torch.full((B, budget + 1), -1)
+    picks = []
+    for b in range(B):
+        i = [i for i in range(budget + 1) if int(tree.parents[b, i]) >= 128][-1 - b]
+        picks.append(i)
+        while i != 0:
+            target[b, tree.parents[b, i]] = tree.tokens[b, i]
+            i = int(tree.parents[b, i])
+        target[b, picks[-1]] = 1000 + b
+    ref = check_walk(tree, target, D)
+    assert ref.best.tolist() == picks and (ref.path[:, 1] >= 128).all()
+    assert ref.bonus.tolist() == [1000, 1001] and ref.accepted.tolist() == [2, 2]
+
+
+@kernel
+def test_walk_takes_the_first_of_equal_depths():
+    """Two accepted nodes at the deepest depth (equal sibling tokens, hand-built): the
+    first, as the torch walk's argmax takes it."""
+    parents, tokens = [[0, 0, 0, 1, 2]] * 2, [[9, 5, 5, 7, 7], [9, 5, 6, 7, 7]]
+    target = torch.tensor([[5, 7, 7, 1, 2], [6, 7, 7, 1, 2]])
+    ref = check_walk(make_tree(parents, tokens), target, 2)
+    assert ref.best.tolist() == [3, 4] and ref.new.tolist() == [[5, 7, 1], [6, 7, 2]]
+
+
+@kernel
 @pytest.mark.parametrize("L,B,H,S,D,P", [(2, 1, 2, 40, 64, 16), (3, 3, 1, 64, 16, 9), (1, 2, 4, 32, 128, 1)])
 def test_compact_matches_torch(L, B, H, S, D, P):
     """Paths whose moves overlap (slot 2 <- 3 while slot 1 <- 2, as a second sibling's
@@ -102,4 +138,4 @@ def test_compact_matches_torch(L, B, H, S, D, P):
 
 @spawns_interpreter
 def test_kernels_in_the_triton_interpreter():
-    run_interpreted(__file__, "not interpreter", 12)
+    run_interpreted(__file__, "not interpreter", 14)
