@@ -43,11 +43,16 @@ def make_inputs(B, T, S, mask_kind, gen):
     return AttentionInputs(positions.to(DEV), lens.to(DEV), mask.to(DEV))
 
 
-def check(B, T, HKV, G, D, S, dtype, mask_kind, num_splits=None, seed=0, row_programs=None):
+def check(B, T, HKV, G, D, S, dtype, mask_kind, num_splits=None, seed=0, row_programs=None, shift=0.0):
+    """`shift`: q's first feature lowered and k's raised by it, every score by about
+    shift^2 * scale (shift 30, D 64: -112 +- 5)."""
     gen = torch.Generator().manual_seed(seed)
     inputs = make_inputs(B, T, S, mask_kind, gen)
-    q = torch.randn(B, T, HKV * G, D, generator=gen).to(DEV, dtype)
-    k = torch.randn(B, HKV, S, D, generator=gen).to(DEV, dtype)
+    q = torch.randn(B, T, HKV * G, D, generator=gen)
+    k = torch.randn(B, HKV, S, D, generator=gen)
+    q[..., 0] -= shift
+    k[..., 0] += shift
+    q, k = q.to(DEV, dtype), k.to(DEV, dtype)
     v = torch.randn(B, HKV, S, D, generator=gen).to(DEV, dtype)
     scale = D ** -0.5
     out = tree_attention(q, k, v, inputs, scale, num_splits=num_splits, row_programs=row_programs)
@@ -158,6 +163,17 @@ def test_long_splits_of_few_rows_take_128_key_tiles(T, D, num_splits):
           seed=T + num_splits)
 
 
+@kernel_test
+@pytest.mark.parametrize("T, num_splits", [(4, 3), (1, 64)])
+def test_far_negative_scores_outweigh_a_part_that_saw_no_key(T, num_splits):
+    """Every score near -112 (base 2: -162): each row's keys are its prefix only (mask
+    "none"), and a part of it saw no key at all: the block's program (its prefix and
+    block both empty), or the last of 64 splits with the token's hidden own key. Such a
+    part has lse = -inf and weighs nothing, however small the real parts' lse."""
+    check(B=3, T=T, HKV=2, G=2, D=64, S=200, dtype=torch.float32, mask_kind="none", num_splits=num_splits,
+          seed=T, shift=30.0)
+
+
 def test_default_splits_fill_one_wave():
     """Shapes only, an H200's 132 SMs (the CPU stand-in): 8 KV heads at 16K take 16
     splits, the 8 block programs overflowing by 4; at 4K, or with 16 (b, head) pairs
@@ -198,5 +214,5 @@ def test_kernel_in_the_triton_interpreter():
     """CPU CI: splits, row programs, head sizes and dtypes in the interpreter (fp16 and
     fp32: its bf16 is raw integers)."""
     run_interpreted(__file__, "split_counts or row_programs or dtypes_and_head_dims or empty_splits or many_requests"
-                    " or single_token or long_splits or block_keys_in_chunks", 29,
+                    " or single_token or long_splits or block_keys_in_chunks or far_negative_scores", 31,
                     timeout=600)
