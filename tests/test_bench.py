@@ -149,16 +149,22 @@ def test_pair_mode_builtin_model_brings_its_drafter(tmp_path, capsys):
     assert all(r["same_as_ar"] == 1.0 for r in rows[1:])  # float32 on CPU: lossless
 
 
-def test_pair_mode_corpus_prompts(pair, tmp_path, capsys):
-    """--corpus: token-id prompts from the held-out split of a tokenized training corpus."""
+def tiny_corpus(corpus, target):
+    """A tokenized training corpus (train and held-out token ids) in the folder `corpus`."""
     import numpy as np
-    target, _ = pair
-    corpus = tmp_path / "corpus"
     corpus.mkdir()
     np.save(corpus / "train.npy", (np.arange(4000) % 200 + 3).astype(np.uint16))
     np.save(corpus / "heldout.npy", (np.arange(1000) % 200 + 3).astype(np.uint16))
     (corpus / "corpus.json").write_text(json.dumps({"vocab_size": 4096, "eos_token_id": 0}))
     shutil.copy(target / "tokenizer.json", corpus)   # a corpus keeps the tokenizer that made it
+    return corpus
+
+
+def test_pair_mode_corpus_prompts(pair, tmp_path, capsys):
+    """--corpus: token-id prompts from the held-out split of a tokenized training corpus."""
+    import numpy as np
+    target, _ = pair
+    corpus = tiny_corpus(tmp_path / "corpus", target)
     out = tmp_path / "rows.jsonl"
     rc = main(["bench", "--model", str(target), "--methods", "ar", "--corpus", str(corpus), "--num-prompts", "2",
                "--batch-sizes", "1", "--temperatures", "0", "--max-new-tokens", "4", "--device", "cpu",
@@ -1010,16 +1016,9 @@ def test_a_plot_that_cannot_be_written_is_one_error(tmp_path):
 
 def test_corpus_prompts_default_to_8(pair, tmp_path):
     """--corpus without --num-prompts: 8 held-out prompts, as the built-in ones."""
-    import numpy as np
-
     from treeflash.bench.pairs import load_prompts
     target, _ = pair
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    np.save(corpus / "train.npy", (np.arange(4000) % 200 + 3).astype(np.uint16))
-    np.save(corpus / "heldout.npy", (np.arange(1000) % 200 + 3).astype(np.uint16))
-    (corpus / "corpus.json").write_text(json.dumps({"vocab_size": 4096, "eos_token_id": 0}))
-    shutil.copy(target / "tokenizer.json", corpus)   # a corpus keeps the tokenizer that made it
+    corpus = tiny_corpus(tmp_path / "corpus", target)
     for given in ([], ["--corpus", str(corpus)]):
         args = build_parser().parse_args(["bench", "--model", str(target), *given])
         assert len(load_prompts(args)) == 8
