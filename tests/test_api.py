@@ -236,6 +236,15 @@ def test_on_tokens_can_end_one_request_and_on_done_reports_each(llm):
     assert all(done[i] is out for i, out in enumerate(outs))
 
 
+def test_a_request_that_ends_where_on_tokens_ends_it_keeps_its_own_finish_reason(llm):
+    """on_tokens returning True for the tokens that end a request anyway (its token
+    limit here) changes nothing: it finished by length; a request it cuts short is the
+    one that ends "abort"."""
+    params = [SamplingParams(max_new_tokens=1, ignore_eos=True), SamplingParams(max_new_tokens=3, ignore_eos=True)]
+    outs = llm.generate(ENGINE_PROMPTS[:2], params, on_tokens=lambda i, ids: True)
+    assert [(len(o.token_ids), o.finish_reason) for o in outs] == [(1, "length"), (1, "abort")]
+
+
 def test_more_prompts_than_max_batch_run_in_batches_in_order(llm, hf_checkpoint):
     """Thousands of prompts are not one batch (its caches and logits would not fit):
     they run max_batch at a time, each prompt getting what it gets alone, and the
@@ -404,6 +413,10 @@ def test_stop_strings_end_generation_at_their_first_occurrence(llm):
     kept = llm.generate(ENGINE_PROMPTS[1], SamplingParams(max_new_tokens=32, ignore_eos=True, stop=[stop],
                                                           include_stop_str_in_output=True))[0]
     assert kept.token_ids == out.token_ids and kept.text == text[:cut + len(stop)]
+    # completed by the last token the limit allows: the stop string ends it (as EOS there does)
+    last = llm.generate(ENGINE_PROMPTS[1], SamplingParams(max_new_tokens=len(out.token_ids), ignore_eos=True,
+                                                          stop=[stop]))[0]
+    assert (last.token_ids, last.text, last.finish_reason, last.stop_reason) == (out.token_ids, out.text, "stop", stop)
 
 
 def test_added_tokens_decoder_marks_tokens_special(tmp_path):
@@ -513,6 +526,12 @@ def test_generation_stops_at_the_context_limit(hf_checkpoint):
     assert len(ids) < 16
     out = llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=48, ignore_eos=True))[0]
     assert len(ids) + len(out.token_ids) == 16 and out.finish_reason == "length"
+    # the longest prompt that fits leaves room for one new token; one token more does not fit
+    longest = [5] * (llm.max_model_len - 1)
+    out = llm.generate(longest, SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
+    assert (len(out.token_ids), out.finish_reason) == (1, "length")
+    with pytest.raises(UsageError, match=f"prompt of {llm.max_model_len} tokens does not fit the context limit"):
+        llm.generate(longest + [5], SamplingParams(max_new_tokens=4))
     with pytest.raises(TreeflashError, match="context limit"):
         llm.generate(ENGINE_PROMPTS[1] * 3, SamplingParams(max_new_tokens=4))
 
@@ -568,6 +587,24 @@ def test_bad_prompts_raise_usage_error(llm, prompts, what):
         llm.generate(prompts, SamplingParams(max_new_tokens=2))
 
 
+def test_a_prompts_token_ids_end_below_the_vocabulary_size(llm):
+    """A prompt's token ids run from 0 to vocab_size - 1: the id vocab_size is the
+    caller's mistake (a UsageError naming it), not the tokenizer's."""
+    vocab = llm.config.vocab_size
+    assert llm.generate([5, vocab - 1], SamplingParams(max_new_tokens=1))[0].token_ids
+    with pytest.raises(UsageError, match=f"token id {vocab} is outside the vocabulary of {vocab}"):
+        llm.generate([5, vocab], SamplingParams(max_new_tokens=1))
+
+
+def test_max_model_len_may_be_the_models_whole_context(llm, hf_checkpoint):
+    """max_model_len up to max_position_embeddings is taken (the model was trained on
+    those positions); one more is refused."""
+    most = llm.config.max_position_embeddings
+    assert LLM(hf_checkpoint("qwen3").path, device="cpu", max_model_len=most).max_model_len == most
+    with pytest.raises(UsageError, match=f"max_model_len {most + 1} exceeds the model's max_position_embeddings"):
+        LLM(hf_checkpoint("qwen3").path, device="cpu", max_model_len=most + 1)
+
+
 @pytest.mark.parametrize("params", [[], ()])
 def test_an_empty_list_of_sampling_parameters_is_not_the_default(llm, params):
     with pytest.raises(UsageError, match="2 prompts but 0 sampling parameter sets"):
@@ -589,6 +626,10 @@ def test_a_callback_that_calls_generate_again_is_refused(llm, callback):
     llm.generate(ENGINE_PROMPTS[:2], params,
                  on_done=lambda i, out: nested.append(other.generate(ENGINE_PROMPTS[0], params)[0].token_ids))
     assert nested == [want, want]
+    # also one the callback makes, while this engine decodes
+    llm.generate(ENGINE_PROMPTS[:1], params,
+                 on_done=lambda i, out: nested.append(llm.with_method("ar").generate(ENGINE_PROMPTS[0], params)[0]))
+    assert nested[-1].token_ids == want
 
 
 def test_close_from_another_thread_mid_batch_ends_it_as_closed(hf_checkpoint, monkeypatch):
@@ -632,6 +673,22 @@ def test_a_cache_larger_than_free_memory_is_refused(llm, monkeypatch):
         llm.generate(["a"], SamplingParams(max_new_tokens=2))
     monkeypatch.undo()
     assert llm.generate(["a"], SamplingParams(max_new_tokens=2))[0].token_ids  # still serves
+
+
+def test_an_eager_engine_holds_no_caches_between_calls(llm):
+    """Without CUDA graphs or prefix caching a batch's KV caches go as it ends, and as
+    it fails (a callback raising): `rank_stats` counts them during the batch, none after."""
+    during = []
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    llm.generate(["a"], params, on_tokens=lambda i, ids: during.append(llm.rank_stats()[0]["cache_bytes"]))
+    assert during[0] > 0 and llm.rank_stats()[0]["cache_bytes"] == 0
+
+    def failing(i, ids):
+        raise RuntimeError("the client went away")
+
+    with pytest.raises(RuntimeError, match="the client went away"):
+        llm.generate(["a"], params, on_tokens=failing)
+    assert llm.rank_stats()[0]["cache_bytes"] == 0
 
 
 def test_bad_constructor_arguments(hf_checkpoint):
@@ -706,8 +763,14 @@ def test_with_method_decodes_another_way_on_the_same_weights(tmp_path):
         outs = other.generate(ENGINE_PROMPTS, params)
         assert [o.token_ids for o in outs] == [o.token_ids for o in want]
         assert {o.stats["method"] for o in outs} == {method}
-    assert base.generate(ENGINE_PROMPTS[:1], params)[0].stats["method"] == "dflash"
+        assert {o.stats.get("nodes_per_round") for o in outs} == {budget}  # ddtree's stat alone
+    stats = base.generate(ENGINE_PROMPTS[:1], params)[0].stats
+    assert stats["method"] == "dflash" and "nodes_per_round" not in stats
     assert base.with_method("ddtree").decoder.budget == 16  # the constructor's default on a CPU
+    # a draft mode left out is the engine's
+    scaled = base.with_method("dflash", draft_mode="scaled")
+    assert (scaled.with_method("ddtree").decoder.draft_mode, base.with_method("ddtree").decoder.draft_mode) == \
+        ("scaled", "coupled")
     for args, what in ((("beam",), "unknown method"), (("ddtree", 0), "budget"),
                        (("dflash", 4), "ddtree only"), (("ar", None, "yes"), "cuda_graphs"),
                        (("ddtree", 10 ** 6), "exceeds max_budget 512")):

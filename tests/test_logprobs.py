@@ -117,20 +117,22 @@ def test_logprobs_follow_the_tokens_kept_and_stream_with_them(pair, oracle):
 
 def test_prompt_logprobs_are_the_targets(pair, oracle, monkeypatch):
     """prompt_logprobs: each prompt token's log-probability given the ones before it
-    (None for the first), its rank and the k most likely alternatives, for the requests that ask
-    only, computed a few positions at a time (3 here: chunks cross from one request's
-    prompt to the next); a one-token prompt has only its None; the generated tokens do
-    not change."""
+    (None for the first), its rank and the k most likely alternatives (none for k = 0),
+    for the requests that ask only, computed a few positions at a time (3 here: chunks
+    cross from one request's prompt to the next); a one-token prompt has only its None;
+    the generated tokens do not change."""
     import treeflash.engine.round as round_module
     monkeypatch.setattr(round_module, "PROMPT_LOGPROB_ROWS", 3)
     target, drafter = pair
     llm = LLM(target, draft_model=drafter, method="ddtree", budget=8, device="cpu", dtype="float64")
-    prompts, ks = [PROMPTS[1], "x", PROMPTS[0], PROMPTS[1]], [3, 2, 1, None]
+    prompts, ks = [PROMPTS[1], "x", PROMPTS[0], PROMPTS[1], PROMPTS[0]], [3, 2, 1, None, 0]
     base = SamplingParams(max_new_tokens=6, ignore_eos=True)
     want = llm.generate(prompts, base)
     outs = llm.generate(prompts, [SamplingParams(**{**base.__dict__, "prompt_logprobs": k}) for k in ks])
     assert [o.token_ids for o in outs] == [w.token_ids for w in want]
-    for prompt, out, k in zip(prompts[:3], outs, ks):
+    for prompt, out, k in zip(prompts, outs, ks):
+        if k is None:
+            continue
         ids = llm.encode(prompt)
         got = out.prompt_logprobs
         assert [e.token_id for e in got] == ids and got[0].logprob is None and got[0].top == []
@@ -144,6 +146,7 @@ def test_prompt_logprobs_are_the_targets(pair, oracle, monkeypatch):
             assert [v for _, v in e.top] == pytest.approx(top.values.tolist(), abs=1e-7)
     assert len(outs[0].prompt_logprobs) > 7 and len(outs[1].prompt_logprobs) == 1
     assert len(outs[2].prompt_logprobs) > 2 and outs[3].prompt_logprobs is None
+    assert len(outs[4].prompt_logprobs) > 2 and all(e.top == [] for e in outs[4].prompt_logprobs)
 
 
 @pytest.mark.parametrize("bad", [-1, MAX_LOGPROBS + 1, True, 2.0, "3"])

@@ -167,6 +167,32 @@ def test_cache_holds_the_round_in_flight_and_max_n_covers_it(constant_pair, meth
     assert outs[0].stats["rounds"] == 2  # prefill + the one round it used
 
 
+def test_a_capture_on_a_state_left_at_its_cache_end_fits_the_cache(constant_pair, monkeypatch):
+    """Capturing a new sampling mode's round on a kept graphed state runs warm-up rounds
+    on it, which the batch before may have left at the end of its cache (a perfect
+    drafter: every round commits depth + 1, a prompt + limit that fills the bucket).
+    They start from n = 0: every round, warm-ups included, fits the cache."""
+    from test_prefix_caching import _cpu_graphs
+
+    from treeflash.engine.states import state_key
+    target, perfect, _ = constant_pair(8)
+    llm = _cpu_graphs(monkeypatch, LLM(target, draft_model=perfect, method="dflash", device="cpu", dtype="float32"))
+    dec, plain = llm.decoder, llm.decoder.round
+
+    def round_checked(st, max_n=None):
+        assert int(st.n.max()) + dec.tree_slots <= st.cache.max_len
+        return plain(st, max_n)
+
+    monkeypatch.setattr(dec, "round", round_checked)
+    limit, bucket = 8, state_key(1, 1)[1]  # the smallest bucket
+    prompt = [5] * (bucket - dec.tree_slots - 2 * (dec.depth + 1) - limit)  # its cache headroom, to the slot
+    greedy = SamplingParams(max_new_tokens=limit, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=limit, ignore_eos=True, temperature=1.0, seed=0)
+    assert len(llm.generate(prompt, greedy)[0].token_ids) == limit
+    assert list(llm.states.graphed) == [state_key(1, bucket)]
+    assert len(llm.generate([5], sampled)[0].token_ids) == limit  # a new mode on that state: captured
+
+
 def test_round_pipeline_returns_the_previous_round_from_its_own_copy():
     """The outputs of a graph are static buffers, overwritten by the next replay: the
     pipeline copies them at push time and hands back round r-1 when round r is pushed."""

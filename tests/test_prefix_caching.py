@@ -3,6 +3,9 @@ what the caches do not hold yet, and its tokens are those of an engine that pref
 the whole prompt (float64, every method, greedy and sampled, batched, with TP)."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -10,7 +13,7 @@ import treeflash.engine.graphs as graphs_module
 from treeflash import LLM, SamplingParams
 from treeflash.engine.options import builtin_paths
 from treeflash.engine.sampling import SamplingBatch
-from treeflash.engine.states import common_prefix, state_key, suffix_chunks
+from treeflash.engine.states import GRAPHED_PREFILL_MAX, common_prefix, state_key, suffix_chunks
 from treeflash.errors import UsageError
 
 GREEDY = SamplingParams(max_new_tokens=20, ignore_eos=True)
@@ -87,6 +90,7 @@ def test_conversations_past_max_batch_still_reuse(engines, monkeypatch):
     answers = llm.generate(firsts, GREEDY)
     turns = [f + a.token_ids + [11, 12] for f, a in zip(firsts, answers)]
     got = llm.generate(turns, GREEDY)
+    assert len(answers) == len(got) == len(firsts)  # every prompt answered, past max_batch too
     assert [o.stats["cached_tokens"] for o in got] == [len(f) + len(a.token_ids) - 1 for f, a in zip(firsts, answers)]
 
 
@@ -187,6 +191,18 @@ def test_graphed_engines_replay_suffix_prefills(monkeypatch):
     assert captures[1] == captures[0]  # the second suffix prefill of that shape replayed
     suffix_graphs = [k for k in llm.states.graphed[state_key(2, 1024)].prefills if k[-3]]
     assert len(suffix_graphs) == 1
+
+
+def test_prefills_of_up_to_512_padded_tokens_replay_a_graph(spec_target, monkeypatch):
+    """A graphed engine captures a batch's prefill of up to GRAPHED_PREFILL_MAX padded
+    tokens (a whole chunk of a long cached rest) once per shape, counting the capture,
+    and replays it; a longer one runs eagerly."""
+    llm = _cpu_graphs(monkeypatch, LLM(spec_target("qwen3", "plain"), method="ar", device="cpu", dtype="float64"))
+    for extra in (0, 1, 0):
+        llm.generate([5] * (GRAPHED_PREFILL_MAX + extra), GREEDY)
+    [g] = llm.states.graphed.values()
+    assert [k[-2:] for k in g.prefills] == [(1, GRAPHED_PREFILL_MAX)]
+    assert llm.graph_captures == len(g.rounds) + len(g.prefills) == 2  # the greedy round, the prefill
 
 
 def test_rests_prefill_in_chunks_of_at_most_512_tokens():
@@ -403,6 +419,18 @@ def test_the_kept_state_is_counted_and_freed_on_close():
     assert kept is not None and llm.rank_stats()[0]["cache_bytes"] == kept.cache_bytes > 0
     llm.close()
     assert llm.states.held() == []
+
+
+def test_a_graphed_engine_frees_every_state_on_close(monkeypatch):
+    """`close` lets a graphed engine's states go, the last batch's too (it stays the
+    batch in flight until the next one starts): a closed engine the caller still
+    references keeps no KV caches."""
+    llm = _cpu_graphs(monkeypatch, LLM(method="ar", device="cpu", dtype="float64"))
+    llm.generate([[5, 6, 7]], GREEDY)
+    held = [weakref.ref(st) for st in llm.states.held()]
+    llm.close()
+    gc.collect()
+    assert held and all(st() is None for st in held)
 
 
 def test_a_kept_shape_runs_on_its_graphs_with_every_state_kept(monkeypatch):
