@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from treeflash import LLM, SamplingParams
 from treeflash.checkpoints import fp8_blocks, write_fp8_copy
 from treeflash.errors import TreeflashError
-from treeflash.ops import Fp8Weight, dequantized
+from treeflash.ops import FP8_MAX, Fp8Weight, dequantized
 
 
 def _hf_weight(model, key: str) -> torch.Tensor:
@@ -89,6 +89,18 @@ def test_blocks_round_trip():
         back = dequantized(q, Fp8Weight(scale, block), torch.float32)
         per_weight = scale.repeat_interleave(block[0], 0)[:40].repeat_interleave(block[1], 1)[:, :70]
         assert ((back - w).abs() <= w.abs() / 16 + per_weight * 2 ** -10).all()
+
+
+def test_blocks_take_fp8_s_whole_range_and_keep_zero_blocks():
+    """Each block's largest magnitude is stored as FP8's largest value (its scale is that
+    magnitude over FP8_MAX: the round trip's bound above is relative to the scale), and
+    a block of zeros (pruned or padding weights) is stored as zeros, not 0 / 0."""
+    w = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))
+    w[4:, 6:] = 0.0  # the last of the four (4, 6) blocks
+    q, scale = fp8_blocks(w, (4, 6))
+    largest = q.float().abs().view(2, 4, 2, 6).amax(dim=(1, 3))
+    assert torch.equal(largest, torch.tensor([[FP8_MAX, FP8_MAX], [FP8_MAX, 0.0]]))
+    assert torch.equal(dequantized(q, Fp8Weight(scale, (4, 6)), torch.float32)[4:, 6:], torch.zeros(4, 6))
 
 
 @pytest.mark.parametrize("name,block,skip", [("qwen3", (16, 32), ()), ("qwen3", (32, 48), ()),

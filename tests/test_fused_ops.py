@@ -10,16 +10,17 @@ from interpreter import kernel as gpu_or_interpreter
 DTYPES = [torch.float32] if INTERPRET else [torch.float32, torch.bfloat16]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_fused_ops_match_torch(dtype, tol):
+@gpu_or_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_ops_match_torch(dtype):
+    """The residual add + RMSNorm (a width of 384: not a power of two, masked lanes),
+    norm + RoPE and the SiLU gating against the torch layers they replace."""
     from treeflash.layers.norm import RMSNorm
     from treeflash.layers.rotary import RotaryEmbedding, apply_rotary
     from treeflash.ops.fused import add_rms_norm, norm_rope, silu_mul
     torch.manual_seed(0)
-    dev, H, D = "cuda", 384, 128
-    with torch.device(dev):
+    tol, H, D = 1e-5 if dtype == torch.float32 else 2e-2, 384, 128
+    with torch.device(DEV):
         norm = RMSNorm(H).to(dtype)
         norm.weight.data.normal_()
         x, r = torch.randn(2, 5, H, dtype=dtype), torch.randn(2, 5, H, dtype=dtype)
@@ -322,7 +323,7 @@ def test_logit_controls_match_torch(dtype, rows, per_row, controls):
 def test_ops_in_the_triton_interpreter():
     run_interpreted(__file__, "gemv_matches or few_row_matmul or rope_into_cache or row_argmax or gumbel_argmax or cos_sin "
                     "or embedding_rows or logit_controls or node_states or path_states or grammar_mask or split_product "
-                    "or coupled_scores or filter_floor_kernels", 43, timeout=600)
+                    "or coupled_scores or filter_floor_kernels or fused_ops_match_torch", 47, timeout=600)
 
 
 def _grammar_batch(V: int, B: int, seed: int):
@@ -341,20 +342,23 @@ def _grammar_batch(V: int, B: int, seed: int):
 
 
 @gpu_or_interpreter
-@pytest.mark.parametrize("budget", [1, 15, 40])
+@pytest.mark.parametrize("budget", [1, 15, 40, None], ids=["1", "15", "40", "chain"])
 def test_node_states_match_torch(budget):
     """Each tree node's automaton state, one program per request, equals the torch
-    walk level by level (random trees from random draft scores, tokens often disallowed)."""
+    walk level by level (random trees from random draft scores, tokens often disallowed;
+    these stay within two levels, so also DFlash-linear's chain, down to the last depth)."""
     from dataclasses import replace
 
-    from tree_oracle import tree_of_logprobs
+    from tree_oracle import chain_of_scores, tree_of_logprobs
     from treeflash.ops.structured import node_states
     B, D, V = 3, 6, 50
-    sb = _grammar_batch(V, B, budget)
-    gen = torch.Generator().manual_seed(budget)
-    tree = tree_of_logprobs(torch.randn(B, D, V, generator=gen).log_softmax(-1), torch.randint(0, V, (B,), generator=gen),
-                      budget)
+    sb = _grammar_batch(V, B, budget or 0)
+    gen = torch.Generator().manual_seed(budget or 0)
+    scores, anchor = torch.randn(B, D, V, generator=gen), torch.randint(0, V, (B,), generator=gen)
+    tree = tree_of_logprobs(scores.log_softmax(-1), anchor, budget) if budget else chain_of_scores(scores, anchor)
     want = sb.node_states(tree.tokens, tree.parents, tree.depths, D)
+    if budget is None:  # the last level moves a state: a walk that stops short of it differs
+        assert tree.depths.amax() == D and (want[:, D] != sb.grammar_state).any()
     dev = replace(sb, grammar=sb.grammar.to(DEV), grammar_state=sb.grammar_state.to(DEV))
     got = node_states(dev.grammar, dev.grammar_state, *(t.to(DEV) for t in (tree.tokens, tree.parents, tree.depths)),
                       D)
@@ -455,6 +459,45 @@ def test_filter_floor_kernels_reach_a_far_tail():
         got = fused(x.to(DEV), x.to(DEV).topk(64).values, sb).cpu().double()
     for b, (t, k, p, m) in enumerate(filters):
         assert got[b, 0] < -5 * t and floor_is_valid(x[b, 0], got[b, 0].item(), t, k, p, m), (b, got[b, 0])
+
+
+def _fused_floor(x: torch.Tensor, filters: list[tuple]):
+    """(the GPU floor [B] of logits x [B, 1, V] from their 64 largest, the requests'
+    SamplingParams) for (T, top_k, top_p, min_p) per request."""
+    from treeflash.engine.sampling import SamplingBatch
+    from treeflash.ops.filter_floor import filter_floor as fused
+    from treeflash.sampling_params import SamplingParams
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=1) for t, k, p, m in filters]
+    with torch.inference_mode():
+        got = fused(x.to(DEV), x.to(DEV).topk(64).values, SamplingBatch.from_params(params, DEV))
+    return got.cpu()[:, 0], params
+
+
+@gpu_or_interpreter
+def test_filter_floor_kernels_search_40_t_below_the_top():
+    """At T = 4 a tail 60 nats below the top (15 T: e^-15 of the top's mass each, ~3e-4
+    of the row in all) holds the cut of top-p 0.9999: the search leaves out only tokens
+    40 T (160 nats) below the top, not 40 nats, and finds the sort's floor."""
+    from sampling_oracle import floor_of_sorted_row
+    x = torch.full((1, 1, 1000), -60.0)
+    x[..., 7] = 0.0
+    got, params = _fused_floor(x, [(4.0, 0, 0.9999, 0.0)])
+    assert got.tolist() == [floor_of_sorted_row(x[0, 0], params[0])] == [-60.0]
+
+
+@gpu_or_interpreter
+def test_filter_floor_kernels_keep_the_top_where_top_p_rounds_to_0():
+    """A top-p below float32's smallest number is valid (p > 0), and a batch holds it as
+    0: the row's largest logit stays, as on the torch path (near-greedy), with a top-k or
+    without (a batch that searches). The window's sums used to stop before their first tile at p = 0,
+    and the floor was +inf: no logit kept, and the sampler took id 0."""
+    from treeflash.engine.sampling import SamplingBatch, filter_floor
+    tiny = 1e-46
+    assert torch.tensor(tiny).item() == 0.0
+    x = torch.randn(2, 1, 100, generator=torch.Generator().manual_seed(0))
+    got, params = _fused_floor(x, [(1.0, 0, tiny, 0.0), (1.0, 5, tiny, 0.0)])
+    want = filter_floor(x.double(), SamplingBatch.from_params(params, "cpu"))[:, 0].float()
+    assert torch.equal(got, want) and torch.equal(want, x.amax(-1)[:, 0])
 
 
 @pytest.mark.gpu

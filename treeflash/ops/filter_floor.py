@@ -88,7 +88,7 @@ def _floor_kernel(vals_ptr, W, temp_ptr, topk_ptr, topp_ptr, minp_ptr, mass_ptr,
         first = tl.zeros([], tl.float32)  # the mass of the first tile
         cut = tl.full([], float("inf"), tl.float32)
         j = tl.zeros([], tl.int32)
-        while (j < W) & (before < p) & (p < 1):
+        while (j < W) & ((before < p) | (j == 0)) & (p < 1):  # tile 0 even at a p of 0 in float32: its top stays
             w = j + tl.arange(0, TILE)
             vals = tl.load(vals_ptr + row * W + w, mask=w < W, other=float("-inf")).to(tl.float32)
             kept = (vals >= floor) & (w < W)
