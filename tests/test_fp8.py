@@ -420,9 +420,10 @@ def test_fp8_kernels_match_the_dequantized_product(dtype, N, K, block):
     assert (got.float() - want).abs().max() <= tol * want.abs().max()
 
 
-def _check_fp8_experts(T, E, k, H, I, block, dtype, device):
+def _check_fp8_experts(T, E, k, H, I, block, dtype, device, nan_after_scales=False):
     """The grouped-experts kernel on FP8 experts against the reference on the dequantized
-    experts (float64)."""
+    experts (float64). `nan_after_scales`: the memory after each scale tensor (not its
+    own) holds NaN."""
     from test_moe import _case
 
     from treeflash.kernels.fused_moe import fused_experts
@@ -430,6 +431,9 @@ def _check_fp8_experts(T, E, k, H, I, block, dtype, device):
     x, w, ids, gu, dn = _case(T, E, k, H, I, dtype, skew=T == 40, seed=T, device=device)
     (gu, gu_s), (dn, dn_s) = ([torch.stack(t) for t in zip(*(fp8_blocks(m.float(), block) for m in mats))]
                               for mats in (gu, dn))
+    if nan_after_scales:
+        gu_s, dn_s = (torch.cat([s.flatten(), torch.full(s.shape[-1:], torch.nan, device=device)])[:s.numel()]
+                      .view(s.shape) for s in (gu_s, dn_s))
     fp8 = (Fp8Weight(gu_s, block), Fp8Weight(dn_s, block))
     out = fused_experts(x, w, ids, gu, dn, fp8)
     ref = experts_reference(x.double(), w.double(), ids, gu, dn, fp8)
@@ -447,9 +451,19 @@ def test_fp8_experts_kernel_matches_the_dequantized_reference(T, E, k, H, I, blo
     _check_fp8_experts(T, E, k, H, I, block, torch.float32, DEV)
 
 
+@kernel_test
+@pytest.mark.parametrize("T", [1, 5])   # the one-token kernels, the grouped ones
+def test_fp8_experts_kernel_reads_no_scale_past_a_row(T):
+    """H = 96 and I = 80 in 32-column blocks (3 a row): the kernels' last K step runs past
+    each row's last block (a step of 128 columns, 4 blocks; one token: the next power of
+    two). Every expert is picked, the last too, whose last scale row ends the tensor:
+    what lies after it (NaN here) does not reach the output."""
+    _check_fp8_experts(T, 4, 4, 96, 80, (16, 32), torch.float32, DEV, nan_after_scales=True)
+
+
 @spawns_interpreter
 def test_fp8_experts_kernel_in_the_triton_interpreter():
-    run_interpreted(__file__, "fp8_experts_kernel_matches", 4)
+    run_interpreted(__file__, "fp8_experts_kernel_matches or fp8_experts_kernel_reads", 4 + 2)
 
 
 @pytest.mark.gpu

@@ -204,20 +204,25 @@ def experts_case(T, E, k, H, I, dtype, skew=False, seed=0):
     return x, w, ids, gu * 5, dn, tuple(b.to(DEV, dtype) for b in bias)
 
 
-def assert_clamp_bites(x, ids, gu, bias):
-    """Some picked gate pre-activations lie above LIMIT and some up ones outside +-LIMIT."""
-    I = gu.shape[1] // 2
+def picked_pre_activations(x, ids, gu, bias):
+    """[T, k, 2I] float64: each token's gate, then up, pre-activations in the experts it picked."""
     pre = torch.einsum("th,eih->tei", x.double(), gu.double()) + bias[0].double()
-    picked = pre[torch.arange(len(x), device=x.device)[:, None], ids]   # [T, k, 2I]
-    assert (picked[..., :I] > LIMIT).any() and (picked[..., :I] < LIMIT).any()
-    assert (picked[..., I:].abs() > LIMIT).any()
+    return pre[torch.arange(len(x), device=x.device)[:, None], ids]
 
 
-def check_experts(case, with_bias, with_clamp, tol, fp8=None):
+def assert_clamp_bites(x, ids, gu, bias, limit=LIMIT):
+    """Some picked gate pre-activations lie above `limit` and some up ones outside +-limit."""
+    I = gu.shape[1] // 2
+    picked = picked_pre_activations(x, ids, gu, bias)
+    assert (picked[..., :I] > limit).any() and (picked[..., :I] < limit).any()
+    assert (picked[..., I:].abs() > limit).any()
+
+
+def check_experts(case, with_bias, with_clamp, tol, fp8=None, limit=LIMIT):
     from treeflash.kernels.fused_moe import fused_experts
     x, w, ids, gu, dn, bias = case
     bias = bias if with_bias else None
-    clamp = (ALPHA, LIMIT) if with_clamp else None
+    clamp = (ALPHA, limit) if with_clamp else None
     out = fused_experts(x, w, ids, gu, dn, fp8, bias=bias, clamp=clamp)
     ref = experts_reference(x.double(), w.double(), ids, gu if fp8 else gu.double(), dn if fp8 else dn.double(),
                             fp8, bias=None if bias is None else tuple(b.double() for b in bias), clamp=clamp)
@@ -242,6 +247,20 @@ def test_experts_match_reference(T, E, k, H, I, skew, with_bias, with_clamp):
     if with_clamp:
         assert_clamp_bites(case[0], case[2], case[3], case[5])
     check_experts(case, with_bias, with_clamp, 1e-5)
+
+
+@kernel_test
+@pytest.mark.parametrize("T", [1, 7])   # the one-token kernels, the grouped ones
+def test_clamp_leaves_gates_below_minus_the_limit(T):
+    """gpt-oss clamps the gate from above only (the up on both sides). At a limit of 1 a
+    gate far below -1 still counts (g * sigmoid(alpha g) is -0.064 at g = -2, where a
+    gate clamped at -1 would give -0.154): the kernels leave it as the reference does."""
+    limit = 1.0
+    case = experts_case(T, 8, 2, 64, 32, torch.float32, seed=T)
+    x, _, ids, gu, _, bias = case
+    assert_clamp_bites(x, ids, gu, bias, limit)
+    assert (picked_pre_activations(x, ids, gu, bias)[..., :gu.shape[1] // 2] < -2 * limit).any()
+    check_experts(case, True, True, 1e-5, limit=limit)
 
 
 def fp8_case(T, E, k, H, I, block, dtype, seed=0):
@@ -285,4 +304,5 @@ def test_gpu_experts_at_model_sizes(dtype, tol, T, with_bias, with_clamp):
 @spawns_interpreter
 def test_kernels_in_the_triton_interpreter():
     run_interpreted(__file__, "not gpu and not interpreter",
-                    len(ATTENTION_CASES) + 2 + 2 + 8 + 1 + 2 + len(EXPERT_CASES) * len(VARIANTS) + len(FP8_CASES), timeout=900)
+                    len(ATTENTION_CASES) + 2 + 2 + 8 + 1 + 2 + len(EXPERT_CASES) * len(VARIANTS) + 2 + len(FP8_CASES),
+                    timeout=900)

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 from conftest import ENGINE_PROMPTS, MOE_TINY, MOE_VARIANTS
-from interpreter import CUDA, run_interpreted, spawns_interpreter
+from interpreter import CUDA, DEV, run_interpreted, spawns_interpreter
 from interpreter import kernel as kernel_test
 from test_models import hf_greedy, hf_logits, padded, rel_err, tf_logits
 from test_gpu import assert_graphed_equals_eager_and_ar
@@ -187,9 +187,12 @@ def test_router_softmax_topk_and_renormalization():
         assert torch.equal(ids, want.indices)
         expect = want.values / want.values.sum(-1, keepdim=True) if renorm else want.values
         torch.testing.assert_close(w, expect)
-    r = Router(16, 6, 3, False).bfloat16()
-    w, _ = r(x.bfloat16())
-    assert w.dtype == torch.bfloat16   # softmax in float32, weights cast back as transformers does
+    for renorm in (False, True):   # bf16: softmax and renormalization in float32, cast back (as transformers)
+        r = _filled(Router(16, 6, 3, renorm), 0).bfloat16()
+        w, ids = r(x.bfloat16())
+        want = (x.bfloat16() @ r.weight.T).float().softmax(-1).topk(3, -1)
+        expect = want.values / want.values.sum(-1, keepdim=True) if renorm else want.values
+        assert torch.equal(ids, want.indices) and w.dtype == torch.bfloat16 and torch.equal(w, expect.bfloat16())
 
 
 def test_shared_expert_joins_the_routed_sum():
@@ -254,6 +257,7 @@ def _check_kernel(case, tol):
 # one token (the rows-times-vector path), twice: sizes on and off the tiles
 KERNEL_CASES = [(1, 8, 2, 64, 32, False), (1, 6, 3, 80, 24, False), (7, 16, 4, 48, 40, False),
                 (40, 4, 2, 32, 16, True), (33, 6, 1, 80, 24, False)]
+KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 5e-3}   # relative to the output's largest value
 
 
 @kernel_test
@@ -261,7 +265,24 @@ KERNEL_CASES = [(1, 8, 2, 64, 32, False), (1, 6, 3, 80, 24, False), (7, 16, 4, 4
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])   # the interpreter has no working bf16 dot
 def test_kernel_matches_reference(T, E, k, H, I, skew, dtype):
     case = _case(T, E, k, H, I, dtype, skew, seed=T, device="cuda" if CUDA else "cpu")
-    _check_kernel(case, 1e-5 if dtype == torch.float32 else 5e-3)
+    _check_kernel(case, KERNEL_TOL[dtype])
+
+
+@kernel_test
+@pytest.mark.parametrize("T", [1, 5])   # one token (its picks added in the kernel), the grouped kernels
+def test_kernel_adds_a_tokens_picks_in_float32(T):
+    """float16, each token's two picks nearly cancel (equal routing weights; expert 1 is
+    expert 0 with its down projection negated, plus 1/64 of another): each pick is ~64x
+    the sum. Rounded to float16 (2^-11) before they were added, the sum would be off by
+    ~64 * 2^-11 = 3% of itself; added in float32 and rounded once, it is within the
+    float16 tolerance."""
+    I = 32
+    x, w, ids, gu, dn = _case(T, 2, 2, 48, I, torch.float32, seed=T)
+    gen = torch.Generator().manual_seed(T)
+    gu[1], w[:, 1] = gu[0], w[:, 0]
+    dn[1] = torch.randn(dn[0].shape, generator=gen) / I ** 0.5 / 64 - dn[0]
+    _check_kernel([t.to(DEV, torch.float16) if t.is_floating_point() else t.to(DEV) for t in (x, w, ids, gu, dn)],
+                  KERNEL_TOL[torch.float16])
 
 
 # (T, E, k, skew, one launch): one token; a tree's worth; the most pairs the grouping
@@ -315,10 +336,64 @@ def test_route_kernel_on_ties_and_nan():
     assert len(set(ids[0].tolist())) == 2 and w.isnan().all()
 
 
+# (arch, FP8 block): gpt-oss (router and expert biases, renormalized top-k, the clamp);
+# Qwen3-MoE (plain top-k) with FP8 experts in blocks the kernels take, and 24 columns
+# wide, which they do not take (the experts run in torch)
+LAYER_CASES = [("gpt_oss", None), ("qwen3_moe", (16, 16)), ("qwen3_moe", (16, 24))]
+
+
+@kernel_test
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("arch,fp8_block", LAYER_CASES)
+def test_sparse_moe_on_the_kernels_equals_its_torch_path(monkeypatch, arch, fp8_block, T):
+    """The layer hands the kernels what its torch path uses (the router's bias and
+    renormalization, the experts' biases, clamp and FP8 scales), and keeps FP8 blocks
+    the kernels do not take on the torch path."""
+    import treeflash.models.moe as moe
+    cfg = _moe_cfg(norm_topk_prob=arch == "gpt_oss")
+    if arch == "gpt_oss":
+        cfg = dataclasses.replace(cfg, arch="gpt_oss", expert_bias=True, swiglu_limit=7.0)   # gpt-oss's limit
+    with build_on(DEV, torch.float32):
+        layer = SparseMoE(cfg, TPGroup())
+    if fp8_block:
+        layer.experts.to_fp8(fp8_block, "mlp.experts")
+    _filled(layer, T)
+    if arch == "gpt_oss":   # gate / up pre-activations ~ 8 * 0.3 * sqrt(48) = 17: the clamp bites
+        layer.experts.gate_up_proj.mul_(8)
+    x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(T)).to(DEV)
+    got = {}
+    for fused in (True, False):
+        monkeypatch.setattr(moe, "fused_enabled", lambda t: fused)
+        with torch.no_grad():
+            got[fused] = layer(x)
+    err = ((got[True] - got[False]).abs().max() / got[False].abs().max()).item()
+    assert err < KERNEL_TOL[torch.float32], f"relative error {err}"
+    if arch == "gpt_oss":   # what that rests on: the clamp bites (on the torch path, without it the output differs)
+        layer.experts.clamp = None
+        with torch.no_grad():
+            assert not torch.allclose(layer(x), got[False])
+
+
+def test_dependent_launches_only_where_the_gpu_has_them(monkeypatch):
+    """`kernels.chained`: dependent launches on sm_90 and later; plain ones on older GPUs
+    (the wait would not compile), for CPU tensors, and in the Triton interpreter, even
+    for a CUDA tensor."""
+    pytest.importorskip("triton")
+    from treeflash.kernels.chained import _chained
+    decide = _chained.__wrapped__   # not cached
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: [(8, 0), (9, 0)][index])
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert decide("cuda", 0) == decide("cpu", None) == {"PDL": False}
+    assert decide("cuda", 1) == {"PDL": True, "launch_pdl": True}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert decide("cuda", 1) == {"PDL": False}
+
+
 @spawns_interpreter
 def test_kernel_in_the_triton_interpreter():
-    run_interpreted(__file__, "kernel_matches_reference or group_pairs_kernel or route_kernel",
-                    2 * len(KERNEL_CASES) + 3 * len(ROUTING_CASES) + 1)
+    run_interpreted(__file__, "kernel_matches_reference or group_pairs_kernel or route_kernel or kernel_adds or "
+                              "sparse_moe_on_the_kernels",
+                    2 * len(KERNEL_CASES) + 3 * len(ROUTING_CASES) + 1 + 2 + 2 * len(LAYER_CASES))
 
 
 # ----------------------------------------------------------------------------- bench shape
