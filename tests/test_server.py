@@ -305,6 +305,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "use_beam_search": 0}, 400, "use_beam_search"),
     ("/v1/completions", {"prompt": "x", "spaces_between_special_tokens": 1}, 400, "spaces_between_special_tokens"),
     ("/v1/completions", {"prompt": "x", "stop": ["\ud800"]}, 400, "stop"),  # could never match: not ignored
+    ("/v1/completions", {"prompt": "x", "\ud800": 1}, 400, "\ud800"),  # named back as JSON escapes, not a 500
 ]
 
 
@@ -1706,7 +1707,7 @@ def test_draining_answers_requests_being_checked_and_new_ones(llm, chat_model, s
         threading.Thread(target=app.state.drain).start()  # as the signal handler starts it
         for t in threads:
             t.join(60)
-        assert time.time() - start < 1.0
+        assert time.time() - start < 1.0 and sorted(got) == list(range(4))
         late = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
         for r in [*got.values(), late]:
             assert r.status_code == 503 and r.json()["error"]["message"] == "the server is shutting down"
@@ -2142,3 +2143,84 @@ def test_warm_up_fills_the_context_only_as_far_as_a_chat_may():
     asked.clear()
     warm_up(fake, SamplingDefaults(max_tokens=1000))
     assert set(asked) == {4, 63}
+
+
+# ----------------------------------------------------------------------------- the app's routes, streams and shutdown (cases a mutation review found untested)
+
+
+def test_the_api_key_is_checked_before_anything_else(llm):
+    """Without the key, /v1 answers 401 whatever was asked: the retrieve-model route too,
+    and a bad body or an unknown model is not read first (a 400, or a 404 that lists the
+    models served)."""
+    with TestClient(build_app(llm, "t", api_key="s3cret")) as c:
+        for r in (c.get("/v1/models/t"), c.post("/v1/completions", content=b"{not json"),
+                  c.post("/v1/completions", json={"model": "gpt-4", "prompt": PROMPT})):
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        assert c.get("/v1/models/t", headers={"Authorization": "Bearer s3cret"}).json()["id"] == "t"
+
+
+def test_streamed_logprobs_cover_the_tokens_that_add_no_text(client, llm):
+    """A token that adds no text (a special token, left out of it) still streams its
+    logprobs: the stream has an entry for every generated token, as the whole answer."""
+    eos = llm.eos_token_ids[0]
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "logit_bias": {str(eos): 100},
+            "logprobs": 1}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert whole["text"] == "" and len(whole["logprobs"]["token_logprobs"]) == 2
+    streamed = events(client.post("/v1/completions", json={**body, "stream": True}))[:-1]
+    parts = [e["choices"][0]["logprobs"] for e in streamed if e["choices"][0]["logprobs"]]
+    assert [x for p in parts for x in p["token_logprobs"]] == whole["logprobs"]["token_logprobs"]
+
+
+def test_a_body_as_large_as_the_limit_is_read(client, monkeypatch):
+    """The body limit is inclusive: a body of exactly MAX_BODY_BYTES is read, one byte
+    more is refused (413)."""
+    import treeflash.server.app as app_module
+    monkeypatch.setattr(app_module, "MAX_BODY_BYTES", 1 << 20)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 1}).encode()
+    body += b" " * ((1 << 20) - len(body))
+    assert client.post("/v1/completions", content=body).status_code == 200
+    r = client.post("/v1/completions", content=body + b" ")
+    assert r.status_code == 413 and "larger than 1 MiB" in r.json()["error"]["message"]
+
+
+def test_a_request_after_the_drain_began_is_refused_unread(llm, chat_model, slow_compiles):
+    """Once a shutdown has begun, a new request is answered "shutting down" at once: its
+    constraint is not compiled first (seconds, for a large vocabulary)."""
+    app = build_app(llm, "tiny", ChatTemplate.from_folder(chat_model))
+    with TestClient(app) as c:
+        app.state.drain()
+        r = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4,
+                                            "structured_outputs": {"regex": "drained[0-9]*"}})
+    assert r.status_code == 503 and r.json()["error"]["message"] == "the server is shutting down"
+    assert not slow_compiles
+
+
+def test_a_request_queued_after_the_drain_never_starts(fake_worker):
+    """A request that reaches the engine's queue once the drain has run (it passed its
+    checks meanwhile, or the engine thread had just taken it) is answered "shutting
+    down" (503) and never generated: the shutdown does not wait for it."""
+    fake, worker, job = fake_worker
+    fake.gate.set()
+    worker.drain()
+    late = job([1])
+    worker.jobs.put(late)
+    with pytest.raises(Exception, match="shutting down") as e:
+        late.future.result(30)
+    assert e.value.status == 503 and fake.calls == []
+
+
+def test_a_shutdown_answers_the_request_being_generated(llm):
+    """app.state.shutdown (a server that exits without its lifespan's end) ends the
+    request being generated at its next round, answered "shutting down" (503), not run
+    to its max_tokens."""
+    app = build_app(llm, "tiny", None)
+    got = []
+    with TestClient(app) as c:
+        body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+        asking = threading.Thread(target=lambda: got.append(c.post("/v1/completions", json=body)))
+        asking.start()
+        _wait(lambda: scrape(c)["treeflash_requests_running"] == 1)
+        app.state.shutdown()
+        asking.join(60)
+    assert got[0].status_code == 503 and got[0].json()["error"]["message"] == "the server is shutting down"

@@ -368,6 +368,7 @@ def test_the_server_takes_vllm_and_openai_forms(engines):
     ({"guided_json": {"type": "object"}}, "guided_json", "properties"),
     ({"guided_json": {"type": "text"}}, "guided_json", "'type' at $ must be one of"),  # once never answered
     ({"guided_choice": "yes"}, "guided_choice", "list of strings"),
+    ({"guided_json": None, "guided_regex": "(a"}, "guided_regex", "missing"),  # the key set, not a null one
 ])
 def test_the_server_refuses_bad_constraints_and_keeps_serving(engines, extra, param, message):
     TestClient = pytest.importorskip("starlette.testclient").TestClient
@@ -1010,6 +1011,19 @@ def test_remembered_refusals_are_bounded(engines, monkeypatch):
         with pytest.raises(UsageError):
             cache.get(so)
     assert list(cache.refused) == [bad[1].key(), bad[2].key()]
+
+
+def test_a_refusal_asked_for_again_is_remembered_longest(engines, monkeypatch):
+    """Past REFUSALS_KEPT the refusal asked for longest ago goes: a bad constraint that a
+    client keeps retrying stays refused at once, not compiled again (seconds) each time."""
+    import treeflash.structured.cache as cache_module
+    monkeypatch.setattr(cache_module, "REFUSALS_KEPT", 2)
+    cache = _fresh_cache(engines["ar"])
+    a, b, c = (StructuredOutputs(regex="(" * (i + 1)) for i in range(3))
+    for so in (a, b, a, c):
+        with pytest.raises(UsageError):
+            cache.get(so)
+    assert list(cache.refused) == [a.key(), c.key()]
 
 
 def test_special_tokens_are_never_text(engines):
