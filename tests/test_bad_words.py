@@ -18,6 +18,7 @@ import torch
 from treeflash import LLM, SamplingParams, UsageError
 from treeflash.engine.options import builtin_paths
 from treeflash.engine.sampling import _recent_tokens
+from cpu_graphs import cpu_graphs
 from tree_oracle import tree_of_logprobs
 
 PROMPTS = ["def add(a, b):\n    ", "def f(x):\n    if x:\n        return x\n    "]
@@ -121,9 +122,8 @@ def test_bad_words_must_be_words(value):
 def test_a_graphed_state_starts_each_request_with_no_output(monkeypatch):
     """A kept (graphed) state's recent tokens are the last request's: a new request's
     first tokens must not be matched against them."""
-    from test_prefix_caching import _cpu_graphs
     target, drafter = builtin_paths()
-    llm = _cpu_graphs(monkeypatch, LLM(target, draft_model=drafter, method="ddtree", budget=16, device="cpu",
+    llm = cpu_graphs(monkeypatch, LLM(target, draft_model=drafter, method="ddtree", budget=16, device="cpu",
                                        dtype="float32"))
     fresh = LLM(target, method="ar", device="cpu", dtype="float32")
     params = SamplingParams(max_new_tokens=16, bad_words=["a + b", "return x"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import ENGINE_PROMPTS, SPEC_PROMPTS
+from cpu_graphs import cpu_graphs
 
 from treeflash import LLM, SamplingParams
 from treeflash.engine.pipeline import RoundPipeline
@@ -172,11 +173,10 @@ def test_a_capture_on_a_state_left_at_its_cache_end_fits_the_cache(constant_pair
     on it, which the batch before may have left at the end of its cache (a perfect
     drafter: every round commits depth + 1, a prompt + limit that fills the bucket).
     They start from n = 0: every round, warm-ups included, fits the cache."""
-    from test_prefix_caching import _cpu_graphs
 
     from treeflash.engine.states import state_key
     target, perfect, _ = constant_pair(8)
-    llm = _cpu_graphs(monkeypatch, LLM(target, draft_model=perfect, method="dflash", device="cpu", dtype="float32"))
+    llm = cpu_graphs(monkeypatch, LLM(target, draft_model=perfect, method="dflash", device="cpu", dtype="float32"))
     dec, plain = llm.decoder, llm.decoder.round
 
     def round_checked(st, max_n=None):

@@ -7,9 +7,9 @@ import gc
 import weakref
 
 import pytest
-import torch
 
 import treeflash.engine.graphs as graphs_module
+from cpu_graphs import cpu_graphs
 from treeflash import LLM, SamplingParams
 from treeflash.engine.options import builtin_paths
 from treeflash.engine.sampling import SamplingBatch
@@ -111,47 +111,12 @@ def test_logprobs_and_prompt_logprobs(engines):
     assert [x.logprob for x in got.prompt_logprobs[1:]] == pytest.approx([x.logprob for x in want.prompt_logprobs[1:]])
 
 
-class _Replayed:
-    """A stand-in for a CUDA graph on the CPU: a replay reruns the captured function and
-    copies its results into the outputs the capture returned."""
-
-    def __init__(self, fn, out):
-        self.fn, self.out = fn, out
-
-    def replay(self):
-        with torch.inference_mode():
-            for dst, src in zip(_flat(self.out), _flat(self.fn())):
-                dst.copy_(src)
-
-
-def _flat(x):
-    if isinstance(x, torch.Tensor):
-        return [x]
-    return [t for part in (x or ()) for t in _flat(part)]
-
-
-def _cpu_graphs(monkeypatch, llm: LLM) -> LLM:
-    """Drive `llm` (CPU) down the CUDA-graph path: kept graphed states, rounds captured per
-    sampling mode, whose warm-ups run on the live state as on a GPU."""
-    def capture(fn, warmup, pool=None):
-        for _ in range(warmup):
-            fn()
-        out = fn()
-        return _Replayed(fn, out), out
-    monkeypatch.setattr(graphs_module, "capture", capture)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 0)
-    llm.states.graphs = True
-    llm.states.memory_budget = float("inf")
-    return llm
-
-
 def test_graphed_states_reuse_only_in_a_captured_mode(monkeypatch):
     """On a graphed engine a next turn reuses the kept state only in a sampling mode
     already captured there: capturing a new one runs warm-up rounds on the state from
     slot 0, over the conversation it holds (a 560-token one here). Tokens equal an
     engine's without prefix caching."""
-    llm = _cpu_graphs(monkeypatch, LLM(method="dflash", device="cpu", dtype="float64", enable_prefix_caching=True))
+    llm = cpu_graphs(monkeypatch, LLM(method="dflash", device="cpu", dtype="float64", enable_prefix_caching=True))
     fresh = LLM(method="dflash", device="cpu", dtype="float64")
     first = llm.encode("def fib(n):\n" * 150)[:560]
     answer = llm.generate(first, GREEDY)[0]
@@ -173,7 +138,7 @@ def test_graphed_engines_replay_suffix_prefills(monkeypatch):
     prefill graph over the kept caches, captured once per shape and then replayed: for
     a batch whose rows reuse different lengths too. Tokens equal an engine's without
     prefix caching."""
-    llm = _cpu_graphs(monkeypatch, LLM(method="ddtree", budget=16, device="cpu", dtype="float64",
+    llm = cpu_graphs(monkeypatch, LLM(method="ddtree", budget=16, device="cpu", dtype="float64",
                                        enable_prefix_caching=True))
     fresh = LLM(method="ddtree", budget=16, device="cpu", dtype="float64")
     firsts = [llm.encode("def fib(n):"), llm.encode("import os\nimport sys\n\nclass Point:")]
@@ -197,7 +162,7 @@ def test_prefills_of_up_to_512_padded_tokens_replay_a_graph(spec_target, monkeyp
     """A graphed engine captures a batch's prefill of up to GRAPHED_PREFILL_MAX padded
     tokens (a whole chunk of a long cached rest) once per shape, counting the capture,
     and replays it; a longer one runs eagerly."""
-    llm = _cpu_graphs(monkeypatch, LLM(spec_target("qwen3", "plain"), method="ar", device="cpu", dtype="float64"))
+    llm = cpu_graphs(monkeypatch, LLM(spec_target("qwen3", "plain"), method="ar", device="cpu", dtype="float64"))
     for extra in (0, 1, 0):
         llm.generate([5] * (GRAPHED_PREFILL_MAX + extra), GREEDY)
     [g] = llm.states.graphed.values()
@@ -242,7 +207,7 @@ def test_a_conversation_moves_with_its_cache_bucket(graphs, monkeypatch):
     new tokens; the next short turn comes back to a 1024-slot state the same way (on a
     graphed engine: the kept one, whose own record is older)."""
     engine = LLM(method="ddtree", budget=16, device="cpu", dtype="float64", enable_prefix_caching=True)
-    llm = _cpu_graphs(monkeypatch, engine) if graphs else engine
+    llm = cpu_graphs(monkeypatch, engine) if graphs else engine
     fresh = LLM(method="ddtree", budget=16, device="cpu", dtype="float64")
     newline = llm.encode("\n", special=False)
     roomy = SamplingParams(max_new_tokens=1000, stop_token_ids=newline)  # room past 1024 slots
@@ -276,7 +241,7 @@ def test_a_failed_capture_leaves_nothing_to_reuse(monkeypatch):
     """Capturing a new sampling mode's round runs warm-up rounds over the state's caches
     first: if the capture then fails (out of memory on a GPU), the conversation those
     caches held is gone, and the next turn prefills whole."""
-    llm = _cpu_graphs(monkeypatch, LLM(method="dflash", device="cpu", dtype="float64", enable_prefix_caching=True))
+    llm = cpu_graphs(monkeypatch, LLM(method="dflash", device="cpu", dtype="float64", enable_prefix_caching=True))
     fresh = LLM(method="dflash", device="cpu", dtype="float64")
     first, answer, turn = _turns(llm, GREEDY)
     working = graphs_module.capture
@@ -327,7 +292,7 @@ def test_graphed_states_kept_are_the_most_recently_used(monkeypatch):
     fewer when the memory budget says so; dropping graphs never lowers the count of
     captures (a /metrics counter)."""
     from treeflash.engine.states import GRAPH_STATES
-    llm = _cpu_graphs(monkeypatch, LLM(method="ar", device="cpu", dtype="float64"))
+    llm = cpu_graphs(monkeypatch, LLM(method="ar", device="cpu", dtype="float64"))
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     for batch in (1, 2, 3, 4, 1, 5):
         llm.generate([[5, 6, 7]] * batch, params)
@@ -347,7 +312,7 @@ def test_a_state_dropped_for_room_is_not_reused(monkeypatch):
     prompt: the tokens of an engine without prefix caching, not a failure."""
     import treeflash.engine.states as states_module
     monkeypatch.setattr(states_module, "GRAPH_STATES", 1)
-    llm = _cpu_graphs(monkeypatch, LLM(method="ddtree", budget=16, device="cpu", dtype="float64",
+    llm = cpu_graphs(monkeypatch, LLM(method="ddtree", budget=16, device="cpu", dtype="float64",
                                        enable_prefix_caching=True))
     fresh = LLM(method="ddtree", budget=16, device="cpu", dtype="float64")
     roomy = SamplingParams(max_new_tokens=1000, stop_token_ids=llm.encode("\n", special=False))  # 2048 slots
@@ -425,7 +390,7 @@ def test_a_graphed_engine_frees_every_state_on_close(monkeypatch):
     """`close` lets a graphed engine's states go, the last batch's too (it stays the
     batch in flight until the next one starts): a closed engine the caller still
     references keeps no KV caches."""
-    llm = _cpu_graphs(monkeypatch, LLM(method="ar", device="cpu", dtype="float64"))
+    llm = cpu_graphs(monkeypatch, LLM(method="ar", device="cpu", dtype="float64"))
     llm.generate([[5, 6, 7]], GREEDY)
     held = [weakref.ref(st) for st in llm.states.held()]
     llm.close()
@@ -436,7 +401,7 @@ def test_a_graphed_engine_frees_every_state_on_close(monkeypatch):
 def test_a_kept_shape_runs_on_its_graphs_with_every_state_kept(monkeypatch):
     """A batch of a shape already kept replays its graphs: nothing is dropped or
     captured again, even with GRAPH_STATES states kept."""
-    llm = _cpu_graphs(monkeypatch, LLM(method="ar", device="cpu", dtype="float64"))
+    llm = cpu_graphs(monkeypatch, LLM(method="ar", device="cpu", dtype="float64"))
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     for batch in (1, 2, 3, 4):
         llm.generate([[5, 6, 7]] * batch, params)

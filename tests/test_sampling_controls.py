@@ -19,6 +19,7 @@ import json
 import pytest
 import torch
 from conftest import ENGINE_PROMPTS, SPEC_PROMPTS
+from cpu_graphs import cpu_graphs
 from test_sampling import LOGITS, P_MIN, V, chi2_pvalue
 
 from treeflash import LLM, SamplingParams, StructuredOutputs, UsageError
@@ -506,9 +507,8 @@ def test_bad_penalties_are_refused(kw, message):
 def test_a_kept_state_starts_each_request_with_an_empty_history(monkeypatch):
     """A graphed engine keeps its batch state (and the output counts in it) from request
     to request: each request's first token must see an empty output, not the last one's."""
-    from test_prefix_caching import _cpu_graphs
     target, drafter = builtin_paths()
-    llm = _cpu_graphs(monkeypatch, LLM(target, draft_model=drafter, method="ddtree", budget=16, device="cpu",
+    llm = cpu_graphs(monkeypatch, LLM(target, draft_model=drafter, method="ddtree", budget=16, device="cpu",
                                        dtype="float32", enable_prefix_caching=True))
     fresh = LLM(target, method="ar", device="cpu", dtype="float32")
     params = SamplingParams(max_new_tokens=16, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0,

@@ -17,6 +17,7 @@ import re
 
 import numpy as np
 import pytest
+from cpu_graphs import cpu_graphs
 
 from treeflash import LLM, SamplingParams, StructuredOutputs, UsageError
 from treeflash.engine.options import builtin_paths
@@ -312,9 +313,8 @@ def test_a_constraint_made_into_a_regex_is_refused_in_its_own_terms(so, message)
 def test_graphed_states_recapture_for_a_larger_table(monkeypatch):
     """A graphed state's table grows with the batch's automata: graphs that read the
     smaller one are dropped and the mode recaptured; the tokens stay AR's."""
-    from test_prefix_caching import _cpu_graphs
     target, drafter = builtin_paths()
-    llm = _cpu_graphs(monkeypatch, LLM(target, draft_model=drafter, method="ddtree", budget=16, device="cpu",
+    llm = cpu_graphs(monkeypatch, LLM(target, draft_model=drafter, method="ddtree", budget=16, device="cpu",
                                        dtype="float32"))
     ar = LLM(target, method="ar", device="cpu", dtype="float32")
     small = SamplingParams(max_new_tokens=12, structured_outputs=StructuredOutputs(choice=["yes", "no"]))
