@@ -251,6 +251,23 @@ def test_ties_at_the_kth_logit_are_kept():
     assert torch.equal(both[0], sample(logits, pos, alone)[0]) and len(set(both[0].tolist())) > 20
 
 
+@pytest.mark.parametrize("top_p,min_p", [(1.0, 0.0), (0.9, 0.0), (1.0, 0.3)])
+def test_a_tiny_temperature_samples_as_the_smallest_one(top_p, min_p):
+    """A sampled request's temperature is at least MIN_TEMPERATURE in the sampler and in
+    the filters alike: at T = 1e-40 (a float32 subnormal) the draws are exactly those of
+    T = MIN_TEMPERATURE, where logits a few MIN_TEMPERATURE apart still share them (dividing
+    by 1e-40 overflows float32 to ties at inf; a filter at 1e-40 keeps the argmax alone)."""
+    from treeflash.sampling_params import MIN_TEMPERATURE
+    P = 64
+    logits = torch.full((1, P, 6), -3.0)
+    logits[..., :3] = 0.5 + torch.tensor([0.0, 1.0, -1.0]) * MIN_TEMPERATURE
+    pos = torch.arange(P)[None]
+    draws = [sample(logits, pos, SamplingBatch.from_params(
+        [SamplingParams(temperature=t, top_p=top_p, min_p=min_p, seed=2)], "cpu"))[0] for t in (1e-40, MIN_TEMPERATURE)]
+    assert torch.equal(draws[0], draws[1])
+    assert len(set(draws[1].tolist())) > 1, "at MIN_TEMPERATURE these logits are not a plain argmax"
+
+
 def test_mixed_batch_honours_each_requests_parameters():
     """One batch mixing greedy, top-k, top-p and plain sampling: each row samples exactly
     as it does alone, a row's filters do not leak into its neighbours."""

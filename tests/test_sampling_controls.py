@@ -82,6 +82,41 @@ def test_greedy_takes_the_biased_argmax():
         assert sample(LOGITS.float()[None, None], torch.tensor([[5]]), sb).item() == want, (bias, allowed)
 
 
+@pytest.mark.parametrize("min_tokens", [1, 3])
+def test_min_tokens_holds_back_exactly_the_first_min_tokens_positions(min_tokens):
+    """The held-back tokens are masked at the positions of the first min_tokens new tokens
+    (prompt length .. + min_tokens - 1) and at no later one: min_tokens = 1 holds back the
+    very first token. Greedy, with the held-back token the argmax: the runner-up comes there."""
+    top, second = LOGITS.topk(2).indices.tolist()
+    prompt = [0] * 5
+    sb = SamplingBatch.from_params([SamplingParams(min_tokens=min_tokens, max_new_tokens=8)], "cpu", V, [prompt],
+                                   [{top}])
+    positions = torch.arange(len(prompt), len(prompt) + min_tokens + 2)[None]
+    got = sample(LOGITS.float().expand(1, positions.shape[1], -1).clone(), positions, sb)
+    assert got[0].tolist() == [second] * min_tokens + [top] * 2
+
+
+def test_the_bias_comes_before_the_repetition_penalty():
+    """vLLM's order: logit_bias, then the penalties on the biased logits. A seen token whose
+    raw logit is negative and biased one positive is divided by the repetition penalty, one
+    whose raw logit is positive and biased one negative is multiplied (the oracle:
+    transformers' bias and repetition processors, in that order)."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+
+    from treeflash.engine.sampling import apply_controls
+    raw = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+    bias, prompt = {1: 2.0, 2: -2.0}, [1, 2, 3]
+    sb = SamplingBatch.from_params([SamplingParams(repetition_penalty=2.0, logit_bias=bias)], "cpu", 4, [prompt],
+                                   [set()])
+    got = apply_controls(raw[None, None], torch.tensor([[len(prompt)]]), sb, 0)[0, 0]
+    ids = torch.tensor([prompt])
+    biased = SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()])
+    penalized = RepetitionPenaltyLogitsProcessor(2.0)
+    want = penalized(ids, biased(ids, raw[None].clone()))[0]
+    assert not torch.equal(want, biased(ids, penalized(ids, raw[None].clone()))[0]), "the order matters here"
+    assert torch.equal(got, want)
+
+
 def test_the_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     """vLLM's (and CTRL's) rule: a token seen in the prompt or output becomes less likely
     either way; the greedy reference below cannot see the negative side (a penalized
@@ -468,6 +503,29 @@ def test_a_one_node_tree_gets_its_own_history():
     ar.extend_history(torch.tensor([[2]]), torch.tensor([1]))  # AR commits the node's token 2
     assert torch.equal(got[:, 1:], apply_controls(logits[:, 1:], torch.tensor([[4]]), ar, 0))
     assert got[0, 1, 3] == float("-inf") and got[0, 0, 3] > float("-inf")  # "2 3" would complete below the node
+
+
+def test_min_tokens_holds_back_a_stop_token_that_a_tree_node_holds():
+    """A node may hold a stop token (the draft takes it where min_tokens no longer holds it
+    back): with penalties, the columns of the round's tokens are recomputed with each node's
+    history, and min_tokens still holds that column back at every node whose sample comes
+    before prompt + min_tokens. Each row is AR's step after committing the node's path."""
+    from treeflash.engine.sampling import apply_controls
+    stop, prompt = 7, [5]
+    params = [SamplingParams(presence_penalty=1.0, repetition_penalty=2.0, min_tokens=3, max_new_tokens=8)]
+    sb, ar = (SamplingBatch.from_params(params, "cpu", V, [prompt], [{stop}]) for _ in range(2))
+    for batch in (sb, ar):
+        batch.extend_history(torch.tensor([[1]]), torch.tensor([1]))  # the first new token: the anchor 1
+    # a chain: root (anchor 1) -> stop -> 2, sampling the tokens at positions 2, 3, 4
+    tokens, ancestors = torch.tensor([[1, stop, 2]]), torch.ones(1, 3, 3, dtype=torch.bool).tril()
+    positions = torch.arange(2, 5)[None]
+    logits = torch.randn(1, 3, V, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    got = apply_controls(logits, positions, sb, 0, (tokens, ancestors))
+    held = positions[0] < len(prompt) + params[0].min_tokens
+    assert held.tolist() == [True, True, False] and torch.equal(torch.isinf(got[0, :, stop]), held)
+    for row in range(3):
+        assert torch.equal(got[:, row], apply_controls(logits[:, row:row + 1], positions[:, row:row + 1], ar, 0)[:, 0])
+        ar.extend_history(tokens[:, row + 1:row + 2], torch.tensor([1]))  # AR commits the next node's token
 
 
 @pytest.mark.parametrize("kind", ["warm", "plain"])

@@ -218,6 +218,23 @@ def test_coupled_draft_picks_the_targets_own_sample(temperature, spec_target, sp
     assert torch.equal(scores.topk(8, dim=-1).indices, want)
 
 
+def test_scaled_draft_scores_are_the_drafters_logits_over_the_temperature(spec_target, spec_drafter):
+    """'scaled' draft scores are the drafter's logits / T for a sampled request, and the
+    drafter's own logits for a greedy one beside it: the trees come from the
+    temperature-scaled draft distributions, each request's at its own temperature."""
+    from treeflash.engine.sampling import SamplingBatch
+    llm = spec_llm(spec_target("llama", "warm"), spec_drafter("llama", "warm", 8), "ddtree", 16, draft_mode="scaled")
+    dec, T = llm.decoder, 2.0
+    st = dec.new_state(2, 128, SamplingBatch.from_params([SamplingParams(), SamplingParams(temperature=T, seed=3)],
+                                                         "cpu"))
+    dec.prefill(st, [SPEC_PROMPTS[10], SPEC_PROMPTS[11]])
+    with torch.inference_mode():
+        scores = dec.draft_logits(st)
+        st.sampling = SamplingBatch.from_params([SamplingParams()] * 2, "cpu")  # greedy: the drafter's own logits
+        logits = dec.draft_logits(st)
+    assert torch.equal(scores[0], logits[0]) and torch.equal(scores[1], logits[1] / T)
+
+
 def test_a_tiny_temperature_drafts_the_greedy_tree_in_scaled_mode(spec_target, spec_drafter):
     """'scaled' draft scores divide by T at least MIN_TEMPERATURE, as the target's
     sampler does: at T = 1e-40 the tree is the greedy request's (logits / 1e-40
@@ -248,3 +265,22 @@ def test_drafts_take_only_tokens_the_target_may_take(method, budget, spec_target
     outs = llm.generate(SPEC_PROMPTS[:3], params)
     assert drafted and drafted <= set(allowed)
     assert [o.token_ids for o in outs] == [ar_reference(target, p, params).token_ids for p in SPEC_PROMPTS[:3]]
+
+
+def test_min_tokens_holds_back_the_draft_at_the_targets_positions(spec_target, spec_drafter):
+    """The draft token at depth d sits at position n + d, where the target samples it:
+    min_tokens holds the stop tokens back on the draft at exactly the positions where it
+    holds them back on the target (before prompt + min_tokens), and nowhere past them."""
+    from treeflash.engine.sampling import SamplingBatch
+    llm = spec_llm(spec_target("qwen3", "peaked"), spec_drafter("qwen3", "peaked", 8), "ddtree", 16)
+    dec, prompt, held = llm.decoder, SPEC_PROMPTS[5], [0, 5]
+    min_tokens = 4  # new tokens at positions L .. L + 3: the prefill's, then depths 1 .. 3 of the first draft
+    params = SamplingParams(max_new_tokens=16, min_tokens=min_tokens, stop_token_ids=held[1:])
+    st = dec.new_state(1, 128, SamplingBatch.from_params([params], "cpu", llm.config.vocab_size, [prompt],
+                                                         [set(held)]))
+    dec.prefill(st, [prompt])
+    with torch.inference_mode():
+        scores = dec.draft_logits(st)[0, :, held]                  # [depths 1 .. 7, held tokens]
+    positions = len(prompt) + torch.arange(1, scores.shape[0] + 1)
+    assert torch.equal(torch.isinf(scores).all(-1), positions < len(prompt) + min_tokens)
+    assert torch.isfinite(scores[positions >= len(prompt) + min_tokens]).all()
