@@ -294,6 +294,12 @@ def test_ids_outside_the_vocabulary_and_impossible_requests(hf_checkpoint):
         llm.generate("x", SamplingParams(allowed_token_ids=[eos], min_tokens=2))
     assert llm.generate("x", SamplingParams(allowed_token_ids=[eos, 5], min_tokens=2, max_new_tokens=3))[0] \
         .token_ids[:2] == [5, 5]
+    # stop tokens that are the whole vocabulary: min_tokens leaves nothing to sample (it took EOS at once)
+    with pytest.raises(UsageError, match="min_tokens holds back every token"):
+        llm.generate("x", SamplingParams(stop_token_ids=list(range(vocab)), min_tokens=2))
+    others = [t for t in range(vocab) if t != 5]  # one token left: min_tokens' tokens are it
+    assert llm.generate("x", SamplingParams(stop_token_ids=others, min_tokens=2, max_new_tokens=2))[0] \
+        .token_ids == [5, 5]
     # bad words of one token that ban every allowed token leave nothing to sample
     word = llm.tokenizer.decode([5])
     one = [s for s in llm.rules.bad_sequences(SamplingParams(bad_words=[word])) if len(s) == 1]

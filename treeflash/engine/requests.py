@@ -97,6 +97,9 @@ class RequestRules:
         if p.min_tokens and allowed is not None and allowed <= held:
             raise UsageError("invalid sampling parameters: min_tokens holds back every one of allowed_token_ids "
                              "(EOS and stop tokens)")
+        if p.min_tokens and allowed is None and len(held) >= self.vocab_size:  # (ids are in the vocabulary)
+            raise UsageError("invalid sampling parameters: min_tokens holds back every token of the vocabulary "
+                             "(EOS and stop tokens)")
         sequences = self.bad_sequences(p)  # tokenized once for the checks below
         banned = {seq[0] for seq in sequences if len(seq) == 1}
         if allowed is not None and allowed <= banned | (held if p.min_tokens else set()):
