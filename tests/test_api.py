@@ -658,6 +658,21 @@ def test_callbacks_must_be_functions(llm, callback):
         llm.generate(["a"], SamplingParams(max_new_tokens=2), **{callback: 5})
 
 
+TOKEN_FORMS = r"\(i, new_ids, new_logprobs\) or \(i, new_ids\)"
+
+
+@pytest.mark.parametrize("callback,bad,form", [("on_tokens", lambda: None, TOKEN_FORMS + r", got on_tokens\(\)"),
+                                               ("on_tokens", lambda i, ids, lps, extra: None,
+                                                TOKEN_FORMS + r", got on_tokens\(i, ids, lps, extra\)"),
+                                               ("on_done", lambda i: None, r"\(i, output\), got on_done\(i\)")])
+def test_callbacks_that_take_other_arguments_are_refused_before_generating(llm, callback, bad, form):
+    """A callback that cannot take the arguments generate passes is refused in one line
+    before any prompt runs (not a TypeError from inside the batch, its caches held)."""
+    with pytest.raises(UsageError, match=f"{callback} must take the arguments {form}"):
+        llm.generate(["a"], SamplingParams(max_new_tokens=2), **{callback: bad})
+    assert llm.rank_stats()[0]["cache_bytes"] == 0
+
+
 @pytest.mark.parametrize("params", ["greedy", [None], {"temperature": 0}])
 def test_sampling_parameters_of_the_wrong_type(llm, params):
     with pytest.raises(UsageError, match="must be SamplingParams"):

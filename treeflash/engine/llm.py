@@ -40,19 +40,31 @@ from treeflash.sampling_params import SamplingParams, generation_defaults, trunc
 from treeflash.tokenizer import Tokenizer
 
 
+def _arguments_taken(callback, name: str, forms: tuple[str, ...]) -> int | None:
+    """How many positional arguments `callback` takes, the first of `forms` (argument
+    lists, longest first) it can be called with; None where its signature cannot be
+    read (it is called as documented). One that takes none of them is refused here,
+    in one line, not by a TypeError from inside `generate`."""
+    if not callable(callback):
+        raise UsageError(f"{name} must be a function, got {type(callback).__name__}")
+    try:
+        signature = inspect.signature(callback)
+    except (TypeError, ValueError):
+        return None
+    for form in forms:
+        count = len(form.split(","))
+        try:
+            signature.bind(*range(count))
+            return count
+        except TypeError:
+            continue
+    raise UsageError(f"{name} must take the arguments {' or '.join(f'({f})' for f in forms)}, got {name}{signature}")
+
+
 def _token_callback(on_tokens):
     """`on_tokens` as `generate` calls it, with (i, new_ids, new_logprobs): a callback
     that takes two arguments (written before logprobs existed) gets two."""
-    if on_tokens is None:
-        return None
-    if not callable(on_tokens):
-        raise UsageError(f"on_tokens must be a function, got {type(on_tokens).__name__}")
-    try:
-        params = list(inspect.signature(on_tokens).parameters.values())
-    except (TypeError, ValueError):  # no signature to read: call it as documented
-        return on_tokens
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params):
+    if on_tokens is None or _arguments_taken(on_tokens, "on_tokens", ("i, new_ids, new_logprobs", "i, new_ids")) != 2:
         return on_tokens
     return lambda i, ids, _: on_tokens(i, ids)
 
@@ -479,8 +491,8 @@ class LLM:
                   for p in params]
         params = [p if p.seed is not None else p.with_seed(self._seeds.getrandbits(63)) for p in params]
         on_tokens = _token_callback(on_tokens)
-        if on_done is not None and not callable(on_done):
-            raise UsageError(f"on_done must be a function, got {type(on_done).__name__}")
+        if on_done is not None:
+            _arguments_taken(on_done, "on_done", ("i, output",))
         # in order, at most max_batch at a time; with prefix caching as one batch (a batch
         # reuses the caches of the last batch of its size: chunks would overwrite them)
         step = len(ids) if self.enable_prefix_caching else self.max_batch
