@@ -1516,7 +1516,8 @@ def test_generation_configs_max_new_tokens_is_the_chat_default(tmp_path):
                                        (["--generation-config", "x"], "--generation-config"),
                                        (["--tool-call-parser", "x"], "--tool-call-parser"),
                                        (["--tool-call-parser", "hermes"], "chat template"),  # the built-in has none
-                                       (["--reasoning-parser", "qwen3"], "chat template")])
+                                       (["--reasoning-parser", "qwen3"], "chat template"),
+                                       (["--served-model-name", "tiny", " "], "a model name cannot be empty")])
 def test_serve_refuses_bad_options_in_one_line(capsys, args, words):
     from treeflash.cli import main
     assert main(["serve", *args]) == 2

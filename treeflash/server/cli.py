@@ -108,6 +108,8 @@ def cmd_serve(args) -> int:
         raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
     args.tool_call_parser, args.reasoning_parser = chat_parsers(args.tool_call_parser, args.reasoning_parser)
     _check_listen(args.host, args.port)
+    if args.served_model_name and not all(n.strip() for n in args.served_model_name):
+        raise UsageError("--served-model-name: a model name cannot be empty (clients send it as \"model\")")
     folder = target_folder(args)
     template = ChatTemplate.from_folder(folder)  # a broken template fails here, before the load
     for flag, given in (("--tool-call-parser", args.tool_call_parser), ("--reasoning-parser", args.reasoning_parser)):
