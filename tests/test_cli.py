@@ -8,6 +8,7 @@ stop strings, EOS.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -613,6 +614,23 @@ def test_cuda_device_strings_are_checked(monkeypatch, device):
     assert resolve_device("cuda:0") == torch.device("cuda:0")
     with pytest.raises(UsageError, match="unknown device .* cuda:0 to cuda:0"):
         resolve_device(device)
+
+
+def test_a_prompt_file_of_dash_is_standard_input(capsys, model, api, monkeypatch):
+    """`--prompt-file -` reads the prompts from standard input, as a file is read (one a
+    line, "\r\n" ends a line); its lines are named stdin:LINE in errors."""
+    lines = f"{ENGINE_PROMPTS[0]}\r\n\n{ENGINE_PROMPTS[2]}\n".encode()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines)))
+    rc, out, err = run(capsys, "--prompt-file", "-", "--model", model, "--device", "cpu", "--json",
+                       "--max-new-tokens", 3, "--ignore-eos")
+    assert rc == 0, err
+    check_json_lines(out, [ENGINE_PROMPTS[0], ENGINE_PROMPTS[2]], api, 3)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"fine\n\xff\n")))
+    assert_error(*run(capsys, "--prompt-file", "-", "--model", model, "--device", "cpu"), 2,
+                 "cannot read standard input: not UTF-8 text")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\n  \n")))
+    assert_error(*run(capsys, "--prompt-file", "-", "--model", model, "--device", "cpu"), 2,
+                 "prompt file stdin holds no prompt")
 
 
 def test_missing_prompt_file(capsys, model, tmp_path):

@@ -32,6 +32,17 @@ def _jsonl_prompt(line: str, where: str) -> tuple[str, list[str]]:
     return obj["prompt"], [k for k in obj if k != "prompt"]
 
 
+def _prompt_file_text(source: str) -> str:
+    """A prompt file's text; "-" is standard input (`... | treeflash generate --prompt-file -`),
+    read as a file is (UTF-8, newlines as "\n")."""
+    if source != "-":
+        return read_text(source)
+    try:
+        return sys.stdin.buffer.read().decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"cannot read standard input: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
 def read_placed_prompts(args) -> list[tuple[str, str | None]]:
     """The prompts, each with its place ("FILE:LINE") for errors, None for the argument."""
     if args.prompt is not None and args.prompt_file:
@@ -42,29 +53,31 @@ def read_placed_prompts(args) -> list[tuple[str, str | None]]:
         raise UsageError("no prompt: give a PROMPT or --prompt-file FILE")
     # lines end at "\n" (or "\r\n", "\r") only: a form feed in code, or U+2028 in a JSON string, is
     # part of its line; a byte-order mark (some editors write one) is not part of the first prompt
-    lines = read_text(args.prompt_file).removeprefix("\ufeff").split("\n")
+    lines = _prompt_file_text(args.prompt_file).removeprefix("\ufeff").split("\n")
     prompts, ignored = [], []
     # .jsonl, .json, .ndjson, .jsonlines (any case): one object per line; else plain text, where a line
     # starting "{" is a prompt too (a note says so when every line looks like a JSONL line)
     jsonl = str(args.prompt_file).lower().endswith((".jsonl", ".json", ".ndjson", ".jsonlines"))
+    name = "stdin" if args.prompt_file == "-" else args.prompt_file
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         if jsonl:
-            prompt, settings = _jsonl_prompt(line, f"{args.prompt_file}:{i}")
-            prompts.append((prompt, f"{args.prompt_file}:{i}"))
+            prompt, settings = _jsonl_prompt(line, f"{name}:{i}")
+            prompts.append((prompt, f"{name}:{i}"))
             ignored += [k for k in settings if k not in ignored]
         else:
-            prompts.append((line.replace("\\n", "\n"), f"{args.prompt_file}:{i}"))
+            prompts.append((line.replace("\\n", "\n"), f"{name}:{i}"))
     if not prompts:
-        raise UsageError(f"prompt file {args.prompt_file} holds no prompt")
+        raise UsageError(f"prompt file {name} holds no prompt")
     if not jsonl and all(_looks_like_jsonl(line) for line in lines if line.strip()):
-        print(f"treeflash: note: {args.prompt_file} is read as plain text, one prompt per line, though its lines "
-              f"look like JSON objects with a 'prompt': name it .jsonl to read them as such", file=sys.stderr)
+        print(f"treeflash: note: {name} is read as plain text, one prompt per line, though its lines "
+              f"look like JSON objects with a 'prompt': {'give them as' if name == 'stdin' else 'name it'} .jsonl "
+              f"to read them as such", file=sys.stderr)
     if ignored:
         named = ", ".join(shown(k, 40) for k in ignored[:10])
         named += f" and {len(ignored) - 10} more" if len(ignored) > 10 else ""
-        print(f"treeflash: note: lines of {args.prompt_file} hold {named}, which are not read: only 'prompt' is, "
+        print(f"treeflash: note: lines of {name} hold {named}, which are not read: only 'prompt' is, "
               f"and the command's flags apply to every prompt", file=sys.stderr)
     return prompts
 
@@ -342,7 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt or a file of prompts")
     g.add_argument("prompt", nargs="?", help="the prompt text")
     g.add_argument("--prompt-file", help="one prompt per line (\\n for a newline; empty lines skipped), or a "
-                                         ".jsonl / .json file of objects with a 'prompt' field, one per line")
+                                         ".jsonl / .json file of objects with a 'prompt' field, one per line; "
+                                         "- reads standard input")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     g.add_argument("--max-batch", type=int, default=16, help="a prompt file runs in batches of at most this many "
                                                             "prompts, each printed as it finishes (default 16)")
