@@ -1085,6 +1085,16 @@ def test_a_local_folder_named_like_a_hub_id_wins_over_the_cache(tmp_path, monkey
     assert model_folder("org/m") == "org/m"
 
 
+@pytest.mark.parametrize("flag,value,words", [("--json-schema", "5", ("cannot read 5", "nor is it a JSON object")),
+                                              ("--grammar", "root = x", ("nor is it GBNF rules",)),
+                                              ("--json-schema", "", ("empty: give a JSON object or a file",)),
+                                              ("--grammar", " ", ("empty: give GBNF rules",))])
+def test_a_structured_output_flag_that_is_neither_inline_nor_a_file(capsys, flag, value, words):
+    """--json-schema and --grammar take the text or a file's path: a value that is neither
+    says both in its one line (not only that no such file exists)."""
+    assert_error(*run(capsys, "hi", flag, value, "--device", "cpu"), 2, flag, *words)
+
+
 def test_an_inline_json_schema_may_start_with_blanks(tmp_path):
     """A schema pasted from a file ('$(cat schema.json)' keeps its leading lines) is still
     the schema, not a file name; a path names a file holding one."""

@@ -224,23 +224,27 @@ def structured_from(args):
 
 def _schema(text: str) -> dict:
     """--json-schema: a JSON object, or the path of a file holding one."""
-    return _json_object(text if text.lstrip().startswith("{") else _argument_file(text, "json"))
+    return _json_object(text if text.lstrip().startswith("{") else _argument_file(text, "json", "a JSON object"))
 
 
 def _grammar(text: str) -> str:
     """--grammar: GBNF rules, or the path of a file holding them."""
-    return text if "::=" in text else _argument_file(text, "grammar")
+    return text if "::=" in text else _argument_file(text, "grammar", "GBNF rules (name ::= ...)")
 
 
-def _argument_file(path: str, kind: str) -> str:
+def _argument_file(path: str, kind: str, inline: str) -> str:
     """The text of a file that an option names (a regular file, at most as many bytes as
     a structured output of `kind` may have characters, times 4: a device or a FIFO
-    never ends), its error one argparse line."""
+    never ends), its error one argparse line that says what else the value could have
+    been (`inline`)."""
     from treeflash.structured.grammar import MAX_INPUT_CHARS
+    if not path.strip():
+        raise argparse.ArgumentTypeError(f"empty: give {inline} or a file holding it")
     try:
         return read_text(path, max_bytes=4 * MAX_INPUT_CHARS[kind])
     except TreeflashError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        missing = not Path(path).exists()
+        raise argparse.ArgumentTypeError(f"{e}{f' (nor is it {inline})' if missing else ''}") from None
 
 
 def _logit_bias(text: str) -> dict[int, float]:
