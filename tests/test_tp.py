@@ -224,6 +224,9 @@ def test_sharding_errors(tp_models, spec_target, clone_checkpoint):
     two_kv_heads = clone_checkpoint(target, num_key_value_heads=2)
     with pytest.raises(TreeflashError, match=r"num_key_value_heads \(2\) is not divisible .* size 4"):
         LLM(two_kv_heads, device="cpu", tp=4)
+    odd = json.loads((target / "config.json").read_text())["intermediate_size"] + 2  # even, not a multiple of 4
+    with pytest.raises(TreeflashError, match=rf"intermediate_size \({odd}\) is not divisible .* size 4"):
+        LLM(clone_checkpoint(target, intermediate_size=odd), device="cpu", tp=4)  # heads and vocabulary divide
     assert time.monotonic() - start < 5  # refused before any worker is started
     for bad in (0, -2, 1.5, "2", True):
         with pytest.raises(UsageError, match="tp must be an integer >= 1"):
@@ -425,6 +428,38 @@ def test_sharded_logprobs_equal_whole_vocabulary(n):
         assert all(torch.equal(a, b) for a, b in zip(got, results[0]))
 
 
+@pytest.mark.parametrize("n,kv_heads", [(2, 2), (4, 4)])
+def test_sharded_drafter_context_equals_tp1(n, kv_heads, tp_models, clone_checkpoint, tmp_path):
+    """Each rank's drafter, loaded from the checkpoint, projects the (replicated) target
+    features into its own KV heads' context: rank r's k and v are TP = 1's heads of that
+    rank (the fc slices the features by rank, all-reduces, then each rank keeps its heads;
+    GQA at n = 2). End to end the random drafter's context barely moves its drafts, so a
+    wrong slice there passes the token tests."""
+    from treeflash.checkpoints import write_random_drafter
+    from treeflash.config import DraftConfig
+    from treeflash.models.dflash import DFlashDraftModel
+    from treeflash.models.loader import load_weights
+    target = clone_checkpoint(tp_models["qwen3"][0], num_key_value_heads=kv_heads)
+    folder = write_random_drafter(target, tmp_path / "drafter", num_layers=1, target_layer_ids=[0, 1], seed=5)
+    cfg = DraftConfig.from_pretrained(folder)
+    gen = torch.Generator().manual_seed(4)
+    features = torch.randn(2, 5, 2 * cfg.layers.hidden_size, generator=gen, dtype=torch.float64)
+    positions = torch.arange(5).expand(2, 5) + 3
+
+    def context(tp):
+        drafter = DFlashDraftModel(cfg, tp)
+        load_weights(drafter, folder)
+        return drafter.double().context_kv(features, positions)
+
+    whole, = on_ranks(1, context)
+    h = kv_heads // n
+    for r, layers in enumerate(on_ranks(n, context)):
+        for (k, v), (k1, v1) in zip(layers, whole):
+            assert k.shape[2] == v.shape[2] == h
+            torch.testing.assert_close(k, k1[:, :, r * h:(r + 1) * h], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(v, v1[:, :, r * h:(r + 1) * h], rtol=1e-12, atol=1e-12)
+
+
 def test_tp_logprobs_equal_tp1(engines):
     """End to end over gloo: the same tokens and logprobs as TP = 1."""
     params = [SamplingParams(max_new_tokens=N_NEW, ignore_eos=True, logprobs=3, prompt_logprobs=2),
@@ -479,6 +514,9 @@ def test_tp_fp8_tokens_equal_tp1(tp_models, tmp_path):
     uneven = write_fp8_copy(tp_models["qwen3"][0], tmp_path / "fp8-32", block=(32, 16))
     with pytest.raises(TreeflashError, match="block size 32 does not divide its 16 output features per rank"):
         LLM(uneven, device="cpu", dtype="float64", tp=4)  # 64 query features over 4 ranks
+    wide = write_fp8_copy(tp_models["qwen3"][0], tmp_path / "fp8-16x32", block=(16, 32))
+    with pytest.raises(TreeflashError, match="o_proj: FP8 block size 32 does not divide its 16 input features per"):
+        LLM(wide, device="cpu", dtype="float64", tp=4)  # o_proj's 64 input features over 4 ranks
 
 
 def test_tp_biased_llama_tokens_equal_tp1(tp_models, tmp_path):
@@ -746,6 +784,7 @@ def test_driver_may_run_commands_ahead_of_the_workers(size):
         last_reader = i == len(workers) - 1
         assert store.check(["cmd/1"]) != last_reader and store.check(["cmd/2"]) != last_reader
         assert store.check(["cmd/3"])  # still running on the workers
+    assert not any(store.check([f"read/{seq}"]) for seq in (1, 2))  # nor are the counts of readers kept
 
 
 
@@ -795,7 +834,7 @@ def test_an_engine_closed_during_another_threads_command_is_freed(tp_models, eng
     monkeypatch.setattr(tp, "pickle", types.SimpleNamespace(dumps=dumps, loads=pickle.loads))
     for _ in range(2):
         a.generate(SINGLE, SamplingParams(max_new_tokens=2))
-    assert b._tp.eid in sent
+    assert sent.count(b._tp.eid) == 1  # once: resent, it had every worker run gc.collect() each round
 
 
 def test_engines_sharing_workers_from_two_threads(engines, reference):
@@ -945,10 +984,12 @@ def test_close_stops_the_workers(engines):
     engines("qwen3", "ar", 2)  # at least one, also when run alone
     tp2 = [llm for key, llm in engines.built.items() if key[2] == 2]
     pids = [s["pid"] for s in tp2[0].rank_stats()][1:]
+    procs = tp2[0]._tp.rt.procs
     for llm in tp2:
         assert not _gone(pids[0], within=0.2), "workers stopped before the last engine was closed"
         llm.close()
     assert pids and all(_gone(p) for p in pids)
+    assert [p.returncode for p in procs.values()] == [0] * len(pids)  # told to stop, not killed
     with pytest.raises(TreeflashError, match="shut down"):
         tp2[0].generate(SINGLE, SamplingParams(max_new_tokens=2))
 
@@ -1078,3 +1119,131 @@ def test_a_rank_short_of_memory_for_the_caches_is_named_on_every_rank(n, short):
     assert [g[0] for g in got] == [f"not enough cpu memory for a KVCache on rank {short}" if r == short else
                                    f"tensor-parallel rank {short} has not enough memory for this batch's caches"
                                    for r in range(n)]
+
+
+# ----------------------------------------------------------------------------- driver and worker loop (second review)
+
+def _store():
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    return TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+
+
+def test_a_dead_worker_ends_every_wait_of_the_driver():
+    """A worker's death reaches the driver wherever it is, as one EngineDeadError naming
+    the rank: in a command that returned normally meanwhile (its collectives were cut
+    short: on GPUs the peer all-reduce lets the driver go with garbage), waiting for the
+    workers' answers (a build, rank_stats) once the monitor sees the process gone, and,
+    under torchrun (no processes to watch), by the worker's report in the store. The waits
+    are bounded here by the grace the driver gets, so that a regression fails, not hangs."""
+    import types
+
+    from treeflash.engine.tp import GRACE_S, Runtime
+    killed = "tensor-parallel worker rank 1 was killed by signal SIGKILL"
+    rt = Runtime(2, "cpu", 0, 0, _store())
+    rt.engines.add(0)
+
+    def step():
+        rt.failure = killed  # as the monitor records it while the command runs
+        return "garbage"
+
+    with pytest.raises(EngineDeadError, match=f"^{killed}$"):
+        rt.call(0, types.SimpleNamespace(step=step), "step", (), False)
+    rt = Runtime(2, "cpu", 0, 0, _store(), {1: _Exited(-9)})
+    rt.start_monitor()
+    with pytest.raises(EngineDeadError, match=f"^{killed}$"):
+        rt.wait_keys(["res/1/1"], "answer", GRACE_S)
+    rt = Runtime(2, "cpu", 0, 0, _store())
+    rt.store.set("err/1", json.dumps({"error": "RuntimeError: CUDA error: an illegal memory access", "comm": False}))
+    with pytest.raises(EngineDeadError, match="^tensor-parallel worker rank 1 failed: RuntimeError: CUDA error: an "
+                                              "illegal memory access$"):
+        rt.wait_keys(["res/1/1"], "answer", GRACE_S)
+
+
+def test_a_driver_error_inside_a_command_ends_the_workers():
+    """An error the driver alone raises inside a command (Ctrl-C in a notebook, a bug)
+    leaves the workers in that command, out of step for good: they are shut down, the
+    error is raised as it is, and the next call says in one line to build a new LLM
+    (it would have met workers still in the last command: a hang, or garbage)."""
+    import types
+
+    from treeflash.engine.tp import Runtime
+    rt = Runtime(2, "cpu", 0, 0, _store())
+    rt.engines.add(0)
+
+    def step():
+        raise KeyboardInterrupt
+
+    engine = types.SimpleNamespace(step=step, ping=lambda: "pong")
+    with pytest.raises(KeyboardInterrupt):
+        rt.call(0, engine, "step", (), False)
+    with pytest.raises(EngineDeadError, match="^the tensor-parallel workers have been shut down; create a new LLM$"):
+        rt.call(0, engine, "ping", (), False)
+
+
+def test_an_llm_built_after_a_worker_died_starts_new_workers(tp_models, monkeypatch):
+    """Workers whose rank died while their engines were idle (the monitor recorded it,
+    nothing was called since) are not reused: the next LLM starts workers of its own
+    instead of failing with the dead rank's error."""
+    import treeflash.engine.tp as tp
+    from treeflash.config import ModelConfig
+    dead, fresh = tp.Runtime(2, "cpu", 0, 0, None), tp.Runtime(2, "cpu", 0, 0, None)
+    dead.failure = "tensor-parallel worker rank 1 was killed by signal SIGKILL"
+    monkeypatch.setitem(tp._RUNTIMES, (2, "cpu"), dead)
+    monkeypatch.setattr(tp, "_started_any", tp._started_any)  # restored after the test
+    monkeypatch.setattr(tp, "start", lambda size, device: fresh)
+    monkeypatch.setattr(tp.Runtime, "new_engine", lambda self, kwargs: (self, kwargs))
+    config = ModelConfig.from_pretrained(tp_models["qwen3"][0])
+    assert tp.attach(2, torch.device("cpu"), {"model": "m"}, config, None) == (fresh, {"model": "m"})
+    assert tp._RUNTIMES[(2, "cpu")] is fresh
+
+
+def test_the_worker_loop_frees_dropped_engines_and_leaves_no_answer_behind(monkeypatch):
+    """A worker's command loop (a thread here, stand-in engines): a closed engine is
+    released on the worker with the next command, also when the command before it could
+    not be sent (an argument that does not pickle fails that call alone, and the engine
+    goes on); a call whose result the driver does not collect, and the build of an
+    engine whose own load failed on the driver, leave no answer in the store (a server's
+    store grew by a round's result every round)."""
+    import weakref
+
+    import treeflash.engine.llm as llm_module
+    from treeflash.engine.tp import Runtime
+    built = []
+
+    class Stub:
+        def __init__(self, _worker, fail=False):
+            if fail:
+                raise TreeflashError("no room for the shard")
+            built.append(weakref.ref(self))
+
+        def ping(self, *args):
+            return "pong"
+
+    monkeypatch.setattr(llm_module, "LLM", Stub)
+    store = _store()
+    driver = Runtime(2, "cpu", 0, 0, store)
+    worker = Runtime(2, "cpu", 1, 0, type(store)("127.0.0.1", store.port, is_master=False))
+    serving = threading.Thread(target=worker.serve_main)
+    serving.start()
+    here = Stub(None)  # the driver's own engine
+    try:
+        a, b = driver.new_engine({}), driver.new_engine({})
+        a.built()
+        b.built()
+        b.close()  # its drop goes with the next command sent
+        with pytest.raises(Exception, match="pickle"):
+            a.call(here, "ping", (lambda: None,))
+        a.call(here, "ping", ())
+        uncollected = driver.seq
+        assert a.call(here, "ping", (), collect=True) == ["pong", "pong"]  # the worker ran the commands before
+        assert [ref() is not None for ref in built] == [True, True, False]  # here, a; not b
+        assert not store.check([f"res/{uncollected}/1"])
+        failed = driver.new_engine({"fail": True})
+        failed.close()  # as LLM() does when the driver's own load failed
+        assert a.call(here, "ping", (), collect=True) == ["pong", "pong"]
+        assert not store.check([f"res/{failed.build_seq}/1"])
+    finally:
+        driver.shutdown()
+        serving.join()
