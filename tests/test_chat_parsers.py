@@ -700,6 +700,21 @@ def test_a_const_value_shaped_like_a_reference_is_kept_as_data():
     assert params["properties"]["y"]["$ref"] != "#/$defs/a"  # a real reference is renamed apart
 
 
+def test_a_forced_call_beside_a_structured_output_is_refused_as_both():
+    """tool_choice 'required' or a named function constrains the answer to its calls: a
+    structured output asked beside it is refused by name, before anything is compiled (not
+    dropped for the calls' schema)."""
+    from treeflash.server.protocol import APIError, parse_chat
+    template = ChatTemplate("{{ messages[0].content }}")
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice in ("required", named):
+        for extra in ({"guided_regex": "a"}, {"response_format": {"type": "json_object"}}):
+            body = {"messages": MESSAGES[:1], "tools": TWO_TOOLS, "tool_choice": choice, **extra}
+            with pytest.raises(APIError, match="not both") as e:
+                parse_chat(body, ("m",), template, lambda text, **kw: [1] * 4, 100, tool_parser="hermes")
+            assert e.value.param == next(iter(extra)), (choice, extra)
+
+
 def test_a_forced_tools_bad_schema_is_named_beside_a_text_response_format(scripted):
     """response_format {"type": "text"} asks for nothing: a forced call whose tool's
     schema cannot be compiled is still refused as tool_choice's, in the tool's own terms

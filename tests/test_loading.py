@@ -95,6 +95,27 @@ def test_model_safetensors_wins_over_a_stale_index(hf_checkpoint, tmp_path):
     assert_logits_match(folder, ck.model)
 
 
+def test_a_folder_named_like_a_weights_file_is_not_read(tmp_path):
+    """Without model.safetensors or an index every *.safetensors *file* is read: a folder
+    named x.safetensors beside the shards is no shard (not a "cannot read" refusal)."""
+    from treeflash.models.loader import checkpoint_files
+    folder = _tiny_target(tmp_path / "t")
+    (folder / "model.safetensors").rename(folder / "a.safetensors")
+    (folder / "b.safetensors").mkdir()
+    files = checkpoint_files(folder)
+    assert files and set(files.values()) == {folder / "a.safetensors"}
+
+
+@pytest.mark.parametrize("index", [[], "weights"])
+def test_an_index_that_is_no_json_object_is_refused_in_one_line(hf_checkpoint, tmp_path, index):
+    """model.safetensors.index.json holding a list or a string (not {"weight_map": ...}):
+    refused as a malformed index, not a TypeError traceback."""
+    folder = hf_checkpoint("qwen3-tied-sharded").copy_to(tmp_path / "ck")
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    refused(lambda: LLM(folder, device="cpu", dtype="float32"), "malformed", "model.safetensors.index.json",
+            "weight_map")
+
+
 @pytest.mark.parametrize("entry", ["", "."])
 def test_index_entry_that_is_not_a_file(hf_checkpoint, tmp_path, entry):
     """An index naming the folder itself ("" or ".") for a tensor: refused with the
@@ -642,6 +663,29 @@ def test_a_config_wider_than_the_stored_embedding_is_refused_before_building(tmp
     from dataclasses import replace
     with pytest.raises(TreeflashError, match="hidden_size 64"):
         check_sizes(folder, replace(cfg, hidden_size=64), shapes)
+
+
+def test_a_config_one_layer_past_the_checkpoint_is_refused_by_its_count(tmp_path):
+    """A config.json that says even one layer more than the checkpoint holds is refused by
+    the count, before building (not later by the first missing weight)."""
+    from dataclasses import replace
+
+    from treeflash.models.loader import check_sizes, stored_shapes
+    folder = _tiny_target(tmp_path / "t")
+    cfg = ModelConfig.from_pretrained(folder)
+    with pytest.raises(TreeflashError, match=f"says {cfg.num_layers + 1} layers, but the checkpoint holds "
+                                             f"{cfg.num_layers}$"):
+        check_sizes(folder, replace(cfg, num_layers=cfg.num_layers + 1), stored_shapes(folder))
+
+
+def test_tensors_without_a_place_are_named_three_and_counted(hf_checkpoint, clone_checkpoint):
+    """A config.json with fewer layers than the weights: the refusal names the first three
+    leftover tensors and counts the rest, so the size of the mismatch shows."""
+    folder = clone_checkpoint(hf_checkpoint("qwen3").path, num_hidden_layers=1)
+    left = sorted(k for k in load_file(str(folder / "model.safetensors")) if ".layers.1." in k)
+    assert len(left) > 3
+    refused(lambda: LLM(folder, device="cpu", dtype="float32"), "no place for: " + ", ".join(left[:3]) +
+            f" and {len(left) - 3} more (")
 
 
 def test_stored_rotary_inverse_frequencies_are_ignored(tmp_path):

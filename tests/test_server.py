@@ -306,6 +306,24 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "spaces_between_special_tokens": 1}, 400, "spaces_between_special_tokens"),
     ("/v1/completions", {"prompt": "x", "stop": ["\ud800"]}, 400, "stop"),  # could never match: not ignored
     ("/v1/completions", {"prompt": "x", "\ud800": 1}, 400, "\ud800"),  # named back as JSON escapes, not a 500
+    ("/v1/completions", {"prompt": "x", "k" * 5000: 1}, 400, "k" * 80),  # named back cut short, as in the message
+    # true is not the number 1 where a request names token ids or biases
+    ("/v1/completions", {"prompt": [True, 5]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [True]}, 400, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [True]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": True}}, 400, "logit_bias"),
+    ("/detokenize", {"tokens": [True]}, 400, "tokens"),
+    ("/tokenize", {"prompt": "\ud800"}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": -2.5}, 400, "presence_penalty"),  # the bound below
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [0] * 65}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": "yes"}, 400, "stream_options"),
+    # a json_schema beside another type asks for that type: refused, not taken as a schema
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "xml", "json_schema": {
+        "name": "s", "schema": {"type": "boolean"}}}}, 400, "response_format"),
+    # echo with max_tokens 0 scores the prompt only where max_tokens counts: beside
+    # max_completion_tokens it is a bad max_tokens like any other
+    ("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": 0, "max_completion_tokens": 2}, 400,
+     "max_tokens"),
 ]
 
 
@@ -846,6 +864,61 @@ def test_seed_minus_one_is_no_seed():
     from treeflash.server.protocol import parse_completion
     assert parse_completion({"prompt": "x", "seed": -1}, "m", two_tokens, 64).params.seed is None
     assert parse_completion({"prompt": "x", "seed": 7}, "m", two_tokens, 64).params.seed == 7
+
+
+def test_seed_takes_vllms_whole_int64_range():
+    """seed is vLLM's signed 64-bit integer: its largest value is a seed like any other
+    (with n choices, choice j's seed + j wraps to 0, 1, ...: still a seed the engine
+    takes); one past it is refused naming seed."""
+    from treeflash.server.protocol import APIError, parse_completion
+    top = 2 ** 63 - 1
+    assert parse_completion({"prompt": "x", "seed": top}, "m", two_tokens, 64).params.seed == top
+    runs = parse_completion({"prompt": "x", "seed": top, "n": 3}, "m", two_tokens, 64).runs()
+    assert [p.validate().seed for _, p in runs] == [top, 0, 1]
+    with pytest.raises(APIError) as e:
+        parse_completion({"prompt": "x", "seed": top + 1}, "m", two_tokens, 64)
+    assert e.value.param == "seed"
+
+
+def test_max_completion_tokens_bounds_the_answer_and_wins_over_max_tokens(chat_model):
+    """OpenAI's max_completion_tokens (what its newer clients send instead of the
+    deprecated max_tokens) bounds the answer as max_tokens does, in completions and chat;
+    given with max_tokens it wins; past the context it is refused naming itself."""
+    from treeflash.server.protocol import APIError, parse_chat, parse_completion
+    assert parse_completion({"prompt": "x", "max_completion_tokens": 5}, "m", two_tokens, 64).params.max_new_tokens == 5
+    assert parse_completion({"prompt": "x", "max_tokens": 9, "max_completion_tokens": 5}, "m", two_tokens,
+                            64).params.max_new_tokens == 5
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5}
+    assert parse_chat(chat, "m", ChatTemplate.from_folder(chat_model), two_tokens, 64).params.max_new_tokens == 5
+    room = 64 - len(two_tokens("x"))
+    assert parse_completion({"prompt": "x", "max_completion_tokens": room}, "m", two_tokens,
+                            64).params.max_new_tokens == room
+    with pytest.raises(APIError) as e:
+        parse_completion({"prompt": "x", "max_tokens": 2, "max_completion_tokens": room + 1}, "m", two_tokens, 64)
+    assert e.value.param == "max_completion_tokens"
+
+
+def test_the_stop_limits_are_inclusive():
+    """MAX_STOPS stop strings, and as many stop token ids, are taken (one more of either
+    is refused: the error table above)."""
+    from treeflash.server.protocol import MAX_STOPS, parse_completion
+    params = parse_completion({"prompt": "x", "stop": [f"s{i}" for i in range(MAX_STOPS)],
+                               "stop_token_ids": list(range(MAX_STOPS))}, "m", two_tokens, 64).params
+    assert len(params.stop) == len(params.stop_token_ids) == MAX_STOPS
+
+
+def test_an_empty_plain_chat_answer_is_empty_text_not_null():
+    """Without tools or a reasoning parser a chat answer's content is its text: "" when
+    the model wrote nothing (EOS first), as vLLM answers; null stands only for an empty
+    part beside tool calls or reasoning."""
+    from types import SimpleNamespace
+
+    from treeflash.server.protocol import Request, message
+    req = Request("chat", [[5, 6]], SamplingParams(max_new_tokens=2))
+    assert message(req, SimpleNamespace(text="")) == {"role": "assistant", "content": ""}
+    reasoned = Request("chat", [[5, 6]], SamplingParams(max_new_tokens=2), reasoning="qwen3")
+    assert message(reasoned, SimpleNamespace(text="")) == {"role": "assistant", "content": None,
+                                                            "reasoning_content": None}
 
 
 def test_blank_bad_words_ban_nothing():
