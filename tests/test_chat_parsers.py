@@ -735,6 +735,10 @@ def test_a_forced_tools_bad_schema_is_named_beside_a_text_response_format(script
     ([], "'messages' must be a non-empty list of messages"),
     ([{"role": "assistant"}], r"messages\[0\] must have string 'content'"),  # no content and no tool calls
     ([{"role": "user", "content": [{"text": "hi"}]}], r"messages\[0\]: only text content parts are supported"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     r"messages\[0\]: only text content parts are supported"),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}],
+     r"messages\[0\]\.content\[1\]: a text part must have a string 'text'"),
     ([{"role": "user\udcff", "content": "hi"}], r"messages\[0\] must be valid Unicode text"),
 ])
 def test_malformed_conversations_are_refused_naming_the_message(messages, message):

@@ -38,9 +38,11 @@ def plain_messages(messages) -> list[dict]:
             raise UsageError(f"messages[{i}] must be an object with a non-empty string 'role'")
         content = m.get("content")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise UsageError(f"messages[{i}]: only text content parts are supported")
+            for j, p in enumerate(content):
+                if not isinstance(p, dict) or p.get("type") != "text":
+                    raise UsageError(f"messages[{i}]: only text content parts are supported")
+                if not isinstance(p.get("text"), str):
+                    raise UsageError(f"messages[{i}].content[{j}]: a text part must have a string 'text'")
             content = "\n".join(p["text"] for p in content)
         calls = m.get("tool_calls")
         if content is None and calls:  # an assistant's turn that only calls tools
