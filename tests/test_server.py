@@ -324,6 +324,7 @@ BAD = [
     # max_completion_tokens it is a bad max_tokens like any other
     ("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": 0, "max_completion_tokens": 2}, 400,
      "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 1}, 400, "min_tokens"),
 ]
 
 

@@ -416,6 +416,9 @@ def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_mode
     echo_only = body.get("echo") is True and type(body.get("max_tokens")) is int and body["max_tokens"] == 0 \
         and body.get("max_completion_tokens") is None
     if echo_only:
+        if type(body.get("min_tokens")) is int and body["min_tokens"] > 0:  # it would be taken and do nothing
+            raise APIError("min_tokens must be at most max_tokens (0: echo scores the prompt alone)",
+                           param="min_tokens")
         body = {**body, "max_tokens": 1}  # one token is generated (the engine needs a round), and dropped
     params = _sampling(body, [len(i) for i in ids], max_model_len, DEFAULT_COMPLETION_TOKENS, defaults, vocab_size,
                        "completion")
