@@ -1062,3 +1062,58 @@ def test_an_engine_closed_by_a_callback_runs_no_further_batch(hf_checkpoint, mon
     with pytest.raises(EngineDeadError, match="closed"):
         llm.generate(ENGINE_PROMPTS[:2], SamplingParams(max_new_tokens=4), on_done=on_done)
     assert done == [0]
+
+
+def test_a_sentencepiece_continuation_after_skipped_special_tokens_keeps_its_first_space(tmp_path):
+    """A prompt that ends in special tokens (skip_special_tokens leaves them out of every
+    decode): the continuation keeps the space its first piece carries, in the text and
+    the stream, however many there are. The context window counted them: past four, it
+    held no text, and " ab" was decoded as a text's start ("ab")."""
+    from conftest import write_sentencepiece_tokenizer
+
+    from treeflash.tokenizer import CONTEXT_TOKENS, TextStream, Tokenizer
+    write_sentencepiece_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"additional_special_tokens": ["<sep>"]}))
+    tok = Tokenizer(tmp_path)
+    sep, gen = tok.tok.token_to_id("<sep>"), tok.encode(" ab", special=False)
+    assert sep in tok.special_ids
+    for k in range(CONTEXT_TOKENS + 2):
+        prompt = tok.encode("ab ab", special=False) + [sep] * k
+        want = tok.decode(prompt + gen)[len(tok.decode(prompt)):]
+        assert want == "  ab" and tok.decode_continuation(gen, prompt) == want, k
+        stream = TextStream(tok, context=prompt)
+        assert "".join(stream.push([t]) for t in gen) == want, k
+
+
+def test_an_added_token_spelled_outside_the_byte_level_alphabet_is_its_text():
+    """An added token whose text holds characters byte-level BPE's alphabet has none for
+    (DeepSeek's "<｜end▁of▁sentence｜>"): the decoder leaves it as written, so its bytes
+    are its text's UTF-8, and a continuation after it decodes (it raised KeyError)."""
+    from treeflash.tokenizer import TextStream, Tokenizer
+    path = builtin_paths()[0]
+    tok = Tokenizer(path)
+    token = "<\uff5cend\u2581of\u2581sentence\uff5c>"
+    tok.tok.add_tokens([token])
+    ids = tok.encode(f"def f{token}x = 1", special=False)
+    added = tok.tok.token_to_id(token)
+    assert added in ids and tok.token_bytes(added) == token.encode() and tok.token_text(added) == token
+    cut = ids.index(added) + 1
+    whole = tok.decode(ids)[len(tok.decode(ids[:cut])):]
+    assert tok.decode_continuation(ids[cut:], ids[:cut]) == whole == "x = 1"
+    stream = TextStream(tok, context=ids[:cut])
+    assert "".join(stream.push([t]) for t in ids[cut:]) == whole
+
+
+def test_a_stream_hands_out_all_text_no_stop_string_can_still_claim():
+    """Without stop strings each push hands out its whole text at once; with them, all but
+    the last len(longest stop) - 1 characters, which could still begin one."""
+    from treeflash.tokenizer import TextStream, Tokenizer
+    tok = Tokenizer(builtin_paths()[0])
+    pieces = ["Hello", " there", ", friend"]
+    stream = TextStream(tok)
+    assert [stream.push(tok.encode(p, special=False)) for p in pieces] == pieces
+    stop = " world"
+    stream = TextStream(tok, stop=[stop])
+    text = "".join(pieces)
+    assert "".join(stream.push(tok.encode(p, special=False)) for p in pieces) == text[:len(text) - (len(stop) - 1)]
+    assert stream.finish(text) == text[len(text) - (len(stop) - 1):]

@@ -239,8 +239,10 @@ class Tokenizer:
         CONTEXT_TOKENS where the four begin inside a character (a byte-fallback decoder
         turns a whole run of byte tokens that starts there into U+FFFD, and a continuation
         then decoded without its context lost its first space); less any at the end whose
-        text ends in U+FFFD (part of a character)."""
-        context = list(context)
+        text ends in U+FFFD (part of a character). Skipped special tokens are left out
+        first: they add no text, and a prompt ending in four of them left none to decode
+        after (SentencePiece's continuation then lost its first space)."""
+        context = self._last_with_text(context, CONTEXT_TOKENS) if skip_special else list(context[-CONTEXT_TOKENS:])
         start = max(0, len(context) - 4)
         while start > max(0, len(context) - CONTEXT_TOKENS) and self._continues_a_character(context[start]):
             start -= 1
@@ -248,6 +250,17 @@ class Tokenizer:
         while context and self.decode(context, skip_special).endswith("\ufffd"):
             context.pop()
         return context
+
+    def _last_with_text(self, ids: list[int], n: int) -> list[int]:
+        """The last `n` of `ids` that are not special tokens, in order (read from the end:
+        a long prompt is not copied for each continuation)."""
+        kept = []
+        for i in reversed(ids):
+            if len(kept) == n:
+                break
+            if i not in self.special_ids:
+                kept.append(i)
+        return kept[::-1]
 
     def unfinished_from(self, ids: list[int], skip_special: bool = True) -> int | None:
         """Where in `ids` the unfinished UTF-8 character at their end begins (the token
