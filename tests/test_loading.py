@@ -953,3 +953,77 @@ def test_a_random_drafter_matches_its_target(tmp_path):
                          / "config.json").read_text())
     assert config["rope_scaling"] == LLAMA3_ROPE
     assert config["dflash_config"] == {"mask_token_id": vocab - 1, "target_layer_ids": [0, layers - 1]}
+
+
+def test_tokens_declared_out_of_id_order_load_at_their_ids_as_transformers(tmp_path):
+    """added_tokens_decoder's keys need not come in id order (sorted as text, "100000"
+    precedes "99999"): each missing token is added at the id it declares, with the
+    lstrip it declares, as transformers loads them (taken in file order, the second was
+    given the first's id and the load refused)."""
+    from transformers import AutoTokenizer
+
+    from treeflash.checkpoints import write_tiny_tokenizer
+    from treeflash.tokenizer import Tokenizer
+    write_tiny_tokenizer(tmp_path / "base")
+    n = Tokenizer(tmp_path / "base").vocab_size
+    entry = {"rstrip": False, "normalized": False, "single_word": False, "special": False}
+    folder = _tiny_tokenizer_folder(tmp_path / "ck", {"added_tokens_decoder": {
+        str(n + 1): {**entry, "content": "<b>", "lstrip": True}, str(n): {**entry, "content": "<a>", "lstrip": False}}})
+    ours, hf = Tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+    assert [ours.tok.token_to_id(t) for t in ("<a>", "<b>")] == hf.convert_tokens_to_ids(["<a>", "<b>"]) == [n, n + 1]
+    text = "x <a> y <b> z"
+    assert ours.encode(text, special=False) == hf.encode(text, add_special_tokens=False)
+    assert ours.decode(ours.encode(text, special=False)) == hf.decode(hf.encode(text, add_special_tokens=False))
+
+
+def test_add_bos_token_without_any_bos_loads_and_prepends_nothing(tmp_path):
+    """add_bos_token with no bos_token and no bos_token_id anywhere: transformers
+    prepends nothing, and so does treeflash; the tokenizer loads."""
+    from transformers import AutoTokenizer
+
+    from treeflash.tokenizer import Tokenizer
+    folder = _tiny_tokenizer_folder(tmp_path, {"add_bos_token": True})
+    tok = Tokenizer(folder)
+    assert tok.bos_token_id is None and not tok.add_bos
+    text = "def fib(n):"
+    assert tok.encode(text) == AutoTokenizer.from_pretrained(str(folder))(text)["input_ids"] \
+        == tok.encode(text, special=False)
+
+
+def test_a_bos_id_equal_to_the_vocabulary_size_is_outside_it(tmp_path):
+    folder = _tiny_tokenizer_folder(tmp_path, {"add_bos_token": True})
+    size = Tokenizer(folder).vocab_size
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": size - 1}))
+    assert Tokenizer(folder).encode("def fib(n):")[0] == size - 1
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": size}))
+    refused(lambda: Tokenizer(folder), "bos_token_id", f"from 0 to {size - 1}", f"got {size}")
+
+
+def test_end_ids_of_config_and_generation_config_both_end_a_request(tmp_path):
+    """config.json's eos_token_id and generation_config.json's are both end tokens, each
+    named by the file that gives it, beside the tokenizer's own EOS."""
+    folder = _tiny_tokenizer_folder(tmp_path, {})
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": 3}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [4]}))
+    tok = Tokenizer(folder)
+    assert tok.eos_sources == {3: "config.json", 4: "generation_config.json", tok.eos_token_id: "tokenizer_config.json"}
+    assert tok.eos_token_ids == sorted({3, 4, tok.eos_token_id})
+
+
+def test_yarn_with_deepseeks_attention_scale_in_either_key_is_refused():
+    """DeepSeek's YaRN scales attention by mscale or mscale_all_dim, which the engine does
+    not apply: either key alone is refused, not ignored."""
+    from treeflash.config import ModelConfig
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    assert ModelConfig.from_dict({**TINY_TARGET, "rope_scaling": yarn}).rope_scaling["factor"] == 4.0
+    for key in ("mscale", "mscale_all_dim"):
+        with pytest.raises(TreeflashError, match="mscale"):
+            ModelConfig.from_dict({**TINY_TARGET, "rope_scaling": {**yarn, key: 0.7}})
+
+
+def test_a_quantized_drafter_is_refused():
+    from treeflash.config import DraftConfig
+    DraftConfig.from_dict(TINY_DRAFT)
+    quant = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(TreeflashError, match="quantization_config"):
+        DraftConfig.from_dict({**TINY_DRAFT, "quantization_config": quant})
