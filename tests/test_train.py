@@ -10,11 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
 from treeflash import LLM, SamplingParams
 from treeflash.errors import TreeflashError, UsageError
 from treeflash.checkpoints import write_random_target
+from treeflash.config import default_target_layer_ids
 from treeflash.train.cli import main as cli_main
 from treeflash.train.common import DEFAULT_OPTIONS, Trainer, TrainOptions, tf32_products
 from treeflash.train.corpus import collect, load_corpus, write_corpus
@@ -213,6 +215,7 @@ def test_drafter_trains_exports_and_loads(target, data_dir, tmp_path):
     config = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
     assert config["num_target_layers"] == 4 and config["dflash_config"]["mask_token_id"] == 2
+    assert config["dflash_config"]["target_layer_ids"] == default_target_layer_ids(4, 2)  # the published taps
     assert config["hidden_act"] == "silu" and config["attention_bias"] is False  # as the published configs
     names = set(_tensors(tmp_path / "drafter"))
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_proj.weight",
@@ -908,6 +911,100 @@ def test_held_out_metrics_count_per_slot_accuracy_and_leading_runs(monkeypatch):
     assert (got["acc1"], got["acc_mean"], got["tau_est"]) == (1.0, 0.5, 2.0)
 
 
+def test_each_slots_loss_is_weighted_by_its_own_depth():
+    """Slot k's cross-entropy gets slot k's weight (not another slot's): the weighted mean
+    of the per-slot mean cross-entropies."""
+    from treeflash.train.drafter import slot_weights, weighted_ce
+    gen = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(2, 3, 4, 10, generator=gen) * 3, torch.randint(0, 10, (2, 3, 4), generator=gen)
+    w = slot_weights(5, 2.0, "cpu")
+    per_slot = [F.cross_entropy(logits[:, :, k].reshape(-1, 10), labels[:, :, k].reshape(-1)) for k in range(4)]
+    want = sum(wk * ce for wk, ce in zip(w, per_slot)) / w.sum()
+    torch.testing.assert_close(weighted_ce(logits, labels, w), want)
+
+
+def test_held_out_blocks_are_every_anchor_from_lo_the_same_each_time(monkeypatch):
+    """With more blocks asked than a window has anchors, every anchor lo..S-b is evaluated;
+    the anchors are the same at every evaluation (comparable losses), and eval_loss is the
+    weighted loss of all blocks, not of a batch."""
+    import treeflash.train.drafter as drafter_module
+    from types import SimpleNamespace
+    calls = []
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 6 * 4, 5, generator=gen)  # per window row: its blocks' fixed logits
+
+    def scripted(target, drafter, ids, anchors):
+        calls.append(anchors.clone())
+        B, n = anchors.shape
+        return logits[ids[:, 0]].view(B, n, 4, 5), torch.zeros(B, n, 4, dtype=torch.long)
+    monkeypatch.setattr(drafter_module, "draft_logits", scripted)
+    weights = drafter_module.slot_weights(5, 7.0, "cpu")
+    windows = torch.arange(5)[:, None].expand(5, 12)  # window i's logits are logits[i]
+    first = drafter_module.evaluate_drafter(None, SimpleNamespace(block_size=5), windows, 100, 2, weights,
+                                            torch.device("cpu"), lo=2)
+    anchors = torch.cat(calls)
+    assert all(sorted(row) == list(range(2, 12 - 5 + 1)) for row in anchors.tolist())
+    calls.clear()
+    assert drafter_module.evaluate_drafter(None, SimpleNamespace(block_size=5), windows, 100, 2, weights,
+                                           torch.device("cpu"), lo=2) == first
+    assert torch.equal(torch.cat(calls), anchors)
+    want = drafter_module.weighted_ce(logits[:5].view(5, 6, 4, 5), torch.zeros(5, 6, 4, dtype=torch.long), weights)
+    assert first["eval_loss"] == pytest.approx(want.item(), abs=1e-5)
+
+
+def test_tau_is_tokens_per_round_and_lossless_is_the_share_equal_to_ar(monkeypatch):
+    """measure_tau: τ = committed tokens / verification rounds over all prompts; same_as_ar
+    = the share of outputs identical to plain AR decoding."""
+    import treeflash
+    from types import SimpleNamespace
+    from treeflash.train.drafter import measure_tau
+    ar = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]]
+    scripted = {"ar": [(ar[0], 4), (ar[1], 6)], "dflash": [(ar[0], 2), (ar[1], 1)],
+                "ddtree": [([1, 2, 3, 0], 1), (ar[1], 2)]}
+
+    class FakeLLM:
+        def __init__(self, target_dir, draft_model=None, method="ar", device="auto"):
+            self.method = method
+
+        def generate(self, prompts, params):
+            assert len(prompts) == 2 and params.max_new_tokens == 6 and params.ignore_eos
+            return [SimpleNamespace(token_ids=t, stats={"rounds": r}) for t, r in scripted[self.method]]
+    monkeypatch.setattr(treeflash, "LLM", FakeLLM)
+    got = measure_tau("target", "drafter", [[1], [2]], 6, "cpu")
+    assert got == {"tau_dflash": round(10 / 3, 3), "same_as_ar_dflash": 1.0,
+                   "tau_ddtree": round(10 / 3, 3), "same_as_ar_ddtree": 0.5}
+
+
+def test_training_blocks_use_every_anchor_gamma_and_the_given_taps(target, data_dir, tmp_path, monkeypatch):
+    """A training batch with more --blocks-per-seq than a window has anchors holds a block at
+    every anchor 1..S-b (position 0 has no context); its slots are weighted by --gamma; the
+    target layers given are tapped, in their order, and the export names them so."""
+    import treeflash.train.drafter as drafter_module
+    base, _ = target
+    seen, draft, wce = [], drafter_module.draft_logits, drafter_module.weighted_ce
+
+    def spy_draft(tgt, drafter, ids, anchors):
+        seen.append(("anchors", drafter.target_layer_ids, anchors.clone()))
+        return draft(tgt, drafter, ids, anchors)
+
+    def spy_ce(logits, labels, weights):
+        seen.append(("weights", weights.clone()))
+        return wce(logits, labels, weights)
+    monkeypatch.setattr(drafter_module, "draft_logits", spy_draft)
+    monkeypatch.setattr(drafter_module, "weighted_ce", spy_ce)
+    opts = TrainOptions(max_steps=1, **{**OPTS, "batch_size": 2, "eval_tokens": 32})
+    train_drafter(base / "model", data_dir, tmp_path / "run", tmp_path / "drafter",
+                  DrafterShape(num_layers=1, block_size=4, target_layer_ids=[2, 0]), opts, gamma=3.0,
+                  blocks_per_seq=100, tau_prompts=0)
+    train = seen[0]  # the first batch is training's, then the evaluation's
+    assert train[1] == [2, 0] and all(sorted(row) == list(range(1, OPTS["seq_len"] - 4 + 1))
+                                      for row in train[2].tolist())
+    weights = [w for kind, *rest in seen if kind == "weights" for w in rest]
+    assert weights and all(torch.allclose(w, torch.exp(-torch.arange(3.0) / 3.0)) for w in weights)
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [2, 0]
+
+
 def test_a_drafter_gamma_of_zero_is_refused(target, data_dir, tmp_path):
     base, _ = target
     with pytest.raises(UsageError, match="need --gamma > 0"):
@@ -1006,6 +1103,42 @@ def test_gradients_are_clipped_to_grad_clip(tmp_path):
         t.fit(lambda gen: (t.model.weight.sum() * 100, 1), lambda: {"eval_loss": 1.0})
         moved[clip] = (t.model.weight.detach() - before).abs().max().item()
     assert moved[0.0] == pytest.approx(0.1, rel=1e-3) and moved[1e-12] < 1e-3
+
+
+def test_every_step_clips_to_grad_clip_and_gives_every_group_the_scheduled_lr(tmp_path):
+    """The gradient the optimizer steps with has norm grad_clip exactly (it was larger),
+    and the norms' and biases' group (no weight decay) follows the same LR schedule as the
+    matrices'."""
+    t = _toy_trainer(tmp_path, max_steps=3, grad_clip=0.5, warmup_steps=2, lr=0.1)
+    t = Trainer("toy", t.run, torch.nn.Linear(2, 2), t.opts, t.device)  # a bias: both groups hold parameters
+    steps, step = [], t.optimizer.step
+
+    def spy_step(*args, **kwargs):
+        grads = [p.grad for p in t.model.parameters()]
+        steps.append((torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item(),
+                      [g["lr"] for g in t.optimizer.param_groups], t.lr()))
+        return step(*args, **kwargs)
+    t.optimizer.step = spy_step
+    t.fit(lambda gen: ((t.model.weight.sum() + t.model.bias.sum()) * 100, 1), lambda: {"eval_loss": 1.0})
+    assert len(steps) == 3
+    for norm, lrs, lr in steps:
+        assert norm == pytest.approx(0.5) and lrs == [lr, lr]
+    assert steps[0][2] != steps[-1][2]  # (the schedule moved: warmup)
+
+
+def test_a_resumed_run_keeps_its_elapsed_time(tmp_path):
+    """The time trained so far is saved and a resumed session adds to it (a time budget
+    and the LR schedule go on from there, not from zero)."""
+    from treeflash.train.common import RunDir
+    t = _toy_trainer(tmp_path, max_steps=2, max_minutes=1e6, eval_every=100, save_every=100)
+    t.fit(_steps_losses(t), lambda: {"eval_loss": 1.0})
+    assert t.elapsed > 0
+    resumed = Trainer("toy", RunDir(tmp_path / "run", True, "target"), torch.nn.Linear(2, 2, bias=False),
+                      TrainOptions.of({**vars(t.opts), "max_steps": 3}), t.device)
+    assert (resumed.step, resumed.elapsed) == (2, t.elapsed)
+    resumed.elapsed = before = 1000.0  # as if the run had trained for 1000 s
+    resumed.fit(_steps_losses(resumed), lambda: {"eval_loss": 1.0})
+    assert resumed.step == 3 and resumed.elapsed > before
 
 
 def test_a_drafter_on_generated_rows_is_evaluated_on_their_continuations(target, data_dir, tmp_path, monkeypatch):
