@@ -154,6 +154,17 @@ def test_tokenizer_files(data_dir, tmp_path):
     assert (tmp_path / "train.npy").exists() and np.array_equal(plain.train, data.train)
 
 
+def interrupt_after_saving(monkeypatch, step: int) -> None:
+    """Ctrl-C right after the run's state is saved at `step` (a resume starts there)."""
+    save = Trainer._save
+
+    def save_then_die(self):
+        save(self)
+        if self.step == step:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(Trainer, "_save", save_then_die)
+
+
 def test_target_loss_decreases_and_resume_continues(target, data_dir, monkeypatch):
     base, summary = target
     losses = _losses(base / "run")
@@ -165,14 +176,7 @@ def test_target_loss_decreases_and_resume_continues(target, data_dir, monkeypatc
             "--num-layers", "4", "--num-heads", "2", "--num-kv-heads", "1", "--head-dim", "16",
             "--intermediate-size", "64", "--max-steps", "40"] + [f"--{k.replace('_', '-')}={v}"
                                                                  for k, v in OPTS.items()]
-    save = Trainer._save
-
-    def save_then_die(self):
-        save(self)
-        if self.step == 20:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(Trainer, "_save", save_then_die)
+    interrupt_after_saving(monkeypatch, 20)
     assert cli_main(args) == 130  # Ctrl-C: the CLI says "interrupted" and exits 130
     monkeypatch.undo()
     assert cli_main(args + ["--resume", "--max-shard-mb", "0.02"]) == 0

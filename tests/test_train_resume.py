@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import OPTS, TINY, _corpus_files, _tensors
+from test_train import OPTS, TINY, _corpus_files, _tensors, interrupt_after_saving
 
 from treeflash.train.cli import main as cli_main
 from treeflash.train.common import Trainer, TrainOptions
@@ -218,13 +218,7 @@ def test_a_resumed_drafter_run_equals_an_uninterrupted_one(target_dir, data_dir,
                                         "eval_tokens": 64})
     args = dict(shape=DrafterShape(num_layers=1, block_size=4), opts=opts, blocks_per_seq=3, tau_prompts=0)
     train_drafter(target_dir, data_dir, tmp_path / "full", tmp_path / "full_out", **args)
-    save = Trainer._save
-
-    def save_then_die(self):
-        save(self)
-        if self.step == 2:
-            raise KeyboardInterrupt
-    monkeypatch.setattr(Trainer, "_save", save_then_die)
+    interrupt_after_saving(monkeypatch, 2)
     with pytest.raises(KeyboardInterrupt):
         train_drafter(target_dir, data_dir, tmp_path / "half", tmp_path / "half_out", **args)
     monkeypatch.undo()
