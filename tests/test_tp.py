@@ -765,16 +765,11 @@ def test_driver_may_run_commands_ahead_of_the_workers(size):
     worker gets to it (a worker then waited on the store while the driver's collectives
     waited on the worker: the TP = 2 hang on two H200s), and each is deleted once every
     worker has read it and moved on."""
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
     from treeflash.engine.tp import Runtime
 
-    wait = timedelta(seconds=3)
-    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=wait, wait_for_workers=False)
+    store = _store(wait_s=3)
     driver = Runtime(size, "cpu", 0, 0, store)
-    workers = [Runtime(size, "cpu", r, 0, TCPStore("127.0.0.1", store.port, is_master=False, timeout=wait))
+    workers = [Runtime(size, "cpu", r, 0, type(store)("127.0.0.1", store.port, is_master=False, timeout=store.timeout))
                for r in range(1, size)]
     sent = [("_step", (i,)) for i in range(3)]
     for payload in sent:
@@ -1123,11 +1118,12 @@ def test_a_rank_short_of_memory_for_the_caches_is_named_on_every_rank(n, short):
 
 # ----------------------------------------------------------------------------- driver and worker loop (second review)
 
-def _store():
+def _store(wait_s: float = 30):
+    """A driver's store on a free local port, whose waits end after `wait_s` seconds."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
-    return TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    return TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=wait_s), wait_for_workers=False)
 
 
 def test_a_dead_worker_ends_every_wait_of_the_driver():

@@ -94,12 +94,10 @@ class RequestRules:
         p.validate(self.vocab_size)
         held = self.held_ids(p)
         allowed = None if p.allowed_token_ids is None else set(p.allowed_token_ids)
-        if p.min_tokens and allowed is not None and allowed <= held:
-            raise UsageError("invalid sampling parameters: min_tokens holds back every one of allowed_token_ids "
-                             "(EOS and stop tokens)")
-        if p.min_tokens and allowed is None and len(held) >= self.vocab_size:  # (ids are in the vocabulary)
-            raise UsageError("invalid sampling parameters: min_tokens holds back every token of the vocabulary "
-                             "(EOS and stop tokens)")
+        # min_tokens must leave a token to sample: of allowed_token_ids, or of the vocabulary (held ids lie in it)
+        if p.min_tokens and (allowed <= held if allowed is not None else len(held) >= self.vocab_size):
+            pool = "one of allowed_token_ids" if allowed is not None else "token of the vocabulary"
+            raise UsageError(f"invalid sampling parameters: min_tokens holds back every {pool} (EOS and stop tokens)")
         sequences = self.bad_sequences(p)  # tokenized once for the checks below
         banned = {seq[0] for seq in sequences if len(seq) == 1}
         if allowed is not None and allowed <= banned | (held if p.min_tokens else set()):

@@ -189,6 +189,15 @@ def _flag(body: dict, key: str, default: bool) -> bool:
     return value
 
 
+def _min_tokens(body: dict, max_tokens: int) -> int:
+    """The request's min_tokens, at most the tokens it may get."""
+    min_tokens = _number(body, "min_tokens", 0, int, 0)
+    if min_tokens > max_tokens:
+        raise APIError(f"'min_tokens' ({min_tokens}) must not exceed the most tokens this request may get "
+                       f"({max_tokens})", param="min_tokens")
+    return min_tokens
+
+
 def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_tokens: int | None,
               defaults: SamplingDefaults, vocab_size: int | None, kind: str) -> SamplingParams:
     for key, (harmless, why) in UNSUPPORTED.items():
@@ -225,10 +234,7 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
     bad_words = body.get("bad_words")
     if bad_words is not None and not (isinstance(bad_words, list) and all(isinstance(w, str) for w in bad_words)):
         raise APIError(f"'bad_words' must be a list of strings, got {shown(bad_words)}", param="bad_words")
-    min_tokens = _number(body, "min_tokens", 0, int, 0)
-    if min_tokens > max_tokens:
-        raise APIError(f"'min_tokens' ({min_tokens}) must not exceed the most tokens this request may get "
-                       f"({max_tokens})", param="min_tokens")
+    min_tokens = _min_tokens(body, max_tokens)
     try:
         return SamplingParams(
             max_new_tokens=max_tokens, min_tokens=min_tokens, logit_bias=_logit_bias(body, vocab_size),
@@ -416,9 +422,7 @@ def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_mode
     echo_only = body.get("echo") is True and type(body.get("max_tokens")) is int and body["max_tokens"] == 0 \
         and body.get("max_completion_tokens") is None
     if echo_only:
-        if type(body.get("min_tokens")) is int and body["min_tokens"] > 0:  # it would be taken and do nothing
-            raise APIError("min_tokens must be at most max_tokens (0: echo scores the prompt alone)",
-                           param="min_tokens")
+        _min_tokens(body, 0)  # (the one token generated below is dropped: a min_tokens would do nothing)
         body = {**body, "max_tokens": 1}  # one token is generated (the engine needs a round), and dropped
     params = _sampling(body, [len(i) for i in ids], max_model_len, DEFAULT_COMPLETION_TOKENS, defaults, vocab_size,
                        "completion")
