@@ -127,7 +127,8 @@ def test_string_length_counts_characters_and_escapes_as_one():
      ["2024-13-01", "2024-1-01", "2024-01-32", "24-01-01", "", "2023-02-29", "1900-02-29", "2024-04-31", "2024-02-30",
       "0000-02-29", "0000-01-01"]),  # year 0: RFC 3339's, not Python's datetime (nor validators built on it)
     ("time", ["23:59:60Z", "00:00:00.123Z", "12:30:00Z", "12:30:00+05:30", "12:30:00.5-08:00"],
-     ["24:00:00Z", "12:60:00Z", "12:30", "12:30:00+5:30", "12:30:00 Z", "12:30:00"]),
+     ["24:00:00Z", "12:60:00Z", "12:30", "12:30:00+5:30", "12:30:00 Z", "12:30:00", "12:30:00+24:00",
+      "12:30:00-23:60"]),
     ("date-time", ["2024-02-29T12:30:00Z", "2024-02-29T12:30:00.25+01:00"],
      ["2024-02-29 12:30:00", "2024-02-29T12:30", "2024-02-29", "2024-02-29T12:30:00"]),
     ("uuid", ["123e4567-e89b-12d3-a456-426614174000", "123E4567-E89B-12D3-A456-426614174000"],
@@ -652,3 +653,69 @@ def test_a_pydantic_model():
         assert not re.fullmatch(regex, text.replace(old, new)), new
         with pytest.raises(pydantic.ValidationError):
             Order.model_validate_json(text.replace(old, new))
+
+
+# --- cases a second mutation review found untested ---
+
+def test_unicode_escapes_in_either_case_are_one_character():
+    """A \\uXXXX escape of a character that is no surrogate is accepted whatever the case of
+    its hex digits (json.dumps writes lowercase, other writers uppercase), and counts as one
+    character; a surrogate pair, in either case, too."""
+    regex, one = regex_of({"type": "string"}), regex_of({"type": "string", "minLength": 1, "maxLength": 1})
+    for code in (0x00E9, 0x0ABC, 0x7FFF, 0xABCD, 0xC0DE, 0xD7FF, 0xE000, 0xFEFF, 0xFFFD, 0x1F600):
+        lower = json.dumps(chr(code))  # ensure_ascii: "\\u00e9", "\\ud83d\\ude00"
+        for text in (lower, re.sub(r"\\u([0-9a-f]{4})", lambda m: "\\u" + m.group(1).upper(), lower)):
+            assert re.fullmatch(regex, text) and re.fullmatch(one, text), text
+            assert json.loads(text) == chr(code)
+
+
+def test_the_stricter_of_two_lower_bounds_holds():
+    """minimum and exclusiveMinimum together: an integer must meet both, whichever is listed first."""
+    for schema in ({"type": "integer", "minimum": 1, "exclusiveMinimum": -1},
+                   {"type": "integer", "exclusiveMinimum": -1, "minimum": 1},
+                   {"type": "integer", "minimum": 0, "exclusiveMinimum": 0}):
+        check(schema, good=[1, 25], bad=[0, -1])
+    check({"type": "integer", "minimum": -1, "exclusiveMinimum": -1}, good=[0, 3], bad=[-1])
+
+
+def test_a_count_just_past_the_largest_supported_names_its_keyword():
+    """maxLength or maxItems one past the largest supported count is refused as the
+    schema's keyword, not as an internal regex the client never wrote."""
+    from treeflash.structured.regex import MAX_REPEAT
+    refused({"type": "string", "maxLength": MAX_REPEAT + 1}, f"'maxLength' at $ is {MAX_REPEAT + 1}")
+    refused({"type": "array", "items": {"type": "null"}, "minItems": MAX_REPEAT + 1},
+            f"'minItems' at $ is {MAX_REPEAT + 1}")
+
+
+def test_pattern_repeated_no_times():
+    """{0} in a pattern repeats its item no times (the item may not appear), as ECMA-262 reads it."""
+    check({"type": "string", "pattern": "^xa{0}y$"}, good=["xy"], bad=["xay", "xaay", "x"])
+    check({"type": "string", "pattern": "^x(?:ab){0,0}y$"}, good=["xy"], bad=["xaby"])
+
+
+def test_references_to_escaped_names():
+    """$ref as JSON Pointer and URI escape a name: ~0 is ~ and ~1 is / (~01 is the text ~1),
+    %XX a character."""
+    defs = {"a~1": {"type": "null"}, "a/": {"type": "boolean"}, "my type": {"type": "integer"}}
+    check({"$defs": defs, "$ref": "#/$defs/a~01"}, good=[None], bad=[True])
+    check({"$defs": defs, "$ref": "#/$defs/a~1"}, good=[True], bad=[None])
+    check({"$defs": defs, "$ref": "#/$defs/my%20type"}, good=[3], bad=[None])
+
+
+def test_one_of_refused_where_a_null_fits_both_branches():
+    """nullable adds null to a branch's listed values: a oneOf of that branch and a null
+    one would give a text fitting both, so it is refused (an enum, and an anyOf of values)."""
+    for first in ({"enum": ["a", "b"], "nullable": True}, {"anyOf": [{"const": "a"}], "nullable": True},
+                  {"const": "a", "nullable": True}):
+        refused({"oneOf": [first, {"const": None}]}, "'oneOf' at $: branches 0 and 1 may both match one value")
+        refused({"oneOf": [first, {"enum": [None, 1]}]}, "'oneOf' at $: branches 0 and 1")
+    check({"oneOf": [{"enum": ["a", "b"], "nullable": True}, {"const": 1}]}, good=["a", None, 1], bad=[2])
+
+
+def test_one_of_tells_listed_values_apart_as_json_does():
+    """Listed values are compared as JSON values: 0, false, "", null and [] are five (a oneOf
+    of them is taken), and objects equal but for their key order are one (refused)."""
+    falsy = [0, False, "", None, []]
+    check({"oneOf": [{"const": v} for v in falsy]}, good=falsy, bad=[1, True, "0", [0]])
+    refused({"oneOf": [{"const": {"a": 1, "b": 2}}, {"const": {"b": 2, "a": 1}}]},
+            "'oneOf' at $: branches 0 and 1 may both match one value")

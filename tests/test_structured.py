@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
@@ -21,7 +22,7 @@ from cpu_graphs import cpu_graphs
 
 from treeflash import LLM, SamplingParams, StructuredOutputs, UsageError
 from treeflash.engine.options import builtin_paths
-from treeflash.structured.grammar import token_automaton
+from treeflash.structured.grammar import REASONING_TAGS, token_automaton
 from treeflash.structured.regex import compile_regex, escape
 
 PATTERNS = [r"[a-c]+x?", r"(ab|a)*b{2,3}", r"a{,}b{}", r"\d{3}-\d{4}", r"[^a]*", r".{0,3}", r"héllo|wörld[α-ω]+",
@@ -90,7 +91,7 @@ def test_the_automaton_is_minimal():
     ("[a", "missing '\\]'"), ("[z-a]", "out of order"), ("a^b", "anchors"), ("a{2000}", "above 1000"), ("a{" + "9" * 5000 + "}", "above 1000"),
     ("(?i)a", "flags"), (r"\x4", "hex digits"), ("[^\\s\\S]", "matches no text"), ("a\\", "trailing backslash"),
     ("(?:(?:a{1000}){1000}){1000}", "expands past"), (r"\012", "octal"), (r"\ud800", "surrogate"),
-    ("\ud800", "surrogate"), ("(" * 2000 + ")" * 2000, "nests too deeply"), (r"a|\U00110000", "not a character"),
+    ("\ud800", "surrogate"), (r"\udfff", "surrogate"), ("(" * 2000 + ")" * 2000, "nests too deeply"), (r"a|\U00110000", "not a character"),
     ("(" + "a?" * 5000 + ")", "takes too long to build"),  # each within the NFA's size, seconds to compile
     ("(?:, ?-?(?:0|[1-9][0-9]*)){999}", "takes too long to minimise"),
 ])
@@ -1070,3 +1071,115 @@ def test_a_constrained_chain_is_the_best_one_the_constraint_allows(engines):
                 assert int(chain[b, d]) == want
                 s, checked = int(table[s, want]), checked + 1
     assert checked > 100
+
+
+# ----------------------------------------------------------------------------- cases a second mutation review found untested
+
+def test_characters_where_utf8_grows_a_byte_match_as_in_python_re():
+    """The last and first characters of each UTF-8 length (U+007F/0080, U+07FF/0800,
+    U+FFFF/10000) and the last two code points, alone, as the ends of a class and of a
+    negated class: each automaton accepts exactly what Python's re full-matches."""
+    ends = [0x7F, 0x80, 0x7FF, 0x800, 0xFFFF, 0x10000, 0x10FFFE, 0x10FFFF]
+    samples = [chr(c + d) for c in ends for d in (-1, 0, 1) if c + d <= 0x10FFFF]
+    patterns = [f"\\U{c:08x}" for c in ends]
+    for lo, hi in itertools.combinations_with_replacement(ends, 2):
+        patterns += [f"[\\U{lo:08x}-\\U{hi:08x}]", f"[^\\U{lo:08x}-\\U{hi:08x}]"]
+    for pattern in patterns:
+        dfa = compile_regex(pattern)
+        for s in samples:
+            assert dfa.matches(s.encode()) == bool(re.fullmatch(pattern, s)), (pattern, hex(ord(s)))
+    assert compile_regex("[^\\x00-\\U0010fffe]").matches("\U0010ffff".encode())
+
+
+def test_class_escapes_and_ranges_read_as_python_re_reads_them():
+    """[\\b] is the backspace (outside a class \\b is a boundary, refused); [a-a] is the one
+    character; the last code point \\U0010FFFF is a character; a bound written with leading
+    zeros is its value."""
+    for pattern, good, bad in [(r"[\b]x", ["\bx"], ["bx", "x"]), ("[a-a]b", ["ab"], ["b", "aab"]),
+                               (r"\U0010ffff|[\U0010fffe-\U0010ffff]", ["\U0010ffff", "\U0010fffe"], ["\uffff"]),
+                               ("a{000002}b{0,000001}", ["aa", "aab"], ["a", "aabb"])]:
+        dfa = compile_regex(pattern)
+        for s in good + bad:
+            assert dfa.matches(s.encode()) == (s in good) == bool(re.fullmatch(pattern, s)), (pattern, s)
+
+
+@pytest.mark.parametrize("pattern,reason", [
+    ("[a-", "missing '\\]'"), ("[a-\\", "trailing backslash"),
+    (r"[\w-z]", "single characters at both ends"), (r"[a-\d]", "single characters at both ends"),
+])
+def test_bad_classes_are_refused_in_one_line(pattern, reason):
+    """A class cut off after its dash, and a range from or to a class escape (Python's re
+    calls it a bad range too), are refused with the reason, not a crash or a guessed range."""
+    with pytest.raises(UsageError, match=reason) as err:
+        compile_regex(pattern)
+    assert "\n" not in str(err.value)
+
+
+def test_braces_in_a_choice_are_text():
+    """A choice is matched literally, braces included: "a{2}" is not "aa", nor "b{,}" any b's."""
+    choices = ["a{2}", "b{,}", "{x}", "c{1,3}d"]
+    dfa = StructuredOutputs(choice=choices).validate().automaton()
+    for c in choices:
+        assert dfa.matches(c.encode()), c
+    for other in ("aa", "b", "bbb", "x", "cd", "ccd"):
+        assert not dfa.matches(other.encode()), other
+
+
+def test_any_white_space_lstrip_drops_may_follow_the_reasoning():
+    """After the closing tag, each character str.lstrip drops (str.isspace: the ASCII
+    separators U+001C-U+001F and U+0085 too) may come before the constrained text, and no other."""
+    dfa = compile_regex("0", REASONING_TAGS["deepseek_r1"])
+    for code in [*range(0x3001), 0xFEFF, 0x10FFFF]:
+        c = chr(code)
+        if code not in range(0xD800, 0xE000):
+            assert dfa.matches(f"x</think>{c}0".encode()) == c.isspace(), hex(code)
+
+
+def test_a_table_built_a_block_of_states_at_a_time():
+    """A vocabulary wide enough that the token table is walked, and its edges sorted, a
+    block of states at a time (as a real model's always is): every entry is still the byte
+    automaton's step, in the first block, the last and across the seams."""
+    vocab = [b"a", b"b", b"c"] * 2730
+    dfa = compile_regex("[ab]{0,520}c")
+    assert dfa.num_states * len(vocab) > 1 << 22  # over one block of the builder and of `edges` (4M entries)
+    auto = token_automaton(dfa, vocab)
+    np.testing.assert_array_equal(auto.next, dfa.trans[:, [t[0] for t in vocab]])
+    assert auto.accepting.tolist() == dfa.accepting.tolist()
+
+
+def test_a_regex_of_exactly_the_size_limit_is_taken():
+    """The input limits are inclusive: a regex, grammar or choice of exactly that many
+    characters is taken (only a longer one is refused)."""
+    from treeflash.structured.grammar import MAX_INPUT_CHARS
+    SamplingParams(structured_outputs=StructuredOutputs(regex="a" * MAX_INPUT_CHARS["regex"]))
+    body = "a" * (MAX_INPUT_CHARS["grammar"] - len('root ::= ""'))
+    SamplingParams(structured_outputs=StructuredOutputs(grammar=f'root ::= "{body}"'))
+    SamplingParams(structured_outputs=StructuredOutputs(choice=["ab"] * (MAX_INPUT_CHARS["choice"] // 2)))
+
+
+@pytest.mark.parametrize("grammar,good,bad", [
+    ('root ::= "a" # a comment on the last line, no newline after it', ["a"], ["", "aa"]),
+    ('root ::= [0-9]{ 2 , 3 }', ["12", "123"], ["1", "1234"]),  # llama.cpp allows spaces inside the braces
+    ('root ::= [^\\]]+ "]"', ["ab]", "[x]"], ["a]]", "]"]),  # \\] in a class
+    ("root ::= 'it\\'s'", ["it's"], ["its"]),  # \\' in a single-quoted literal
+    ('root ::= [a-a] "\\U0010ffff"', ["a\U0010ffff"], ["b\U0010ffff"]),  # a one-character range; the last code point
+])
+def test_grammar_syntax_llama_cpp_takes(grammar, good, bad):
+    """GBNF as llama.cpp writes it: a final comment, spaced bounds, escaped brackets and quotes."""
+    dfa = _grammar_automaton(grammar)
+    for text in good:
+        assert dfa.matches(text.encode()), (grammar, text)
+    for text in bad:
+        assert not dfa.matches(text.encode()), (grammar, text)
+
+
+@pytest.mark.parametrize("grammar,message", [
+    ('root ::= ("a" | z)+', "rule 'root' uses 'z', which no rule defines"),  # used only under a quantifier
+    ('root ::= "a\nb"', "missing closing \" (line 1)"),  # a literal does not run past its line
+])
+def test_grammar_mistakes_under_quantifiers_and_across_lines_are_refused(grammar, message):
+    """An undefined rule used only under a quantifier, and a literal left open at the end of
+    its line, are one-line errors that say where."""
+    with pytest.raises(UsageError, match=re.escape(message)) as e:
+        StructuredOutputs(grammar=grammar).validate().automaton()
+    assert "\n" not in str(e.value)
