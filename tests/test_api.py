@@ -1117,3 +1117,26 @@ def test_a_stream_hands_out_all_text_no_stop_string_can_still_claim():
     text = "".join(pieces)
     assert "".join(stream.push(tok.encode(p, special=False)) for p in pieces) == text[:len(text) - (len(stop) - 1)]
     assert stream.finish(text) == text[len(text) - (len(stop) - 1):]
+
+
+def test_auto_dtype_reads_torch_prefixed_names_and_runs_half_checkpoints_in_float32_on_the_cpu():
+    """dtype "auto": a config's "torch.bfloat16" (older transformers' spelling, which the
+    engine accepts) is bfloat16 on a GPU, not float32; a float16 checkpoint runs in
+    float32 on the CPU as a bfloat16 one does (CPU half-precision matmuls are slow)."""
+    from treeflash.engine.options import resolve_dtype
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert resolve_dtype("auto", "torch.bfloat16", cuda) == torch.bfloat16
+    assert resolve_dtype("auto", "torch.float16", cuda) == torch.float16
+    for stored in ("float16", "torch.float16", "bfloat16"):
+        assert resolve_dtype("auto", stored, cpu) == torch.float32, stored
+    assert resolve_dtype("float16", "float32", cpu) == torch.float16  # asked for: as asked
+
+
+def test_a_budget_of_exactly_max_budget_is_taken_and_one_more_refused():
+    """max_budget is the largest tree a ddtree engine verifies: a budget equal to it is
+    taken, one node more is refused."""
+    from treeflash.engine.options import tree_budget
+    cpu = torch.device("cpu")
+    assert tree_budget("ddtree", 32, 32, cpu) == 32
+    with pytest.raises(UsageError, match="ddtree budget 33 exceeds max_budget 32"):
+        tree_budget("ddtree", 33, 32, cpu)

@@ -150,7 +150,7 @@ def scripted(tmp_path_factory):
             for t in ids:
                 if on_tokens is not None:
                     on_tokens(k, [t], None)
-            outs.append(GenerationOutput(llm.tokenizer.decode(ids), list(ids), "stop"))
+            outs.append(GenerationOutput(llm.tokenizer.decode(ids), list(ids), script.get("reason", "stop")))
             if on_done is not None:
                 on_done(k, outs[-1])
         return outs
@@ -162,7 +162,7 @@ def scripted(tmp_path_factory):
         yield client, prompts
 
 
-script: dict = {}  # the scripted engine's answer, when not ANSWER
+script: dict = {}  # the scripted engine's answer, when not ANSWER (and its finish reason, when not 'stop')
 
 
 @pytest.fixture
@@ -794,3 +794,68 @@ def test_chat_format_switches_must_be_booleans(name):
         ChatTemplate("{{ messages[0].content }}").prompt([{"role": "user", "content": "hi"}],
                                                           ChatFormat(**{name: "false"}))
     assert e.value.param == name
+
+
+def test_an_answer_cut_off_at_its_opening_tag_leaks_no_tag():
+    """An answer cut off (max_tokens) right after `<think>` is an empty reasoning, not a
+    "<think>" in the content; deepseek_r1's answer starts inside the reasoning, so one
+    cut off before anything is known (a blank, part of a tag) is reasoning, as qwen3's
+    is content."""
+    for parser in ("qwen3", "deepseek_r1"):
+        assert split_reasoning("<think>", parser) == (None, ""), parser
+        stream = ReasoningStream(parser)
+        assert stream.push("<think>") == ("", "") and stream.finish() == ("", "")
+    for text in ("<th", "\n"):
+        assert split_reasoning(text, "deepseek_r1") == (text, "")
+        assert split_reasoning(text, "qwen3") == (None, text)
+
+
+def test_a_llama3_json_answer_of_only_the_python_tag_is_text():
+    """An answer that is `<|python_tag|>` and nothing after it (cut off, or a model that
+    stopped there) holds no call: its text comes back as content, not as nothing."""
+    for text in ("<|python_tag|>", "<|python_tag|> \n"):
+        assert split_tool_calls(text, "llama3_json") == (text, [])
+
+
+def test_a_call_cut_off_by_max_tokens_ends_with_length(scripted, answer):
+    """finish_reason 'tool_calls' replaces 'stop' only: an answer that made a call and
+    then ran into max_tokens ends with 'length' (the client must know it was cut off),
+    whole and streamed; its complete call still comes back."""
+    client, _ = scripted
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 50}
+    answer(CALL + "\nAnd now")
+    script["reason"] = "length"
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+    content, calls, reason = _stream(client, body)
+    assert reason == "length" and [c["function"]["name"] for c in calls] == ["get_weather"]
+
+
+def test_streamed_deltas_carry_only_the_parts_they_have(scripted, answer):
+    """A streamed chat delta names only the parts it adds: reasoning deltas carry no
+    "content" key (clients show a content key as the answer starting), and the last
+    event, when the answer's text was all sent, has an empty delta beside its
+    finish_reason, as OpenAI's."""
+    client, _ = scripted
+    answer(THOUGHT + "It is sunny.")
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES[:1], "max_tokens": 80, "stream": True})
+    deltas = [json.loads(line[6:])["choices"][0] for line in r.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert deltas[-1]["finish_reason"] == "stop" and deltas[-1]["delta"] == {}
+    assert all(d["delta"].get("content", "x") != "" and d["delta"].get("reasoning_content", "x") != ""
+               for d in deltas)
+    assert "".join(d["delta"].get("reasoning_content", "") for d in deltas) == "\nThe user wants Paris.\n"
+    assert "".join(d["delta"].get("content", "") for d in deltas) == "It is sunny."
+
+
+def test_content_parts_are_joined_by_newlines_and_a_call_without_arguments_has_none():
+    """A message's list of text parts reaches the template as one text, the parts joined
+    by newlines (as vLLM joins them); an earlier call given without "arguments" reaches
+    it with empty arguments ({}), not null."""
+    template = ChatTemplate("{% for m in messages %}{{ m.content }}|{% for c in m.tool_calls or [] %}"
+                            "{{ c.function.name }}({{ c.function.arguments | tojson }}){% endfor %}{% endfor %}")
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                                       "function": {"name": "now"}}]}]
+    assert template.prompt(messages) == "a\nb||now({})"

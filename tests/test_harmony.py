@@ -118,6 +118,14 @@ def test_without_the_tool_parser_a_call_is_content():
     assert split(ANSWERS[2], tools=False)[1] == 'Let me check the weather.\n{"city":"Oslo"}'
 
 
+def test_a_recipient_right_after_a_marker_is_still_a_call():
+    """The header's `to=functions.NAME` may follow a marker with no space between
+    (`<|constrain|>to=...`): still a call, not its arguments as content."""
+    text = '<|channel|>commentary<|constrain|>to=functions.get_weather<|message|>{"city": "Rome"}<|call|>'
+    want = ("", "", [{"name": "get_weather", "arguments": '{"city": "Rome"}'}])
+    assert split(text) == streamed(text, range(1, len(text))) == want
+
+
 def test_an_empty_message_adds_no_line_to_its_part():
     """A message with no text (an empty preamble) gives its part nothing: the next
     message of that part does not start with a newline, whole or streamed."""

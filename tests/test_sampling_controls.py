@@ -674,6 +674,20 @@ def test_stop_strings_cut_where_the_whole_text_first_holds_one():
     assert cuts > 100
 
 
+def test_a_long_stop_string_of_wide_characters_is_found_however_far_back_it_begins():
+    """A round that completes a stop string cuts there however far back the stop string
+    begins: the window of text searched reaches past the broken character it may start
+    in ("你" and "😀" as their byte tokens here, up to 3 of them orphans at its start)."""
+    llm = LLM(builtin_paths()[0], device="cpu", dtype="float32", method="ar")
+    wide, a, x = {"你": [163, 124, 257], "😀": [175, 256, 249, 225]}, llm.encode("a"), llm.encode("x")
+    assert all(llm.tokenizer.decode(ids) == c for c, ids in wide.items())
+    for c, n, lead, stop in (("你", 6, 2, "你" * 5 + "aax"), ("你", 11, 0, "你" * 11 + "x"),
+                             ("😀", 4, 1, "😀" * 4 + "ax")):
+        out = a * 40 + wide[c] * n + a * lead + x
+        assert llm.tokenizer.decode(out).endswith(stop)
+        assert llm.rules.cut_at_stop_string(out, len(out) - 1, SamplingParams(stop=[stop]), llm.encode("q")), stop
+
+
 def test_the_bad_words_check_of_a_structured_output_matches_a_walk_of_its_texts():
     """`check` against a brute-force walk of small random automata: every token sequence
     the constraint, the end tokens (no longer text; they end the text where it matches)
