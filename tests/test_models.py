@@ -446,7 +446,9 @@ def test_qwen3_sliding_window_through_the_kv_cache_matches_transformers(hf_check
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 65536},
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 65536, "attention_factor": 0.8,
      "beta_fast": 16.0, "beta_slow": 2.0, "truncate": False},
-], ids=["defaults", "explicit"])
+    # a factor below 1 takes no attention factor (1, not 0.1 ln(factor) + 1), as in transformers
+    {"rope_type": "yarn", "factor": 0.5, "original_max_position_embeddings": 65536},
+], ids=["defaults", "explicit", "factor-below-1"])
 def test_qwen3_yarn_rope_matches_transformers(hf_checkpoint, clone_checkpoint, rope):
     """A Qwen3 with YaRN rope scaling, as Qwen documents it for long contexts (theta and
     original context picked so that the ramp reaches past the middle of the head)."""
@@ -512,3 +514,51 @@ def test_rms_norm_in_bfloat16_rounds_as_transformers(hf_checkpoint):
     x = (3 * torch.randn(4, 7, ours.weight.shape[0], generator=gen)).to(torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(ours(x), theirs(x))
+
+
+@pytest.mark.parametrize("rope", [
+    None,
+    {**LLAMA3_ROPE, "rope_theta": 500000.0},
+    {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+     "original_max_position_embeddings": 4096, "rope_theta": 150000.0},   # gpt-oss's
+    # one beta for both ends of the ramp, untruncated: a ramp 0.001 dims wide, as transformers'
+    {"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 8.0, "truncate": False,
+     "original_max_position_embeddings": 65536, "rope_theta": 10000.0},
+], ids=["default", "llama3", "yarn", "yarn-one-beta"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_rotary_cos_sin_are_transformers_bit_for_bit(hf_checkpoint, clone_checkpoint, rope, dtype):
+    """The cos and sin a model's attention rotates by, at positions far into a long context:
+    the angles are float32 products of the position and the float32 frequencies, and YaRN's
+    factor multiplies them before the cast to the model's dtype (bf16 included), as in
+    transformers: any other order or precision rounds differently, position by position."""
+    from transformers import AutoConfig
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    from treeflash.layers.rotary import RotaryEmbedding
+    ck = hf_checkpoint("qwen3")
+    folder = ck.path if rope is None else clone_checkpoint(ck.path, rope_parameters=rope)
+    cfg = ModelConfig.from_pretrained(folder)
+    theirs = Qwen3RotaryEmbedding(AutoConfig.from_pretrained(folder))
+    ours = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    positions = torch.tensor([[0, 1, 7, 255, 256, 1000, 4095, 4097, 20011, 65537, 131071]])
+    cos, sin = ours.cos_sin(positions, dtype)
+    want_cos, want_sin = theirs(torch.zeros(1, dtype=dtype), positions)
+    assert cos.dtype == sin.dtype == dtype
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+
+
+def test_float64_norms_stay_in_float64(hf_checkpoint, hf_model64, monkeypatch):
+    """A float64 model is the reference the speculative tests hold the engine to: its
+    RMSNorms (q/k norms included) compute in float64, not in the float32 transformers
+    uses for them, so its logits are transformers' with float64 norms to 1e-10."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    def float64_norm(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(Qwen3RMSNorm, "forward", float64_norm)
+    ck = hf_checkpoint("qwen3")
+    llm = LLM(ck.path, device="cpu", dtype="float64")
+    ids = encode_all(llm)[1]
+    want = hf_logits(hf_model64("qwen3"), ids)
+    assert rel_err(tf_logits(llm, torch.tensor([ids]))[0], want) < 1e-10

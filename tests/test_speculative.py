@@ -562,3 +562,87 @@ def test_the_ddtree_is_the_budget_most_probable_prefixes(budget, spec_target, sp
                     j = int(tree.parents[b, j])
                 prefixes.add(tuple(reversed(path)))
         assert prefixes == set(best_prefixes_heap(logprobs[b], budget))
+
+
+# ------------------------------------------------------------------ the drafter against its published forward
+
+def _published_dflash_hidden(folder, features, feature_positions, block_embeds, block_positions):
+    """The DFlash drafter's forward as its checkpoint describes it, written out by hand in
+    float64 from config.json and the safetensors: the target features through `fc` and
+    `hidden_norm` are each layer's context (no input norm); a layer's queries are its block
+    tokens' and its keys and values the context's followed by the block's (q/k RMS norms
+    with the checkpoint's eps, then RoPE at the config's rope_theta, at each token's own
+    position); every block query sees every context key (within `sliding_window` positions
+    in a sliding_attention layer) and the whole block; the final `norm` ends it."""
+    import json
+
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+    cfg = json.loads((folder / "config.json").read_text())
+    w = {k: v.double() for k, v in load_file(str(folder / "model.safetensors")).items()}
+    eps, theta, D = cfg["rms_norm_eps"], cfg["rope_theta"], cfg["head_dim"]
+    Hq, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
+    assert not any(k.endswith("bias") for k in w)
+
+    def norm(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    def rope(x, pos):  # x [B, T, H, D], pos [B, T]
+        inv = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+        angle = torch.cat([pos.double()[..., None] * inv] * 2, -1)[:, :, None]
+        return x * angle.cos() + torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1) * angle.sin()
+
+    B, M, _ = block_embeds.shape
+    ctx = norm(features.double() @ w["fc.weight"].T, w["hidden_norm.weight"])
+    key_positions = torch.cat([feature_positions, block_positions], 1)
+    h = block_embeds.double()
+    for i, kind in enumerate(types):
+        p = f"layers.{i}."
+        x = norm(h, w[p + "input_layernorm.weight"])
+        kv_in = torch.cat([ctx, x], 1)
+        q = norm((x @ w[p + "self_attn.q_proj.weight"].T).view(B, M, Hq, D), w[p + "self_attn.q_norm.weight"])
+        k = norm((kv_in @ w[p + "self_attn.k_proj.weight"].T).view(B, -1, Hkv, D), w[p + "self_attn.k_norm.weight"])
+        v = (kv_in @ w[p + "self_attn.v_proj.weight"].T).view(B, -1, Hkv, D)
+        q, k = rope(q, block_positions), rope(k, key_positions)
+        k, v = k.repeat_interleave(Hq // Hkv, 2), v.repeat_interleave(Hq // Hkv, 2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / D ** 0.5
+        if kind == "sliding_attention":
+            seen = key_positions[:, None, :] > block_positions[:, :, None] - cfg["sliding_window"]
+            scores = scores.masked_fill(~seen[:, None], float("-inf"))
+        out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(B, M, Hq * D)
+        h = h + out @ w[p + "self_attn.o_proj.weight"].T
+        x = norm(h, w[p + "post_attention_layernorm.weight"])
+        gate, up = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
+        h = h + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    return norm(h, w["norm.weight"])
+
+
+@pytest.mark.parametrize("changes", [
+    # a drafter's own rope_theta and rms_norm_eps (published ones are not their target's)
+    dict(rope_theta=1e6, rms_norm_eps=0.05),
+    # a sliding first layer whose window (10) is shorter than the committed context (30)
+    dict(use_sliding_window=True, sliding_window=10, is_causal=False,
+         layer_types=["sliding_attention", "full_attention"]),
+], ids=["own-theta-and-eps", "sliding-layer"])
+def test_the_draft_is_the_published_dflash_forward(spec_target, spec_drafter, clone_checkpoint, changes):
+    """A round's draft scores are the target's LM head over the hidden states the published
+    DFlash forward gives (written out by hand above) for the block [anchor, mask, ...] at
+    positions n.. over the target's tapped features of the committed tokens: what the
+    checkpoint was trained to draft, with its own config, not its target's."""
+    target = spec_target("qwen3", "peaked")
+    drafter = clone_checkpoint(spec_drafter("qwen3", "peaked", 8), **changes)
+    llm = spec_llm(target, drafter, "dflash")
+    dec, d, prompt = llm.decoder, llm.drafter, SPEC_PROMPTS[9]
+    assert len(prompt) == 30
+    st = dec.new_state(1, 128, SamplingBatch.from_params([GREEDY64], "cpu"))
+    dec.prefill(st, [prompt])
+    n, b = len(prompt), d.block_size
+    with torch.inference_mode():
+        got = dec.draft_logits(st)
+        positions = torch.arange(n)[None]
+        _, feats = llm.target(torch.tensor([prompt]), AttentionInputs.causal(positions), None, d.target_layer_ids)
+        block = torch.tensor([[int(st.anchor[0])] + [d.mask_token_id] * (b - 1)])
+        h = _published_dflash_hidden(drafter, feats, positions, llm.target.embed(block), n + torch.arange(b)[None])
+        want = llm.target.logits(h[:, 1:], gather=False)
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-6  # float32 scores
