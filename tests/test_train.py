@@ -1538,3 +1538,12 @@ def test_a_resumed_run_replaces_only_its_own_export(target, data_dir, tmp_path):
     with pytest.raises(UsageError, match="is not empty"):
         train_target(data_dir, run, other, opts=TrainOptions(max_steps=41), resume=True)
     assert [p.name for p in other.iterdir()] == ["config.json"]
+
+
+def test_a_corpus_of_exactly_one_window_is_enough():
+    """A corpus of exactly one window has one window to train on; the refusal is for fewer tokens."""
+    from treeflash.train.corpus import TokenWindows
+    with pytest.raises(UsageError, match="has 32 tokens, fewer than one window of 33"):
+        TokenWindows(np.arange(32), 33, torch.device("cpu"))
+    w = TokenWindows(np.arange(33), 33, torch.device("cpu"))
+    assert w.sample(2, torch.Generator().manual_seed(0)).tolist() == [list(range(33))] * 2

@@ -369,7 +369,7 @@ class TokenWindows:
     """Random windows of a flat id array, kept on the training device (a few tens of MB)."""
 
     def __init__(self, ids: np.ndarray, length: int, device: torch.device, what: str = "corpus"):
-        if ids.size < length + 1:
+        if ids.size < length:
             raise UsageError(f"the {what} has {ids.size} tokens, fewer than one window of {length}; "
                              f"lower the sequence length")
         self.ids = torch.from_numpy(ids.astype(np.int32)).to(device)
