@@ -1540,6 +1540,109 @@ def test_a_resumed_run_replaces_only_its_own_export(target, data_dir, tmp_path):
     assert [p.name for p in other.iterdir()] == ["config.json"]
 
 
+# ----------------------------------------------------------------------------- corpus, target, tokenizer and CLI (cases a second mutation review found untested)
+
+def test_package_folders_inside_a_root_are_left_to_their_own_root(tmp_path):
+    """A root that holds site-packages or dist-packages (the standard library's folder does)
+    reads its own files only: the installed packages are a root of their own, read after it."""
+    root = _corpus_files(tmp_path / "lib", 2)
+    for name in ("site-packages", "dist-packages"):
+        (root / name).mkdir()
+        (root / name / "pkg.py").write_text(f"# from {name}\nx = 1\n")
+    assert collect([root], heldout_fraction=0).stats["files_seen"] == 2
+    assert collect([root / "site-packages"], heldout_fraction=0).train == ["# from site-packages\nx = 1\n"]
+
+
+def test_a_code_file_of_exactly_the_size_limit_is_kept(tmp_path):
+    """MAX_FILE_BYTES is the largest .py file read: one of exactly that size is a document."""
+    from treeflash.train.corpus import MAX_FILE_BYTES
+    src = tmp_path / "src"
+    src.mkdir()
+    text = ("#" * 63 + "\n") * (MAX_FILE_BYTES // 64)
+    (src / "big.py").write_text(text)
+    assert len(text.encode()) == MAX_FILE_BYTES and collect([src], heldout_fraction=0).train == [text]
+
+
+def test_jsonl_lines_split_the_same_wherever_the_corpus_lies(tmp_path):
+    """The split of a .jsonl line hashes the file's path relative to its root and the line
+    number: a copy in another folder (machine) splits alike."""
+    a = tmp_path / "a" / "chats"
+    a.mkdir(parents=True)
+    (a / "c.jsonl").write_text("".join(json.dumps({"text": f"chat number {i}"}) + "\n" for i in range(80)))
+    b = shutil.copytree(a, tmp_path / "elsewhere" / "deeper" / "chats")
+    ca = collect([a], heldout_fraction=0.3, suffixes=(".jsonl",))
+    cb = collect([b], heldout_fraction=0.3, suffixes=(".jsonl",))
+    assert ca.heldout and (ca.train, ca.heldout) == (cb.train, cb.heldout)
+
+
+def test_a_jsonl_text_holding_a_nul_is_skipped(tmp_path):
+    """As a code file with a NUL byte, a .jsonl text holding one is binary data: skipped."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "d.jsonl").write_text(json.dumps({"text": "plain text"}) + "\n" + json.dumps({"text": "bin\x00ary"}) + "\n")
+    c = collect([src], heldout_fraction=0, suffixes=(".jsonl",))
+    assert c.train == ["plain text"] and c.stats["skipped"] == 1
+
+
+def test_a_cap_stops_at_the_first_file_past_it(tmp_path):
+    """Reading stops at the first file that would pass max_bytes: a smaller file after it,
+    which would still fit, is not taken (the corpus is a prefix of the read order)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(8):
+        (src / f"m{i}.py").write_text(f"x{i} = {i}\n")
+    order = collect([src], heldout_fraction=0).train
+    big = next(p for p in src.iterdir() if p.read_text() == order[2])
+    big.write_text("y = 1\n" * 100)
+    capped = collect([src], heldout_fraction=0, max_bytes=len("".join(order[:2]).encode()) + 50)
+    assert capped.train == order[:2] and capped.stats["capped"]
+
+
+def _word_tokenizer(folder: Path, vocab_size: int) -> Path:
+    """A word-level tokenizer of `vocab_size` ids: EOS, then w1, w2, ..."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    folder.mkdir(parents=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return folder
+
+
+def test_ids_past_uint16_are_stored_as_int32(tmp_path):
+    """A vocabulary of 2^16 ids fits uint16; one more id needs int32, and the corpus keeps
+    the ids past 65535 as they are (not wrapped around)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for vocab, dtype in ((1 << 16, "uint16"), ((1 << 16) + 1, "int32")):
+        (src / "a.py").write_text(f"w{vocab - 1} w1\n")
+        tok = _word_tokenizer(tmp_path / f"tok{vocab}", vocab)
+        meta = write_corpus(tok, tmp_path / f"ids{vocab}", [src], heldout_fraction=0)
+        assert meta["dtype"] == dtype and load_corpus(tmp_path / f"ids{vocab}").train.tolist() == [vocab - 1, 1, 0]
+
+
+def test_a_corpus_may_be_written_into_its_tokenizers_folder(tmp_path):
+    """TRAINING.md's flow: `train tokenizer --out data/`, then `train corpus --tokenizer data/
+    --out data/` (the tokenizer files are already there)."""
+    src = _corpus_files(tmp_path / "src", 6)
+    data = tmp_path / "data"
+    assert cli_main(["tokenizer", "--out", str(data), "--roots", str(src), "--vocab-size", "300"]) == 0
+    tokenizer = (data / "tokenizer.json").read_bytes()
+    assert cli_main(["corpus", "--tokenizer", str(data), "--out", str(data), "--roots", str(src)]) == 0
+    assert load_corpus(data).train.size and (data / "tokenizer.json").read_bytes() == tokenizer
+
+
+def test_training_windows_reach_the_last_one():
+    """Training draws windows from every start, the last included (the corpus's end is
+    trained on like its middle)."""
+    from treeflash.train.corpus import TokenWindows
+    w = TokenWindows(np.arange(40), 33, torch.device("cpu"))
+    batch = w.sample(400, torch.Generator().manual_seed(0))
+    assert set(batch[:, 0].tolist()) == set(range(8))
+    assert torch.equal(batch - batch[:, :1], torch.arange(33).expand(400, 33))
+
+
 def test_a_corpus_of_exactly_one_window_is_enough():
     """A corpus of exactly one window has one window to train on; the refusal is for fewer tokens."""
     from treeflash.train.corpus import TokenWindows
@@ -1547,3 +1650,154 @@ def test_a_corpus_of_exactly_one_window_is_enough():
         TokenWindows(np.arange(32), 33, torch.device("cpu"))
     w = TokenWindows(np.arange(33), 33, torch.device("cpu"))
     assert w.sample(2, torch.Generator().manual_seed(0)).tolist() == [list(range(33))] * 2
+
+
+def test_the_held_out_loss_is_the_exported_models_next_token_loss(data_dir, tmp_path, monkeypatch):
+    """The summary's held-out loss is the exported model's mean next-token cross-entropy
+    (transformers as the oracle) over the held-out windows of seq_len + 1 tokens, each token
+    weighing alike across uneven batches; training windows are seq_len + 1 tokens too, and
+    tokens_seen counts the tokens predicted."""
+    import transformers  # the test extra: the oracle
+
+    import treeflash.train.target as target_mod
+    from treeflash.train.corpus import fixed_windows
+    shapes = []
+    lm_loss = target_mod.lm_loss
+    monkeypatch.setattr(target_mod, "lm_loss", lambda model, w: shapes.append(tuple(w.shape)) or lm_loss(model, w))
+    opts = TrainOptions(**{**OPTS, "max_steps": 12, "batch_size": 3, "eval_every": 12})
+    summary = train_target(data_dir, tmp_path / "run", tmp_path / "model", TINY, opts, dtype="float32")
+    S = OPTS["seq_len"]
+    assert shapes[0] == (3, S + 1) and {s[1] for s in shapes} == {S + 1}
+    assert summary["tokens_seen"] == 12 * 3 * S
+    held = fixed_windows(load_corpus(data_dir).heldout, S + 1, OPTS["eval_tokens"])
+    assert held.shape[0] % 3 and summary["heldout_tokens_evaluated"] == held.shape[0] * S
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(held[:, :-1]).logits
+    oracle = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), held[:, 1:].reshape(-1)).item()
+    assert summary["eval_loss"] == pytest.approx(oracle, abs=2e-4)
+
+
+def test_held_out_loss_weighs_every_token_and_perplexity_is_its_exponential(monkeypatch):
+    """Batches of held-out windows are averaged by their tokens (a short last batch counts
+    less), and the perplexity is exp(loss) above e^5 too."""
+    import treeflash.train.target as target_mod
+    windows = torch.tensor([[6] * 5] * 3 + [[12] * 5])
+    monkeypatch.setattr(target_mod, "lm_loss", lambda model, w: w[:, 0].float().mean())
+    out = target_mod.evaluate_lm(None, windows, 3, torch.device("cpu"))
+    assert out == {"eval_loss": 7.5, "eval_ppl": round(math.exp(7.5), 3)}
+
+
+def test_a_target_shape_of_zero_theta_or_bool_sizes_is_refused():
+    """--rope-theta must be above 0, and a size given as True is not the integer 1."""
+    from dataclasses import replace
+
+    from treeflash.train.target import TARGET_SHAPE
+    base = TargetShape(**TARGET_SHAPE)
+    assert base.check() is base
+    for change, words in ((dict(rope_theta=0.0), "--rope-theta must be a finite number > 0, got 0.0"),
+                          (dict(num_layers=True), "--num-layers must be a positive integer, got True"),
+                          (dict(rope_theta=True), "--rope-theta must be a finite number > 0, got True")):
+        with pytest.raises(UsageError, match=words):
+            replace(base, **change).check()
+
+
+def test_rope_theta_and_dtype_flags_reach_the_model_loaders_read(data_dir, tmp_path):
+    """`train target --rope-theta 500 --dtype float32`: loaders (treeflash, transformers 5)
+    read the RoPE base from rope_parameters, so it is 500 there too; the weights are float32,
+    and config.json claims no attention biases the weights do not hold."""
+    from treeflash.config import ModelConfig
+    flags = ["--hidden-size", "32", "--num-layers", "2", "--num-heads", "2", "--num-kv-heads", "1", "--head-dim",
+             "16", "--intermediate-size", "64"] + [f"--{k.replace('_', '-')}={v}" for k, v in OPTS.items()]
+    assert cli_main(["target", "--data", str(data_dir), "--run", str(tmp_path / "run"), "--rope-theta", "500",
+                     "--dtype", "float32", "--max-steps", "1", *flags]) == 0
+    folder = tmp_path / "run" / "model"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 500.0}
+    assert ModelConfig.from_pretrained(folder).rope_theta == 500.0 and config["torch_dtype"] == "float32"
+    tensors = _tensors(folder)
+    assert {t.dtype for t in tensors.values()} == {torch.float32}
+    # the config describes the weights: no attention biases (a strict loader would want them)
+    assert config["attention_bias"] is False and not any(n.endswith(".bias") for n in tensors)
+
+
+def test_the_exported_tokenizer_names_its_special_tokens(target, tmp_path):
+    """transformers reads EOS, PAD and MASK (no BOS) from the exported tokenizer, as a user
+    batching prompts needs them; model_max_length is the one asked for."""
+    import transformers  # the test extra: the oracle
+    base, _ = target
+    tok = transformers.AutoTokenizer.from_pretrained(base / "model")
+    assert (tok.eos_token_id, tok.pad_token_id, tok.mask_token_id, tok.bos_token) == (0, 1, 2, None)
+    train_tokenizer(["def f(x):\n    return x\n"] * 4, tmp_path / "tok", vocab_size=300, model_max_length=77)
+    assert json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())["model_max_length"] == 77
+
+
+def test_a_word_after_indentation_is_the_same_piece_as_after_one_space(data_dir):
+    """Pre-tokenization, as Qwen / Llama 3 split: a run of spaces before a word leaves its
+    last space to the word, so an indented `return` is the ` return` of mid-line text."""
+    from tokenizers import Tokenizer
+    pre = Tokenizer.from_file(str(data_dir / "tokenizer.json")).pre_tokenizer
+    assert [p for p, _ in pre.pre_tokenize_str("x = 1\n    return x\n")] == \
+        ["x", "Ġ=", "Ġ1", "Ċ", "ĠĠĠ", "Ġreturn", "Ġx", "Ċ"]
+
+
+def test_size_and_list_arguments():
+    """--max-bytes G is 2^30 bytes (any case); --target-layer-ids takes spaces and a
+    trailing comma."""
+    from treeflash.train.cli import _int_list, _size
+    assert [_size(t) for t in ("1G", "2g", "1GiB", "3k", "7")] == [1 << 30, 2 << 30, 1 << 30, 3 << 10, 7]
+    assert _int_list("1, 3,5,") == [1, 3, 5]
+
+
+def test_generate_cli_passes_its_options_and_defaults(target, data_dir, tmp_path, capsys):
+    """`train generate` defaults to 64 prompt + 448 new tokens (refused by a target of
+    context 32) and seed 0 (the library's), and passes --heldout-prompts."""
+    base, _ = target
+    common = ["generate", "--target", str(base / "model"), "--data", str(data_dir), "--device", "cpu"]
+    capsys.readouterr()
+    assert cli_main([*common, "--out", str(tmp_path / "d.npz")]) == 2
+    assert "prompt_len + new_tokens = 512 exceeds the target's context of 32" in capsys.readouterr().err
+    assert cli_main([*common, "--out", str(tmp_path / "c.npz"), "--num-prompts", "3", "--prompt-len", "4",
+                     "--new-tokens", "2", "--heldout-prompts", "2"]) == 0
+    generate_continuations(base / "model", data_dir, tmp_path / "f.npz", num_prompts=3, prompt_len=4, new_tokens=2,
+                           device="cpu", heldout_prompts=2)
+    with np.load(tmp_path / "c.npz") as c, np.load(tmp_path / "f.npz") as f:
+        assert c["heldout_ids"].shape == (2, 6) and all(np.array_equal(c[k], f[k]) for k in ("ids", "heldout_ids"))
+
+
+def test_drafter_cli_passes_max_shard_mb(target, data_dir, tmp_path):
+    """`train drafter --max-shard-mb` shards the drafter's export."""
+    base, _ = target
+    assert cli_main(["drafter", "--target", str(base / "model"), "--data", str(data_dir), "--run",
+                     str(tmp_path / "run"), "--block-size", "4", "--max-steps", "1", "--tau-prompts", "0",
+                     "--batch-size", "2", "--seq-len", "32", "--eval-tokens", "256", "--device", "cpu",
+                     "--max-shard-mb", "0.01"]) == 0
+    assert len(list((tmp_path / "run" / "model").glob("*.safetensors"))) > 1
+
+
+def test_the_tokenizer_learns_from_the_training_split_only(tmp_path, capsys):
+    """`train tokenizer` trains on the files it counts, the training split: the held-out
+    text stays unseen (no merge learned from it alone)."""
+    src = _corpus_files(tmp_path / "src", 20)
+    held = collect([src], heldout_fraction=0.3).heldout
+    assert held
+    for f in src.iterdir():
+        if f.read_text() in held:
+            f.write_text(f"# {f.name}\n" + ("zzzz " * 20 + "\n") * 25)
+    assert cli_main(["tokenizer", "--out", str(tmp_path / "tok"), "--roots", str(src), "--heldout-fraction", "0.3",
+                     "--vocab-size", "300"]) == 0
+    assert f"training on {20 - len(held)} files" in capsys.readouterr().out
+    assert len(collect([src], heldout_fraction=0.3).heldout) == len(held)
+    vocab = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())["model"]["vocab"]
+    assert not any("zz" in t for t in vocab)
+
+
+def test_a_target_run_resumes_only_on_its_own_corpus(target, data_dir, tmp_path):
+    """A corpus re-made in the same tokenizer from other text (its token counts differ) is
+    not the one a target run trained on: --resume refuses it."""
+    base, _ = target
+    run = shutil.copytree(base / "run", tmp_path / "run")
+    other = write_corpus(data_dir, tmp_path / "other", [_corpus_files(tmp_path / "src", 30)], heldout_fraction=0.25)
+    assert other["train_tokens"] != load_corpus(data_dir).train.size
+    with pytest.raises(UsageError, match="is not the one this run trained on"):
+        train_target(tmp_path / "other", run, tmp_path / "model", opts=TrainOptions(max_steps=41), resume=True)
