@@ -234,6 +234,11 @@ def test_shape_mode_refuses_weights_past_the_hosts_free_memory(monkeypatch, caps
     assert len(err.strip().splitlines()) == 1, err
 
 
+QUICK_SHAPE = ["--contexts", "16", "--budgets", "0", "--iters", "1", "--device", "cpu", "--copy-mib", "1"]
+QUICK_PAIR = ["--methods", "ar", "--num-prompts", "1", "--max-new-tokens", "1", "--batch-sizes", "1",
+              "--temperatures", "0", "--graphs", "off", "--device", "cpu"]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--shape", "gpt5"], "unknown shape"),
     (["--shape", "", "--iters", "1"], "unknown shape ''"),
@@ -310,6 +315,22 @@ def test_shape_mode_refuses_weights_past_the_hosts_free_memory(monkeypatch, caps
     (["--shape", "tiny", "--fp8", "0x128"], "--fp8 block sizes must be positive"),
     (["--shape", "tiny", "--fp8", "128"], "--fp8 takes ROWSxCOLS"),
     (["--shape", "tiny", "--budgets", "0,3", "--contexts", "32753"], "--contexts at most 32752"),
+    # the other mode's options, each refused (a third mutation review: any one left out of MODE_ONLY was ignored;
+    # the runs kept short, as they would be under such a mistake)
+    (["--shape", "tiny", *QUICK_SHAPE, "--eos"], "--eos applies to model-pair mode"),
+    (["--shape", "tiny", *QUICK_SHAPE, "--quantization", "fp8"], "--quantization applies to model-pair mode"),
+    (["--shape", "tiny", *QUICK_SHAPE, "--grammar", 'root ::= "a"'],
+     "--grammar or --json-object applies to model-pair mode"),
+    (["--shape", "tiny", *QUICK_SHAPE, "--json-object"], "--grammar or --json-object applies to model-pair mode"),
+    (["--shape", "tiny", *QUICK_SHAPE, "--draft-model", "d"],
+     "takes no --model, --draft-model, --prompt-file or --corpus"),
+    (["--shape", "tiny", *QUICK_SHAPE, "--prompt-file", "p"],
+     "takes no --model, --draft-model, --prompt-file or --corpus"),
+    (["--shape", "tiny", *QUICK_SHAPE, "--corpus", "c"], "takes no --model, --draft-model, --prompt-file or --corpus"),
+    ([*QUICK_PAIR, "--fp8"], "--fp8 applies to --shape only"),
+    # --min-p 1 keeps only the likeliest tokens: a filter, refused where no request samples
+    ([*QUICK_PAIR, "--min-p", "1"], "--min-p acts on sampled requests only"),
+    ([*QUICK_PAIR, "--top-k", "1"], "--top-k acts on sampled requests only"),  # keeps one token: a filter
 ])
 def test_bad_inputs_exit_2_with_one_line(argv, message, capsys):
     assert main(["bench", *argv]) == 2
@@ -1022,3 +1043,296 @@ def test_corpus_prompts_default_to_8(pair, tmp_path):
     for given in ([], ["--corpus", str(corpus)]):
         args = build_parser().parse_args(["bench", "--model", str(target), *given])
         assert len(load_prompts(args)) == 8
+
+
+# ----------------------------------------------------------------------------- figures, pairings, plots and shapes (a third mutation review)
+
+def fake_pair_run(monkeypatch, tmp_path, argv, recaptured=()):
+    """`treeflash bench` in model-pair mode over a stand-in engine whose measurements are
+    made up from each row's (method, batch size, temperature, graphs), CUDA graphs 'on'
+    allowed as on a CUDA device; the rows written to --out. `recaptured`: the (method,
+    batch size, temperature, graphs) whose timing captured a graph."""
+    from types import SimpleNamespace
+
+    from treeflash.bench import pairs
+
+    def token_ids(method, bs, temperature, graphs, requests):
+        # AR's tokens differ per setting; a drafted method's first request has AR's tokens there
+        ar = [[int(graphs), bs, int(10 * temperature), i] for i in range(requests)]
+        return ar if method == "ar" else [ar[0]] + [[-1, i] for i in range(1, requests)]
+
+    def tokens_per_s(method, bs, temperature, graphs):
+        return 100.0 * bs + 10.0 * temperature + (7.0 if graphs else 0.0) + (0.0 if method == "ar" else 1000.0)
+
+    class Engine:
+        drafter, device, dtype, max_model_len = object(), torch.device("cpu"), torch.float32, 4096
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def encode(self, prompt):
+            return [1, 2, 3]
+
+        def with_method(self, method, budget, graphs, draft_mode):
+            return SimpleNamespace(method=method, decoder=SimpleNamespace(budget=budget), graphs=graphs,
+                                   device=self.device, dtype=self.dtype, drop_graphs=lambda: None)
+
+    def measure_pair(llm, prompts, bs, temperature, args):
+        key = (llm.method, bs, temperature, llm.graphs)
+        return {"requests": 4, "new_tokens": 8, "batch_rounds": 4, "request_rounds": 4, "seconds": 1.0,
+                "tokens_per_s": tokens_per_s(*key), "tau": 2.0, "ms_per_round": 250.0,
+                "recaptures": int(key in recaptured), "token_ids": token_ids(*key, 4)}
+    monkeypatch.setattr(pairs, "LLM", Engine)
+    monkeypatch.setattr(pairs, "measure_pair", measure_pair)
+    monkeypatch.setattr(pairs, "usable_graphs", lambda graphs, device: graphs)
+    out = tmp_path / "rows.jsonl"
+    assert main(["bench", "--num-prompts", "4", "--device", "cpu", "--out", str(out), *argv]) == 0
+    return [json.loads(line) for line in out.read_text().splitlines()], token_ids
+
+
+def test_each_pair_row_is_compared_with_ar_at_its_own_batch_size_temperature_and_graphs(monkeypatch, tmp_path):
+    """speedup and same_as_ar are against the AR row of the same (batch size,
+    temperature, CUDA graphs): with graphs on and off, a row is not compared with AR of
+    the other graphs setting (nor AR with itself across settings)."""
+    rows, token_ids = fake_pair_run(monkeypatch, tmp_path, ["--methods", "ar,ddtree", "--budgets", "4",
+                                                            "--graphs", "on,off", "--batch-sizes", "1,2",
+                                                            "--temperatures", "0,1"])
+    assert len(rows) == 2 * 2 * 2 * 2
+    ar = {(r["batch_size"], r["temperature"], r["graphs"]): r for r in rows if r["method"] == "ar"}
+    assert len(ar) == 8
+    for r in rows:
+        key = (r["batch_size"], r["temperature"], r["graphs"])
+        assert r["speedup"] == round(r["tokens_per_s"] / ar[key]["tokens_per_s"], 3), r
+        if r["method"] != "ar":
+            mine, theirs = token_ids(r["method"], *key, 4), token_ids("ar", *key, 4)
+            assert r["same_as_ar"] == sum(a == b for a, b in zip(mine, theirs)) / 4 == 0.25, r
+
+
+@pytest.mark.parametrize("recaptured,noted", [((), False), ((("ddtree", 2, 0.0, True),), True)])
+def test_a_graph_captured_while_timed_in_any_row_is_noted(monkeypatch, tmp_path, capsys, recaptured, noted):
+    """One row that captured a CUDA graph inside its timed region is enough for the note
+    under the table (its time holds the capture)."""
+    rows, _ = fake_pair_run(monkeypatch, tmp_path, ["--methods", "ar,ddtree", "--budgets", "4", "--graphs", "on,off",
+                                                    "--batch-sizes", "1,2", "--temperatures", "0"], recaptured)
+    assert sum(r["recaptures"] for r in rows) == len(recaptured)
+    assert ("note: some rows captured a CUDA graph while timed" in capsys.readouterr().out) == noted
+
+
+@pytest.mark.skipif(not HAVE_MPL, reason="needs matplotlib")
+def test_the_plots_name_each_point_and_colour_each_setting(monkeypatch, tmp_path):
+    """Pair plot: the tick under each point names the method/budget whose tokens/s it
+    is. Shape plot: one colour per setting (its verify, round and AR lines alike), ticks
+    at the verified token counts (N + 1) only, and the shape named in the title."""
+    from treeflash.bench import report
+    figs = []
+    monkeypatch.setattr(report, "_save", lambda fig, plt, path: figs.append(fig))
+    tps = {("ar", True): 100.0, ("dflash", True): 180.0, ("ddtree-16", True): 250.0,
+           ("ar", False): 80.0, ("dflash", False): 150.0, ("ddtree-16", False): 210.0}
+    rows = [{"label": lab, "batch_size": 1, "temperature": 0.0, "graphs": g, "tokens_per_s": v}
+            for (lab, g), v in tps.items()]
+    report.plot_pairs(rows, str(tmp_path / "p.png"))
+    ax = figs[-1].axes[0]
+    names = [t.get_text() for t in ax.get_xticklabels()]
+    for line in ax.get_lines():
+        g = line.get_label().endswith("on")
+        assert {names[int(x)]: y for x, y in zip(line.get_xdata(), line.get_ydata())} == \
+            {lab: v for (lab, on), v in tps.items() if on == g}
+
+    def row(op, n, us, context):
+        return {"shape": "qwen3-8b", "context": context, "batch_size": 1, "temperature": 0.0, "graphs": True,
+                "op": op, "N": n, "time_us": us}
+    rows = [r for c in (32, 64) for r in (row("ar", 0, 50.0 + c, c), row("verify", 3, 60.0 + c, c),
+                                          row("draft", 15, 20.0, c), row("tree", 7, 5.0, c),
+                                          row("round", 7, 90.0 + c, c))]
+    report.plot_shape(rows, str(tmp_path / "s.png"))
+    ax = figs[-1].axes[0]
+    assert "--shape qwen3-8b" in ax.get_title()
+    assert [t for t in ax.get_xticks()] == [4, 8]  # verify N=3 and round N=7: not AR's 1 or the draft's 16
+    colours = {}
+    for line in ax.get_lines():
+        ar = line.get_label().startswith("_")  # the AR step's dotted line, drawn after its setting's lines
+        context = next(r["context"] for r in rows if r["op"] == "ar" and r["time_us"] == line.get_ydata()[0]) \
+            if ar else int(line.get_label().split("C=")[1].split()[0])
+        colours.setdefault(context, set()).add(line.get_color())
+    assert sorted(colours) == [32, 64] and all(len(c) == 1 for c in colours.values())
+    assert colours[32] != colours[64]
+
+
+# the published config.json of each named shape (Llama-3-8B's sizes with Llama 3.1's 128K context and RoPE scaling)
+PUBLISHED = {
+    "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+                     num_kv_heads=8, head_dim=128, rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                     num_experts=0, tie_word_embeddings=False),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                      num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=131072,
+                      rms_norm_eps=1e-5, num_experts=0, tie_word_embeddings=False),
+    "qwen3-32b": dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64,
+                      num_kv_heads=8, head_dim=128, rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                      num_experts=0, tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
+                          num_kv_heads=4, head_dim=128, rope_theta=1e6, max_position_embeddings=40960,
+                          rms_norm_eps=1e-6, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          norm_topk_prob=True, tie_word_embeddings=False),
+    "gpt-oss-20b": dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_layers=24, num_heads=64,
+                        num_kv_heads=8, head_dim=64, rope_theta=150000.0, max_position_embeddings=131072,
+                        rms_norm_eps=1e-5, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=2880,
+                        sliding_window=128, attention_bias=True, attention_sinks=True, swiglu_limit=7.0,
+                        tie_word_embeddings=False),
+}
+PUBLISHED_PARAMS = {"qwen3-8b": 8.19e9, "llama3-8b": 8.03e9, "qwen3-32b": 32.8e9, "qwen3-30b-a3b": 30.5e9,
+                    "gpt-oss-20b": 20.9e9}  # the model cards' totals
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_a_named_shape_is_the_published_models(name):
+    """--shape qwen3-8b times the bytes of Qwen3-8B: the layers, heads, KV heads, head and
+    intermediate sizes, vocabulary and experts of its published config (every layer an
+    MoE layer where it has experts; gpt-oss's window in layers 0, 2, 4, ...), and the
+    model card's parameter total when built."""
+    from treeflash.bench.shape import LLAMA3_ROPE, SHAPES
+    from treeflash.config import GPT_OSS_ROPE_SCALING
+    from treeflash.distributed import TPGroup
+    from treeflash.models.loader import build_on
+    from treeflash.models.transformer import CausalLM
+    cfg = SHAPES[name]
+    assert {k: getattr(cfg, k) for k in PUBLISHED[name]} == PUBLISHED[name]
+    assert [cfg.sparse_layer(i) for i in range(cfg.num_layers)] == [cfg.num_experts > 0] * cfg.num_layers
+    assert [cfg.attention_window(i) for i in range(cfg.num_layers)] == \
+        ([128, None] * 12 if name == "gpt-oss-20b" else [None] * cfg.num_layers)
+    assert cfg.rope_scaling == {"llama3-8b": LLAMA3_ROPE, "gpt-oss-20b": GPT_OSS_ROPE_SCALING}.get(name)
+    assert (LLAMA3_ROPE["factor"], LLAMA3_ROPE["original_max_position_embeddings"]) == (8.0, 8192)
+    assert (GPT_OSS_ROPE_SCALING["factor"], GPT_OSS_ROPE_SCALING["original_max_position_embeddings"]) == (32.0, 4096)
+    with build_on("meta", torch.float32):
+        params = sum(p.numel() for p in CausalLM(cfg, TPGroup()).parameters())
+    assert params == pytest.approx(PUBLISHED_PARAMS[name], rel=5e-3)
+
+
+def test_the_shape_drafter_is_a_dense_qwen3_drafter_of_the_targets_width():
+    """The shape mode's drafter, as DFlash publishes them: Qwen3 layers of the target's
+    width with full attention (no window, sinks or biases even for gpt-oss), block 16,
+    one tap per drafter layer (DFlash's default taps), the last vocabulary id as mask."""
+    from treeflash.bench.shape import BLOCK_SIZE, SHAPES, draft_config
+    from treeflash.config import default_target_layer_ids
+    for name in ("gpt-oss-20b", "qwen3-8b"):
+        target = SHAPES[name]
+        d = draft_config(target, 5)
+        assert d.layers.arch == "qwen3" and d.layers.num_layers == 5 and d.layers.hidden_size == target.hidden_size
+        assert [d.layers.attention_window(i) for i in range(5)] == [None] * 5
+        assert not d.layers.attention_sinks and not d.layers.attention_bias
+        assert d.block_size == BLOCK_SIZE == 16 and d.mask_token_id == target.vocab_size - 1
+        assert d.target_layer_ids == default_target_layer_ids(target.num_layers, 5)
+        assert len(d.target_layer_ids) == 5 and d.num_target_layers == target.num_layers
+
+
+def test_moe_floors_count_the_distinct_experts_the_ops_tokens_pick(tmp_path, monkeypatch):
+    """An MoE layer's routed experts count in a floor only as many times as the expected
+    number of distinct experts its target tokens pick (k of E each, uniformly): the AR
+    step's batch of 2 tokens, verify(N)'s 2 x (N + 1), a round's likewise, round-dflash's
+    2 x 16."""
+    import dataclasses
+
+    from treeflash.bench import shape
+    tiny = shape.SHAPES["tiny"]
+    E, k, inter = 8, 2, 32
+    monkeypatch.setitem(shape.SHAPES, "tiny-moe", dataclasses.replace(
+        tiny, arch="qwen3_moe", num_experts=E, num_experts_per_tok=k, moe_intermediate_size=inter,
+        norm_topk_prob=True))
+    out, bs = tmp_path / "rows.jsonl", 2
+    assert main(["bench", "--shape", "tiny-moe", "--contexts", "32", "--batch-sizes", str(bs), "--budgets", "0,3,7",
+                 "--iters", "1", "--device", "cpu", "--copy-mib", "1", "--out", str(out)]) == 0
+    rows = {(r["op"], r["N"]): r["bytes"] for r in map(json.loads, out.read_text().splitlines())}
+    per_expert = 4 * 3 * tiny.hidden_size * inter  # float32 gate, up and down
+
+    def experts(tokens):  # all layers' expected distinct experts' bytes
+        return tiny.num_layers * per_expert * E * (1 - (1 - k / E) ** tokens)
+    ar = rows["ar", 0]
+    assert rows["verify", 0] == ar  # root only: the same tokens as the AR step
+    for n in (3, 7):
+        assert rows["verify", n] - ar == pytest.approx(experts(bs * (n + 1)) - experts(bs), abs=1)
+        assert rows["round", n] - rows["round", 3] == pytest.approx(experts(bs * (n + 1)) - experts(bs * 4), abs=1)
+    D = shape.BLOCK_SIZE - 1
+    assert rows["round-dflash", D] - rows["round", 3] == pytest.approx(experts(bs * (D + 1)) - experts(bs * 4), abs=1)
+    assert experts(bs * 8) < tiny.num_layers * per_expert * E  # not yet every expert: the count matters
+
+
+def test_fp8_blocks_are_rows_by_columns():
+    """--fp8 ROWSxCOLS: scales of ROWS x COLS blocks, in that order; --fp8 alone 128x128."""
+    from treeflash.bench.shape import _shape_plan, fp8_block
+    for given, block in ((["--fp8", "32x16"], (32, 16)), (["--fp8", "16X32"], (16, 32)), ([], None)):
+        args = build_parser().parse_args(["bench", "--shape", "tiny", "--device", "cpu", *given])
+        assert _shape_plan(args).cfg.fp8_block == block, given
+    args = build_parser().parse_args(["bench", "--shape", "qwen3-8b", "--fp8"])
+    assert fp8_block(args.fp8) == (128, 128)
+
+
+def test_eager_ops_read_the_committed_context_only(monkeypatch, capsys):
+    """Without CUDA graphs the timed ops read the C committed tokens (max_n = C), as the
+    engine's eager rounds do, not the whole (larger) cache that a graph reads."""
+    from treeflash.bench import shape
+    seen, round_ops = [], shape.round_ops
+
+    def spy(target, drafter, st, budgets, backend, draft_mode, max_n):
+        seen.append(max_n)
+        return round_ops(target, drafter, st, budgets, backend, draft_mode, max_n)
+    monkeypatch.setattr(shape, "round_ops", spy)
+    assert main(TINY + ["--contexts", "32,48"]) == 0, capsys.readouterr().err
+    assert seen == [32, 48]
+
+
+def test_a_sampled_shape_state_samples_as_asked(monkeypatch, capsys):
+    """The timed state of --temperatures T with filters: every request samples at T with
+    the filters, request i with seed S + i (a T > 0 row times sampling, not greedy rounds)."""
+    from treeflash.bench import shape
+    states, new_shape_state = [], shape.new_shape_state
+
+    def spy(*args, **kwargs):
+        states.append(new_shape_state(*args, **kwargs))
+        return states[-1]
+    monkeypatch.setattr(shape, "new_shape_state", spy)
+    assert main(TINY + ["--temperatures", "0.7", "--top-k", "5", "--min-p", "0.1", "--seed", "3",
+                        "--batch-sizes", "2"]) == 0, capsys.readouterr().err
+    (st,) = states
+    s = st.sampling
+    assert s.temperature.tolist() == pytest.approx([0.7, 0.7]) and s.top_k.tolist() == [5, 5]
+    assert s.min_p.tolist() == pytest.approx([0.1, 0.1]) and s.seed.tolist() == [3, 4]
+
+
+def test_the_kimi_k2_cut_has_k2s_moe_layers():
+    """kimi-k2-4l: Kimi-K2's dense first layer and three of its MoE layers (384 experts
+    of 2048, 8 per token, one shared; width 7168, 64 heads, vocabulary 163840): 108 GB
+    of bf16 weights, each MoE layer 34 GB."""
+    from treeflash.bench.shape import SHAPES
+    from treeflash.distributed import TPGroup
+    from treeflash.models.loader import build_on
+    from treeflash.models.transformer import CausalLM
+    cfg = SHAPES["kimi-k2-4l"]
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.vocab_size) == (7168, 18432, 64, 163840)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.n_shared_experts) == \
+        (384, 8, 2048, 1)
+    assert [cfg.sparse_layer(i) for i in range(cfg.num_layers)] == [False, True, True, True]
+    with build_on("meta", torch.float32):
+        model = CausalLM(cfg, TPGroup())
+    bf16 = 2 * sum(p.numel() for p in model.parameters())
+    layer = 2 * sum(p.numel() for p in model.model.layers[1].parameters())
+    assert round(bf16 / 1e9) == 108 and round(layer / 1e9) == 34
+
+
+def test_the_shape_header_and_the_fast_ops_note_count_what_they_name(tmp_path, monkeypatch, capsys):
+    """The header gives the target's and the drafter's weights in decimal MB (GB from
+    10^9 bytes); the note under the table counts the ops that ran under their floor."""
+    from treeflash.bench import shape
+    from treeflash.bench.options import DRAFT_LAYERS
+    monkeypatch.setattr(shape, "copy_bandwidth", lambda device, mib: 1e3)  # every floor far above its op
+    out = tmp_path / "rows.jsonl"
+    assert main(TINY + ["--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    fast = sum(r["ratio"] is not None and r["ratio"] < 1 for r in rows)
+    assert 0 < fast < len(rows) and f"note: {fast} ops ran faster than their memory floor" in captured.err
+    cfg = shape.SHAPES["tiny"]
+    target, drafter = shape.random_models(cfg, shape.draft_config(cfg, DRAFT_LAYERS), torch.device("cpu"),
+                                          torch.float32)
+    sizes = [4 * sum(p.numel() for p in m.parameters()) for m in (target, drafter)]
+    assert f"({sizes[0] / 1e6:.2f} MB target, {sizes[1] / 1e6:.2f} MB drafter of 5 layers)" in captured.out
+    assert shape._size(2_500_000_000) == "2.50 GB" and shape._size(10 ** 9) == "1.00 GB"
+    assert shape._size(999_999_999) == "1000.00 MB"
