@@ -21,7 +21,7 @@ HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 
 PAIR_FIELDS = {"mode", "method", "budget", "label", "batch_size", "graphs", "temperature", "requests",
                "new_tokens", "batch_rounds", "request_rounds", "seconds", "tokens_per_s", "tau", "ms_per_round", "speedup",
-               "same_as_ar", "recaptures", "device", "dtype"}
+               "vs_dflash", "same_as_ar", "recaptures", "device", "dtype"}
 SHAPE_FIELDS = {"mode", "shape", "context", "batch_size", "temperature", "graphs", "op", "N", "time_us",
                 "floor_us", "ratio", "vs_ar", "host_us", "bytes", "bandwidth_gbs", "tp", "allreduce_us",
                 "allreduces", "allreduce_share"}
@@ -60,16 +60,19 @@ def test_pair_mode(pair, tmp_path, capsys):
         assert abs(r["ms_per_round"] * r["batch_rounds"] - 1e3 * r["seconds"]) <= 0.051 + 1e-4 * r["batch_rounds"]
         assert r["batch_rounds"] * r["batch_size"] >= r["request_rounds"] >= r["batch_rounds"]
         if r["method"] == "ar":
-            assert r["tau"] == 1.0 and r["speedup"] == 1.0 and r["same_as_ar"] is None
+            assert r["tau"] == 1.0 and r["speedup"] == 1.0 and r["same_as_ar"] is None and r["vs_dflash"] is None
         else:
             assert 0 <= r["same_as_ar"] <= 1
+            chain = next(c for c in rows if c["method"] == "dflash" and
+                         (c["batch_size"], c["temperature"]) == (r["batch_size"], r["temperature"]))
+            assert r["vs_dflash"] == round(r["tokens_per_s"] / chain["tokens_per_s"], 3)
     assert {r["budget"] for r in rows if r["method"] == "ddtree"} == {4, 8}
     assert {r["budget"] for r in rows if r["method"] == "dflash"} == {7}  # block 8: chain of 7
 
     lines = captured.out.splitlines()
     assert "sampled requests with top-k 5, top-p 0.9" in lines[0]
     header = next(i for i, line in enumerate(lines) if line.startswith("method"))
-    assert all(h in lines[header] for h in ("tok/s", "tau", "ms/round", "speedup"))
+    assert all(h in lines[header] for h in ("tok/s", "tau", "ms/round", "speedup", "vs dflash"))
     table = lines[header + 2:header + 2 + len(rows)]
     assert [line.split()[0] for line in table] == [r["label"] for r in rows]
     assert len({len(line) for line in lines[header:header + 2]}) == 1  # header and rule aligned
@@ -572,14 +575,14 @@ def test_the_pair_table_right_aligns_numbers_and_shows_each_columns_value():
     from treeflash.bench.pairs import PAIR_COLUMNS
     from treeflash.bench.report import format_table
     rows = [{"label": "ar", "graphs": True, "batch_size": 1, "temperature": 0.0, "tokens_per_s": 1234.56, "tau": 1.0,
-             "ms_per_round": 3.456, "speedup": 1.0, "same_as_ar": None},
+             "ms_per_round": 3.456, "speedup": 1.0, "vs_dflash": None, "same_as_ar": None},
             {"label": "ddtree-16", "graphs": False, "batch_size": 16, "temperature": 0.7, "tokens_per_s": 99.0,
-             "tau": 3.25, "ms_per_round": 12.0, "speedup": 2.5, "same_as_ar": 1.0}]
+             "tau": 3.25, "ms_per_round": 12.0, "speedup": 2.5, "vs_dflash": 1.125, "same_as_ar": 1.0}]
     assert format_table(rows, PAIR_COLUMNS).splitlines() == [
-        "method     graphs  bs    T   tok/s   tau  ms/round  speedup  same as AR",
-        "---------  ------  --  ---  ------  ----  --------  -------  ----------",
-        "ar         on       1    0  1234.6  1.00      3.46    1.00x           -",
-        "ddtree-16  off     16  0.7    99.0  3.25     12.00    2.50x        1.00"]
+        "method     graphs  bs    T   tok/s   tau  ms/round  speedup  vs dflash  same as AR",
+        "---------  ------  --  ---  ------  ----  --------  -------  ---------  ----------",
+        "ar         on       1    0  1234.6  1.00      3.46    1.00x          -           -",
+        "ddtree-16  off     16  0.7    99.0  3.25     12.00    2.50x      1.12x        1.00"]
 
 
 def test_shape_ratios_are_printed_per_setting_and_op(capsys):
@@ -1062,7 +1065,7 @@ def fake_pair_run(monkeypatch, tmp_path, argv, recaptured=()):
         return ar if method == "ar" else [ar[0]] + [[-1, i] for i in range(1, requests)]
 
     def tokens_per_s(method, bs, temperature, graphs):
-        return 100.0 * bs + 10.0 * temperature + (7.0 if graphs else 0.0) + (0.0 if method == "ar" else 1000.0)
+        return 100.0 * bs + 10.0 * temperature + (7.0 if graphs else 0.0) + {"ar": 0.0, "dflash": 1000.0}.get(method, 1500.0)
 
     class Engine:
         drafter, device, dtype, max_model_len = object(), torch.device("cpu"), torch.float32, 4096
@@ -1336,3 +1339,21 @@ def test_the_shape_header_and_the_fast_ops_note_count_what_they_name(tmp_path, m
     assert f"({sizes[0] / 1e6:.2f} MB target, {sizes[1] / 1e6:.2f} MB drafter of 5 layers)" in captured.out
     assert shape._size(2_500_000_000) == "2.50 GB" and shape._size(10 ** 9) == "1.00 GB"
     assert shape._size(999_999_999) == "1000.00 MB"
+
+
+def test_each_pair_row_is_compared_with_dflash_at_its_own_setting(monkeypatch, tmp_path):
+    """vs_dflash (issue 7's ddtree ÷ dflash) is tokens/s over the dflash row of the same
+    (batch size, temperature, CUDA graphs); dflash's own row is 1, AR's (run before any
+    chain) has none; without dflash among the methods no row has one."""
+    rows, _ = fake_pair_run(monkeypatch, tmp_path, ["--methods", "ar,dflash,ddtree", "--budgets", "4,8",
+                                                    "--graphs", "on,off", "--batch-sizes", "1,2",
+                                                    "--temperatures", "0,1"])
+    chain = {(r["batch_size"], r["temperature"], r["graphs"]): r for r in rows if r["method"] == "dflash"}
+    assert len(chain) == 8 and len(rows) == 4 * 8
+    for r in rows:
+        key = (r["batch_size"], r["temperature"], r["graphs"])
+        want = None if r["method"] == "ar" else round(r["tokens_per_s"] / chain[key]["tokens_per_s"], 3)
+        assert r["vs_dflash"] == want, r
+    assert {r["vs_dflash"] for r in rows if r["method"] == "dflash"} == {1.0}
+    rows, _ = fake_pair_run(monkeypatch, tmp_path, ["--methods", "ar,ddtree", "--budgets", "4"])
+    assert rows and {r["vs_dflash"] for r in rows} == {None}

@@ -1,7 +1,7 @@
 """Model-pair mode of `treeflash bench`: a real target + drafter generate a set of
 prompts with every (method, budget, CUDA graphs, batch size, temperature). Reports
-tokens/s, tau (mean tokens committed per round), time per round and the speedup over
-AR on the same engine: the numbers a user sees."""
+tokens/s, tau (mean tokens committed per round), time per round and the speedups over
+AR and over DFlash's chain on the same engine: the numbers a user sees."""
 from __future__ import annotations
 
 import argparse
@@ -135,9 +135,11 @@ def measure_pair(llm, prompts: list[str], bs: int, temperature: float, args) -> 
             "token_ids": [o.token_ids for o in outs]}
 
 
-def pair_row(llm, budget: int | None, key: tuple, m: dict, ar: tuple | None, args) -> dict:
+def pair_row(llm, budget: int | None, key: tuple, m: dict, ar: tuple | None, args,
+             dflash: float | None = None) -> dict:
     """One JSONL row. speedup: tokens/s over AR's at the same (batch size, temperature,
-    graphs); same_as_ar: fraction of requests whose tokens equal AR's (lossless: 1.0, up
+    graphs); vs_dflash: over dflash's tokens/s there (`dflash`; what a tree adds to the
+    chain); same_as_ar: fraction of requests whose tokens equal AR's (lossless: 1.0, up
     to floating-point near-ties between batched and single-token logits)."""
     bs, temperature, graphs = key
     m = dict(m)
@@ -148,6 +150,7 @@ def pair_row(llm, budget: int | None, key: tuple, m: dict, ar: tuple | None, arg
             "logprobs": args.logprobs,
             "batch_size": bs, "graphs": graphs, "temperature": temperature, **filters(args), **m,
             "speedup": round(m["tokens_per_s"] / ar[0], 3) if ar else None,
+            "vs_dflash": round(m["tokens_per_s"] / dflash, 3) if dflash else None,
             "same_as_ar": (round(sum(a == b for a, b in zip(ids, ar[1])) / len(ids), 3)
                            if ar and llm.method != "ar" else None),
             "device": str(llm.device), "dtype": str(llm.dtype).replace("torch.", ""),
@@ -157,7 +160,7 @@ def pair_row(llm, budget: int | None, key: tuple, m: dict, ar: tuple | None, arg
 PAIR_COLUMNS = [("method", "label", "{}"), ("graphs", "graphs", "onoff"), ("bs", "batch_size", "{}"),
                 ("T", "temperature", "{:g}"), ("tok/s", "tokens_per_s", "{:.1f}"), ("tau", "tau", "{:.2f}"),
                 ("ms/round", "ms_per_round", "{:.2f}"), ("speedup", "speedup", "{:.2f}x"),
-                ("same as AR", "same_as_ar", "{:.2f}")]
+                ("vs dflash", "vs_dflash", "{:.2f}x"), ("same as AR", "same_as_ar", "{:.2f}")]
 
 
 @dataclasses.dataclass
@@ -235,7 +238,7 @@ def bench_pairs(args) -> int:
               f"of the context of {base.max_model_len} tokens: their requests stop there (the new_tokens column "
               f"counts what was made)", file=sys.stderr)
 
-    rows, ar = [], {}  # ar: (batch size, temperature, graphs) -> (tokens/s, token ids)
+    rows, ar, dflash = [], {}, {}  # (batch size, temperature, graphs) -> AR's (tokens/s, token ids), dflash's tokens/s
     for method, budget in pair_configs(methods, plan.budgets):
         for graphs in plan.graphs:
             llm = base.with_method(method, budget, graphs, plan.draft_mode)
@@ -245,7 +248,9 @@ def bench_pairs(args) -> int:
                     key = (bs, temperature, graphs)
                     if method == "ar":
                         ar[key] = (m["tokens_per_s"], m["token_ids"])
-                    row = pair_row(llm, budget, key, m, ar.get(key), args)
+                    elif method == "dflash":
+                        dflash[key] = m["tokens_per_s"]
+                    row = pair_row(llm, budget, key, m, ar.get(key), args, dflash.get(key))
                     rows.append(row)
                     emit(out, row)
                     print(f"  {row['label']:<12} graphs {'on ' if graphs else 'off'} bs {bs} T {temperature:g}: "
