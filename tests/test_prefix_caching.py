@@ -4,14 +4,16 @@ the whole prompt (float64, every method, greedy and sampled, batched, with TP)."
 from __future__ import annotations
 
 import gc
+import re
 import weakref
 
 import pytest
 
 import treeflash.engine.graphs as graphs_module
 from cpu_graphs import cpu_graphs
-from treeflash import LLM, SamplingParams
+from treeflash import LLM, SamplingParams, StructuredOutputs
 from treeflash.engine.options import builtin_paths
+from treeflash.engine.round import BatchState
 from treeflash.engine.sampling import SamplingBatch
 from treeflash.engine.states import GRAPHED_PREFILL_MAX, common_prefix, state_key, suffix_chunks
 from treeflash.errors import UsageError
@@ -322,6 +324,23 @@ def test_a_state_dropped_for_room_is_not_reused(monkeypatch):
     assert got.token_ids == fresh.generate(turn, roomy)[0].token_ids
 
 
+def test_a_tie_between_kept_states_reuses_the_batchs_own(monkeypatch):
+    """Two graphed states that hold as much of a prompt: the batch reuses the one it
+    runs on (its cache bucket), with no copy of the prefix from the other."""
+    llm = cpu_graphs(monkeypatch, LLM(method="ar", device="cpu", dtype="float64", enable_prefix_caching=True))
+    prompt, params = [5, 6, 7, 8], SamplingParams(max_new_tokens=3, ignore_eos=True)
+    first = llm.generate(prompt, params)[0].token_ids  # a 1024-slot state: prompt + 2 tokens
+    roomy = SamplingParams(max_new_tokens=1100, stop_token_ids=first[:1])  # 2048 slots, ends at once
+    assert llm.generate(prompt, roomy)[0].token_ids == first[:1]  # a 2048-slot state: the prompt
+    assert list(llm.states.graphed) == [state_key(1, 1024), state_key(1, 2048)]
+    turn = prompt + [first[0] + 1]  # parts from both after the prompt's 4 tokens
+    copies = []
+    monkeypatch.setattr(BatchState, "copy_prefix", lambda st, src, n: copies.append(n))
+    assert llm.states.prefix_to_reuse(64, [turn], [params], []) == (state_key(1, 1024), [4])
+    got = llm.generate(turn, params)[0]
+    assert got.stats["cached_tokens"] == 4 and copies == []
+
+
 def test_a_short_rest_at_the_end_of_its_cache_bucket(engines):
     """A next turn whose few new tokens sit near the end of the conversation's 1024-slot
     state: their prefill's padded columns are cut to the slots left past the cached
@@ -337,6 +356,21 @@ def test_a_short_rest_at_the_end_of_its_cache_bucket(engines):
     assert got.token_ids == fresh.generate(turn, params)[0].token_ids
 
 
+def test_a_short_rest_at_the_end_of_its_cache_bucket_beside_a_short_conversation(engines):
+    """In a batch, the padded columns of the rests' prefill are cut to the slots left
+    past the row whose cached prefix is longest (not the shortest's): a conversation
+    near the end of the 1024-slot state beside one near its start."""
+    llm, fresh = engines("ar", True), engines("ar", False)
+    firsts = [[3 + i % 200 for i in range(1000)], [5, 6, 7, 8, 9]]
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    answers = llm.generate(firsts, params)
+    turns = [firsts[0] + answers[0].token_ids + [5, 6, 7, 8], firsts[1] + answers[1].token_ids + [10, 11]]
+    got = llm.generate(turns, params)
+    assert state_key(2, llm.states.kept.cache.max_len) == state_key(2, 1024)
+    assert [o.stats["cached_tokens"] for o in got] == [len(firsts[0]) + 1, len(firsts[1]) + 1]
+    assert [o.token_ids for o in got] == [o.token_ids for o in fresh.generate(turns, params)]
+
+
 def test_a_kept_state_starts_every_request_afresh(engines):
     """The state a batch is kept on ends with its early finishers marked inactive; the
     next batch on it runs every request from its first round: the tokens, and the rounds
@@ -348,6 +382,21 @@ def test_a_kept_state_starts_every_request_afresh(engines):
     got, want = llm.generate(prompts, params), fresh.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [(o.stats["rounds"], o.stats["tau"]) for o in got] == [(10, 1.0), (4, 1.0)]
+
+
+def test_a_kept_state_starts_every_structured_output_afresh(engines):
+    """A request on a kept state's row that finished early in the batch before (so is
+    marked inactive) moves its structured-output state past its first token as a new
+    state does: the next tokens follow the constraint after it, and the output matches
+    the pattern and is that of an engine that makes a new state."""
+    llm, fresh = engines("ar", True), engines("ar", False)
+    llm.generate([[5, 6, 7], [8, 9]], [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (2, 12)])
+    prompts = [[40, 41], [50, 51, 52]]  # new conversations: nothing to reuse, the same state
+    pattern = r"[a-z]{3}[0-9]{3}"
+    params = [SamplingParams(max_new_tokens=16, structured_outputs=StructuredOutputs(regex=pattern))] * 2
+    got, want = llm.generate(prompts, params), fresh.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(re.fullmatch(pattern, o.text) for o in got)
 
 
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
