@@ -2259,6 +2259,41 @@ def test_a_body_as_large_as_the_limit_is_read(client, monkeypatch):
     assert r.status_code == 413 and "larger than 1 MiB" in r.json()["error"]["message"]
 
 
+def test_a_body_declared_too_large_is_refused_before_it_is_read(llm):
+    """A request whose Content-Length is over the limit gets its 413 at once, as nginx
+    answers from the header: the server does not wait for (and buffer) 32 MiB of body
+    from a client that may send it slowly or never."""
+    import treeflash.server.app as app_module
+    app, sent, reads = build_app(llm, "tiny", None), [], []
+
+    async def receive():
+        reads.append(1)
+        if len(reads) == 1:
+            return {"type": "http.request", "body": b'{"prompt": "x"', "more_body": True}
+        await asyncio.Event().wait()  # the rest never comes
+
+    async def send(message):
+        sent.append(message)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "client": ("127.0.0.1", 1), "server": ("testserver", 80),
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(app_module.MAX_BODY_BYTES + 1).encode())]}
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 30))
+    assert sent[0]["status"] == 413 and reads == []
+    assert "larger than 32 MiB" in json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]["message"]
+
+
+def test_a_body_nested_too_deeply_is_named_so(client):
+    """Valid JSON nested deeper than the parser goes is refused as too deep, not as
+    invalid JSON; nesting within the limit is read."""
+    deep = b'{"prompt": "x", "metadata": ' + b'{"a": ' * 100000 + b"1" + b"}" * 100000 + b"}"
+    r = client.post("/v1/completions", content=deep)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "the request body nests too deeply"
+    r = client.post("/v1/completions", content=b'{"prompt": "x", "max_tokens": 1, "x": ' + b"[" * 100 + b"]" * 100 + b"}")
+    assert r.status_code == 400 and "'x'" in r.json()["error"]["message"]  # read, then refused by name
+
+
 def test_a_request_after_the_drain_began_is_refused_unread(llm, chat_model, slow_compiles):
     """Once a shutdown has begun, a new request is answered "shutting down" at once: its
     constraint is not compiled first (seconds, for a large vocabulary)."""

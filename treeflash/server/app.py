@@ -294,19 +294,27 @@ def _sse(data) -> str:
 
 
 async def _read_json(request: HTTPRequest) -> dict:
+    """The body as a JSON object; one that says (Content-Length) or turns out to be over
+    MAX_BODY_BYTES is refused before more of it is read."""
+    too_large = APIError(f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB", status=413)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
     chunks, size = [], 0
     try:
         async for part in request.stream():
             size += len(part)
             if size > MAX_BODY_BYTES:
-                raise APIError(f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB", status=413)
+                raise too_large
             chunks.append(part)
     except ClientDisconnect:
         raise APIError("the client went away while sending the request") from None
     try:
         body = json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError, RecursionError):
+    except (ValueError, UnicodeDecodeError):
         raise APIError("the request body is not valid JSON") from None
+    except RecursionError:
+        raise APIError("the request body nests too deeply") from None
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     return body
