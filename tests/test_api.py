@@ -124,6 +124,18 @@ def test_choices_that_differ_only_in_seed_are_checked_once(llm, monkeypatch):
     assert len(checked) == 3
 
 
+def test_each_requests_parameters_are_checked_against_the_model_whatever_comes_before(llm):
+    """Parameters that differ from the request before by more than the seed are checked
+    on their own: a logit bias for a token past the vocabulary in a later request is
+    refused (UsageError, before any work), though the first request is fine."""
+    vocab = llm.config.vocab_size
+    p = SamplingParams(temperature=1.0, seed=5, max_new_tokens=2, logit_bias={3: 1.0})
+    for bad in (replace(p, logit_bias={vocab: 1.0}), replace(p, seed=6, logit_bias={vocab: 1.0})):
+        with pytest.raises(UsageError, match=f"{vocab}"):
+            llm.generate(["a", "a"], [p, bad])
+    assert llm.rank_stats()[0]["cache_bytes"] == 0 and len(llm.generate(["a", "a"], [p, p])) == 2
+
+
 def test_an_engine_seed_repeats_unseeded_sampling(hf_checkpoint):
     """vLLM's LLM(seed=...): sampled requests that give no seed draw theirs from it, so a
     script's runs repeat; without it each run draws fresh ones."""
@@ -136,6 +148,24 @@ def test_an_engine_seed_repeats_unseeded_sampling(hf_checkpoint):
     for bad in (-1, 1.5, True, "7"):
         with pytest.raises(UsageError, match="seed must be an integer >= 0"):
             LLM(path, device="cpu", dtype="float32", seed=bad)
+
+
+def test_unseeded_sampled_requests_of_one_batch_draw_their_own_seeds(llm):
+    """The same prompt sent several times in one call, sampled without a seed (n
+    samples, as a script asks for them), gives independent samples: each request
+    draws its own seed, whether the call gives one SamplingParams or one per prompt."""
+    p = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True)
+    for params in (p, [replace(p) for _ in range(4)]):
+        outs = llm.generate([ENGINE_PROMPTS[0]] * 4, params)
+        assert len({tuple(o.token_ids) for o in outs}) == 4, params
+
+
+def test_a_seed_of_zero_is_a_seed(llm):
+    """seed=0 fixes a sampled request's tokens as any other seed does (it is not "no
+    seed"): the same request repeats across calls and within a batch."""
+    p = SamplingParams(temperature=1.0, seed=0, max_new_tokens=12, ignore_eos=True)
+    runs = [o.token_ids for _ in range(2) for o in llm.generate([ENGINE_PROMPTS[0]] * 2, p)]
+    assert all(r == runs[0] for r in runs)
 
 
 def test_max_tokens_reads_and_sets_as_in_vllm(llm):
@@ -234,6 +264,18 @@ def test_on_tokens_can_end_one_request_and_on_done_reports_each(llm):
     assert outs[1].finish_reason == "abort" and len(outs[1].token_ids) < 12
     assert [outs[0].token_ids, outs[2].token_ids] == [want[0].token_ids, want[2].token_ids]
     assert all(done[i] is out for i, out in enumerate(outs))
+
+
+def test_on_done_tells_a_request_that_finishes_early_while_its_batch_goes_on(llm):
+    """on_done is called as soon as a request has finished (a server answers a short
+    request there), not when the whole batch has: the longer request of its batch has
+    streamed only part of its tokens by then, and each request's finish reason is its own."""
+    params = [SamplingParams(max_new_tokens=2, ignore_eos=True), SamplingParams(max_new_tokens=12, ignore_eos=True)]
+    streamed, at_done = [], {}
+    outs = llm.generate(ENGINE_PROMPTS[:2], params, on_tokens=lambda i, ids: streamed.extend([i] * len(ids)),
+                        on_done=lambda i, out: at_done.setdefault(i, streamed.count(1)))
+    assert [(len(o.token_ids), o.finish_reason) for o in outs] == [(2, "length"), (12, "length")]
+    assert at_done[0] < 12 and at_done[1] == 12
 
 
 def test_a_request_that_ends_where_on_tokens_ends_it_keeps_its_own_finish_reason(llm):
@@ -671,6 +713,27 @@ def test_callbacks_that_take_other_arguments_are_refused_before_generating(llm, 
     with pytest.raises(UsageError, match=f"{callback} must take the arguments {form}"):
         llm.generate(["a"], SamplingParams(max_new_tokens=2), **{callback: bad})
     assert llm.rank_stats()[0]["cache_bytes"] == 0
+
+
+def test_callbacks_whose_signature_cannot_be_read_are_called_as_documented(llm):
+    """A callable whose signature inspect cannot read (a C function, a wrapper) is not
+    refused: on_tokens gets (i, new_ids, new_logprobs), on_done (i, output)."""
+    class Opaque:
+        __signature__ = "unreadable"  # inspect.signature raises TypeError
+
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, *args):
+            self.calls.append(args)
+
+    tokens, done = Opaque(), Opaque()
+    out = llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=3, ignore_eos=True, logprobs=1),
+                       on_tokens=tokens, on_done=done)[0]
+    assert all(len(c) == 3 and c[0] == 0 for c in tokens.calls)
+    assert [t for c in tokens.calls for t in c[1]] == out.token_ids
+    assert [e for c in tokens.calls for e in c[2]] == out.logprobs
+    assert done.calls == [(0, out)]
 
 
 @pytest.mark.parametrize("params", ["greedy", [None], {"temperature": 0}])

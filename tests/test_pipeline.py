@@ -193,6 +193,22 @@ def test_a_capture_on_a_state_left_at_its_cache_end_fits_the_cache(constant_pair
     assert len(llm.generate([5], sampled)[0].token_ids) == limit  # a new mode on that state: captured
 
 
+def test_prompt_logprobs_on_a_graphed_engine_are_the_eager_engines(spec_target, monkeypatch):
+    """A request asking for prompt_logprobs in a batch of a graphed engine gets them
+    (its prefill runs eagerly: a prefill graph scores no prompt), as an eager engine
+    gives them, and its batch's tokens are the same; the request that did not ask gets None."""
+    target = spec_target("qwen3", "peaked")
+    eager = LLM(target, method="ar", device="cpu", dtype="float64")
+    graphed = cpu_graphs(monkeypatch, LLM(target, method="ar", device="cpu", dtype="float64"))
+    params = [SamplingParams(max_new_tokens=4, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(max_new_tokens=4, ignore_eos=True)]
+    want, got = eager.generate(ENGINE_PROMPTS[:2], params), graphed.generate(ENGINE_PROMPTS[:2], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want] and got[1].prompt_logprobs is None
+    assert len(got[0].prompt_logprobs) == len(eager.encode(ENGINE_PROMPTS[0])) > 1
+    assert [e.logprob for e in got[0].prompt_logprobs[1:]] == \
+        pytest.approx([e.logprob for e in want[0].prompt_logprobs[1:]], abs=1e-9)
+
+
 def test_round_pipeline_returns_the_previous_round_from_its_own_copy():
     """The outputs of a graph are static buffers, overwritten by the next replay: the
     pipeline copies them at push time and hands back round r-1 when round r is pushed."""

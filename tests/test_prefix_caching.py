@@ -135,6 +135,25 @@ def test_graphed_states_reuse_only_in_a_captured_mode(monkeypatch):
     assert set(llm.states.graphed[state_key(1, 1024)].rounds) >= modes
 
 
+def test_a_smaller_structured_output_reuses_a_graphed_state_captured_on_a_larger_table(monkeypatch):
+    """A next turn whose structured output needs fewer table rows than the kept state
+    holds runs on that table, in the mode captured there already: it reuses the
+    conversation's caches (no new capture), with the tokens of an engine without prefix
+    caching."""
+    llm = cpu_graphs(monkeypatch, LLM(method="ar", device="cpu", dtype="float64", enable_prefix_caching=True))
+    fresh = LLM(method="ar", device="cpu", dtype="float64")
+    first = llm.encode("def fib(n):")
+    large = SamplingParams(max_new_tokens=24, structured_outputs=StructuredOutputs(regex=r"[a-z]{20}"))
+    small = SamplingParams(max_new_tokens=8, structured_outputs=StructuredOutputs(regex=r"[a-z]{3}"))
+    answer = llm.generate(first, large)[0]
+    captures = llm.graph_captures
+    turn = first + answer.token_ids + llm.encode("\n\ndef add(a, b):", special=False)
+    got = llm.generate(turn, small)[0]
+    assert got.stats["cached_tokens"] == len(first) + len(answer.token_ids) - 1
+    assert got.token_ids == fresh.generate(turn, small)[0].token_ids and re.fullmatch(r"[a-z]{3}", got.text)
+    assert llm.graph_captures - captures <= 1  # the rest's prefill graph at most: no round captured
+
+
 def test_graphed_engines_replay_suffix_prefills(monkeypatch):
     """On a graphed engine a short next turn (its rest within 512 padded tokens) runs a
     prefill graph over the kept caches, captured once per shape and then replayed: for
