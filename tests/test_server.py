@@ -1965,6 +1965,14 @@ def test_engine_errors_get_their_statuses(llm, monkeypatch):
             assert c.post("/v1/completions", json=body).status_code == 200
 
 
+def _http_scope(method: str, path: str, headers: tuple = ()) -> dict:
+    """The ASGI scope of a JSON request from a client at 127.0.0.1 (extra `headers` as byte pairs)."""
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
+            "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+            "headers": [(b"content-type", b"application/json"), *headers], "client": ("127.0.0.1", 1),
+            "server": ("testserver", 80)}
+
+
 async def _asgi(app, method: str, path: str, body: dict | None = None, leave=None):
     """One request to `app` over raw ASGI: (status, body bytes). Its client goes away
     (http.disconnect) once `leave(messages sent so far)` is true; at once after its body
@@ -1984,11 +1992,7 @@ async def _asgi(app, method: str, path: str, body: dict | None = None, leave=Non
         sent.append(message)
         if leave is not None and leave(sent):
             gone.set()
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
-             "server": ("testserver", 80)}
-    await app(scope, receive, send)
+    await app(_http_scope(method, path), receive, send)
     return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
 
 
@@ -2274,11 +2278,7 @@ def test_a_body_declared_too_large_is_refused_before_it_is_read(llm):
 
     async def send(message):
         sent.append(message)
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
-             "root_path": "", "client": ("127.0.0.1", 1), "server": ("testserver", 80),
-             "headers": [(b"content-type", b"application/json"),
-                         (b"content-length", str(app_module.MAX_BODY_BYTES + 1).encode())]}
+    scope = _http_scope("POST", "/v1/completions", ((b"content-length", str(app_module.MAX_BODY_BYTES + 1).encode()),))
     asyncio.run(asyncio.wait_for(app(scope, receive, send), 30))
     assert sent[0]["status"] == 413 and reads == []
     assert "larger than 32 MiB" in json.loads(b"".join(m.get("body", b"") for m in sent[1:]))["error"]["message"]
