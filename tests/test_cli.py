@@ -935,6 +935,12 @@ def test_chat_prompts_go_through_the_chat_template(capsys, broken, monkeypatch):
      "treeflash: error: the output's encoding (ascii) cannot write the text ('\\U0001f600'): set PYTHONIOENCODING"),
     # a file or folder the command was pointed at: the user's to mend, not an engine bug
     (PermissionError(13, "Permission denied", "out.jsonl"), "treeflash: error: [Errno 13] Permission denied"),
+    # CUDA's out of memory (no "can't allocate memory" in it): the user's to mend, with the hint
+    (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                 "79.10 GiB\nframe #0: ..."),
+     "treeflash: error: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB."),
+    # Python's MemoryError says nothing: named by its type, not "()"
+    (MemoryError(), "treeflash: error: out of memory (MemoryError): ask for less (a shorter --max-model-len"),
 ])
 def test_an_unexpected_failure_is_one_line_without_cpp_frames(capsys, monkeypatch, error, first):
     def fail(args):
@@ -997,17 +1003,18 @@ def test_a_plain_file_with_one_jsonl_looking_line_gets_no_note(capsys, model, tm
     assert rc == 0 and "note" not in err, err
 
 
-def test_the_note_on_unread_jsonl_fields_names_each_once_and_at_most_ten(capsys, model, tmp_path):
+@pytest.mark.parametrize("count,more", [(12, " and 2 more"), (10, "")])
+def test_the_note_on_unread_jsonl_fields_names_each_once_and_at_most_ten(capsys, model, tmp_path, count, more):
     """A file of saved request bodies repeats the same fields on every line: the note names
-    each once, ten at most, and counts the rest."""
-    keys = [f"k{i:02d}" for i in range(12)]
+    each once, ten at most, and counts the rest (ten are all named: no "and 0 more")."""
+    keys = [f"k{i:02d}" for i in range(count)]
     f = tmp_path / "prompts.jsonl"
     f.write_text("".join(json.dumps({"prompt": p, **dict.fromkeys(keys, 1)}) + "\n" for p in ENGINE_PROMPTS[:2]))
     rc, out, err = run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu", "--json",
                        "--max-new-tokens", 2, "--ignore-eos")
     assert rc == 0, err
     named = ", ".join(f"'{k}'" for k in keys[:10])
-    assert f"note: lines of {f} hold {named} and 2 more, which are not read" in err
+    assert f"note: lines of {f} hold {named}{more}, which are not read" in err
 
 
 def test_one_moot_sampling_option_gets_a_singular_note(capsys, model):
@@ -1150,14 +1157,17 @@ def test_the_generation_config_note_names_filters_only_where_they_sample(capsys,
     assert rc == 0 and "top_k" not in err, err
 
 
-def test_treeflash_debug_shows_an_engine_errors_traceback(capsys, monkeypatch):
-    """TREEFLASH_DEBUG=1 lets an unexpected error through (with its traceback), for a bug report."""
+@pytest.mark.parametrize("error", [ValueError("engine bug"), PermissionError(13, "Permission denied", "out.jsonl")])
+def test_treeflash_debug_shows_an_engine_errors_traceback(capsys, monkeypatch, error):
+    """TREEFLASH_DEBUG=1 lets an unexpected error through (with its traceback), for a bug
+    report: an OSError too, whose plain report is one line."""
     def fail(args):
-        raise ValueError("engine bug")
+        raise error
     monkeypatch.setattr("treeflash.cli.cmd_generate", fail)
     monkeypatch.setenv("TREEFLASH_DEBUG", "1")
-    with pytest.raises(ValueError, match="engine bug"):
+    with pytest.raises(type(error)) as raised:
         main(["generate", "x"])
+    assert raised.value is error
 
 
 def test_model_flags_reach_the_engine(monkeypatch):
@@ -1189,3 +1199,167 @@ def test_a_malformed_file_is_named_with_its_folder(capsys, model, tmp_path):
     (drafter / "config.json").write_text("{not json")
     assert_error(*run(capsys, "hi", "--model", model, "--draft-model", drafter, "--device", "cpu"), 1,
                  f"malformed config.json in {drafter}")
+
+
+# ------------------------------------------------------------------- cases a second mutation review found untested
+
+
+def test_a_lone_carriage_return_ends_a_line_of_standard_input(capsys, model, api, monkeypatch):
+    """`--prompt-file -` reads its lines as a file's are read: an old Mac file's "\\r" ends
+    a line there too (it is not part of a prompt)."""
+    lines = f"{ENGINE_PROMPTS[0]}\r{ENGINE_PROMPTS[2]}\r".encode()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines)))
+    rc, out, err = run(capsys, "--prompt-file", "-", "--model", model, "--device", "cpu", "--json",
+                       "--max-new-tokens", 3, "--ignore-eos")
+    assert rc == 0, err
+    check_json_lines(out, [ENGINE_PROMPTS[0], ENGINE_PROMPTS[2]], api, 3)
+
+
+def test_a_stop_token_id_ends_the_answer_and_is_its_stop_reason(capsys, model, api):
+    """--stop-token-id ends the answer as vLLM's stop_token_ids: the token is the last of
+    token_ids, --json's stop_reason names it, and its text is in neither output (the
+    streamed plain text included)."""
+    full = api.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].token_ids
+    k = next(i for i in range(2, 12) if full[i] not in full[:i] and api.tokenizer.decode([full[i]]).strip())
+    args = (ENGINE_PROMPTS[0], "--model", model, "--device", "cpu", "--max-new-tokens", 12, "--ignore-eos",
+            "--stop-token-id", full[k])
+    rc, out, err = run(capsys, *args, "--json")
+    assert rc == 0, err
+    got = json.loads(out)
+    assert (got["token_ids"], got["finish_reason"], got["stop_reason"]) == (full[:k + 1], "stop", full[k])
+    rc, plain, err = run(capsys, *args)
+    assert rc == 0 and plain == got["text"] + "\n", err
+
+
+def test_plain_output_of_a_sentencepiece_model_keeps_its_first_space(capsys, tmp_path):
+    """A SentencePiece tokenizer (Llama 2, Mistral) strips a text's first space when it
+    decodes it alone: the streamed answer, decoded after the prompt, starts with the
+    space its first token carries, as --json's text does."""
+    from conftest import SP_PIECES, write_sentencepiece_tokenizer
+
+    from treeflash.checkpoints import write_random_target
+    folder = tmp_path / "sp"
+    write_random_target(folder, num_layers=1, vocab_size=write_sentencepiece_tokenizer(folder), seed=1)
+
+    def spaced(w):  # the model writes pieces that start with a space
+        w["lm_head.weight"][[i for i, p in enumerate(SP_PIECES) if p.startswith("\u2581")]] *= 25
+    rewrite_weights(folder, spaced)
+    args = ("ab ab", "--model", folder, "--device", "cpu", "--max-new-tokens", 8, "--ignore-eos")
+    rc, out, err = run(capsys, *args, "--json")
+    assert rc == 0, err
+    text = json.loads(out)["text"]
+    assert text.startswith(" ") and text.strip()
+    rc, out, err = run(capsys, *args)
+    assert rc == 0 and out == text + "\n", err
+
+
+def test_an_answer_ended_by_eos_is_not_said_to_stop_at_the_context_limit(capsys, eos_checkpoint):
+    """Fewer tokens than --max-new-tokens, ended by EOS: the stats line does not claim
+    the context cut it (that note is for finish_reason "length" only)."""
+    rc, out, err = run(capsys, ENGINE_PROMPTS[0], "--model", eos_checkpoint.path, "--device", "cpu",
+                       "--max-new-tokens", 48)
+    assert rc == 0, err
+    assert f": {eos_checkpoint.step + 1} tokens" in err and "context limit" not in err, err
+
+
+def test_a_drafter_named_by_a_hub_id_loads_from_the_cache(capsys, tmp_path, monkeypatch):
+    """--draft-model org/name is read from the Hugging Face cache, as --model is."""
+    import shutil
+
+    from treeflash.engine.options import builtin_paths
+    target, drafter = builtin_paths()
+    shutil.copytree(drafter, _cached_snapshot(tmp_path / "hub", "org/drafter", "abc", 1_000_000), dirs_exist_ok=True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run(capsys, ENGINE_PROMPTS[0], "--model", target, "--draft-model", "org/drafter", "--device", "cpu",
+                       "--json", "--max-new-tokens", 4, "--ignore-eos")
+    assert rc == 0, err
+    assert json.loads(out)["stats"]["method"] == "ddtree"
+
+
+def test_the_cache_variables_take_huggingface_hubs_precedence(tmp_path, monkeypatch):
+    """HF_HUB_CACHE, else the older HUGGINGFACE_HUB_CACHE, else HF_HOME/hub (not
+    ~/.cache), as huggingface_hub reads them."""
+    from treeflash.files import hub_snapshot
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    caches = {var: _cached_snapshot(tmp_path / var / "hub", "org/m", "abc", 1_000_000)
+              for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME")}
+    for var, folder in caches.items():
+        monkeypatch.setenv(var, str(tmp_path / var / ("" if var == "HF_HOME" else "hub")))
+    for var, folder in caches.items():
+        assert hub_snapshot("org/m") == folder, var
+        monkeypatch.delenv(var)
+
+
+def test_a_refs_main_whose_snapshot_has_no_config_falls_back_to_the_newest(tmp_path, monkeypatch):
+    """refs/main may name a revision whose download has not come (or stopped before its
+    config.json): the newest complete snapshot is read, not an empty folder."""
+    from treeflash.files import hub_snapshot
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    folder = _cached_snapshot(tmp_path / "hub", "org/m", "old", 1_000_000)
+    (folder.parent.parent / "refs").mkdir()
+    (folder.parent.parent / "refs" / "main").write_text("partial")
+    (folder.parent / "partial").mkdir()
+    assert hub_snapshot("org/m") == folder
+
+
+def test_a_path_of_three_parts_is_not_a_hub_id(capsys, tmp_path, monkeypatch):
+    """models/org/name, not there, is a path that was mistyped: its error says nothing of
+    the Hugging Face cache (hub ids are org/name)."""
+    from treeflash.files import is_hub_id
+    monkeypatch.chdir(tmp_path)
+    assert is_hub_id("org/name") and not is_hub_id("models/org/name")
+    rc, out, err = run(capsys, "hi", "--model", "models/org/name", "--device", "cpu")
+    assert rc == 1 and "model folder not found: models/org/name" in err and "Hugging Face" not in err, err
+
+
+def test_an_inline_grammar_may_start_with_a_comment():
+    """GBNF files often open with a comment line: pasted inline, the grammar is still read
+    as one, not as a file name."""
+    from treeflash.cli import build_parser
+    grammar = '# digits only\nroot ::= [0-9]+'
+    assert build_parser().parse_args(["generate", "x", "--grammar", grammar]).grammar == grammar
+
+
+def test_a_grammar_file_of_multibyte_text_is_read_up_to_its_character_limit(tmp_path):
+    """An option's file is limited by what its structured output may hold in characters:
+    a grammar of non-ASCII text within it is read, though it has more bytes than that."""
+    from treeflash.cli import build_parser
+    from treeflash.structured.grammar import MAX_INPUT_CHARS
+    grammar = 'root ::= "' + "\u00e9" * (MAX_INPUT_CHARS["grammar"] - 20) + '"'
+    f = tmp_path / "grammar.gbnf"
+    f.write_text(grammar, encoding="utf-8")
+    assert f.stat().st_size > MAX_INPUT_CHARS["grammar"]
+    assert build_parser().parse_args(["generate", "x", "--grammar", str(f)]).grammar == grammar
+
+
+def test_a_schema_file_that_cannot_be_read_is_not_taken_for_inline_text(capsys, tmp_path):
+    """A file that exists but cannot be read is named with its own error, without the
+    guess that the value was meant as inline JSON."""
+    f = tmp_path / "schema.json"
+    f.write_bytes(b'{"type": "\xff"}')
+    rc, out, err = run(capsys, "hi", "--json-schema", f, "--device", "cpu")
+    assert_error(rc, out, err, 2, "--json-schema", "schema.json", "not UTF-8")
+    assert "nor is it" not in err
+
+
+def test_every_sampling_option_at_temperature_0_is_named_in_the_note(capsys, model):
+    rc, out, err = run(capsys, "hi", "--model", model, "--device", "cpu", "--max-new-tokens", 2, "--top-k", 5,
+                       "--top-p", 0.9, "--min-p", 0.1, "--seed", 3)
+    assert rc == 0 and "note: --top-k, --top-p, --min-p, --seed have no effect at temperature 0" in err, err
+
+
+def test_a_generation_config_that_does_not_sample_leaves_its_filters_out_of_the_note(capsys, broken):
+    """do_sample false: the model's filters do nothing (greedy), and the note names only
+    what applies."""
+    path = broken / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    config.pop("temperature", None)
+    path.write_text(json.dumps({**config, "do_sample": False, "top_k": 20, "top_p": 0.9, "min_p": 0.1,
+                                "repetition_penalty": 1.1}))
+    rc, out, err = run(capsys, "hi", "--model", broken, "--device", "cpu", "--max-new-tokens", 2)
+    assert rc == 0, err
+    assert "note: repetition_penalty 1.1, temperature 0.0 from the model's generation_config.json" in err, err
+    assert not any(f in err for f in ("top_k", "top_p", "min_p")), err

@@ -206,6 +206,17 @@ def test_mxfp4_round_trip_is_exact_on_representable_values():
     assert torch.equal(mxfp4_dequantized(blocks, scales, torch.float32), values.view(1, 64))
 
 
+
+def test_mxfp4_scales_keep_every_value_within_half_a_step():
+    """Each group of 32 gets the scale that brings its largest value within e2m1's range
+    (6), not past it (a smaller one clips it): every value of real weights then lies at
+    most half the widest e2m1 step (1, between 4 and 6) times the scale from its code."""
+    w = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(0))
+    blocks, scales = mxfp4_blocks(w)
+    step = torch.exp2(scales.float() - 127)
+    error = (mxfp4_dequantized(blocks, scales, torch.float32) - w).abs().unflatten(-1, (-1, 32))
+    assert (error <= step[..., None]).all()
+
 # ----------------------------------------------------------------------------- speculative and TP
 
 @pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 16)])

@@ -938,6 +938,61 @@ def test_only_a_cpu_load_is_checked_against_the_hosts_memory(monkeypatch):
             "not enough cpu memory for the weights")
 
 
+
+def test_the_weights_need_counts_fp8_and_packed_parameters_at_their_own_size(monkeypatch):
+    """Float32 shells are counted in the dtype asked for; an FP8 (or packed) parameter at
+    its stored byte each: an FP8 checkpoint that fits is not refused as if it were bf16.
+    The refusal gives both figures in GiB."""
+    import treeflash.memory as memory
+    with torch.device("meta"):
+        dense = torch.nn.Linear(64, 64)
+        fp8 = torch.nn.Module()
+        fp8.weight = torch.nn.Parameter(torch.empty(64, 64, dtype=torch.float8_e4m3fn), requires_grad=False)
+    need = (64 * 64 + 64) * 2 + 64 * 64
+    monkeypatch.setattr(memory, "available_bytes", lambda device: need)
+    memory.check_weights_fit([dense, fp8], torch.bfloat16, torch.device("cpu"))
+    monkeypatch.setattr(memory, "available_bytes", lambda device: need - 1)
+    refused(lambda: memory.check_weights_fit([dense, fp8], torch.bfloat16, torch.device("cpu")),
+            "not enough cpu memory for the weights")
+    with torch.device("meta"):
+        big = torch.nn.Linear(65536, 8192, bias=False)  # 2 GiB in float32
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 3 * 2 ** 29)
+    refused(lambda: memory.check_weights_fit([big], torch.float32, torch.device("cpu")),
+            "not enough cpu memory for the weights: 2.0 GiB in float32, 1.5 GiB free: load them in bfloat16 "
+            "(--dtype bfloat16) or on a GPU")
+
+
+def test_a_host_whose_free_memory_is_unknown_loads(monkeypatch):
+    """Where the free memory cannot be read (no /proc/meminfo: macOS), the weights are
+    loaded unchecked, not refused with an error of the check's own."""
+    import treeflash.memory as memory
+    monkeypatch.setattr(memory, "available_bytes", lambda device: None)
+    with torch.device("meta"):
+        shells = [torch.nn.Linear(64, 64)]
+    memory.check_weights_fit(shells, torch.float32, torch.device("cpu"))
+
+
+def test_a_gpus_available_memory_counts_what_torchs_allocator_holds_unused(monkeypatch):
+    """On CUDA, memory torch's caching allocator reserved but does not use is free for the
+    next tensor: the driver's free memory plus reserved less allocated."""
+    from treeflash.memory import available_bytes
+    gib = 2 ** 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 6 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 4 * gib)
+    assert available_bytes(torch.device("cuda", 0)) == 12 * gib
+
+
+def test_the_cpus_available_memory_is_memavailable_not_memfree(monkeypatch):
+    """Linux's MemAvailable counts the page cache the kernel gives back (a model's files
+    just read fill it): MemFree alone would refuse a model that fits."""
+    import io
+
+    import treeflash.memory as memory
+    meminfo = "MemTotal:       16000000 kB\nMemFree:          1000000 kB\nMemAvailable:    9000000 kB\n"
+    monkeypatch.setattr(memory, "open", lambda path, *a, **k: io.StringIO(meminfo), raising=False)
+    assert memory.available_bytes(torch.device("cpu")) == 9000000 * 1024
+
 def test_a_random_drafter_matches_its_target(tmp_path):
     """write_random_drafter: the target's RoPE scaling (positions past the original
     context must rotate as the target's do), taps clamped to its layers, the last token
@@ -954,6 +1009,23 @@ def test_a_random_drafter_matches_its_target(tmp_path):
     assert config["rope_scaling"] == LLAMA3_ROPE
     assert config["dflash_config"] == {"mask_token_id": vocab - 1, "target_layer_ids": [0, layers - 1]}
 
+
+
+def test_a_random_drafter_is_written_as_asked(tmp_path):
+    """write_random_drafter's block size, MASK token and dtype are those asked for (tests
+    that ask for a block of 4 in bfloat16 get one), and its config says so as a published
+    drafter's does."""
+    from safetensors.torch import load_file
+
+    from treeflash.checkpoints import write_random_drafter, write_random_target
+    target = write_random_target(tmp_path / "t", hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                                 intermediate_size=64, vocab_size=64)
+    folder = write_random_drafter(target, tmp_path / "d", num_layers=1, block_size=4, mask_token_id=2,
+                                  dtype=torch.bfloat16)
+    config = json.loads((folder / "config.json").read_text())
+    draft = DraftConfig.from_dict(config)
+    assert (draft.block_size, draft.mask_token_id, config["torch_dtype"]) == (4, 2, "bfloat16")
+    assert {t.dtype for t in load_file(str(folder / "model.safetensors")).values()} == {torch.bfloat16}
 
 def test_tokens_declared_out_of_id_order_load_at_their_ids_as_transformers(tmp_path):
     """added_tokens_decoder's keys need not come in id order (sorted as text, "100000"

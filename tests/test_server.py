@@ -1454,6 +1454,8 @@ def test_treeflash_serve_answers_concurrent_clients(llm):
         with urllib.request.urlopen(base + "/health", timeout=60) as r:
             assert r.status == 200
         health = time.time() - start
+        with urllib.request.urlopen(base + "/metrics", timeout=60) as r:  # what a scraper asks every few seconds
+            assert r.status == 200
         big.join(120)
         assert huge["r"][0] == 400 and "does not fit the context limit" in huge["r"][1], huge
         assert health < 1.0, health
@@ -1465,9 +1467,9 @@ def test_treeflash_serve_answers_concurrent_clients(llm):
     finally:
         proc.terminate()
         proc.wait(30)
-    log = proc.stdout.read()  # a line per API request, as vLLM's (not the /health probes)
+    log = proc.stdout.read()  # a line per API request, as vLLM's (not the /health probes nor the scrapes)
     assert log.count('"POST /v1/completions HTTP/1.1" 200') >= 4 and '"POST /v1/completions HTTP/1.1" 400' in log
-    assert "/health" not in log
+    assert "/health" not in log and "/metrics" not in log
 
 
 def test_chat_template_sources_and_failures(tmp_path, llm):
@@ -2334,3 +2336,85 @@ def test_a_shutdown_answers_the_request_being_generated(llm):
         app.state.shutdown()
         asking.join(60)
     assert got[0].status_code == 503 and got[0].json()["error"]["message"] == "the server is shutting down"
+
+
+# ----------------------------------------------------------------------------- `treeflash serve`'s options (cases a second mutation review found untested)
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="needs IPv6's loopback")
+def test_serve_listens_on_an_ipv6_address(monkeypatch, llm):
+    """--host ::1 (or ::, every interface of a dual-stack host) is checked as an IPv6
+    address, not refused as one that cannot be listened on."""
+    assert served(monkeypatch, llm, "--host", "::1")["uvicorn"]["host"] == "::1"
+
+
+def test_serve_may_listen_again_on_a_port_a_server_just_closed():
+    """A restarted server takes its port at once though the last one's connections are
+    in TIME_WAIT, as uvicorn binds it (SO_REUSEADDR): the check before loading does not
+    refuse it."""
+    from treeflash.server.cli import _check_listen
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            conn, _ = listener.accept()
+            conn.close()  # the server's side closes first: its port stays in TIME_WAIT
+            client.recv(1)
+    _check_listen("127.0.0.1", port)
+
+
+def test_serve_passes_max_batch_and_a_hub_ids_served_name_on(monkeypatch, llm, tmp_path):
+    """--max-batch reaches the app that batches queued requests; --served-model-name
+    names a model read by its hub id too (the id is then no alias)."""
+    assert served(monkeypatch, llm, "--max-batch", "4")["app"]["max_batch"] == 4
+    shutil.copytree(builtin_paths()[0], tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    app = served(monkeypatch, llm, "--model", "org/tiny", "--served-model-name", "tiny")["app"]
+    assert (app["model_name"], tuple(app.get("aliases", ()))) == ("tiny", ())
+
+
+def test_serve_says_which_sampling_defaults_the_model_sets(monkeypatch, llm, tmp_path, capsys):
+    """At startup the server says what requests that leave sampling values out get from
+    generation_config.json (vLLM says so too); with none, or none asked for, nothing."""
+    folder = tmp_path / "m"
+    shutil.copytree(builtin_paths()[0], folder)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20}))
+    capsys.readouterr()
+    served(monkeypatch, llm, "--model", str(folder))
+    assert "treeflash: requests that leave them out get temperature 0.6, top_p 0.95, top_k 20 " \
+           "(generation_config.json; --generation-config none for OpenAI's)" in capsys.readouterr().err
+    served(monkeypatch, llm, "--model", str(folder), "--generation-config", "none")
+    assert "leave them out" not in capsys.readouterr().err
+
+
+def test_serve_says_when_a_model_without_a_chat_template_answers_completions_only(monkeypatch, llm, chat_model,
+                                                                                  capsys):
+    capsys.readouterr()
+    served(monkeypatch, llm)  # the built-in model has no chat template
+    assert "(no chat template: /v1/completions only)" in capsys.readouterr().err
+    served(monkeypatch, llm, "--model", str(chat_model))
+    assert "no chat template" not in capsys.readouterr().err
+
+
+def test_serve_reads_its_chat_parsers_as_a_pair(monkeypatch, llm, chat_model, capsys):
+    """--tool-call-parser openai alone reads gpt-oss's Harmony answers with their
+    reasoning parser (which it implies); a pair that reads different formats is refused
+    before the model loads."""
+    app = served(monkeypatch, llm, "--model", str(chat_model), "--tool-call-parser", "openai")["app"]
+    assert (app["tool_parser"], app["reasoning_parser"]) == ("openai", "openai_gptoss")
+    capsys.readouterr()
+    assert served(monkeypatch, llm, "--model", str(chat_model), "--tool-call-parser", "hermes",
+                  "--reasoning-parser", "openai_gptoss") == {}
+    assert "read different formats" in capsys.readouterr().err
