@@ -187,6 +187,8 @@ def test_max_tokens_reads_and_sets_as_in_vllm(llm):
     assert dataclasses.replace(p, seed=2).max_tokens == 4
     with pytest.raises(UsageError, match="not both"):  # 128, the default, given as well
         SamplingParams(max_tokens=7, max_new_tokens=128)
+    with pytest.raises(UsageError, match="not both"):  # max_new_tokens, the first field, given by position
+        SamplingParams(5, max_tokens=7)
 
 
 def test_filters_or_a_seed_without_a_temperature_warn():
@@ -202,6 +204,7 @@ def test_filters_or_a_seed_without_a_temperature_warn():
         SamplingParams(top_k=-1, top_p=1.0, max_tokens=3)
         SamplingParams(temperature=0, top_p=0.5, seed=1)
         SamplingParams(temperature=0.7, top_k=20)
+        SamplingParams(8, 0.7, top_k=20)  # the temperature given by position
         assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
     with pytest.raises(UsageError, match="seed must be"):
         SamplingParams(temperature=1.0, seed=-2)
@@ -588,6 +591,9 @@ def test_generation_stops_at_the_context_limit(hf_checkpoint):
     ({"top_k": -2}, "top_k"),
     ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"seed": -3}, "seed"),
+    ({"seed": 2 ** 63}, "seed must be an integer in"),  # past int64: the batch's seed tensor overflowed
+    ({"seed": True}, "seed must be an integer in"),     # a flag, not seed 1
+    ({"min_p": -0.1}, "min_p must be in"),              # log of a negative: a NaN floor
     ({"stop": [""]}, "stop"),
     ({"temperature": True}, "temperature"),
     ({"top_p": True}, "top_p"),
@@ -613,6 +619,41 @@ def test_a_single_stop_string_is_a_list_of_one():
     """As in vLLM, stop may be one string: it is that stop string (not refused, nor its
     characters each a stop string)."""
     assert SamplingParams(stop="\n\n").stop == ["\n\n"]
+
+
+def test_sampling_parameter_bounds_are_inclusive():
+    """Each bound the messages give ("at most", "in [lo, hi]") is taken: float32's largest
+    temperature, repetition penalties of 1e30 and 1e-30, the penalties' +-2, logprobs 0
+    and 20 (vLLM's and OpenAI's most: 21 is refused), the last int64 seed, min_p 1."""
+    from treeflash.sampling_params import FLOAT32_MAX
+    for kw in (dict(temperature=FLOAT32_MAX), dict(repetition_penalty=1e30), dict(repetition_penalty=1e-30),
+               dict(presence_penalty=2.0), dict(frequency_penalty=-2.0), dict(logprobs=0), dict(logprobs=20),
+               dict(prompt_logprobs=20), dict(seed=2 ** 63 - 1), dict(min_p=1.0)):
+        assert SamplingParams(temperature=kw.pop("temperature", 1.0), **kw)
+    for kw in (dict(logprobs=21), dict(prompt_logprobs=21)):
+        with pytest.raises(UsageError, match=r"logprobs must be an integer in \[0, 20\]"):
+            SamplingParams(**kw)
+
+
+def test_a_stop_token_id_at_the_vocabulary_size_is_outside_it(llm):
+    """Token ids run from 0 to vocab_size - 1: a stop token id of vocab_size is refused
+    (UsageError naming it, before any work), the last id is taken."""
+    vocab = llm.config.vocab_size
+    with pytest.raises(UsageError, match=f"stop token id {vocab} is outside the vocabulary of {vocab}"):
+        llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=2, stop_token_ids=[vocab]))
+    out = llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=2, stop_token_ids=[vocab - 1]))[0]
+    assert 1 <= len(out.token_ids) <= 2
+
+
+def test_strings_of_a_str_subclass_are_plain_strings():
+    """Stop strings and bad words given as a subclass of str (NumPy's str_, read from an
+    array, or the caller's own class) are kept as plain str, as numbers are kept as plain
+    int and float: a tensor-parallel worker unpickles plain values only."""
+    class Word(str):
+        pass
+    p = SamplingParams(stop=[np.str_("\n"), Word("end")], bad_words=[Word("if")])
+    assert p.stop == ["\n", "end"] and p.bad_words == ["if"]
+    assert [type(s) for s in p.stop + p.bad_words] == [str, str, str]
 
 
 @pytest.mark.parametrize("prompts,what", [("", "empty prompt"), ([[]], "empty prompt"),

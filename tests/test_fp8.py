@@ -103,6 +103,17 @@ def test_blocks_take_fp8_s_whole_range_and_keep_zero_blocks():
     assert torch.equal(dequantized(q, Fp8Weight(scale, (4, 6)), torch.float32)[4:, 6:], torch.zeros(4, 6))
 
 
+def test_the_kernels_take_blocks_a_power_of_two_of_16_columns_or_more():
+    """Which FP8 weights the GPU kernels read as they are: scale blocks whose columns are a
+    power of two, 16 or more (any rows); the others (DeepSeek's 128 x 128 fits, a 48- or
+    8-column block does not) are dequantized first, with a warning on CUDA."""
+    from treeflash.ops import fp8_kernels_fit
+    for block in ((128, 128), (1, 16), (7, 32), (16, 1024)):
+        assert fp8_kernels_fit(block) and Fp8Weight(torch.ones(1, 1), block).fits_kernels, block
+    for block in ((128, 8), (16, 4), (32, 48), (128, 96), (128, 1)):
+        assert not fp8_kernels_fit(block) and not Fp8Weight(torch.ones(1, 1), block).fits_kernels, block
+
+
 @pytest.mark.parametrize("name,block,skip", [("qwen3", (16, 32), ()), ("qwen3", (32, 48), ()),
                                              ("llama-tied-bias", (16, 16), ("mlp",))])
 def test_logits_equal_transformers_on_the_dequantized_weights(hf_checkpoint, tmp_path, name, block, skip):

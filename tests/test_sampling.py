@@ -268,6 +268,46 @@ def test_a_tiny_temperature_samples_as_the_smallest_one(top_p, min_p):
     assert len(set(draws[1].tolist())) > 1, "at MIN_TEMPERATURE these logits are not a plain argmax"
 
 
+@pytest.mark.parametrize("top_p,min_p", [(1.0, 0.0), (0.9, 0.0), (1.0, 0.3)])
+def test_small_temperatures_from_min_temperature_up_are_used_as_given(top_p, min_p):
+    """Only temperatures below MIN_TEMPERATURE (1e-6) are raised to it: at 1e-6 and 3e-6
+    the sampler and the filters take T as asked, each draw argmax(logits / T + g(seed, p))
+    among the logits at least the floor a sort of the row gives at T (over logits a few
+    1e-6 apart, where the two temperatures draw and filter differently)."""
+    from sampling_oracle import floor_of_sorted_row
+    P, V = 64, 6
+    logits = torch.full((1, P, V), -3.0, dtype=torch.float64)
+    logits[..., :3] = 0.5 + torch.tensor([0.0, 1.0, -1.0], dtype=torch.float64) * 2e-6
+    pos = torch.arange(P)[None]
+    draws = []
+    for t in (1e-6, 3e-6):
+        p = SamplingParams(temperature=t, top_p=top_p, min_p=min_p, seed=2)
+        sb = SamplingBatch.from_params([p], "cpu")
+        floor = floor_of_sorted_row(logits[0, 0], p)
+        noisy = logits / sb.temperature.double() + gumbel_noise(sb.seed, pos, 0, V)
+        want = noisy.masked_fill(logits < floor, float("-inf")).argmax(-1)
+        draws.append(sample(logits, pos, sb))
+        assert torch.equal(draws[-1], want), t
+    assert not torch.equal(draws[0], draws[1])
+
+
+def test_bf16_logits_are_sampled_and_scored_in_float32():
+    """Sampling works in float32 whatever the logits' dtype (float64 stays): bf16 logits
+    (a bf16 model's LM head) draw exactly the tokens their float32 values draw, filters
+    included, and their log-probabilities are float32's (x / T and the noise in bf16
+    would round away the differences that decide a draw)."""
+    from treeflash.engine.sampling import logprobs_of
+    P, V = 64, 1000
+    logits = (torch.randn(2, P, V, generator=torch.Generator().manual_seed(5)) * 3).bfloat16()
+    pos = torch.arange(P).expand(2, P)
+    sb = SamplingBatch.from_params([SamplingParams(temperature=0.7, seed=1),
+                                    SamplingParams(temperature=1.3, top_k=50, top_p=0.9, min_p=0.02, seed=2)], "cpu")
+    assert torch.equal(sample(logits, pos, sb), sample(logits.float(), pos, sb))
+    tokens = logits.float().argmin(-1)  # unlikely tokens, far below the top
+    for got, want in zip(logprobs_of(logits, tokens), logprobs_of(logits.float(), tokens)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 def test_mixed_batch_honours_each_requests_parameters():
     """One batch mixing greedy, top-k, top-p and plain sampling: each row samples exactly
     as it does alone, a row's filters do not leak into its neighbours."""

@@ -279,6 +279,8 @@ def test_logit_bias_as_json_gives_it(mapping, message):
     """OpenAI's logit_bias (the server's and --logit-bias's): string keys of digits."""
     from treeflash.sampling_params import token_bias
     assert token_bias({"7": 2, "0": -1.5}) == {7: 2, 0: -1.5}
+    # 19 digits hold every int64 id: the largest is a token id (the vocabulary refuses it later)
+    assert token_bias({str(2 ** 63 - 1): 1}) == {2 ** 63 - 1: 1}
     with pytest.raises(UsageError, match=message):
         token_bias(mapping)
 
@@ -555,8 +557,8 @@ def test_penalized_streams_equal_ar(kind, spec_target, spec_drafter, ar_referenc
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(presence_penalty=2.5), "presence_penalty must be in"),
-    (dict(frequency_penalty=-3), "frequency_penalty must be in"),
+    (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\], got 2.5"),  # the value named
+    (dict(frequency_penalty=-3), r"frequency_penalty must be in \[-2, 2\], got -3"),
     (dict(repetition_penalty=0.0), "repetition_penalty must be in"),
     (dict(repetition_penalty=float("inf")), "repetition_penalty must be in"),
     # past float32's range it would be inf there: 0 * inf is NaN, and NaN wins an argmax

@@ -1550,6 +1550,7 @@ def test_sampling_defaults_come_from_generation_config(tmp_path, llm):
     assert "min_p 0.05" in qwen.describe()
     for bad in ('{"temperature": -1}', '{"top_p": 0}', '{"top_k": 2.5}', '{"min_p": 2}', '{"max_new_tokens": 0}',
                 '{"repetition_penalty": 0}',
+                '{"top_k": "20"}',  # a string: a UsageError naming the file, not a TypeError from comparing it
                 '[1]', '{'):
         (tmp_path / "generation_config.json").write_text(bad)
         with pytest.raises(UsageError, match="generation_config.json") as e:
