@@ -597,7 +597,7 @@ def metric_samples(text: str) -> dict:
 def scrape(client) -> dict:
     """GET /metrics as {sample name with labels: value}."""
     r = client.get("/metrics")
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")  # the text format
     return metric_samples(r.text)
 
 
@@ -2195,14 +2195,14 @@ def test_metrics_count_each_finish_reason_and_a_prompt_once():
     m = ServerMetrics()
     assert {k: v for k, v in metric_samples(m.render(0, 0, 0)).items() if "choices" in k} == {
         f'treeflash_choices_total{{finish_reason="{r}"}}': 0 for r in ("stop", "length", "abort")}
-    m.choice_done(5, SimpleNamespace(finish_reason="stop", token_ids=[1, 2, 3], stats={"rounds": 2}))
+    m.choice_done(5, SimpleNamespace(finish_reason="stop", token_ids=[1, 2, 3], stats={"rounds": 4}))
     m.choice_done(0, SimpleNamespace(finish_reason="abort", token_ids=[], stats={}))  # the request's second choice
     m.request_done("cancelled", 0.5)
     got = metric_samples(m.render(0, 0, 0))
     assert (got['treeflash_choices_total{finish_reason="stop"}'], got['treeflash_choices_total{finish_reason="abort"}'],
             got['treeflash_choices_total{finish_reason="length"}']) == (1, 1, 0)
     assert (got["treeflash_prompt_tokens_total"], got["treeflash_generation_tokens_total"],
-            got["treeflash_generation_rounds_total"]) == (5, 3, 2)
+            got["treeflash_generation_rounds_total"]) == (5, 3, 4)  # the rounds its stats count, not one a choice
     assert got['treeflash_requests_total{outcome="cancelled"}'] == 1 and got["treeflash_request_seconds_count"] == 1
 
 
@@ -2419,3 +2419,123 @@ def test_serve_reads_its_chat_parsers_as_a_pair(monkeypatch, llm, chat_model, ca
     assert served(monkeypatch, llm, "--model", str(chat_model), "--tool-call-parser", "hermes",
                   "--reasoning-parser", "openai_gptoss") == {}
     assert "read different formats" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the app, its worker and /metrics (cases a second mutation review found)
+
+
+def test_a_sentencepiece_stream_keeps_its_first_space(tmp_path):
+    """With a SentencePiece tokenizer (Llama 2, Mistral) a streamed answer starts with the
+    space its first token carries, as the whole answer does: the stream decodes after the
+    prompt (decoded alone, " ab" would lose its space)."""
+    from conftest import SP_PIECES, write_sentencepiece_tokenizer
+
+    from treeflash.checkpoints import write_random_target
+    vocab = write_sentencepiece_tokenizer(tmp_path)
+    write_random_target(tmp_path, num_layers=1, vocab_size=vocab, seed=1)
+    sp = LLM(tmp_path, device="cpu", dtype="float32")
+    body = {"prompt": "ab ab", "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(SP_PIECES.index("\u2581ab")): 100}}  # " ab", " ab", " ab"
+    with TestClient(build_app(sp, "sp", None)) as c:
+        whole = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        streamed = events(c.post("/v1/completions", json={**body, "stream": True}))[:-1]
+    assert whole == " ab ab ab"
+    assert "".join(e["choices"][0]["text"] for e in streamed) == whole
+
+
+def test_metrics_time_a_request_from_its_arrival(client):
+    """treeflash_request_seconds observes each request's own time, arrival to answer (a
+    scraper's mean latency and quantiles come from it): its sum grows by no more than the
+    client waited, and the bucket of that time counts it, not only +Inf."""
+    _wait(lambda: scrape(client)["treeflash_requests_running"] == 0)
+    before = scrape(client)
+    start = time.monotonic()
+    assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+    took = time.monotonic() - start
+    after = scrape(client)  # counted before it was answered
+    assert after["treeflash_request_seconds_count"] - before["treeflash_request_seconds_count"] == 1
+    assert 0 < after["treeflash_request_seconds_sum"] - before["treeflash_request_seconds_sum"] <= took
+    from treeflash.server.metrics import REQUEST_BOUNDS
+    key = f'treeflash_request_seconds_bucket{{le="{float(next(b for b in REQUEST_BOUNDS if b >= took))}"}}'
+    assert after[key] - before[key] == 1
+
+
+def test_a_stream_whose_event_loop_is_gone_ends_at_its_next_round(fake_worker, llm):
+    """A streamed request whose server's event loop has closed (the server went away
+    without draining) ends at its next round, answered as cancelled: the engine is not
+    held generating deltas nobody can read up to max_tokens."""
+    from treeflash.server.app import Cancelled, Job
+    from treeflash.server.protocol import Request
+    fake, worker, _ = fake_worker
+    fake.gate.set()
+    closed = asyncio.new_event_loop()
+    closed.close()
+    gone = Job(Request("completion", [[1]], SamplingParams(max_new_tokens=100000), stream=True), closed,
+               llm.tokenizer, worker.metrics)
+    worker.jobs.put(gone)
+    with pytest.raises(Cancelled):
+        gone.future.result(30)
+    assert gone.generated[0] < 100 and worker.metrics.requests["cancelled"] == 1
+
+
+def test_a_drain_answers_the_queued_requests_at_once(fake_worker):
+    """A shutdown that begins while the engine is inside a long step (a long prompt's
+    prefill) answers the requests queued behind it "shutting down" (503) at once, not
+    when that step is over; the running one ends at its next round."""
+    fake, worker, job = fake_worker
+    running = job([1], tokens=100000)
+    worker.jobs.put(running)
+    _wait(lambda: fake.calls)  # inside generate, held by the gate
+    queued = [job([2]), job([3])]
+    for j in queued:
+        worker.jobs.put(j)
+    worker.drain()
+    for j in queued:
+        with pytest.raises(Exception, match="shutting down") as e:
+            j.future.result(5)
+        assert e.value.status == 503
+    fake.gate.set()
+    with pytest.raises(Exception, match="shutting down"):
+        running.future.result(30)
+    assert fake.calls == [[1]]
+
+
+def test_a_batch_takes_requests_up_to_max_batch_prompts(fake_worker):
+    """The engine takes queued requests up to max_batch prompts a batch: behind a request
+    of max_batch prompts the next one stays queued (/metrics counts it waiting, not
+    running) and gets the engine once that batch is done."""
+    fake, worker, job = fake_worker
+    plug = job([9])
+    worker.jobs.put(plug)
+    _wait(lambda: fake.calls)  # inside generate, held by the gate
+    full, behind = job([1], [2], [3], [4], tokens=100000), job([5])
+    worker.jobs.put(full)
+    worker.jobs.put(behind)
+    fake.gate.set()
+    _wait(lambda: full.started)
+    assert worker.running == [full] and worker.jobs.qsize() == 1
+    full.cancel()
+    assert [o.text for o in behind.future.result(30)] == ["5"]
+    assert fake.calls == [[9], [1, 2, 3, 4], [5]]
+
+
+def test_metrics_report_the_engines_graph_captures(client, llm, monkeypatch):
+    """treeflash_graph_captures_total is the engine's count of CUDA graphs captured, warm-up
+    included: an operator sees recaptures while serving (a new batch shape) as it grows."""
+    monkeypatch.setattr(type(llm), "graph_captures", property(lambda self: 7))
+    assert scrape(client)["treeflash_graph_captures_total"] == 7
+
+
+def test_a_batch_that_fails_during_a_drain_is_answered_shutting_down(fake_worker):
+    """A shutdown that begins while a batch is generated, which then fails (the server's
+    tensor-parallel workers stop with it), answers the batch's requests "shutting down"
+    (503, what a client retries elsewhere), not with the engine's error (500)."""
+    fake, worker, job = fake_worker
+    failing = job([666], [2])
+    worker.jobs.put(failing)
+    _wait(lambda: fake.calls)  # inside generate, held by the gate
+    worker.drain()
+    fake.gate.set()
+    with pytest.raises(Exception, match="shutting down") as e:
+        failing.future.result(30)
+    assert e.value.status == 503

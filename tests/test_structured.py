@@ -933,6 +933,19 @@ def test_the_cache_keeps_its_tables_within_its_byte_limit(engines, monkeypatch):
     assert list(cache.kept) == [StructuredOutputs(regex="x[0-9]").key()]
 
 
+def test_tables_that_fill_the_byte_limit_exactly_are_kept(engines, monkeypatch):
+    """The byte limit is inclusive: constraints whose tables add up to exactly
+    AUTOMATA_BYTES are all kept (none compiled again when asked for)."""
+    import treeflash.structured.cache as cache_module
+    a, b = StructuredOutputs(regex="x[0-9]"), StructuredOutputs(regex="y[0-9]{2}")
+    sizes = _fresh_cache(engines["ar"])
+    monkeypatch.setattr(cache_module, "AUTOMATA_BYTES", sizes.get(a).nbytes + sizes.get(b).nbytes)
+    cache = _fresh_cache(engines["ar"])
+    first = cache.get(a)
+    cache.get(b)
+    assert list(cache.kept) == [a.key(), b.key()] and cache.get(a) is first
+
+
 def test_a_constraint_compiled_while_the_others_are_in_use_is_kept(engines, monkeypatch):
     """The cache is full of constraints that batches generate with: the one just compiled
     stays too (it was dropped at once, so every request compiled it again)."""
@@ -1003,6 +1016,21 @@ def test_a_refusal_is_said_in_its_own_words(engines):
     assert "cannot be compiled" not in str(err.value)
 
 
+def test_a_table_over_the_byte_limit_is_refused(engines, monkeypatch):
+    """MAX_AUTOMATON_BYTES bounds one constraint's token table (states x vocabulary x 4
+    bytes): a table of exactly that size compiles, a larger one is refused as too complex
+    (before it takes the memory)."""
+    import treeflash.structured.cache as cache_module
+    llm = engines["ar"]
+    so = StructuredOutputs(regex="[0-9]{3}")
+    need = so.automaton().num_states * llm.config.vocab_size * 4
+    monkeypatch.setattr(cache_module, "MAX_AUTOMATON_BYTES", need)
+    assert _fresh_cache(llm).get(so).next.shape[1] == llm.config.vocab_size
+    monkeypatch.setattr(cache_module, "MAX_AUTOMATON_BYTES", need - 1)
+    with pytest.raises(UsageError, match="too complex"):
+        _fresh_cache(llm).get(so)
+
+
 def test_remembered_refusals_are_bounded(engines, monkeypatch):
     import treeflash.structured.cache as cache_module
     monkeypatch.setattr(cache_module, "REFUSALS_KEPT", 2)
@@ -1034,6 +1062,18 @@ def test_special_tokens_are_never_text(engines):
     specials = [i for i, t in llm.tokenizer.tok.get_added_tokens_decoder().items() if t.special]
     automaton = _fresh_cache(llm).get(StructuredOutputs(regex=r"[<|>a-z]{1,20}"))
     assert specials and (automaton.next[:, specials] == -1).all()
+
+
+def test_added_tokens_that_are_not_special_are_text():
+    """An added token that is not special (Qwen3's <think> and </think>, <tool_call>) is
+    text: a constraint may spell its text with it, as the model writes it, in one token."""
+    from treeflash.structured.cache import AutomatonCache
+    from treeflash.tokenizer import Tokenizer
+    tok = Tokenizer(builtin_paths()[0])
+    tok.tok.add_tokens(["</think>"])
+    added = tok.tok.token_to_id("</think>")
+    automaton = AutomatonCache(tok, tok.vocab_size).get(StructuredOutputs(regex="</think>[a-z]+"))
+    assert added not in tok.special_ids and automaton.next[0, added] != -1
 
 
 def test_a_constrained_chain_is_the_best_one_the_constraint_allows(engines):
