@@ -179,6 +179,10 @@ def test_row_argmax_matches_argmax(dtype, shape):
     x[..., -1] = 41
     x[0, ..., 15000 % shape[-1]] = 42  # one row's maximum alone, past the first 8192 entries
     assert torch.equal(row_argmax(x.to(DEV)).cpu(), x.argmax(-1))
+    # every entry below 0 (log-probabilities), past 8192 entries: the launch that picks the
+    # best of 3 programs pads them to 4, and the padding slot never wins (not a value of 0)
+    neg = x - 100
+    assert torch.equal(row_argmax(neg.to(DEV)).cpu(), neg.argmax(-1))
     x[..., 5] = float("nan")  # NaN never wins (torch.argmax would take it), not even its own lane
     assert torch.equal(row_argmax(x.to(DEV)).cpu(), x.nan_to_num(float("-inf")).argmax(-1))
 
@@ -323,7 +327,7 @@ def test_logit_controls_match_torch(dtype, rows, per_row, controls):
 def test_ops_in_the_triton_interpreter():
     run_interpreted(__file__, "gemv_matches or few_row_matmul or rope_into_cache or row_argmax or gumbel_argmax or cos_sin "
                     "or embedding_rows or logit_controls or node_states or path_states or grammar_mask or split_product "
-                    "or coupled_scores or filter_floor_kernels or fused_ops_match_torch", 47, timeout=600)
+                    "or coupled_scores or filter_floor_kernels or fused_ops_match_torch", 48, timeout=600)
 
 
 def _grammar_batch(V: int, B: int, seed: int):
@@ -492,6 +496,25 @@ def test_filter_floor_kernels_keep_the_top_where_top_p_rounds_to_0():
     got, params = _fused_floor(x, [(1.0, 0, tiny, 0.0), (1.0, 5, tiny, 0.0)])
     want = filter_floor(x.double(), SamplingBatch.from_params(params, "cpu"))[:, 0].float()
     assert torch.equal(got, want) and torch.equal(want, x.amax(-1)[:, 0])
+
+
+@gpu_or_interpreter
+def test_filter_floor_kernels_take_a_top_k_past_the_vocabulary():
+    """A top-k of 20 over a vocabulary of 10 (the window holds all 10 logits) keeps every
+    token, as the torch path (which clamps k to the window) does: its floor is the row's
+    smallest logit, not a value read past the row's window (the next row's, 50 higher)."""
+    from treeflash.engine.sampling import SamplingBatch, filter_floor
+    from treeflash.ops.filter_floor import filter_floor as fused
+    from treeflash.sampling_params import SamplingParams
+    x = torch.randn(2, 1, 10, generator=torch.Generator().manual_seed(0))
+    x[1] += 50
+    params = [SamplingParams(temperature=1.0, top_k=20, seed=1), SamplingParams(temperature=1.0, top_k=3, seed=1)]
+    sb = SamplingBatch.from_params(params, DEV)
+    assert sb.filter_width > 10
+    with torch.inference_mode():
+        got = fused(x.to(DEV), x.to(DEV).topk(10).values, sb).cpu()
+    want = filter_floor(x.double(), SamplingBatch.from_params(params, "cpu")).float()
+    assert want[0, 0] == x[0].min() and torch.equal(got, want)  # the smallest logit: all kept
 
 
 @pytest.mark.gpu

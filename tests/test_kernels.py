@@ -33,6 +33,9 @@ def make_inputs(B, T, S, mask_kind, gen):
     lens[-1] = S - T
     if mask_kind == "tree":
         mask = random_ancestors(B, T, gen)
+    elif mask_kind == "aligned":  # as the tree builders leave it: rows padded to ANCESTOR_ROW_ALIGN bytes
+        from treeflash.engine.tree import ancestor_buffer
+        mask = ancestor_buffer(B, T, "cpu", fill=random_ancestors(B, T, gen))
     elif mask_kind == "all":
         mask = torch.ones(B, T, T, dtype=torch.bool)
     elif mask_kind == "none":  # every row sees the prefix only (request 0's: no key at all)
@@ -174,6 +177,36 @@ def test_far_negative_scores_outweigh_a_part_that_saw_no_key(T, num_splits):
           seed=T, shift=30.0)
 
 
+@kernel_test
+@pytest.mark.parametrize("mask_kind, T", [("aligned", 9), ("causal", 9), ("causal", 1)])
+def test_block_masks_laid_out_as_the_engine_passes_them(mask_kind, T):
+    """The verify's ancestors as the tree builders leave them (`ancestor_buffer`: 9 rows
+    of 16 bytes, not 9), and one causal mask for the whole batch (`AttentionInputs.causal`:
+    a stride-0 view, as AR decoding and the drafter's blocks pass it), a single token's
+    included: the mask is read through its strides, never as a contiguous [B, T, T]."""
+    gen = torch.Generator().manual_seed(T)
+    mask = make_inputs(3, T, 200, mask_kind, gen).block_mask
+    assert mask.stride(0) == 0 if mask_kind == "causal" else mask.stride(1) == 16
+    check(B=3, T=T, HKV=2, G=2, D=64, S=200, dtype=torch.float32, mask_kind=mask_kind, num_splits=2, seed=T)
+
+
+@kernel_test
+def test_merge_rescales_between_chunks_of_parts():
+    """65 parts (64 splits and the block's program) for 32 rows of head dim 64: the merge
+    takes them 64 at a time, and the last chunk's part (a block of 16 keys, all seen)
+    outweighs the short prefixes (0-24 keys) of the first: the running sums are rescaled
+    to its larger maximum."""
+    check(B=3, T=16, HKV=2, G=2, D=64, S=40, dtype=torch.float32, mask_kind="all", num_splits=64, seed=3)
+
+
+@kernel_test
+def test_merge_of_many_rows_covers_a_partial_last_block():
+    """258 rows (86 tokens of a 3-head group, as Llama-3.2-3B's 24 query heads over 8 KV
+    heads): past 256 rows the merge takes 4 rows a program, and the last program's 2 rows
+    are written too."""
+    check(B=2, T=86, HKV=1, G=3, D=64, S=200, dtype=torch.float32, mask_kind="tree", seed=86)
+
+
 def test_default_splits_fill_one_wave():
     """Shapes only, an H200's 132 SMs (the CPU stand-in): 8 KV heads at 16K take 16
     splits, the 8 block programs overflowing by 4; at 4K, or with 16 (b, head) pairs
@@ -214,5 +247,6 @@ def test_kernel_in_the_triton_interpreter():
     """CPU CI: splits, row programs, head sizes and dtypes in the interpreter (fp16 and
     fp32: its bf16 is raw integers)."""
     run_interpreted(__file__, "split_counts or row_programs or dtypes_and_head_dims or empty_splits or many_requests"
-                    " or single_token or long_splits or block_keys_in_chunks or far_negative_scores", 31,
+                    " or single_token or long_splits or block_keys_in_chunks or far_negative_scores"
+                    " or laid_out_as_the_engine or rescales_between_chunks or partial_last_block", 36,
                     timeout=600)

@@ -182,8 +182,10 @@ def test_limits():
                          torch.zeros(1, dtype=torch.long), 16)
 
 
-# one chunk; several chunks (the last one shorter than k: 4650 = 9 x 512 + 42); k = V
-VOCAB_CASES = [((1, 15, 4096), 64), ((2, 3, 300), 16), ((1, 2, 4650), 64), ((1, 3, 4096), 256), ((2, 7), 7)]
+# one chunk; several chunks (the last one shorter than k: 4650 = 9 x 512 + 42); k = V;
+# k past 256, whose chunks merge two at a time
+VOCAB_CASES = [((1, 15, 4096), 64), ((2, 3, 300), 16), ((1, 2, 4650), 64), ((1, 3, 4096), 256), ((2, 7), 7),
+               ((1, 4096), 512)]
 
 
 @kernel
