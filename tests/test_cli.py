@@ -618,13 +618,14 @@ def test_cuda_device_strings_are_checked(monkeypatch, device):
 
 def test_a_prompt_file_of_dash_is_standard_input(capsys, model, api, monkeypatch):
     """`--prompt-file -` reads the prompts from standard input, as a file is read (one a
-    line, "\r\n" ends a line); its lines are named stdin:LINE in errors."""
-    lines = f"{ENGINE_PROMPTS[0]}\r\n\n{ENGINE_PROMPTS[2]}\n".encode()
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines)))
-    rc, out, err = run(capsys, "--prompt-file", "-", "--model", model, "--device", "cpu", "--json",
-                       "--max-new-tokens", 3, "--ignore-eos")
-    assert rc == 0, err
-    check_json_lines(out, [ENGINE_PROMPTS[0], ENGINE_PROMPTS[2]], api, 3)
+    line, "\r\n" ends a line, and an old Mac file's lone "\r"); its lines are named
+    stdin:LINE in errors."""
+    for lines in (f"{ENGINE_PROMPTS[0]}\r\n\n{ENGINE_PROMPTS[2]}\n", f"{ENGINE_PROMPTS[0]}\r{ENGINE_PROMPTS[2]}\r"):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines.encode())))
+        rc, out, err = run(capsys, "--prompt-file", "-", "--model", model, "--device", "cpu", "--json",
+                           "--max-new-tokens", 3, "--ignore-eos")
+        assert rc == 0, err
+        check_json_lines(out, [ENGINE_PROMPTS[0], ENGINE_PROMPTS[2]], api, 3)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"fine\n\xff\n")))
     assert_error(*run(capsys, "--prompt-file", "-", "--model", model, "--device", "cpu"), 2,
                  "cannot read standard input: not UTF-8 text")
@@ -1202,17 +1203,6 @@ def test_a_malformed_file_is_named_with_its_folder(capsys, model, tmp_path):
 
 
 # ------------------------------------------------------------------- cases a second mutation review found untested
-
-
-def test_a_lone_carriage_return_ends_a_line_of_standard_input(capsys, model, api, monkeypatch):
-    """`--prompt-file -` reads its lines as a file's are read: an old Mac file's "\\r" ends
-    a line there too (it is not part of a prompt)."""
-    lines = f"{ENGINE_PROMPTS[0]}\r{ENGINE_PROMPTS[2]}\r".encode()
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines)))
-    rc, out, err = run(capsys, "--prompt-file", "-", "--model", model, "--device", "cpu", "--json",
-                       "--max-new-tokens", 3, "--ignore-eos")
-    assert rc == 0, err
-    check_json_lines(out, [ENGINE_PROMPTS[0], ENGINE_PROMPTS[2]], api, 3)
 
 
 def test_a_stop_token_id_ends_the_answer_and_is_its_stop_reason(capsys, model, api):
