@@ -35,13 +35,13 @@ def make_inputs(B, T, S, mask_kind, gen):
         mask = random_ancestors(B, T, gen)
     elif mask_kind == "aligned":  # as the tree builders leave it: rows padded to ANCESTOR_ROW_ALIGN bytes
         from treeflash.engine.tree import ancestor_buffer
-        mask = ancestor_buffer(B, T, "cpu", fill=random_ancestors(B, T, gen))
+        mask = ancestor_buffer(B, T, DEV, fill=random_ancestors(B, T, gen).to(DEV))  # made on DEV: .to keeps no padding
     elif mask_kind == "all":
         mask = torch.ones(B, T, T, dtype=torch.bool)
     elif mask_kind == "none":  # every row sees the prefix only (request 0's: no key at all)
         mask = torch.zeros(B, T, T, dtype=torch.bool)
     else:  # causal, as an expanded (stride-0) view like AttentionInputs.causal
-        mask = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
+        mask = torch.ones(T, T, dtype=torch.bool, device=DEV).tril().expand(B, T, T)  # nor a stride 0
     positions = lens[:, None] + torch.arange(T)
     return AttentionInputs(positions.to(DEV), lens.to(DEV), mask.to(DEV))
 
