@@ -401,6 +401,20 @@ SP_PIECES = (["<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
              + ["\u2581", "a", "b", "\u2581a", "\u2581ab", "\u2581\u2581", "\u2581\u2581\u2581\u2581"])
 
 
+def write_sentencepiece_model(folder: Path, spaced: bool = False) -> Path:
+    """A one-layer random target with that tokenizer; `spaced`: its LM head favours the
+    pieces that start with a space (the model writes " ab", not "ab")."""
+    from safetensors.torch import load_file, save_file
+
+    from treeflash.checkpoints import write_random_target
+    write_random_target(folder, num_layers=1, vocab_size=write_sentencepiece_tokenizer(folder), seed=1)
+    if spaced:
+        w = load_file(str(folder / "model.safetensors"))
+        w["lm_head.weight"][[i for i, p in enumerate(SP_PIECES) if p.startswith("\u2581")]] *= 25
+        save_file(w, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
 def write_sentencepiece_tokenizer(folder: Path) -> int:
     """Write it to folder/tokenizer.json; returns its vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, normalizers

@@ -903,18 +903,10 @@ def test_sentencepiece_continuations_keep_their_first_space(tmp_path):
     """With a SentencePiece tokenizer (Llama 2, Mistral) a generated text starts with the
     space its first token carries (decoded alone, the decoder would strip it): in the
     whole text, in a stop-string cut, and streamed (TextStream after the prompt)."""
-    from conftest import SP_PIECES, write_sentencepiece_tokenizer
-    from safetensors.torch import load_file, save_file
+    from conftest import write_sentencepiece_model
 
-    from treeflash.checkpoints import write_random_target
     from treeflash.tokenizer import TextStream
-    folder = tmp_path / "sp"
-    vocab = write_sentencepiece_tokenizer(folder)
-    write_random_target(folder, num_layers=1, vocab_size=vocab, seed=1)
-    w = load_file(str(folder / "model.safetensors"))
-    spaced = [i for i, p in enumerate(SP_PIECES) if p.startswith("\u2581")]
-    w["lm_head.weight"][spaced] *= 25  # the model writes pieces that start with a space
-    save_file(w, str(folder / "model.safetensors"))
+    folder = write_sentencepiece_model(tmp_path / "sp", spaced=True)
     llm = LLM(folder, device="cpu", dtype="float32")
     prompt = llm.encode("ab ab", special=False)
     out = llm.generate(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))[0]

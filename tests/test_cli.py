@@ -1225,15 +1225,8 @@ def test_plain_output_of_a_sentencepiece_model_keeps_its_first_space(capsys, tmp
     """A SentencePiece tokenizer (Llama 2, Mistral) strips a text's first space when it
     decodes it alone: the streamed answer, decoded after the prompt, starts with the
     space its first token carries, as --json's text does."""
-    from conftest import SP_PIECES, write_sentencepiece_tokenizer
-
-    from treeflash.checkpoints import write_random_target
-    folder = tmp_path / "sp"
-    write_random_target(folder, num_layers=1, vocab_size=write_sentencepiece_tokenizer(folder), seed=1)
-
-    def spaced(w):  # the model writes pieces that start with a space
-        w["lm_head.weight"][[i for i, p in enumerate(SP_PIECES) if p.startswith("\u2581")]] *= 25
-    rewrite_weights(folder, spaced)
+    from conftest import write_sentencepiece_model
+    folder = write_sentencepiece_model(tmp_path / "sp", spaced=True)
     args = ("ab ab", "--model", folder, "--device", "cpu", "--max-new-tokens", 8, "--ignore-eos")
     rc, out, err = run(capsys, *args, "--json")
     assert rc == 0, err

@@ -86,6 +86,7 @@ def spec_gpt_oss(gpt_oss, tmp_path_factory):
 
 # ----------------------------------------------------------------------------- transformers parity
 
+
 def test_logits_and_greedy_tokens_match_transformers(gpt_oss):
     folder, model = gpt_oss
     llm = LLM(folder, device="cpu", dtype="float32")
@@ -206,7 +207,6 @@ def test_mxfp4_round_trip_is_exact_on_representable_values():
     assert torch.equal(mxfp4_dequantized(blocks, scales, torch.float32), values.view(1, 64))
 
 
-
 def test_mxfp4_scales_keep_every_value_within_half_a_step():
     """Each group of 32 gets the scale that brings its largest value within e2m1's range
     (6), not past it (a smaller one clips it): every value of real weights then lies at
@@ -217,7 +217,9 @@ def test_mxfp4_scales_keep_every_value_within_half_a_step():
     error = (mxfp4_dequantized(blocks, scales, torch.float32) - w).abs().unflatten(-1, (-1, 32))
     assert (error <= step[..., None]).all()
 
+
 # ----------------------------------------------------------------------------- speculative and TP
+
 
 @pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 16)])
 def test_speculative_equals_ar(spec_gpt_oss, ar_reference, method, budget):
@@ -254,6 +256,7 @@ def test_tp2_tokens_equal_tp1(spec_gpt_oss):
 
 
 # ----------------------------------------------------------------------------- bad input
+
 
 @pytest.mark.parametrize("change,message", [
     (dict(layer_types=["sliding_attention"]), "'layer_types' must name full_attention or sliding_attention "
@@ -341,6 +344,7 @@ def test_bad_gpt_oss_weights_and_options_fail_in_one_line(gpt_oss, tmp_path, clo
 
 # ----------------------------------------------------------------------------- GPU
 
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("method,budget", [("ar", None), ("dflash", None), ("ddtree", 24)])
@@ -390,6 +394,7 @@ def test_tree_branches_deeper_than_the_window_match_transformers_on_their_paths(
 
 
 # ------------------------------------------------------------------------------ MXFP4 experts under TP
+
 
 @pytest.mark.parametrize("intermediate", [32, 64], ids=["rank-slices-inside-a-group", "rank-slices-on-group-edges"])
 def test_mxfp4_experts_under_tp2_give_the_tp1_tokens(gpt_oss, tmp_path, intermediate):

@@ -344,6 +344,8 @@ def test_a_drafter_given_as_the_model_says_where_it_belongs(spec_drafter):
 
 @pytest.mark.parametrize("bos,add,word", [(-1, True, "bos_token_id"), (10 ** 6, True, "bos_token_id"),
                                           ("1", True, "bos_token_id"), (1, "false", "add_bos_token")])
+
+
 def test_bad_bos_settings_are_refused(hf_checkpoint, tmp_path, bos, add, word):
     """add_bos_token prepends bos_token_id to every prompt: an id outside the vocabulary
     (or a string flag, which read as true) is refused when the tokenizer loads."""
@@ -761,6 +763,7 @@ def test_nan_in_gpt_oss_experts_is_refused(tmp_path):
 
 # ----------------------------------------------------------------------------- tokenizer BOS
 
+
 def test_add_bos_token_with_a_post_processor_that_adds_it_gives_one_bos(tmp_path):
     """Llama 2 / Mistral style: tokenizer.json's post-processor adds <s> and
     tokenizer_config.json says add_bos_token: one BOS, as transformers gives."""
@@ -799,6 +802,7 @@ def test_add_bos_token_prepends_the_tokenizers_bos_token(tmp_path):
 
 
 # ----------------------------------------------------------------------------- defaults as transformers reads them
+
 
 def test_keys_a_dense_config_leaves_out_take_transformers_defaults():
     """A Qwen3 or Llama config without rope_theta, tie_word_embeddings, max_window_layers
@@ -938,7 +942,6 @@ def test_only_a_cpu_load_is_checked_against_the_hosts_memory(monkeypatch):
             "not enough cpu memory for the weights")
 
 
-
 def test_the_weights_need_counts_fp8_and_packed_parameters_at_their_own_size(monkeypatch):
     """Float32 shells are counted in the dtype asked for; an FP8 (or packed) parameter at
     its stored byte each: an FP8 checkpoint that fits is not refused as if it were bf16.
@@ -993,6 +996,7 @@ def test_the_cpus_available_memory_is_memavailable_not_memfree(monkeypatch):
     monkeypatch.setattr(memory, "open", lambda path, *a, **k: io.StringIO(meminfo), raising=False)
     assert memory.available_bytes(torch.device("cpu")) == 9000000 * 1024
 
+
 def test_a_random_drafter_matches_its_target(tmp_path):
     """write_random_drafter: the target's RoPE scaling (positions past the original
     context must rotate as the target's do), taps clamped to its layers, the last token
@@ -1010,7 +1014,6 @@ def test_a_random_drafter_matches_its_target(tmp_path):
     assert config["dflash_config"] == {"mask_token_id": vocab - 1, "target_layer_ids": [0, layers - 1]}
 
 
-
 def test_a_random_drafter_is_written_as_asked(tmp_path):
     """write_random_drafter's block size, MASK token and dtype are those asked for (tests
     that ask for a block of 4 in bfloat16 get one), and its config says so as a published
@@ -1026,6 +1029,7 @@ def test_a_random_drafter_is_written_as_asked(tmp_path):
     draft = DraftConfig.from_dict(config)
     assert (draft.block_size, draft.mask_token_id, config["torch_dtype"]) == (4, 2, "bfloat16")
     assert {t.dtype for t in load_file(str(folder / "model.safetensors")).values()} == {torch.bfloat16}
+
 
 def test_tokens_declared_out_of_id_order_load_at_their_ids_as_transformers(tmp_path):
     """added_tokens_decoder's keys need not come in id order (sorted as text, "100000"

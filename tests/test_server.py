@@ -2428,12 +2428,8 @@ def test_a_sentencepiece_stream_keeps_its_first_space(tmp_path):
     """With a SentencePiece tokenizer (Llama 2, Mistral) a streamed answer starts with the
     space its first token carries, as the whole answer does: the stream decodes after the
     prompt (decoded alone, " ab" would lose its space)."""
-    from conftest import SP_PIECES, write_sentencepiece_tokenizer
-
-    from treeflash.checkpoints import write_random_target
-    vocab = write_sentencepiece_tokenizer(tmp_path)
-    write_random_target(tmp_path, num_layers=1, vocab_size=vocab, seed=1)
-    sp = LLM(tmp_path, device="cpu", dtype="float32")
+    from conftest import SP_PIECES, write_sentencepiece_model
+    sp = LLM(write_sentencepiece_model(tmp_path), device="cpu", dtype="float32")
     body = {"prompt": "ab ab", "max_tokens": 3, "temperature": 0, "ignore_eos": True,
             "logit_bias": {str(SP_PIECES.index("\u2581ab")): 100}}  # " ab", " ab", " ab"
     with TestClient(build_app(sp, "sp", None)) as c:
