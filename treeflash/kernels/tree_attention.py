@@ -65,32 +65,29 @@ def _split_range(lo, L, split, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, first, n_keys, qk_scale,
-            pos_base, sp_t, row_pos, window,
-            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            MASKED: tl.constexpr, FP32_DOT: tl.constexpr, WINDOW: tl.constexpr, EVICTION: tl.constexpr):
-    """Online softmax of one row tile over slots first + 0..n_keys-1. MASKED: the
-    block, where row token `tok` sees key j only if block_mask[tok, j]. EVICTION: the
-    L2 policy of the K/V loads ("evict_first" for tiles no other program reads). WINDOW: a row at
-    position row_pos sees only keys at positions > row_pos - window (a prefix key's
-    position is its slot, block key j's is pos_base[j * sp_t]). Returns (o, lse),
-    lse in base 2; a row that saw no key gets o = 0, lse = -inf."""
+def _key_tile(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, first, j0, n_keys, qk_scale,
+              pos_base, sp_t, row_pos, window, m, l, acc,
+              D: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FP32_DOT: tl.constexpr,
+              WINDOW: tl.constexpr, EVICTION: tl.constexpr, FULL: tl.constexpr):
+    """One step of the online softmax (see `_attend`): keys first + j0 .. j0 + BLOCK_N - 1.
+    FULL: all BLOCK_N keys exist (no bounds masks)."""
     offs_d = tl.arange(0, D)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for j0 in range(0, n_keys, BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
-        key_ok = j < n_keys
-        slots = first + j
+    j = j0 + tl.arange(0, BLOCK_N)
+    key_ok = j < n_keys
+    slots = first + j
+    if FULL:
+        k = tl.load(k_base + slots[:, None] * sk_s + offs_d[None, :], eviction_policy=EVICTION)
+        v = tl.load(v_base + slots[:, None] * sv_s + offs_d[None, :], eviction_policy=EVICTION)
+    else:
         k = tl.load(k_base + slots[:, None] * sk_s + offs_d[None, :], mask=key_ok[:, None], other=0.0,
                     eviction_policy=EVICTION)
         v = tl.load(v_base + slots[:, None] * sv_s + offs_d[None, :], mask=key_ok[:, None], other=0.0,
                     eviction_policy=EVICTION)
-        if FP32_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="tf32x3")
-        else:
-            s = tl.dot(q, tl.trans(k))
+    if FP32_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision="tf32x3")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if MASKED or WINDOW:  # a row may see no key of the tile
         if MASKED:
             ok = row_ok[:, None] & key_ok[None, :]
             allowed = tl.load(mask_base + tok[:, None] * sm_i + j[None, :], mask=ok, other=0) != 0
@@ -107,13 +104,45 @@ def _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, first, 
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key so far
         p = tl.exp2(s - m_ref[:, None])
         alpha = tl.exp2(m - m_ref)
-        l = l * alpha + tl.sum(p, 1)
-        if FP32_DOT:
-            pv = tl.dot(p, v, input_precision="tf32x3")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+    else:  # every row sees the tile's first key, so m_new is finite; the scale joins the exponent's FMA
+        if not FULL:
+            s = tl.where(key_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if FP32_DOT:
+        acc = tl.dot(p, v, acc, input_precision="tf32x3")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return m_new, l, acc
+
+
+@triton.jit
+def _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, first, n_keys, qk_scale,
+            pos_base, sp_t, row_pos, window,
+            D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            MASKED: tl.constexpr, FP32_DOT: tl.constexpr, WINDOW: tl.constexpr, EVICTION: tl.constexpr):
+    """Online softmax of one row tile over slots first + 0..n_keys-1. MASKED: the
+    block, where row token `tok` sees key j only if block_mask[tok, j]. EVICTION: the
+    L2 policy of the K/V loads ("evict_first" for tiles no other program reads). WINDOW: a row at
+    position row_pos sees only keys at positions > row_pos - window (a prefix key's
+    position is its slot, block key j's is pos_base[j * sp_t]). Whole tiles run without
+    bounds masks, the last partial one after them. Returns (o, lse), lse in base 2; a
+    row that saw no key gets o = 0, lse = -inf."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    full = n_keys // BLOCK_N * BLOCK_N
+    for j0 in range(0, full, BLOCK_N):
+        m, l, acc = _key_tile(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, first, j0, n_keys,
+                              qk_scale, pos_base, sp_t, row_pos, window, m, l, acc,
+                              D, BLOCK_N, MASKED, FP32_DOT, WINDOW, EVICTION, True)
+    if full < n_keys:
+        m, l, acc = _key_tile(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, first, full, n_keys,
+                              qk_scale, pos_base, sp_t, row_pos, window, m, l, acc,
+                              D, BLOCK_N, MASKED, FP32_DOT, WINDOW, EVICTION, False)
     return acc / tl.where(l > 0, l, 1.0)[:, None], m + tl.log2(l)
 
 
