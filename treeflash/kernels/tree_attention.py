@@ -14,9 +14,10 @@ Why it is split in three (the verify reads the shared context once for all tree 
     causal or all-true), has programs of its own while T * G fits one row tile (128
     rows; 64 in fp32), which run beside the prefix programs (the last prefix chunk would
     otherwise wait for it: T = 1 at 4K 11.1 vs 11.9 us). Past that the kernel is
-    compute-bound and fills the SMs in whole waves, so the last prefix split (the
-    shortest: chunks are whole tiles) takes the block after its chunk (T = 256 at 4K:
-    192 -> 128 programs, 72.6 -> 52.9 us). So does it where a place in the wave for the
+    compute-bound and fills the SMs in whole waves, so the last prefix split takes the
+    block after its chunk (T = 256 at 4K: 192 -> 128 programs, 72.6 -> 52.9 us), the
+    splits sharing prefix and block keys evenly (its chunk is shorter by the block: H100,
+    T = 64 / 256 at 4K 22.0 -> 18.6 / 51.9 -> 49.1 us). So does it where a place in the wave for the
     block programs would cost one of only 1-3 splits per (request, KV head): 8 requests
     decoding at 4K (8B shape) took 7.29 ms a step with 1 split and a block program per
     (request, head), 5.92 ms with 2 splits, the second taking the block. Past one row
@@ -56,10 +57,11 @@ from treeflash.kernels.chained import chained, start_after_previous, wait_for_pr
 from treeflash.layers.attention import AttentionInputs
 
 @triton.jit
-def _split_range(lo, L, split, num_splits, BLOCK_N: tl.constexpr):
+def _split_range(lo, L, split, num_splits, last_extra, BLOCK_N: tl.constexpr):
     """Prefix slots [start, end) of `split` when slots lo..L-1 are shared by num_splits
-    splits in whole tiles; an empty range when the split lies past L."""
-    chunk = tl.cdiv(tl.cdiv(L - lo, num_splits), BLOCK_N) * BLOCK_N
+    splits in whole tiles, the last of which also has `last_extra` keys of its own (the
+    block) and so fewer of the prefix; an empty range when the split lies past L."""
+    chunk = tl.cdiv(tl.cdiv(L - lo + last_extra, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * chunk
     return start, tl.minimum(start + chunk, L)
 
@@ -192,7 +194,8 @@ def _partial_attention(
     lo = 0
     if WINDOW:
         lo = tl.maximum(L - window + 1, 0)
-    start, end = _split_range(lo, L, split, num_splits, BLOCK_N)
+    last_extra = T if block_split == num_splits - 1 else 0  # the block's keys even out the splits
+    start, end = _split_range(lo, L, split, num_splits, last_extra, BLOCK_N)
     with_block = split == block_split  # split num_splits has no prefix: start >= L
     chunk0, chunk_keys = 0, T
     if BLOCK_CHUNKS:
