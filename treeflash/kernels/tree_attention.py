@@ -17,19 +17,19 @@ Why it is split in three (the verify reads the shared context once for all tree 
     compute-bound and fills the SMs in whole waves, so the last prefix split takes the
     block after its chunk (T = 256 at 4K: 192 -> 128 programs, 72.6 -> 52.9 us), the
     splits sharing prefix and block keys evenly (its chunk is shorter by the block: H100,
-    T = 64 / 256 at 4K 22.0 -> 18.6 / 51.9 -> 49.1 us). So does it where a place in the wave for the
-    block programs would cost one of only 1-3 splits per (request, KV head): 8 requests
-    decoding at 4K (8B shape) took 7.29 ms a step with 1 split and a block program per
-    (request, head), 5.92 ms with 2 splits, the second taking the block. Past one row
-    tile, where the block's key tiles can each have programs of their own (one per row
-    tile) in the prefix splits' wave, they do: then no program walks the whole block
-    after its prefix chunk (the built-in pair's trees of 64-256 nodes: the 257-row call
-    20.9 -> 9.0 us on an H100; the 8B shape's verify would need a second wave). A single new
-    token (decoding) whose block program would cost a split needs no masked pass: its
-    block is its own key, right after the prefix, which the last split adds from loads
-    issued before its prefix loop (4 requests at 4K: the wave streams the prefix with
-    4 splits instead of 3 and 32 one-key programs; the 8B step of 4 requests 1.3%
-    faster at 4K, 4.9% at 16K).
+    T = 64 / 256 at 4K 22.0 -> 18.6 / 51.9 -> 49.1 us). So does it where a place in the
+    wave for the block programs would cost one of only 1-3 splits per (request, KV
+    head): 8 requests decoding at 4K (8B shape) took 7.29 ms a step with 1 split and a
+    block program per (request, head), 5.92 ms with 2 splits, the second taking the
+    block. Past one row tile, where the block's key tiles can each have programs of
+    their own (one per row tile) in the prefix splits' wave, they do: then no program
+    walks the whole block after its prefix chunk (the built-in pair's trees of 64-256
+    nodes: the 257-row call 20.9 -> 9.0 us on an H100; the 8B shape's verify would need
+    a second wave). A single new token (decoding) whose block program would cost a
+    split needs no masked pass: its block is its own key, right after the prefix, which
+    the last split adds from loads issued before its prefix loop (4 requests at 4K: the
+    wave streams the prefix with 4 splits instead of 3 and 32 one-key programs; the 8B
+    step of 4 requests 1.3% faster at 4K, 4.9% at 16K).
 (c) A second kernel merges the partial results of all splits by log-sum-exp. A split
     with no keys writes lse = -inf (and no o), so the merge needs no prefix length:
     its loads issue as soon as it starts, not after a dependent load of prefix_lens.
@@ -136,7 +136,7 @@ def _attend(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, first, 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    full = n_keys // BLOCK_N * BLOCK_N
+    full = tl.maximum(n_keys, 0) // BLOCK_N * BLOCK_N  # a split past the prefix has n_keys < 0
     for j0 in range(0, full, BLOCK_N):
         m, l, acc = _key_tile(q, tok, row_ok, k_base, v_base, sk_s, sv_s, mask_base, sm_i, first, j0, n_keys,
                               qk_scale, pos_base, sp_t, row_pos, window, m, l, acc,
