@@ -2535,3 +2535,28 @@ def test_a_batch_that_fails_during_a_drain_is_answered_shutting_down(fake_worker
     with pytest.raises(Exception, match="shutting down") as e:
         failing.future.result(30)
     assert e.value.status == 503
+
+
+def test_a_stop_while_a_batch_is_gathered_answers_its_requests(llm):
+    """A shutdown between the worker's two reads of the queue (it holds one request and
+    looks for more): the request it holds is answered "shutting down" (503), not run and
+    not left waiting, and the worker ends."""
+    import queue
+    from treeflash.server.app import EngineWorker
+    worker = EngineWorker.__new__(EngineWorker)  # no thread: the reads below are the worker's
+
+    class DrainBetweenReads(queue.Queue):
+        def get_nowait(self):
+            if worker.stopping:
+                return super().get_nowait()
+            worker.stopping = True  # drain(): then its sentinel is the next thing queued
+            return None
+
+    worker.llm, worker.max_batch, worker.running, worker.stopping = FakeLLM(llm.tokenizer), 4, [], False
+    worker.jobs = DrainBetweenReads()
+    held = _job(llm.tokenizer, [1])
+    worker.jobs.put(held)
+    assert worker._next_batch() is None
+    with pytest.raises(Exception, match="shutting down") as e:
+        held.future.result(0)
+    assert e.value.status == 503 and worker.llm.calls == []
