@@ -15,7 +15,8 @@ writes them (no leading zeros); enum and const values as `json.dumps` writes the
 
 Supported: `type` (one or a list); string `minLength`, `maxLength`, `format` (date,
 time, date-time, uuid; a date is a day of the Gregorian calendar in the years 1-9999, a
-leap second may end any minute) and `pattern`; integer `minimum` or `exclusiveMinimum` meaning >= 0 or >= 1; array `items`,
+leap second may end any minute) and `pattern`; integer `minimum`, `exclusiveMinimum`, `maximum` and
+`exclusiveMaximum` (up to 10^18 in magnitude); array `items`,
 `minItems`, `maxItems`; object `properties`, `required`; `enum`, `const`, `anyOf`,
 `oneOf` whose branches no value can satisfy twice (different types, listed values that
 differ, objects with a required property whose const or enum differs: a discriminated
@@ -48,9 +49,11 @@ MAX_REGEX_CHARS = 100_000  # optional properties and nested arrays multiply a re
 
 DESCRIPTIVE = {"title", "description", "examples", "default", "deprecated", "readOnly", "writeOnly",
                "$schema", "$id", "$comment", "$defs", "definitions", "discriminator"}  # (OpenAPI's hint)
+BOUNDS = {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"}
+MAX_BOUND = 10 ** 18  # integer bounds beyond this (in magnitude) are refused: their regex grows with their digits
 # the keywords each type supports (some values of them are still refused)
 TYPE_KEYWORDS = {"string": {"minLength", "maxLength", "pattern", "format"},
-                 "integer": {"minimum", "exclusiveMinimum"}, "number": {"minimum", "exclusiveMinimum"},
+                 "integer": BOUNDS, "number": BOUNDS,
                  "boolean": set(), "null": set(), "array": {"items", "minItems", "maxItems", "uniqueItems"},
                  "object": {"properties", "required", "additionalProperties"}}
 COMBINATORS = ("$ref", "anyOf", "oneOf", "allOf", "enum", "const")
@@ -365,7 +368,7 @@ class _Compiler:
         if kind == "integer":
             return _integer(schema, path)
         if kind == "number":
-            for k in ("minimum", "exclusiveMinimum"):
+            for k in sorted(BOUNDS):
                 if k in schema:
                     _refuse(f"'{k}' at {path} is not supported on numbers")
             return NUMBER
@@ -434,21 +437,76 @@ def _types(schema: dict, path: str) -> list[str]:
 
 
 def _integer(schema: dict, path: str) -> str:
-    """Integers, or the non-negative or positive ones: the only bounds a regex keeps small."""
-    low = -math.inf
-    for key, to_inclusive in (("minimum", math.ceil), ("exclusiveMinimum", lambda x: math.floor(x) + 1)):
+    """Integers within the schema's bounds: `minimum` / `exclusiveMinimum` and `maximum` /
+    `exclusiveMaximum` (both of a pair may be given: an integer meets both), each a finite
+    number of magnitude up to MAX_BOUND."""
+    low, high = -math.inf, math.inf
+    for key, to_inclusive, lower in (("minimum", math.ceil, True),
+                                     ("exclusiveMinimum", lambda x: math.floor(x) + 1, True),
+                                     ("maximum", math.floor, False),
+                                     ("exclusiveMaximum", lambda x: math.ceil(x) - 1, False)):
         if key in schema:
             bound = schema[key]
             if not (isinstance(bound, int) and not isinstance(bound, bool)
                     or isinstance(bound, float) and math.isfinite(bound)):
                 _refuse(f"'{key}' at {path} must be a number, got {shown(bound)}")
-            low = max(low, to_inclusive(bound))
-    if low == -math.inf:
+            if abs(bound) > MAX_BOUND:
+                _refuse(f"'{key}' at {path} is not supported beyond +-10^18, got {shown(bound)}")
+            if lower:
+                low = max(low, to_inclusive(bound))
+            else:
+                high = min(high, to_inclusive(bound))
+    if low > high:
+        _refuse(f"the bounds at {path} leave no integer")
+    if low == -math.inf and high == math.inf:
         return INTEGER
-    if low not in (0, 1):
-        key = "minimum" if "minimum" in schema else "exclusiveMinimum"
-        _refuse(f"'{key}' at {path} is not supported: integers can only be bounded to >= 0 or >= 1")
-    return NATURAL if low == 0 else "[1-9][0-9]*"
+    parts = []
+    if high >= 0:  # 0 .. high
+        parts.append(_naturals(max(low, 0), None if high == math.inf else high))
+    if low < 0:  # -|low| .. -1: a minus sign and 1 .. |low| (never -0)
+        parts.append("-" + _naturals(max(-high, 1), None if low == -math.inf else -low))
+    return parts[0] if len(parts) == 1 else f"(?:{'|'.join(parts)})"
+
+
+def _naturals(low: int, high: int | None) -> str:
+    """The numerals, without leading zeros, of low <= n <= high (no upper bound: None)."""
+    if high is None and low <= 1:
+        return NATURAL if low == 0 else "[1-9][0-9]*"
+    top = len(str(high)) if high is not None else len(str(low))
+    parts = []
+    for digits in range(len(str(low)), top + 1):  # by length: each a range of equal-length numerals
+        first = max(low, 10 ** (digits - 1) if digits > 1 else 0)
+        last = 10 ** digits - 1 if high is None else min(high, 10 ** digits - 1)
+        if first <= last:
+            parts += _same_length(str(first), str(last))
+    if high is None:  # every longer numeral
+        parts.append(f"[1-9][0-9]{{{top},}}")
+    return parts[0] if len(parts) == 1 else f"(?:{'|'.join(parts)})"
+
+
+def _same_length(first: str, last: str) -> list[str]:
+    """Alternatives that match exactly the numerals first..last, all of len(first) digits."""
+    if not first:
+        return [""]
+    rest = len(first) - 1
+    if first[1:] == "0" * rest and last[1:] == "9" * rest:  # whole blocks of the leading digit
+        return [_digits(first[0], last[0]) + ("[0-9]" + (f"{{{rest}}}" if rest > 1 else "") if rest else "")]
+    if first[0] == last[0]:
+        tails = _same_length(first[1:], last[1:])
+        return [first[0] + (tails[0] if len(tails) == 1 else f"(?:{'|'.join(tails)})")]
+    # first..x99..9, then whole blocks of leading digits, then y00..0..last (a part that is
+    # a whole block joins the middle)
+    lead, end = int(first[0]), int(last[0])
+    mid_lo = lead if first[1:] == "0" * rest else lead + 1
+    mid_hi = end if last[1:] == "9" * rest else end - 1
+    parts = [] if mid_lo == lead else _same_length(first, first[0] + "9" * rest)
+    if mid_lo <= mid_hi:
+        parts += _same_length(str(mid_lo) + "0" * rest, str(mid_hi) + "9" * rest)
+    return parts + ([] if mid_hi == end else _same_length(last[0] + "0" * rest, last))
+
+
+def _digits(a: str, b: str) -> str:
+    return a if a == b else f"[{a}-{b}]"
 
 
 def _string_contents(schema: dict, path: str) -> str:
