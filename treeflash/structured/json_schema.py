@@ -478,13 +478,13 @@ def _naturals(low: int, high: int | None) -> str:
         first = max(low, 10 ** (digits - 1) if digits > 1 else 0)
         last = 10 ** digits - 1 if high is None else min(high, 10 ** digits - 1)
         if first <= last:
-            parts += _same_length(str(first), str(last))
+            parts += _equal_length_numerals(str(first), str(last))
     if high is None:  # every longer numeral
         parts.append(f"[1-9][0-9]{{{top},}}")
     return parts[0] if len(parts) == 1 else f"(?:{'|'.join(parts)})"
 
 
-def _same_length(first: str, last: str) -> list[str]:
+def _equal_length_numerals(first: str, last: str) -> list[str]:
     """Alternatives that match exactly the numerals first..last, all of len(first) digits."""
     if not first:
         return [""]
@@ -492,17 +492,17 @@ def _same_length(first: str, last: str) -> list[str]:
     if first[1:] == "0" * rest and last[1:] == "9" * rest:  # whole blocks of the leading digit
         return [_digits(first[0], last[0]) + ("[0-9]" + (f"{{{rest}}}" if rest > 1 else "") if rest else "")]
     if first[0] == last[0]:
-        tails = _same_length(first[1:], last[1:])
+        tails = _equal_length_numerals(first[1:], last[1:])
         return [first[0] + (tails[0] if len(tails) == 1 else f"(?:{'|'.join(tails)})")]
     # first..x99..9, then whole blocks of leading digits, then y00..0..last (a part that is
     # a whole block joins the middle)
     lead, end = int(first[0]), int(last[0])
     mid_lo = lead if first[1:] == "0" * rest else lead + 1
     mid_hi = end if last[1:] == "9" * rest else end - 1
-    parts = [] if mid_lo == lead else _same_length(first, first[0] + "9" * rest)
+    parts = [] if mid_lo == lead else _equal_length_numerals(first, first[0] + "9" * rest)
     if mid_lo <= mid_hi:
-        parts += _same_length(str(mid_lo) + "0" * rest, str(mid_hi) + "9" * rest)
-    return parts + ([] if mid_hi == end else _same_length(last[0] + "0" * rest, last))
+        parts += _equal_length_numerals(str(mid_lo) + "0" * rest, str(mid_hi) + "9" * rest)
+    return parts + ([] if mid_hi == end else _equal_length_numerals(last[0] + "0" * rest, last))
 
 
 def _digits(a: str, b: str) -> str:
