@@ -282,6 +282,45 @@ def test_number():
           bad=["1", None], bad_texts=[".5", "1.", "01.5", "1e", "1e+", "NaN", "Infinity", "-", "+1", "0x10"])
     regex = regex_of({"type": "number"})
     assert all(re.fullmatch(regex, t) for t in ["1E5", "1e+5", "-0", "0.0e-0"])
+    check({"type": "number", "minimum": 0, "maximum": 1}, good=[0, 0.5, 1, 0.999, 1.0], bad=[-0.5, 1.5, 2, -1],
+          bad_texts=["1.01", "1e0", "-0", "-0.0", "01"])
+    check({"type": "number", "exclusiveMinimum": 0}, good=[0.001, 5, 123.25], bad=[0, -0.5], bad_texts=["0.0", "1e3"])
+    check({"type": ["integer", "number"], "maximum": -2}, good=[-2, -2.5, -1000], bad=[-1.5, 0, 2])
+
+
+def test_number_bounds_hold_for_every_spelling_of_a_value():
+    """Random whole-number bounds (one, the other or both, inclusive or not) against
+    numerals with and without fractions from -123.999 to 123.999: a text matches, in
+    Python's re and in the engine's automaton, exactly when its value is within them
+    (never as -0); a bounded number has no exponent."""
+    from decimal import Decimal
+    from treeflash.structured.regex import compile_regex
+    texts = sorted({f"{sign}{n}{f}" for sign in ("", "-") for n in [*range(13), 99, 100, 101, 123]
+                    for f in ("", ".0", ".00", ".5", ".05", ".50", ".001", ".9", ".999")})
+    gen = random.Random(3)
+    for _ in range(120):
+        a, b = sorted(gen.randint(-12, 12) for _ in range(2))
+        schema = {"type": "number"}
+        lower, upper = gen.choice(["minimum", "exclusiveMinimum"]), gen.choice(["maximum", "exclusiveMaximum"])
+        if gen.random() < 0.8:
+            schema[lower] = a if gen.random() < 0.5 else float(a)
+        if gen.random() < 0.8 or len(schema) == 1:
+            schema[upper] = b
+
+        def within(v):
+            return ((lower not in schema or (v > a if lower == "exclusiveMinimum" else v >= a))
+                    and (upper not in schema or (v < b if upper == "exclusiveMaximum" else v <= b)))
+        if not any(within(Decimal(t)) for t in texts if t[0] != "-" or Decimal(t) != 0):
+            refused(schema, "leave no number")
+            continue
+        regex = re.compile(regex_of(schema))
+        dfa = compile_regex(regex.pattern)
+        for text in texts:
+            value = Decimal(text)
+            want = within(value) and not (text[0] == "-" and value == 0)
+            assert bool(regex.fullmatch(text)) == dfa.matches(text.encode()) == want, (schema, text)
+        for text in ("1e3", "-1E0", "01", "1.", ".5", "-"):
+            assert not regex.fullmatch(text), (schema, text)
 
 
 def test_boolean_null_and_type_lists():
@@ -518,9 +557,11 @@ def test_reference_and_combination_refusals():
     ({"type": "integer", "maximum": -1e19}, ["'maximum' at $", "beyond +-10^18"]),
     ({"type": "integer", "exclusiveMaximum": "10"}, ["'exclusiveMaximum' at $", "must be a number"]),
     ({"type": "integer", "multipleOf": 2}, ["'multipleOf' at $"]),
-    ({"type": "number", "minimum": 0}, ["'minimum' at $", "numbers"]),
-    ({"type": ["integer", "number"], "minimum": 0}, ["'minimum' at $", "numbers"]),
-    ({"type": "number", "maximum": 1.5}, ["'maximum' at $"]),
+    ({"type": "number", "minimum": 0.5}, ["'minimum' at $", "whole number"]),
+    ({"type": ["integer", "number"], "maximum": 2.5}, ["'maximum' at $", "whole number"]),
+    ({"type": "number", "exclusiveMaximum": 1.5, "minimum": 0}, ["'exclusiveMaximum' at $", "whole number"]),
+    ({"type": "number", "minimum": 2, "exclusiveMaximum": 2}, ["the bounds at $ leave no number"]),
+    ({"type": "number", "exclusiveMinimum": 0, "maximum": 0}, ["the bounds at $ leave no number"]),
     ({"type": "decimal"}, ["'type' at $"]),
     ({"type": []}, ["'type' at $"]),
     ({"type": "string", "nullable": "yes"}, ["'nullable' at $"]),

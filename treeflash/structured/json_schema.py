@@ -15,8 +15,10 @@ writes them (no leading zeros); enum and const values as `json.dumps` writes the
 
 Supported: `type` (one or a list); string `minLength`, `maxLength`, `format` (date,
 time, date-time, uuid; a date is a day of the Gregorian calendar in the years 1-9999, a
-leap second may end any minute) and `pattern`; integer `minimum`, `exclusiveMinimum`, `maximum` and
-`exclusiveMaximum` (up to 10^18 in magnitude); array `items`,
+leap second may end any minute) and `pattern`; integer and number `minimum`,
+`exclusiveMinimum`, `maximum` and `exclusiveMaximum` (up to 10^18 in magnitude; a
+number's must be whole numbers, and a bounded number is written without an exponent);
+array `items`,
 `minItems`, `maxItems`; object `properties`, `required`; `enum`, `const`, `anyOf`,
 `oneOf` whose branches no value can satisfy twice (different types, listed values that
 differ, objects with a required property whose const or enum differs: a discriminated
@@ -368,10 +370,7 @@ class _Compiler:
         if kind == "integer":
             return _integer(schema, path)
         if kind == "number":
-            for k in sorted(BOUNDS):
-                if k in schema:
-                    _refuse(f"'{k}' at {path} is not supported on numbers")
-            return NUMBER
+            return _number(schema, path)
         if kind == "array":
             return self.array(schema, path)
         if kind == "object":
@@ -436,15 +435,12 @@ def _types(schema: dict, path: str) -> list[str]:
     return types
 
 
-def _integer(schema: dict, path: str) -> str:
-    """Integers within the schema's bounds: `minimum` / `exclusiveMinimum` and `maximum` /
-    `exclusiveMaximum` (both of a pair may be given: an integer meets both), each a finite
-    number of magnitude up to MAX_BOUND."""
-    low, high = -math.inf, math.inf
-    for key, to_inclusive, lower in (("minimum", math.ceil, True),
-                                     ("exclusiveMinimum", lambda x: math.floor(x) + 1, True),
-                                     ("maximum", math.floor, False),
-                                     ("exclusiveMaximum", lambda x: math.ceil(x) - 1, False)):
+def _bounds(schema: dict, path: str) -> tuple[float, bool, float, bool]:
+    """(low, low exclusive, high, high exclusive): the tightest of `minimum` /
+    `exclusiveMinimum` and of `maximum` / `exclusiveMaximum` (+-inf where none), each a
+    finite number of magnitude up to MAX_BOUND."""
+    low, low_open, high, high_open = -math.inf, False, math.inf, False
+    for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
         if key in schema:
             bound = schema[key]
             if not (isinstance(bound, int) and not isinstance(bound, bool)
@@ -452,20 +448,71 @@ def _integer(schema: dict, path: str) -> str:
                 _refuse(f"'{key}' at {path} must be a number, got {shown(bound)}")
             if abs(bound) > MAX_BOUND:
                 _refuse(f"'{key}' at {path} is not supported beyond +-10^18, got {shown(bound)}")
-            if lower:
-                low = max(low, to_inclusive(bound))
-            else:
-                high = min(high, to_inclusive(bound))
-    if low > high:
-        _refuse(f"the bounds at {path} leave no integer")
+            opened = key.startswith("exclusive")
+            if key in ("minimum", "exclusiveMinimum"):
+                if bound > low or bound == low and opened:
+                    low, low_open = bound, opened
+            elif bound < high or bound == high and opened:
+                high, high_open = bound, opened
+    return low, low_open, high, high_open
+
+
+def _integer(schema: dict, path: str) -> str:
+    """Integers within the schema's bounds (`_bounds`)."""
+    low, low_open, high, high_open = _bounds(schema, path)
     if low == -math.inf and high == math.inf:
         return INTEGER
+    low = low if low == -math.inf else math.floor(low) + 1 if low_open else math.ceil(low)
+    high = high if high == math.inf else math.ceil(high) - 1 if high_open else math.floor(high)
+    if low > high:
+        _refuse(f"the bounds at {path} leave no integer")
     parts = []
     if high >= 0:  # 0 .. high
         parts.append(_naturals(max(low, 0), None if high == math.inf else high))
     if low < 0:  # -|low| .. -1: a minus sign and 1 .. |low| (never -0)
         parts.append("-" + _naturals(max(-high, 1), None if low == -math.inf else -low))
     return parts[0] if len(parts) == 1 else f"(?:{'|'.join(parts)})"
+
+
+ANY_FRACTION, ZERO_FRACTION, NONZERO_FRACTION = "(?:\\.[0-9]+)?", "(?:\\.0+)?", "\\.[0-9]*[1-9][0-9]*"
+
+
+def _number(schema: dict, path: str) -> str:
+    """Numbers within the schema's bounds, which must be whole numbers; a bounded number is
+    written without an exponent (a regex cannot bound one), and never as -0."""
+    low, low_open, high, high_open = _bounds(schema, path)
+    if low == -math.inf and high == math.inf:
+        return NUMBER
+    for key in BOUNDS & schema.keys():
+        if schema[key] != math.floor(schema[key]):
+            _refuse(f"'{key}' at {path} is not supported on a number unless it is a whole number, "
+                    f"got {shown(schema[key])}")
+    low, high = (b if math.isinf(b) else int(b) for b in (low, high))
+    # values >= 0, written without a sign; values < 0: a minus sign and a magnitude above 0
+    plus = _magnitudes(max(low, 0), low_open and low >= 0, high, high_open)
+    minus = _magnitudes(max(-high, 0), high_open or high >= 0, -low, low_open)
+    parts = [p for p in (plus, minus and "-" + minus) if p]
+    if not parts:
+        _refuse(f"the bounds at {path} leave no number")
+    return parts[0] if len(parts) == 1 else f"(?:{'|'.join(parts)})"
+
+
+def _magnitudes(a: int, a_open: bool, b: float, b_open: bool) -> str | None:
+    """Unsigned numerals with an optional fraction ("n" or "n.ddd") of a value v with
+    a <= v <= b (a strict where *_open; b may be inf), 0 <= a; None if there is none."""
+    if a > b or a == b and (a_open or b_open):
+        return None
+    pieces = []  # (integer part's regex, fraction's regex)
+    if a == b:
+        pieces.append((str(a), ZERO_FRACTION))
+    else:
+        pieces.append((str(a), NONZERO_FRACTION if a_open else ANY_FRACTION))
+        if b == math.inf or a + 1 <= b - 1:
+            pieces.append((_naturals(a + 1, None if b == math.inf else b - 1), ANY_FRACTION))
+        if b != math.inf and not b_open:
+            pieces.append((str(b), ZERO_FRACTION))
+    alternatives = [n + f for n, f in pieces]
+    return alternatives[0] if len(alternatives) == 1 else f"(?:{'|'.join(alternatives)})"
 
 
 def _naturals(low: int, high: int | None) -> str:
