@@ -471,7 +471,7 @@ def _integer(schema: dict, path: str) -> str:
         parts.append(_naturals(max(low, 0), None if high == math.inf else high))
     if low < 0:  # -|low| .. -1: a minus sign and 1 .. |low| (never -0)
         parts.append("-" + _naturals(max(-high, 1), None if low == -math.inf else -low))
-    return parts[0] if len(parts) == 1 else f"(?:{'|'.join(parts)})"
+    return _alt(parts, path)
 
 
 ANY_FRACTION, ZERO_FRACTION, NONZERO_FRACTION = "(?:\\.[0-9]+)?", "(?:\\.0+)?", "\\.[0-9]*[1-9][0-9]*"
@@ -494,7 +494,7 @@ def _number(schema: dict, path: str) -> str:
     parts = [p for p in (plus, minus and "-" + minus) if p]
     if not parts:
         _refuse(f"the bounds at {path} leave no number")
-    return parts[0] if len(parts) == 1 else f"(?:{'|'.join(parts)})"
+    return _alt(parts, path)
 
 
 def _magnitudes(a: int, a_open: bool, b: float, b_open: bool) -> str | None:
@@ -511,8 +511,7 @@ def _magnitudes(a: int, a_open: bool, b: float, b_open: bool) -> str | None:
             pieces.append((_naturals(a + 1, None if b == math.inf else b - 1), ANY_FRACTION))
         if b != math.inf and not b_open:
             pieces.append((str(b), ZERO_FRACTION))
-    alternatives = [n + f for n, f in pieces]
-    return alternatives[0] if len(alternatives) == 1 else f"(?:{'|'.join(alternatives)})"
+    return _alt(n + f for n, f in pieces)
 
 
 def _naturals(low: int, high: int | None) -> str:
@@ -527,8 +526,8 @@ def _naturals(low: int, high: int | None) -> str:
         if first <= last:
             parts += _equal_length_numerals(str(first), str(last))
     if high is None:  # every longer numeral
-        parts.append(f"[1-9][0-9]{{{top},}}")
-    return parts[0] if len(parts) == 1 else f"(?:{'|'.join(parts)})"
+        parts.append("[1-9]" + _repeat("[0-9]", top, None))
+    return _alt(parts)
 
 
 def _equal_length_numerals(first: str, last: str) -> list[str]:
@@ -537,10 +536,9 @@ def _equal_length_numerals(first: str, last: str) -> list[str]:
         return [""]
     rest = len(first) - 1
     if first[1:] == "0" * rest and last[1:] == "9" * rest:  # whole blocks of the leading digit
-        return [_digits(first[0], last[0]) + ("[0-9]" + (f"{{{rest}}}" if rest > 1 else "") if rest else "")]
+        return [_digits(first[0], last[0]) + _repeat("[0-9]", rest, rest)]
     if first[0] == last[0]:
-        tails = _equal_length_numerals(first[1:], last[1:])
-        return [first[0] + (tails[0] if len(tails) == 1 else f"(?:{'|'.join(tails)})")]
+        return [first[0] + _alt(_equal_length_numerals(first[1:], last[1:]))]
     # first..x99..9, then whole blocks of leading digits, then y00..0..last (a part that is
     # a whole block joins the middle)
     lead, end = int(first[0]), int(last[0])
