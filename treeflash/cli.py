@@ -102,7 +102,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", help="DFlash drafter checkpoint folder (default with the built-in model: its drafter)")
     p.add_argument("--method", choices=["ar", "dflash", "ddtree"],
                    help="decoding method (default: ddtree with a drafter, else ar)")
-    p.add_argument("--budget", type=int, help="DDTree nodes per round (default 64 on a GPU, 16 on a CPU)")
+    p.add_argument("--budget", type=int, help="DDTree nodes per round (default 63 on a GPU, 16 on a CPU)")
     p.add_argument("--max-budget", type=int, default=512, help="the largest --budget accepted (default 512)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, float64")

@@ -123,7 +123,7 @@ class LLM:
     method: 'ar', 'dflash' or 'ddtree' (default: 'ddtree' with a drafter, else 'ar').
     draft_mode: how dflash and ddtree draft for sampled requests: 'coupled' (default) to
     the target's noise, or 'scaled' by the temperature (see `SpeculativeDecoder`).
-    budget: DDTree nodes per round (default 64 on a GPU, 16 on a CPU), at most
+    budget: DDTree nodes per round (default 63 on a GPU, 16 on a CPU), at most
     `max_budget` (a guard: a round holds [N+1, vocab] logits and an [N+1, N+1] mask per
     request).
     tp: tensor-parallel size. With tp > 1 this process is rank 0 (the driver) and

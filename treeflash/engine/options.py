@@ -9,7 +9,10 @@ import torch
 from treeflash.config import DTYPES
 from treeflash.errors import TreeflashError, UsageError
 
-DEFAULT_BUDGETS = {"cuda": 64, "cpu": 16}  # a CPU verify costs in proportion to its nodes (BENCHMARKS.md 4)
+# On a GPU the root and 63 nodes fill the 64 rows of the few-row products (one more row
+# takes cuBLAS: the 8B shape's verify 1.14 -> 1.30x AR, BENCHMARKS.md 43); a CPU verify
+# costs in proportion to its nodes (BENCHMARKS.md 4).
+DEFAULT_BUDGETS = {"cuda": 63, "cpu": 16}
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
 
 
@@ -81,8 +84,8 @@ def check_flag(name: str, value) -> None:
 
 
 def tree_budget(method: str, budget: int | None, max_budget: int, device: torch.device) -> int | None:
-    """The DDTree budget `method` decodes with (if not given, the device's default: 64
-    nodes on a GPU, where a wider verify costs little, 16 on a CPU, where it costs in
+    """The DDTree budget `method` decodes with (if not given, the device's default: 63
+    nodes on a GPU, the most a 64-row verify holds, 16 on a CPU, where a verify costs in
     proportion), checked; None for the other methods, which take none."""
     if method != "ddtree":
         if budget is not None:
