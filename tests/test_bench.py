@@ -659,7 +659,7 @@ def test_ms_per_round_divides_by_the_rounds_the_batches_ran(monkeypatch):
 
 def test_pair_mode_defaults_are_the_documented_ones(monkeypatch):
     """`treeflash bench` with no options runs what --help says: every method, budgets
-    16..256, batch sizes 1,2,4, temperatures 0,0.7,1.0, graphs on and off, 8 built-in
+    15..255 (verifies of 16-256 rows), batch sizes 1,2,4, temperatures 0,0.7,1.0, graphs on and off, 8 built-in
     prompts of 128 new tokens, --max-budget 512, and sampled drafts 'coupled'."""
     from treeflash.bench import pairs
     from treeflash.engine.round import METHODS
@@ -667,7 +667,7 @@ def test_pair_mode_defaults_are_the_documented_ones(monkeypatch):
     args = build_parser().parse_args(["bench"])
     plan = pairs._pair_plan(args)
     assert plan.methods == list(METHODS) == ["ar", "dflash", "ddtree"]
-    assert plan.budgets == [16, 32, 64, 128, 256] and plan.batch_sizes == [1, 2, 4]
+    assert plan.budgets == [15, 31, 63, 127, 255] and plan.batch_sizes == [1, 2, 4]
     assert plan.temperatures == [0.0, 0.7, 1.0] and plan.graphs == [True, False]
     assert len(plan.prompts) == 8 and args.max_new_tokens == 128 and args.max_budget == 512
     assert plan.draft_mode == "coupled"

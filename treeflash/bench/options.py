@@ -13,7 +13,9 @@ from treeflash.sampling_params import SamplingParams
 
 DRAFT_MODE = "coupled"     # as the engine's: the higher mean tau on the built-in pair (BENCHMARKS.md)
 
-PAIR_BUDGETS = "16,32,64,128,256"
+# Budgets N whose verifies (N + 1 rows) fill 16-256 rows: a 65th row costs a large model
+# what 127 nodes do (BENCHMARKS.md 43); 63 is the engine's default on a GPU.
+PAIR_BUDGETS = "15,31,63,127,255"
 SHAPE_BUDGETS = "0,15,31,63,127,255"
 DRAFT_LAYERS = 5           # the shape mode's drafter (issue 7's draft step is of 5 layers)
 MAX_BENCH_BATCH = 4096     # a timed batch's requests at most (--batch-sizes 10^9 built 10^9 indices)
