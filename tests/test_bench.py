@@ -659,8 +659,9 @@ def test_ms_per_round_divides_by_the_rounds_the_batches_ran(monkeypatch):
 
 def test_pair_mode_defaults_are_the_documented_ones(monkeypatch):
     """`treeflash bench` with no options runs what --help says: every method, budgets
-    15..255 (verifies of 16-256 rows), batch sizes 1,2,4, temperatures 0,0.7,1.0, graphs on and off, 8 built-in
-    prompts of 128 new tokens, --max-budget 512, and sampled drafts 'coupled'."""
+    15..255 (verifies of 16-256 rows), batch sizes 1,2,4, temperatures 0,0.7,1.0, graphs
+    on and off, 8 built-in prompts of 128 new tokens, --max-budget 512, and sampled
+    drafts 'coupled'."""
     from treeflash.bench import pairs
     from treeflash.engine.round import METHODS
     monkeypatch.setattr(pairs, "usable_graphs", lambda graphs, device: graphs)  # as on a CUDA device
