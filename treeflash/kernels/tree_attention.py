@@ -16,8 +16,9 @@ Why it is split in three (the verify reads the shared context once for all tree 
     otherwise wait for it: T = 1 at 4K 11.1 vs 11.9 us). Past that the kernel is
     compute-bound and fills the SMs in whole waves, so the last prefix split takes the
     block after its chunk (T = 256 at 4K: 192 -> 128 programs, 72.6 -> 52.9 us), the
-    splits sharing prefix and block keys evenly (its chunk is shorter by the block: H100,
-    T = 64 / 256 at 4K 22.0 -> 18.6 / 51.9 -> 49.1 us). So does it where a place in the
+    splits sharing prefix and block keys evenly, a masked block key weighing two prefix
+    keys (its chunk is shorter by twice the block: H100, T = 64 at 4K 22.0 -> 18.6 us,
+    T = 256 51.9 -> 47.5 in two steps, BENCHMARKS.md 41-42). So does it where a place in the
     wave for the block programs would cost one of only 1-3 splits per (request, KV
     head): 8 requests decoding at 4K (8B shape) took 7.29 ms a step with 1 split and a
     block program per (request, head), 5.92 ms with 2 splits, the second taking the
