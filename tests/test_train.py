@@ -17,6 +17,7 @@ from treeflash import LLM, SamplingParams
 from treeflash.errors import TreeflashError, UsageError
 from treeflash.checkpoints import write_random_target
 from treeflash.config import default_target_layer_ids
+from treeflash.engine.options import builtin_paths
 from treeflash.train.cli import main as cli_main
 from treeflash.train.common import DEFAULT_OPTIONS, Trainer, TrainOptions, tf32_products
 from treeflash.train.corpus import collect, load_corpus, write_corpus
@@ -535,6 +536,12 @@ def test_bad_inputs(target, data_dir, tmp_path, capsys):
                      "--run", str(tmp_path / "r"), "--max-steps", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("treeflash: error: target checkpoint not found") and "\n" not in err
+    drafter = builtin_paths()[1]  # a drafter given for the target: said so, in train's own words
+    for command, given in (("drafter", ["--run", str(tmp_path / "r"), "--max-steps", "1"]),
+                           ("generate", ["--out", str(tmp_path / "g.npz"), "--num-prompts", "2"])):
+        assert cli_main([command, "--target", str(drafter), "--data", str(data_dir), *given]) == 2, command
+        assert capsys.readouterr().err.strip() == \
+            f"treeflash: error: --target {drafter} is a DFlash drafter: give the target model the drafter is for"
 
 
 def test_bad_data_files_are_one_line_errors(target, data_dir, tmp_path, capsys):

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from treeflash.config import DTYPES, DraftConfig, ModelConfig, default_target_layer_ids
+from treeflash.config import DTYPES, DraftConfig, ModelConfig, default_target_layer_ids, read_config_json
 from treeflash.engine.options import resolve_device, resolve_dtype
 from treeflash.errors import TreeflashError, UsageError
 from treeflash.models.dflash import DFlashDraftModel
@@ -363,6 +363,8 @@ def _require_target(target_dir: str | Path) -> None:
     if not (Path(target_dir) / "config.json").exists():
         raise UsageError(f"target checkpoint not found: {target_dir} (no config.json; train or "
                          f"download the target first)")
+    if "DFlashDraftModel" in (read_config_json(target_dir, "target").get("architectures") or []):
+        raise UsageError(f"--target {target_dir} is a DFlash drafter: give the target model the drafter is for")
 
 
 def _require_same_tokenizer(data, target_dir: str | Path) -> None:
