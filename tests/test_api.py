@@ -900,6 +900,9 @@ def test_with_method_decodes_another_way_on_the_same_weights(tmp_path):
             base.with_method(*args)
     with pytest.raises(UsageError, match="needs a draft model"):
         LLM(target, method="ar", device="cpu").with_method("dflash")
+    for method in ("dflash", "ddtree"):  # a target of one's own brings no drafter, even the built-in one's folder
+        with pytest.raises(UsageError, match=f"method '{method}' needs a draft model .*only the built-in model"):
+            LLM(target, method=method, device="cpu")
 
 
 def test_sentencepiece_continuations_keep_their_first_space(tmp_path):

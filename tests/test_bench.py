@@ -24,7 +24,7 @@ PAIR_FIELDS = {"mode", "method", "budget", "label", "batch_size", "graphs", "tem
                "vs_dflash", "same_as_ar", "recaptures", "device", "dtype"}
 SHAPE_FIELDS = {"mode", "shape", "context", "batch_size", "temperature", "graphs", "op", "N", "time_us",
                 "floor_us", "ratio", "vs_ar", "host_us", "bytes", "bandwidth_gbs", "tp", "allreduce_us",
-                "allreduces", "allreduce_share"}
+                "allreduces", "allreduce_share", "fp8"}
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +196,7 @@ def test_shape_mode_tiny(tmp_path, capsys):
                    ("tree", 7), ("round-dflash", 15), ("round", 3), ("round", 7)]
     assert len(rows) == 2 * len(ops)
     for r in rows:
-        assert SHAPE_FIELDS <= r.keys()
+        assert SHAPE_FIELDS <= r.keys() and r["fp8"] is None
         assert r["time_us"] > 0 and r["graphs"] is False and r["host_us"] is None  # CPU: eager, no host split
         if r["op"] == "tree":
             assert r["floor_us"] is None and r["ratio"] is None
@@ -555,11 +555,11 @@ def test_a_pair_rows_speedup_and_same_as_ar_are_against_ar_at_its_setting():
     from types import SimpleNamespace
 
     from treeflash.bench.pairs import pair_row
-    args = SimpleNamespace(logprobs=None, top_k=0, top_p=1.0, min_p=0.0, model=None, draft_model=None)
+    args = build_parser().parse_args(["bench"])
 
     def engine(method, budget):
-        return SimpleNamespace(method=method, decoder=SimpleNamespace(budget=budget), device=torch.device("cpu"),
-                               dtype=torch.float32)
+        return SimpleNamespace(method=method, decoder=SimpleNamespace(budget=budget, draft_mode="coupled"),
+                               device=torch.device("cpu"), dtype=torch.float32, drafter=object())
     measured = {"tokens_per_s": 300.0, "tau": 2.5, "token_ids": [[1, 2], [3, 4], [5, 6], [7, 8]]}
     ar = (100.0, [[1, 2], [3, 4], [5, 6], [7, 9]])
     row = pair_row(engine("ddtree", 8), 8, (4, 0.0, False), measured, ar, args)
@@ -745,17 +745,29 @@ def test_measure_pair_warms_up_before_the_clock_and_counts_recaptures(monkeypatc
 
 
 def test_a_pair_rows_run_fields():
-    """device, dtype (without 'torch.'), model ('built-in' without --model) and the drafter."""
+    """A row says what it ran with, so that rows of different runs are not mistaken for
+    each other: device, dtype (without 'torch.'), quantization, the model ('built-in'
+    without --model) and the drafter (the built-in one too), the draft mode of a drafted
+    method, new tokens, --eos, --seed and the kind of constraint."""
     from types import SimpleNamespace
 
     from treeflash.bench.pairs import pair_row
-    engine = SimpleNamespace(method="ar", decoder=SimpleNamespace(budget=None), device=torch.device("cpu"),
-                             dtype=torch.bfloat16)
-    measured = {"tokens_per_s": 100.0, "token_ids": [[1]]}
-    for model, draft, shown in ((None, None, "built-in"), ("/m/target", "/m/drafter", "/m/target")):
-        args = SimpleNamespace(logprobs=None, top_k=0, top_p=1.0, min_p=0.0, model=model, draft_model=draft)
-        row = pair_row(engine, None, (1, 0.0, False), measured, None, args)
-        assert (row["device"], row["dtype"], row["model"], row["draft_model"]) == ("cpu", "bfloat16", shown, draft)
+
+    def row(method, drafter, *options):
+        engine = SimpleNamespace(method=method, decoder=SimpleNamespace(budget=None, draft_mode="scaled"),
+                                 device=torch.device("cpu"), dtype=torch.bfloat16, drafter=drafter)
+        args = build_parser().parse_args(["bench", *options])
+        return pair_row(engine, None, (1, 0.0, False), {"tokens_per_s": 100.0, "token_ids": [[1]]}, None, args)
+
+    fields = ("device", "dtype", "quantization", "model", "draft_model", "draft_mode", "max_new_tokens", "eos",
+              "seed", "constraint")
+    plain = row("ar", None)
+    assert [plain[f] for f in fields] == ["cpu", "bfloat16", None, "built-in", None, None, 128, False, 0, None]
+    assert row("dflash", object())["draft_model"] == "built-in"  # the built-in pair's drafter
+    given = row("dflash", object(), "--model", "/m/target", "--draft-model", "/m/drafter", "--quantization", "fp8",
+                "--max-new-tokens", "9", "--eos", "--seed", "7", "--regex", "a+")
+    assert [given[f] for f in fields] == ["cpu", "bfloat16", "fp8", "/m/target", "/m/drafter", "scaled", 9, True, 7,
+                                          "regex"]
 
 
 def test_rows_are_on_disk_as_soon_as_they_are_measured(tmp_path):
@@ -1078,8 +1090,9 @@ def fake_pair_run(monkeypatch, tmp_path, argv, recaptured=()):
             return [1, 2, 3]
 
         def with_method(self, method, budget, graphs, draft_mode):
-            return SimpleNamespace(method=method, decoder=SimpleNamespace(budget=budget), graphs=graphs,
-                                   device=self.device, dtype=self.dtype, drop_graphs=lambda: None)
+            return SimpleNamespace(method=method, decoder=SimpleNamespace(budget=budget, draft_mode=draft_mode),
+                                   graphs=graphs, device=self.device, dtype=self.dtype, drafter=self.drafter,
+                                   drop_graphs=lambda: None)
 
     def measure_pair(llm, prompts, bs, temperature, args):
         key = (llm.method, bs, temperature, llm.graphs)

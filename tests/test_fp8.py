@@ -329,7 +329,8 @@ def test_quantization_fp8_is_refused_where_blocks_cannot_cut(hf_checkpoint, wide
     assert main(["bench", "--model", str(wide_pair[0]), "--draft-model", str(wide_pair[2]), "--methods", "ar,ddtree",
                  "--budgets", "8", "--num-prompts", "1", "--max-new-tokens", "8", "--batch-sizes", "1",
                  "--graphs", "off", "--temperatures", "0", "--quantization", "fp8", "--device", "cpu"]) == 0
-    assert "ddtree" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ddtree" in out and "on cpu (float32, fp8 weights)" in out  # the header says so; the rows: test_bench
 
 
 def _damaged(tmp_path, hf_checkpoint, change, block=(16, 32)):
@@ -376,12 +377,15 @@ def test_what_fp8_cannot_hold_is_refused(tmp_path, hf_checkpoint, spec_target, s
         LLM(spec_target(), draft_model=drafter, method="dflash", device="cpu")
 
 
-def test_bench_times_an_fp8_shape(capsys):
+def test_bench_times_an_fp8_shape(capsys, tmp_path):
+    """The header and every --out row say the weights were FP8, and in which blocks."""
     from treeflash.cli import main
+    rows = tmp_path / "rows.jsonl"
     assert main(["bench", "--shape", "tiny", "--fp8", "16x16", "--contexts", "32", "--budgets", "0,7",
-                 "--iters", "1", "--device", "cpu"]) == 0
+                 "--iters", "1", "--device", "cpu", "--out", str(rows)]) == 0
     out = capsys.readouterr().out
     assert "shape tiny fp8 16x16" in out and "verify" in out
+    assert {json.loads(line)["fp8"] for line in rows.read_text().splitlines()} == {"16x16"}
     assert main(["bench", "--shape", "tiny", "--fp8", "big", "--device", "cpu"]) == 2
     assert "ROWSxCOLS" in capsys.readouterr().err
     assert main(["bench", "--fp8", "--device", "cpu"]) == 2

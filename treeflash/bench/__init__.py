@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 
-from treeflash.bench.options import DRAFT_LAYERS, DRAFT_MODE, PAIR_BUDGETS, SHAPE_BUDGETS
+from treeflash.bench.options import DRAFT_LAYERS, DRAFT_MODE, PAIR_BUDGETS, SHAPE_BUDGETS, STRUCTURED
 from treeflash.bench.pairs import bench_pairs
 from treeflash.bench.shape import SHAPES, bench_shape
 from treeflash.cli import add_structured_args
@@ -35,7 +35,6 @@ from treeflash.errors import UsageError
 
 FP8_DEFAULT = "x".join(map(str, FP8_BLOCK))    # --fp8: the blocks of the published FP8 checkpoints
 PAIR, SHAPE = "pair", "shape"
-STRUCTURED = ("json_schema", "regex", "choice", "grammar", "json_object")  # add_structured_args': named as one
 
 # The options one mode alone reads, with their defaults (the parser takes them from here),
 # in the order they are checked: the other mode refuses one given another value, rather

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from treeflash.bench.options import (MAX_BENCH_BATCH, check_sampled_options, check_seed, filters, filters_note,
-                                     parse_budgets, parse_graphs, parse_list, usable_graphs)
+from treeflash.bench.options import (MAX_BENCH_BATCH, STRUCTURED, check_sampled_options, check_seed, filters,
+                                     filters_note, parse_budgets, parse_graphs, parse_list, usable_graphs)
 from treeflash.bench.report import check_plot_path, close_out, emit, format_table, open_out, plot_pairs
 from treeflash.cli import read_placed_prompts, structured_from, target_folder
 from treeflash.engine.llm import LLM
@@ -137,7 +137,7 @@ def measure_pair(llm, prompts: list[str], bs: int, temperature: float, args) -> 
 
 def pair_row(llm, budget: int | None, key: tuple, m: dict, ar: tuple | None, args,
              dflash: float | None = None) -> dict:
-    """One JSONL row. speedup: tokens/s over AR's at the same (batch size, temperature,
+    """One JSONL row, with every option that changes what it measures. speedup: tokens/s over AR's at the same (batch size, temperature,
     graphs); vs_dflash: over dflash's tokens/s there (`dflash`; what a tree adds to the
     chain); same_as_ar: fraction of requests whose tokens equal AR's (lossless: 1.0, up
     to floating-point near-ties between batched and single-token logits)."""
@@ -154,7 +154,11 @@ def pair_row(llm, budget: int | None, key: tuple, m: dict, ar: tuple | None, arg
             "same_as_ar": (round(sum(a == b for a, b in zip(ids, ar[1])) / len(ids), 3)
                            if ar and llm.method != "ar" else None),
             "device": str(llm.device), "dtype": str(llm.dtype).replace("torch.", ""),
-            "model": str(args.model or "built-in"), "draft_model": args.draft_model}
+            "quantization": args.quantization, "model": str(args.model or "built-in"),
+            "draft_model": args.draft_model or ("built-in" if llm.drafter is not None else None),
+            "draft_mode": llm.decoder.draft_mode if llm.method != "ar" else None,
+            "max_new_tokens": args.max_new_tokens, "eos": args.eos, "seed": args.seed,
+            "constraint": next((name for name in STRUCTURED if getattr(args, name)), None)}
 
 
 PAIR_COLUMNS = [("method", "label", "{}"), ("graphs", "graphs", "onoff"), ("bs", "batch_size", "{}"),
@@ -222,21 +226,20 @@ def bench_pairs(args) -> int:
     base = LLM(args.model, draft_model=args.draft_model, method=next((m for m in methods if m != "ar"), "ar"),
                device=args.device, dtype=args.dtype, max_budget=args.max_budget, cuda_graphs=False,
                max_batch=max(plan.batch_sizes), quantization=args.quantization)  # each timed batch: one engine batch
-    if base.drafter is None and set(methods) - {"ar"}:
-        raise UsageError(f"methods {', '.join(m for m in methods if m != 'ar')} need a drafter (--draft-model)")
     lengths = []
     for prompt, place in plan.prompts:  # each checked before the run starts, named by its place in the file
         try:
             lengths.append(len(base.encode(prompt)))
         except UsageError as e:
             raise UsageError(f"{place}: {e}" if place else str(e)) from None
-    print(f"bench: {len(prompts)} prompts, {args.max_new_tokens} new tokens each, on {base.device} "
-          f"({str(base.dtype).replace('torch.', '')}){filters_note(args)}")
+    quantized = f", {args.quantization} weights" if args.quantization else ""
+    print(f"bench: {len(prompts)} prompt{'s' if len(prompts) > 1 else ''}, {args.max_new_tokens} new tokens each, on {base.device} "
+          f"({str(base.dtype).replace('torch.', '')}{quantized}){filters_note(args)}")
     short = sum(n + args.max_new_tokens > base.max_model_len for n in lengths)
     if short:  # their requests stop at the context: fewer tokens, and rounds of another length
         print(f"note: {short} of {len(prompts)} prompts leave less than --max-new-tokens {args.max_new_tokens} "
-              f"of the context of {base.max_model_len} tokens: their requests stop there (the new_tokens column "
-              f"counts what was made)", file=sys.stderr)
+              f"of the context of {base.max_model_len} tokens: their requests stop there (tok/s and tau count "
+              f"what was made; --out's rows have new_tokens)", file=sys.stderr)
 
     rows, ar, dflash = [], {}, {}  # (batch size, temperature, graphs) -> AR's (tokens/s, token ids), dflash's tokens/s
     for method, budget in pair_configs(methods, plan.budgets):

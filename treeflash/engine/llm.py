@@ -227,6 +227,9 @@ class LLM:
             check_weights_fit(shells, self.dtype, self.device)
         if method is None:
             method = "ddtree" if dcfg is not None else "ar"
+        if method != "ar" and dcfg is None:  # before any weight loads
+            raise UsageError(f"method '{method}' needs a draft model (draft_model=, --draft-model): only the "
+                             f"built-in model brings its drafter by default")
         budget = tree_budget(method, budget, max_budget, self.device)
         if draft_mode is not None and method == "ar":  # before any weight loads, as a budget
             raise UsageError("a draft mode applies to methods dflash and ddtree (method is ar)")
