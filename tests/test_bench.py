@@ -331,6 +331,7 @@ QUICK_PAIR = ["--methods", "ar", "--num-prompts", "1", "--max-new-tokens", "1", 
      "takes no --model, --draft-model, --prompt-file or --corpus"),
     (["--shape", "tiny", *QUICK_SHAPE, "--corpus", "c"], "takes no --model, --draft-model, --prompt-file or --corpus"),
     ([*QUICK_PAIR, "--fp8"], "--fp8 applies to --shape only"),
+    (["--methods", "ar,ar", "--draft-model", "d", "--device", "cpu"], "--draft-model drafts for dflash and ddtree"),
     # --min-p 1 keeps only the likeliest tokens: a filter, refused where no request samples
     ([*QUICK_PAIR, "--min-p", "1"], "--min-p acts on sampled requests only"),
     ([*QUICK_PAIR, "--top-k", "1"], "--top-k acts on sampled requests only"),  # keeps one token: a filter
