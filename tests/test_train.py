@@ -1536,7 +1536,8 @@ def test_exported_weights_are_readable_by_all(tmp_path):
 
 
 def test_a_resumed_run_replaces_only_its_own_export(target, data_dir, tmp_path):
-    """--out given on resume may move the export, but not over another folder's files."""
+    """--out given on resume may move the export, but not over another folder's files;
+    it may come back to the run's own RUN/model (as TRAINING.md says)."""
     base, _ = target
     run = shutil.copytree(base / "run", tmp_path / "run")
     other = tmp_path / "other"
@@ -1545,6 +1546,9 @@ def test_a_resumed_run_replaces_only_its_own_export(target, data_dir, tmp_path):
     with pytest.raises(UsageError, match="is not empty"):
         train_target(data_dir, run, other, opts=TrainOptions(max_steps=41), resume=True)
     assert [p.name for p in other.iterdir()] == ["config.json"]
+    for steps, out in ((41, run / "model"), (42, tmp_path / "moved"), (43, run / "model")):
+        assert train_target(data_dir, run, out, opts=TrainOptions(max_steps=steps), resume=True)["steps"] == steps
+        assert (out / "config.json").exists()
 
 
 # ----------------------------------------------------------------------------- corpus, target, tokenizer and CLI (cases a second mutation review found untested)

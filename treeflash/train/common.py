@@ -245,9 +245,9 @@ def check_export_dir(out: Path, run: "RunDir") -> None:
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if not held:
         return
-    if run.resume:
+    if run.resume:  # the --out it last exported to, or its own RUN/model (one it may come back to)
         earlier = run.saved_options.get("out")
-        if (Path(earlier) if earlier else run.path / "model").resolve() == out.resolve():
+        if out.resolve() in {(run.path / "model").resolve(), *([Path(earlier).resolve()] if earlier else [])}:
             return
     raise UsageError(f"output folder {out} is not empty ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
                      f"an export would replace its files; choose a new or empty folder, or remove it")
