@@ -569,7 +569,7 @@ class Trainer:
             bar.write(f"resuming at step {self.step} ({self.elapsed / 60:.2f} min done)")
             if o.max_steps is not None and self.step > o.max_steps:
                 bar.write(f"note: the run is past --max-steps {o.max_steps}: nothing to train; its weights are "
-                          f"exported again")
+                          f"exported")
         self.model.train()
         start = time.perf_counter() - self.elapsed
         self.loss_sum = self.loss_sum.to(self.device, torch.float32)
