@@ -16,8 +16,8 @@ DRAFT_MODE = "coupled"     # as the engine's: the higher mean tau on the built-i
 # Budgets N whose verifies (N + 1 rows) fill 16-256 rows: a 65th row costs a large model
 # what 127 nodes do (BENCHMARKS.md 43); 63 is the engine's default on a GPU.
 PAIR_BUDGETS = "15,31,63,127,255"
-STRUCTURED = ("json_schema", "regex", "choice", "grammar", "json_object")  # add_structured_args': named as one
 SHAPE_BUDGETS = "0,15,31,63,127,255"
+STRUCTURED = ("json_schema", "regex", "choice", "grammar", "json_object")  # add_structured_args': named as one
 DRAFT_LAYERS = 5           # the shape mode's drafter (issue 7's draft step is of 5 layers)
 MAX_BENCH_BATCH = 4096     # a timed batch's requests at most (--batch-sizes 10^9 built 10^9 indices)
 FILTERS_OFF = {"top_k": (0, -1), "top_p": (1.0,), "min_p": (0.0,)}  # the values that filter nothing (-1: vLLM's)

@@ -137,10 +137,11 @@ def measure_pair(llm, prompts: list[str], bs: int, temperature: float, args) -> 
 
 def pair_row(llm, budget: int | None, key: tuple, m: dict, ar: tuple | None, args,
              dflash: float | None = None) -> dict:
-    """One JSONL row, with every option that changes what it measures. speedup: tokens/s over AR's at the same (batch size, temperature,
-    graphs); vs_dflash: over dflash's tokens/s there (`dflash`; what a tree adds to the
-    chain); same_as_ar: fraction of requests whose tokens equal AR's (lossless: 1.0, up
-    to floating-point near-ties between batched and single-token logits)."""
+    """One JSONL row, with every option that changes what it measures. speedup: tokens/s
+    over AR's at the same (batch size, temperature, graphs); vs_dflash: over dflash's
+    tokens/s there (`dflash`; what a tree adds to the chain); same_as_ar: fraction of
+    requests whose tokens equal AR's (lossless: 1.0, up to floating-point near-ties
+    between batched and single-token logits)."""
     bs, temperature, graphs = key
     m = dict(m)
     ids = m.pop("token_ids")
@@ -235,8 +236,8 @@ def bench_pairs(args) -> int:
         except UsageError as e:
             raise UsageError(f"{place}: {e}" if place else str(e)) from None
     quantized = f", {args.quantization} weights" if args.quantization else ""
-    print(f"bench: {len(prompts)} prompt{'s' if len(prompts) > 1 else ''}, {args.max_new_tokens} new tokens each, on {base.device} "
-          f"({str(base.dtype).replace('torch.', '')}{quantized}){filters_note(args)}")
+    print(f"bench: {len(prompts)} prompt{'s' if len(prompts) > 1 else ''}, {args.max_new_tokens} new tokens each, "
+          f"on {base.device} ({str(base.dtype).replace('torch.', '')}{quantized}){filters_note(args)}")
     short = sum(n + args.max_new_tokens > base.max_model_len for n in lengths)
     if short:  # their requests stop at the context: fewer tokens, and rounds of another length
         print(f"note: {short} of {len(prompts)} prompts leave less than --max-new-tokens {args.max_new_tokens} "
