@@ -97,8 +97,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         f"temperature-scaled (default {DRAFT_MODE})")
     add_structured_args(p)  # every request of model-pair mode constrained alike
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
-    p.add_argument("--dtype", default="auto", help="auto (checkpoint dtype; --shape: bfloat16 on CUDA, "
-                                                   "float32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's, float32 for a 16-bit one on "
+                                                   "a CPU; --shape: bfloat16 on CUDA, float32 on CPU), float32, "
+                                                   "bfloat16, float16")
     p.add_argument("--quantization", choices=["fp8"], help="model-pair mode: the target's layers quantized to FP8 "
                                                            "blocks while loading (--shape: --fp8)")
     p.add_argument("--out", help="write one JSON object per row to this file")
