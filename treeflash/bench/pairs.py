@@ -195,11 +195,12 @@ def _pair_plan(args) -> PairPlan:
         raise UsageError("--budgets sets ddtree's tree sizes: add ddtree to --methods or leave --budgets out")
     else:
         budgets = []
-    if args.draft_model is not None and set(methods) == {"ar"}:  # it would load, and draft nothing
+    drafted = methods != ["ar"]  # (parse_list drops repeats)
+    if args.draft_model is not None and not drafted:  # it would load, and draft nothing
         raise UsageError("--draft-model drafts for dflash and ddtree: add one to --methods or leave --draft-model out")
     batch_sizes = parse_list(args.batch_sizes or "1,2,4", int, "batch size", minimum=1, maximum=MAX_BENCH_BATCH)
     temperatures = parse_list(args.temperatures or "0,0.7,1.0", float, "temperature", minimum=0.0)
-    draft_mode = check_sampled_options(args, temperatures, drafted=methods != ["ar"])
+    draft_mode = check_sampled_options(args, temperatures, drafted)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     SamplingParams(logprobs=args.logprobs).validate()
