@@ -1346,3 +1346,23 @@ def test_a_generation_config_that_does_not_sample_leaves_its_filters_out_of_the_
     assert rc == 0, err
     assert "note: repetition_penalty 1.1, temperature 0.0 from the model's generation_config.json" in err, err
     assert not any(f in err for f in ("top_k", "top_p", "min_p")), err
+
+
+@pytest.mark.parametrize("flag,value,words", [("--regex", "(", ("regex '('", "missing ')'")),
+                                              ("--json-schema", '{"type": "foo"}', ("json schema", "'type'")),
+                                              ("--grammar", "root ::= x", ("grammar", "no rule defines"))])
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_a_constraints_mistake_stops_the_command_before_the_model_loads(capsys, model, monkeypatch, flag, value,
+                                                                        words, command):
+    """A bad regex, schema or grammar was reported only once the model had loaded (minutes,
+    for a large one): it is compiled first."""
+    import treeflash
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(treeflash, "LLM", no_loading)
+    capsys.readouterr()
+    extra = ["--methods", "ar", "--eos", "--num-prompts", "1"] if command == "bench" else ["hi"]
+    rc = main([command, *extra, "--model", str(model), "--device", "cpu", flag, value])
+    assert_error(rc, *capsys.readouterr(), 2, *words)

@@ -279,6 +279,8 @@ def cmd_generate(args) -> int:
     prompts, places = zip(*read_placed_prompts(args))
     params = sampling_from(args, model_sampling_defaults(args))
     note_moot_sampling(args, params)
+    if params.structured_outputs is not None:  # a pattern's, schema's or grammar's mistake before the model loads
+        params.structured_outputs.automaton()
     if params.logprobs is not None and not args.json:
         raise UsageError("--logprobs needs --json (they are printed with the tokens)")
     if args.max_batch < 1:

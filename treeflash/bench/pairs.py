@@ -204,9 +204,12 @@ def _pair_plan(args) -> PairPlan:
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     SamplingParams(logprobs=args.logprobs).validate()
-    if structured_from(args) is not None and not args.eos:  # past its end a text could only repeat EOS
-        raise UsageError("--json-schema, --regex, --choice, --grammar and --json-object need --eos: a constrained "
-                         "text ends at its end token")
+    constraint = structured_from(args)
+    if constraint is not None:
+        if not args.eos:  # past its end a text could only repeat EOS
+            raise UsageError("--json-schema, --regex, --choice, --grammar and --json-object need --eos: a "
+                             "constrained text ends at its end token")
+        constraint.validate().automaton()  # its mistakes before the models load
     graphs = parse_graphs(args.graphs or "on,off")
     prompts = load_prompts(args)
     check_seed(args.seed, len(prompts))
