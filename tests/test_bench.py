@@ -281,6 +281,7 @@ QUICK_PAIR = ["--methods", "ar", "--num-prompts", "1", "--max-new-tokens", "1", 
     (["--shape", "qwen3-8b", "--draft-layers", "100000"], "--draft-layers must be <= 36"),
     (["--shape", "tiny", "--draft-layers", "0"], "--draft-layers must be >= 1"),
     (["--shape", "tiny", "--plot", "/nonexistent/p.png"], "cannot write the plot"),
+    (["--shape", "tiny", "--plot", "/proc/p.png"], "cannot write the plot"),  # root may "access" it
     (["--methods", "ar", "--plot", "/nonexistent/p.png", "--device", "cpu"], "cannot write the plot"),
     (["--shape", "tiny", "--plot", "p.txt"], "the name must end in .png, .svg or .pdf"),
     (["--methods", "ar", "--plot", "plot", "--device", "cpu"], "the name must end in .png"),

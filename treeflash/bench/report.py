@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import sys
+import tempfile
 from pathlib import Path
 
 from treeflash.errors import TreeflashError, UsageError
@@ -116,8 +116,11 @@ def check_plot_path(path: str | None, out: str | None) -> None:
     if Path(path).suffix.lower() not in PLOT_FORMATS:
         raise UsageError(f"--plot {path}: the name must end in .png, .svg or .pdf (or {', '.join(PLOT_FORMATS[3:])})")
     folder = Path(path).resolve().parent
-    if not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise UsageError(f"cannot write the plot {path}: {folder} is not a writable folder")
+    try:  # a file made there, not os.access: root may "access" /proc or a read-only mount
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError:
+        raise UsageError(f"cannot write the plot {path}: {folder} is not a writable folder") from None
     if importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib (pip install matplotlib), or leave --plot out")
 
