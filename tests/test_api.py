@@ -7,6 +7,7 @@ arguments raise `UsageError` before any work.
 """
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from dataclasses import replace
@@ -134,6 +135,26 @@ def test_each_requests_parameters_are_checked_against_the_model_whatever_comes_b
         with pytest.raises(UsageError, match=f"{vocab}"):
             llm.generate(["a", "a"], [p, bad])
     assert llm.rank_stats()[0]["cache_bytes"] == 0 and len(llm.generate(["a", "a"], [p, p])) == 2
+
+
+def test_a_seed_set_after_construction_is_checked_in_a_list_too(llm):
+    """Parameters that differ from the ones checked before only in their seed skip the
+    full check, not the seed's: a seed set since construction is refused in one line
+    (it was a torch error, or a 2^70 overflow), and -1 is vLLM's "no seed" (it was taken as
+    the seed -1, so unseeded requests sampled alike)."""
+    p = SamplingParams(temperature=1.0, seed=1, max_new_tokens=6, ignore_eos=True)
+    for bad in (2 ** 70, "x", -5, 1.5, True):
+        q = copy.copy(p)
+        q.seed = bad
+        with pytest.raises(UsageError, match="seed must be an integer in"):
+            llm.generate(["a", "a"], [p, q])
+    unseeded = []
+    for _ in range(2):
+        q = copy.copy(p)
+        q.seed = -1
+        unseeded.append(q)
+    outs = llm.generate(["a"] * 3, [p, *unseeded])
+    assert unseeded[0].seed is None and outs[1].token_ids != outs[2].token_ids
 
 
 def test_an_engine_seed_repeats_unseeded_sampling(hf_checkpoint):
@@ -895,7 +916,8 @@ def test_with_method_decodes_another_way_on_the_same_weights(tmp_path):
         ("scaled", "coupled")
     for args, what in ((("beam",), "unknown method"), (("ddtree", 0), "budget"),
                        (("dflash", 4), "ddtree only"), (("ar", None, "yes"), "cuda_graphs"),
-                       (("ddtree", 10 ** 6), "exceeds max_budget 512")):
+                       (("ddtree", 10 ** 6), "exceeds max_budget 512"),
+                       (("ar", None, None, "scaled"), "a draft mode applies to methods dflash and ddtree")):
         with pytest.raises(UsageError, match=what):
             base.with_method(*args)
     with pytest.raises(UsageError, match="needs a draft model"):

@@ -62,6 +62,17 @@ class SamplingParams:
         copied.seed = seed
         return copied
 
+    def check_seed(self) -> None:
+        """`validate`'s check of the seed (-1: none, as in vLLM), which `LLM.generate` runs
+        alone on parameters that differ from the ones it checked last only in their seeds."""
+        self.seed = plain_number(self.seed)
+        if type(self.seed) is int and self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2 ** 63):
+            raise UsageError(f"invalid sampling parameters: seed must be an integer in [0, 2^63), got "
+                             f"{shown(self.seed)}")
+
     @property
     def max_tokens(self) -> int:
         """vLLM's name for max_new_tokens, read and set as in vLLM (also a keyword of the
@@ -97,11 +108,7 @@ class SamplingParams:
             bad(f"top_p must be in (0, 1], got {shown(self.top_p)}")
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
             bad(f"min_p must be in [0, 1] (0 = off), got {shown(self.min_p)}")
-        if type(self.seed) is int and self.seed == -1:  # vLLM's "no seed"
-            self.seed = None
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < 2 ** 63):
-            bad(f"seed must be an integer in [0, 2^63), got {shown(self.seed)}")
+        self.check_seed()
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 bad(f"{name} must be true or false, got {shown(getattr(self, name))}")

@@ -105,6 +105,11 @@ def _same_but_seed(a: SamplingParams, b: SamplingParams) -> bool:
                for x, y in [(getattr(a, f.name), getattr(b, f.name))])
 
 
+def _check_draft_mode_applies(method: str, draft_mode: str | None) -> None:
+    if draft_mode is not None and method == "ar":
+        raise UsageError("a draft mode applies to methods dflash and ddtree (method is ar)")
+
+
 def _unwrapped(prompt):
     """A prompt as text or token ids: vLLM's TextPrompt {"prompt": text} and TokensPrompt
     {"prompt_token_ids": ids} give theirs (other keys, such as multi-modal data, are
@@ -231,8 +236,7 @@ class LLM:
             raise UsageError(f"method '{method}' needs a draft model (draft_model=, --draft-model): only the "
                              f"built-in model brings its drafter by default")
         budget = tree_budget(method, budget, max_budget, self.device)
-        if draft_mode is not None and method == "ar":  # before any weight loads, as a budget
-            raise UsageError("a draft mode applies to methods dflash and ddtree (method is ar)")
+        _check_draft_mode_applies(method, draft_mode)  # before any weight loads, as a budget
         if max_model_len is not None:
             check_int("max_model_len", max_model_len, 2)
         if max_model_len is not None and max_model_len > self.config.max_position_embeddings:
@@ -303,6 +307,7 @@ class LLM:
         budget = tree_budget(method, budget, self.max_budget, self.device)
         if method != "ar" and self.drafter is None:
             raise UsageError(f"method '{method}' needs a draft model")
+        _check_draft_mode_applies(method, draft_mode)
         if cuda_graphs is not None:
             check_flag("cuda_graphs", cuda_graphs)
         other = copy.copy(self)
@@ -486,6 +491,8 @@ class LLM:
             if last is None or not _same_but_seed(p, last):
                 self.check_sampling(p)
                 last = p
+            else:  # its seed may have been set since it was made
+                p.check_seed()
         ids = [self.encode(p, truncate=q.truncate_prompt_tokens) for p, q in zip(prompts, params)]
         # seeds are drawn here, so that every tensor-parallel rank samples alike; a subclass
         # becomes a plain SamplingParams (the workers could not unpickle a class of __main__)
