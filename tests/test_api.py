@@ -715,6 +715,15 @@ def test_an_empty_list_of_sampling_parameters_is_not_the_default(llm, params):
         llm.generate(["a", "b"], params)
 
 
+def test_prompts_and_sampling_parameter_lists_of_other_lengths_are_refused(llm):
+    """An empty prompt list with parameters for one prompt was an empty answer."""
+    with pytest.raises(UsageError, match="^0 prompts but 1 sampling parameter set$"):
+        llm.generate([], [SamplingParams()])
+    with pytest.raises(UsageError, match="^1 prompt but 3 sampling parameter sets$"):
+        llm.generate(["a"], [SamplingParams()] * 3)
+    assert llm.generate([]) == [] and llm.generate([], []) == []
+
+
 @pytest.mark.parametrize("callback", ["on_tokens", "on_done"])
 def test_a_callback_that_calls_generate_again_is_refused(llm, callback):
     """The engine is decoding the call's batch while its callbacks run: a nested call

@@ -105,6 +105,10 @@ def _same_but_seed(a: SamplingParams, b: SamplingParams) -> bool:
                for x, y in [(getattr(a, f.name), getattr(b, f.name))])
 
 
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}{'' if n == 1 else 's'}"
+
+
 def _check_draft_mode_applies(method: str, draft_mode: str | None) -> None:
     if draft_mode is not None and method == "ar":
         raise UsageError("a draft mode applies to methods dflash and ddtree (method is ar)")
@@ -478,12 +482,12 @@ class LLM:
                              f"got {type(prompts).__name__}")
         single = isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], numbers.Integral))
         prompts = [_unwrapped(p) for p in ([prompts] if single else prompts)]
-        if not prompts:
-            return []
         params = self.default_sampling_params() if sampling_params is None else sampling_params
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
-            raise UsageError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
+            raise UsageError(f"{_count(len(prompts), 'prompt')} but {_count(len(params), 'sampling parameter set')}")
+        if not prompts:
+            return []
         last = None  # the parameters checked last: the n choices of a request differ only in their seeds
         for p in params:
             if not isinstance(p, SamplingParams):
