@@ -104,6 +104,9 @@ def test_vllm_prompt_dicts_and_n_1_are_taken(llm):
     for bad in ({"prompt": "a", "multi_modal_data": {}}, {}, {"text": "a"}):
         with pytest.raises(UsageError, match="a prompt dict holds one key"):
             llm.generate([bad], p)
+    for bad in ({"prompt": ids}, {"prompt_token_ids": ENGINE_PROMPTS[0]}):  # each key's own kind, as vLLM's
+        with pytest.raises(UsageError, match="'prompt' is text and its 'prompt_token_ids' a list of token ids"):
+            llm.generate(bad, p)
     for n in (2, 0, True, "1"):
         with pytest.raises(UsageError, match="n must be 1, one output per prompt"):
             SamplingParams(n=n)

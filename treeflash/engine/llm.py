@@ -29,7 +29,7 @@ from treeflash.engine.round import DRAFT_MODES, METHODS, BatchState, Speculative
 from treeflash.engine.sampling import SamplingBatch
 from treeflash.engine.states import GRAPHED_PREFILL_MAX, KeptStates, suffix_chunks
 from treeflash.engine.tp import attach as tp_attach, closed_error
-from treeflash.errors import TreeflashError, UsageError, is_text
+from treeflash.errors import TreeflashError, UsageError, is_text, shown
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import (build_on, check_model_size, check_sizes, load_weights, stored_shapes,
                                      weights_dtype)
@@ -121,7 +121,11 @@ def _unwrapped(prompt):
     if not isinstance(prompt, dict):
         return prompt
     if len(prompt) == 1 and next(iter(prompt)) in ("prompt", "prompt_token_ids"):
-        return next(iter(prompt.values()))
+        key, value = next(iter(prompt.items()))
+        if (key == "prompt") != isinstance(value, str):
+            raise UsageError(f"a prompt dict's 'prompt' is text and its 'prompt_token_ids' a list of token ids, "
+                             f"got {key!r}: {shown(value, 40)}")
+        return value
     raise UsageError(f"a prompt dict holds one key, 'prompt' (text) or 'prompt_token_ids' (vLLM's TextPrompt "
                      f"and TokensPrompt), got {sorted(map(str, prompt))}")
 
