@@ -251,7 +251,7 @@ def bench_pairs(args) -> int:
     rows, ar, dflash = [], {}, {}  # (batch size, temperature, graphs) -> AR's (tokens/s, token ids), dflash's tokens/s
     for method, budget in pair_configs(methods, plan.budgets):
         for graphs in plan.graphs:
-            llm = base.with_method(method, budget, graphs, plan.draft_mode)
+            llm = base.with_method(method, budget, graphs, None if method == "ar" else plan.draft_mode)
             for bs in plan.batch_sizes:
                 for temperature in plan.temperatures:
                     m = measure_pair(llm, prompts, bs, temperature, args)
