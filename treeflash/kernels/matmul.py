@@ -39,6 +39,9 @@ from treeflash.kernels.gemv import gemv
 from treeflash.ops import SplitSums
 
 MAX_ROWS = 64  # past this cuBLAS (compute-bound products)
+# The MLP's gated product stays here to 128 rows, where its fused gating still wins: on an
+# H100 at 128 rows of Qwen3-8B 81.2 us against cuBLAS's 91.7 and a `silu_mul` (BENCHMARKS.md 42).
+GATED_MAX_ROWS = 128
 
 
 @triton.jit
@@ -193,8 +196,12 @@ def _config(M: int, N: int, K: int, itemsize: int, sms: int, gated: bool) -> tup
     the sums than they gain: the built-in pair's chain and 16-32-node rounds 8-13% shorter, section
     36). Up to 16 rows an ungated step is 20 KB, not 32, and 7 fit: the qkv product
     (96 strips, so 96 busy SMs) takes 15.9 us a layer at 16 rows, not 18.2 (section 19).
-    float32 (tests) takes 32-column steps 3 deep."""
+    float32 (tests) takes 32-column steps 3 deep. Past 64 rows (gated only) the tile is
+    128 x 128, unswapped, 64-column steps 4 deep, K whole: the best of nine tilings at
+    128 rows (BENCHMARKS.md 42)."""
     strips, wide = triton.cdiv(N, 64), itemsize <= 2
+    if M > MAX_ROWS:
+        return 128, 128, 64 if wide else 32, 1, 8, 4 if wide else 2, False
     bk = 128 if wide else 32
     split = max(1, min(triton.cdiv(K, bk) // 2, sms // strips))
     stages = (4 if gated else 7 if M <= 16 else 5) if wide and strips <= 4 * sms else 3
@@ -223,7 +230,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            scale: torch.Tensor | None = None, block: tuple[int, int] = (1, 1), gated: bool = False,
            add_shares: bool = True) -> "torch.Tensor | SplitSums":
     """F.linear(x, weight, bias) for weight [N, K] (contiguous) in x's dtype and x
-    [..., K] of at most MAX_ROWS rows (one: the GEMV); or, with `scale`, for an FP8 weight scaled per
+    [..., K] of at most MAX_ROWS rows (GATED_MAX_ROWS gated; one: the GEMV); or, with `scale`, for an FP8 weight scaled per
     `block` (scales [ceil(N / rows), ceil(K / cols)], cols a power of two of 16 or more:
     `Fp8Weight.fits_kernels`), any number of rows. `gated`: weight (and bias) is
     [gate; up] and the result silu(x gate^T) * (x up^T), [..., N / 2] (FP8: the halves
@@ -240,7 +247,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if M == 0:
         return x.new_empty(*x.shape[:-1], N // 2 if gated else N)
     if scale is None:
-        assert M <= MAX_ROWS and weight.dtype == x.dtype
+        assert M <= (GATED_MAX_ROWS if gated else MAX_ROWS) and weight.dtype == x.dtype
         sms = _sm_count(x.device.index) if x.is_cuda else 132
         bm, bn, bk, split, warps, stages, swap = _config(M, N // 2 if gated else N, K, x.element_size(), sms, gated)
     else:

@@ -115,11 +115,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            fp8: Fp8Weight | None = None) -> torch.Tensor:
     """silu(x W_gate^T) * (x W_up^T) for the MLP's merged weight [gate; up] ([..., I]).
-    On the fused path, up to 64 rows (a round's verify or draft) in one launch, the
-    gating in the product's epilogue; else the product, then `silu_mul` (GPU) or torch."""
+    On the fused path, up to 128 rows (64 with FP8; a round's verify or draft) in one
+    launch, the gating in the product's epilogue; else the product, then `silu_mul` (GPU) or torch."""
     if fused_enabled(x) and weight.is_contiguous() and (fp8 is None or fp8.fits_kernels):
-        from treeflash.kernels.matmul import MAX_ROWS, matmul
-        if x.numel() <= MAX_ROWS * x.shape[-1] and (fp8 is not None or x.dtype == weight.dtype):
+        from treeflash.kernels.matmul import GATED_MAX_ROWS, MAX_ROWS, matmul
+        most = GATED_MAX_ROWS if fp8 is None else MAX_ROWS  # FP8's tiling past 64 rows is not gated
+        if x.numel() <= most * x.shape[-1] and (fp8 is not None or x.dtype == weight.dtype):
             if fp8 is None:
                 return matmul(x, weight, bias, gated=True)
             return matmul(x, weight, bias, fp8.scale, fp8.block, gated=True)
