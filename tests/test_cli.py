@@ -574,6 +574,13 @@ def test_a_draft_mode_with_ar_is_refused(capsys, model):
                  2, "a draft mode applies to methods dflash and ddtree (method is ar)")
 
 
+def test_a_draft_model_with_ar_is_refused(capsys):
+    """--draft-model with --method ar loaded the drafter and drafted nothing, silently."""
+    from treeflash.engine.options import builtin_paths
+    assert_error(*run(capsys, "hi", "--device", "cpu", "--method", "ar", "--draft-model", builtin_paths()[1]),
+                 2, "--draft-model drafts for --method dflash and ddtree")
+
+
 def test_non_finite_logprobs_are_json_null(capsys, model, monkeypatch):
     """JSON has no NaN or infinity: --json writes null there, so strict parsers read every line."""
     from treeflash.engine import llm as llm_module

@@ -163,6 +163,8 @@ def add_structured_args(p) -> None:
 
 def make_llm(args):
     from treeflash import LLM
+    if args.method == "ar" and args.draft_model is not None:  # it would load, and draft nothing
+        raise UsageError("--draft-model drafts for --method dflash and ddtree: leave it out with --method ar")
     return LLM(args.model, draft_model=args.draft_model, method=args.method, budget=args.budget,
                device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, tp=getattr(args, "tp", 1),
                draft_mode=args.draft_mode, cuda_graphs=not args.eager, max_budget=args.max_budget,
