@@ -8,6 +8,7 @@ import json
 import os
 import re
 import stat
+import tempfile
 from pathlib import Path
 
 from treeflash.errors import TreeflashError
@@ -59,6 +60,12 @@ def read_json_object(path: str | Path, missing_ok: bool = True) -> dict:
     if not isinstance(data, dict):
         raise TreeflashError(f"malformed {_named(path)}: expected a JSON object")
     return data
+
+
+def probe_write(folder: str | Path) -> None:
+    """Make and drop a file in `folder` (OSError if that fails): os.access can be wrong
+    (root "accesses" /proc and read-only mounts; network mounts, root squashing, ACLs)."""
+    tempfile.TemporaryFile(dir=folder).close()
 
 
 def _named(path: str | Path) -> str:

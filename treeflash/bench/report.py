@@ -5,10 +5,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 from treeflash.errors import TreeflashError, UsageError
+from treeflash.files import probe_write
 
 
 def grouped(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
@@ -116,9 +116,8 @@ def check_plot_path(path: str | None, out: str | None) -> None:
     if Path(path).suffix.lower() not in PLOT_FORMATS:
         raise UsageError(f"--plot {path}: the name must end in .png, .svg or .pdf (or {', '.join(PLOT_FORMATS[3:])})")
     folder = Path(path).resolve().parent
-    try:  # a file made there, not os.access: root may "access" /proc or a read-only mount
-        with tempfile.TemporaryFile(dir=folder):
-            pass
+    try:
+        probe_write(folder)
     except OSError:
         raise UsageError(f"cannot write the plot {path}: {folder} is not a writable folder") from None
     if importlib.util.find_spec("matplotlib") is None:

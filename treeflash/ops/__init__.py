@@ -119,7 +119,8 @@ def swiglu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     launch, the gating in the product's epilogue; else the product, then `silu_mul` (GPU) or torch."""
     if fused_enabled(x) and weight.is_contiguous() and (fp8 is None or fp8.fits_kernels):
         from treeflash.kernels.matmul import GATED_MAX_ROWS, MAX_ROWS, matmul
-        most = GATED_MAX_ROWS if fp8 is None else MAX_ROWS  # FP8's tiling past 64 rows is not gated
+        # FP8 keeps 64 gated rows (its product, then `silu_mul`, past them): its gated tiles past 64 untimed
+        most = GATED_MAX_ROWS if fp8 is None else MAX_ROWS
         if x.numel() <= most * x.shape[-1] and (fp8 is not None or x.dtype == weight.dtype):
             if fp8 is None:
                 return matmul(x, weight, bias, gated=True)

@@ -16,7 +16,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -31,6 +30,7 @@ from torch import nn
 from treeflash.config import ModelConfig
 from treeflash.memory import available_bytes
 from treeflash.errors import TreeflashError, UsageError
+from treeflash.files import probe_write
 
 MiB = 1 << 20
 
@@ -233,8 +233,8 @@ def check_out_dir(path: str | Path | None, keep: dict[str, str | Path] | None = 
     for p in ([out] if out.exists() else []) + [next((p for p in out.parents if p.exists()), out)]:
         if not p.is_dir():
             raise UsageError(f"output folder {path}: {p} exists and is not a folder")
-        try:  # a real write: os.access can be wrong (network mounts, root squashing, ACLs)
-            tempfile.TemporaryFile(dir=p).close()
+        try:
+            probe_write(p)
         except OSError as e:
             raise UsageError(f"output folder {path}: cannot write in {p} ({e.strerror or e})") from None
 
