@@ -611,16 +611,25 @@ def test_plain_prompt_lines_may_start_with_a_brace(capsys, model, api, tmp_path)
     check_json_lines(out, ['{ "a": 1 }', "int main() {"], api, 3)
 
 
-@pytest.mark.parametrize("device", ["cuda:x", "cuda:-1", "cuda:0:1", "cuda:1", "cuda:"])
-def test_cuda_device_strings_are_checked(monkeypatch, device):
-    """On a machine with one GPU (faked here), a device that is not cuda:0 is a usage
-    error naming the devices there are, not torch's internal one."""
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_cuda_device_strings_are_checked(monkeypatch, gpus):
+    """A device string that names no device (cuda:x, cuda:-1) is a usage error saying the
+    forms there are, with or without a GPU (not "no GPU" for a typo); on a machine with
+    one GPU (faked here), cuda:1 is one naming the devices there are, not torch's
+    internal error."""
     from treeflash.engine.options import resolve_device
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert resolve_device("cuda:0") == torch.device("cuda:0")
-    with pytest.raises(UsageError, match="unknown device .* cuda:0 to cuda:0"):
-        resolve_device(device)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    for device in ["cuda:x", "cuda:-1", "cuda:0:1", "cuda:", "gpu", "cuda:abc"]:
+        with pytest.raises(UsageError, match=r"unknown device .* cpu, cuda or cuda:N\)$"):
+            resolve_device(device)
+    if gpus:
+        assert resolve_device("cuda:0") == torch.device("cuda:0")
+        with pytest.raises(UsageError, match="unknown device 'cuda:1' .* cuda:0 to cuda:0"):
+            resolve_device("cuda:1")
+    else:
+        with pytest.raises(UsageError, match="'cuda:1' requested but no CUDA GPU is available"):
+            resolve_device("cuda:1")
 
 
 def test_a_prompt_file_of_dash_is_standard_input(capsys, model, api, monkeypatch):

@@ -23,8 +23,8 @@ def resolve_device(device: str) -> torch.device:
         raise UsageError(f"device must be a string (auto, cpu, cuda or cuda:N), got {device!r}")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise UsageError(f"unknown device '{device}' (choose auto, cpu or cuda)")
+    if device not in ("cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise UsageError(f"unknown device '{device}' (choose auto, cpu, cuda or cuda:N)")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"device '{device}' requested but no CUDA GPU is available")
     if device.startswith("cuda:") and not (device[5:].isdigit() and int(device[5:]) < torch.cuda.device_count()):
