@@ -492,7 +492,30 @@ def test_jsonl_lines_with_per_prompt_settings_get_a_note(capsys, model, api, tmp
                        "--max-new-tokens", 3, "--ignore-eos")
     assert rc == 0, err
     check_json_lines(out, [ENGINE_PROMPTS[0], ENGINE_PROMPTS[2]], api, 3)
-    assert f"note: lines of {f} hold 'id', '{key}', which are not read: only 'prompt' is" in err
+    assert f"note: prompts of {f} hold 'id', '{key}', which are not read: only 'prompt' is" in err
+
+
+def test_a_json_prompt_file_may_hold_one_array(capsys, model, api, tmp_path):
+    """A .json file holding an array (as a script's json.dump writes a list) is read as
+    its items: strings, or objects with a 'prompt' whose other fields get the note; one
+    holding one object written across lines is that prompt."""
+    f = tmp_path / "prompts.json"
+    f.write_text(json.dumps([ENGINE_PROMPTS[0], {"prompt": ENGINE_PROMPTS[2], "id": 1}], indent=2))
+    rc, out, err = run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu", "--json",
+                       "--max-new-tokens", 3, "--ignore-eos")
+    assert rc == 0, err
+    check_json_lines(out, [ENGINE_PROMPTS[0], ENGINE_PROMPTS[2]], api, 3)
+    assert f"note: prompts of {f} hold 'id', which are not read" in err
+    f.write_text(json.dumps({"prompt": ENGINE_PROMPTS[2]}, indent=2))  # one object, across lines
+    rc, out, err = run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu", "--json",
+                       "--max-new-tokens", 3, "--ignore-eos")
+    assert rc == 0, err
+    check_json_lines(out, [ENGINE_PROMPTS[2]], api, 3)
+    for text, words in [("[]", "holds no prompt"), ('["a", 3]', "[1]: a prompt must be a string"),
+                        ('[{"text": "a"}]', "[0]: the object has no string 'prompt'"),
+                        ('["a",', ":1: malformed JSON line"), ("7", "must hold an array")]:
+        f.write_text(text)
+        assert_error(*run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu"), 2, words)
 
 
 @pytest.mark.parametrize("name", ["prompts.JSONL", "prompts.json"])
@@ -1031,7 +1054,7 @@ def test_the_note_on_unread_jsonl_fields_names_each_once_and_at_most_ten(capsys,
                        "--max-new-tokens", 2, "--ignore-eos")
     assert rc == 0, err
     named = ", ".join(f"'{k}'" for k in keys[:10])
-    assert f"note: lines of {f} hold {named}{more}, which are not read" in err
+    assert f"note: prompts of {f} hold {named}{more}, which are not read" in err
 
 
 def test_one_moot_sampling_option_gets_a_singular_note(capsys, model):

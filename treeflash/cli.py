@@ -27,8 +27,14 @@ def _jsonl_prompt(line: str, where: str) -> tuple[str, list[str]]:
         raise UsageError(f"{where}: malformed JSON line: {e}") from None
     except RecursionError:
         raise UsageError(f"{where}: malformed JSON line: nested too deeply") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+    if not isinstance(obj, dict):
         raise UsageError(f"{where}: a JSONL line must be an object with a string 'prompt'")
+    return _object_prompt(obj, where)
+
+
+def _object_prompt(obj: dict, where: str) -> tuple[str, list[str]]:
+    if not isinstance(obj.get("prompt"), str):
+        raise UsageError(f"{where}: the object has no string 'prompt'")
     return obj["prompt"], [k for k in obj if k != "prompt"]
 
 
@@ -44,21 +50,41 @@ def _prompt_file_text(source: str) -> str:
 
 
 def read_placed_prompts(args) -> list[tuple[str, str | None]]:
-    """The prompts, each with its place ("FILE:LINE") for errors, None for the argument."""
+    """The prompts, each with its place ("FILE:LINE", "FILE[i]") for errors, None for the argument."""
     if args.prompt is not None and args.prompt_file:
         raise UsageError("give a PROMPT or --prompt-file, not both")
     if args.prompt is not None:
         return [(args.prompt, None)]
     if not args.prompt_file:
         raise UsageError("no prompt: give a PROMPT or --prompt-file FILE")
-    # lines end at "\n" (or "\r\n", "\r") only: a form feed in code, or U+2028 in a JSON string, is
-    # part of its line; a byte-order mark (some editors write one) is not part of the first prompt
-    lines = _prompt_file_text(args.prompt_file).removeprefix("\ufeff").split("\n")
-    prompts, ignored = [], []
-    # .jsonl, .json, .ndjson, .jsonlines (any case): one object per line; else plain text, where a line
-    # starting "{" is a prompt too (a note says so when every line looks like a JSONL line)
-    jsonl = str(args.prompt_file).lower().endswith((".jsonl", ".json", ".ndjson", ".jsonlines"))
+    # a byte-order mark (some editors write one) is not part of the first prompt
+    text = _prompt_file_text(args.prompt_file).removeprefix("\ufeff")
     name = "stdin" if args.prompt_file == "-" else args.prompt_file
+    suffix = str(args.prompt_file).lower()
+    document = _json_document(text) if suffix.endswith(".json") else None
+    if document is not None:
+        prompts, ignored = _json_document_prompts(document, name)
+    else:
+        # .jsonl, .json, .ndjson, .jsonlines (any case): one object per line; else plain text, where a
+        # line starting "{" is a prompt too (a note says so when every line looks like a JSONL line)
+        jsonl = suffix.endswith((".jsonl", ".json", ".ndjson", ".jsonlines"))
+        prompts, ignored = _line_prompts(text, name, jsonl)
+    if not prompts:
+        raise UsageError(f"prompt file {name} holds no prompt")
+    if ignored:
+        named = ", ".join(shown(k, 40) for k in ignored[:10])
+        named += f" and {len(ignored) - 10} more" if len(ignored) > 10 else ""
+        print(f"treeflash: note: prompts of {name} hold {named}, which are not read: only 'prompt' is, "
+              f"and the command's flags apply to every prompt", file=sys.stderr)
+    return prompts
+
+
+def _line_prompts(text: str, name: str, jsonl: bool) -> tuple[list[tuple[str, str]], list[str]]:
+    """One prompt a non-blank line (a JSON object's 'prompt' if jsonl), and the other
+    fields the objects hold. Lines end at line feeds only (the text's line ends are made
+    line feeds): a form feed in code, or U+2028 in a JSON string, is part of its line."""
+    prompts, ignored = [], []
+    lines = text.split("\n")
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -68,18 +94,39 @@ def read_placed_prompts(args) -> list[tuple[str, str | None]]:
             ignored += [k for k in settings if k not in ignored]
         else:
             prompts.append((line.replace("\\n", "\n"), f"{name}:{i}"))
-    if not prompts:
-        raise UsageError(f"prompt file {name} holds no prompt")
-    if not jsonl and all(_looks_like_jsonl(line) for line in lines if line.strip()):
+    if prompts and not jsonl and all(_looks_like_jsonl(line) for line in lines if line.strip()):
         print(f"treeflash: note: {name} is read as plain text, one prompt per line, though its lines "
               f"look like JSON objects with a 'prompt': {'give them as' if name == 'stdin' else 'name it'} .jsonl "
               f"to read them as such", file=sys.stderr)
-    if ignored:
-        named = ", ".join(shown(k, 40) for k in ignored[:10])
-        named += f" and {len(ignored) - 10} more" if len(ignored) > 10 else ""
-        print(f"treeflash: note: lines of {name} hold {named}, which are not read: only 'prompt' is, "
-              f"and the command's flags apply to every prompt", file=sys.stderr)
-    return prompts
+    return prompts, ignored
+
+
+def _json_document(text: str):
+    """A .json file's one JSON value, if it holds one (an array of prompts, or one object
+    across lines); None if not, to read it as an object per line."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+
+
+def _json_document_prompts(document, name: str) -> tuple[list[tuple[str, str]], list[str]]:
+    """The prompts of a .json file's one value, an array of strings or of objects with a
+    'prompt' (or one such object), and the objects' other fields (not read, as in a JSONL
+    file)."""
+    if isinstance(document, dict):
+        prompt, ignored = _object_prompt(document, name)
+        return [(prompt, name)], ignored
+    if not isinstance(document, list):
+        raise UsageError(f"{name}: a .json prompt file must hold an array of prompts or objects with a 'prompt'")
+    prompts, ignored = [], []
+    for i, item in enumerate(document):
+        prompt, settings = _object_prompt(item, f"{name}[{i}]") if isinstance(item, dict) else (item, [])
+        if not isinstance(prompt, str):
+            raise UsageError(f"{name}[{i}]: a prompt must be a string or an object with a string 'prompt'")
+        prompts.append((prompt, f"{name}[{i}]"))
+        ignored += [k for k in settings if k not in ignored]
+    return prompts, ignored
 
 
 def _looks_like_jsonl(line: str) -> bool:
@@ -363,8 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt or a file of prompts")
     g.add_argument("prompt", nargs="?", help="the prompt text")
     g.add_argument("--prompt-file", help="one prompt per line (\\n for a newline; empty lines skipped), or a "
-                                         ".jsonl / .json file of objects with a 'prompt' field, one per line; "
-                                         "- reads standard input")
+                                         ".jsonl / .json file of objects with a 'prompt' field, one per line "
+                                         "(or a .json array of prompts); - reads standard input")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     g.add_argument("--max-batch", type=int, default=16, help="a prompt file runs in batches of at most this many "
                                                             "prompts, each printed as it finishes (default 16)")
