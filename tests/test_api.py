@@ -209,6 +209,8 @@ def test_max_tokens_reads_and_sets_as_in_vllm(llm):
     assert len(llm.generate(ENGINE_PROMPTS[0], p)[0].token_ids) == 4
     assert dataclasses.replace(p, max_new_tokens=9).max_tokens == 9
     assert dataclasses.replace(p, seed=2).max_tokens == 4
+    with pytest.raises(UsageError, match="replace a copy's max_new_tokens"):  # replace passes max_new_tokens too
+        dataclasses.replace(p, max_tokens=9)
     with pytest.raises(UsageError, match="not both"):  # 128, the default, given as well
         SamplingParams(max_tokens=7, max_new_tokens=128)
     with pytest.raises(UsageError, match="not both"):  # max_new_tokens, the first field, given by position

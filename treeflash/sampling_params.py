@@ -227,7 +227,8 @@ def _as_in_vllm(init):
                 raise UsageError(f"invalid sampling parameters: max_tokens must be an integer >= 1 (vLLM's None, "
                                  f"as many as fit, is not taken), got {shown(max_tokens)}")
             if args or "max_new_tokens" in kwargs:
-                raise UsageError("invalid sampling parameters: give max_tokens or max_new_tokens, not both")
+                raise UsageError("invalid sampling parameters: give max_tokens or max_new_tokens, not both "
+                                 "(dataclasses.replace gives max_new_tokens: replace a copy's max_new_tokens)")
             kwargs["max_new_tokens"] = max_tokens
         init(self, *args, **kwargs)  # checks the values first
         if "temperature" not in kwargs and len(args) < 2 and _samples_in_vllm(kwargs):
