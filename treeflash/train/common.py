@@ -85,6 +85,7 @@ class TrainOptions:
         return cls(**{k: options[k] for k in cls.__dataclass_fields__})
 
     def validate(self) -> "TrainOptions":
+        """Each value checked alone and named by its flag (the same keys in run.json)."""
         for key, kind in (("lr", "a number"), ("min_lr_ratio", "a number"), ("weight_decay", "a number"),
                           ("grad_clip", "a number"), ("max_minutes", "a number"), ("warmup_steps", "an integer"),
                           ("eval_tokens", "an integer"), ("device", "a device name")):
@@ -92,30 +93,38 @@ class TrainOptions:
             ok = isinstance(value, str) if key == "device" else not isinstance(value, bool) and isinstance(
                 value, int if kind == "an integer" else (int, float))
             if value is not None and not ok:
-                raise UsageError(f"{key} must be {kind}, got {value!r}")
+                raise UsageError(f"{flag(key)} must be {kind}, got {value!r}")
         if self.max_steps is None and self.max_minutes is None:
-            raise UsageError("give a training budget: max_steps (--max-steps) or max_minutes (--max-minutes)")
-        for key in ("batch_size", "seq_len", "eval_every", "save_every", "log_every"):
+            raise UsageError("give a training budget: --max-steps or --max-minutes")
+        for key in ("batch_size", "seq_len", "eval_every", "save_every", "log_every", "eval_tokens"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UsageError(f"{key} must be an integer >= 1, got {value!r}")
+                raise UsageError(f"{flag(key)} must be an integer >= 1, got {value!r}")
         if self.max_steps is not None and (isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int)
                                            or self.max_steps < 1):  # 0 exported untrained weights as a success
-            raise UsageError(f"max_steps must be an integer >= 1, got {self.max_steps!r}")
+            raise UsageError(f"--max-steps must be an integer >= 1, got {self.max_steps!r}")
         if self.seq_len < 2:  # a model of a one-token context can take no prompt and answer it
-            raise UsageError(f"seq_len must be >= 2, got {self.seq_len}")
+            raise UsageError(f"--seq-len must be >= 2, got {self.seq_len}")
         # math.isfinite: a NaN passes every comparison's "not below"; inf minutes never end
         if self.max_minutes is not None and not (self.max_minutes > 0 and math.isfinite(self.max_minutes)):
-            raise UsageError(f"max_minutes must be a finite number > 0, got {self.max_minutes!r}")
-        if not (self.lr > 0 and math.isfinite(self.lr)) or not 0 <= self.min_lr_ratio <= 1:
-            raise UsageError(f"need a finite lr > 0 and 0 <= min_lr_ratio <= 1, got {self.lr}, {self.min_lr_ratio}")
-        if self.warmup_steps < 0 or self.eval_tokens < 1 or not all(
-                v >= 0 and math.isfinite(v) for v in (self.weight_decay, self.grad_clip)):
-            raise UsageError(f"warmup_steps, weight_decay and grad_clip must be finite and >= 0, eval_tokens >= 1; "
-                             f"got {self.warmup_steps}, {self.weight_decay}, {self.grad_clip}, {self.eval_tokens}")
+            raise UsageError(f"--max-minutes must be a finite number > 0, got {self.max_minutes!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise UsageError(f"--lr must be a finite number > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise UsageError(f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps < 0:
+            raise UsageError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        for key in ("weight_decay", "grad_clip"):
+            if not (getattr(self, key) >= 0 and math.isfinite(getattr(self, key))):
+                raise UsageError(f"{flag(key)} must be a finite number >= 0, got {getattr(self, key)}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63 - 1:
-            raise UsageError(f"seed must be an integer in [0, 2^63 - 1), got {self.seed!r}")
+            raise UsageError(f"--seed must be an integer in [0, 2^63 - 1), got {self.seed!r}")
         return self
+
+
+def flag(key: str) -> str:
+    """The command-line flag of an option (max_steps: --max-steps)."""
+    return "--" + key.replace("_", "-")
 
 
 def check_trainable(cfg: ModelConfig, device: torch.device, what: str, embeddings: bool = True) -> None:
@@ -265,7 +274,7 @@ def refuse_model_folder(out: str | Path, what: str) -> None:
 def check_shard_mb(value) -> None:
     """The export's shard size, checked before training rather than at the export."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
-        raise UsageError(f"max_shard_mb must be a finite number > 0, got {value!r}")
+        raise UsageError(f"--max-shard-mb must be a finite number > 0, got {value!r}")
 
 
 def _settle(given: dict, saved: dict, defaults: dict, fixed: set[str]) -> dict:

@@ -148,11 +148,11 @@ def collect(roots: list[str | Path] | None = None, heldout_fraction: float = HEL
     names end with one of `suffixes`."""
     suffixes = tuple(suffixes)
     if not suffixes or not all(isinstance(x, str) and x.startswith(".") and len(x) > 1 for x in suffixes):
-        raise UsageError(f"file suffixes must look like .py or .txt, got {list(suffixes)}")
+        raise UsageError(f"--suffixes must look like .py or .txt, got {list(suffixes)}")
     if not 0 <= heldout_fraction < 1:
-        raise UsageError(f"held-out fraction must be in [0, 1), got {heldout_fraction}")
+        raise UsageError(f"--heldout-fraction must be in [0, 1), got {heldout_fraction}")
     if max_bytes is not None and max_bytes < 1:
-        raise UsageError(f"max_bytes must be >= 1, got {max_bytes}")
+        raise UsageError(f"--max-bytes must be >= 1, got {max_bytes}")
     roots = resolve_roots(roots)
     for r in roots:
         if not r.is_dir():

@@ -36,8 +36,8 @@ from treeflash.models.transformer import CausalLM
 from treeflash.tokenizer import Tokenizer
 from treeflash.train.common import (DEFAULT_OPTIONS, MiB, Progress, RunDir, TrainOptions, Trainer, abs_path,
                                     check_export_dir, check_logits_fit, check_out_dir, check_shard_mb,
-                                    check_trainable, exporting, hf_tensors, init_weights, save_safetensors, to_device,
-                                    within, write_summary)
+                                    check_trainable, exporting, flag, hf_tensors, init_weights, save_safetensors,
+                                    to_device, within, write_summary)
 from treeflash.train.corpus import (NPY_ERRORS, TokenWindows, file_hash, fixed_windows, load_corpus, npy_error,
                                     tokenizer_hash)
 from treeflash.train.target import causal_inputs
@@ -279,11 +279,11 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
     for key, value in (("num_prompts", num_prompts), ("prompt_len", prompt_len),
                        ("new_tokens", new_tokens), ("batch_size", batch_size)):
         if value < 1:
-            raise UsageError(f"{key} must be >= 1, got {value}")
+            raise UsageError(f"{flag(key)} must be >= 1, got {value}")
     if heldout_prompts < 0:
-        raise UsageError(f"heldout_prompts must be >= 0, got {heldout_prompts}")
+        raise UsageError(f"--heldout-prompts must be >= 0, got {heldout_prompts}")
     if not 0 <= seed < 2 ** 63:
-        raise UsageError(f"seed must be in [0, 2^63), got {seed}")
+        raise UsageError(f"--seed must be in [0, 2^63), got {seed}")
     out = Path(out_path)
     if out.is_dir():  # not <folder>.npz beside it
         raise UsageError(f"--out {out} is a folder: give a file name")
@@ -409,11 +409,14 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
     check_shard_mb(o["max_shard_mb"])
     generated, gamma, blocks_per_seq = o["generated"], o["gamma"], o["blocks_per_seq"]
     tau_prompts, tau_new_tokens = o["tau_prompts"], o["tau_new_tokens"]
-    if tau_prompts < 0 or tau_new_tokens < 1:
-        raise UsageError(f"need --tau-prompts >= 0 (0: skip) and --tau-new-tokens >= 1, got {tau_prompts}, "
-                         f"{tau_new_tokens}")
-    if not gamma > 0 or blocks_per_seq < 1:
-        raise UsageError(f"need --gamma > 0 and --blocks-per-seq >= 1, got {gamma}, {blocks_per_seq}")
+    if tau_prompts < 0:
+        raise UsageError(f"--tau-prompts must be >= 0 (0: skip the measure), got {tau_prompts}")
+    if tau_new_tokens < 1:
+        raise UsageError(f"--tau-new-tokens must be >= 1, got {tau_new_tokens}")
+    if not gamma > 0:
+        raise UsageError(f"--gamma must be > 0, got {gamma}")
+    if blocks_per_seq < 1:
+        raise UsageError(f"--blocks-per-seq must be >= 1, got {blocks_per_seq}")
     out = Path(o["out"]) if o["out"] is not None else run.path / "model"
     check_out_dir(out, {"target": target_dir, "data": data_dir}, run.path)
     check_export_dir(out, run)
@@ -428,9 +431,9 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
     if isinstance(shape.block_size, bool) or not isinstance(shape.block_size, int) or shape.block_size < 2:
         raise UsageError(f"--block-size must be an integer >= 2, got {shape.block_size!r}")
     if opts.seq_len < shape.block_size + 1:
-        raise UsageError(f"seq_len {opts.seq_len} is too short for blocks of {shape.block_size}")
+        raise UsageError(f"--seq-len {opts.seq_len} is too short for blocks of {shape.block_size}")
     if opts.seq_len > tcfg.max_position_embeddings:
-        raise UsageError(f"seq_len {opts.seq_len} exceeds the target's context of "
+        raise UsageError(f"--seq-len {opts.seq_len} exceeds the target's context of "
                          f"{tcfg.max_position_embeddings} tokens (max_position_embeddings)")
     plen = min(64, tcfg.max_position_embeddings - tau_new_tokens)  # τ prompts
     if tau_prompts and plen < 1:
@@ -492,7 +495,7 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
         if held.shape[1] < b + 2:  # a block after the first anchor, at position 1, and its label
             raise UsageError(f"the held-out split ({data.heldout.size} tokens) is too short for blocks of {b}"
                              if held.shape[1] < opts.seq_len else
-                             f"seq_len {opts.seq_len} is too short for the held-out windows' blocks of {b} "
+                             f"--seq-len {opts.seq_len} is too short for the held-out windows' blocks of {b} "
                              f"(needs >= {b + 2})")
     tau_ids = tau_prompt_ids(data.heldout, source, tau_prompts, plen)
     torch.manual_seed(opts.seed)
