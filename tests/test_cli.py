@@ -207,6 +207,9 @@ def test_sampling_options_at_temperature_0_say_they_do_nothing(capsys, model):
     assert "note: --top-p, --seed have no effect at temperature 0 (greedy decoding): give --temperature" in err
     rc, out, err = run(capsys, *args, "--top-k", 5, "--temperature", 0.8, "--seed", 3)
     assert rc == 0 and "no effect" not in err, err
+    # --draft-mode shapes the trees of sampled requests only (the built-in pair drafts)
+    rc, out, err = run(capsys, "def f(x):", "--device", "cpu", "--max-new-tokens", 4, "--draft-mode", "scaled")
+    assert rc == 0 and "note: --draft-mode has no effect at temperature 0" in err, err
 
 
 def test_a_hub_id_loads_from_the_hugging_face_cache(capsys, model, tmp_path, monkeypatch):
