@@ -192,6 +192,32 @@ def test_a_seed_of_zero_is_a_seed(llm):
     assert all(r == runs[0] for r in runs)
 
 
+def test_vllm_engine_argument_names_are_taken(hf_checkpoint, monkeypatch):
+    """LLM(tensor_parallel_size=, enforce_eager=, max_num_seqs=) as vLLM's scripts write
+    them are tp, not cuda_graphs and max_batch; given beside ours with another value,
+    refused before anything loads."""
+    import treeflash.engine.llm as llm_module
+    built = []
+    real = llm_module.tp_attach
+    monkeypatch.setattr(llm_module, "tp_attach", lambda tp, device, args, *a, **k: (built.append(args),
+                                                                                    real(tp, device, args, *a, **k))[1])
+    path = hf_checkpoint("qwen3").path
+    llm = LLM(path, device="cpu", tensor_parallel_size=1, enforce_eager=True, max_num_seqs=3)
+    assert llm.max_batch == 3 and built[-1]["tp"] == 1 and built[-1]["cuda_graphs"] is False
+    LLM(path, device="cpu", enforce_eager=False, tp=1, max_batch=3, max_num_seqs=3)
+    assert built[-1]["cuda_graphs"] is True
+    for kwargs, what in ((dict(tp=2, tensor_parallel_size=4), "give tp or vLLM's tensor_parallel_size"),
+                         (dict(cuda_graphs=False, enforce_eager=False), "give cuda_graphs or vLLM's enforce_eager"),
+                         (dict(max_batch=8, max_num_seqs=4), "give max_batch or vLLM's max_num_seqs"),
+                         (dict(tensor_parallel_size=0), "tensor_parallel_size"),
+                         (dict(enforce_eager="yes"), "enforce_eager must be true or false"),
+                         (dict(max_num_seqs=0), "max_num_seqs")):
+        n = len(built)
+        with pytest.raises(UsageError, match=what):
+            LLM(path, device="cpu", **kwargs)
+        assert len(built) == n  # nothing loaded
+
+
 def test_max_tokens_reads_and_sets_as_in_vllm(llm):
     """vLLM's code reads and sets `params.max_tokens`: it is max_new_tokens, and a copy
     made with `dataclasses.replace` (as `generate` makes one to draw a seed) keeps it.

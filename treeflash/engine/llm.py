@@ -130,6 +130,17 @@ def _unwrapped(prompt):
                      f"and TokensPrompt), got {sorted(map(str, prompt))}")
 
 
+MAX_BATCH = 256  # LLM's default max_batch
+
+
+def _vllm_name(ours: str, value, default, theirs: str, given):
+    """An argument given under vLLM's name (`theirs`, as its value for `ours`): taken,
+    unless `ours` was given too, with another value."""
+    if value != default and value != given:
+        raise UsageError(f"give {ours} or vLLM's {theirs}, not both (they say different things)")
+    return given
+
+
 class LLM:
     """A target model, optionally with a DFlash drafter, ready to generate.
 
@@ -158,6 +169,8 @@ class LLM:
     generation_config: "auto" (default) samples, where `generate` is given no parameters,
     with the values of the model's generation_config.json, as vLLM's; "none" ignores
     them (vLLM's "vllm"): SamplingParams' defaults.
+    tensor_parallel_size, enforce_eager, max_num_seqs: vLLM's names for tp, not
+    cuda_graphs and max_batch, so that code written for vLLM runs as it is.
     seed: where the seeds of sampled requests that give none are drawn from, so that a
     script's runs repeat (vLLM's `seed`); None (default): fresh ones every run.
     """
@@ -166,9 +179,20 @@ class LLM:
                  method: str | None = None, budget: int | None = None, device: str = "auto",
                  dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
                  max_budget: int = 512, tp: int = 1, cuda_graphs: bool = True, draft_mode: str | None = None,
-                 enable_prefix_caching: bool = False, max_batch: int = 256, quantization: str | None = None,
-                 generation_config: str = "auto", seed: int | None = None, *, _worker=None):
+                 enable_prefix_caching: bool = False, max_batch: int = MAX_BATCH, quantization: str | None = None,
+                 generation_config: str = "auto", seed: int | None = None, *,
+                 tensor_parallel_size: int | None = None, enforce_eager: bool | None = None,
+                 max_num_seqs: int | None = None, _worker=None):
         # _worker: a tensor-parallel worker's runtime, building its shard of the driver's engine
+        if tensor_parallel_size is not None:
+            check_int("tensor_parallel_size", tensor_parallel_size, 1)
+            tp = _vllm_name("tp", tp, 1, "tensor_parallel_size", tensor_parallel_size)
+        if enforce_eager is not None:
+            check_flag("enforce_eager", enforce_eager)
+            cuda_graphs = _vllm_name("cuda_graphs", cuda_graphs, True, "enforce_eager", not enforce_eager)
+        if max_num_seqs is not None:
+            check_int("max_num_seqs", max_num_seqs, 1)
+            max_batch = _vllm_name("max_batch", max_batch, MAX_BATCH, "max_num_seqs", max_num_seqs)
         check_int("max_batch", max_batch, 1)
         if seed is not None:
             check_int("seed", seed, 0)
