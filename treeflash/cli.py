@@ -257,8 +257,9 @@ def note_moot_sampling(args, params) -> None:
     given but decoding is greedy (temperature 0, the default where the model sets none):
     vLLM's default temperature is 1, so its users may expect --top-p or --seed alone to
     sample."""
-    given = [f"--{k.replace('_', '-')}" for k in ("top_k", "top_p", "min_p", "seed", "draft_mode")
-             if getattr(args, k, None) is not None]
+    given = [f"--{k.replace('_', '-')}" for k in ("top_k", "top_p", "min_p", "seed") if getattr(args, k) is not None]
+    if args.draft_mode is not None and args.method != "ar":  # with ar it is refused as it loads
+        given.append("--draft-mode")
     if params.temperature == 0 and given:
         print(f"treeflash: note: {', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect at "
               f"temperature 0 (greedy decoding): give --temperature to sample", file=sys.stderr)
