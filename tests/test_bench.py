@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from treeflash.bench import settle_mode_options
 from treeflash.bench.pairs import batch_indices
 from treeflash.bench.shape import bench_argv
 from treeflash.checkpoints import write_random_drafter, write_random_target
@@ -332,6 +333,10 @@ QUICK_PAIR = ["--methods", "ar", "--num-prompts", "1", "--max-new-tokens", "1", 
      "takes no --model, --draft-model, --prompt-file or --corpus"),
     (["--shape", "tiny", *QUICK_SHAPE, "--corpus", "c"], "takes no --model, --draft-model, --prompt-file or --corpus"),
     ([*QUICK_PAIR, "--fp8"], "--fp8 applies to --shape only"),
+    # given with its default value, still the other mode's: it was let through, and ignored
+    (["--shape", "tiny", *QUICK_SHAPE, "--max-new-tokens", "128"], "--max-new-tokens applies to model-pair mode"),
+    ([*QUICK_PAIR, "--iters", "50"], "--iters applies to --shape only"),
+    ([*QUICK_PAIR, "--tp", "1"], "--tp applies to --shape only"),
     (["--methods", "ar,ar", "--draft-model", "d", "--device", "cpu"], "--draft-model drafts for dflash and ddtree"),
     # --min-p 1 keeps only the likeliest tokens: a filter, refused where no request samples
     ([*QUICK_PAIR, "--min-p", "1"], "--min-p acts on sampled requests only"),
@@ -418,11 +423,19 @@ def test_shape_mode_times_the_draft_mode_asked_for(monkeypatch, capsys):
     assert seen == {"scaled"}
 
 
+def bench_args(*argv):
+    """`treeflash bench ARGV`'s arguments as the command settles them (the other mode's
+    options refused, the rest given their defaults)."""
+    args = build_parser().parse_args(["bench", *argv])
+    settle_mode_options(args)
+    return args
+
+
 def test_bench_argv_round_trip():
     """The ranks are started with the parent's options rebuilt from its parsed arguments."""
-    args = build_parser().parse_args(["bench", "--shape", "tiny", "--contexts", "32,64", "--tp", "2", "--eos",
-                                      "--graphs", "off", "--out", "x.jsonl", "--seed", "0", "--copy-mib", "8"])
-    assert vars(build_parser().parse_args(bench_argv(args))) == vars(args)
+    args = bench_args("--shape", "tiny", "--contexts", "32,64", "--tp", "2", "--fp8", "--graphs", "off",
+                      "--out", "x.jsonl", "--seed", "0", "--copy-mib", "8")
+    assert vars(bench_args(*bench_argv(args)[1:])) == vars(args)
 
 
 @pytest.mark.parametrize("argv,code,message", [
@@ -557,7 +570,7 @@ def test_a_pair_rows_speedup_and_same_as_ar_are_against_ar_at_its_setting():
     from types import SimpleNamespace
 
     from treeflash.bench.pairs import pair_row
-    args = build_parser().parse_args(["bench"])
+    args = bench_args()
 
     def engine(method, budget):
         return SimpleNamespace(method=method, decoder=SimpleNamespace(budget=budget, draft_mode="coupled"),
@@ -628,8 +641,7 @@ def test_pair_mode_notes_only_requests_that_do_not_fit(tmp_path, capsys):
 
 def test_builtin_prompts_are_cycled_up_to_num_prompts():
     from treeflash.bench.pairs import PYTHON_PROMPTS, load_prompts
-    from treeflash.cli import build_parser
-    args = build_parser().parse_args(["bench", "--num-prompts", str(len(PYTHON_PROMPTS) + 3)])
+    args = bench_args("--num-prompts", str(len(PYTHON_PROMPTS) + 3))
     prompts = [p for p, _ in load_prompts(args)]
     assert prompts == PYTHON_PROMPTS + PYTHON_PROMPTS[:3]
 
@@ -640,7 +652,6 @@ def test_ms_per_round_divides_by_the_rounds_the_batches_ran(monkeypatch):
     from types import SimpleNamespace
 
     from treeflash.bench import pairs
-    from treeflash.cli import build_parser
     rounds = {0: 3, 1: 5, 2: 2, 3: 2}  # by prompt: batches [0, 1] and [2, 3]
 
     class Engine:
@@ -651,7 +662,7 @@ def test_ms_per_round_divides_by_the_rounds_the_batches_ran(monkeypatch):
                     for p in prompts]
     clock = iter([10.0, 10.7])  # 0.7 s timed
     monkeypatch.setattr(pairs.time, "perf_counter", lambda: next(clock))
-    args = build_parser().parse_args(["bench", "--max-new-tokens", "8"])
+    args = bench_args("--max-new-tokens", "8")
     m = pairs.measure_pair(Engine(), [0, 1, 2, 3], 2, 0.0, args)
     assert (m["batch_rounds"], m["request_rounds"], m["new_tokens"]) == (7, 12, 24)
     assert m["ms_per_round"] == pytest.approx(100.0) and m["tau"] == 2.0 and m["tokens_per_s"] == round(24 / 0.7, 2)
@@ -667,7 +678,7 @@ def test_pair_mode_defaults_are_the_documented_ones(monkeypatch):
     from treeflash.bench import pairs
     from treeflash.engine.round import METHODS
     monkeypatch.setattr(pairs, "usable_graphs", lambda graphs, device: graphs)  # as on a CUDA device
-    args = build_parser().parse_args(["bench"])
+    args = bench_args()
     plan = pairs._pair_plan(args)
     assert plan.methods == list(METHODS) == ["ar", "dflash", "ddtree"]
     assert plan.budgets == [15, 31, 63, 127, 255] and plan.batch_sizes == [1, 2, 4]
@@ -680,7 +691,7 @@ def test_shape_mode_defaults_are_the_documented_ones():
     """`--shape` alone: contexts 1024,4096,16384, budgets 0..255, batch size 1, greedy,
     no graphs on a CPU (float32), 50 timed calls, a drafter of 5 layers drafting 'coupled'."""
     from treeflash.bench import shape
-    args = build_parser().parse_args(["bench", "--shape", "tiny", "--device", "cpu"])
+    args = bench_args("--shape", "tiny", "--device", "cpu")
     plan = shape._shape_plan(args)
     assert plan.contexts == [1024, 4096, 16384] and plan.budgets == [0, 15, 31, 63, 127, 255]
     assert plan.batch_sizes == [1] and plan.temperatures == [0.0] and plan.graphs == [False]
@@ -695,14 +706,13 @@ def test_values_at_their_limits_are_accepted_and_repeats_timed_once():
     from treeflash.bench.pairs import _pair_plan
     from treeflash.bench.shape import _shape_plan
     prompts = 8  # the built-in prompts: request i samples with seed S + i
-    plan = _pair_plan(build_parser().parse_args(
-        ["bench", "--methods", "ddtree", "--budgets", "512,4,4", "--batch-sizes", "4096,2,2", "--temperatures",
-         "0,0.5,0.5", "--graphs", "off,off", "--device", "cpu", "--seed", str(2 ** 63 - prompts)]))
+    plan = _pair_plan(bench_args(
+        "--methods", "ddtree", "--budgets", "512,4,4", "--batch-sizes", "4096,2,2", "--temperatures",
+        "0,0.5,0.5", "--graphs", "off,off", "--device", "cpu", "--seed", str(2 ** 63 - prompts)))
     assert (plan.budgets, plan.batch_sizes, plan.temperatures, plan.graphs) == ([512, 4], [4096, 2], [0.0, 0.5],
                                                                                 [False])
-    plan = _shape_plan(build_parser().parse_args(
-        ["bench", "--shape", "tiny", "--budgets", "0,3,0", "--contexts", "32,32,32752", "--max-budget", "3",
-         "--device", "cpu"]))
+    plan = _shape_plan(bench_args(
+        "--shape", "tiny", "--budgets", "0,3,0", "--contexts", "32,32,32752", "--max-budget", "3", "--device", "cpu"))
     # 32752: the tiny shape's 32768 positions less a round's drafted block of 16 (above budget 3)
     assert (plan.budgets, plan.contexts) == ([0, 3], [32, 32752])
 
@@ -712,7 +722,7 @@ def test_num_prompts_takes_the_first_prompts_of_the_file(tmp_path):
     f = tmp_path / "p.txt"
     f.write_text("a = 1\nb = 2\n")
     for k, expected in ((1, [("a = 1", f"{f}:1")]), (2, [("a = 1", f"{f}:1"), ("b = 2", f"{f}:2")])):
-        args = build_parser().parse_args(["bench", "--prompt-file", str(f), "--num-prompts", str(k)])
+        args = bench_args("--prompt-file", str(f), "--num-prompts", str(k))
         assert load_prompts(args) == expected
 
 
@@ -738,7 +748,7 @@ def test_measure_pair_warms_up_before_the_clock_and_counts_recaptures(monkeypatc
             return [SimpleNamespace(stats={"rounds": 1, "new_tokens": 1}, token_ids=[p]) for p in prompts]
     monkeypatch.setattr(pairs.time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(pairs, "sync", lambda device: None)
-    args = build_parser().parse_args(["bench", "--max-new-tokens", "1"])
+    args = bench_args("--max-new-tokens", "1")
     for device, warm in (("cpu", [[0, 1]]), ("cuda", [[0, 1], [2, 3]])):
         calls.clear()
         m = pairs.measure_pair(Engine(device), [0, 1, 2, 3], 2, 0.0, args)
@@ -758,7 +768,7 @@ def test_a_pair_rows_run_fields():
     def row(method, drafter, *options):
         engine = SimpleNamespace(method=method, decoder=SimpleNamespace(budget=None, draft_mode="scaled"),
                                  device=torch.device("cpu"), dtype=torch.bfloat16, drafter=drafter)
-        args = build_parser().parse_args(["bench", *options])
+        args = bench_args(*options)
         return pair_row(engine, None, (1, 0.0, False), {"tokens_per_s": 100.0, "token_ids": [[1]]}, None, args)
 
     fields = ("device", "dtype", "quantization", "model", "draft_model", "draft_mode", "max_new_tokens", "eos",
@@ -937,7 +947,7 @@ def test_shape_rows_allreduce_fields_follow_each_ops_plan():
     summed over the op's forwards (a latency of 1 µs per token here)."""
     from treeflash.bench import shape
     from treeflash.bench.options import DRAFT_LAYERS
-    args = build_parser().parse_args(["bench", "--shape", "tiny", "--iters", "1"])
+    args = bench_args("--shape", "tiny", "--iters", "1")
     cfg, cpu, bs = shape.SHAPES["tiny"], torch.device("cpu"), 2
     target, drafter = shape.random_models(cfg, shape.draft_config(cfg, DRAFT_LAYERS), cpu, torch.float32)
     with torch.inference_mode():
@@ -1008,11 +1018,11 @@ def test_filters_set_off_are_not_filters():
     that the run would ignore, and not named as a filter of the sampled requests."""
     from treeflash.bench.options import filters_note
     from treeflash.bench.shape import _shape_plan
-    args = build_parser().parse_args(["bench", "--shape", "tiny", "--top-k", "-1", "--device", "cpu"])
+    args = bench_args("--shape", "tiny", "--top-k", "-1", "--device", "cpu")
     assert _shape_plan(args).temperatures == [0.0]
-    args = build_parser().parse_args(["bench", "--shape", "tiny", "--top-k", "-1", "--temperatures", "0.7"])
+    args = bench_args("--shape", "tiny", "--top-k", "-1", "--temperatures", "0.7")
     assert filters_note(args) == ""
-    args = build_parser().parse_args(["bench", "--shape", "tiny", "--top-k", "3", "--temperatures", "0.7"])
+    args = bench_args("--shape", "tiny", "--top-k", "3", "--temperatures", "0.7")
     assert filters_note(args) == "; sampled requests with top-k 3"
 
 
@@ -1059,7 +1069,7 @@ def test_corpus_prompts_default_to_8(pair, tmp_path):
     target, _ = pair
     corpus = tiny_corpus(tmp_path / "corpus", target)
     for given in ([], ["--corpus", str(corpus)]):
-        args = build_parser().parse_args(["bench", "--model", str(target), *given])
+        args = bench_args("--model", str(target), *given)
         assert len(load_prompts(args)) == 8
 
 
@@ -1278,9 +1288,9 @@ def test_fp8_blocks_are_rows_by_columns():
     """--fp8 ROWSxCOLS: scales of ROWS x COLS blocks, in that order; --fp8 alone 128x128."""
     from treeflash.bench.shape import _shape_plan, fp8_block
     for given, block in ((["--fp8", "32x16"], (32, 16)), (["--fp8", "16X32"], (16, 32)), ([], None)):
-        args = build_parser().parse_args(["bench", "--shape", "tiny", "--device", "cpu", *given])
+        args = bench_args("--shape", "tiny", "--device", "cpu", *given)
         assert _shape_plan(args).cfg.fp8_block == block, given
-    args = build_parser().parse_args(["bench", "--shape", "qwen3-8b", "--fp8"])
+    args = bench_args("--shape", "qwen3-8b", "--fp8")
     assert fp8_block(args.fp8) == (128, 128)
 
 

@@ -36,8 +36,8 @@ from treeflash.errors import UsageError
 FP8_DEFAULT = "x".join(map(str, FP8_BLOCK))    # --fp8: the blocks of the published FP8 checkpoints
 PAIR, SHAPE = "pair", "shape"
 
-# The options one mode alone reads, with their defaults (the parser takes them from here),
-# in the order they are checked: the other mode refuses one given another value, rather
+# The options one mode alone reads, with their defaults (given to those left out after the
+# check), in the order they are checked: the other mode refuses one given at all, rather
 # than ignore it.
 MODE_ONLY = {
     "tp": (SHAPE, 1),
@@ -118,20 +118,26 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--copy-mib", type=int, help="size of the bandwidth copy (default 2048 on CUDA, 256 on CPU)")
     s.add_argument("--tp", type=int, help="tensor-parallel size: N ranks under torchrun, one per GPU "
                                           "(gloo on CPU); floors are per rank")
-    p.set_defaults(func=cmd_bench, **{dest: default for dest, (_, default) in MODE_ONLY.items()})
+    for action in p._actions:  # left out, absent from the namespace: given at all is told apart from the default
+        if action.dest in MODE_ONLY:
+            action.default = argparse.SUPPRESS
+    p.set_defaults(func=cmd_bench)
     return p
 
 
 def cmd_bench(args) -> int:
-    check_mode_only(args)
+    settle_mode_options(args)
     return bench_shape(args) if args.shape is not None else bench_pairs(args)
 
 
-def check_mode_only(args) -> None:
-    """Refuse an option of the other mode (`MODE_ONLY`) given another value than its
-    default: this mode would ignore it."""
+def settle_mode_options(args) -> None:
+    """Refuse an option of the other mode (`MODE_ONLY`) given at all, its default value
+    too: this mode would ignore it. Then give each one left out its default."""
     mode = SHAPE if args.shape is not None else PAIR
-    given = [dest for dest, (only, default) in MODE_ONLY.items() if only != mode and getattr(args, dest) != default]
+    given = [dest for dest, (only, _) in MODE_ONLY.items() if only != mode and hasattr(args, dest)]
+    for dest, (_, default) in MODE_ONLY.items():
+        if not hasattr(args, dest):
+            setattr(args, dest, default)
     if not given:
         return
     dest = given[0]

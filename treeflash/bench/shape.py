@@ -541,10 +541,12 @@ def one_line_errors(rank: int | None):
 
 
 def bench_argv(args) -> list[str]:
-    """`args` as `treeflash bench` options again (option --x-y holds args.x_y)."""
+    """`args` of shape mode as `treeflash bench` options again (option --x-y holds
+    args.x_y), without model-pair mode's (their defaults: given, they are refused)."""
+    from treeflash.bench import MODE_ONLY, PAIR
     argv = ["bench"]
     for key, value in vars(args).items():
-        if key in ("command", "func") or value is None or value is False:
+        if key in ("command", "func") or value is None or value is False or MODE_ONLY.get(key, ("",))[0] == PAIR:
             continue
         argv += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
     return argv
