@@ -669,8 +669,8 @@ def test_a_prompt_file_of_dash_is_standard_input(capsys, model, api, monkeypatch
         assert rc == 0, err
         check_json_lines(out, [ENGINE_PROMPTS[0], ENGINE_PROMPTS[2]], api, 3)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"fine\n\xff\n")))
-    assert_error(*run(capsys, "--prompt-file", "-", "--model", model, "--device", "cpu"), 2,
-                 "cannot read standard input: not UTF-8 text")
+    assert_error(*run(capsys, "--prompt-file", "-", "--model", model, "--device", "cpu"), 1,
+                 "cannot read standard input: not UTF-8 text")  # exit 1, as for an unreadable file
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\n  \n")))
     assert_error(*run(capsys, "--prompt-file", "-", "--model", model, "--device", "cpu"), 2,
                  "prompt file stdin holds no prompt")

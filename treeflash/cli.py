@@ -46,7 +46,8 @@ def _prompt_file_text(source: str) -> str:
     try:
         return sys.stdin.buffer.read().decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
     except UnicodeDecodeError as e:
-        raise UsageError(f"cannot read standard input: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        # as an unreadable file is (exit status 1)
+        raise TreeflashError(f"cannot read standard input: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def read_placed_prompts(args) -> list[tuple[str, str | None]]:
