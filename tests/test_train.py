@@ -733,7 +733,8 @@ def test_more_bad_training_input_is_one_line(data_dir, target, tmp_path, capsys)
     os.mkfifo(fifo_root / "pipe.py")
     assert collect([fifo_root]).stats["files_seen"] == collect([src]).stats["files_seen"]
     # numbers that pass a "not below zero" check: NaN and infinities
-    for bad, what in ((dict(lr=float("inf")), "--lr must be a finite number"), (dict(weight_decay=float("nan")), "--weight-decay"),
+    for bad, what in ((dict(lr=float("inf")), "--lr must be a finite number"),
+                      (dict(weight_decay=float("nan")), "--weight-decay"),
                       (dict(grad_clip=float("inf")), "--grad-clip"), (dict(max_minutes=float("inf")), "--max-minutes"),
                       (dict(seed=2 ** 70), "seed"), (dict(seed=-1), "seed")):
         with pytest.raises(UsageError, match=what):

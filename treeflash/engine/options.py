@@ -27,7 +27,7 @@ def resolve_device(device: str) -> torch.device:
         raise UsageError(f"unknown device '{device}' (choose auto, cpu, cuda or cuda:N)")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"device '{device}' requested but no CUDA GPU is available")
-    if device.startswith("cuda:") and not (device[5:].isdigit() and int(device[5:]) < torch.cuda.device_count()):
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():  # the form is checked above
         raise UsageError(f"unknown device '{device}' (this machine has cuda:0 to "
                          f"cuda:{torch.cuda.device_count() - 1})")
     return torch.device(device)

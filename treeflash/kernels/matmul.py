@@ -230,8 +230,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            scale: torch.Tensor | None = None, block: tuple[int, int] = (1, 1), gated: bool = False,
            add_shares: bool = True) -> "torch.Tensor | SplitSums":
     """F.linear(x, weight, bias) for weight [N, K] (contiguous) in x's dtype and x
-    [..., K] of at most MAX_ROWS rows (GATED_MAX_ROWS gated; one: the GEMV); or, with `scale`, for an FP8 weight scaled per
-    `block` (scales [ceil(N / rows), ceil(K / cols)], cols a power of two of 16 or more:
+    [..., K] of at most MAX_ROWS rows (GATED_MAX_ROWS gated; one: the GEMV); or, with `scale`, for an FP8
+    weight scaled per `block` (scales [ceil(N / rows), ceil(K / cols)], cols a power of two of 16 or more:
     `Fp8Weight.fits_kernels`), any number of rows. `gated`: weight (and bias) is
     [gate; up] and the result silu(x gate^T) * (x up^T), [..., N / 2] (FP8: the halves
     start on a scale block). `add_shares=False`: where K is split in shares and there is

@@ -88,7 +88,7 @@ class TrainOptions:
         """Each value checked alone and named by its flag (the same keys in run.json)."""
         for key, kind in (("lr", "a number"), ("min_lr_ratio", "a number"), ("weight_decay", "a number"),
                           ("grad_clip", "a number"), ("max_minutes", "a number"), ("warmup_steps", "an integer"),
-                          ("eval_tokens", "an integer"), ("device", "a device name")):
+                          ("device", "a device name")):  # eval_tokens: with the counts below
             value = getattr(self, key)  # types first: a hand-edited run.json holds anything
             ok = isinstance(value, str) if key == "device" else not isinstance(value, bool) and isinstance(
                 value, int if kind == "an integer" else (int, float))
