@@ -333,6 +333,42 @@ def test_on_done_tells_a_request_that_finishes_early_while_its_batch_goes_on(llm
     assert at_done[0] < 12 and at_done[1] == 12
 
 
+def test_use_tqdm_counts_finished_prompts_as_vllm_does(llm, capsys, monkeypatch):
+    """vLLM scripts pass use_tqdm: False shows nothing, True counts finished prompts on
+    stderr, a tqdm-like class is made with the total and advanced once per prompt (on_done
+    still sees every output); other values are refused before anything runs."""
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate(ENGINE_PROMPTS, params, use_tqdm=False)]
+    assert capsys.readouterr().err == ""
+    assert [o.token_ids for o in llm.generate(ENGINE_PROMPTS, params, use_tqdm=True)] == want
+    n = len(ENGINE_PROMPTS)
+    assert capsys.readouterr().err == "".join(f"\rProcessed prompts: {i}/{n}" for i in range(1, n + 1)) + "\n"
+
+    class Bar:
+        made = []
+
+        def __init__(self, total, desc):
+            self.total, self.count, self.closed = total, 0, False
+            Bar.made.append(self)
+
+        def update(self, k):
+            self.count += k
+
+        def close(self):
+            self.closed = True
+
+    from treeflash.chat import ChatTemplate
+    monkeypatch.setattr(llm, "chat_template", ChatTemplate("{{ messages[0].content }}"))
+    done = {}
+    llm.chat([[{"role": "user", "content": "hi"}]] * 2, params, on_done=lambda i, out: done.setdefault(i, out),
+             use_tqdm=Bar)
+    assert [(b.total, b.count, b.closed) for b in Bar.made] == [(2, 2, True)] and len(done) == 2
+    for value, what in (("yes", "use_tqdm must be true, false or a tqdm-like class, got str"),
+                        (lambda total, desc: object(), "use_tqdm made a object, which has no update")):
+        with pytest.raises(UsageError, match=what):
+            llm.generate(ENGINE_PROMPTS, params, use_tqdm=value)
+
+
 def test_a_request_that_ends_where_on_tokens_ends_it_keeps_its_own_finish_reason(llm):
     """on_tokens returning True for the tokens that end a request anyway (its token
     limit here) changes nothing: it finished by length; a request it cuts short is the

@@ -8,6 +8,7 @@ import inspect
 import numbers
 import os
 import random
+import sys
 import threading
 import time
 import weakref
@@ -72,6 +73,44 @@ def _token_callback(on_tokens):
 def _shifted(callback, offset: int):
     """A per-request callback of a batch that starts at request `offset` of the call."""
     return callback if callback is None or offset == 0 else (lambda i, *rest: callback(i + offset, *rest))
+
+
+class _PromptCount:
+    """vLLM's `use_tqdm=True` without tqdm: a line on stderr that counts finished prompts."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.done = total, desc, 0
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        print(f"\r{self.desc}: {self.done}/{self.total}", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.done:
+            print(file=sys.stderr, flush=True)
+
+
+def _progress_bar(use_tqdm, total: int):
+    """The progress bar `generate` advances as each prompt finishes (None: none), as vLLM's
+    `use_tqdm` asks: False, True (a count on stderr), or a tqdm-like class it makes with
+    `total` and `desc` (its `update(1)` and `close()` are called)."""
+    if use_tqdm is False:
+        return None
+    if use_tqdm is True:
+        return _PromptCount(total, "Processed prompts")
+    bar = use_tqdm(total=total, desc="Processed prompts")
+    if not (callable(getattr(bar, "update", None)) and callable(getattr(bar, "close", None))):
+        raise UsageError(f"use_tqdm made a {type(bar).__name__}, which has no update() and close() methods")
+    return bar
+
+
+def _advancing(bar, on_done):
+    """`on_done` that advances the progress bar first."""
+    def done(i: int, output) -> None:
+        bar.update(1)
+        if on_done is not None:
+            on_done(i, output)
+    return done
 
 
 @dataclass
@@ -407,7 +446,7 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              on_tokens=None, on_done=None, chat_template_kwargs: dict | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None) -> list[GenerationOutput]:
+             tools: list[dict] | None = None, *, use_tqdm=False) -> list[GenerationOutput]:
         """The assistant's answers to a conversation ([{"role": ..., "content": ...}, ...])
         or to each of a list of them: rendered by the model's chat template (which writes
         its own special tokens; the last four arguments as vLLM's `LLM.chat` takes them:
@@ -427,7 +466,8 @@ class LLM:
         truncates = [getattr(params[i], "truncate_prompt_tokens", None) if i < len(params) else None
                      for i in range(len(conversations))]
         return self.generate([self.encode(self._chat_text(c, fmt, tools), special=False, truncate=t)
-                              for c, t in zip(conversations, truncates)], sampling_params, on_tokens, on_done)
+                              for c, t in zip(conversations, truncates)], sampling_params, on_tokens, on_done,
+                             use_tqdm=use_tqdm)
 
     def chat_prompt(self, messages: list[dict], fmt: ChatFormat = ChatFormat(),
                     tools: list[dict] | None = None) -> list[int]:
@@ -489,7 +529,7 @@ class LLM:
         return ids
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 on_tokens=None, on_done=None) -> list[GenerationOutput]:
+                 on_tokens=None, on_done=None, *, use_tqdm=False) -> list[GenerationOutput]:
         """Generate for a list of prompts (strings or token-id lists, or vLLM's prompt dicts
         {"prompt": text} and {"prompt_token_ids": ids}), in order, in batches
         of `max_batch` (with prefix caching, as one batch: a batch reuses the caches of
@@ -500,7 +540,8 @@ class LLM:
         a callback of two arguments gets the first two); if it returns True, request i
         ends there (finish_reason "abort": say, its client went away) and the others go
         on. `on_done(i, output)` is called as soon as request i has finished, with the
-        output `generate` returns for it at the end.
+        output `generate` returns for it at the end. `use_tqdm` is vLLM's: True counts
+        finished prompts on stderr; a tqdm-like class is made and advanced instead.
         Rounds are pipelined: the host reads and processes round r-1's tokens while
         round r runs on the device (see `_step`, `RoundPipeline`), with tensor
         parallelism too (every rank runs ahead alike).
@@ -535,6 +576,8 @@ class LLM:
         on_tokens = _token_callback(on_tokens)
         if on_done is not None:
             _arguments_taken(on_done, "on_done", ("i, output",))
+        if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+            raise UsageError(f"use_tqdm must be true, false or a tqdm-like class, got {type(use_tqdm).__name__}")
         # in order, at most max_batch at a time; with prefix caching as one batch (a batch
         # reuses the caches of the last batch of its size: chunks would overwrite them)
         step = len(ids) if self.enable_prefix_caching else self.max_batch
@@ -544,7 +587,11 @@ class LLM:
                 raise UsageError("generate was called from its own on_tokens or on_done callback, while this "
                                  "engine decodes that call's batch: call it after generate returns")
             self._decoding = True
+            bar = None
             try:
+                bar = _progress_bar(use_tqdm, len(ids))
+                if bar is not None:
+                    on_done = _advancing(bar, on_done)
                 for s in range(0, len(ids), step):
                     e = s + step
                     constraints = [p.structured_outputs for p in params[s:e] if p.structured_outputs]
@@ -553,6 +600,8 @@ class LLM:
                                                         _shifted(on_done, s))
             finally:
                 self._decoding = False
+                if bar is not None:
+                    bar.close()
         return results
 
     def _generate_batch(self, ids: list[list[int]], params: list[SamplingParams], on_tokens, on_done):
