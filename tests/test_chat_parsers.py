@@ -143,7 +143,7 @@ def scripted(tmp_path_factory):
     llm = LLM(folder, device="cpu", dtype="float32")
     prompts = []
 
-    def generate(batch, params, on_tokens=None, on_done=None):
+    def generate(batch, params, on_tokens=None, on_done=None, *, use_tqdm=False):
         outs, ids = [], llm.encode(script.get("answer", ANSWER))
         for k, prompt in enumerate(batch):
             prompts.append(llm.tokenizer.decode(prompt))
@@ -393,6 +393,29 @@ def test_a_prompt_that_opens_the_reasoning_is_read_from_inside_it():
         assert req.reasoning == parser and req.reasoned == (prompt_end.count("<") != 2), prompt_end
     reasoning, content, _ = MessageStream("deepseek_r1").push("I should say hi.</think>\n\nHi!", final=True)
     assert (reasoning, content) == ("I should say hi.", "Hi!")
+
+
+def test_a_continued_final_message_is_read_where_it_left_its_reasoning():
+    """An assistant prefill continued (continue_final_message) inside an unclosed <think>
+    block is reasoning, and a structured output waits for its end; one that closed the
+    block is continued in the answer, with no reasoning to wait for. Before, only a
+    prefill that ended with the tag itself was read from inside (`<think>\nLet me see`
+    came back as content, and a guided choice could open another <think> in it)."""
+    from treeflash.chat import ChatTemplate
+    from treeflash.server.protocol import parse_chat
+    template = ChatTemplate("{% for m in messages %}{{ m.role }}: {{ m.content }}{{ '\\n' }}{% endfor %}")
+    for parser, prefill, read, reasoned in (
+            ("qwen3", "<think>\nLet me see", "deepseek_r1", True),
+            ("qwen3", "<think>\nx\n</think>\n\nThe answer is", "qwen3", False),
+            ("qwen3", "<think>a</think> b <think>\nagain", "deepseek_r1", True),
+            ("qwen3", "The answer is", "qwen3", True),
+            ("deepseek_r1", "step 1</think>\nSo", "deepseek_r1", False),
+            ("deepseek_r1", "step 1", "deepseek_r1", True)):
+        body = {"messages": MESSAGES[:1] + [{"role": "assistant", "content": prefill}], "max_tokens": 8,
+                "add_generation_prompt": False, "continue_final_message": True, "guided_choice": ["yes", "no"]}
+        req = parse_chat(body, ("m",), template, lambda text, **kw: [1] * 4, 100, reasoning_parser=parser)
+        waits = req.params.structured_outputs.reasoning
+        assert (req.reasoning, req.reasoned, waits) == (read, reasoned, read if reasoned else None), prefill
 
 
 def test_reasoning_comes_back_apart_and_calls_after_it(scripted, answer):

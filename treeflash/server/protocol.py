@@ -514,12 +514,11 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
                            f"cannot wait for the final channel, whose markers are special tokens", param=asked)
         # the parser reads the markers, special tokens; the parts it gives the client hold none
         params, opened = replace(params, skip_special_tokens=False), harmony_opened(text)
-    # a prompt that ends with the closing tag (Qwen3 with enable_thinking false) leaves the answer no reasoning
     tags = REASONING_TAGS.get(reasoning_parser)
-    reasoned = reasoning_parser is not None and not (tags and text.rstrip().endswith(tags[1]))
-    if reasoned and tags and tags[0] and text.rstrip().endswith(tags[0]):
-        # one that ends with the opening tag (Qwen3-Thinking-2507's template, or a continued
-        # final message inside it) leaves the answer inside its reasoning: read as deepseek_r1 reads it
+    final = plain_messages(body["messages"])[-1]["content"] if _flag(body, "continue_final_message", False) else None
+    inside = None if tags is None else left_in_reasoning(text, tags, final)
+    reasoned = reasoning_parser is not None and inside is not False
+    if inside:  # the answer starts inside its reasoning: read as deepseek_r1 reads it
         reasoning_parser = next(p for p, t in REASONING_TAGS.items() if t == (None, tags[1]))
     if reasoned and params.structured_outputs is not None:  # the answer reasons first (vLLM's)
         params = replace(params, structured_outputs=replace(params.structured_outputs, reasoning=reasoning_parser))
@@ -528,6 +527,25 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
                    reasoning=reasoning_parser, reasoned=reasoned, opened=opened, continuous_usage=continuous,
                    prompt_logprobs=k, one_call=body.get("parallel_tool_calls") is False,
                    named_call=isinstance(body.get("tool_choice"), dict))
+
+
+def left_in_reasoning(text: str, tags: tuple[str | None, str], final: str | None) -> bool | None:
+    """Where a chat prompt `text` leaves the answer with respect to its reasoning block
+    (`tags`: its opening and closing tags): True inside it, False past it, None not known
+    (it may reason first). A continued final message (`final`, its text) decides where
+    it opened or closed the block: "<think>Let me see" is continued inside it, and
+    "<think>...</think>The answer" past it. Otherwise the prompt's end does: the opening
+    tag (Qwen3-Thinking-2507's template) leaves the answer inside, the closing tag
+    (Qwen3's with enable_thinking false) past it."""
+    opening, closing = tags
+    if final is not None:
+        opened, closed = (final.rfind(opening) if opening else -1), final.rfind(closing)
+        if opened != closed:  # not both -1
+            return opened > closed
+    end = text.rstrip()
+    if end.endswith(closing):
+        return False
+    return True if opening and end.endswith(opening) else None
 
 
 def render_chat(body: dict, template, tools: list[dict] | None = None) -> str:
