@@ -2297,6 +2297,19 @@ def test_a_body_nested_too_deeply_is_named_so(client):
     assert r.status_code == 400 and "'x'" in r.json()["error"]["message"]  # read, then refused by name
 
 
+def test_a_body_with_an_integer_too_long_to_convert_is_named_so(client):
+    """Valid JSON whose integer has more digits than Python converts (4300) is refused
+    for that number, not as invalid JSON; a long one within the limit is read and refused
+    by its field's own check."""
+    limit = sys.get_int_max_str_digits()
+    r = client.post("/v1/completions", content=b'{"prompt": "x", "max_tokens": ' + b"9" * (limit + 1) + b"}")
+    assert r.status_code == 400 and r.json()["error"]["message"] == \
+        f"the request body holds an integer of more than {limit} digits"
+    r = client.post("/v1/completions", content=b'{"prompt": "x", "max_tokens": ' + b"9" * limit + b"}")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
 def test_a_request_after_the_drain_began_is_refused_unread(llm, chat_model, slow_compiles):
     """Once a shutdown has begun, a new request is answered "shutting down" at once: its
     constraint is not compiled first (seconds, for a large vocabulary)."""

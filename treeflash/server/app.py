@@ -16,6 +16,7 @@ import hmac
 import json
 import logging
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
@@ -311,8 +312,11 @@ async def _read_json(request: HTTPRequest) -> dict:
         raise APIError("the client went away while sending the request") from None
     try:
         body = json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise APIError("the request body is not valid JSON") from None
+    except ValueError:  # valid JSON, but an integer longer than Python converts
+        raise APIError(f"the request body holds an integer of more than {sys.get_int_max_str_digits()} "
+                       f"digits") from None
     except RecursionError:
         raise APIError("the request body nests too deeply") from None
     if not isinstance(body, dict):
