@@ -671,6 +671,9 @@ def test_a_prompt_file_of_dash_is_standard_input(capsys, model, api, monkeypatch
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"fine\n\xff\n")))
     assert_error(*run(capsys, "--prompt-file", "-", "--model", model, "--device", "cpu"), 1,
                  "cannot read standard input: not UTF-8 text")  # exit 1, as for an unreadable file
+    monkeypatch.setattr(sys, "stdin", None)  # started with it closed (`<&-`, cron)
+    assert_error(*run(capsys, "--prompt-file", "-", "--model", model, "--device", "cpu"), 1,
+                 "cannot read standard input: it is closed")
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\n  \n")))
     assert_error(*run(capsys, "--prompt-file", "-", "--model", model, "--device", "cpu"), 2,
                  "prompt file stdin holds no prompt")

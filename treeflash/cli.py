@@ -43,11 +43,15 @@ def _prompt_file_text(source: str) -> str:
     read as a file is (UTF-8, newlines as "\n")."""
     if source != "-":
         return read_text(source)
+    # as an unreadable file is (exit status 1)
+    if sys.stdin is None:  # started with standard input closed (cron, a service)
+        raise TreeflashError("cannot read standard input: it is closed")
     try:
         return sys.stdin.buffer.read().decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
     except UnicodeDecodeError as e:
-        # as an unreadable file is (exit status 1)
         raise TreeflashError(f"cannot read standard input: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise TreeflashError(f"cannot read standard input: {e.strerror or e}") from None
 
 
 def read_placed_prompts(args) -> list[tuple[str, str | None]]:
