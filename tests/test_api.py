@@ -218,6 +218,20 @@ def test_vllm_engine_argument_names_are_taken(hf_checkpoint, monkeypatch):
         assert len(built) == n  # nothing loaded
 
 
+def test_engine_counts_may_be_numpy_integers():
+    """A script's counts often come from NumPy (an array's element, a sweep's np.arange):
+    the engine takes them as SamplingParams does, as plain ints (a TP worker unpickles
+    plain values only), and still refuses a bool or a float."""
+    llm = LLM(device="cpu", budget=np.int64(8), max_budget=np.int64(32), max_model_len=np.int64(256),
+              seed=np.int64(3), max_batch=np.int32(2), tp=np.int8(1))
+    assert (llm.decoder.budget, llm.max_budget, llm.max_model_len, llm.max_batch) == (8, 32, 256, 2)
+    assert all(type(v) is int for v in (llm.decoder.budget, llm.max_budget, llm.max_model_len, llm.max_batch))
+    assert llm.with_method("ddtree", budget=np.int64(4)).decoder.budget == 4
+    for kwargs in (dict(max_batch=np.bool_(True)), dict(max_batch=2.0), dict(seed=np.float64(3))):
+        with pytest.raises(UsageError, match="must be an integer"):
+            LLM(device="cpu", **kwargs)
+
+
 def test_max_tokens_reads_and_sets_as_in_vllm(llm):
     """vLLM's code reads and sets `params.max_tokens`: it is max_new_tokens, and a copy
     made with `dataclasses.replace` (as `generate` makes one to draw a seed) keeps it.

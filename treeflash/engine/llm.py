@@ -224,17 +224,17 @@ class LLM:
                  max_num_seqs: int | None = None, _worker=None):
         # _worker: a tensor-parallel worker's runtime, building its shard of the driver's engine
         if tensor_parallel_size is not None:
-            check_int("tensor_parallel_size", tensor_parallel_size, 1)
+            tensor_parallel_size = check_int("tensor_parallel_size", tensor_parallel_size, 1)
             tp = _vllm_name("tp", tp, 1, "tensor_parallel_size", tensor_parallel_size)
         if enforce_eager is not None:
             check_flag("enforce_eager", enforce_eager)
             cuda_graphs = _vllm_name("cuda_graphs", cuda_graphs, True, "enforce_eager", not enforce_eager)
         if max_num_seqs is not None:
-            check_int("max_num_seqs", max_num_seqs, 1)
+            max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1)
             max_batch = _vllm_name("max_batch", max_batch, MAX_BATCH, "max_num_seqs", max_num_seqs)
-        check_int("max_batch", max_batch, 1)
+        max_batch = check_int("max_batch", max_batch, 1)
         if seed is not None:
-            check_int("seed", seed, 0)
+            seed = check_int("seed", seed, 0)
         self._seeds = random.Random(seed)  # the seeds of sampled requests that give none
         self.max_batch = max_batch
         self._generating = threading.RLock()
@@ -243,7 +243,7 @@ class LLM:
             if path is not None and not isinstance(path, (str, Path)):
                 raise UsageError(f"{name} must be a folder path, got {path!r}")
         model, draft_model = model_folder(model), model_folder(draft_model)  # or a hub id, from its cache
-        check_int("max_budget", max_budget, 1)
+        max_budget = check_int("max_budget", max_budget, 1)
         self.max_budget = max_budget
         if method is not None and (not isinstance(method, str) or method not in METHODS):
             raise UsageError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
@@ -256,7 +256,7 @@ class LLM:
                 draft_model = builtin_draft
         check_flag("enable_prefix_caching", enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
-        check_int("tp", tp, 1)
+        tp = check_int("tp", tp, 1)
         if quantization not in (None, "fp8"):
             raise UsageError(f"unknown quantization {quantization!r} (supported: fp8)")
         self.device = resolve_device(device)
@@ -309,7 +309,7 @@ class LLM:
         budget = tree_budget(method, budget, max_budget, self.device)
         _check_draft_mode_applies(method, draft_mode)  # before any weight loads, as a budget
         if max_model_len is not None:
-            check_int("max_model_len", max_model_len, 2)
+            max_model_len = check_int("max_model_len", max_model_len, 2)
         if max_model_len is not None and max_model_len > self.config.max_position_embeddings:
             raise UsageError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                              f"({self.config.max_position_embeddings}): positions past it were never trained")

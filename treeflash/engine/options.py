@@ -2,6 +2,7 @@
 dtype, the attention backend, the DDTree budget, and where the built-in model is."""
 from __future__ import annotations
 
+import numbers
 from pathlib import Path
 
 import torch
@@ -71,10 +72,12 @@ def builtin_paths() -> tuple[Path, Path]:
     return target, drafter
 
 
-def check_int(name: str, value, least: int) -> None:
-    """A count given by the user: an int (True is not 1) of at least `least`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+def check_int(name: str, value, least: int) -> int:
+    """A count given by the user, as a plain int: an integer (a NumPy one too; True is
+    not 1) of at least `least`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
         raise UsageError(f"{name} must be an integer >= {least}, got {value!r}")
+    return int(value)
 
 
 def check_flag(name: str, value) -> None:
@@ -93,7 +96,7 @@ def tree_budget(method: str, budget: int | None, max_budget: int, device: torch.
         return None
     if budget is None:
         budget = min(DEFAULT_BUDGETS[device.type], max_budget)
-    check_int("ddtree budget", budget, 1)
+    budget = check_int("ddtree budget", budget, 1)
     if budget > max_budget:
         raise UsageError(f"ddtree budget {budget} exceeds max_budget {max_budget} "
                          f"(raise it with --max-budget / max_budget=)")
