@@ -440,8 +440,8 @@ def test_bench_argv_round_trip():
 
 @pytest.mark.parametrize("argv,code,message", [
     (["--tp", "0"], 2, "--tp must be >= 1, got 0"),
-    (["--tp", "3"], 1, "vocab_size (512) is not divisible by the tensor-parallel size 3"),
-    (["--tp", "4"], 1, "num_key_value_heads (2) is not divisible by the tensor-parallel size 4"),
+    (["--tp", "3"], 2, "vocab_size (512) is not divisible by the tensor-parallel size 3"),
+    (["--tp", "4"], 2, "num_key_value_heads (2) is not divisible by the tensor-parallel size 4"),
     (["--tp", "2", "--out", "/nonexistent/rows.jsonl"], 1, "cannot write /nonexistent/rows.jsonl"),
 ])
 def test_shape_tp_errors_are_one_line(argv, code, message, capfd):

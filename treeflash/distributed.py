@@ -68,9 +68,9 @@ class TPGroup:
 
     def shard(self, n: int, what: str) -> int:
         """Size of this rank's slice of `n` items; they must divide evenly."""
-        if n % self.size:
-            from treeflash.errors import TreeflashError
-            raise TreeflashError(f"{what} ({n}) is not divisible by the tensor-parallel size {self.size}")
+        if n % self.size:  # a usage error: another tensor-parallel size fits
+            from treeflash.errors import UsageError
+            raise UsageError(f"{what} ({n}) is not divisible by the tensor-parallel size {self.size}")
         return n // self.size
 
     # ----------------------------------------------------------------- vocabulary-sharded decisions
