@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from treeflash.config import DTYPES, DraftConfig, ModelConfig, default_target_layer_ids, read_config_json
 from treeflash.engine.options import resolve_device, resolve_dtype
 from treeflash.errors import TreeflashError, UsageError
+from treeflash.memory import available_bytes
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import build_on, check_sizes, load_weights, stored_shapes, weights_dtype
 from treeflash.models.transformer import CausalLM
@@ -297,21 +298,31 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
     if heldout_prompts and data.heldout.size <= prompt_len:
         raise UsageError(f"the held-out split has {data.heldout.size} tokens, too few for prompts of {prompt_len} "
                          f"(pass heldout_prompts=0 / --heldout-prompts 0 to skip held-out continuations)")
+    total = num_prompts + heldout_prompts
+    # the rows are held until the end (with `np.savez`'s copy): a count off by a few zeros
+    # took gigabytes, then the OS killed it, with no word
+    need = 2 * total * (prompt_len + new_tokens) * data.train.dtype.itemsize
+    have = available_bytes(torch.device("cpu"))
+    if have is not None and need > have:
+        raise UsageError(f"--num-prompts {num_prompts} (and {heldout_prompts} held out) of {prompt_len + new_tokens} "
+                         f"tokens take about {need / 2**30:,.1f} GiB to hold and save, more than the "
+                         f"{have / 2**30:,.1f} GiB free on this host")
     llm = LLM(target_dir, method="ar", device=device)
     if prompt_len + new_tokens > llm.max_model_len:
         raise UsageError(f"prompt_len + new_tokens = {prompt_len + new_tokens} exceeds the target's "
                          f"context of {llm.max_model_len}")
     rng = np.random.default_rng(seed)
-    prompts = [split[s:s + prompt_len].astype(np.int64).tolist()
-               for split, n in ((data.train, num_prompts), (data.heldout, heldout_prompts))
-               for s in rng.integers(0, split.size - prompt_len, n)]
-    rows = np.zeros((len(prompts), prompt_len + new_tokens), dtype=data.train.dtype)
+    rows = np.zeros((total, prompt_len + new_tokens), dtype=data.train.dtype)
+    rows[:, :prompt_len] = [split[s:s + prompt_len]
+                            for split, n in ((data.train, num_prompts), (data.heldout, heldout_prompts))
+                            for s in rng.integers(0, split.size - prompt_len, n)]
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    bar, t0 = Progress("generate", len(prompts), 0), time.perf_counter()
-    for i in range(0, len(prompts), batch_size):
-        for j, res in enumerate(llm.generate(prompts[i:i + batch_size], params)):
-            rows[i + j] = prompts[i + j] + res.token_ids
-        bar.step(len(prompts[i:i + batch_size]))
+    bar, t0 = Progress("generate", total, 0), time.perf_counter()
+    for i in range(0, total, batch_size):
+        batch = rows[i:i + batch_size, :prompt_len].astype(np.int64).tolist()
+        for j, res in enumerate(llm.generate(batch, params)):
+            rows[i + j, prompt_len:] = res.token_ids
+        bar.step(len(batch))
     bar.close()
     seconds = time.perf_counter() - t0
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -319,8 +330,8 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
              target=np.str_(target_fingerprint(target_dir)))
     meta = {"path": str(out), "sequences": num_prompts, "heldout_sequences": heldout_prompts,
             "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "generated_tokens": len(prompts) * new_tokens, "seconds": round(seconds, 2),
-            "tokens_per_s": round(len(prompts) * new_tokens / seconds)}
+            "generated_tokens": total * new_tokens, "seconds": round(seconds, 2),
+            "tokens_per_s": round(total * new_tokens / seconds)}
     print(f"[generate] {json.dumps(meta)}", flush=True)
     return meta
 
