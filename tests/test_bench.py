@@ -319,6 +319,8 @@ QUICK_PAIR = ["--methods", "ar", "--num-prompts", "1", "--max-new-tokens", "1", 
     (["--shape", "tiny", "--iters", "0"], "--iters must be >= 1, got 0"),
     (["--shape", "tiny", "--fp8", "0x128"], "--fp8 block sizes must be positive"),
     (["--shape", "tiny", "--fp8", "128"], "--fp8 takes ROWSxCOLS"),
+    (["--shape", "tiny", "--fp8", "7x7"], "--fp8 7x7: model.layers.0.self_attn.qkv_proj: FP8 block size 7 does not "
+                                         "divide"),  # a block that misfits the shape: exited 1, as for a bad file
     (["--shape", "tiny", "--budgets", "0,3", "--contexts", "32753"], "--contexts at most 32752"),
     # the other mode's options, each refused (a third mutation review: any one left out of MODE_ONLY was ignored;
     # the runs kept short, as they would be under such a mistake)

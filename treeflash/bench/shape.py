@@ -518,9 +518,13 @@ def _shape_plan(args) -> ShapePlan:
         raise UsageError("--attention triton needs a CUDA device, the triton package and head_dim 64 or 128")
     cfg = dataclasses.replace(SHAPES[args.shape], fp8_block=None if args.fp8 is None else fp8_block(args.fp8))
     dcfg = draft_config(cfg, args.draft_layers)
+    with build_on("meta", torch.float32):  # sizes only
+        try:
+            shells = [CausalLM(cfg, TPGroup()), DFlashDraftModel(dcfg, TPGroup())]
+        except TreeflashError as e:  # the shapes are ours: only the --fp8 block the user gave can misfit
+            raise UsageError(f"--fp8 {args.fp8}: {e}") from None
     if torchrun_env() is None:  # the launcher checks the host once for all its ranks (they load at once)
-        with build_on("meta", torch.float32):  # sizes only
-            check_weights_fit([CausalLM(cfg, TPGroup()), DFlashDraftModel(dcfg, TPGroup())], dtype, device)
+        check_weights_fit(shells, dtype, device)
     return ShapePlan(cfg, dcfg, contexts, budgets, batch_sizes, temperatures, graphs, device, dtype, backend,
                      draft_mode)
 
