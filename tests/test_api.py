@@ -347,6 +347,19 @@ def test_on_done_tells_a_request_that_finishes_early_while_its_batch_goes_on(llm
     assert at_done[0] < 12 and at_done[1] == 12
 
 
+def test_outputs_read_as_vllm_request_outputs(llm):
+    """vLLM scripts read `out.outputs[0].text` and `out.prompt_token_ids`: the one
+    completion is the output itself, and the prompt's ids are the ones the model read
+    (after truncate_prompt_tokens)."""
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    outs = llm.generate(ENGINE_PROMPTS, params)
+    for prompt, out in zip(ENGINE_PROMPTS, outs):
+        assert out.outputs == [out] and out.outputs[0].text == out.text
+        assert out.prompt_token_ids == llm.encode(prompt)
+    cut = llm.generate(ENGINE_PROMPTS[0], replace(params, truncate_prompt_tokens=2))[0]
+    assert cut.prompt_token_ids == llm.encode(ENGINE_PROMPTS[0])[-2:]
+
+
 def test_use_tqdm_counts_finished_prompts_as_vllm_does(llm, capsys, monkeypatch):
     """vLLM scripts pass use_tqdm: False shows nothing, True counts finished prompts on
     stderr, a tqdm-like class is made with the total and advanced once per prompt (on_done

@@ -34,6 +34,13 @@ class GenerationOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: EOS, or not stopped)
     logprobs: list[TokenLogprob] | None = None  # one per token id, if SamplingParams.logprobs asked for them
     prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, if SamplingParams.prompt_logprobs
+    prompt_token_ids: list[int] | None = None  # the prompt as the model read it (after any truncation)
+
+    @property
+    def outputs(self) -> list["GenerationOutput"]:
+        """vLLM's `RequestOutput.outputs`: this output as its request's one completion (a
+        request here has one), so that vLLM's `out.outputs[0].text` reads as `out.text`."""
+        return [self]
 
 
 def token_logprobs(tokens: list[int], rows, k: int) -> list[TokenLogprob]:
@@ -210,4 +217,4 @@ class RequestRules:
         by_eos = ended_by_token and not p.ignore_eos and ids[-1] in model_eos
         stop_reason = cut[1] if cut else ids[-1] if ended_by_token and not by_eos else None
         return GenerationOutput(text, ids, reason, stats, stop_reason=stop_reason, logprobs=logprobs,
-                                prompt_logprobs=prompt_logprobs)
+                                prompt_logprobs=prompt_logprobs, prompt_token_ids=list(prompt))
