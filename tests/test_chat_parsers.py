@@ -418,6 +418,19 @@ def test_a_continued_final_message_is_read_where_it_left_its_reasoning():
         assert (req.reasoning, req.reasoned, waits) == (read, reasoned, read if reasoned else None), prefill
 
 
+def test_a_prefill_inside_its_reasoning_is_answered_as_reasoning(scripted, answer):
+    """Through the server, whole and streamed: the continuation of a prefill inside an
+    open <think> is reasoning up to </think>, and the rest is content."""
+    client, _ = scripted
+    body = {"messages": MESSAGES[:1] + [{"role": "assistant", "content": "<think>\nLet me see"}], "max_tokens": 40,
+            "add_generation_prompt": False, "continue_final_message": True}
+    answer(" the sky.</think>\n\nIt is blue.")
+    message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (" the sky.", "It is blue.")
+    parts = {}
+    assert _stream(client, body, parts)[0] == "It is blue." and parts["reasoning"] == " the sky."
+
+
 def test_reasoning_comes_back_apart_and_calls_after_it(scripted, answer):
     client, _ = scripted
     body = {"messages": MESSAGES[:1], "max_tokens": 80}
