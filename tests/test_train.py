@@ -422,7 +422,7 @@ def test_drafter_on_generated_continuations(target, data_dir, tmp_path, capsys):
         generate_continuations(base / "model", data_dir, tmp_path / "bad", num_prompts=2, heldout_prompts=-1)
     # a count off by a few zeros is refused before the target loads (it took gigabytes, then was killed)
     with pytest.raises(UsageError, match=r"--num-prompts 100000000000 \(and 0 held out\) of 12 tokens take about "
-                                         r"[\d,.]+ GiB to hold and save, more than the [\d,.]+ GiB free on this host"):
+                                         r"[\d,.]+ GiB to hold, more than the [\d,.]+ GiB free on this host"):
         generate_continuations(base / "model", data_dir, tmp_path / "huge", num_prompts=10 ** 11, prompt_len=8,
                                new_tokens=4, heldout_prompts=0)
     # damaged files: refused before training, not an internal error (or a silent run) after it

@@ -299,13 +299,14 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
         raise UsageError(f"the held-out split has {data.heldout.size} tokens, too few for prompts of {prompt_len} "
                          f"(pass heldout_prompts=0 / --heldout-prompts 0 to skip held-out continuations)")
     total = num_prompts + heldout_prompts
-    # the rows are held until the end (with `np.savez`'s copy): a count off by a few zeros
-    # took gigabytes, then the OS killed it, with no word
-    need = 2 * total * (prompt_len + new_tokens) * data.train.dtype.itemsize
+    # the rows are held until the end, and the prompts drawn into them pass through an
+    # array of their own: a count off by a few zeros took gigabytes, then the OS killed it,
+    # with no word
+    need = total * (2 * prompt_len + new_tokens) * data.train.dtype.itemsize
     have = available_bytes(torch.device("cpu"))
     if have is not None and need > have:
         raise UsageError(f"--num-prompts {num_prompts} (and {heldout_prompts} held out) of {prompt_len + new_tokens} "
-                         f"tokens take about {need / 2**30:,.1f} GiB to hold and save, more than the "
+                         f"tokens take about {need / 2**30:,.1f} GiB to hold, more than the "
                          f"{have / 2**30:,.1f} GiB free on this host")
     llm = LLM(target_dir, method="ar", device=device)
     if prompt_len + new_tokens > llm.max_model_len:
