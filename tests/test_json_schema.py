@@ -16,7 +16,8 @@ import re
 import pytest
 
 from treeflash.errors import UsageError
-from treeflash.structured.json_schema import schema_regex
+from treeflash.structured.grammar import StructuredOutputs
+from treeflash.structured.json_schema import json_object_regex, schema_regex
 
 
 def in_dialect(regex: str) -> None:
@@ -387,7 +388,6 @@ def test_counts_up_to_the_largest_supported_are_kept():
 
 
 def test_array_refusals():
-    refused({"type": "array"}, "without 'items' at $")
     refused({"type": "array", "items": [{"type": "string"}]}, "'items' at $", "tuple form")
     refused({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "'uniqueItems' at $")
     refused({"type": "array", "items": {"type": "string"}, "contains": {"const": "a"}}, "'contains' at $")
@@ -448,9 +448,35 @@ def test_many_optional_properties():
             "too many optional properties", "$")
 
 
+def test_free_objects_maps_and_lists():
+    """An object without 'properties' (a free-form field, Pydantic's dict[str, X] as
+    additionalProperties) and a list without 'items' are generated, nesting at most as
+    deep as json_object's at the root (they were refused)."""
+    deep = {"a": {"b": {"c": [1]}}}  # 4 deep, the object itself included
+    check({"type": "object"}, good=[{}, {"k": [1, "x", None]}, deep], bad=[[], "x", {"a": {"b": {"c": [[1]]}}}],
+          bad_texts=['{"a":1,}'])
+    check({"type": "object", "additionalProperties": True}, good=[{}, {"k": 1.5}])
+    check({"type": "object", "additionalProperties": False}, good=[{}], bad=[{"k": 1}])
+    check({"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}},
+          good=[{}, {"a": 1, "b": 22}], bad=[{"a": -1}, {"a": "1"}, {"a": 1, "b": None}])
+    check({"type": "array"}, good=[[], [1, "x", {"k": [2]}, None], [[[[1]]]]], bad=[{}, [[[[[1]]]]]])
+    check({"type": "array", "minItems": 1, "maxItems": 2}, good=[[{}], [1, 2]], bad=[[], [1, 2, 3]])
+    # below the root one level less (3 deep, the field's own object included): a schema of
+    # several free fields stays within the regex's size limit
+    fields = {"type": "object", "properties": {"meta": {"type": "object"}, "tags": {"type": "array"},
+                                               "extra": {"type": "object"}}, "required": ["meta"]}
+    check(fields, good=[{"meta": {}}, {"meta": {"a": {"b": {"c": 1}}}, "tags": ["a", 2]}],
+          bad=[{"tags": []}, {"meta": {"a": {"b": {"c": {}}}}}, {"meta": {}, "tags": [[[[1]]]]}])
+    StructuredOutputs(json=fields).automaton()
+    assert schema_regex({"type": "object"}) == json_object_regex()
+    refused({"type": "object", "additionalProperties": {"type": "string", "format": "email"}},
+            "at $.additionalProperties")
+
+
 def test_object_refusals():
     props = {"a": {"type": "string"}}
-    refused({"type": "object"}, "without 'properties' at $")
+    refused({"type": "object", "required": ["a"]}, "'required' at $", "without 'properties'")
+    refused({"type": "object", "properties": ["a"]}, "'properties' at $ must be an object")
     refused({"type": "object", "properties": props, "additionalProperties": True}, "'additionalProperties' at $")
     refused({"type": "object", "properties": props, "additionalProperties": {"type": "string"}},
             "'additionalProperties' at $", "only the listed properties")

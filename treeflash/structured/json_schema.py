@@ -19,7 +19,9 @@ leap second may end any minute) and `pattern`; integer and number `minimum`,
 `exclusiveMinimum`, `maximum` and `exclusiveMaximum` (up to 10^18 in magnitude; a
 number's must be whole numbers, and a bounded number is written without an exponent);
 array `items`,
-`minItems`, `maxItems`; object `properties`, `required`; `enum`, `const`, `anyOf`,
+`minItems`, `maxItems` (without `items`, any values); object `properties`, `required`
+(without `properties`, any members, or members of the `additionalProperties` schema; free
+parts nest as deep as json_object's at the root, one level less below it); `enum`, `const`, `anyOf`,
 `oneOf` whose branches no value can satisfy twice (different types, listed values that
 differ, objects with a required property whose const or enum differs: a discriminated
 union, or objects that each require a property the other does not have; other oneOf is
@@ -85,17 +87,44 @@ JSON_ESCAPED = [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]  # what a JSON string 
 JSON_OBJECT_DEPTH = 4  # `json_object`: objects and lists nest at most this deep (the answer's own included)
 
 
-def json_object_regex(depth: int = JSON_OBJECT_DEPTH) -> str:
-    """Any JSON object whose objects and lists nest at most `depth` deep (OpenAI's
-    json_object; nesting without a bound is not regular), in the same compact form."""
+def _map_regex(value: str) -> str:
+    """A JSON object of any keys, each holding a `value`."""
     string = f'"{STRING_CHAR}*"'
-    scalars = [string, NUMBER, "true", "false", "null"]
+    return f"\\{{(?:{string}: ?{value}(?:, ?{string}: ?{value})*)?\\}}"
+
+
+def _list_regex(item: str, lo: int = 0, hi: int | None = None) -> str:
+    """A JSON list of `lo` to `hi` (None: any number of) `item`s."""
+    if hi == 0:
+        return "\\[\\]"
+    body = item + _repeat(f"(?:, ?{item})", max(lo - 1, 0), None if hi is None else hi - 1)
+    return "\\[" + (body if lo else f"(?:{body})?") + "\\]"
+
+
+def any_json_regex(depth: int = JSON_OBJECT_DEPTH) -> tuple[str, str]:
+    """(any JSON value, any JSON object) whose objects and lists nest at most `depth` deep
+    in the object (the object itself included) and `depth - 1` in the value: what an
+    object's or a list's members may be, where a schema leaves them free (nesting
+    without a bound is not regular). OpenAI's json_object is the object."""
+    scalars = [f'"{STRING_CHAR}*"', NUMBER, "true", "false", "null"]
     value = _alt(scalars)
     for level in range(depth):  # containers one level deeper than the last
-        obj = f"\\{{(?:{string}: ?{value}(?:, ?{string}: ?{value})*)?\\}}"
+        obj = _map_regex(value)
         if level < depth - 1:
-            value = _alt([*scalars, obj, f"\\[(?:{value}(?:, ?{value})*)?\\]"])
-    return obj
+            value = _alt([*scalars, obj, _list_regex(value)])
+    return value, obj
+
+
+def _free_depth(path: str) -> int:
+    """How deep a schema's free object or list (no 'properties', no 'items') nests, itself
+    included: as json_object's at the answer's root, one level less below it (a schema of
+    several such fields stays within MAX_REGEX_CHARS: 13K characters each, not 54K)."""
+    return JSON_OBJECT_DEPTH if path == "$" else JSON_OBJECT_DEPTH - 1
+
+
+def json_object_regex(depth: int = JSON_OBJECT_DEPTH) -> str:
+    """Any JSON object whose objects and lists nest at most `depth` deep (OpenAI's json_object)."""
+    return any_json_regex(depth)[1]
 
 
 def schema_regex(schema) -> str:
@@ -378,25 +407,30 @@ class _Compiler:
         return "(?:true|false)" if kind == "boolean" else "null"
 
     def array(self, schema: dict, path: str) -> str:
-        if "items" not in schema:
-            _refuse(f"an array without 'items' at {path} is not supported")
-        if isinstance(schema["items"], list):
+        if isinstance(schema.get("items"), list):
             _refuse(f"'items' at {path} as a list (tuple form) is not supported")
         if schema.get("uniqueItems", False) is not False:
             _refuse(f"'uniqueItems' at {path} is not supported")
         lo, hi = _count(schema, "minItems", path) or 0, _count(schema, "maxItems", path)
-        item = self.node(schema["items"], _at(path, "items"))
+        item = self.node(schema["items"], _at(path, "items")) if "items" in schema else \
+            any_json_regex(_free_depth(path))[0]  # without 'items', any values
         if hi is not None and hi < lo:
             _refuse(f"'maxItems' at {path} is below 'minItems'")
-        if hi == 0:
-            return "\\[\\]"
-        body = item + _repeat(f"(?:, ?{item})", max(lo - 1, 0), None if hi is None else hi - 1)
-        return "\\[" + (body if lo else f"(?:{body})?") + "\\]"
+        return _list_regex(item, lo, hi)
 
     def object(self, schema: dict, path: str) -> str:
         props, required = schema.get("properties"), schema.get("required", [])
+        if props is None and not required:  # any keys: free members (json_object's), or each of a schema
+            extra = schema.get("additionalProperties", True)
+            if extra is True:
+                return any_json_regex(_free_depth(path))[1]
+            if extra is False:
+                return "\\{\\}"
+            return _map_regex(self.node(extra, _at(path, "additionalProperties")))
+        if props is None:
+            _refuse(f"'required' at {path} names properties of an object without 'properties'")
         if not isinstance(props, dict):
-            _refuse(f"an object without 'properties' at {path} is not supported")
+            _refuse(f"'properties' at {path} must be an object, got {shown(props)}")
         if not all(isinstance(name, str) for name in props):
             _refuse(f"'properties' at {path} must be named by strings")
         if schema.get("additionalProperties", False) is not False:
