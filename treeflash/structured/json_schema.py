@@ -21,7 +21,8 @@ number's must be whole numbers, and a bounded number is written without an expon
 array `items`,
 `minItems`, `maxItems` (without `items`, any values); object `properties`, `required`
 (without `properties`, any members, or members of the `additionalProperties` schema; free
-parts nest as deep as json_object's at the root, one level less below it); `enum`, `const`, `anyOf`,
+parts nest as deep as json_object's at the root, one level less below it); any value for
+{} or true (one level less again); `enum`, `const`, `anyOf`,
 `oneOf` whose branches no value can satisfy twice (different types, listed values that
 differ, objects with a required property whose const or enum differs: a discriminated
 union, or objects that each require a property the other does not have; other oneOf is
@@ -118,7 +119,8 @@ def any_json_regex(depth: int = JSON_OBJECT_DEPTH) -> tuple[str, str]:
 def _free_depth(path: str) -> int:
     """How deep a schema's free object or list (no 'properties', no 'items') nests, itself
     included: as json_object's at the answer's root, one level less below it (a schema of
-    several such fields stays within MAX_REGEX_CHARS: 13K characters each, not 54K)."""
+    several such fields stays within MAX_REGEX_CHARS: 13K characters each, not 54K). Any
+    value ({}, true) nests one level less again: its own regex is the members'."""
     return JSON_OBJECT_DEPTH if path == "$" else JSON_OBJECT_DEPTH - 1
 
 
@@ -243,8 +245,8 @@ class _Compiler:
         self.root, self.done, self.expanding = root, {}, []
 
     def node(self, schema, path: str) -> str:
-        if schema is True:
-            _refuse(f"any JSON value at {path} is not supported: give a type")
+        if schema is True:  # any value
+            return any_json_regex(_free_depth(path))[0]
         if not isinstance(schema, dict):
             _refuse(f"the schema at {path} must be an object, got {shown(schema)}")
         if "$id" in schema and schema is not self.root:  # $ref inside it would resolve from it
@@ -266,9 +268,10 @@ class _Compiler:
             if extra:
                 _refuse(f"'{extra[0]}' at {path} next to '{kw}' is not supported")
             return self.combined(schema, kw, path)
+        if not keys:  # {} or annotations only: any value
+            return any_json_regex(_free_depth(path))[0]
         if "type" not in keys:
-            _refuse(f"a schema without 'type' at {path} is not supported (any JSON value is not regular): "
-                    "give a type")
+            _refuse(f"a schema without 'type' at {path} is not supported: give a type")
         types = _types(schema, path)
         for k in keys:
             if k != "type" and not any(k in TYPE_KEYWORDS[t] for t in types):
