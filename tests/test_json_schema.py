@@ -471,7 +471,7 @@ def test_free_objects_maps_and_lists():
     # any value ({}, true, annotations only): its containers one level less deep again
     for anything in ({}, {"title": "x", "description": "y"}, {"nullable": True}):
         check(anything, good=[1, -2.5, "a", None, True, [1, {"a": [2]}], {"a": {"b": []}}], bad=[[[[[1]]]]])
-    check({"type": "array", "items": True}, good=[[], [1, "x", None]], bad=[[[[[1]]]]])
+    assert schema_regex({"type": "array", "items": True}) == schema_regex({"type": "array"})
     check({"type": "object", "properties": {"v": {}}, "required": ["v"]}, good=[{"v": 1}, {"v": [[2]]}],
           bad=[{"v": [[[2]]]}])
     refused({"type": "object", "additionalProperties": {"type": "string", "format": "email"}},

@@ -415,8 +415,8 @@ class _Compiler:
         if schema.get("uniqueItems", False) is not False:
             _refuse(f"'uniqueItems' at {path} is not supported")
         lo, hi = _count(schema, "minItems", path) or 0, _count(schema, "maxItems", path)
-        item = self.node(schema["items"], _at(path, "items")) if "items" in schema else \
-            any_json_regex(_free_depth(path))[0]  # without 'items', any values
+        items = schema.get("items", True)  # without 'items' (or true), any values: a free list
+        item = any_json_regex(_free_depth(path))[0] if items is True else self.node(items, _at(path, "items"))
         if hi is not None and hi < lo:
             _refuse(f"'maxItems' at {path} is below 'minItems'")
         return _list_regex(item, lo, hi)
