@@ -522,6 +522,8 @@ def _shape_plan(args) -> ShapePlan:
         try:
             shells = [CausalLM(cfg, TPGroup()), DFlashDraftModel(dcfg, TPGroup())]
         except TreeflashError as e:  # the shapes are ours: only the --fp8 block the user gave can misfit
+            if args.fp8 is None:
+                raise
             raise UsageError(f"--fp8 {args.fp8}: {e}") from None
     if torchrun_env() is None:  # the launcher checks the host once for all its ranks (they load at once)
         check_weights_fit(shells, dtype, device)

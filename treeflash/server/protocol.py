@@ -515,7 +515,9 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
         # the parser reads the markers, special tokens; the parts it gives the client hold none
         params, opened = replace(params, skip_special_tokens=False), harmony_opened(text)
     tags = REASONING_TAGS.get(reasoning_parser)
-    final = plain_messages(body["messages"])[-1]["content"] if _flag(body, "continue_final_message", False) else None
+    # the messages were checked as they were rendered: only the final one's text is read again
+    final = plain_messages(body["messages"][-1:])[0]["content"] if _flag(body, "continue_final_message", False) \
+        else None
     inside = None if tags is None else left_in_reasoning(text, tags, final)
     reasoned = reasoning_parser is not None and inside is not False
     if inside:  # the answer starts inside its reasoning: read as deepseek_r1 reads it
