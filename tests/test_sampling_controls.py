@@ -800,6 +800,43 @@ def test_a_continuation_after_a_prompt_that_ends_in_part_of_a_character_keeps_it
     assert "".join(stream.push([t]) for t in hao) == "好"
 
 
+def _straddling_tokenizer(folder):
+    """A byte-level BPE whose tokens cross characters, as real vocabularies' do in CJK text:
+    "こ" (e3 81 93) and "ん" (e3 82 93) written as [e3 81] [93 e3 82] [93]. Returns the
+    Tokenizer and those three ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from treeflash.tokenizer import Tokenizer as TreeflashTokenizer
+    from treeflash.tokenizer import _byte_level_chars
+    spell = {b: c for c, b in _byte_level_chars().items()}
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    pieces = ["".join(spell[b] for b in raw) for raw in (b"\xe3\x81", b"\x93\xe3\x82", b"\x93")]
+    vocab.update({p: len(vocab) + i for i, p in enumerate(pieces[:2])})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return TreeflashTokenizer(folder), [vocab[p] for p in pieces]
+
+
+def test_a_token_that_ends_one_character_and_begins_the_next_gives_the_first_whole(tmp_path):
+    """Byte-level BPE merges bytes across characters: the token [93 e3 82] ends "こ" and
+    begins "ん". The text up to it is "こ" (the stream's delta, and the final text of an
+    output cut there), not U+FFFD for both; the next token adds "ん", and a stop string
+    across them is found."""
+    tok, (head, straddle, tail) = _straddling_tokenizer(tmp_path)
+    ids = [head, straddle, straddle, tail]
+    assert tok.decode(ids) == "こんん"
+    stream = TextStream(tok)
+    assert [stream.push([t]) for t in ids] == ["", "こ", "ん", "ん"]
+    assert tok.decode_continuation(ids[:2]) == "こ" and tok.decode_continuation(ids[:3]) == "こん"
+    assert tok.decode_continuation(ids + [head]) == "こんん"  # an unfinished character at the end is left out
+    assert tok.decode_continuation([tail] + ids[:3]) == "\ufffdこん"  # a stray byte stays U+FFFD
+    stopped = TextStream(tok, stop=["んん"])
+    assert "".join(stopped.push([t]) for t in ids) == "こ"
+
+
 def test_a_non_special_added_token_is_streamed_with_skip_special_tokens(tmp_path):
     """Added tokens that tokenizer_config.json declares not special (Qwen3's <think>,
     <tool_call>) stay in the text with skip_special_tokens, in the stream as in the

@@ -219,11 +219,22 @@ class Tokenizer:
         ends in part of a character (unless `final`: the bytes after it, not a character's
         rest, end it). Decoded after ids[prefix:read] (SentencePiece strips a text's first
         space), or alone where that text is not kept whole (a byte-fallback run)."""
-        window = self.decode(ids[prefix:n], skip_special)
-        if not final and window.endswith("\ufffd") and self.unfinished_from(ids[prefix:n], skip_special) is not None:
+        window, open_end = self._text_of(ids[prefix:n], skip_special)
+        if open_end and not final:
             return None
-        known = self.decode(ids[prefix:read], skip_special)
+        known = self._text_of(ids[prefix:read], skip_special)[0]
         return window[len(known):] if window.startswith(known) else self.decode(ids[read:n], skip_special)
+
+    def _text_of(self, ids: list[int], skip_special: bool) -> tuple[str, bool]:
+        """decode(ids), and whether it ends in part of a character that begins at a token,
+        which a later token may finish. A character begun inside a token, after the last
+        bytes of the one before (byte-level BPE merges bytes across characters: one token
+        may end "こ" and begin "ん"), is left out, its U+FFFD with it: the text before it is
+        whole, though no token boundary falls between them."""
+        text = self.decode(ids, skip_special)
+        if not text.endswith("\ufffd") or (start := self._unfinished(ids, skip_special)) is None:
+            return text, False
+        return (text[:-1], False) if start[1] else (text, True)
 
     def min_tokens_floor(self, ids: list[int], min_tokens: int, context: list[int] = (),
                          skip_special: bool = True) -> int:
@@ -268,6 +279,12 @@ class Tokenizer:
         a whole character, or in bytes that no token can finish (a stray continuation
         byte, a lead byte that another lead followed): those decode to U+FFFD for good,
         and text that waited on them would wait forever."""
+        start = self._unfinished(ids, skip_special)
+        return None if start is None else start[0]
+
+    def _unfinished(self, ids: list[int], skip_special: bool) -> tuple[int, bool] | None:
+        """`unfinished_from`'s token, and whether bytes of an earlier character come before
+        the unfinished one's first byte in it."""
         tail, sizes, special = b"", [], self.special_ids if skip_special else ()
         for k in range(len(ids) - 1, -1, -1):
             if ids[k] not in special:  # a skipped token adds no bytes: those around it join
@@ -281,7 +298,7 @@ class Tokenizer:
         for k, size in sizes:  # back from the end to the token of its first byte
             pending -= size
             if pending <= 0 < pending + size:
-                return k
+                return k, pending < 0
         return None
 
     def _continues_a_character(self, token_id: int) -> bool:
