@@ -113,6 +113,23 @@ def test_a_word_the_tokenizer_writes_two_ways(engines):
     assert err.value.param == "bad_words"
 
 
+def test_a_word_the_tokenizer_drops_is_refused(tmp_path):
+    """A word whose text the tokenizer's normalizer removes (a zero-width space under a
+    BERT normalizer) has no tokens to ban: refused in one line, not an IndexError."""
+    from tokenizers import Tokenizer, normalizers
+
+    from treeflash.checkpoints import write_random_target
+    folder = write_random_target(tmp_path / "m", num_layers=1)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.normalizer = normalizers.Sequence([normalizers.Replace("\u200b", ""), normalizers.NFC()])
+    tok.save(str(folder / "tokenizer.json"))
+    llm = LLM(folder, device="cpu", dtype="float32")
+    assert llm.tokenizer.encode("\u200b", special=False) == []
+    with pytest.raises(UsageError, match="bad word '\\\\u200b' has no tokens") as err:
+        llm.generate("x", SamplingParams(max_new_tokens=2, bad_words=["\u200b"]))
+    assert err.value.param == "bad_words"
+
+
 @pytest.mark.parametrize("value", [["ok", ""], ["   "], "word", [3], [None]])
 def test_bad_words_must_be_words(value):
     with pytest.raises(UsageError, match="bad_words must be a list of words"):

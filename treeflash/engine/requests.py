@@ -134,7 +134,10 @@ class RequestRules:
                                  param="bad_words")
             for prefix in ("", " "):
                 ids = self.tokenizer.encode(prefix + word.lstrip(), special=False)
-                if prefix and (ids[0] == out[-1][0] or len(ids) != len(out[-1])):
+                if not ids and not prefix:  # its text is all what the normalizer drops, or blank
+                    raise UsageError(f"invalid sampling parameters: bad word {shown(word)} has no tokens "
+                                     f"(the tokenizer leaves none of its text)", param="bad_words")
+                if prefix and (not ids or ids[0] == out[-1][0] or len(ids) != len(out[-1])):
                     continue
                 if len(ids) > BAD_WORD_TOKENS:
                     raise UsageError(f"invalid sampling parameters: bad word {shown(word)} is {len(ids)} tokens "
