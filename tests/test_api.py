@@ -469,6 +469,9 @@ def test_generate_without_parameters_takes_the_models_generation_config(llm, hf_
     path.write_text(json.dumps({**config, "top_k": 20, "do_sample": False}))
     assert LLM(folder, device="cpu", dtype="float32").default_sampling_params() == \
         SamplingParams(temperature=0.0, top_k=20)
+    path.write_text(json.dumps({**config, "top_k": 20, "do_sample": "false"}))  # not a boolean: not read as true
+    with pytest.raises(UsageError, match="generation_config.json: 'do_sample' must be true or false, got 'false'"):
+        LLM(folder, device="cpu", dtype="float32")
 
 
 def test_null_values_in_generation_config_are_left_out(tmp_path):

@@ -149,9 +149,18 @@ def test_unsupported_rope_scaling(capsys, broken):
     (lambda c: c.update(quantization_config={"quant_method": "fp8", "weight_block_size": [128]}),
      ["weight_block_size", "two positive integers"]),
     (lambda c: c.update(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128],
-                                             "activation_scheme": "static"}), ["static", "dynamic"]),
+                                             "activation_scheme": "static"}), ["FP8 e4m3 weights with static"]),
+    (lambda c: c.update(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128],
+                                             "fmt": "e5m2"}), ["FP8 e5m2 weights with dynamic"]),
+    # numbers that pass as numbers but overflow float32: every logit NaN, the answer token 0
+    (lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": 1e-300}), ["rope_theta 1e-300 gives rotary angles that overflow float32"]),
+    (lambda c: c.update(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 1e-300,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0}),
+     ["with its rope scaling gives rotary angles that overflow"]),
+    (lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                                         "attention_factor": 1e300}), ["attention_factor 1e+300 is above 10"]),
 ], ids=["eps", "kv-heads", "max-pos", "eos", "llama3-no-factor", "theta", "awq", "fp8-per-tensor", "fp8-block",
-        "fp8-static"])
+        "fp8-static", "fp8-e5m2", "theta-tiny", "llama3-factor-tiny", "yarn-attention-factor"])
 def test_bad_config_values(capsys, broken, change, words):
     """Values of the wrong type or range: a clear error naming the key, not an
     "internal error" from deep inside the engine (or a silently wrong model)."""

@@ -139,6 +139,11 @@ def test_bad_moe_configs_fail_in_one_line(moe_checkpoint, clone_checkpoint, chan
     assert "\n" not in str(e.value)
 
 
+def test_a_null_norm_topk_prob_is_false_as_in_transformers(moe_checkpoint, clone_checkpoint):
+    folder = clone_checkpoint(moe_checkpoint("moe").path, norm_topk_prob=None)
+    assert ModelConfig.from_pretrained(folder).norm_topk_prob is False
+
+
 def test_published_num_experts_key(moe_checkpoint, clone_checkpoint):
     """Published Qwen3-MoE configs say `num_experts`; transformers 5 writes `num_local_experts`."""
     folder = clone_checkpoint(moe_checkpoint("moe").path, num_local_experts=None, num_experts=8)

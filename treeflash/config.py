@@ -131,6 +131,22 @@ def _yarn(scaling: dict, where: str) -> dict:
     return {**scaling, "rope_type": "yarn"}
 
 
+MAX_ATTENTION_FACTOR = 10.0  # YaRN's own, 0.1 ln(factor) + 1, reaches it at a factor of e^90
+
+
+def _check_rotary(head_dim: int, theta: float, scaling: dict | None, max_pos: int, where: str) -> None:
+    """Refuse RoPE settings that pass as numbers but overflow float32 (a tiny rope_theta or
+    scaling factor makes infinite frequencies, a huge YaRN attention_factor infinite cos
+    and sin): every logit would be NaN, and the model would answer token 0."""
+    from treeflash.layers.rotary import rope_inv_freq, yarn_attention_factor
+    if not torch.isfinite(rope_inv_freq(head_dim, theta, scaling) * max_pos).all():
+        raise TreeflashError(f"{where}: rope_theta {theta:g}" + (" with its rope scaling" if scaling else "")
+                             + f" gives rotary angles that overflow float32 over {max_pos} positions")
+    if yarn_attention_factor(scaling) > MAX_ATTENTION_FACTOR:
+        raise TreeflashError(f"{where}: rope scaling attention_factor {yarn_attention_factor(scaling):g} is above "
+                             f"{MAX_ATTENTION_FACTOR:g} (it scales every attention score by its square)")
+
+
 def token_id_list(value, key: str, where: str) -> list[int]:
     """A config's token id or list of them (eos_token_id's two forms) as a list."""
     if value is None:
@@ -155,16 +171,13 @@ def _moe_fields(data: dict, num_layers: int, where: str) -> dict:
         moe_intermediate_size=_require(data, "moe_intermediate_size", where),
         decoder_sparse_step=_require({"decoder_sparse_step": data.get("decoder_sparse_step", 1)},
                                      "decoder_sparse_step", where),
-        norm_topk_prob=data.get("norm_topk_prob", False),
+        norm_topk_prob=_flag(data, "norm_topk_prob", where),
         mlp_only_layers=data.get("mlp_only_layers") or [],
         n_shared_experts=data.get("n_shared_experts") or 0,
     )
     if top_k > fields["num_experts"]:
         raise TreeflashError(f"{where}: num_experts_per_tok ({top_k}) exceeds "
                              f"num_experts ({fields['num_experts']})")
-    if not isinstance(fields["norm_topk_prob"], bool):
-        raise TreeflashError(f"{where}: 'norm_topk_prob' must be true or false, "
-                             f"got {fields['norm_topk_prob']!r}")
     layers = fields["mlp_only_layers"]
     if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool)
                                                and 0 <= i < num_layers for i in layers):
@@ -323,10 +336,10 @@ def _fp8_blocks(quant, where: str) -> dict:
                                                                 and b > 0 for b in block)):
         raise TreeflashError(f"{where}: quantization_config.weight_block_size must be two positive "
                              f"integers, got {block!r}")
-    if quant.get("fmt", "e4m3") != "e4m3" or quant.get("activation_scheme", "dynamic") != "dynamic":
-        raise TreeflashError(f"{where}: FP8 {quant.get('fmt')} weights with "
-                             f"{quant.get('activation_scheme')} activation scales are not supported (only e4m3, "
-                             f"dynamic)")
+    fmt, scheme = quant.get("fmt", "e4m3"), quant.get("activation_scheme", "dynamic")
+    if fmt != "e4m3" or scheme != "dynamic":
+        raise TreeflashError(f"{where}: FP8 {fmt} weights with {scheme} activation scales are not supported "
+                             f"(only e4m3, dynamic)")
     return {"fp8_block": tuple(block)}  # which layers: `from_pretrained` reads the weights' dtypes
 
 
@@ -434,6 +447,9 @@ class ModelConfig:
         if head_dim % 2:
             raise TreeflashError(f"{where}: head_dim {head_dim} is odd (rotary embeddings turn "
                                  f"pairs of features)")
+        max_pos = ARCH_DEFAULTS[arch]["max_position_embeddings"] if max_pos is None \
+            else _require(data, "max_position_embeddings", where)
+        _check_rotary(head_dim, theta, scaling, max_pos, where)
         vocab = _require(data, "vocab_size", where)
         eos = token_id_list(data.get("eos_token_id"), "eos_token_id", where)
         if any(e >= vocab for e in eos):
@@ -450,8 +466,7 @@ class ModelConfig:
             rms_norm_eps=_number(data.get("rms_norm_eps", 1e-6), "rms_norm_eps", where, positive=False),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=ARCH_DEFAULTS[arch]["max_position_embeddings"] if max_pos is None
-            else _require(data, "max_position_embeddings", where),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=_flag(data, "tie_word_embeddings", where),
             attention_bias=_flag(data, "attention_bias", where, default=arch == "gpt_oss"),
             mlp_bias=_flag(data, "mlp_bias", where),

@@ -251,6 +251,8 @@ def generation_defaults(folder: str | Path) -> dict:
     if not path.is_file():
         return {}
     config = read_json_object(path, missing_ok=False)
+    if not isinstance(config.get("do_sample", False), (bool, type(None))):  # "false" would read as sampling
+        raise UsageError(f"{path}: 'do_sample' must be true or false, got {shown(config['do_sample'])}")
     got = {k: config[k] for k in GENERATION_KEYS if config.get(k) is not None}
     for k in ("top_k", "max_new_tokens"):  # 20.0 is 20
         if isinstance(got.get(k), float) and got[k].is_integer():
