@@ -1080,6 +1080,25 @@ def test_added_tokens_that_are_not_special_are_text():
     assert added not in tok.special_ids and automaton.next[0, added] != -1
 
 
+def test_ids_a_vocabulary_leaves_unused_are_never_allowed(tmp_path):
+    """A vocabulary with unused ids (a WordLevel one's words at 1000+): those ids name no
+    text, so no constraint allows them (an empty token would hold a state forever)."""
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, models, pre_tokenizers
+
+    from treeflash.structured.cache import AutomatonCache
+    from treeflash.tokenizer import Tokenizer
+    hf = HFTokenizer(models.WordLevel(vocab={"<|endoftext|>": 0, "[UNK]": 1, "a": 2, "b": 1000}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    tok = Tokenizer(tmp_path)
+    assert tok.vocab_size == 1001
+    automaton = AutomatonCache(tok, 1024).get(StructuredOutputs(regex="[ab]*"))
+    allowed = set((automaton.next[0] != -1).nonzero()[0].tolist())
+    assert {2, 1000} <= allowed and not allowed & (set(range(3, 1000)) | set(range(1001, 1024)))
+
+
 def test_a_constrained_chain_is_the_best_one_the_constraint_allows(engines):
     """DFlash's chain under a constraint takes, depth by depth, the best draft token
     that the state after the chain so far allows (exact while those tokens are among the

@@ -93,6 +93,27 @@ def test_corpus_dedup_split_cap(tmp_path):
     assert capped.stats["capped"] and len(capped.train) + len(capped.heldout) == 3
 
 
+def test_a_vocabulary_with_unused_ids_is_stored_by_its_largest_id(tmp_path):
+    """A tokenizer may leave ids unused (a WordLevel vocabulary with words at 70000+): the
+    corpus is stored for its largest id, not its count of tokens (uint16 overflowed), and
+    its vocab_size is that id + 1, which the target's must reach."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, "x": 2, "=": 3, "1": 70_000}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(8):
+        (src / f"m{i}.py").write_text(f"x = 1\n# {i}\n")
+    meta = write_corpus(tmp_path / "tok", tmp_path / "data", [src], heldout_fraction=0.25)
+    assert meta["vocab_size"] == 70_001 and meta["dtype"] == "int32"
+    assert 70_000 in np.load(tmp_path / "data" / "train.npy")
+
+
 def test_corpus_of_your_own_text(tmp_path, data_dir):
     """--suffixes: a drafter for a chat or prose target trains on text like its own. Text
     files are whole documents (long lines and large files kept: paragraphs, books); a

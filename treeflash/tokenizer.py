@@ -156,7 +156,9 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self.tok.get_vocab_size(with_added_tokens=True)
+        """The ids' range, largest + 1: a vocabulary may leave ids unused (a WordLevel
+        tokenizer's, an added token far past the rest), so its count may be smaller."""
+        return max(self.tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     @cached_property
     def longest_token_bytes(self) -> int:

@@ -35,10 +35,11 @@ class AutomatonCache:
 
     @cached_property
     def vocab(self) -> list[bytes | None]:
-        """Each model token id's bytes; None for special tokens and ids past the tokenizer's."""
+        """Each model token id's bytes; None for special tokens and ids that name no token."""
         tok = self.tokenizer
         special = {i for i, t in tok.tok.get_added_tokens_decoder().items() if t.special}
-        return [None if i in special or i >= tok.vocab_size else tok.token_bytes(i) for i in range(self.vocab_size)]
+        named = set(tok.tok.get_vocab(with_added_tokens=True).values()) - special
+        return [tok.token_bytes(i) if i in named else None for i in range(self.vocab_size)]
 
     @contextmanager
     def pinned(self, constraints: list[StructuredOutputs]):
