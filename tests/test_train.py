@@ -1409,6 +1409,24 @@ def test_corpus_and_tokenizer_cli_options(data_dir, tmp_path, capsys):
     assert "not a comma-separated list of integers: '1,x'" in capsys.readouterr().err
 
 
+def test_an_export_clears_what_a_killed_export_left(tmp_path):
+    """A process killed while exporting (SIGKILL, the OS) leaves its hidden partial copy
+    beside the export: the next export removes it, and leaves alone those of processes
+    that still run (an export under way)."""
+    import subprocess
+    import sys
+
+    from treeflash.train.common import exporting
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, alive = tmp_path / f".model.export-{done.stdout.strip()}", tmp_path / f".model.export-{os.getppid()}"
+    for left in (dead, alive):
+        left.mkdir()
+        (left / "model.safetensors").write_bytes(b"partial")
+    with exporting(tmp_path / "model") as folder:
+        (folder / "config.json").write_text("{}")
+    assert (tmp_path / "model" / "config.json").exists() and not dead.exists() and alive.exists()
+
+
 def test_generate_defaults_and_its_bad_inputs(target, data_dir, tmp_path):
     """At least 16 held-out continuations by default; prompts longer than the corpus, a
     held-out split too short for its prompts, and rows past the target's context are
@@ -1418,10 +1436,17 @@ def test_generate_defaults_and_its_bad_inputs(target, data_dir, tmp_path):
                                   new_tokens=2, device="cpu")
     with np.load(meta["path"]) as f:
         assert f["ids"].shape == (1, 6) and f["heldout_ids"].shape == (16, 6)
-    size = load_corpus(data_dir).train.size
-    with pytest.raises(UsageError, match=f"the corpus has {size} tokens, too few for prompts of {size}"):
-        generate_continuations(base / "model", data_dir, tmp_path / "g", num_prompts=1, prompt_len=size,
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "a.py").write_text("x = 1\n")
+    write_corpus(data_dir, tmp_path / "small", [tmp_path / "one"], heldout_fraction=0)
+    size = load_corpus(tmp_path / "small").train.size
+    with pytest.raises(UsageError, match=f"the corpus has {size} tokens, too few for prompts of 8"):
+        generate_continuations(base / "model", tmp_path / "small", tmp_path / "g", num_prompts=1, prompt_len=8,
                                new_tokens=2, device="cpu", heldout_prompts=0)
+    # rows past the context come first: the corpus' advice would not help them
+    with pytest.raises(UsageError, match="prompt_len \\+ new_tokens = 33 exceeds the target's context of 32"):
+        generate_continuations(base / "model", tmp_path / "small", tmp_path / "g", num_prompts=1,
+                               prompt_len=31, new_tokens=2, device="cpu")
     write_corpus(data_dir, tmp_path / "no-heldout", [data_dir.parent / "src"], heldout_fraction=0)
     with pytest.raises(UsageError, match="the held-out split has 0 tokens, too few for prompts of 4"):
         generate_continuations(base / "model", tmp_path / "no-heldout", tmp_path / "g", num_prompts=1, prompt_len=4,
@@ -1444,13 +1469,16 @@ def test_drafter_options_are_checked_before_training(target, data_dir, tmp_path)
                          (dict(opts=TrainOptions(**{**OPTS, "max_steps": 1, "seq_len": 4})),
                           "--seq-len 4 is too short for blocks of 4"),
                          (dict(tau_prompts=1, tau_new_tokens=32),
-                          "32 new tokens leave no room for a prompt in the target's context of 32"),
+                          "--tau-new-tokens 32 leaves no room for a prompt in the target's context of 32"),
                          (dict(dtype="int8"), "export dtype must be bfloat16, float16 or float32, got 'int8'"),
                          (dict(data=big), "tokenized with a vocabulary of 1000000, larger than the target's 320")):
         args = {"opts": opts, "tau_prompts": 0, **kwargs}
         with pytest.raises(UsageError, match=what):
             train_drafter(base / "model", args.pop("data", data_dir), tmp_path / "run", None, shape, **args)
         assert not (tmp_path / "run" / "run.json").exists()
+    # the default τ continuations fit the target's context (32 tokens), as the default --seq-len does
+    summary = train_drafter(base / "model", data_dir, tmp_path / "run", None, shape, opts, tau_prompts=1)
+    assert summary["tau_dflash"] >= 1 and json.loads((tmp_path / "run" / "run.json").read_text())
 
 
 def test_a_target_tokenizer_without_a_mask_token_needs_an_id(target, data_dir, tmp_path, capsys):

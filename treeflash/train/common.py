@@ -10,6 +10,7 @@ elsewhere (`--out`), so a folder of results never carries optimizer state.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import math
 import os
@@ -702,7 +703,9 @@ def exporting(out: Path):
     interrupted export leaves the earlier one whole (never weights without config.json, or
     shards of two exports)."""
     tmp = out.parent / f".{out.name}.export-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a process of this id that died exporting
+    for left in out.parent.glob(f".{glob.escape(out.name)}.export-*"):  # by processes that died exporting
+        if left == tmp or not _alive(left.name.rpartition("-")[2]):
+            shutil.rmtree(left, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         yield tmp
@@ -714,6 +717,19 @@ def exporting(out: Path):
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: str) -> bool:
+    """Whether a process of this id runs on this host (its export is under way)."""
+    if not pid.isdigit():
+        return True  # not a folder of ours: left alone
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], folder: Path, dtype: torch.dtype,

@@ -291,6 +291,9 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
     out = out if out.suffix == ".npz" else out.with_name(out.name + ".npz")  # as numpy names it
     _check_generated_out(out, target_dir, data_dir)
     _require_target(target_dir)
+    context = ModelConfig.from_pretrained(target_dir).max_position_embeddings
+    if prompt_len + new_tokens > context:  # before the corpus' checks, whose advice would not help
+        raise UsageError(f"prompt_len + new_tokens = {prompt_len + new_tokens} exceeds the target's context of {context}")
     data = load_corpus(data_dir)
     _require_same_tokenizer(data, target_dir)
     if data.train.size <= prompt_len:
@@ -416,7 +419,9 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
                             "tau_new_tokens": tau_new_tokens, "out": abs_path(out_dir),
                             "max_shard_mb": max_shard_mb},
                            {**DEFAULT_OPTIONS, **DRAFTER_OPTIONS,  # default sequences fit the target's context
-                            "seq_len": min(DRAFTER_OPTIONS["seq_len"], tcfg.max_position_embeddings)})
+                            "seq_len": min(DRAFTER_OPTIONS["seq_len"], tcfg.max_position_embeddings),
+                            "tau_new_tokens": min(DRAFTER_OPTIONS["tau_new_tokens"],
+                                                  max(1, tcfg.max_position_embeddings // 2))})
     opts = TrainOptions.of(o).validate()
     check_shard_mb(o["max_shard_mb"])
     generated, gamma, blocks_per_seq = o["generated"], o["gamma"], o["blocks_per_seq"]
@@ -449,7 +454,7 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
                          f"{tcfg.max_position_embeddings} tokens (max_position_embeddings)")
     plen = min(64, tcfg.max_position_embeddings - tau_new_tokens)  # τ prompts
     if tau_prompts and plen < 1:
-        raise UsageError(f"{tau_new_tokens} new tokens leave no room for a prompt in the target's "
+        raise UsageError(f"--tau-new-tokens {tau_new_tokens} leaves no room for a prompt in the target's "
                          f"context of {tcfg.max_position_embeddings}")
     data = load_corpus(data_dir)
     _require_same_tokenizer(data, target_dir)
