@@ -30,7 +30,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("httpx")
 from starlette.testclient import TestClient  # noqa: E402
 
-from treeflash import LLM, SamplingParams, UsageError  # noqa: E402
+from treeflash import LLM, SamplingParams, StructuredOutputs, UsageError  # noqa: E402
 from treeflash.engine.options import builtin_paths  # noqa: E402
 from treeflash.server.app import build_app  # noqa: E402
 from treeflash.chat import ChatFormat, ChatTemplate  # noqa: E402
@@ -1681,6 +1681,32 @@ def test_treeflash_serve_shuts_down_promptly():
     assert "Traceback" not in proc.stderr.read()
 
 
+def test_a_second_ctrl_c_exits_at_once_without_a_traceback():
+    """Ctrl-C twice (an impatient user) with a request running: the server exits at
+    once, as "interrupted" (130), with no traceback from asyncio's own handler."""
+    import signal
+    proc, _, base, _ = _serve()
+    body = {"prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True}
+    def ask():
+        try:
+            _status(base + "/v1/completions", body)
+        except OSError:  # the server went away mid-answer
+            pass
+    asker = threading.Thread(target=ask, daemon=True)
+    try:
+        asker.start()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 130
+    finally:
+        proc.kill()
+        proc.wait(30)
+    err = proc.stderr.read()
+    assert "Traceback" not in err and err.strip().endswith("treeflash: interrupted"), err
+
+
 def test_truncate_prompt_tokens(client, llm):
     """vLLM's truncate_prompt_tokens: the prompt's last k tokens (usage counts those; echo
     shows them), also for chat and for a prompt longer than the context."""
@@ -1764,6 +1790,45 @@ def test_slow_compiles_do_not_hold_up_other_requests(llm, chat_model, slow_compi
             t.join(60)
     assert all(r.status_code == 200 and r.json()["choices"][0]["text"].startswith(str(k)) for k, r in got.items())
     assert len(got) == readers + 1
+
+
+def test_a_compile_waits_only_for_clients_still_there(llm, monkeypatch):
+    """Structured outputs compile one at a time: a compile whose client left while it waited
+    its turn is dropped (never run), and a constraint compiled already is checked at once,
+    not behind the compile under way."""
+    import treeflash.structured.cache as cache_module
+    plain, gate, compiled = cache_module.token_automaton, threading.Event(), []
+
+    def held(*args):
+        compiled.append(1)
+        gate.wait(30)
+        return plain(*args)
+    monkeypatch.setattr(cache_module, "token_automaton", held)
+    app = build_app(llm, "tiny", None)
+    body = {"prompt": PROMPT, "max_tokens": 2}
+    stay = dict(leave=lambda sent: False)
+
+    async def scenario():
+        gate.set()
+        known = {**body, "structured_outputs": {"regex": "[a-z]+"}}
+        assert (await _asgi(app, "POST", "/v1/completions", known, **stay))[0] == 200
+        gate.clear()
+        slow = asyncio.ensure_future(_asgi(app, "POST", "/v1/completions",
+                                           {**body, "structured_outputs": {"regex": "[0-9]+"}}, **stay))
+        while len(compiled) < 2:  # its compile is under way
+            await asyncio.sleep(0.01)
+        status, text = await _asgi(app, "POST", "/v1/completions", {**body, "structured_outputs": {"regex": "x+"}})
+        assert status == 499 and "disconnected" in json.loads(text)["error"]["message"]
+        assert (await asyncio.wait_for(_asgi(app, "POST", "/v1/completions", known, **stay), 20))[0] == 200
+        gate.set()
+        assert (await slow)[0] == 200
+    try:
+        asyncio.run(scenario())
+    finally:
+        gate.set()
+        app.state.shutdown()
+    assert len(compiled) == 2  # not x+'s
+    assert not llm.rules.automata.known(StructuredOutputs(regex="x+"))
 
 
 def test_draining_answers_requests_being_checked_and_new_ones(llm, chat_model, slow_compiles):
@@ -1976,13 +2041,15 @@ def _http_scope(method: str, path: str, headers: tuple = ()) -> dict:
             "server": ("testserver", 80)}
 
 
-async def _asgi(app, method: str, path: str, body: dict | None = None, leave=None):
+async def _asgi(app, method: str, path: str, body: dict | None = None, leave=None, gone: asyncio.Event | None = None):
     """One request to `app` over raw ASGI: (status, body bytes). Its client goes away
-    (http.disconnect) once `leave(messages sent so far)` is true; at once after its body
-    when `leave` is None and there is a body."""
-    sent, gone, asked = [], asyncio.Event(), []
-    if body is not None and leave is None:
-        gone.set()
+    (http.disconnect) once `leave(messages sent so far)` is true, or when `gone` is set;
+    at once after its body when neither is given and there is a body."""
+    sent, asked = [], []
+    if gone is None:
+        gone = asyncio.Event()
+        if body is not None and leave is None:
+            gone.set()
 
     async def receive():
         if not asked:
@@ -2054,6 +2121,77 @@ def test_metrics_gauge_running_and_waiting_requests(llm, monkeypatch):
             for t in threads:
                 t.join(60)
         _wait(lambda: (lambda m: m["treeflash_requests_running"] == m["treeflash_requests_waiting"] == 0)(scrape(c)))
+
+
+def test_requests_waiting_counts_only_clients_still_there(llm, monkeypatch):
+    """/metrics' treeflash_requests_waiting drops as soon as a queued request's client
+    leaves, not when the engine reaches it (vLLM's num_requests_waiting)."""
+    real, gate = llm.generate, threading.Event()
+
+    def held(*args, **kw):
+        gate.wait(30)
+        return real(*args, **kw)
+    monkeypatch.setattr(llm, "generate", held)
+    app = build_app(llm, "tiny", None)
+    body = {"prompt": PROMPT, "max_tokens": 2}
+
+    async def gauges():
+        for _ in range(1000):
+            got = metric_samples((await _asgi(app, "GET", "/metrics"))[1].decode())
+            yield got["treeflash_requests_running"], got["treeflash_requests_waiting"]
+            await asyncio.sleep(0.01)
+
+    async def until(want):
+        async for now in gauges():
+            if now == want:
+                return
+        raise AssertionError(f"the gauges never read {want}")
+
+    async def scenario():
+        first = asyncio.ensure_future(_asgi(app, "POST", "/v1/completions", body, leave=lambda sent: False))
+        await until((1, 0))
+        left = asyncio.Event()
+        queued = [asyncio.ensure_future(_asgi(app, "POST", "/v1/completions", body, gone=left)) for _ in range(2)]
+        await until((1, 2))
+        left.set()
+        await until((1, 0))  # while the first still runs
+        gate.set()
+        assert (await first)[0] == 200 and [(await q)[0] for q in queued] == [499, 499]
+    try:
+        asyncio.run(scenario())
+    finally:
+        gate.set()
+        app.state.shutdown()
+
+
+def test_tokenize_calls_have_threads_of_their_own(llm, monkeypatch):
+    """/tokenize has no length limit (as vLLM's), and megabytes take the tokenizer a
+    minute: however many such calls wait, a completion is answered meanwhile (they held
+    every thread that reads requests)."""
+    import treeflash.server.app as app_module
+    real, gate = app_module.parse_tokenize, threading.Event()
+
+    def held(*args):
+        gate.wait(30)
+        return real(*args)
+    monkeypatch.setattr(app_module, "parse_tokenize", held)
+    app = build_app(llm, "tiny", None)
+    readers = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor
+
+    async def scenario():
+        tokenizing = [asyncio.ensure_future(_asgi(app, "POST", "/tokenize", {"prompt": "x = 1"},
+                                                  leave=lambda sent: False)) for _ in range(readers + 2)]
+        await asyncio.sleep(0.2)
+        status, _ = await asyncio.wait_for(_asgi(app, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2},
+                                                 leave=lambda sent: False), 20)
+        assert status == 200 and not any(t.done() for t in tokenizing)
+        gate.set()
+        assert {(await t)[0] for t in tokenizing} == {200}
+    try:
+        asyncio.run(scenario())
+    finally:
+        gate.set()
+        app.state.shutdown()
 
 
 def test_min_tokens_holds_stop_strings_back_in_a_stream_too(client, llm):

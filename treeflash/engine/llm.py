@@ -430,6 +430,11 @@ class LLM:
         """Raise UsageError (one line) if p does not fit this model (see `RequestRules`)."""
         self.rules.check(p)
 
+    def would_compile(self, p: SamplingParams) -> bool:
+        """Whether checking p compiles its structured output (seconds at times): one not
+        compiled, nor refused, yet."""
+        return p.structured_outputs is not None and not self.rules.automata.known(p.structured_outputs)
+
     def default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` sample with when given no parameters: `SamplingParams`'
         defaults (greedy, 128 new tokens) under the values of the model's

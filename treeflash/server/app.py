@@ -44,6 +44,7 @@ _DONE = object()  # end of a streamed job's deltas
 MAX_BODY_BYTES = 32 << 20
 COMPILE_THREADS = 1  # structured outputs compiled at once: mostly Python, so a second thread would mostly
                      # take the interpreter from the others (a plain request 0.7 s -> 2.7 s behind 8 compiles)
+TOKENIZE_THREADS = 2  # /tokenize and /detokenize at once: a few huge ones leave the rest of the API alone
 log = logging.getLogger("treeflash.server")
 
 
@@ -172,6 +173,11 @@ class EngineWorker:
         job = Job(req, asyncio.get_running_loop(), self.llm.tokenizer, self.metrics, self.llm.rules.end_ids(req.params))
         self.jobs.put(job)
         return job
+
+    def waiting(self) -> int:
+        """Queued jobs whose clients are still there (those that left are dropped when reached)."""
+        with self.jobs.mutex:
+            return sum(job is not None and not job.cancelled for job in self.jobs.queue)
 
     def drain(self) -> None:
         """Shutting down (any thread): fail the queued jobs and end the running ones at
@@ -324,11 +330,16 @@ async def _read_json(request: HTTPRequest) -> dict:
     return body
 
 
-async def _watch_disconnect(request: HTTPRequest, job: Job) -> None:
-    """Mark `job` cancelled when its client disconnects (the body is read already, so
-    the next ASGI message is the disconnect)."""
+async def _disconnected(request: HTTPRequest) -> None:
+    """Return when the client disconnects (the body is read already, so the next ASGI
+    message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _watch_disconnect(request: HTTPRequest, job: Job) -> None:
+    """Mark `job` cancelled when its client disconnects."""
+    await _disconnected(request)
     job.cancel()
 
 
@@ -345,7 +356,7 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
     back apart (`treeflash.server.answers`; 'openai' implies 'openai_gptoss'). Its worker
     starts with the app's lifespan."""
     tool_parser, reasoning_parser = chat_parsers(tool_parser, reasoning_parser)
-    state = {}
+    state = {"pools": {}}
     served = (model_name, *aliases)
     created = int(time.time())  # the model cards' time, as vLLM's: when the server took the model
     checking: dict[asyncio.Task, asyncio.AbstractEventLoop] = {}  # requests being read and checked: drain ends them
@@ -355,12 +366,13 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
             state["worker"] = EngineWorker(llm, max_batch)
         return state["worker"]
 
-    def compiler() -> ThreadPoolExecutor:
-        """A constraint's compile holds a thread of its own, not one of those that read the
-        other requests: a few slow ones must not stall every client's admission."""
-        if "compiler" not in state:
-            state["compiler"] = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="treeflash-compile")
-        return state["compiler"]
+    def pool(name: str, threads: int) -> ThreadPoolExecutor:
+        """Threads of their own for slow work that must not stall every client's admission,
+        as it would in the pool that reads the requests: a constraint's compile
+        ("compile"), tokenizing megabytes for /tokenize ("tokenize")."""
+        if name not in state["pools"]:
+            state["pools"][name] = ThreadPoolExecutor(threads, thread_name_prefix=f"treeflash-{name}")
+        return state["pools"][name]
 
     async def stream(job: Job):
         req = job.req
@@ -428,7 +440,20 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         body = await _read_json(request)
         loop = asyncio.get_running_loop()
         req = await loop.run_in_executor(None, parse, body)
-        await loop.run_in_executor(compiler() if req.params.structured_outputs is not None else None, check, req, body)
+        if not llm.would_compile(req.params):
+            await loop.run_in_executor(None, check, req, body)
+            return req
+        # a compile waits its turn, dropped if its client leaves first (one under way ends)
+        compiled, gone = loop.run_in_executor(pool("compile", COMPILE_THREADS), check, req, body), \
+            asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait((compiled, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not compiled.done():
+            compiled.cancel()
+            raise APIError("the client disconnected while its structured output waited to be compiled", status=499)
+        compiled.result()
         return req
 
     async def serve(request: HTTPRequest, parse) -> JSONResponse | StreamingResponse:
@@ -522,16 +547,18 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         return await answered_off_loop(request, detokenized)
 
     async def answered_off_loop(request: HTTPRequest, answer) -> JSONResponse:
-        """answer(body) run in a thread: a long text or id list keeps no other client waiting."""
+        """answer(body) in a thread of its own: a long text or id list keeps no other
+        client waiting, nor do many of them (/tokenize has no length limit, as vLLM's)."""
         try:
             body = await _read_json(request)
-            return AsciiJSONResponse(await asyncio.get_running_loop().run_in_executor(None, answer, body))
+            return AsciiJSONResponse(await asyncio.get_running_loop().run_in_executor(
+                pool("tokenize", TOKENIZE_THREADS), answer, body))
         except APIError as e:
             return error_response(e)
 
     async def metrics(_):
         w = worker()
-        text = w.metrics.render(running=len(w.running), waiting=w.jobs.qsize(), graph_captures=llm.graph_captures)
+        text = w.metrics.render(running=len(w.running), waiting=w.waiting(), graph_captures=llm.graph_captures)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def http_error(_, exc: HTTPException):  # unknown paths, wrong methods: OpenAI bodies too
@@ -545,8 +572,9 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
 
     def shutdown() -> None:
         state["closing"] = True
-        if "compiler" in state:
-            state.pop("compiler").shutdown(wait=False, cancel_futures=True)
+        for executor in state["pools"].values():
+            executor.shutdown(wait=False, cancel_futures=True)
+        state["pools"].clear()
         if "worker" in state:
             state.pop("worker").stop()
 

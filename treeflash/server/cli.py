@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -134,6 +135,11 @@ def cmd_serve(args) -> int:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGTERM / Ctrl-C: running and queued requests end now (503)
+            if self.should_exit and sig == signal.SIGINT:  # a second Ctrl-C: exit now, as uvicorn does,
+                self.force_exit = True  # with no traceback: the signal is not raised again after the first
+                # (asyncio's handler), and the lifespan it cuts short is not reported as failed (Starlette's)
+                logging.getLogger("uvicorn.error").disabled = True
+                return
             # from a thread: this handler interrupts the event loop's thread anywhere, maybe
             # inside a lock that draining takes (the metrics', the queue's)
             threading.Thread(target=app.state.drain, name="treeflash-drain", daemon=True).start()

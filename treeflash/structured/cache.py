@@ -56,6 +56,12 @@ class AutomatonCache:
                     if not self._pins[key]:
                         del self._pins[key]
 
+    def known(self, constraint: StructuredOutputs) -> bool:
+        """Whether `get` answers at once: compiled and kept, or refused."""
+        key = constraint.key()
+        with self._lock:
+            return key in self.kept or key in self.refused
+
     def get(self, constraint: StructuredOutputs) -> TokenAutomaton:
         key = constraint.key()
         with self._lock:
