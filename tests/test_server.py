@@ -1177,12 +1177,46 @@ def test_a_final_message_can_be_continued(llm, monkeypatch):
      [{"role": "assistant", "content": "b", "reasoning": "r"}, {"role": "assistant", "content": "c", "thinking": "t"},
       {"role": "assistant", "content": "d", "reasoning_content": "rc", "thinking": "t2"}], False,
      "[r|r]b[t|t]c[t2|rc]d"),
+    # a template that loops over a message's parts (Gemma 3's) gets them; others the text (vLLM's formats)
+    ("{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}|{% endfor %}",
+     [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]},
+      {"role": "user", "content": "plain"}], False, "Helloworld|plain|"),
+    ("{% for m in messages %}{% set c = m.content %}{% for p in c | selectattr('type', 'eq', 'text') %}"
+     "{{ p.text }}{% endfor %}|{% endfor %}",
+     [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b "}]}], True, "ab "),
+    ("{% for m in messages %}{{ m.content }}|{% endfor %}",
+     [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}], False,
+     "Hello\nworld|"),
+    # an answer cut short in its reasoning comes back with content null
+    ("{% for m in messages %}[{{ m.reasoning_content }}]{{ m.content }}{% endfor %}",
+     [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "reasoning_content": "hmm"},
+      {"role": "user", "content": "go on"}], False, "[]q[hmm][]go on"),
+    # documents are None unless given (RAG templates test them); what {% generation %} sets stays inside
+    ("{% if documents is not none %}D{% endif %}{% set x = 'out' %}{% generation %}{% set x = 'in' %}"
+     "{{ messages[0].content }}{% endgeneration %}{{ x }}", [{"role": "user", "content": "q"}], False, "qout"),
 ])
 def test_messages_reach_the_template_as_transformers_gives_them(source, messages, continued, want):
     """As transformers' apply_chat_template (and so vLLM) renders them, checked against it
     where these cases were written."""
     fmt = ChatFormat(add_generation_prompt=False, continue_final_message=continued)
     assert ChatTemplate(source).prompt(messages, fmt) == want
+
+
+def test_documents_reach_the_template_and_an_empty_final_message_is_not_continued(llm, monkeypatch):
+    """vLLM's `documents` (a retrieval-augmented prompt's) reach the template; a final
+    message with no content (a turn that only called tools) has nothing to continue."""
+    template = ChatTemplate("{% for d in documents or [] %}[{{ d.title }}]{% endfor %}"
+                            "{% for m in messages %}{{ m.content }}{% endfor %}")
+    with TestClient(build_app(llm, "tiny", template)) as c:
+        talk = {"messages": [{"role": "user", "content": "q"}]}
+        got = c.post("/tokenize", json={**talk, "documents": [{"title": "a"}, {"title": "b"}]}).json()
+        assert llm.tokenizer.decode(got["tokens"]) == "[a][b]q"
+        r = c.post("/v1/chat/completions", json={**talk, "max_tokens": 1, "documents": "a"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
+    calls = [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]
+    with pytest.raises(UsageError, match="the final message has no content to continue"):
+        template.prompt([{"role": "user", "content": "q"}, *calls],
+                        ChatFormat(add_generation_prompt=False, continue_final_message=True))
 
 
 def test_a_model_without_chat_template_refuses_chat(llm):

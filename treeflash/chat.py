@@ -25,11 +25,12 @@ REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")  # the first th
 CONTINUE_MARK = "TreeflashContinueHere "  # where a continued final message ends, found in the rendered text
 
 
-def plain_messages(messages) -> list[dict]:
+def plain_messages(messages, parts: bool = False) -> list[dict]:
     """A conversation as a template takes it: [{"role", "content"}] with text content
-    (OpenAI's list of text parts joined by newlines, as vLLM does) and the messages'
-    other keys as given (a template may read `reasoning_content`, `tool_call_id`, ...);
-    a UsageError names the first message that is not one."""
+    (OpenAI's list of text parts joined by newlines, as vLLM does; kept as the list with
+    `parts`, for a template that loops over them) and the messages' other keys as given (a
+    template may read `reasoning_content`, `tool_call_id`, ...); a UsageError names the
+    first message that is not one."""
     if not isinstance(messages, list) or not messages:
         raise UsageError("'messages' must be a non-empty list of messages")
     plain = []
@@ -37,20 +38,26 @@ def plain_messages(messages) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
             raise UsageError(f"messages[{i}] must be an object with a non-empty string 'role'")
         content = m.get("content")
+        texts = [content]
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             for j, p in enumerate(content):
                 if not isinstance(p, dict) or p.get("type") != "text":
                     raise UsageError(f"messages[{i}]: only text content parts are supported")
                 if not isinstance(p.get("text"), str):
                     raise UsageError(f"messages[{i}].content[{j}]: a text part must have a string 'text'")
-            content = "\n".join(p["text"] for p in content)
-        calls = m.get("tool_calls")
-        if content is None and calls:  # an assistant's turn that only calls tools
-            content = ""
-        if not isinstance(content, str):
+            texts = [p["text"] for p in content]
+            content = content if parts else "\n".join(texts)
+        # an assistant's turn that only calls tools, or only reasoned (an answer cut short
+        # in its reasoning comes back with content null)
+        if content is None and (m.get("tool_calls") or m["role"] == "assistant"):
+            content = texts[0] = ""
+        if not isinstance(content, (str, list)):
             raise UsageError(f"messages[{i}] must have string 'content'")
-        if not (is_text(content) and is_text(m["role"])):
+        if parts and isinstance(content, str):  # one part, for a template that loops over them
+            content = [{"type": "text", "text": content}]
+        if not (all(map(is_text, texts)) and is_text(m["role"])):
             raise UsageError(f"messages[{i}] must be valid Unicode text")
+        calls = m.get("tool_calls")
         # keys set to null are left out (OpenAI's SDK writes "tool_calls": null into every
         # message it returns, and templates test whether a key is defined), as transformers does
         entry = {k: v for k, v in m.items() if v is not None} | {"content": content}
@@ -114,14 +121,45 @@ def _generation_tag():
     training (TRL's assistant-only loss): rendered as its body, as transformers does."""
     from jinja2.ext import Extension
 
+    from jinja2 import nodes
+
     class GenerationTag(Extension):
         tags = {"generation"}
 
-        def parse(self, parser):
-            next(parser.stream)
-            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        def parse(self, parser):  # a call block, as transformers': what it sets stays inside
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
 
     return GenerationTag
+
+
+def _loops_over_content(env, *sources: str | None) -> bool:
+    """Whether a template loops over a message's content (Gemma 3's, Llama 4's), which
+    then takes OpenAI's list of parts; the others take its text, the parts joined (vLLM
+    tells its "openai" content format from its "string" one so)."""
+    from jinja2 import nodes
+
+    def of_content(node) -> bool:
+        while isinstance(node, nodes.Filter):  # message['content'] | selectattr(...)
+            node = node.node
+        return isinstance(node, nodes.Getattr) and node.attr == "content" or \
+            isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+
+    for source in filter(None, sources):
+        tree = env.parse(source)
+        named = {a.target.name for a in tree.find_all(nodes.Assign)  # {% set content = message['content'] %}
+                 if isinstance(a.target, nodes.Name) and of_content(a.node)}
+        for loop in tree.find_all(nodes.For):
+            it = loop.iter
+            while isinstance(it, nodes.Filter):
+                it = it.node
+            if of_content(it) or isinstance(it, nodes.Name) and it.name in named:
+                return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -174,6 +212,7 @@ class ChatTemplate:
         try:
             self.template = env.from_string(source)
             self.tool_template = env.from_string(tool_source) if tool_source is not None else self.template
+            self.takes_parts = _loops_over_content(env, source, tool_source)
         except jinja2.TemplateError as e:
             raise TreeflashError(f"malformed chat template: {e}") from None
         # what a template may name: bos_token, eos_token, ... (unset ones render empty)
@@ -228,11 +267,20 @@ class ChatTemplate:
         """The prompt for `messages` (and the `tools` the model may call), by default ending
         where the assistant's answer starts (see `ChatFormat`)."""
         import jinja2
+        final = None
         if fmt.continue_final_message and messages:  # marked, to cut the text where the message ends
-            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + CONTINUE_MARK}]
+            content = messages[-1]["content"]
+            if isinstance(content, list):  # its parts: the last one's text ends it
+                final = content[-1]["text"] if content else ""
+                content = [*content[:-1], {**content[-1], "text": final + CONTINUE_MARK}] if content else \
+                    [{"type": "text", "text": CONTINUE_MARK}]
+            else:
+                final, content = content, content + CONTINUE_MARK
+            messages = [*messages[:-1], {**messages[-1], "content": content}]
         try:
             template = self.template if tools is None else self.tool_template
-            variables = {**self.special_tokens, **(fmt.variables or {})}  # a kwarg may set bos_token, as in transformers
+            # a kwarg may set bos_token, as in transformers; documents (RAG templates') are None unless given
+            variables = {**self.special_tokens, "documents": None, **(fmt.variables or {})}
             text = template.render(**variables, messages=messages, add_generation_prompt=fmt.add_generation_prompt,
                                    tools=tools)
         except jinja2.TemplateError as e:
@@ -245,7 +293,7 @@ class ChatTemplate:
             at = text.rfind(CONTINUE_MARK.strip())
             # a template that trims the message trims the space after the text as well
             text = text[:at] if text.startswith(CONTINUE_MARK, at) else text[:at].rstrip()
-            if at < 0 or not text.rstrip().endswith(messages[-1]["content"][:-len(CONTINUE_MARK)].strip()):
+            if at < 0 or not text.rstrip().endswith(final.strip()):
                 raise TreeflashError("the template does not write the final message's text as given: "
                                      "it cannot be continued")
         return text
@@ -254,7 +302,9 @@ class ChatTemplate:
         """`render` of a conversation checked by `plain_messages` (and `fmt` by its
         `checked`); a UsageError if either is malformed or the template refuses them (say,
         "roles must alternate")."""
-        plain, fmt = plain_messages(messages), fmt.checked()
+        plain, fmt = plain_messages(messages, self.takes_parts), fmt.checked()
+        if fmt.continue_final_message and messages[-1].get("content") is None:
+            raise UsageError("continue_final_message: the final message has no content to continue")
         try:
             return self.render(plain, fmt, tools)
         except TreeflashError as e:

@@ -59,7 +59,8 @@ BOOKKEEPING = (("user", str, "a string"), ("metadata", dict, "an object of strin
                ("parallel_tool_calls", bool, "true or false"))
 # how messages become the prompt (vLLM's; `ChatFormat`); reasoning_effort is a template
 # variable (gpt-oss's template reads it)
-CHAT_FORMAT_KEYS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message", "reasoning_effort")
+CHAT_FORMAT_KEYS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message", "reasoning_effort",
+                    "documents")
 REASONING_EFFORTS = ("low", "medium", "high")
 KNOWN_KEYS = {"completion": SAMPLING_KEYS | {"prompt", "logprobs", "echo", "add_special_tokens"} | set(UNSUPPORTED),
               "chat": SAMPLING_KEYS | {"messages", "logprobs", "top_logprobs", "echo", "add_special_tokens",
@@ -564,6 +565,12 @@ def render_chat(body: dict, template, tools: list[dict] | None = None) -> str:
         fmt.checked()
     except UsageError as e:
         raise APIError(str(e), param=e.param) from None
+    docs = body.get("documents")
+    if docs is not None:  # vLLM's: for the template's retrieval-augmented prompt (chat_template_kwargs' wins)
+        if not (isinstance(docs, list) and all(isinstance(d, dict) and all(isinstance(v, str) for v in d.values())
+                                               for d in docs)):
+            raise APIError(f"'documents' must be a list of objects of strings, got {shown(docs)}", param="documents")
+        fmt = replace(fmt, variables={"documents": docs, **(fmt.variables or {})})
     effort = body.get("reasoning_effort")
     if effort is not None:  # chat_template_kwargs' own value wins
         if effort not in REASONING_EFFORTS:
