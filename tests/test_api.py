@@ -360,6 +360,68 @@ def test_outputs_read_as_vllm_request_outputs(llm):
     assert cut.prompt_token_ids == llm.encode(ENGINE_PROMPTS[0])[-2:]
 
 
+def test_more_of_vllms_output_fields_and_logprobs_read_as_in_vllm(llm):
+    """vLLM's examples print `out.prompt`, and read `finished`, `outputs[0].index`,
+    `cumulative_logprob`, and each token's logprobs as {token id: Logprob} (`lp[id].logprob`,
+    `.rank`): all there, with the values of this output's own fields."""
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=2)
+    text, ids = llm.generate([ENGINE_PROMPTS[0], llm.encode(ENGINE_PROMPTS[1])], params)
+    assert (text.prompt, ids.prompt) == (ENGINE_PROMPTS[0], None)
+    assert text.finished and text.outputs[0].index == 0
+    assert text.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in text.logprobs))
+    assert llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=2))[0].cumulative_logprob is None
+    for token, lp in zip(text.token_ids, text.logprobs):
+        assert lp[token].logprob == lp.logprob and lp[token].rank == lp.rank and token in lp
+        assert [(t, v.logprob, v.rank) for t, v in lp.items() if t != token] == \
+            [(t, v, r) for r, (t, v) in enumerate(lp.top, 1) if t != token]
+
+
+def test_vllm_fields_set_after_construction_are_not_dropped(llm):
+    """A vLLM script may set a field on its SamplingParams (`p.n = 4`, `p.logits_processors =
+    [...]`): one this engine has not is refused, not ignored; vLLM's clone() and
+    from_optional() work."""
+    p = SamplingParams(temperature=0.5, seed=3, max_new_tokens=3)
+    with pytest.raises(UsageError, match="n must be 1"):
+        p.n = 4
+    p.n = 1
+    for name in ("logits_processors", "best_of", "detokenize"):
+        with pytest.raises(UsageError, match=f"SamplingParams has no field '{name}' \\(vLLM's; not supported\\)"):
+            setattr(p, name, [])
+    with pytest.raises(UsageError, match="has no field 'temprature'"):
+        p.temprature = 1.0
+    copy = p.clone()
+    assert copy == p and copy is not p and copy.stop is not p.stop
+    assert SamplingParams.from_optional(temperature=0.7, top_p=0.5, seed=None, stop=None) == \
+        SamplingParams(temperature=0.7, top_p=0.5)
+    assert llm.get_default_sampling_params() == llm.default_sampling_params()
+    assert llm.get_tokenizer() is llm.tokenizer
+
+
+def test_chat_takes_a_template_of_its_own_as_vllms_does(llm):
+    """LLM.chat(chat_template=...): a model without a template (the built-in pair) chats
+    with the one given, its special tokens the model's (tokenizer_config.json's
+    <|endoftext|>); chat_template_content_format chooses how a message's parts reach it
+    (auto: as the template reads them)."""
+    talk = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+
+    def prompt(template, content_format="auto"):
+        out = llm.chat(talk, params, chat_template=template, chat_template_content_format=content_format)[0]
+        return llm.tokenizer.decode(out.prompt_token_ids, skip_special=False)
+    joined = "{% for m in messages %}# {{ m.content }}\n{% endfor %}{{ eos_token }}def "
+    looped = "{% for m in messages %}# {% for p in m.content %}{{ p.text }}{% endfor %}\n{% endfor %}def "
+    assert prompt(joined) == "# a\nb\n<|endoftext|>def "
+    assert prompt(looped) == "# abdef "  # (the newline after a block tag is trimmed, as transformers does)
+    assert prompt(joined, "openai") == "# [{'type': 'text', 'text': 'a'}, {'type': 'text', 'text': 'b'}]\n<|endoftext|>def "
+    assert prompt(looped, "string") == "# def "  # a string's characters have no text
+    with pytest.raises(UsageError, match="chat_template_content_format must be one of auto, string, openai"):
+        prompt(joined, "text")
+    with pytest.raises(UsageError, match="malformed chat template"):
+        prompt("{% for m in messages %}")
+    with pytest.raises(UsageError, match="or give LLM.chat a chat_template"):
+        llm.chat(talk, params)
+
+
 def test_use_tqdm_counts_finished_prompts_as_vllm_does(llm, capsys, monkeypatch):
     """vLLM scripts pass use_tqdm: False shows nothing, True counts finished prompts on
     stderr, a tqdm-like class is made with the total and advanced once per prompt (on_done

@@ -21,6 +21,7 @@ def _refuse(message: str):
     raise TreeflashError(message)
 
 
+CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's chat_template_content_format
 REASONING_NAMES = ("reasoning_content", "thinking", "reasoning")  # the first that a message sets wins
 CONTINUE_MARK = "TreeflashContinueHere "  # where a continued final message ends, found in the rendered text
 
@@ -227,14 +228,17 @@ class ChatTemplate:
         folder = Path(folder)
         config = tokenizer_settings(folder)
         sources = cls.sources(folder, config)
-        if sources is None:
-            return None
-        # set ones only (null: not defined for the template, as in transformers)
+        return None if sources is None else cls(sources[0], cls.special_tokens_of(config), sources[1])
+
+    @staticmethod
+    def special_tokens_of(config: dict) -> dict:
+        """A tokenizer_config.json's special tokens as a template names them: set ones only
+        (null: not defined for the template, as in transformers)."""
         tokens = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if _token_text(config.get(k))}
         extra = config.get("additional_special_tokens")
         if isinstance(extra, list):
             tokens["additional_special_tokens"] = [_token_text(t) for t in extra]
-        return cls(sources[0], tokens, sources[1])
+        return tokens
 
     @staticmethod
     def sources(folder: Path, config: dict | None = None) -> tuple[str, str | None] | None:
@@ -298,11 +302,18 @@ class ChatTemplate:
                                      "it cannot be continued")
         return text
 
-    def prompt(self, messages, fmt: ChatFormat = ChatFormat(), tools: list[dict] | None = None) -> str:
+    def prompt(self, messages, fmt: ChatFormat = ChatFormat(), tools: list[dict] | None = None,
+               content_format: str = "auto") -> str:
         """`render` of a conversation checked by `plain_messages` (and `fmt` by its
         `checked`); a UsageError if either is malformed or the template refuses them (say,
-        "roles must alternate")."""
-        plain, fmt = plain_messages(messages, self.takes_parts), fmt.checked()
+        "roles must alternate"). `content_format` (vLLM's chat_template_content_format):
+        "string" gives every message's content as text, "openai" as a list of parts,
+        "auto" as the template reads it."""
+        if content_format not in CONTENT_FORMATS:
+            raise UsageError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, "
+                             f"got {content_format!r}")
+        parts = self.takes_parts if content_format == "auto" else content_format == "openai"
+        plain, fmt = plain_messages(messages, parts), fmt.checked()
         if fmt.continue_final_message and messages[-1].get("content") is None:
             raise UsageError("continue_final_message: the final message has no content to continue")
         try:

@@ -55,6 +55,33 @@ class SamplingParams:
     def __post_init__(self):
         self.validate()  # where the caller makes it, as in vLLM; `generate` checks the vocabulary too
 
+    def __setattr__(self, name, value):
+        """Fields only, and vLLM's `max_tokens` and `n` as the constructor takes them: a
+        vLLM field set on an instance (`p.n = 4`, `p.logits_processors = [...]`) would
+        otherwise be ignored without a word."""
+        if name not in SamplingParams.__dataclass_fields__ and name not in ("max_tokens", "n"):
+            raise UsageError(f"SamplingParams has no field {name!r}" + (" (vLLM's; not supported)" if name in
+                                                                      _VLLM_ONLY else ""))
+        super().__setattr__(name, value)
+
+    @property
+    def n(self) -> int:
+        """vLLM's outputs per prompt: one here (the constructor refuses others)."""
+        return 1
+
+    @n.setter
+    def n(self, value) -> None:
+        _one_output(value)
+
+    def clone(self) -> "SamplingParams":
+        """vLLM's: a deep copy."""
+        return copy.deepcopy(self)
+
+    @classmethod
+    def from_optional(cls, **kwargs) -> "SamplingParams":
+        """vLLM's: the keywords given as None left out (their defaults)."""
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+
     def with_seed(self, seed: int) -> "SamplingParams":
         """A copy that samples with `seed`: checked already, so its lists (a long
         allowed_token_ids or logit_bias) are not walked again, and shared."""
@@ -210,6 +237,17 @@ class SamplingParams:
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "repetition_penalty")
 
 
+def _one_output(n) -> None:
+    if isinstance(n, bool) or plain_number(n) != 1:
+        raise UsageError(f"invalid sampling parameters: n must be 1, one output per prompt (give a prompt n "
+                         f"times, each with its own seed; the server takes n), got {shown(n)}")
+
+
+# vLLM SamplingParams fields with no counterpart here: named as such when set on an instance
+_VLLM_ONLY = {"best_of", "logits_processors", "detokenize", "output_kind", "guided_decoding", "extra_args",
+              "spaces_between_special_tokens", "flat_logprobs", "prompt_logprobs_mode", "seed_offset"}
+
+
 def _as_in_vllm(init):
     """The dataclass constructor, also taking vLLM's `max_tokens` keyword for
     max_new_tokens and its `n` at 1 (vLLM's default, which its scripts often spell out;
@@ -218,9 +256,7 @@ def _as_in_vllm(init):
     greedy)."""
     @functools.wraps(init)
     def __init__(self, *args, max_tokens=..., n=1, **kwargs):
-        if isinstance(n, bool) or plain_number(n) != 1:
-            raise UsageError(f"invalid sampling parameters: n must be 1, one output per prompt (give a prompt n "
-                             f"times, each with its own seed; the server takes n), got {shown(n)}")
+        _one_output(n)
         if max_tokens is not ...:
             max_tokens = plain_number(max_tokens)
             if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:

@@ -441,6 +441,12 @@ class LLM:
         generation_config.json, as vLLM's `LLM` does; the server's defaults come from it too."""
         return SamplingParams(**self.generation_defaults)
 
+    get_default_sampling_params = default_sampling_params  # vLLM's name
+
+    def get_tokenizer(self) -> Tokenizer:
+        """vLLM's: the model's tokenizer (encode, decode)."""
+        return self.tokenizer
+
     @cached_property
     def chat_template(self) -> "ChatTemplate | None":
         """The model folder's chat template (None: it has none)."""
@@ -451,13 +457,15 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              on_tokens=None, on_done=None, chat_template_kwargs: dict | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None, *, use_tqdm=False) -> list[GenerationOutput]:
+             tools: list[dict] | None = None, *, use_tqdm=False, chat_template: str | None = None,
+             chat_template_content_format: str = "auto") -> list[GenerationOutput]:
         """The assistant's answers to a conversation ([{"role": ..., "content": ...}, ...])
-        or to each of a list of them: rendered by the model's chat template (which writes
-        its own special tokens; the last four arguments as vLLM's `LLM.chat` takes them:
-        see `ChatFormat`, and `tools`, OpenAI's, which the template writes into the prompt),
-        then `generate`d, as the server's /v1/chat/completions does. Returns one output per
-        conversation (its text as the model wrote it: the server splits tool calls off)."""
+        or to each of a list of them: rendered by the model's chat template, or the Jinja
+        source `chat_template` (either writes its own special tokens; the other arguments as
+        vLLM's `LLM.chat` takes them: see `ChatFormat`, `ChatTemplate.prompt`, and `tools`,
+        OpenAI's, which the template writes into the prompt), then `generate`d, as the
+        server's /v1/chat/completions does. Returns one output per conversation (its text
+        as the model wrote it: the server splits tool calls off)."""
         one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if one else messages
         if not isinstance(conversations, (list, tuple)) or not conversations:
@@ -465,14 +473,29 @@ class LLM:
                              "or a list of conversations")
         fmt = ChatFormat(chat_template_kwargs, add_generation_prompt, continue_final_message)
         tools = checked_tools(tools)
+        template = self._given_template(chat_template)
         # each rendered text goes through `encode` as a prompt of `generate` does: one too long
         # to fit is refused before the tokenizer spends seconds on it
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(conversations)
         truncates = [getattr(params[i], "truncate_prompt_tokens", None) if i < len(params) else None
                      for i in range(len(conversations))]
-        return self.generate([self.encode(self._chat_text(c, fmt, tools), special=False, truncate=t)
+        return self.generate([self.encode(self._chat_text(c, fmt, tools, template, chat_template_content_format),
+                                          special=False, truncate=t)
                               for c, t in zip(conversations, truncates)], sampling_params, on_tokens, on_done,
                              use_tqdm=use_tqdm)
+
+    def _given_template(self, source: str | None) -> "ChatTemplate | None":
+        """The template of `chat`'s `chat_template` (None: the model's own), with the
+        model's special tokens."""
+        if source is None:
+            return None
+        if not isinstance(source, str):
+            raise UsageError(f"chat_template must be a template's Jinja source, got {type(source).__name__}")
+        from treeflash.files import tokenizer_settings
+        try:
+            return ChatTemplate(source, ChatTemplate.special_tokens_of(tokenizer_settings(self.model_path)))
+        except TreeflashError as e:
+            raise UsageError(str(e)) from None
 
     def chat_prompt(self, messages: list[dict], fmt: ChatFormat = ChatFormat(),
                     tools: list[dict] | None = None) -> list[int]:
@@ -482,10 +505,12 @@ class LLM:
         SamplingParams.truncate_prompt_tokens)."""
         return self.token_ids(self._chat_text(messages, fmt, tools), special=False)
 
-    def _chat_text(self, messages: list[dict], fmt: ChatFormat, tools: list[dict] | None) -> str:
-        if self.chat_template is None:
-            raise UsageError(f"{self.model_path} {NO_TEMPLATE}")
-        return self.chat_template.prompt(messages, fmt, tools)
+    def _chat_text(self, messages: list[dict], fmt: ChatFormat, tools: list[dict] | None,
+                   template: "ChatTemplate | None" = None, content_format: str = "auto") -> str:
+        template = template or self.chat_template
+        if template is None:
+            raise UsageError(f"{self.model_path} {NO_TEMPLATE}; or give LLM.chat a chat_template")
+        return template.prompt(messages, fmt, tools, content_format)
 
     def encode(self, prompt: str | list[int], special: bool = True, truncate: int | None = None) -> list[int]:
         """`token_ids` that fit the context; `truncate`: keep only the last k first (-1: as
@@ -607,6 +632,8 @@ class LLM:
                 self._decoding = False
                 if bar is not None:
                     bar.close()
+        for out, prompt in zip(results, prompts):
+            out.prompt = prompt if isinstance(prompt, str) else None
         return results
 
     def _generate_batch(self, ids: list[list[int]], params: list[SamplingParams], on_tokens, on_done):

@@ -22,6 +22,40 @@ class TokenLogprob:
     top: list[tuple[int, float]]
     rank: int | None = None  # its rank in the vocabulary (1: the most likely; ties: the last); None: a prompt's first
 
+    # vLLM's form of it, a {token id: Logprob} dict of the token and its alternatives, read-only
+    def _as_vllm(self) -> dict[int, "Logprob"]:
+        found = {t: Logprob(lp, r) for r, (t, lp) in enumerate(self.top, 1)}
+        return {**found, self.token_id: Logprob(self.logprob, self.rank)}
+
+    def __getitem__(self, token_id: int) -> "Logprob":
+        return self._as_vllm()[token_id]
+
+    def __contains__(self, token_id) -> bool:
+        return token_id in self._as_vllm()
+
+    def __iter__(self):
+        return iter(self._as_vllm())
+
+    def __len__(self) -> int:
+        return len(self._as_vllm())
+
+    def keys(self):
+        return self._as_vllm().keys()
+
+    def values(self):
+        return self._as_vllm().values()
+
+    def items(self):
+        return self._as_vllm().items()
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's: one token's log-probability and rank (its text: `LLM.tokenizer.token_text`)."""
+    logprob: float | None
+    rank: int | None
+    decoded_token: str | None = None
+
 
 @dataclass
 class GenerationOutput:
@@ -35,12 +69,22 @@ class GenerationOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token id, if SamplingParams.logprobs asked for them
     prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, if SamplingParams.prompt_logprobs
     prompt_token_ids: list[int] | None = None  # the prompt as the model read it (after any truncation)
+    prompt: str | None = None  # the prompt's text, as given (None: given as token ids), as vLLM's
 
     @property
     def outputs(self) -> list["GenerationOutput"]:
         """vLLM's `RequestOutput.outputs`: this output as its request's one completion (a
         request here has one), so that vLLM's `out.outputs[0].text` reads as `out.text`."""
         return [self]
+
+    # vLLM's RequestOutput and CompletionOutput fields that a finished output of one completion has
+    finished = True
+    index = 0
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the tokens' log-probabilities (None unless logprobs were asked for)."""
+        return None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
 
 
 def token_logprobs(tokens: list[int], rows, k: int) -> list[TokenLogprob]:
