@@ -120,9 +120,8 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 def _generation_tag():
     """`{% generation %}...{% endgeneration %}`, which marks the assistant's tokens for
     training (TRL's assistant-only loss): rendered as its body, as transformers does."""
-    from jinja2.ext import Extension
-
     from jinja2 import nodes
+    from jinja2.ext import Extension
 
     class GenerationTag(Extension):
         tags = {"generation"}
