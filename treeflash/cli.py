@@ -12,6 +12,10 @@ from treeflash import __version__
 from treeflash.errors import TreeflashError, UsageError, shown
 from treeflash.files import model_folder, read_text
 
+# what generate and bench read from --prompt-file (`read_placed_prompts`)
+PROMPT_FILE_HELP = ("one prompt per line (\\n for a newline; empty lines skipped), or a .jsonl / .json file of "
+                    "objects with a 'prompt' field, one per line (or a .json array of prompts); - reads standard input")
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit code 2
@@ -157,7 +161,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, help="DDTree nodes per round (default 63 on a GPU, 16 on a CPU)")
     p.add_argument("--max-budget", type=int, default=512, help="the largest --budget accepted (default 512)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, float64")
+    p.add_argument("--dtype", default="auto", help="auto (the default: the checkpoint's, float32 for a 16-bit one "
+                                                   "on a CPU), float32, bfloat16, float16, float64")
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (they are on by default on CUDA)")
     p.add_argument("--draft-mode", choices=["scaled", "coupled"],
@@ -417,9 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     g = sub.add_parser("generate", help="generate text for one prompt or a file of prompts")
     g.add_argument("prompt", nargs="?", help="the prompt text")
-    g.add_argument("--prompt-file", help="one prompt per line (\\n for a newline; empty lines skipped), or a "
-                                         ".jsonl / .json file of objects with a 'prompt' field, one per line "
-                                         "(or a .json array of prompts); - reads standard input")
+    g.add_argument("--prompt-file", help=PROMPT_FILE_HELP)
     g.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     g.add_argument("--max-batch", type=int, default=16, help="a prompt file runs in batches of at most this many "
                                                             "prompts, each printed as it finishes (default 16)")
