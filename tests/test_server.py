@@ -1826,18 +1826,31 @@ def test_slow_compiles_do_not_hold_up_other_requests(llm, chat_model, slow_compi
     assert len(got) == readers + 1
 
 
+def _held_until(gate: threading.Event, real):
+    """`real`, made to wait for `gate` first (at most 30 s)."""
+    def held(*args, **kw):
+        gate.wait(30)
+        return real(*args, **kw)
+    return held
+
+
+def _run_scenario(app, gate: threading.Event, scenario) -> None:
+    """asyncio.run(scenario()), then `gate` opened and `app` shut down, whatever happened."""
+    try:
+        asyncio.run(scenario())
+    finally:
+        gate.set()
+        app.state.shutdown()
+
+
 def test_a_compile_waits_only_for_clients_still_there(llm, monkeypatch):
     """Structured outputs compile one at a time: a compile whose client left while it waited
     its turn is dropped (never run), and a constraint compiled already is checked at once,
     not behind the compile under way."""
     import treeflash.structured.cache as cache_module
-    plain, gate, compiled = cache_module.token_automaton, threading.Event(), []
-
-    def held(*args):
-        compiled.append(1)
-        gate.wait(30)
-        return plain(*args)
-    monkeypatch.setattr(cache_module, "token_automaton", held)
+    gate, compiled = threading.Event(), []
+    held = _held_until(gate, cache_module.token_automaton)
+    monkeypatch.setattr(cache_module, "token_automaton", lambda *args: compiled.append(1) or held(*args))
     app = build_app(llm, "tiny", None)
     body = {"prompt": PROMPT, "max_tokens": 2}
     stay = dict(leave=lambda sent: False)
@@ -1856,11 +1869,7 @@ def test_a_compile_waits_only_for_clients_still_there(llm, monkeypatch):
         assert (await asyncio.wait_for(_asgi(app, "POST", "/v1/completions", known, **stay), 20))[0] == 200
         gate.set()
         assert (await slow)[0] == 200
-    try:
-        asyncio.run(scenario())
-    finally:
-        gate.set()
-        app.state.shutdown()
+    _run_scenario(app, gate, scenario)
     assert len(compiled) == 2  # not x+'s
     assert not llm.rules.automata.known(StructuredOutputs(regex="x+"))
 
@@ -2160,12 +2169,8 @@ def test_metrics_gauge_running_and_waiting_requests(llm, monkeypatch):
 def test_requests_waiting_counts_only_clients_still_there(llm, monkeypatch):
     """/metrics' treeflash_requests_waiting drops as soon as a queued request's client
     leaves, not when the engine reaches it (vLLM's num_requests_waiting)."""
-    real, gate = llm.generate, threading.Event()
-
-    def held(*args, **kw):
-        gate.wait(30)
-        return real(*args, **kw)
-    monkeypatch.setattr(llm, "generate", held)
+    gate = threading.Event()
+    monkeypatch.setattr(llm, "generate", _held_until(gate, llm.generate))
     app = build_app(llm, "tiny", None)
     body = {"prompt": PROMPT, "max_tokens": 2}
 
@@ -2191,11 +2196,7 @@ def test_requests_waiting_counts_only_clients_still_there(llm, monkeypatch):
         await until((1, 0))  # while the first still runs
         gate.set()
         assert (await first)[0] == 200 and [(await q)[0] for q in queued] == [499, 499]
-    try:
-        asyncio.run(scenario())
-    finally:
-        gate.set()
-        app.state.shutdown()
+    _run_scenario(app, gate, scenario)
 
 
 def test_tokenize_calls_have_threads_of_their_own(llm, monkeypatch):
@@ -2203,12 +2204,8 @@ def test_tokenize_calls_have_threads_of_their_own(llm, monkeypatch):
     minute: however many such calls wait, a completion is answered meanwhile (they held
     every thread that reads requests)."""
     import treeflash.server.app as app_module
-    real, gate = app_module.parse_tokenize, threading.Event()
-
-    def held(*args):
-        gate.wait(30)
-        return real(*args)
-    monkeypatch.setattr(app_module, "parse_tokenize", held)
+    gate = threading.Event()
+    monkeypatch.setattr(app_module, "parse_tokenize", _held_until(gate, app_module.parse_tokenize))
     app = build_app(llm, "tiny", None)
     readers = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor
 
@@ -2221,11 +2218,7 @@ def test_tokenize_calls_have_threads_of_their_own(llm, monkeypatch):
         assert status == 200 and not any(t.done() for t in tokenizing)
         gate.set()
         assert {(await t)[0] for t in tokenizing} == {200}
-    try:
-        asyncio.run(scenario())
-    finally:
-        gate.set()
-        app.state.shutdown()
+    _run_scenario(app, gate, scenario)
 
 
 def test_min_tokens_holds_stop_strings_back_in_a_stream_too(client, llm):
