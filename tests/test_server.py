@@ -1415,13 +1415,17 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def _serve(*args):
-    """`treeflash serve` on a free port of this machine (CPU, float32), once it answers."""
+def _serve(*args, interactive: bool = False):
+    """`treeflash serve` on a free port of this machine (CPU, float32), once it answers;
+    `interactive`: Ctrl-C (SIGINT) works as in a terminal (a background job, as a test
+    runner's worker may be, starts with it ignored)."""
+    import signal
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "treeflash", "serve", "--port", str(port), "--device", "cpu",
                              "--dtype", "float32", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if interactive else None)
     base = f"http://127.0.0.1:{port}"
     for _ in range(1200):
         try:
@@ -1719,7 +1723,7 @@ def test_a_second_ctrl_c_exits_at_once_without_a_traceback():
     """Ctrl-C twice (an impatient user) with a request running: the server exits at
     once, as "interrupted" (130), with no traceback from asyncio's own handler."""
     import signal
-    proc, _, base, _ = _serve()
+    proc, _, base, _ = _serve(interactive=True)
     body = {"prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True}
     def ask():
         try:
