@@ -35,7 +35,7 @@ from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import (build_on, check_model_size, check_sizes, load_weights, stored_shapes,
                                      weights_dtype)
 from treeflash.models.transformer import CausalLM
-from treeflash.files import model_folder
+from treeflash.files import model_folder, tokenizer_settings
 from treeflash.memory import check_weights_fit, peak_rss_bytes, reset_peak_rss, rss_bytes
 from treeflash.sampling_params import SamplingParams, generation_defaults, truncation_error
 from treeflash.tokenizer import Tokenizer
@@ -491,7 +491,6 @@ class LLM:
             return None
         if not isinstance(source, str):
             raise UsageError(f"chat_template must be a template's Jinja source, got {type(source).__name__}")
-        from treeflash.files import tokenizer_settings
         try:
             return ChatTemplate(source, ChatTemplate.special_tokens_of(tokenizer_settings(self.model_path)))
         except TreeflashError as e:

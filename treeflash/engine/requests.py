@@ -3,6 +3,7 @@ they fit, the ids that end it, its bad words and structured output as tokens, wh
 output stops), and the output a finished request gets."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from treeflash.errors import UsageError, is_text, shown
@@ -13,7 +14,7 @@ from treeflash.tokenizer import CONTEXT_TOKENS, Tokenizer, stop_cut
 
 
 @dataclass(frozen=True)
-class TokenLogprob:
+class TokenLogprob(Mapping):
     """A generated token's log-probability under the target model (softmax of its raw
     logits, before temperature and filters), with the request's `logprobs` most likely
     tokens as (id, log-probability), most likely first."""
@@ -22,7 +23,8 @@ class TokenLogprob:
     top: list[tuple[int, float]]
     rank: int | None = None  # its rank in the vocabulary (1: the most likely; ties: the last); None: a prompt's first
 
-    # vLLM's form of it, a {token id: Logprob} dict of the token and its alternatives, read-only
+    # vLLM's form of it, a read-only {token id: Logprob} of the token and its alternatives
+    # (Mapping gives keys, values, items and `in` from these three)
     def _as_vllm(self) -> dict[int, "Logprob"]:
         found = {t: Logprob(lp, r) for r, (t, lp) in enumerate(self.top, 1)}
         return {**found, self.token_id: Logprob(self.logprob, self.rank)}
@@ -30,23 +32,11 @@ class TokenLogprob:
     def __getitem__(self, token_id: int) -> "Logprob":
         return self._as_vllm()[token_id]
 
-    def __contains__(self, token_id) -> bool:
-        return token_id in self._as_vllm()
-
     def __iter__(self):
         return iter(self._as_vllm())
 
     def __len__(self) -> int:
         return len(self._as_vllm())
-
-    def keys(self):
-        return self._as_vllm().keys()
-
-    def values(self):
-        return self._as_vllm().values()
-
-    def items(self):
-        return self._as_vllm().items()
 
 
 @dataclass(frozen=True)

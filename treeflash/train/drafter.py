@@ -311,10 +311,7 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
         raise UsageError(f"--num-prompts {num_prompts} (and {heldout_prompts} held out) of {prompt_len + new_tokens} "
                          f"tokens take about {need / 2**30:,.1f} GiB to hold, more than the "
                          f"{have / 2**30:,.1f} GiB free on this host")
-    llm = LLM(target_dir, method="ar", device=device)
-    if prompt_len + new_tokens > llm.max_model_len:
-        raise UsageError(f"prompt_len + new_tokens = {prompt_len + new_tokens} exceeds the target's "
-                         f"context of {llm.max_model_len}")
+    llm = LLM(target_dir, method="ar", device=device)  # its max_model_len: the context checked above
     rng = np.random.default_rng(seed)
     rows = np.zeros((total, prompt_len + new_tokens), dtype=data.train.dtype)
     rows[:, :prompt_len] = [split[s:s + prompt_len]
