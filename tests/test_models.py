@@ -524,7 +524,10 @@ def test_rms_norm_in_bfloat16_rounds_as_transformers(hf_checkpoint):
     # one beta for both ends of the ramp, untruncated: a ramp 0.001 dims wide, as transformers'
     {"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 8.0, "truncate": False,
      "original_max_position_embeddings": 65536, "rope_theta": 10000.0},
-], ids=["default", "llama3", "yarn", "yarn-one-beta"])
+    # Qwen3's YaRN recipe (x4 over 32768, the default betas, truncated), here on head_dim 32: its
+    # interpolated frequencies round 1 ulp apart unless blended in transformers' order
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1000000.0},
+], ids=["default", "llama3", "yarn", "yarn-one-beta", "yarn-qwen3"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_rotary_cos_sin_are_transformers_bit_for_bit(hf_checkpoint, clone_checkpoint, rope, dtype):
     """The cos and sin a model's attention rotates by, at positions far into a long context:

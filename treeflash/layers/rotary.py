@@ -9,11 +9,12 @@ from treeflash.ops import fused_enabled
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    powers = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    inv = 1.0 / powers
     if scaling is None:
         return inv
     if scaling.get("rope_type") == "yarn":
-        return yarn_inv_freq(inv, head_dim, theta, scaling)
+        return yarn_inv_freq(powers, head_dim, theta, scaling)
     # Llama-3 frequency-dependent scaling.
     factor = float(scaling["factor"])
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])  # config.py requires them
@@ -27,10 +28,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     return torch.where(medium, smoothed, scaled)
 
 
-def yarn_inv_freq(inv: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+def yarn_inv_freq(powers: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     """YaRN (arXiv 2309.00071): frequencies that turn fewer than beta_slow times over the
     original context are interpolated (divided by `factor`), those turning more than
-    beta_fast times are kept, with a linear ramp over the dims between."""
+    beta_fast times are kept, with a linear ramp over the dims between (`powers`:
+    theta^(2i/d)). The blend is transformers' expression term by term: a shorter
+    equivalent (inv / factor * ramp + ...) rounds some frequencies 1 ulp apart, and
+    cos and sin far into the context with them."""
     factor = float(scaling["factor"])
     old_ctx = float(scaling["original_max_position_embeddings"])
 
@@ -44,7 +48,8 @@ def yarn_inv_freq(inv: torch.Tensor, head_dim: int, theta: float, scaling: dict)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    return inv / factor * ramp + inv * (1 - ramp)
+    kept = 1 - ramp  # the share of each frequency kept as it is
+    return 1.0 / (factor * powers) * (1 - kept) + 1.0 / powers * kept
 
 
 def yarn_attention_factor(scaling: dict | None) -> float:
