@@ -320,6 +320,9 @@ BAD = [
     # a json_schema beside another type asks for that type: refused, not taken as a schema
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "xml", "json_schema": {
         "name": "s", "schema": {"type": "boolean"}}}}, 400, "response_format"),
+    # a key its type does not read (other APIs' json_object with a schema) is refused, not ignored
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object", "schema": {
+        "type": "object", "required": ["a"]}}}, 400, "response_format"),
     # echo with max_tokens 0 scores the prompt only where max_tokens counts: beside
     # max_completion_tokens it is a bad max_tokens like any other
     ("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": 0, "max_completion_tokens": 2}, 400,
@@ -939,6 +942,18 @@ def test_max_tokens_left_out_is_openais_16_for_completions_and_what_fits_for_cha
     assert parse_completion({"prompt": "x"}, "m", two_tokens, 10).params.max_new_tokens == 8
     chat = {"messages": [{"role": "user", "content": "x"}]}
     assert parse_chat(chat, "m", ChatTemplate.from_folder(chat_model), two_tokens, 64).params.max_new_tokens == 62
+
+
+def test_a_request_past_the_context_is_named_as_openai_and_vllm_name_it(client, llm):
+    """A context overflow says so in OpenAI's and vLLM's words, which clients match
+    (LiteLLM's context-window fallbacks look for "This model's maximum context length
+    is", capital T and all), with OpenAI's code."""
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                   "max_completion_tokens": llm.max_model_len})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "max_completion_tokens", r.text
+    assert err["message"].startswith(f"This model's maximum context length is {llm.max_model_len} tokens")
+    assert err["code"] == "context_length_exceeded"
 
 
 def test_1024_choices_per_request_are_taken():
@@ -1772,7 +1787,9 @@ def test_truncate_prompt_tokens(client, llm):
         r = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": k})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
     r = client.post("/v1/completions", json={**body, "prompt": ids[:5], "truncate_prompt_tokens": llm.max_model_len})
-    assert r.status_code == 400 and "does not fit the context limit" in r.json()["error"]["message"], r.text
+    err = r.json()["error"]  # named as the other bad values are, with its bound
+    assert r.status_code == 400 and err["param"] == "truncate_prompt_tokens", r.text
+    assert f"{llm.max_model_len - 1}]" in err["message"], r.text
 
 
 def test_treeflash_serve_with_chat_parsers(chat_model):

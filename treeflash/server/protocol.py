@@ -217,9 +217,10 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     room = max_model_len - max(prompt_lens)
     asked = _number(body, key, None, int, 1)
-    if asked is not None and asked > room:
-        raise APIError(f"this model's maximum context length is {max_model_len} tokens; the prompt holds "
-                       f"{max(prompt_lens)} and {key} asks for {asked} more", param=key)
+    if asked is not None and asked > room:  # in OpenAI's and vLLM's words and code, which clients match
+        raise APIError(f"This model's maximum context length is {max_model_len} tokens; the prompt holds "
+                       f"{max(prompt_lens)} and {key} asks for {asked} more", param=key,
+                       code="context_length_exceeded")
     max_tokens = asked if asked is not None else min(default_tokens or room, room)
     top_k = _number(body, "top_k", defaults.top_k, int, -1)
     stop = body.get("stop")
@@ -281,6 +282,14 @@ def structured_outputs(body: dict) -> StructuredOutputs | None:
     elif key == "response_format":
         kind = value.get("type") if isinstance(value, dict) else None
         schema = value.get("json_schema") if kind == "json_schema" else None
+        # a key the type does not read is refused, as OpenAI does: other APIs' {"type":
+        # "json_object", "schema": ...} would give JSON that ignores the schema
+        own = {"json_object": ("type",), "json_schema": ("type", "json_schema")}.get(kind)
+        extra = sorted(k for k, v in value.items() if v is not None and k not in own) if own else []
+        if extra:
+            raise APIError(f"'response_format' of type {kind} takes no {shown(extra[0])} (a schema goes in "
+                           f"{{\"type\": \"json_schema\", \"json_schema\": {{\"name\": ..., \"schema\": {{...}}}}}})",
+                           param=key)
         if kind == "json_object":
             spec = StructuredOutputs(json_object=True)
         elif isinstance(schema, dict) and isinstance(schema.get("schema"), dict):
@@ -416,7 +425,7 @@ def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_mode
     if len(prompts) > MAX_PROMPTS:
         raise APIError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
     special = _flag(body, "add_special_tokens", True)  # a text prompt's BOS (vLLM's default: added)
-    truncate = _truncation(body)
+    truncate = _truncation(body, max_model_len)
     ids = [_encode(encode, p, param="prompt", special=special, truncate=truncate) for p in prompts]
     stream, include_usage, continuous = _stream_flags(body)
     # OpenAI's legacy API and vLLM: echo with max_tokens 0 scores the prompt and generates nothing
@@ -455,9 +464,11 @@ def _with_prompt_logprobs(body: dict, params: SamplingParams, stream: bool) -> t
     return replace(params, prompt_logprobs=max(k, params.prompt_logprobs or 0)), k
 
 
-def _truncation(body: dict) -> int | None:
-    """vLLM's truncate_prompt_tokens: keep a prompt's last k tokens (-1: as many as fit)."""
-    k = _number(body, "truncate_prompt_tokens", None, int, -1)
+def _truncation(body: dict, max_model_len: int) -> int | None:
+    """vLLM's truncate_prompt_tokens: keep a prompt's last k tokens (-1: as many as fit);
+    k below the context limit, checked here to be named (the engine's check would name
+    the prompt)."""
+    k = _number(body, "truncate_prompt_tokens", None, int, -1, max_model_len - 1)
     if k == 0:
         raise APIError("'truncate_prompt_tokens' must be >= 1, or -1 (as many as fit)",
                        param="truncate_prompt_tokens")
@@ -492,7 +503,7 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
     # the template writes its own special tokens; add_special_tokens adds the tokenizer's too (vLLM)
     text = render_chat(body, template, tools)
     ids = [_encode(encode, text, param="messages", special=_flag(body, "add_special_tokens", False),
-                   truncate=_truncation(body))]
+                   truncate=_truncation(body, max_model_len))]
     stream, include_usage, continuous = _stream_flags(body)
     params = _sampling(body, [len(ids[0])], max_model_len, defaults.max_tokens, defaults, vocab_size, "chat")
     if forced is not None:  # tool_choice 'required' or a named function: the answer is the calls
