@@ -1255,6 +1255,22 @@ def test_stop_reason_of_an_end_token_also_listed_in_stop_token_ids(llm):
     assert (out.token_ids, out.finish_reason, out.stop_reason) == ([eos], "stop", eos)
 
 
+def test_a_stop_token_that_holds_a_stop_string_ends_the_request_as_a_stop_token(llm):
+    """A stop token id whose text holds one of the stop strings ends the request as a stop
+    token, include_stop_str_in_output or not (as vLLM checks stop tokens first): stop_reason
+    is its id, and the text keeps the token whole or leaves it out. Before, with
+    include_stop_str_in_output the stop string was looked for in the token's text, and
+    became the stop_reason (a longer token's text was cut after it too)."""
+    token = next(t for t in range(3, llm.config.vocab_size) if llm.tokenizer.decode([t]).strip())
+    text = llm.tokenizer.decode([token])
+    for include in (False, True):
+        out = llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=4, allowed_token_ids=[token],
+                                                             stop_token_ids=[token], stop=[text.strip()],
+                                                             include_stop_str_in_output=include))[0]
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([token], "stop", token)
+        assert out.text == (text if include else "")
+
+
 def test_allowed_token_ids_that_all_end_the_request_are_taken_without_min_tokens(llm):
     """A request that may only pick one of a few label tokens, each of which ends it
     (allowed_token_ids = stop_token_ids), is served: one label, stop_reason naming it;

@@ -243,7 +243,10 @@ class RequestRules:
         in_text = ids[:-1] if ended_by_token and not p.include_stop_str_in_output else ids
         text = self.tokenizer.decode_continuation(in_text, prompt, p.skip_special_tokens)
         cut = None
-        if p.stop:  # as while generating (`cut_at_stop_string`)
+        # as while generating (`cut_at_stop_string`); an end token that completes a stop
+        # string ends the request as an end token (vLLM checks those first), its text kept
+        # whole with include_stop_str_in_output
+        if p.stop and not ended_by_token:
             floor = self.tokenizer.min_tokens_floor(ids, p.min_tokens, prompt, p.skip_special_tokens)
             cut = stop_cut(text, p.stop, p.include_stop_str_in_output, ends_after=floor)
         if cut:
