@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import ENGINE_PROMPTS
 
-from treeflash import LLM, GenerationOutput, SamplingParams, TreeflashError, UsageError
+from treeflash import LLM, ContextLengthError, GenerationOutput, SamplingParams, TreeflashError, UsageError
 from treeflash.checkpoints import write_random_target
 from treeflash.engine.options import builtin_paths
 
@@ -755,9 +755,9 @@ def test_generation_stops_at_the_context_limit(hf_checkpoint):
     longest = [5] * (llm.max_model_len - 1)
     out = llm.generate(longest, SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
     assert (len(out.token_ids), out.finish_reason) == (1, "length")
-    with pytest.raises(UsageError, match=f"prompt of {llm.max_model_len} tokens does not fit the context limit"):
+    with pytest.raises(UsageError, match=f"length is {llm.max_model_len} tokens: a prompt of {llm.max_model_len} tokens does not fit"):
         llm.generate(longest + [5], SamplingParams(max_new_tokens=4))
-    with pytest.raises(TreeflashError, match="context limit"):
+    with pytest.raises(ContextLengthError, match="maximum context length"):
         llm.generate(ENGINE_PROMPTS[1] * 3, SamplingParams(max_new_tokens=4))
 
 
@@ -1206,7 +1206,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(hf_checkpoint):
         got = llm.generate(ids, replace(params, max_new_tokens=1 if k == -1 else 5, truncate_prompt_tokens=k))[0]
         want = llm.generate(ids[-kept:], replace(params, max_new_tokens=1 if k == -1 else 5))[0]
         assert got.token_ids == want.token_ids and len(got.token_ids) >= 1
-    with pytest.raises(UsageError, match="does not fit the context limit"):
+    with pytest.raises(ContextLengthError, match="maximum context length is 48 tokens: a prompt of 68 tokens"):
         llm.generate(ids, params)
     # a text too long to fit whatever its tokens is refused before it is tokenized (the
     # tokenizer is not called), unless it is to be truncated
@@ -1215,7 +1215,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(hf_checkpoint):
     calls = []
     real = llm.tokenizer.encode
     llm.tokenizer.encode = lambda *a, **kw: calls.append(1) or real(*a, **kw)
-    with pytest.raises(UsageError, match=f"prompt of {len(text)} characters does not fit the context limit of 48 "):
+    with pytest.raises(UsageError, match=f"maximum context length is 48 tokens: a prompt of {len(text)} characters does not fit"):
         llm.generate(text, params)
     assert not calls
     got = llm.generate(text, replace(params, truncate_prompt_tokens=12))[0]
@@ -1236,7 +1236,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(hf_checkpoint):
     from treeflash.chat import ChatTemplate
     llm.chat_template = ChatTemplate("{{ messages[0].content }}")
     calls.clear()
-    with pytest.raises(UsageError, match=f"prompt of {len(text)} characters does not fit the context limit"):
+    with pytest.raises(UsageError, match=f"a prompt of {len(text)} characters does not fit"):
         llm.chat([{"role": "user", "content": text}], params)
     assert not calls
     got = llm.chat([{"role": "user", "content": text}], replace(params, truncate_prompt_tokens=12))[0]

@@ -382,7 +382,7 @@ def test_missing_tokenizer(capsys, broken):
 def test_prompt_longer_than_the_context_limit(capsys, model):
     long = ENGINE_PROMPTS[1]
     assert_error(*run(capsys, long, "--model", model, "--device", "cpu", "--max-model-len", 8), 2,
-                 "context limit", "8")  # bad input, as an empty prompt: a usage error
+                 "maximum context length is 8 tokens")  # bad input, as an empty prompt: a usage error
 
 
 @pytest.mark.parametrize("json_out", [False, True])
@@ -419,7 +419,7 @@ def test_output_cut_by_the_context_limit_says_so(capsys, model):
 def test_prompt_longer_than_max_position_embeddings(capsys, broken):
     edit_config(broken, lambda c: c.update(max_position_embeddings=6))
     assert_error(*run(capsys, ENGINE_PROMPTS[1], "--model", broken, "--device", "cpu"), 2,
-                 "context limit")
+                 "maximum context length is 6 tokens")
 
 
 # --------------------------------------------------------------------------- usage: exit 2
@@ -483,7 +483,7 @@ def test_malformed_jsonl(capsys, model, tmp_path, line, words):
 
 
 @pytest.mark.parametrize("name,line,words", [("prompts.jsonl", '{"prompt": ""}', ["prompts.jsonl:3: empty prompt"]),
-                                             ("prompts.txt", "x " * 5000, ["prompts.txt:3: prompt of", "does not fit"])])
+                                             ("prompts.txt", "x " * 5000, ["prompts.txt:3: This model's maximum context length", "does not fit"])])
 def test_a_prompt_the_engine_refuses_is_named_by_its_line(capsys, model, tmp_path, name, line, words):
     """A prompt of a file that is empty once read, or too long for the context, stops
     the command before any output, naming the line to mend."""
@@ -868,7 +868,7 @@ def test_a_prompt_file_runs_in_batches_of_max_batch(capsys, model, api, tmp_path
     # a prompt that does not fit, after a batch's worth: refused before anything is generated
     f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in [*ENGINE_PROMPTS[:2], "x = 1\n" * 2000]))
     assert_error(*run(capsys, "--prompt-file", f, "--model", model, "--device", "cpu", "--json",
-                      "--max-new-tokens", 4, "--max-batch", 2), 2, "does not fit the context limit")
+                      "--max-new-tokens", 4, "--max-batch", 2), 2, "This model's maximum context length is")
 
 
 def test_prompt_file_with_jsonl(capsys, model, api, tmp_path):

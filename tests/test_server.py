@@ -954,6 +954,13 @@ def test_a_request_past_the_context_is_named_as_openai_and_vllm_name_it(client, 
     assert r.status_code == 400 and err["param"] == "max_completion_tokens", r.text
     assert err["message"].startswith(f"This model's maximum context length is {llm.max_model_len} tokens")
     assert err["code"] == "context_length_exceeded"
+    # so is a prompt that cannot fit by itself, in tokens or in characters
+    for prompt in (list(range(3, llm.max_model_len + 3)), "x" * (10 ** 6)):
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "prompt", r.text
+        assert err["message"].startswith(f"This model's maximum context length is {llm.max_model_len} tokens")
+        assert err["code"] == "context_length_exceeded"
 
 
 def test_1024_choices_per_request_are_taken():
@@ -1510,7 +1517,7 @@ def test_treeflash_serve_answers_concurrent_clients(llm):
         with urllib.request.urlopen(base + "/metrics", timeout=60) as r:  # what a scraper asks every few seconds
             assert r.status == 200
         big.join(120)
-        assert huge["r"][0] == 400 and "does not fit the context limit" in huge["r"][1], huge
+        assert huge["r"][0] == 400 and "maximum context length is" in huge["r"][1], huge
         assert health < 1.0, health
         # a second server on the same port: one line before loading anything, exit 2
         second = subprocess.run([sys.executable, "-m", "treeflash", "serve", "--port", str(port)],
@@ -1781,7 +1788,7 @@ def test_truncate_prompt_tokens(client, llm):
     params = SamplingParams(max_new_tokens=3, truncate_prompt_tokens=7)
     want = llm.generate(llm.chat_prompt(long_chat)[-7:], params)[0]
     assert llm.chat(long_chat, params)[0].token_ids == want.token_ids
-    with pytest.raises(UsageError, match="does not fit the context limit"):
+    with pytest.raises(UsageError, match="This model's maximum context length is"):
         llm.chat(long_chat, SamplingParams(max_new_tokens=3))
     for k in (0, -2, "9"):
         r = client.post("/v1/completions", json={**body, "truncate_prompt_tokens": k})

@@ -1,7 +1,8 @@
 """treeflash: lossless speculative decoding with DFlash drafters and DDTree verification."""
-from treeflash.errors import EngineDeadError, TreeflashError, UsageError
+from treeflash.errors import ContextLengthError, EngineDeadError, TreeflashError, UsageError
 
-__all__ = ["LLM", "GenerationOutput", "TokenLogprob", "SamplingParams", "StructuredOutputs", "TreeflashError", "UsageError", "EngineDeadError"]
+__all__ = ["LLM", "GenerationOutput", "TokenLogprob", "SamplingParams", "StructuredOutputs", "TreeflashError", "UsageError",
+           "ContextLengthError", "EngineDeadError"]
 __version__ = "0.1.0"
 
 

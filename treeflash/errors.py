@@ -14,6 +14,12 @@ class UsageError(TreeflashError):
         self.param = param
 
 
+class ContextLengthError(UsageError):
+    """A prompt longer than the model's context. Worded as OpenAI and vLLM word it
+    ("This model's maximum context length is ..."), which clients such as LiteLLM match
+    to fall back to a longer-context model; the server adds OpenAI's code."""
+
+
 class InStepError(TreeflashError):
     """A failure that every tensor-parallel rank raised at the same point of a command,
     having agreed on it (a batch's caches did not fit on some rank): the ranks are still

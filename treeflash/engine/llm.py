@@ -30,7 +30,7 @@ from treeflash.engine.round import DRAFT_MODES, METHODS, BatchState, Speculative
 from treeflash.engine.sampling import SamplingBatch
 from treeflash.engine.states import GRAPHED_PREFILL_MAX, KeptStates, suffix_chunks
 from treeflash.engine.tp import attach as tp_attach, closed_error
-from treeflash.errors import TreeflashError, UsageError, is_text, shown
+from treeflash.errors import ContextLengthError, TreeflashError, UsageError, is_text, shown
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import (build_on, check_model_size, check_sizes, load_weights, stored_shapes,
                                      weights_dtype)
@@ -524,14 +524,16 @@ class LLM:
         if isinstance(prompt, str) and truncate is None:
             most = self.tokenizer.longest_token_bytes
             if len(prompt) > 2 * self.max_model_len * most:  # > 2 x max_model_len tokens (normalizers may merge a few)
-                raise UsageError(f"prompt of {len(prompt)} characters does not fit the context limit of "
-                                 f"{self.max_model_len} tokens (a token of this model holds at most {most} bytes)")
+                raise ContextLengthError(f"This model's maximum context length is {self.max_model_len} tokens: "
+                                         f"a prompt of {len(prompt)} characters does not fit (a token of this "
+                                         f"model holds at most {most} bytes)")
         ids = self.token_ids(prompt, special)
         if truncate is not None:
             ids = ids[-(self.max_model_len - 1 if truncate == -1 else truncate):]
         if len(ids) >= self.max_model_len:
-            raise UsageError(f"prompt of {len(ids)} tokens does not fit the context limit of "
-                             f"{self.max_model_len} tokens")
+            raise ContextLengthError(f"This model's maximum context length is {self.max_model_len} tokens: "
+                                     f"a prompt of {len(ids)} tokens does not fit (it must leave room for one "
+                                     f"new token)")
         return ids
 
     def token_ids(self, prompt: str | list[int], special: bool = True) -> list[int]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from treeflash.chat import ChatFormat, checked_tools, plain_messages
-from treeflash.errors import TreeflashError, UsageError, is_text, shown
+from treeflash.errors import ContextLengthError, TreeflashError, UsageError, is_text, shown
 from treeflash.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
                                        SamplingParams, generation_defaults, token_bias)
 from treeflash.server.answers import HARMONY, MessageStream, chat_parsers, harmony_opened, request_tools
@@ -640,6 +640,8 @@ def parse_detokenize(body: dict, served: str | tuple[str, ...], vocab_size: int)
 def _encode(encode, prompt, param: str, **kw) -> list[int]:
     try:
         return encode(prompt, **kw)
+    except ContextLengthError as e:
+        raise APIError(str(e), param=param, code="context_length_exceeded") from None
     except TreeflashError as e:
         raise APIError(str(e), param=param) from None
 
