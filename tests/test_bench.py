@@ -185,6 +185,22 @@ def test_pair_mode_corpus_prompts(pair, tmp_path, capsys):
     assert "has no held-out split" in capsys.readouterr().err
 
 
+def test_corpus_prompts_fit_a_short_context(tmp_path, capsys):
+    """A target trained with --seq-len 64 has a context of 64: --corpus's held-out prompts
+    (64 tokens where the context allows) leave room for --max-new-tokens, or take half
+    the context, rather than fill it ("prompt of 64 tokens does not fit")."""
+    target = write_random_target(tmp_path / "t", max_position_embeddings=64)
+    corpus = tiny_corpus(tmp_path / "corpus", target)
+    out = tmp_path / "rows.jsonl"
+    argv = ["bench", "--model", str(target), "--methods", "ar", "--corpus", str(corpus), "--num-prompts", "2",
+            "--batch-sizes", "1", "--graphs", "off", "--temperatures", "0", "--device", "cpu", "--out", str(out)]
+    assert main(argv + ["--max-new-tokens", "16"]) == 0, capsys.readouterr().err
+    assert json.loads(out.read_text())["new_tokens"] == 2 * 16 and "note:" not in capsys.readouterr().err
+    assert main(argv + ["--max-new-tokens", "128"]) == 0, capsys.readouterr().err
+    assert json.loads(out.read_text())["new_tokens"] == 2 * 32  # prompts of 32: the context's other half
+    assert "2 of 2 prompts leave less than --max-new-tokens 128" in capsys.readouterr().err
+
+
 def test_shape_mode_tiny(tmp_path, capsys):
     out = tmp_path / "shape.jsonl"
     rc = main(["bench", "--shape", "tiny", "--contexts", "32,64", "--budgets", "0,3,7", "--iters", "2",

@@ -1043,6 +1043,22 @@ def test_training_blocks_use_every_anchor_gamma_and_the_given_taps(target, data_
     assert config["dflash_config"]["target_layer_ids"] == [2, 0]
 
 
+def test_the_logits_check_counts_the_blocks_drawn(target, data_dir, tmp_path, capsys):
+    """More --blocks-per-seq than a sequence has anchors are cut to them (a note says so):
+    the memory check counts those drawn, not the number given, which refused a run that
+    fits as needing thousands of GiB."""
+    base, _ = target
+    train_drafter(base / "model", data_dir, tmp_path / "run", None, DrafterShape(num_layers=1, block_size=4),
+                  TrainOptions(max_steps=1, **OPTS), blocks_per_seq=10 ** 9, tau_prompts=0)
+    assert f"--blocks-per-seq {10 ** 9} is more anchors than a sequence of 32 tokens has for blocks of 4: 28 are " \
+           f"drawn" in capsys.readouterr().err
+    with pytest.raises(UsageError, match=r"--batch-size 1000000000 x --blocks-per-seq 1000000000 \(28 drawn\) x "
+                                         r"block size 4 computes 112,000,000,000 rows"):
+        train_drafter(base / "model", data_dir, tmp_path / "run-big", None, DrafterShape(num_layers=1, block_size=4),
+                      TrainOptions(max_steps=1, **{**OPTS, "batch_size": 10 ** 9}), blocks_per_seq=10 ** 9,
+                      tau_prompts=0)
+
+
 def test_a_drafter_gamma_of_zero_is_refused(target, data_dir, tmp_path):
     base, _ = target
     with pytest.raises(UsageError, match="--gamma must be > 0"):
@@ -1205,6 +1221,22 @@ def test_generated_names_the_file_given_or_numpys_npz():
     from treeflash.train.drafter import generated_file
     assert generated_file("/nowhere/gen.npz") == Path("/nowhere/gen.npz")  # not gen.npz.npz
     assert generated_file("/nowhere/gen") == Path("/nowhere/gen.npz")
+
+
+def test_generated_ids_past_uint16_are_kept(data_dir, tmp_path):
+    """A target's vocabulary may be larger than its tokenizer's (a padded LM head): the
+    continuations of a uint16 corpus are stored for the target's ids, not cut at 65535
+    (an OverflowError once generated, after minutes)."""
+    target = write_random_target(tmp_path / "wide", hidden_size=16, num_layers=1, num_heads=1, num_kv_heads=1,
+                                 head_dim=16, intermediate_size=16, vocab_size=70_000, max_position_embeddings=32)
+    shutil.copy(data_dir / "tokenizer.json", target)  # the corpus' tokenizer, 320 ids of the 70,000
+    meta = generate_continuations(target, data_dir, tmp_path / "gen", num_prompts=8, prompt_len=4, new_tokens=8,
+                                  device="cpu", heldout_prompts=0)
+    with np.load(meta["path"]) as f:
+        ids = f["ids"]
+    assert ids[:, 4:].max() >= 1 << 16 and ids[:, 4:].max() < 70_000
+    ref = LLM(target, device="cpu").generate(ids[:1, :4].tolist(), SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert ids[0, 4:].tolist() == ref[0].token_ids
 
 
 def test_no_export_shard_is_empty(tmp_path):
@@ -1465,6 +1497,9 @@ def test_drafter_options_are_checked_before_training(target, data_dir, tmp_path)
     meta = json.loads((big / "corpus.json").read_text())
     (big / "corpus.json").write_text(json.dumps({**meta, "vocab_size": 10 ** 6}))
     for kwargs, what in ((dict(tau_new_tokens=0), "--tau-new-tokens must be >= 1, got 0"),
+                         # 10^9 prompts: 7 GiB of prompt offsets at once, then the OS killed the run
+                         (dict(tau_prompts=10 ** 9), r"--tau-prompts must be from 0 to 65536 \(0: skip the "
+                                                     r"measure\), got 1000000000"),
                          (dict(blocks_per_seq=0), "--blocks-per-seq must be >= 1, got 0"),
                          (dict(opts=TrainOptions(**{**OPTS, "max_steps": 1, "seq_len": 4})),
                           "--seq-len 4 is too short for blocks of 4"),
@@ -1542,6 +1577,24 @@ def test_a_failed_tau_measurement_keeps_the_trained_drafter(target, data_dir, tm
     assert summary["tau_error"] == "RuntimeError: out of memory"
     assert (tmp_path / "drafter" / "config.json").exists()
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["tau_error"] == summary["tau_error"]
+
+
+def test_ctrl_c_in_the_tau_measurement_leaves_this_sessions_summary(target, data_dir, tmp_path, monkeypatch):
+    """The τ measurement comes after the export, and takes minutes on a CPU: Ctrl-C there
+    leaves summary.json of the drafter just exported (without τ), not none, nor the one
+    of the session before a resume."""
+    import treeflash.train.drafter as drafter_module
+    base, _ = target
+    args = (base / "model", data_dir, tmp_path / "run", tmp_path / "drafter", DrafterShape(block_size=4))
+    train_drafter(*args, TrainOptions(max_steps=1, **OPTS), tau_prompts=0)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(drafter_module, "measure_tau", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(*args, TrainOptions(max_steps=2), resume=True, tau_prompts=1, tau_new_tokens=8)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2 and "tau_dflash" not in summary
 
 
 def test_a_drafter_keeps_its_targets_rope_scaling(hf_checkpoint):

@@ -55,6 +55,14 @@ def corpus_prompts(folder: str, k: int, length: int = 64) -> list[list[int]]:
     return held_prompts(heldout, k, length)
 
 
+def fit_corpus_prompts(prompts: list[list[int]], context: int, new_tokens: int) -> list[list[int]]:
+    """--corpus's prompts cut to their last tokens where the model's context is short (a
+    target trained with --seq-len 64): room for `new_tokens` after them, else half the
+    context; a 64-token prompt did not fit a 64-token context at all."""
+    keep = max(1, min(64, max(context - new_tokens, context // 2)))
+    return [p[-keep:] for p in prompts]
+
+
 def load_prompts(args) -> list[tuple[str | list[int], str | None]]:
     """--prompt-file, else --corpus (held-out split), else the built-in Python prompts
     (cycled up to --num-prompts); each with its place in the file ("FILE:LINE") for
@@ -233,6 +241,9 @@ def bench_pairs(args) -> int:
     base = LLM(args.model, draft_model=args.draft_model, method=next((m for m in methods if m != "ar"), "ar"),
                device=args.device, dtype=args.dtype, max_budget=args.max_budget, cuda_graphs=False,
                max_batch=max(plan.batch_sizes), quantization=args.quantization)  # each timed batch: one engine batch
+    if args.corpus:
+        prompts = fit_corpus_prompts(prompts, base.max_model_len, args.max_new_tokens)
+        plan.prompts = [(p, None) for p in prompts]
     lengths = []
     for prompt, place in plan.prompts:  # each checked before the run starts, named by its place in the file
         try:

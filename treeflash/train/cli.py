@@ -213,7 +213,7 @@ def _add_commands(sub) -> None:
     p.add_argument("--blocks-per-seq", type=int, help="anchors drawn per sequence (default 32)")
     p.add_argument("--dtype", help="export dtype (default: the target's)")
     p.add_argument("--tau-prompts", type=int,
-                   help="held-out prompts for the final engine τ measurement (0: skip; default 16)")
+                   help="held-out prompts for the final engine τ measurement (0: skip; at most 65536; default 16)")
     p.add_argument("--tau-new-tokens", type=int, help="new tokens per τ prompt (default 128)")
     _train_args(p, {**DEFAULT_OPTIONS, **DRAFTER_OPTIONS,
                     "seq_len": f"{DRAFTER_OPTIONS['seq_len']}, at most the target's context"})

@@ -49,6 +49,8 @@ from treeflash.train.tokenizer import MASK
 DRAFTER_OPTIONS = {"batch_size": 32, "seq_len": 512, "lr": 2e-3, "eval_tokens": 1 << 18,
                    "gamma": 7.0, "blocks_per_seq": 32, "dtype": None, "tau_prompts": 16,
                    "tau_new_tokens": 128, "generated": None}
+# --tau-prompts at most (as bench's --num-prompts): 10^9 took gigabytes before training began
+MAX_TAU_PROMPTS = 65536
 DRAFTER_SHAPE = {"num_layers": 2, "block_size": 16,
                  "target_layer_ids": None,  # None: treeflash.config.default_target_layer_ids
                  "mask_token_id": None}     # None: the target tokenizer's <|mask|>
@@ -291,7 +293,8 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
     out = out if out.suffix == ".npz" else out.with_name(out.name + ".npz")  # as numpy names it
     _check_generated_out(out, target_dir, data_dir)
     _require_target(target_dir)
-    context = ModelConfig.from_pretrained(target_dir).max_position_embeddings
+    tcfg = ModelConfig.from_pretrained(target_dir)
+    context = tcfg.max_position_embeddings
     if prompt_len + new_tokens > context:  # before the corpus' checks, whose advice would not help
         raise UsageError(f"prompt_len + new_tokens = {prompt_len + new_tokens} exceeds the target's context of {context}")
     data = load_corpus(data_dir)
@@ -302,10 +305,12 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
         raise UsageError(f"the held-out split has {data.heldout.size} tokens, too few for prompts of {prompt_len} "
                          f"(pass heldout_prompts=0 / --heldout-prompts 0 to skip held-out continuations)")
     total = num_prompts + heldout_prompts
+    # the target's ids, which a padded LM head may take past a uint16 corpus' 65535
+    dtype = data.train.dtype if tcfg.vocab_size <= np.iinfo(data.train.dtype).max + 1 else np.dtype(np.int32)
     # the rows are held until the end, and the prompts drawn into them pass through an
     # array of their own: a count off by a few zeros took gigabytes, then the OS killed it,
     # with no word
-    need = total * (2 * prompt_len + new_tokens) * data.train.dtype.itemsize
+    need = total * (2 * prompt_len + new_tokens) * dtype.itemsize
     have = available_bytes(torch.device("cpu"))
     if have is not None and need > have:
         raise UsageError(f"--num-prompts {num_prompts} (and {heldout_prompts} held out) of {prompt_len + new_tokens} "
@@ -313,7 +318,7 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
                          f"{have / 2**30:,.1f} GiB free on this host")
     llm = LLM(target_dir, method="ar", device=device)  # its max_model_len: the context checked above
     rng = np.random.default_rng(seed)
-    rows = np.zeros((total, prompt_len + new_tokens), dtype=data.train.dtype)
+    rows = np.zeros((total, prompt_len + new_tokens), dtype=dtype)
     rows[:, :prompt_len] = [split[s:s + prompt_len]
                             for split, n in ((data.train, num_prompts), (data.heldout, heldout_prompts))
                             for s in rng.integers(0, split.size - prompt_len, n)]
@@ -423,8 +428,8 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
     check_shard_mb(o["max_shard_mb"])
     generated, gamma, blocks_per_seq = o["generated"], o["gamma"], o["blocks_per_seq"]
     tau_prompts, tau_new_tokens = o["tau_prompts"], o["tau_new_tokens"]
-    if tau_prompts < 0:
-        raise UsageError(f"--tau-prompts must be >= 0 (0: skip the measure), got {tau_prompts}")
+    if not 0 <= tau_prompts <= MAX_TAU_PROMPTS:
+        raise UsageError(f"--tau-prompts must be from 0 to {MAX_TAU_PROMPTS} (0: skip the measure), got {tau_prompts}")
     if tau_new_tokens < 1:
         raise UsageError(f"--tau-new-tokens must be >= 1, got {tau_new_tokens}")
     if not gamma > 0:
@@ -492,8 +497,6 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
         raise UsageError(f"export dtype must be bfloat16, float16 or float32, got {config['torch_dtype']!r}")
     device = resolve_device(opts.device)
     b = shape.block_size
-    check_logits_fit(opts.batch_size * blocks_per_seq * b, tcfg.vocab_size, device,
-                     f"--batch-size {opts.batch_size} x --blocks-per-seq {blocks_per_seq} x block size {b}")
     source = GeneratedRows(generated, device, target_dir) if generated else TokenWindows(data.train, opts.seq_len, device)
     lo = source.lo if generated else 1  # a corpus window's first anchor needs one position of context
     if generated and seq_len_given:
@@ -511,12 +514,17 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
                              if held.shape[1] < opts.seq_len else
                              f"--seq-len {opts.seq_len} is too short for the held-out windows' blocks of {b} "
                              f"(needs >= {b + 2})")
+    # the anchors a sequence has (more --blocks-per-seq are cut to them), in training and evaluation
+    n = min(blocks_per_seq, source.length - b - lo + 1)
+    drawn = max(n, min(blocks_per_seq, held.shape[1] - b - held_lo + 1))
+    check_logits_fit(opts.batch_size * drawn * b, tcfg.vocab_size, device,
+                     f"--batch-size {opts.batch_size} x --blocks-per-seq {blocks_per_seq}"
+                     f"{f' ({drawn} drawn)' if drawn < blocks_per_seq else ''} x block size {b}")
     tau_ids = tau_prompt_ids(data.heldout, source, tau_prompts, plen)
     torch.manual_seed(opts.seed)
     target = load_frozen_target(target_dir, device)
     drafter = build_drafter(config, target, device)
     run.begin({**asdict(shape), **signature, **bound}, o)  # once every input was read and checked
-    n = min(blocks_per_seq, source.length - b - lo + 1)
     if n < blocks_per_seq and blocks_given:
         print(f"treeflash: note: --blocks-per-seq {blocks_per_seq} is more anchors than a sequence of "
               f"{source.length} tokens has for blocks of {b}: {n} are drawn", file=sys.stderr)
@@ -542,13 +550,14 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
                "parameters": n_params, "data": str(generated) if generated else "corpus",
                "heldout_text": held_text, **final,
                "export": str(out), "export_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
+    write_summary(run, summary)  # before τ, which takes minutes on a CPU: Ctrl-C there keeps this session's
     if tau_ids:
         try:
             summary.update(measure_tau(target_dir, out, tau_ids, tau_new_tokens, opts.device))
         except Exception as e:  # a measurement, not the product: never lose a trained drafter to it
             summary["tau_error"] = f"{type(e).__name__}: {e}"
             print(f"[drafter] warning: τ measurement failed: {summary['tau_error']}", flush=True)
-    write_summary(run, summary)
+        write_summary(run, summary)
     print(f"[drafter] {json.dumps(summary)}", flush=True)
     return summary
 
