@@ -1420,3 +1420,13 @@ def test_a_constraints_mistake_stops_the_command_before_the_model_loads(capsys, 
     extra = ["--methods", "ar", "--eos", "--num-prompts", "1"] if command == "bench" else ["hi"]
     rc = main([command, *extra, "--model", str(model), "--device", "cpu", flag, value])
     assert_error(rc, *capsys.readouterr(), 2, *words)
+
+
+def test_flags_are_not_abbreviated(capsys):
+    """A flag is taken only as spelled, as vLLM's parser takes it: argparse's prefixes read
+    `generate --prompt "..."` as --prompt-file (and failed on a file named by the prompt),
+    and `train generate --prompt 8` as --prompt-len."""
+    assert_error(*run(capsys, "--prompt", "def f():"), 2, "unrecognized arguments: --prompt")
+    for argv in (["bench", "--method", "ar"], ["train", "generate", "--target", "t", "--data", "d", "--out", "o", "--prompt", "8"]):
+        assert main(argv) == 2
+        assert "unrecognized arguments" in capsys.readouterr().err

@@ -18,7 +18,13 @@ PROMPT_FILE_HELP = ("one prompt per line (\\n for a newline; empty lines skipped
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit code 2
+    """Errors in one line (exit code 2); flags spelled out, as vLLM's parser takes them:
+    argparse's abbreviations read `generate --prompt "..."` as --prompt-file."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message):
         raise UsageError(message)
 
 
