@@ -617,6 +617,9 @@ def test_out_folder_refused_before_training(target, data_dir, tmp_path):
         unwritable = tmp_path / "ro" / "out"
     with pytest.raises(UsageError, match="cannot write in"):
         train_target(data_dir, run, unwritable, TINY, opts)
+    # so is a run folder that cannot be made (it failed with the OS's words once the inputs were read)
+    with pytest.raises(UsageError, match=f"run folder {unwritable / 'run'}: cannot write in"):
+        train_target(data_dir, unwritable / "run", tmp_path / "out", TINY, opts)
     assert {f.name: f.read_bytes() for f in model.iterdir()} == files
     assert not (run / "state.pt").exists() and not (data_dir / "config.json").exists()
 

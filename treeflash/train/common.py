@@ -240,13 +240,24 @@ def check_out_dir(path: str | Path | None, keep: dict[str, str | Path] | None = 
         raise UsageError(f"output folder {path} {where} the run folder {run}: choose another --out "
                          f"(default: RUN/model)")
     # the folder itself where it exists, and where it is made (an export is written beside it)
-    for p in ([out] if out.exists() else []) + [next((p for p in out.parents if p.exists()), out)]:
-        if not p.is_dir():
-            raise UsageError(f"output folder {path}: {p} exists and is not a folder")
-        try:
-            probe_write(p)
-        except OSError as e:
-            raise UsageError(f"output folder {path}: cannot write in {p} ({e.strerror or e})") from None
+    for p in ([out] if out.exists() else []) + [_made_in(out)]:
+        check_writable(p, f"output folder {path}")
+
+
+def _made_in(folder: Path) -> Path:
+    """The nearest existing folder above `folder`: where mkdir(parents=True) makes it."""
+    return next((p for p in folder.parents if p.exists()), folder)
+
+
+def check_writable(folder: Path, what: str) -> None:
+    """Refuse, before any work, a folder that files cannot be made in (`what` names it in
+    the error): otherwise a run fails with a raw OS error once its inputs are loaded."""
+    if not folder.is_dir():
+        raise UsageError(f"{what}: {folder} exists and is not a folder")
+    try:
+        probe_write(folder)
+    except OSError as e:
+        raise UsageError(f"{what}: cannot write in {folder} ({e.strerror or e})") from None
 
 
 def check_export_dir(out: Path, run: "RunDir") -> None:
@@ -303,6 +314,7 @@ class RunDir:
         self.saved: dict = {}
         if self.path.exists() and not self.path.is_dir():
             raise UsageError(f"run folder {self.path} exists and is not a folder")
+        check_writable(self.path if self.path.exists() else _made_in(self.path.resolve()), f"run folder {self.path}")
         if resume and not self.state_path.exists():
             raise UsageError(f"--resume: no training state in {self.path} (state.pt not found)")
         if not resume and self.state_path.exists():
