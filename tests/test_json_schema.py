@@ -129,7 +129,7 @@ def test_string_length_counts_characters_and_escapes_as_one():
     ("date", ["2024-02-29", "1999-12-31", "0001-01-01", "2000-02-29", "2023-04-30", "0400-02-29", "9999-12-31"],
      ["2024-13-01", "2024-1-01", "2024-01-32", "24-01-01", "", "2023-02-29", "1900-02-29", "2024-04-31", "2024-02-30",
       "0000-02-29", "0000-01-01"]),  # year 0: RFC 3339's, not Python's datetime (nor validators built on it)
-    ("time", ["23:59:60Z", "00:00:00.123Z", "12:30:00Z", "12:30:00+05:30", "12:30:00.5-08:00"],
+    ("time", ["23:59:59Z", "00:00:00.123Z", "12:30:00Z", "12:30:00+05:30", "12:30:00.5-08:00"],
      ["24:00:00Z", "12:60:00Z", "12:30", "12:30:00+5:30", "12:30:00 Z", "12:30:00", "12:30:00+24:00",
       "12:30:00-23:60"]),
     ("date-time", ["2024-02-29T12:30:00Z", "2024-02-29T12:30:00.25+01:00"],
@@ -139,6 +139,19 @@ def test_string_length_counts_characters_and_escapes_as_one():
 ])
 def test_string_formats(fmt, good, bad):
     check({"type": "string", "format": fmt}, good=good, bad=bad)
+
+
+def test_times_are_what_python_and_pydantic_read():
+    """No leap second: RFC 3339 has 23:59:60, but Python's datetime, Pydantic's datetime and
+    time, and jsonschema's date-time check refuse it (a model's :60 failed model_validate_json)."""
+    import datetime
+    for fmt, prefix in (("time", ""), ("date-time", "2016-12-31T")):
+        regex = regex_of({"type": "string", "format": fmt})
+        for text in ("23:59:60Z", "12:30:60+01:00", "00:00:60.5Z"):
+            assert not re.fullmatch(regex, f'"{prefix}{text}"'), text
+        for text in ("23:59:59Z", "00:00:00.5-08:00"):
+            assert re.fullmatch(regex, f'"{prefix}{text}"'), text
+            datetime.datetime.fromisoformat("2016-12-31T" + text.replace("Z", "+00:00"))
 
 
 def test_dates_are_the_calendars():
@@ -231,6 +244,20 @@ def test_pattern_never_produces_what_json_must_escape():
 ])
 def test_pattern_refusals(pattern, words):
     refused({"type": "string", "pattern": pattern}, "'pattern' at $", *words)
+
+
+def test_a_pattern_is_refused_in_its_own_terms():
+    """A pattern that matches anywhere is put inside a larger regex: its mistakes are still
+    said of what the client wrote, at its own positions, and a stray ')' or a trailing
+    backslash cannot close or escape the group it is put in (`a)(b` was taken as `ab`)."""
+    for pattern, words in [("a)(b", ["regex 'a)(b': unbalanced ')' (at character 1)"]),
+                           ("x)|(y", ["regex 'x)|(y': unbalanced ')'"]),
+                           ("[a-z]+)$", ["regex '[a-z]+)$': unbalanced ')' (at character 6)"]),
+                           ("ab\\", ["a trailing backslash"]),
+                           ("(?i)abc", ["regex '(?i)abc': only (?: )", "(at character 1)"]),
+                           ("\\bfoo\\b", ["regex '\\\\bfoo\\\\b': \\b is not supported", "(at character 2)"])]:
+        message = refused({"type": "string", "pattern": pattern}, "'pattern' at $", *words)
+        assert "[\\s\\S]" not in message, message
 
 
 def test_integer():
@@ -548,14 +575,35 @@ def test_refs():
     check({"$defs": {"a/b~c": {"type": "null"}}, "$ref": "#/$defs/a~1b~0c"}, good=[None])
 
 
+def test_a_recursive_ref_unrolls_three_deep():
+    """A recursive $ref (pydantic's trees, linked lists, threads) is unrolled: a value is
+    inside one definition at most three times at once; deeper, an optional member or a
+    list's items are left out, and a definition that cannot end is refused."""
+    node = {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}}}
+    nested = [{}, {"next": {}}, {"next": {"next": {}}}, {"next": {"next": {"next": {}}}}]
+    check({"$defs": {"Node": node}, "$ref": "#/$defs/Node"}, good=nested[:3], bad=nested[3:])
+    tree = {"type": "object", "required": ["v"],
+            "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/definitions/T"}}}}
+    leaf = {"v": 1, "kids": []}
+    check({"definitions": {"T": tree}, "type": "array", "items": {"$ref": "#/definitions/T"}},
+          good=[[leaf, {"v": 2, "kids": [{"v": 3, "kids": [leaf]}, {"v": 4}]}]],
+          bad=[[{"v": 2, "kids": [{"v": 3, "kids": [{"v": 4, "kids": [leaf]}]}]}]])
+    # mutual recursion: A in B in A in B ... counts each definition's own nesting
+    pair = {"$defs": {"A": {"type": "object", "properties": {"b": {"$ref": "#/$defs/B"}}},
+                      "B": {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}}}, "$ref": "#/$defs/A"}
+    check(pair, good=[{"b": {"a": {"b": {"a": {"b": {}}}}}}], bad=[{"b": {"a": {"b": {"a": {"b": {"a": {}}}}}}}])
+    endless = {"$defs": {"N": {"type": "object", "properties": {"n": {"$ref": "#/$defs/N"}}, "required": ["n"]}},
+               "$ref": "#/$defs/N"}
+    with pytest.raises(UsageError, match="matches no text"):
+        StructuredOutputs(json=endless).validate().automaton()
+
+
 def test_reference_and_combination_refusals():
     # an embedded resource's references resolve from it, not from the root: refused, not misread
     inner = {"$id": "https://example.com/a", "$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x"}
     refused({"$defs": {"x": {"type": "string"}}, "type": "object", "properties": {"a": inner}},
             "'$id' at $.properties.a")
     check({"$id": "https://example.com/root", "type": "integer"}, good=[1])  # the root's own is descriptive
-    node = {"type": "object", "properties": {"next": {"$ref": "#/$defs/Node"}}}
-    refused({"$defs": {"Node": node}, "$ref": "#/$defs/Node"}, "'$ref' at $.$defs.Node.properties.next", "recursive")
     refused({"$ref": "#/$defs/Missing"}, "'$ref' at $", "not defined")
     refused({"$ref": "https://example.org/schema.json"}, "'$ref' at $", "only '#/$defs/NAME'")
     refused({"$ref": "#/properties/a"}, "'$ref' at $")
@@ -640,7 +688,7 @@ def test_deep_nesting_is_refused_not_a_crash():
 
 def test_descriptive_keywords_are_ignored_and_json_text_is_accepted():
     schema = {"type": "string", "title": "T", "description": "d", "examples": ["x"], "default": "x", "deprecated": False,
-              "readOnly": True, "writeOnly": False, "$comment": "c", "$id": "urn:x",
+              "readOnly": True, "writeOnly": False, "$comment": "c", "$id": "urn:x", "example": "x",
               "$schema": "https://json-schema.org/draft/2020-12/schema"}
     assert schema_regex(schema) == schema_regex({"type": "string"})
     assert schema_regex(json.dumps(schema)) == schema_regex({"type": "string"})

@@ -696,6 +696,55 @@ def test_a_grammar_too_large_to_unroll_deep_unrolls_less_deep():
         assert dfa.matches(text.encode()) == ok, text
 
 
+_EXPR = {"oneOf": [{"$ref": "#/$defs/Num"}, {"$ref": "#/$defs/Bin"}, {"$ref": "#/$defs/Neg"}]}  # pydantic's form
+EXPRESSION_SCHEMA = {"$defs": {
+    "Num": {"type": "object", "properties": {"kind": {"const": "num"}, "value": {"type": "number"}}, "required": ["kind", "value"]},
+    "Bin": {"type": "object", "properties": {"kind": {"const": "bin"}, "op": {"enum": ["+", "-", "*", "/"]},
+                                             "left": _EXPR, "right": _EXPR}, "required": ["kind", "op", "left", "right"]},
+    "Neg": {"type": "object", "properties": {"kind": {"const": "neg"}, "arg": _EXPR}, "required": ["kind", "arg"]}},
+    **_EXPR}
+
+
+def test_a_recursive_schema_too_large_to_unroll_deep_unrolls_less_deep(monkeypatch):
+    """An expression tree of three recursive kinds passes the automaton's limits unrolled 3
+    deep: it is unrolled 2 deep, never refused for it; a schema without recursion that is
+    too large is refused after one attempt."""
+    from treeflash.structured import grammar
+    calls = []
+    real = grammar.compile_regex
+    monkeypatch.setattr(grammar, "compile_regex", lambda *a: calls.append(1) or real(*a))
+    dfa = StructuredOutputs(json=EXPRESSION_SCHEMA).validate().automaton()
+    assert len(calls) == 2
+    num = {"kind": "num", "value": 1}
+    two = {"kind": "bin", "op": "+", "left": {"kind": "neg", "arg": {"kind": "neg", "arg": num}}, "right": num}
+    assert dfa.matches(json.dumps(two).encode())
+    assert not dfa.matches(json.dumps({"kind": "neg", "arg": {"kind": "neg", "arg": {"kind": "neg", "arg": num}}}).encode())
+    calls.clear()
+    with pytest.raises(UsageError, match="the JSON schema is too complex"):
+        StructuredOutputs(json={"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(30)}}
+                          ).validate().automaton()
+    assert len(calls) == 1
+
+
+def test_every_method_gives_ar_tokens_under_a_recursive_schema(engines):
+    """pydantic's tree (children: list[Tree]): every method gives AR's tokens, and a
+    finished answer is a tree at most three levels deep."""
+    tree = {"$defs": {"Tree": {"type": "object", "required": ["value"], "properties": {
+        "value": {"type": "integer"}, "children": {"type": "array", "items": {"$ref": "#/$defs/Tree"}, "default": []}}}},
+            "$ref": "#/$defs/Tree"}
+    params = [SamplingParams(max_new_tokens=60, structured_outputs=StructuredOutputs(json=tree), temperature=t, seed=s)
+              for t, s in ((0.0, 0), (1.0, 1), (1.0, 2))]
+    outs = {m: e.generate(["{"] * len(params), params) for m, e in engines.items()}
+    for m in ("dflash", "ddtree"):
+        assert [o.token_ids for o in outs[m]] == [o.token_ids for o in outs["ar"]], m
+
+    def depth(value) -> int:
+        return 1 + max(map(depth, value.get("children", [])), default=0)
+    for o in outs["ar"]:
+        if o.finish_reason == "stop":
+            assert depth(json.loads(o.text)) <= 3, o.text
+
+
 def test_a_grammar_without_recursion_compiles_once_and_its_rules_once():
     """Unrolling depth changes nothing without recursion: one attempt (four took 18 s to
     refuse root ::= [^\\n]{1000}); and a rule used many times is written once (100 uses
@@ -728,6 +777,10 @@ def test_a_grammar_without_recursion_compiles_once_and_its_rules_once():
     ('expr ::= "a"', "no `root` rule"),
     ("root ::= x", "'x', which no rule defines"),
     ('start: "a"', "Lark"),
+    ('?start: value\nvalue: "a"', "Lark"),  # Lark's usual openings: an inlined rule, a priority, an import, a comment
+    ('start.2: "a"', "Lark"),
+    ("%import common.WS\nstart: WS", "Lark"),
+    ('// a Lark grammar\nstart: "a"', "Lark"),
     ('root ::= "a', "missing closing"),
     ("root ::= []", "empty character class"),
     ('root ::= "b" | [z-a]', "class range out of order"),

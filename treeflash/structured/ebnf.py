@@ -25,6 +25,9 @@ NOTHING = char_class([])  # a class no character is in: the empty language
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 _RULE_START = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_-]*)\s*::=")
+# how a Lark grammar's lines open: a rule `name:`, `?name:`, `!name:` or `name.2:`, a
+# `%import` or `%ignore`, a `//` comment
+_LARK = re.compile(r"\s*(?:[?!]?\w+(?:\.-?[0-9]+)?\s*:(?!:=)|%[a-z]+\b|//)")
 _BOUNDS = re.compile(r"\{\s*([0-9]*)\s*(,?)\s*([0-9]*)\s*\}")
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'", "[": "[", "]": "]", "-": "-",
             "/": "/", "0": "\0", "f": "\f", "v": "\v", "^": "^"}
@@ -58,7 +61,7 @@ class _Parser:
             m = _RULE_START.match(self.s, self.i)
             if not m:
                 self.fail("expected a rule `name ::= ...`" + (" (Lark's `name: ...` is not this dialect)"
-                                                              if re.match(r"\s*\w+\s*:", self.s[self.i:]) else ""))
+                                                              if _LARK.match(self.s, self.i) else ""))
             name = m.group(1)
             if name in rules:
                 self.fail(f"rule {name!r} is defined twice")

@@ -97,15 +97,16 @@ class StructuredOutputs:
                                  f"{MAX_INPUT_CHARS[name]}")
         return self
 
-    def pattern(self) -> str:
+    def pattern(self, recursion: int | None = None) -> str:
         """The regex of the dialect that the text must match (not for a grammar: how deep
-        it unrolls is settled as it compiles, in `automaton`)."""
+        it unrolls is settled as it compiles, in `automaton`; a JSON schema's recursive
+        $refs unroll `recursion` deep, its MAX_RECURSION without)."""
         assert self.grammar is None, "a grammar's language is its automaton's"
         if self.regex is not None:
             return self.regex
         if self.choice is not None:
             return "(?:" + "|".join(escape(c) for c in self.choice) + ")"
-        from treeflash.structured.json_schema import json_object_regex, schema_regex
+        from treeflash.structured.json_schema import MAX_RECURSION, json_object_regex, schema_regex
         if self.json_object:
             return json_object_regex()
         schema = self.json
@@ -117,7 +118,7 @@ class StructuredOutputs:
             except RecursionError:
                 raise UsageError("structured outputs: json is nested too deeply") from None
         _check_text("json", json.dumps(schema, ensure_ascii=False))
-        return schema_regex(schema)
+        return schema_regex(schema, MAX_RECURSION if recursion is None else recursion)
 
     def automaton(self) -> ByteDFA:
         """The byte DFA of the whole answer: the reasoning, if any, then the pattern."""
@@ -126,7 +127,19 @@ class StructuredOutputs:
             if self.grammar is not None:
                 from treeflash.structured.ebnf import grammar_automaton
                 return grammar_automaton(self.grammar, tags)
-            return compile_regex(self.pattern(), tags)
+            if self.json is None:
+                return compile_regex(self.pattern(), tags)
+            from treeflash.structured.json_schema import MAX_RECURSION
+            tried = None
+            for depth in range(MAX_RECURSION, 0, -1):  # a recursive schema too large unrolls less deep
+                pattern = self.pattern(depth)
+                if pattern == tried:  # no recursion: unrolled less it is the same
+                    break
+                try:
+                    return compile_regex(pattern, tags)
+                except TooComplex as e:
+                    tried, error = pattern, e
+            raise error
         except TooComplex as e:  # said of what the user wrote, not of the regex made from it
             made_from = {"json": "the JSON schema", "choice": "the choice", "grammar": "the grammar"}
             source = next((made_from[k] for k in made_from if getattr(self, k) is not None), None)

@@ -15,10 +15,10 @@ writes them (no leading zeros); enum and const values as `json.dumps` writes the
 
 Supported: `type` (one or a list); string `minLength`, `maxLength`, `format` (date,
 time, date-time, uuid; a date is a day of the Gregorian calendar in the years 1-9999, a
-leap second may end any minute) and `pattern`; integer and number `minimum`,
-`exclusiveMinimum`, `maximum` and `exclusiveMaximum` (up to 10^18 in magnitude; a
-number's must be whole numbers, and a bounded number is written without an exponent);
-array `items`,
+time has no leap second, as Python's datetime and Pydantic read them) and `pattern`;
+integer and number `minimum`, `exclusiveMinimum`, `maximum` and `exclusiveMaximum` (up
+to 10^18 in magnitude; a number's must be whole numbers, and a bounded number is written
+without an exponent); array `items`,
 `minItems`, `maxItems` (without `items`, any values); object `properties`, `required`
 (without `properties`, any members, or members of the `additionalProperties` schema; free
 parts nest as deep as json_object's at the root, one level less below it); any value for
@@ -28,8 +28,9 @@ differ, objects with a required property whose const or enum differs: a discrimi
 union, or objects that each require a property the other does not have; other oneOf is
 refused, since exclusivity is not enforced), `allOf`
 of one schema, `$ref`
-to `#/$defs/...` or `#/definitions/...` (not recursive; a `$id` below the root is
-refused), OpenAPI's `nullable`.
+to `#/$defs/...` or `#/definitions/...` (a `$id` below the root is refused; a recursive
+one is unrolled: a value is inside one definition at most MAX_RECURSION times at once,
+fewer where that automaton would be too large, as a grammar's), OpenAPI's `nullable`.
 
 A `pattern` matches anywhere in the string unless anchored with ^ and / or $ (then no
 alternation outside a group: ^a|b$ anchors each one separately), and uses the regex
@@ -48,13 +49,16 @@ import re
 from urllib.parse import unquote
 
 from treeflash.errors import UsageError, shown
-from treeflash.structured.regex import MAX_REPEAT, escape, restricted
+from treeflash.structured.regex import MAX_REPEAT, char_class, escape, restricted
 
 MAX_REGEX_CHARS = 100_000  # optional properties and nested arrays multiply a regex's size
 
 DESCRIPTIVE = {"title", "description", "examples", "default", "deprecated", "readOnly", "writeOnly",
-               "$schema", "$id", "$comment", "$defs", "definitions", "discriminator"}  # (OpenAPI's hint)
+               "$schema", "$id", "$comment", "$defs", "definitions",
+               "discriminator", "example"}  # OpenAPI's: a hint, and its one example (FastAPI's json_schema_extra)
 BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")  # in the order they are read
+MAX_RECURSION = 3  # a recursive $ref is unrolled: a value may be inside one definition this many times at once
+NOTHING = char_class([])  # a class no character is in: a recursive $ref unrolled past its depth
 MAX_BOUND = 10 ** 18  # integer bounds beyond this (in magnitude) are refused: their regex grows with their digits
 # the keywords each type supports (some values of them are still refused)
 TYPE_KEYWORDS = {"string": {"minLength", "maxLength", "pattern", "format"},
@@ -79,7 +83,9 @@ _YEAR = "(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
 _LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
 DATE = ("(?:" + _YEAR + "-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)"
         "|(?:0[13578]|1[02])-31)|" + _LEAP_YEAR + "-02-29)")  # the calendar's days: 29-30 but in February, 31 in 7 months
-TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"  # RFC 3339: with its offset
+# RFC 3339's, with its offset, but no leap second (:60): Python's datetime, Pydantic and
+# jsonschema's RFC 3339 check refuse it, as they do the year 0000
+TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 FORMATS = {"date": DATE, "time": TIME, "date-time": DATE + "T" + TIME,
            "uuid": "-".join(f"[0-9a-fA-F]{{{n}}}" for n in (8, 4, 4, 4, 12))}
 JSON_ESCAPED = [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]  # what a JSON string must escape
@@ -129,9 +135,10 @@ def json_object_regex(depth: int = JSON_OBJECT_DEPTH) -> str:
     return any_json_regex(depth)[1]
 
 
-def schema_regex(schema) -> str:
+def schema_regex(schema, recursion: int = MAX_RECURSION) -> str:
     """The regex (treeflash's dialect, always matched whole) for the JSON texts that
-    satisfy `schema`: a dict, or the JSON text of one."""
+    satisfy `schema`: a dict, or the JSON text of one; inside no definition more than
+    `recursion` times at once."""
     try:
         if isinstance(schema, str):
             try:
@@ -140,7 +147,7 @@ def schema_regex(schema) -> str:
                 _refuse(f"not valid JSON ({e})")
         if not isinstance(schema, dict):
             _refuse(f"a schema must be an object, got {shown(schema)}")
-        return _Compiler(schema).node(schema, "$")
+        return _Compiler(schema, recursion).node(schema, "$")
     except RecursionError:
         _refuse("nested too deeply")
 
@@ -210,6 +217,19 @@ def _ref_target(ref) -> tuple[str, str] | None:
     return None if match is None else (match.group(1), unquote(match.group(2)).replace("~1", "/").replace("~0", "~"))
 
 
+def _refs(node):
+    """Every `$ref` string in a schema, its values' included (a superset does no harm)."""
+    todo = [node]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str):
+                yield node["$ref"]
+            todo += node.values()
+        elif isinstance(node, list):
+            todo += node
+
+
 def _canonical(value):
     """A JSON value as a hashable key, equal for equal JSON values: 1 and 1.0 alike, true
     unlike 1, objects whatever their key order. Its first item is the value's kind."""
@@ -241,8 +261,8 @@ def _json_types(value) -> set[str]:
 class _Compiler:
     """One schema's compilation: its root (for $ref) and the definitions compiled so far."""
 
-    def __init__(self, root: dict):
-        self.root, self.done, self.expanding = root, {}, []
+    def __init__(self, root: dict, recursion: int = MAX_RECURSION):
+        self.root, self.recursion, self.done, self.expanding, self.reached = root, recursion, {}, [], {}
 
     def node(self, schema, path: str) -> str:
         if schema is True:  # any value
@@ -388,13 +408,28 @@ class _Compiler:
         defs, name = target
         if not isinstance(self.root.get(defs), dict) or name not in self.root[defs]:
             _refuse(f"{where}: {shown(ref)} is not defined")
-        if ref in self.expanding:
-            _refuse(f"{where}: recursive $ref {shown(ref)} is not regular")
-        if ref not in self.done:
-            self.expanding.append(ref)
-            self.done[ref] = self.node(self.root[defs][name], _at(_at("$", defs), name))
+        if self.expanding.count(target) >= self.recursion:  # unrolled as deep as it goes: no value here
+            return NOTHING
+        # its regex depends on how deep the definitions it reaches are unrolled already
+        key = (target, tuple(sorted((t, self.expanding.count(t)) for t in self.reach(target) if t in self.expanding)))
+        if key not in self.done:
+            self.expanding.append(target)
+            self.done[key] = self.node(self.root[defs][name], _at(_at("$", defs), name))
             self.expanding.pop()
-        return self.done[ref]
+        return self.done[key]
+
+    def reach(self, target: tuple[str, str]) -> set[tuple[str, str]]:
+        """The definitions (as `_ref_target`s) that a definition's references lead to, itself among them."""
+        if target not in self.reached:
+            seen, todo = set(), [target]
+            while todo:
+                t = todo.pop()
+                table = self.root.get(t[0]) if t is not None else None
+                if t not in seen and isinstance(table, dict) and t[1] in table:
+                    seen.add(t)
+                    todo += [_ref_target(ref) for ref in _refs(table[t[1]])]
+            self.reached[target] = seen
+        return self.reached[target]
 
     def typed(self, kind: str, schema: dict, path: str) -> str:
         if kind == "string":
@@ -615,13 +650,14 @@ def _pattern(pattern, where: str) -> str:
     characters a JSON string must escape, so that they are written as they are."""
     if not isinstance(pattern, str):
         _refuse(f"{where} must be a string, got {shown(pattern)}")
-    starts = pattern.startswith("^")
+    written, starts = pattern, pattern.startswith("^")
     ends = pattern.endswith("$") and (len(pattern) - 1 - len(pattern[:-1].rstrip("\\"))) % 2 == 0
     if not starts and not ends:  # it matches anywhere in the string, as JSON Schema reads it
         pattern = f"^{ANY}(?:{pattern}){ANY}$"
     else:  # anchored on one side: the other side may hold anything
         pattern = ("" if starts else f"^{ANY}") + pattern + ("" if ends else f"{ANY}$")
     try:
+        restricted(written, JSON_ESCAPED)  # alone first: refused in its own terms, and a stray ')' closes none of ours
         regex, alternatives = restricted(pattern, JSON_ESCAPED)
     except UsageError as e:
         _refuse(f"{where}: {e}")
