@@ -260,6 +260,22 @@ def test_a_pattern_is_refused_in_its_own_terms():
         assert "[\\s\\S]" not in message, message
 
 
+def test_openapi_number_formats_and_extension_keys():
+    """Tool schemas made from typed code (OpenAPI, FastAPI): an int32 stays in its range,
+    an int64 within +-10^18, float and double are any number, and `x-` extension keys are
+    annotations; another format is refused, not ignored."""
+    check({"type": "integer", "format": "int32"}, good=[0, -2 ** 31, 2 ** 31 - 1], bad=[2 ** 31, -2 ** 31 - 1, 10 ** 12])
+    check({"type": "integer", "format": "int32", "minimum": 5, "exclusiveMaximum": 2 ** 40}, good=[5, 2 ** 31 - 1],
+          bad=[4, 2 ** 31])
+    check({"type": "integer", "format": "int64"}, good=[-10 ** 18, 10 ** 18, 7], bad=[10 ** 18 + 1, 2 ** 63 - 1])
+    for fmt in ("float", "double"):
+        assert schema_regex({"type": "number", "format": fmt}) == schema_regex({"type": "number"})
+    assert schema_regex({"type": "integer", "x-go-type": "int", "x-nullable": False}) == schema_regex({"type": "integer"})
+    refused({"type": "integer", "format": "uint8"}, "'format' at $: 'uint8' is not supported with type 'integer'",
+            "int32, int64")
+    refused({"type": "number", "format": "decimal"}, "'format' at $", "float, double")
+
+
 def test_integer():
     check({"type": "integer"}, good=[0, 7, -7, 1234567890123456789], bad=[1.5, "1", True, None],
           bad_texts=["01", "-01", "00", "+1", "1.0", "1e3", "", " 1", "1 ", "-"])

@@ -86,7 +86,8 @@ def test_the_automaton_is_minimal():
 
 @pytest.mark.parametrize("pattern,reason", [
     ("(a", "missing '\\)'"), ("a)", "unbalanced"), ("a{3,2}", "n < m"), ("(?=a)", "lookaround"),
-    (r"(a)\1", "backreferences"), (r"\bword", "not supported"), ("a*+", "possessive"), ("*a", "nothing to repeat"),
+    (r"(a)\1", "backreferences"), (r"\bword", "word boundaries"), (r"\p{L}", "Unicode properties"),
+    (r"\N{BULLET}", "Unicode properties, names"), (r"\cJ", "control escapes"), (r"\q", "not an escape of this dialect"), ("a*+", "possessive"), ("*a", "nothing to repeat"),
     ("a**", "multiple repeat"), ("a{2}*", "multiple repeat"), ("a?*", "multiple repeat"), ("a+?*", "multiple repeat"),
     ("[a", "missing '\\]'"), ("[z-a]", "out of order"), ("a^b", "anchors"), ("a{2000}", "above 1000"), ("a{" + "9" * 5000 + "}", "above 1000"),
     ("(?i)a", "flags"), (r"\x4", "hex digits"), ("[^\\s\\S]", "matches no text"), ("a\\", "trailing backslash"),

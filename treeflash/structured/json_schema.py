@@ -18,7 +18,8 @@ time, date-time, uuid; a date is a day of the Gregorian calendar in the years 1-
 time has no leap second, as Python's datetime and Pydantic read them) and `pattern`;
 integer and number `minimum`, `exclusiveMinimum`, `maximum` and `exclusiveMaximum` (up
 to 10^18 in magnitude; a number's must be whole numbers, and a bounded number is written
-without an exponent); array `items`,
+without an exponent) and OpenAPI's `format` (int32; int64, within 10^18; float and double,
+any number); array `items`,
 `minItems`, `maxItems` (without `items`, any values); object `properties`, `required`
 (without `properties`, any members, or members of the `additionalProperties` schema; free
 parts nest as deep as json_object's at the root, one level less below it); any value for
@@ -30,7 +31,8 @@ refused, since exclusivity is not enforced), `allOf`
 of one schema, `$ref`
 to `#/$defs/...` or `#/definitions/...` (a `$id` below the root is refused; a recursive
 one is unrolled: a value is inside one definition at most MAX_RECURSION times at once,
-fewer where that automaton would be too large, as a grammar's), OpenAPI's `nullable`.
+fewer where that automaton would be too large, as a grammar's), OpenAPI's `nullable`;
+OpenAPI's extension keys (`x-...`) are ignored, as annotations are.
 
 A `pattern` matches anywhere in the string unless anchored with ^ and / or $ (then no
 alternation outside a group: ^a|b$ anchors each one separately), and uses the regex
@@ -60,9 +62,13 @@ BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")  # in th
 MAX_RECURSION = 3  # a recursive $ref is unrolled: a value may be inside one definition this many times at once
 NOTHING = char_class([])  # a class no character is in: a recursive $ref unrolled past its depth
 MAX_BOUND = 10 ** 18  # integer bounds beyond this (in magnitude) are refused: their regex grows with their digits
+# OpenAPI's number formats (tool schemas made from typed code): an int32's range, an
+# int64's within +-MAX_BOUND (2^63 is past it); float and double are any JSON number
+INTEGER_FORMATS = {"int32": (-2 ** 31, 2 ** 31 - 1), "int64": (-MAX_BOUND, MAX_BOUND)}
+NUMBER_FORMATS = ("float", "double")
 # the keywords each type supports (some values of them are still refused)
 TYPE_KEYWORDS = {"string": {"minLength", "maxLength", "pattern", "format"},
-                 "integer": set(BOUNDS), "number": set(BOUNDS),
+                 "integer": {*BOUNDS, "format"}, "number": {*BOUNDS, "format"},
                  "boolean": set(), "null": set(), "array": {"items", "minItems", "maxItems", "uniqueItems"},
                  "object": {"properties", "required", "additionalProperties"}}
 COMBINATORS = ("$ref", "anyOf", "oneOf", "allOf", "enum", "const")
@@ -274,7 +280,7 @@ class _Compiler:
         nullable = schema.get("nullable", False)
         if not isinstance(nullable, bool):
             _refuse(f"'nullable' at {path} must be true or false")
-        keys = [k for k in schema if k not in DESCRIPTIVE and k != "nullable"]
+        keys = [k for k in schema if k not in DESCRIPTIVE and k != "nullable" and not k.startswith("x-")]
         regex = self.value(schema, keys, path)
         regex = _alt([regex, "null"]) if nullable else regex
         _check_size(len(regex), path)
@@ -529,9 +535,21 @@ def _bounds(schema: dict, path: str) -> tuple[float, bool, float, bool]:
     return low, low_open, high, high_open
 
 
+def _number_format(schema: dict, kind: str, path: str) -> str | None:
+    """An integer's or a number's OpenAPI `format`, if it has one we read."""
+    fmt, known = schema.get("format"), INTEGER_FORMATS if kind == "integer" else NUMBER_FORMATS
+    if fmt is not None and (not isinstance(fmt, str) or fmt not in known):
+        _refuse(f"'format' at {path}: {shown(fmt)} is not supported with type '{kind}' (only {', '.join(known)})")
+    return fmt
+
+
 def _integer(schema: dict, path: str) -> str:
-    """Integers within the schema's bounds (`_bounds`)."""
+    """Integers within the schema's bounds (`_bounds`) and its format's range."""
     low, low_open, high, high_open = _bounds(schema, path)
+    if (fmt := _number_format(schema, "integer", path)) is not None:
+        least, most = INTEGER_FORMATS[fmt]
+        low, low_open = (least, False) if low < least else (low, low_open)
+        high, high_open = (most, False) if high > most else (high, high_open)
     if low == -math.inf and high == math.inf:
         return INTEGER
     low = low if low == -math.inf else math.floor(low) + 1 if low_open else math.ceil(low)
@@ -552,6 +570,7 @@ ANY_FRACTION, ZERO_FRACTION, NONZERO_FRACTION = "(?:\\.[0-9]+)?", "(?:\\.0+)?", 
 def _number(schema: dict, path: str) -> str:
     """Numbers within the schema's bounds, which must be whole numbers; a bounded number is
     written without an exponent (a regex cannot bound one), and never as -0."""
+    _number_format(schema, "number", path)
     low, low_open, high, high_open = _bounds(schema, path)
     if low == -math.inf and high == math.inf:
         return NUMBER

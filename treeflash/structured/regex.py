@@ -242,7 +242,10 @@ class _Parser:
         if c.isdigit():
             self.fail("backreferences and octal escapes are not supported (write \\xHH for a character)")
         if c.isalnum():
-            self.fail(f"\\{c} is not supported (word boundaries and other anchors are not regular here)")
+            why = ("word boundaries and other anchors are not regular here" if c in "AbBGZz" else
+                   "Unicode properties, names and control escapes are not read here: write the characters "
+                   "or \\uHHHH" if c in "pPNce" else "not an escape of this dialect")
+            self.fail(f"\\{c} is not supported ({why})")
         return self.char(ord(c))
 
     def char_class(self) -> list[tuple[int, int]]:
