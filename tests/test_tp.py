@@ -804,20 +804,54 @@ def test_a_sampling_params_subclass_reaches_the_workers(engines, reference):
     assert _run(llm, "greedy") == reference("qwen3", "ar", "greedy")
 
 
+def test_values_of_the_scripts_own_classes_reach_the_workers(engines, monkeypatch):
+    """A value whose class the user's script defines (its `__main__`, which the workers
+    do not run) reaches them as the built-in type it derives from: a str enum member as a
+    choice, or a dict subclass as a JSON schema, killed every worker (they could not
+    unpickle it) and the engine for good, where TP = 1 answered. An object of another
+    such class is refused in one line before anything is sent, and the engine goes on."""
+    import __main__
+    import enum
+
+    from treeflash import StructuredOutputs
+
+    class Color(str, enum.Enum):
+        RED = "red"
+        BLUE = "blue"
+
+    class Schema(dict):
+        pass
+
+    class Other:
+        pass
+
+    for cls in (Color, Schema, Other):  # as a script's own classes are
+        cls.__module__, cls.__qualname__ = "__main__", cls.__name__
+        monkeypatch.setattr(__main__, cls.__name__, cls, raising=False)
+    schema = Schema(type="object", properties={"a": {"type": "integer"}}, required=["a"])
+    params = [SamplingParams(max_new_tokens=6, structured_outputs=StructuredOutputs(choice=[Color.RED, Color.BLUE])),
+              SamplingParams(max_new_tokens=12, temperature=1.0, seed=4,
+                             structured_outputs=StructuredOutputs(json=schema))]
+    want = [o.token_ids for o in engines("qwen3", "ar", 1).generate(BATCH[:2], params)]
+    llm = engines("qwen3", "ar", 2)
+    assert [o.token_ids for o in llm.generate(BATCH[:2], params)] == want
+    with pytest.raises(UsageError, match=r"^Other objects cannot be sent to the tensor-parallel workers: the class "
+                                         r"is defined in the script \(__main__\)"):
+        llm._tp.call(llm, "__eq__", (Other(),), collect=True)
+    assert [o.token_ids for o in llm.generate(BATCH[:2], params)] == want
+
+
 def test_an_engine_closed_during_another_threads_command_is_freed(tp_models, engines, monkeypatch):
     """close() from another thread while a command is being posted: the workers are
     still told to drop that engine (the drop was lost between pickling the pending
     drops and clearing them, and the workers kept its weights)."""
-    import pickle
-    import types
-
     import treeflash.engine.tp as tp
     a = engines("qwen3", "ar", 2)
     b = LLM(tp_models["qwen3"][0], method="ar", device="cpu", dtype="float64", tp=2)
-    sent, armed = [], [True]
+    sent, armed, command_bytes = [], [True], tp.command_bytes
 
-    def dumps(command, *args, **kw):
-        data = pickle.dumps(command, *args, **kw)
+    def dumps(command):
+        data = command_bytes(command)
         sent.extend(command[4])  # the drops this command carries
         if armed[0] and command[0] == "call":
             armed[0] = False
@@ -826,7 +860,7 @@ def test_an_engine_closed_during_another_threads_command_is_freed(tp_models, eng
             closer.join()
         return data
 
-    monkeypatch.setattr(tp, "pickle", types.SimpleNamespace(dumps=dumps, loads=pickle.loads))
+    monkeypatch.setattr(tp, "command_bytes", dumps)
     for _ in range(2):
         a.generate(SINGLE, SamplingParams(max_new_tokens=2))
     assert sent.count(b._tp.eid) == 1  # once: resent, it had every worker run gc.collect() each round

@@ -49,6 +49,7 @@ import atexit
 import ctypes
 import datetime
 import gc
+import io
 import json
 import math
 import os
@@ -112,6 +113,33 @@ def is_comm_error(e: BaseException) -> bool:
 # ----------------------------------------------------------------------------- store values
 
 PART_BYTES = 4 << 20  # torch's TCP store server refuses a message over 8 MiB and drops the client
+
+
+class CommandPickler(pickle.Pickler):
+    """Pickles the driver's commands. A value of a class that the driver's script defines
+    (its `__main__`; a worker's is not the script) goes as the built-in type it derives
+    from: a `str` enum member as a choice, a dict subclass as a JSON schema (the workers
+    could not unpickle it, died of it, and the engine with them). Any other object of
+    such a class is refused in one line before anything is sent."""
+
+    PLAIN = {str: str.__str__, int: int.__int__, float: float.__float__, bytes: bytes.__bytes__,
+             tuple: tuple, list: list, dict: dict, set: set, frozenset: frozenset}
+
+    def reducer_override(self, obj):  # not called for None, bools and exact built-in values
+        cls = type(obj)
+        if cls.__module__ != "__main__":
+            return NotImplemented
+        for base, plain in self.PLAIN.items():
+            if isinstance(obj, base):
+                return base, (plain(obj),)
+        raise UsageError(f"{cls.__name__} objects cannot be sent to the tensor-parallel workers: the class is "
+                         f"defined in the script (__main__), which they do not run; pass plain values")
+
+
+def command_bytes(command: tuple) -> bytes:
+    out = io.BytesIO()
+    CommandPickler(out).dump(command)
+    return out.getvalue()
 
 
 def put_value(store, key: str, data: bytes) -> None:
@@ -505,7 +533,7 @@ class Runtime:
         with self.drops_lock:
             drops, self.pending_drops = self.pending_drops, []
         try:
-            data = pickle.dumps((op, eid, payload, collect, drops))
+            data = command_bytes((op, eid, payload, collect, drops))
         except BaseException:  # nothing was sent: the drops go with the next command
             with self.drops_lock:
                 self.pending_drops[:0] = drops
