@@ -274,6 +274,8 @@ def test_openapi_number_formats_and_extension_keys():
     refused({"type": "integer", "format": "uint8"}, "'format' at $: 'uint8' is not supported with type 'integer'",
             "int32, int64")
     refused({"type": "number", "format": "decimal"}, "'format' at $", "float, double")
+    # a string's format beside a number type is the string's, as before numbers had formats
+    check({"type": ["integer", "string"], "format": "date"}, good=[7, "2024-02-29"], bad=["x", "2023-02-29"])
 
 
 def test_integer():

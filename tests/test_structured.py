@@ -710,10 +710,10 @@ def test_a_recursive_schema_too_large_to_unroll_deep_unrolls_less_deep(monkeypat
     """An expression tree of three recursive kinds passes the automaton's limits unrolled 3
     deep: it is unrolled 2 deep, never refused for it; a schema without recursion that is
     too large is refused after one attempt."""
-    from treeflash.structured import grammar
+    from treeflash.structured import regex
     calls = []
-    real = grammar.compile_regex
-    monkeypatch.setattr(grammar, "compile_regex", lambda *a: calls.append(1) or real(*a))
+    real = regex.compile_regex
+    monkeypatch.setattr(regex, "compile_regex", lambda *a: calls.append(1) or real(*a))
     dfa = StructuredOutputs(json=EXPRESSION_SCHEMA).validate().automaton()
     assert len(calls) == 2
     num = {"kind": "num", "value": 1}
@@ -727,23 +727,34 @@ def test_a_recursive_schema_too_large_to_unroll_deep_unrolls_less_deep(monkeypat
     assert len(calls) == 1
 
 
+def test_a_recursive_schema_whose_regex_is_too_long_unrolls_less_deep():
+    """A tree node of four optional strings and two optional children makes a regex past
+    the schema compiler's own limit unrolled 3 deep, not only past the automaton's: it
+    is unrolled 2 deep too (it was refused)."""
+    node = {"type": "object", "properties": {**{f"s{i}": {"type": "string"} for i in range(4)},
+                                             "left": {"$ref": "#/$defs/N"}, "right": {"$ref": "#/$defs/N"}}}
+    dfa = StructuredOutputs(json={"$defs": {"N": node}, "$ref": "#/$defs/N"}).validate().automaton()
+    assert dfa.matches(b'{"left": {"s0": "a"}, "right": {}}')
+    assert not dfa.matches(b'{"left": {"right": {"left": {}}}}')
+
+
 def test_every_method_gives_ar_tokens_under_a_recursive_schema(engines):
-    """pydantic's tree (children: list[Tree]): every method gives AR's tokens, and a
-    finished answer is a tree at most three levels deep."""
-    tree = {"$defs": {"Tree": {"type": "object", "required": ["value"], "properties": {
-        "value": {"type": "integer"}, "children": {"type": "array", "items": {"$ref": "#/$defs/Tree"}, "default": []}}}},
-            "$ref": "#/$defs/Tree"}
-    params = [SamplingParams(max_new_tokens=60, structured_outputs=StructuredOutputs(json=tree), temperature=t, seed=s)
-              for t, s in ((0.0, 0), (1.0, 1), (1.0, 2))]
+    """pydantic's tree (children: list[Tree]) below a root that must have children: every
+    method gives AR's tokens, and a finished answer nests Trees, at most three deep."""
+    tree = {"type": "object", "required": ["value"], "properties": {
+        "value": {"type": "integer"}, "children": {"type": "array", "items": {"$ref": "#/$defs/Tree"}, "default": []}}}
+    root = {"$defs": {"Tree": tree}, "type": "object", "required": ["children"],
+            "properties": {"children": {"type": "array", "items": {"$ref": "#/$defs/Tree"}, "minItems": 1}}}
+    params = [SamplingParams(max_new_tokens=96, structured_outputs=StructuredOutputs(json=root), temperature=t, seed=s)
+              for t, s in ((0.0, 0), (1.0, 1), (1.0, 2), (1.0, 3))]
     outs = {m: e.generate(["{"] * len(params), params) for m, e in engines.items()}
     for m in ("dflash", "ddtree"):
         assert [o.token_ids for o in outs[m]] == [o.token_ids for o in outs["ar"]], m
 
-    def depth(value) -> int:
-        return 1 + max(map(depth, value.get("children", [])), default=0)
-    for o in outs["ar"]:
-        if o.finish_reason == "stop":
-            assert depth(json.loads(o.text)) <= 3, o.text
+    def depth(value) -> int:  # Trees inside one another
+        return max((1 + depth(child) for child in value.get("children", [])), default=0)
+    finished = [json.loads(o.text) for o in outs["ar"] if o.finish_reason == "stop"]
+    assert finished and all(1 <= depth(v) <= 3 for v in finished), finished
 
 
 def test_a_grammar_without_recursion_compiles_once_and_its_rules_once():
@@ -752,11 +763,11 @@ def test_a_grammar_without_recursion_compiles_once_and_its_rules_once():
     of a rule doubling 16 times took 54 s to refuse)."""
     import time
 
-    from treeflash.structured import ebnf
+    from treeflash.structured import ebnf, regex
     from treeflash.structured.regex import TooComplex
     calls = []
-    real = ebnf.compile_regex
-    ebnf.compile_regex = lambda *a: calls.append(1) or real(*a)
+    real = regex.compile_regex
+    regex.compile_regex = lambda *a: calls.append(1) or real(*a)
     try:
         with pytest.raises(TooComplex):
             StructuredOutputs(grammar='root ::= [ab]* "a" [ab]{16}').validate().automaton()
@@ -766,7 +777,7 @@ def test_a_grammar_without_recursion_compiles_once_and_its_rules_once():
         dfa = StructuredOutputs(grammar='root ::= "(" root ")" [ab]* "a" [ab]{16} | "x"').validate().automaton()
         assert len(calls) == ebnf.MAX_DEPTH and dfa.matches(b"x") and not dfa.matches(b"(x)" + b"a" * 17)
     finally:
-        ebnf.compile_regex = real
+        regex.compile_regex = real
     doubling = "".join(f"r{i} ::= r{i + 1} r{i + 1}\n" for i in range(16)) + 'r16 ::= "a"'
     start = time.perf_counter()
     with pytest.raises(TooComplex, match="too large once its recursion is unrolled"):

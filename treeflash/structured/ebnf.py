@@ -17,11 +17,10 @@ from __future__ import annotations
 import re
 
 from treeflash.errors import UsageError, shown
-from treeflash.structured.regex import (MAX_PATTERN_CHARS, ByteDFA, TooComplex, char_class, compile_regex, escape,
-                                        repeat_bounds)
+from treeflash.structured.regex import (MAX_PATTERN_CHARS, NOTHING, ByteDFA, TooComplex, char_class, compile_unrolled,
+                                        escape, repeat_bounds)
 
 MAX_DEPTH = 4            # times one derivation may be inside a rule at once
-NOTHING = char_class([])  # a class no character is in: the empty language
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 _RULE_START = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_-]*)\s*::=")
@@ -183,12 +182,7 @@ def grammar_automaton(text: str, reasoning: tuple[str | None, str] | None = None
     """The byte DFA of the grammar (after `reasoning`, as `compile_regex`'s), unrolled
     MAX_DEPTH deep, or as deep as fits the automaton's limits."""
     rules = _rules(text)
-    for depth in range(MAX_DEPTH if _recursive(rules) else 1, 0, -1):  # without recursion depth changes nothing
-        try:
-            return compile_regex(_unrolled(rules, depth), reasoning)
-        except TooComplex:
-            if depth == 1:
-                raise
+    return compile_unrolled(lambda depth: _unrolled(rules, depth), MAX_DEPTH if _recursive(rules) else 1, reasoning)
 
 
 def grammar_regex(text: str, depth: int = MAX_DEPTH) -> str:

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from treeflash.errors import UsageError, is_text, shown
-from treeflash.structured.regex import ByteDFA, TooComplex, compile_regex, edges, escape, live_states, prune, searched
+from treeflash.structured.regex import (ByteDFA, TooComplex, compile_regex, compile_unrolled, edges, escape, live_states,
+                                        prune, searched)
 
 # vLLM's reasoning parsers, whose answers' reasoning comes before the constrained text:
 # (the tag with which the answer opens it, or None where the prompt does; the tag that
@@ -109,16 +110,20 @@ class StructuredOutputs:
         from treeflash.structured.json_schema import MAX_RECURSION, json_object_regex, schema_regex
         if self.json_object:
             return json_object_regex()
-        schema = self.json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as e:
-                raise UsageError(f"structured outputs: json is not valid JSON ({e})") from None
-            except RecursionError:
-                raise UsageError("structured outputs: json is nested too deeply") from None
+        schema = self.schema()
         _check_text("json", json.dumps(schema, ensure_ascii=False))
         return schema_regex(schema, MAX_RECURSION if recursion is None else recursion)
+
+    def schema(self):
+        """The JSON schema, read from its text where given as one."""
+        if not isinstance(self.json, str):
+            return self.json
+        try:
+            return json.loads(self.json)
+        except ValueError as e:
+            raise UsageError(f"structured outputs: json is not valid JSON ({e})") from None
+        except RecursionError:
+            raise UsageError("structured outputs: json is nested too deeply") from None
 
     def automaton(self) -> ByteDFA:
         """The byte DFA of the whole answer: the reasoning, if any, then the pattern."""
@@ -129,17 +134,8 @@ class StructuredOutputs:
                 return grammar_automaton(self.grammar, tags)
             if self.json is None:
                 return compile_regex(self.pattern(), tags)
-            from treeflash.structured.json_schema import MAX_RECURSION
-            tried = None
-            for depth in range(MAX_RECURSION, 0, -1):  # a recursive schema too large unrolls less deep
-                pattern = self.pattern(depth)
-                if pattern == tried:  # no recursion: unrolled less it is the same
-                    break
-                try:
-                    return compile_regex(pattern, tags)
-                except TooComplex as e:
-                    tried, error = pattern, e
-            raise error
+            from treeflash.structured.json_schema import MAX_RECURSION, recurses
+            return compile_unrolled(self.pattern, MAX_RECURSION if recurses(self.schema()) else 1, tags)
         except TooComplex as e:  # said of what the user wrote, not of the regex made from it
             made_from = {"json": "the JSON schema", "choice": "the choice", "grammar": "the grammar"}
             source = next((made_from[k] for k in made_from if getattr(self, k) is not None), None)

@@ -51,7 +51,7 @@ import re
 from urllib.parse import unquote
 
 from treeflash.errors import UsageError, shown
-from treeflash.structured.regex import MAX_REPEAT, char_class, escape, restricted
+from treeflash.structured.regex import MAX_REPEAT, NOTHING, TooComplex, escape, restricted
 
 MAX_REGEX_CHARS = 100_000  # optional properties and nested arrays multiply a regex's size
 
@@ -60,7 +60,6 @@ DESCRIPTIVE = {"title", "description", "examples", "default", "deprecated", "rea
                "discriminator", "example"}  # OpenAPI's: a hint, and its one example (FastAPI's json_schema_extra)
 BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")  # in the order they are read
 MAX_RECURSION = 3  # a recursive $ref is unrolled: a value may be inside one definition this many times at once
-NOTHING = char_class([])  # a class no character is in: a recursive $ref unrolled past its depth
 MAX_BOUND = 10 ** 18  # integer bounds beyond this (in magnitude) are refused: their regex grows with their digits
 # OpenAPI's number formats (tool schemas made from typed code): an int32's range, an
 # int64's within +-MAX_BOUND (2^63 is past it); float and double are any JSON number
@@ -178,10 +177,15 @@ def _alt(options, path: str = "$") -> str:
     return next(iter(kept)) if len(kept) == 1 else "(?:" + "|".join(kept) + ")"
 
 
+def _refuse_size(message: str):
+    """A schema too large for the automaton (TooComplex: a recursive one unrolls less deep)."""
+    raise TooComplex(f"json schema: {message}")
+
+
 def _check_size(chars: int, path: str):
     if chars > MAX_REGEX_CHARS:
-        _refuse(f"the schema at {path} makes a regex over {MAX_REGEX_CHARS} characters "
-                "(optional properties, alternatives and nested arrays multiply it)")
+        _refuse_size(f"the schema at {path} makes a regex over {MAX_REGEX_CHARS} characters "
+                     "(optional properties, alternatives and nested arrays multiply it)")
 
 
 def _repeat(atom: str, lo: int, hi: int | None) -> str:
@@ -221,6 +225,18 @@ def _ref_target(ref) -> tuple[str, str] | None:
     (NAME unescaped, as JSON Pointer and URI write it); None for any other."""
     match = re.fullmatch(r"#/(\$defs|definitions)/([^/]+)", ref) if isinstance(ref, str) else None
     return None if match is None else (match.group(1), unquote(match.group(2)).replace("~1", "/").replace("~0", "~"))
+
+
+def recurses(schema) -> bool:
+    """Whether a definition of the schema refers to itself, directly or through others
+    (its $refs are then unrolled, MAX_RECURSION deep or less)."""
+    if not isinstance(schema, dict):
+        return False
+    compiler = _Compiler(schema)
+    return any((defs, name) in compiler.reach(target)
+               for defs in ("$defs", "definitions") if isinstance(schema.get(defs), dict)
+               for name, body in schema[defs].items()
+               for target in map(_ref_target, _refs(body)) if target is not None)
 
 
 def _refs(node):
@@ -500,7 +516,7 @@ class _Compiler:
             written = member + after[i + 1]
             first = written if needed else f"(?:{written})?" if first is None else f"(?:{written}|{first})"
             if len(first) > MAX_REGEX_CHARS:
-                _refuse(f"the object at {path} has too many optional properties "
+                _refuse_size(f"the object at {path} has too many optional properties "
                         f"(its regex grows past {MAX_REGEX_CHARS} characters)")
         return "\\{" + (first or "") + "\\}"
 
@@ -538,9 +554,11 @@ def _bounds(schema: dict, path: str) -> tuple[float, bool, float, bool]:
 def _number_format(schema: dict, kind: str, path: str) -> str | None:
     """An integer's or a number's OpenAPI `format`, if it has one we read."""
     fmt, known = schema.get("format"), INTEGER_FORMATS if kind == "integer" else NUMBER_FORMATS
-    if fmt is not None and (not isinstance(fmt, str) or fmt not in known):
-        _refuse(f"'format' at {path}: {shown(fmt)} is not supported with type '{kind}' (only {', '.join(known)})")
-    return fmt
+    if fmt is None or isinstance(fmt, str) and fmt in known:
+        return fmt
+    if isinstance(fmt, str) and fmt in FORMATS and "string" in _types(schema, path):  # the string's (a date or a count)
+        return None
+    _refuse(f"'format' at {path}: {shown(fmt)} is not supported with type '{kind}' (only {', '.join(known)})")
 
 
 def _integer(schema: dict, path: str) -> str:

@@ -71,6 +71,9 @@ def repeat_bounds(low: str, comma: str, high: str, fail) -> tuple[int, int | Non
     return lo, hi
 
 
+NOTHING = "[^\\s\\S]"  # a class no character is in: the empty language (a recursion cut off, say)
+
+
 class TooComplex(UsageError):
     """A pattern past the automaton's size limits (a grammar unrolls less deep, then).
     `trouble` says what is wrong without quoting the pattern, for the error of a
@@ -424,6 +427,18 @@ class ByteDFA:
         return bool(self.accepting[s])
 
 
+def compile_unrolled(regex_at, depth: int, reasoning: tuple[str | None, str] | None = None) -> "ByteDFA":
+    """`compile_regex` of `regex_at(depth)`: a recursive grammar or schema unrolled `depth`
+    deep, or less deep where that is too large (TooComplex), so that its depth alone never
+    refuses it (pass 1 where nothing recurses: depth then changes nothing)."""
+    for d in range(depth, 0, -1):
+        try:
+            return compile_regex(regex_at(d), reasoning)
+        except TooComplex:
+            if d == 1:
+                raise
+
+
 def compile_regex(pattern: str, reasoning: tuple[str | None, str] | None = None) -> ByteDFA:
     """The minimal DFA of texts that `pattern` matches whole. With `reasoning` (opening,
     closing tag): texts that first hold reasoning, then whitespace, then a match: the
@@ -617,7 +632,7 @@ def char_class(ranges, negated: bool = False) -> str:
     if len(ranges) == 1 and ranges[0][0] == ranges[0][1]:
         return _class_char(ranges[0][0])
     return "[" + "".join(_class_char(a) if a == b else f"{_class_char(a)}-{_class_char(b)}"
-                         for a, b in ranges) + "]" if ranges else "[^\\s\\S]"
+                         for a, b in ranges) + "]" if ranges else NOTHING
 
 
 def _class_char(code: int) -> str:
