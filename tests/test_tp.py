@@ -841,6 +841,23 @@ def test_values_of_the_scripts_own_classes_reach_the_workers(engines, monkeypatc
     assert [o.token_ids for o in llm.generate(BATCH[:2], params)] == want
 
 
+def test_values_of_classes_from_a_module_beside_the_script_reach_the_workers(tp_models, tmp_path, monkeypatch):
+    """A str enum from the script's own module folder (its sys.path[0], which a worker
+    started elsewhere did not have): the workers import that module to read the value
+    (they died of a ModuleNotFoundError, and the engine with them)."""
+    from treeflash import StructuredOutputs
+    (tmp_path / "tf_labels_beside.py").write_text("import enum\n\n\nclass Label(str, enum.Enum):\n"
+                                                 "    YES = 'yes'\n    NO = 'no'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from tf_labels_beside import Label
+    params = SamplingParams(max_new_tokens=4, structured_outputs=StructuredOutputs(choice=[Label.YES, Label.NO]))
+    llm = LLM(tp_models["qwen3"][0], method="ar", device="cpu", dtype="float64", tp=2)
+    try:
+        assert llm.generate(SINGLE, params)[0].text in ("yes", "no")
+    finally:
+        llm.close()
+
+
 def test_an_engine_closed_during_another_threads_command_is_freed(tp_models, engines, monkeypatch):
     """close() from another thread while a command is being posted: the workers are
     still told to drop that engine (the drop was lost between pickling the pending

@@ -547,7 +547,9 @@ class Runtime:
             self.check()
             eid, self.next_engine = self.next_engine, self.next_engine + 1
             self.engines.add(eid)
-            return Engine(self, eid, self.post("build", eid, kwargs))
+            # with the driver's import path, its script's folder first: the workers import
+            # the module of a value whose class is defined beside the script (a str enum)
+            return Engine(self, eid, self.post("build", eid, (kwargs, list(sys.path))))
 
     def call(self, eid: int, obj, name: str, args, collect: bool):
         with self.command_lock:
@@ -810,8 +812,10 @@ class Runtime:
                 self.leave()
                 return
             if op == "build":
+                kwargs, path = payload
+                sys.path[:0] = [p for p in path if p not in sys.path]
                 try:
-                    engines[eid] = LLM(**payload, _worker=self)
+                    engines[eid] = LLM(**kwargs, _worker=self)
                     self.reply(None)
                 except Exception as e:  # the driver reports it; this worker lives on
                     self.reply(one_line(e))
