@@ -22,7 +22,8 @@ class _Parser(argparse.ArgumentParser):
     argparse's abbreviations read `generate --prompt "..."` as --prompt-file."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, allow_abbrev=False, **kwargs)
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         raise UsageError(message)

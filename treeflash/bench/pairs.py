@@ -23,6 +23,7 @@ from treeflash.errors import UsageError
 from treeflash.sampling_params import SamplingParams
 from treeflash.tokenizer import Tokenizer
 
+CORPUS_PROMPT_TOKENS = 64  # --corpus: each prompt is this many held-out tokens, fewer where the context is short
 MAX_BENCH_PROMPTS = 65536  # --num-prompts at most (the built-in prompts are cycled up to it)
 
 # A few Python-code prompts: the built-in model is a Python-code model, and code is
@@ -43,7 +44,7 @@ PYTHON_PROMPTS = [
 ]
 
 
-def corpus_prompts(folder: str, k: int, length: int = 64) -> list[list[int]]:
+def corpus_prompts(folder: str, k: int, length: int = CORPUS_PROMPT_TOKENS) -> list[list[int]]:
     """k token-id prompts from the held-out split of a tokenized training corpus: code
     the drafter never trained on, so tau is not flattered."""
     from treeflash.train.corpus import load_corpus
@@ -59,7 +60,7 @@ def fit_corpus_prompts(prompts: list[list[int]], context: int, new_tokens: int) 
     """--corpus's prompts cut to their last tokens where the model's context is short (a
     target trained with --seq-len 64): room for `new_tokens` after them, else half the
     context; a 64-token prompt did not fit a 64-token context at all."""
-    keep = max(1, min(64, max(context - new_tokens, context // 2)))
+    keep = max(1, min(CORPUS_PROMPT_TOKENS, max(context - new_tokens, context // 2)))
     return [p[-keep:] for p in prompts]
 
 

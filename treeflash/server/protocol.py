@@ -287,9 +287,9 @@ def structured_outputs(body: dict) -> StructuredOutputs | None:
         own = {"json_object": ("type",), "json_schema": ("type", "json_schema")}.get(kind)
         extra = sorted(k for k, v in value.items() if v is not None and k not in own) if own else []
         if extra:
-            raise APIError(f"'response_format' of type {kind} takes no {shown(extra[0])} (a schema goes in "
-                           f"{{\"type\": \"json_schema\", \"json_schema\": {{\"name\": ..., \"schema\": {{...}}}}}})",
-                           param=key)
+            where = (f"{{\"type\": \"json_schema\", \"json_schema\": {{\"name\": ..., \"{extra[0]}\": ...}}}}"
+                     if extra[0] in ("schema", "strict", "name", "description") else f"'{kind}' reads only {', '.join(own)}")
+            raise APIError(f"'response_format' of type {kind} takes no {shown(extra[0])} ({where})", param=key)
         if kind == "json_object":
             spec = StructuredOutputs(json_object=True)
         elif isinstance(schema, dict) and isinstance(schema.get("schema"), dict):

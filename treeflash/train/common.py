@@ -312,8 +312,6 @@ class RunDir:
     def __init__(self, path: str | Path, resume: bool, kind: str):
         self.path, self.resume, self.kind = Path(path), resume, kind
         self.saved: dict = {}
-        if self.path.exists() and not self.path.is_dir():
-            raise UsageError(f"run folder {self.path} exists and is not a folder")
         check_writable(self.path if self.path.exists() else _made_in(self.path.resolve()), f"run folder {self.path}")
         if resume and not self.state_path.exists():
             raise UsageError(f"--resume: no training state in {self.path} (state.pt not found)")
