@@ -17,7 +17,7 @@ import pytest
 
 from treeflash.errors import UsageError
 from treeflash.structured.grammar import StructuredOutputs
-from treeflash.structured.json_schema import json_object_regex, schema_regex
+from treeflash.structured.json_schema import MAX_REGEX_CHARS, json_object_regex, schema_regex
 
 
 def in_dialect(regex: str) -> None:
@@ -258,6 +258,26 @@ def test_a_pattern_is_refused_in_its_own_terms():
                            ("\\bfoo\\b", ["regex '\\\\bfoo\\\\b': \\b is not supported", "(at character 2)"])]:
         message = refused({"type": "string", "pattern": pattern}, "'pattern' at $", *words)
         assert "[\\s\\S]" not in message, message
+
+
+def test_many_optional_properties_compile():
+    """An extraction model of 30 optional strings (Pydantic's Optional[str] = None fields)
+    compiles, to a DFA with states per member: the alternatives are by the last member
+    written, settled at the '}' (by the first one written, 24 were the most)."""
+    props = {f"field_{i}": {"type": "string"} for i in range(30)}
+    regex = check({"type": "object", "properties": props},
+                  good=[{}, {"field_0": "a"}, {"field_29": "z"}, {"field_3": "x", "field_17": "y", "field_29": ""},
+                        {name: "v" for name in props}],
+                  bad=[{"field_17": "y", "field_3": "x"}, {"other": "x"}],
+                  bad_texts=['{"field_0": "a",}', '{, "field_0": "a"}', '{"field_0": "a" "field_1": "b"}'])
+    dfa = StructuredOutputs(json={"type": "object", "properties": props}).validate().automaton()
+    assert dfa.num_states < 40 * len(props), dfa.num_states
+    assert len(regex) < MAX_REGEX_CHARS
+    # optional members before and after a required one: one chain
+    mixed = {"type": "object", "required": ["b"], "properties": {"a": {"type": "integer"}, "b": {"type": "integer"},
+                                                                 "c": {"type": "integer"}}}
+    check(mixed, good=[{"b": 1}, {"a": 0, "b": 1}, {"b": 1, "c": 2}, {"a": 0, "b": 1, "c": 2}],
+          bad=[{}, {"a": 0}, {"a": 0, "c": 2}, {"b": 1, "a": 0}], bad_texts=['{"a":0,}', '{"a":0,,"b":1}'])
 
 
 def test_openapi_number_formats_and_extension_keys():

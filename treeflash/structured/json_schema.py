@@ -502,23 +502,29 @@ class _Compiler:
                 _refuse(f"'required' at {path} names {shown(name)}, which is not in 'properties'")
         members = [(_literal(name, path) + ": ?" + self.node(sub, _at(_at(path, "properties"), name)),
                     name in required) for name, sub in props.items()]
-        # after[i]: members i.. once one has been written: each behind a comma, optional ones in (?: )?
-        after = [""] * (len(members) + 1)
-        for i in reversed(range(len(members))):
-            member, needed = members[i]
-            after[i] = (f", ?{member}" if needed else f"(?:, ?{member})?") + after[i + 1]
-            _check_size(len(after[i]), path)  # as it grows: N large members made N^2 text (GBs)
-        # first: members i.. when none has been written yet: i is the first written, or i is
-        # optional, absent, and the first written comes later (or none: the empty object)
-        first = None
-        for i in reversed(range(len(members))):
-            member, needed = members[i]
-            written = member + after[i + 1]
-            first = written if needed else f"(?:{written})?" if first is None else f"(?:{written}|{first})"
-            if len(first) > MAX_REGEX_CHARS:
+        # The members written before the first required one are each followed by a comma,
+        # those after it each preceded by one: with a required member, the regex is one chain.
+        first_needed = next((i for i, (_, needed) in enumerate(members) if needed), None)
+        if first_needed is not None:
+            regex = "".join(f"(?:{member}, ?)?" for member, _ in members[:first_needed]) + members[first_needed][0]
+            regex += "".join(f", ?{member}" if needed else f"(?:, ?{member})?"
+                             for member, needed in members[first_needed + 1:])
+            _check_size(len(regex), path)
+            return "\\{" + regex + "\\}"
+        # All optional: one alternative per member that may be the last written (or none: the
+        # empty object), the members before it each with its comma. Which one is last is
+        # settled only at the '}', so the DFA reads the alternatives at once and has states
+        # per member (where alternatives by the first member written made states per pair of
+        # members: 24 optional strings were the most that compiled); the text is N^2.
+        before, alternatives, size = "", [], 0
+        for member, _ in members:
+            alternatives.append(before + member)
+            size += len(alternatives[-1])
+            before += f"(?:{member}, ?)?"
+            if size + len(before) > MAX_REGEX_CHARS:
                 _refuse_size(f"the object at {path} has too many optional properties "
-                        f"(its regex grows past {MAX_REGEX_CHARS} characters)")
-        return "\\{" + (first or "") + "\\}"
+                             f"(its regex grows past {MAX_REGEX_CHARS} characters)")
+        return "\\{" + (f"(?:{_alt(alternatives, path)})?" if alternatives else "") + "\\}"
 
 
 def _types(schema: dict, path: str) -> list[str]:
