@@ -347,6 +347,19 @@ def test_on_done_tells_a_request_that_finishes_early_while_its_batch_goes_on(llm
     assert at_done[0] < 12 and at_done[1] == 12
 
 
+def test_on_done_sees_the_prompt_the_output_is_returned_with(llm, monkeypatch):
+    """on_done gets the output `generate` returns, its `prompt` (vLLM's: the text given,
+    None for token ids) already set: a streaming consumer logs it there; across
+    max_batch chunks too."""
+    monkeypatch.setattr(llm, "max_batch", 2)
+    prompts = [ENGINE_PROMPTS[0], {"prompt": ENGINE_PROMPTS[1]}, llm.tokenizer.encode(ENGINE_PROMPTS[2])]
+    seen = {}
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True),
+                        on_done=lambda i, out: seen.setdefault(i, out.prompt))
+    assert seen == {0: ENGINE_PROMPTS[0], 1: ENGINE_PROMPTS[1], 2: None}
+    assert [o.prompt for o in outs] == [ENGINE_PROMPTS[0], ENGINE_PROMPTS[1], None]
+
+
 def test_outputs_read_as_vllm_request_outputs(llm):
     """vLLM scripts read `out.outputs[0].text` and `out.prompt_token_ids`: the one
     completion is the output itself, and the prompt's ids are the ones the model read
@@ -1093,6 +1106,17 @@ def test_with_method_decodes_another_way_on_the_same_weights(tmp_path):
     for method in ("dflash", "ddtree"):  # a target of one's own brings no drafter, even the built-in one's folder
         with pytest.raises(UsageError, match=f"method '{method}' needs a draft model .*only the built-in model"):
             LLM(target, method=method, device="cpu")
+
+
+def test_a_with_method_engine_outlives_the_engine_it_was_made_from(hf_checkpoint, llm):
+    """`ar = LLM(...).with_method("ar")` keeps only the copy: collecting the engine it
+    was made from (which closes that engine) must not close the copy in use."""
+    import gc
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    ar = LLM(hf_checkpoint("qwen3").path, device="cpu", dtype="float32").with_method("ar")
+    gc.collect()
+    assert ar.generate(ENGINE_PROMPTS[0], params)[0].token_ids == llm.generate(ENGINE_PROMPTS[0], params)[0].token_ids
+    ar.close()  # still one lifetime: closing the copy closes both
 
 
 def test_sentencepiece_continuations_keep_their_first_space(tmp_path):

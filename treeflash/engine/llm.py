@@ -123,6 +123,7 @@ class _Request:
     cached: int | None              # prompt tokens found in the caches (prefix caching)
     prompt_logprobs: list[TokenLogprob] | None
     logprobs: list[TokenLogprob] | None   # those of `out`, if asked
+    text: str | None = None         # the prompt as given, if as text (the output's `prompt`)
     out: list[int] = field(default_factory=list)
     rounds: int = 1
     result: GenerationOutput | None = None  # once it has ended
@@ -383,6 +384,7 @@ class LLM:
             check_flag("cuda_graphs", cuda_graphs)
         other = copy.copy(self)
         other._decoding = False  # its own states: its callers may be this engine's callbacks
+        other._made_from = self  # collecting this engine closes both: not while the copy is in use
         other._decode_with(method, budget, draft_mode or self.decoder.draft_mode,
                            self.cuda_graphs if cuda_graphs is None else cuda_graphs, self.decoder.backend)
         return other
@@ -612,6 +614,7 @@ class LLM:
         # in order, at most max_batch at a time; with prefix caching as one batch (a batch
         # reuses the caches of the last batch of its size: chunks would overwrite them)
         step = len(ids) if self.enable_prefix_caching else self.max_batch
+        texts = [p if isinstance(p, str) else None for p in prompts]  # the outputs' `prompt`, as vLLM's
         results = []
         with self._generating:  # one call at a time: a batch's state and graphs are the engine's
             if self._decoding:  # the same thread, from a callback (the lock lets it in)
@@ -628,16 +631,15 @@ class LLM:
                     constraints = [p.structured_outputs for p in params[s:e] if p.structured_outputs]
                     with self.rules.automata.pinned(constraints):
                         results += self._generate_batch(ids[s:e], params[s:e], _shifted(on_tokens, s),
-                                                        _shifted(on_done, s))
+                                                        _shifted(on_done, s), texts[s:e])
             finally:
                 self._decoding = False
                 if bar is not None:
                     bar.close()
-        for out, prompt in zip(results, prompts):
-            out.prompt = prompt if isinstance(prompt, str) else None
         return results
 
-    def _generate_batch(self, ids: list[list[int]], params: list[SamplingParams], on_tokens, on_done):
+    def _generate_batch(self, ids: list[list[int]], params: list[SamplingParams], on_tokens, on_done,
+                        texts: list[str | None]):
         limits = [min(p.max_new_tokens, self.max_model_len - len(i)) for p, i in zip(params, ids)]
         dec = self.decoder
         per_round = dec.depth + 1  # the most tokens a round commits per request
@@ -659,9 +661,9 @@ class LLM:
         first, lp, plp = self._tp.call(self, "_start", (len(ids), max_len, params, ids, drop, reuse))
         state = self._run.st
         reqs = [_Request(prompt, p, limit, committed=len(prompt), cached=None if reuse is None else reuse[1][b],
-                         prompt_logprobs=prompt_lp, logprobs=[] if p.logprobs is not None else None)
-                for b, (prompt, p, limit, prompt_lp) in enumerate(
-                    zip(ids, params, limits, prompt_token_logprobs(ids, params, plp)))]
+                         prompt_logprobs=prompt_lp, logprobs=[] if p.logprobs is not None else None, text=text)
+                for b, (prompt, p, limit, prompt_lp, text) in enumerate(
+                    zip(ids, params, limits, prompt_token_logprobs(ids, params, plp), texts))]
         try:
             self._decode(reqs, first, lp, start, on_tokens, on_done)
         except BaseException:
@@ -737,7 +739,9 @@ class LLM:
                  "seconds": round(seconds, 4), "tokens_per_s": round(n / seconds, 2) if seconds > 0 else None,
                  **({"nodes_per_round": self.decoder.budget} if self.method == "ddtree" else {}),
                  **({"cached_tokens": r.cached or 0} if self.enable_prefix_caching else {})}
-        return self.rules.output(r.out, reason, r.params, r.prompt, r.logprobs, r.prompt_logprobs, stats)
+        out = self.rules.output(r.out, reason, r.params, r.prompt, r.logprobs, r.prompt_logprobs, stats)
+        out.prompt = r.text  # before on_done sees it
+        return out
 
     def _release(self) -> None:
         """On every rank: free the finished batch's caches, as an eager engine keeps none
