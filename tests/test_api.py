@@ -987,10 +987,12 @@ def test_sampling_parameters_of_the_wrong_type(llm, params):
 
 def test_a_cache_larger_than_free_memory_is_refused(llm, monkeypatch):
     """The KV cache is checked against free memory before it is allocated: a clear
-    error, not an allocation failure or the OS killing the process."""
+    error, not an allocation failure or the OS killing the process, that names what to
+    lower (with prefix caching a call's prompts are one batch, whatever max_batch says)."""
     from treeflash.layers import kv_cache
     monkeypatch.setattr(kv_cache, "available_bytes", lambda device: 1000)
-    with pytest.raises(TreeflashError, match="not enough cpu memory for a KVCache"):
+    with pytest.raises(TreeflashError, match=r"not enough cpu memory for a KVCache .*: lower max_model_len, or batch "
+                                             r"fewer requests \(max_batch; with prefix caching, a call's prompts"):
         llm.generate(["a"], SamplingParams(max_new_tokens=2))
     monkeypatch.undo()
     assert llm.generate(["a"], SamplingParams(max_new_tokens=2))[0].token_ids  # still serves

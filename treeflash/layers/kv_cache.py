@@ -26,7 +26,8 @@ class KVCache:
         if have is not None and need > have:  # refuse, rather than be killed by the OS mid-allocation
             raise TreeflashError(f"not enough {device.type} memory for a {type(self).__name__} of "
                                  f"{need / 2**30:.1f} GiB ({batch} requests x {max_len} tokens x {num_layers} "
-                                 f"layers; {have / 2**30:.1f} GiB free): lower max_model_len or the batch size")
+                                 f"layers; {have / 2**30:.1f} GiB free): lower max_model_len, or batch fewer "
+                                 f"requests (max_batch; with prefix caching, a call's prompts are one batch)")
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
