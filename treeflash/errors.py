@@ -15,9 +15,12 @@ class UsageError(TreeflashError):
 
 
 class ContextLengthError(UsageError):
-    """A prompt longer than the model's context. Worded as OpenAI and vLLM word it
-    ("This model's maximum context length is ..."), which clients such as LiteLLM match
-    to fall back to a longer-context model; the server adds OpenAI's code."""
+    """A request longer than the model's context. Worded as OpenAI and vLLM word it
+    ("This model's maximum context length is N tokens"), which clients such as LiteLLM
+    match to fall back to a longer-context model; the server adds OpenAI's code."""
+
+    def __init__(self, max_model_len: int, detail: str, param: str | None = None):
+        super().__init__(f"This model's maximum context length is {max_model_len} tokens{detail}", param)
 
 
 class InStepError(TreeflashError):

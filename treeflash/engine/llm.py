@@ -526,16 +526,14 @@ class LLM:
         if isinstance(prompt, str) and truncate is None:
             most = self.tokenizer.longest_token_bytes
             if len(prompt) > 2 * self.max_model_len * most:  # > 2 x max_model_len tokens (normalizers may merge a few)
-                raise ContextLengthError(f"This model's maximum context length is {self.max_model_len} tokens: "
-                                         f"a prompt of {len(prompt)} characters does not fit (a token of this "
-                                         f"model holds at most {most} bytes)")
+                raise ContextLengthError(self.max_model_len, f": a prompt of {len(prompt)} characters does not fit "
+                                                             f"(a token of this model holds at most {most} bytes)")
         ids = self.token_ids(prompt, special)
         if truncate is not None:
             ids = ids[-(self.max_model_len - 1 if truncate == -1 else truncate):]
         if len(ids) >= self.max_model_len:
-            raise ContextLengthError(f"This model's maximum context length is {self.max_model_len} tokens: "
-                                     f"a prompt of {len(ids)} tokens does not fit (it must leave room for one "
-                                     f"new token)")
+            raise ContextLengthError(self.max_model_len, f": a prompt of {len(ids)} tokens does not fit (it must "
+                                                         f"leave room for one new token)")
         return ids
 
     def token_ids(self, prompt: str | list[int], special: bool = True) -> list[int]:

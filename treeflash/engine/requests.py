@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from treeflash.errors import UsageError, is_text, shown
 from treeflash.sampling_params import BAD_WORD_TOKENS, MAX_BAD_SEQUENCES, SamplingParams
@@ -24,19 +25,20 @@ class TokenLogprob(Mapping):
     rank: int | None = None  # its rank in the vocabulary (1: the most likely; ties: the last); None: a prompt's first
 
     # vLLM's form of it, a read-only {token id: Logprob} of the token and its alternatives
-    # (Mapping gives keys, values, items and `in` from these three)
+    # (Mapping gives keys, values, items and `in` from these three), made once
+    @cached_property
     def _as_vllm(self) -> dict[int, "Logprob"]:
         found = {t: Logprob(lp, r) for r, (t, lp) in enumerate(self.top, 1)}
         return {**found, self.token_id: Logprob(self.logprob, self.rank)}
 
     def __getitem__(self, token_id: int) -> "Logprob":
-        return self._as_vllm()[token_id]
+        return self._as_vllm[token_id]
 
     def __iter__(self):
-        return iter(self._as_vllm())
+        return iter(self._as_vllm)
 
     def __len__(self) -> int:
-        return len(self._as_vllm())
+        return len(self._as_vllm)
 
 
 @dataclass(frozen=True)

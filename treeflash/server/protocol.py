@@ -218,9 +218,8 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
     room = max_model_len - max(prompt_lens)
     asked = _number(body, key, None, int, 1)
     if asked is not None and asked > room:  # in OpenAI's and vLLM's words and code, which clients match
-        raise APIError(f"This model's maximum context length is {max_model_len} tokens; the prompt holds "
-                       f"{max(prompt_lens)} and {key} asks for {asked} more", param=key,
-                       code="context_length_exceeded")
+        raise _context_error(ContextLengthError(max_model_len, f"; the prompt holds {max(prompt_lens)} and {key} "
+                                                               f"asks for {asked} more", param=key))
     max_tokens = asked if asked is not None else min(default_tokens or room, room)
     top_k = _number(body, "top_k", defaults.top_k, int, -1)
     stop = body.get("stop")
@@ -637,11 +636,16 @@ def parse_detokenize(body: dict, served: str | tuple[str, ...], vocab_size: int)
     return tokens
 
 
+def _context_error(e: ContextLengthError, param: str | None = None) -> APIError:
+    """OpenAI's answer to a request past the context: its words and its code."""
+    return APIError(str(e), param=param or e.param, code="context_length_exceeded")
+
+
 def _encode(encode, prompt, param: str, **kw) -> list[int]:
     try:
         return encode(prompt, **kw)
     except ContextLengthError as e:
-        raise APIError(str(e), param=param, code="context_length_exceeded") from None
+        raise _context_error(e, param) from None
     except TreeflashError as e:
         raise APIError(str(e), param=param) from None
 

@@ -737,8 +737,8 @@ def _alive(pid: str) -> bool:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, OverflowError):
-        return True
+    except (PermissionError, OverflowError):  # another user's process, or no pid of this host's range
+        pass
     return True
 
 
