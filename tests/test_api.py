@@ -686,6 +686,38 @@ def test_added_tokens_decoder_marks_tokens_special(tmp_path):
     assert ours.decode(ids) == "def fx<plain>y" and call in ours.special_ids
 
 
+def test_special_tokens_that_only_the_vocabulary_holds_are_added_tokens(tmp_path):
+    """tokenizer_config.json declares special tokens (added_tokens_decoder, eos_token)
+    that tokenizer.json's model vocabulary holds but its added tokens do not: as
+    transformers loads them, they are special added tokens, so a rendered chat's
+    "<|im_start|>" is that one token (it was split into its characters' pieces) and
+    skip_special_tokens leaves them out."""
+    from transformers import AutoTokenizer
+
+    from treeflash.checkpoints import write_tiny_tokenizer
+    from treeflash.tokenizer import Tokenizer
+    write_tiny_tokenizer(tmp_path)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    start, end = len(vocab), len(vocab) + 1
+    vocab |= {"<|im_start|>": start, "<|im_end|>": end}
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["content"] != "<|endoftext|>"]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    entry = {"special": True, "lstrip": False, "rstrip": False, "normalized": False, "single_word": False}
+    config["added_tokens_decoder"] = {str(i): {"content": c, **entry}
+                                      for i, c in ((start, "<|im_start|>"), (end, "<|im_end|>"))}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, hf = Tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "<|im_start|>user\ndef f<|im_end|><|endoftext|>"
+    ids = ours.encode(text, False)
+    assert ids == hf.encode(text, add_special_tokens=False)
+    assert ids[0] == start and end in ids and ours.eos_token_id in ids
+    for skip in (True, False):
+        assert ours.decode(ids, skip) == hf.decode(ids, skip_special_tokens=skip)
+    assert ours.decode(ids) == "user\ndef f"
+
+
 def test_special_tokens_in_the_text_on_request(eos_checkpoint):
     """skip_special_tokens=False: a special token generated mid-text (EOS, ignored)
     shows in the text; the token that ends a request never does."""
@@ -1220,6 +1252,76 @@ def test_a_continuation_after_a_context_that_begins_inside_a_character_keeps_its
     assert tok.decode_continuation(gen, prompt) == " ab"
     stream = TextStream(tok, context=prompt)
     assert "".join(stream.push([t]) for t in gen) + stream.finish(" ab") == " ab"
+
+
+def test_a_stop_string_is_found_when_the_checked_window_starts_inside_a_character(tmp_path):
+    """Byte fallback, one token a round: the stop-string check decodes a window of the
+    output whose first tokens may finish a character begun before it. Those bytes
+    decoded without their start turned the window's whole run of byte tokens into
+    U+FFFD, and stop strings of CJK text were missed (the request ran to max_tokens)."""
+    from conftest import write_sentencepiece_tokenizer
+
+    from treeflash.engine.requests import RequestRules
+    from treeflash.tokenizer import Tokenizer
+    write_sentencepiece_tokenizer(tmp_path)
+    tok = Tokenizer(tmp_path)
+    rules = RequestRules(tok, tok.vocab_size, eos_token_ids=[])
+    answer = "日本語のテキストです。" * 3
+    prompt, gen = tok.encode("ab", special=False), tok.encode(answer, special=False)
+    checked = 0
+    for a in range(len(answer) - 12):
+        for b in range(a + 2, a + 6):
+            stop = answer[a:b]
+            params = SamplingParams(stop=[stop], max_new_tokens=len(gen), ignore_eos=True)
+            out = []
+            for t in gen:
+                out.append(t)
+                if rules.cut_at_stop_string(out, len(out) - 1, params, prompt):
+                    break
+            first = next(k for k in range(1, len(gen) + 1) if stop in tok.decode(gen[:k]))
+            assert len(out) == first, (stop, len(out), first)
+            checked += 1
+    assert checked == 4 * (len(answer) - 12)
+
+
+def test_a_continuation_finishes_the_character_its_prompt_ends_inside(tmp_path):
+    """A prompt of token ids may end inside a character (a generation cut off there,
+    continued): the output's first tokens finish it, and its text starts with that
+    character, as vLLM streams it; it lost the character (U+FFFD for byte-level BPE,
+    and with byte fallback the whole next character too)."""
+    from conftest import write_sentencepiece_tokenizer
+
+    from treeflash.tokenizer import TextStream, Tokenizer
+    write_sentencepiece_tokenizer(tmp_path / "sp")
+    for tok in (Tokenizer(tmp_path / "sp"), Tokenizer(builtin_paths()[0])):
+        ids = tok.encode("ab 日本語 ab", special=False)
+        cuts = [k for k in range(1, len(ids)) if tok.unfinished_from(ids[:k]) is not None]
+        assert cuts
+        for k in cuts:
+            head = tok.decode(ids[:tok.unfinished_from(ids[:k])])
+            want = tok.decode(ids)[len(head):]
+            assert tok.decode_continuation(ids[k:], ids[:k]) == want, (k, want)
+            stream = TextStream(tok, context=ids[:k])
+            assert "".join(stream.push([t]) for t in ids[k:]) + stream.finish(want) == want
+
+
+def test_a_byte_level_decoder_inside_a_sequence_streams_whole_characters(tmp_path):
+    """Some tokenizer.json files wrap the ByteLevel decoder in a Sequence: a token that
+    holds part of a character is still those bytes, so the stream waits for the rest
+    (it sent U+FFFD for every split character while the final text was right)."""
+    from treeflash.tokenizer import TextStream, Tokenizer
+    spec = json.loads((builtin_paths()[0] / "tokenizer.json").read_text())
+    spec["decoder"] = {"type": "Sequence", "decoders": [spec["decoder"]]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tok = Tokenizer(tmp_path)
+    text = "Hi 😀 日本語 ok"
+    ids = tok.encode(text, special=False)
+    assert any(tok.unfinished_from(ids[:k]) is not None for k in range(len(ids)))
+    stream = TextStream(tok)
+    deltas = [stream.push([t]) for t in ids]
+    assert "".join(deltas) == text and all("\ufffd" not in d for d in deltas)
+    cut = next(k for k in range(len(ids), 0, -1) if tok.unfinished_from(ids[:k]) is not None)
+    assert tok.decode_continuation(ids[:cut]) == tok.decode(ids[:tok.unfinished_from(ids[:cut])])
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(hf_checkpoint):

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import codecs
+import json
 import re
 from functools import cached_property, lru_cache
 from pathlib import Path
 
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
-from tokenizers.decoders import ByteLevel
 
 from treeflash.config import token_id_list
 from treeflash.errors import TreeflashError
@@ -24,6 +24,14 @@ def _byte_level_chars() -> dict[str, int]:
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
     others = [b for b in range(256) if b not in printable]
     return {**{chr(b): b for b in printable}, **{chr(256 + k): b for k, b in enumerate(others)}}
+
+
+def _byte_level_decoder(decoder) -> bool:
+    """Whether a tokenizer.json decoder maps byte-level BPE's characters back to bytes:
+    ByteLevel, alone or in a Sequence (as some tokenizers write it)."""
+    def holds(d: dict) -> bool:
+        return d.get("type") == "ByteLevel" or any(holds(e) for e in d.get("decoders") or [] if isinstance(e, dict))
+    return decoder is not None and holds(json.loads(decoder.__getstate__()))
 
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece-style byte tokens (Llama 2, Mistral)
@@ -63,6 +71,7 @@ class Tokenizer:
         # for (a prompt is never cut or padded by them); special tokens split if configured
         self.tok.no_truncation()
         self.tok.no_padding()
+        self.byte_level = _byte_level_decoder(self.tok.decoder)  # see token_bytes
         config = read_json_object(folder / "config.json")
         gen = read_json_object(folder / "generation_config.json")
         tok_cfg = tokenizer_settings(folder)
@@ -113,19 +122,22 @@ class Tokenizer:
         (else refused: the model's rows would mean other tokens); one it has as a plain
         added token but declares special is special here too (decoding with
         skip_special_tokens leaves it out; not the other way: the tokenizers library goes
-        on skipping a token once it was special). Then the special tokens it names
-        (eos_token, additional_special_tokens, ...) that the vocabulary lacks, at its end."""
+        on skipping a token once it was special); one its vocabulary has at that id but
+        not as an added token becomes one (a chat template's "<|im_start|>" is then that
+        token, not its characters' pieces). Then the special tokens it names (eos_token,
+        additional_special_tokens, ...): added to the vocabulary's end where it lacks them,
+        made added special tokens where it has them as plain vocabulary."""
         decoder = cfg.get("added_tokens_decoder")
         entries = sorted((int(k), e) for k, e in decoder.items() if str(k).isdigit() and isinstance(e, dict)
                          and isinstance(e.get("content"), str)) if isinstance(decoder, dict) else []
         added = self.tok.get_added_tokens_decoder()
         for token_id, e in entries:
             special, t = e.get("special") is True, added.get(token_id)
+            at = self.tok.token_to_id(e["content"])
             if t is not None and t.content == e["content"]:
-                if special and not t.special:
-                    self.tok.add_special_tokens([AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip,
-                                                            rstrip=t.rstrip, normalized=t.normalized, special=True)])
-            elif self.tok.token_to_id(e["content"]) is None:
+                if special:
+                    self._make_special(t)
+            elif at is None or (t is None and at == token_id):  # absent, or a plain vocabulary token
                 self.tok.add_tokens([AddedToken(e["content"], single_word=e.get("single_word", False) is True,
                                                 lstrip=e.get("lstrip", False) is True,
                                                 rstrip=e.get("rstrip", False) is True,
@@ -139,8 +151,18 @@ class Tokenizer:
         named = [cfg.get(k) for k in SPECIAL_TOKENS] + (extra if isinstance(extra, list) else [])
         for t in named:
             content = t.get("content") if isinstance(t, dict) else t
-            if isinstance(content, str) and content and self.tok.token_to_id(content) is None:
+            if not (isinstance(content, str) and content):
+                continue
+            added = {a.content: a for a in self.tok.get_added_tokens_decoder().values()}
+            if content in added:
+                self._make_special(added[content])
+            else:
                 self.tok.add_special_tokens([AddedToken(content, normalized=False, special=True)])
+
+    def _make_special(self, t: AddedToken) -> None:
+        if not t.special:
+            self.tok.add_special_tokens([AddedToken(t.content, single_word=t.single_word, lstrip=t.lstrip,
+                                                    rstrip=t.rstrip, normalized=t.normalized, special=True)])
 
     def _check_bos(self, folder: Path, source: str) -> None:
         """The BOS id prepended to every prompt must be a token of this vocabulary (a
@@ -190,8 +212,10 @@ class Tokenizer:
         SentencePiece continuation would lose its first space (the decoder strips a
         text's first one: " Paris" became "Paris"); byte-level BPE gives the same either
         way. `TextStream` decodes the same way, so streamed deltas add up to this."""
-        context = self.context_tail(context, skip_special)
-        head = self.decode(context, skip_special)
+        context, read = self.context_tail(context, skip_special)
+        if not self.finishes(context, ids, skip_special):  # an open character is the continuation's if it ends it
+            context = context[:read]
+        head = self._text_of(context[:read], skip_special)[0]
         whole = self.decode(context + list(ids), skip_special)
         text = whole[len(head):] if whole.startswith(head) else self.decode(ids, skip_special)
         if "\ufffd" not in text:
@@ -200,7 +224,7 @@ class Tokenizer:
         # whole run of byte tokens into U+FFFD when the run ends in part of a character, so
         # "你" and half of "好" decode to five of them, though "你" was whole (and streamed).
         # Character by character instead, as TextStream takes them.
-        return self.whole_text(context + list(ids), 0, len(context), skip_special)[0]
+        return self.whole_text(context + list(ids), 0, read, skip_special)[0]
 
     def whole_text(self, ids: list[int], prefix: int, read: int, skip_special: bool = True) -> tuple[str, int, int]:
         """The text ids[read:] add after ids[prefix:read], taken token by token up to its last
@@ -247,22 +271,28 @@ class Tokenizer:
             return 0
         return len(self.decode_continuation(ids[:min_tokens], context, skip_special))
 
-    def context_tail(self, context: list[int], skip_special: bool = True) -> list[int]:
-        """The last tokens of `context` to decode a continuation after: four, or up to
-        CONTEXT_TOKENS where the four begin inside a character (a byte-fallback decoder
-        turns a whole run of byte tokens that starts there into U+FFFD, and a continuation
-        then decoded without its context lost its first space); less any at the end whose
-        text ends in U+FFFD (part of a character). Skipped special tokens are left out
-        first: they add no text, and a prompt ending in four of them left none to decode
-        after (SentencePiece's continuation then lost its first space)."""
+    def context_tail(self, context: list[int], skip_special: bool = True) -> tuple[list[int], int]:
+        """The last tokens of `context` to decode a continuation after, and how many of
+        them the context's text holds whole. Four tokens, or up to CONTEXT_TOKENS where the
+        four begin inside a character (a byte-fallback decoder turns a whole run of byte
+        tokens that starts there into U+FFFD, and a continuation then decoded without its
+        context lost its first space). A character the context ends inside (a prompt of
+        token ids, or a stop-string window that starts in one) is the continuation's, as
+        vLLM streams it: its first tokens stay, after the whole count. Bytes at the end that
+        no token can finish are left out. Skipped special tokens are left out first: they
+        add no text, and a prompt ending in four of them left none to decode after
+        (SentencePiece's continuation then lost its first space)."""
         context = self._last_with_text(context, CONTEXT_TOKENS) if skip_special else list(context[-CONTEXT_TOKENS:])
         start = max(0, len(context) - 4)
         while start > max(0, len(context) - CONTEXT_TOKENS) and self._continues_a_character(context[start]):
             start -= 1
         context = context[start:]
+        if (open_char := self._unfinished(context, skip_special)) is not None:
+            token, after_whole = open_char  # a token that also ends an earlier character counts as whole
+            return context, token + after_whole
         while context and self.decode(context, skip_special).endswith("\ufffd"):
             context.pop()
-        return context
+        return context, len(context)
 
     def _last_with_text(self, ids: list[int], n: int) -> list[int]:
         """The last `n` of `ids` that are not special tokens, in order (read from the end:
@@ -287,6 +317,17 @@ class Tokenizer:
     def _unfinished(self, ids: list[int], skip_special: bool) -> tuple[int, bool] | None:
         """`unfinished_from`'s token, and whether bytes of an earlier character come before
         the unfinished one's first byte in it."""
+        pending, sizes = self._open_bytes(ids, skip_special)
+        pending = len(pending)
+        for k, size in sizes:  # back from the end to the token of its first byte
+            pending -= size
+            if pending <= 0 < pending + size:
+                return k, pending < 0
+        return None
+
+    def _open_bytes(self, ids: list[int], skip_special: bool) -> tuple[bytes, list[tuple[int, int]]]:
+        """The bytes of the unfinished character at the end of `ids` (b"" if none), and
+        (index, byte count) of the last tokens read for it, from the end."""
         tail, sizes, special = b"", [], self.special_ids if skip_special else ()
         for k in range(len(ids) - 1, -1, -1):
             if ids[k] not in special:  # a skipped token adds no bytes: those around it join
@@ -296,12 +337,22 @@ class Tokenizer:
                     break
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         decoder.decode(tail)
-        pending = len(decoder.getstate()[0])
-        for k, size in sizes:  # back from the end to the token of its first byte
-            pending -= size
-            if pending <= 0 < pending + size:
-                return k, pending < 0
-        return None
+        return decoder.getstate()[0], sizes
+
+    def finishes(self, context: list[int], ids: list[int], skip_special: bool = True) -> bool | None:
+        """Whether `ids` finish the character that `context` ends inside: True; False if
+        they begin another (those bytes then stay unfinished for good); None if their
+        bytes do not tell yet, or no character is open."""
+        pending = self._open_bytes(context, skip_special)[0]
+        if not pending:
+            return None
+        special, more = self.special_ids if skip_special else (), b""
+        for i in ids:
+            if len(more) >= 3:  # 3 bytes at most are missing
+                break
+            more += self.token_bytes(i) if i not in special else b""
+        text = codecs.getincrementaldecoder("utf-8")("replace").decode(pending + more)
+        return None if not text else not text.startswith("\ufffd")
 
     def _continues_a_character(self, token_id: int) -> bool:
         first = self.token_bytes(token_id)[:1]
@@ -341,7 +392,7 @@ class Tokenizer:
         chars = _byte_level_chars()
         if m := _BYTE_FALLBACK.fullmatch(piece):
             raw = bytes([int(m.group(1), 16)])
-        elif piece and isinstance(self.tok.decoder, ByteLevel) and all(c in chars for c in piece):
+        elif piece and self.byte_level and all(c in chars for c in piece):
             raw = bytes(chars[c] for c in piece)
         else:
             raw = text.encode("utf-8")
@@ -369,8 +420,11 @@ class TextStream:
         self.end_ids = set() if include_stop else set(end_ids)
         self.skip_special, self.include_stop = skip_special, include_stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.ids: list[int] = tokenizer.context_tail(context, skip_special)
-        self.prefix, self.read = 0, len(self.ids)  # ids[prefix:read] decode to the end of self.text
+        self.ids, self.read = tokenizer.context_tail(context, skip_special)
+        self.prefix = 0  # ids[prefix:read] decode to the end of self.text
+        # the context's tokens; while a character it ends inside is open, whether the
+        # output finishes it (else its tokens leave, as in decode_continuation)
+        self.tail, self.deciding = len(self.ids), tokenizer.unfinished_from(self.ids, skip_special) is not None
         self.text = ""               # the text of ids[:read]
         self.sent = 0                # characters handed out
 
@@ -384,6 +438,11 @@ class TextStream:
         if self.skip_special:  # left out of the window: a long run of them made every decode longer
             ids = [i for i in ids if i not in self.tokenizer.special_ids]
         self.ids += ids
+        if self.deciding and (finished := self.tokenizer.finishes(self.ids[:self.tail], self.ids[self.tail:],
+                                                                  self.skip_special)) is not None:
+            self.deciding = False
+            if not finished:
+                del self.ids[self.read:self.tail]
         piece = self.tokenizer.whole_piece(self.ids, self.prefix, self.read, len(self.ids), self.skip_special)
         if piece is not None and "\ufffd" not in piece:
             if piece:  # a whole character more
