@@ -376,17 +376,22 @@ def test_outputs_read_as_vllm_request_outputs(llm):
 def test_more_of_vllms_output_fields_and_logprobs_read_as_in_vllm(llm):
     """vLLM's examples print `out.prompt`, and read `finished`, `outputs[0].index`,
     `cumulative_logprob`, and each token's logprobs as {token id: Logprob} (`lp[id].logprob`,
-    `.rank`): all there, with the values of this output's own fields."""
+    `.rank`, `.decoded_token`; the chosen token first, as `next(iter(lp))` reads it): all
+    there, with the values of this output's own fields."""
     params = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=2)
     text, ids = llm.generate([ENGINE_PROMPTS[0], llm.encode(ENGINE_PROMPTS[1])], params)
     assert (text.prompt, ids.prompt) == (ENGINE_PROMPTS[0], None)
     assert text.finished and text.outputs[0].index == 0
     assert text.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in text.logprobs))
     assert llm.generate(ENGINE_PROMPTS[0], SamplingParams(max_new_tokens=2))[0].cumulative_logprob is None
-    for token, lp in zip(text.token_ids, text.logprobs):
+    sampled = llm.generate(ENGINE_PROMPTS[0], replace(params, temperature=1.0, seed=5, max_new_tokens=12))[0]
+    assert any(lp.rank > 1 for lp in sampled.logprobs)  # a token that is not the most likely
+    for token, lp in zip(text.token_ids + sampled.token_ids, text.logprobs + sampled.logprobs):
         assert lp[token].logprob == lp.logprob and lp[token].rank == lp.rank and token in lp
+        assert next(iter(lp)) == token  # vLLM's dicts hold the chosen token first, its alternatives after
         assert [(t, v.logprob, v.rank) for t, v in lp.items() if t != token] == \
             [(t, v, r) for r, (t, v) in enumerate(lp.top, 1) if t != token]
+        assert all(v.decoded_token == llm.tokenizer.token_text(t) for t, v in lp.items())
 
 
 def test_vllm_fields_set_after_construction_are_not_dropped(llm):

@@ -135,9 +135,8 @@ def test_prompt_logprobs_are_the_targets(pair, oracle, monkeypatch):
             continue
         ids = llm.encode(prompt)
         got = out.prompt_logprobs
-        assert [e.token_id for e in got] == ids and got[0].logprob is None and got[0].top == []
+        assert got[0] is None and [e.token_id for e in got[1:]] == ids[1:]  # nothing predicts the first, as vLLM
         ref = oracle(llm.tokenizer.decode(ids[:1]), ids[1:])  # position i predicts ids[i + 1]
-        assert got[0].rank is None
         for i, e in enumerate(got[1:]):
             assert e.logprob == pytest.approx(ref[i, ids[i + 1]].item(), abs=1e-7)
             assert e.rank == int((ref[i] >= ref[i, ids[i + 1]]).sum())  # its place in the vocabulary
@@ -146,7 +145,7 @@ def test_prompt_logprobs_are_the_targets(pair, oracle, monkeypatch):
             assert [v for _, v in e.top] == pytest.approx(top.values.tolist(), abs=1e-7)
     assert len(outs[0].prompt_logprobs) > 7 and len(outs[1].prompt_logprobs) == 1
     assert len(outs[2].prompt_logprobs) > 2 and outs[3].prompt_logprobs is None
-    assert len(outs[4].prompt_logprobs) > 2 and all(e.top == [] for e in outs[4].prompt_logprobs)
+    assert len(outs[4].prompt_logprobs) > 2 and all(e.top == [] for e in outs[4].prompt_logprobs[1:])
 
 
 @pytest.mark.parametrize("bad", [-1, MAX_LOGPROBS + 1, True, 2.0, "3"])

@@ -121,7 +121,7 @@ class _Request:
     limit: int                      # new tokens at most (its max_new_tokens, within the context)
     committed: int                  # n on the device after the rounds read so far
     cached: int | None              # prompt tokens found in the caches (prefix caching)
-    prompt_logprobs: list[TokenLogprob] | None
+    prompt_logprobs: list[TokenLogprob | None] | None
     logprobs: list[TokenLogprob] | None   # those of `out`, if asked
     text: str | None = None         # the prompt as given, if as text (the output's `prompt`)
     out: list[int] = field(default_factory=list)
@@ -661,7 +661,7 @@ class LLM:
         reqs = [_Request(prompt, p, limit, committed=len(prompt), cached=None if reuse is None else reuse[1][b],
                          prompt_logprobs=prompt_lp, logprobs=[] if p.logprobs is not None else None, text=text)
                 for b, (prompt, p, limit, prompt_lp, text) in enumerate(
-                    zip(ids, params, limits, prompt_token_logprobs(ids, params, plp), texts))]
+                    zip(ids, params, limits, prompt_token_logprobs(ids, params, plp, self.tokenizer.token_text), texts))]
         try:
             self._decode(reqs, first, lp, start, on_tokens, on_done)
         except BaseException:
@@ -723,7 +723,8 @@ class LLM:
             stop = "stop"
         added = None
         if r.logprobs is not None:  # those of the tokens kept
-            added = token_logprobs(r.out[before:], [x[b] for x in lp], r.params.logprobs)
+            added = token_logprobs(r.out[before:], [x[b] for x in lp], r.params.logprobs,
+                                   self.tokenizer.token_text)
             r.logprobs += added
         if on_tokens is not None and len(r.out) > before and on_tokens(b, r.out[before:], added) is True:
             stop = stop or "abort"

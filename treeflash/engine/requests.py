@@ -20,16 +20,18 @@ class TokenLogprob(Mapping):
     logits, before temperature and filters), with the request's `logprobs` most likely
     tokens as (id, log-probability), most likely first."""
     token_id: int
-    logprob: float | None  # None: a prompt's first token, which nothing before it predicts
+    logprob: float
     top: list[tuple[int, float]]
-    rank: int | None = None  # its rank in the vocabulary (1: the most likely; ties: the last); None: a prompt's first
+    rank: int | None = None  # its rank in the vocabulary (1: the most likely; ties: the last)
+    texts: dict[int, str] = field(default_factory=dict, repr=False, compare=False)  # its and top's token texts
 
-    # vLLM's form of it, a read-only {token id: Logprob} of the token and its alternatives
+    # vLLM's form of it, a read-only {token id: Logprob}: the token first (vLLM's samplers
+    # put it there, and `next(iter(d))` is read as the chosen token), then its alternatives
     # (Mapping gives keys, values, items and `in` from these three), made once
     @cached_property
     def _as_vllm(self) -> dict[int, "Logprob"]:
-        found = {t: Logprob(lp, r) for r, (t, lp) in enumerate(self.top, 1)}
-        return {**found, self.token_id: Logprob(self.logprob, self.rank)}
+        found = {self.token_id: Logprob(self.logprob, self.rank, self.texts.get(self.token_id))}
+        return found | {t: Logprob(lp, r, self.texts.get(t)) for r, (t, lp) in enumerate(self.top, 1) if t not in found}
 
     def __getitem__(self, token_id: int) -> "Logprob":
         return self._as_vllm[token_id]
@@ -59,7 +61,7 @@ class GenerationOutput:
     stats: dict = field(default_factory=dict)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: EOS, or not stopped)
     logprobs: list[TokenLogprob] | None = None  # one per token id, if SamplingParams.logprobs asked for them
-    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, if SamplingParams.prompt_logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first: None), if asked
     prompt_token_ids: list[int] | None = None  # the prompt as the model read it (after any truncation)
     prompt: str | None = None  # the prompt's text, as given (None: given as token ids), as vLLM's
 
@@ -79,20 +81,23 @@ class GenerationOutput:
         return None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
 
 
-def token_logprobs(tokens: list[int], rows, k: int) -> list[TokenLogprob]:
+def token_logprobs(tokens: list[int], rows, k: int, text_of) -> list[TokenLogprob]:
     """The `TokenLogprob`s of `tokens` from one request's logprobs read back as lists
     (chosen [T], top values [T][K], top ids [T][K], ranks [T]; `tokens` are its first
-    T' <= T); `k` alternatives each."""
+    T' <= T); `k` alternatives each, every token named by `text_of(id)`."""
     chosen, top_vals, top_ids, ranks = rows
-    return [TokenLogprob(t, chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k])), ranks[i])
-            for i, t in enumerate(tokens)]
+    out = []
+    for i, t in enumerate(tokens):
+        top = list(zip(top_ids[i][:k], top_vals[i][:k]))
+        out.append(TokenLogprob(t, chosen[i], top, ranks[i], {j: text_of(j) for j in (t, *(j for j, _ in top))}))
+    return out
 
 
-def prompt_token_logprobs(prompts: list[list[int]], params: list[SamplingParams], plp: list):
+def prompt_token_logprobs(prompts: list[list[int]], params: list[SamplingParams], plp: list, text_of):
     """Per request, its prompt's `TokenLogprob`s (None for requests that did not ask)
     from `prefill_tokens`' flat rows read back as lists (chosen [N], top values
     [N][K], top ids [N][K], ranks [N]: the asking requests' tokens but their first, in
-    order)."""
+    order); the first token's entry is None, as vLLM's (nothing predicts it)."""
     out, at = [], 0
     for ids, p in zip(prompts, params):
         if p.prompt_logprobs is None:
@@ -100,7 +105,7 @@ def prompt_token_logprobs(prompts: list[list[int]], params: list[SamplingParams]
             continue
         rows = [x[at:at + len(ids) - 1] for x in plp]
         at += len(ids) - 1
-        out.append([TokenLogprob(ids[0], None, [])] + token_logprobs(ids[1:], rows, p.prompt_logprobs))
+        out.append([None] + token_logprobs(ids[1:], rows, p.prompt_logprobs, text_of))
     return out
 
 
