@@ -363,7 +363,8 @@ def test_on_done_sees_the_prompt_the_output_is_returned_with(llm, monkeypatch):
 def test_outputs_read_as_vllm_request_outputs(llm):
     """vLLM scripts read `out.outputs[0].text` and `out.prompt_token_ids`: the one
     completion is the output itself, and the prompt's ids are the ones the model read
-    (after truncate_prompt_tokens)."""
+    (after truncate_prompt_tokens); `request_id`, `num_cached_tokens` and `metrics` are
+    there too."""
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     outs = llm.generate(ENGINE_PROMPTS, params)
     for prompt, out in zip(ENGINE_PROMPTS, outs):
@@ -371,6 +372,10 @@ def test_outputs_read_as_vllm_request_outputs(llm):
         assert out.prompt_token_ids == llm.encode(prompt)
     cut = llm.generate(ENGINE_PROMPTS[0], replace(params, truncate_prompt_tokens=2))[0]
     assert cut.prompt_token_ids == llm.encode(ENGINE_PROMPTS[0])[-2:]
+    # request ids number the engine's requests in order, as vLLM's (scripts sort by them)
+    ids = [int(o.request_id) for o in outs + [cut]]
+    assert ids == list(range(ids[0], ids[0] + len(ids)))
+    assert all(o.num_cached_tokens == 0 and o.metrics is None for o in outs)
 
 
 def test_more_of_vllms_output_fields_and_logprobs_read_as_in_vllm(llm):
@@ -392,6 +397,24 @@ def test_more_of_vllms_output_fields_and_logprobs_read_as_in_vllm(llm):
         assert [(t, v.logprob, v.rank) for t, v in lp.items() if t != token] == \
             [(t, v, r) for r, (t, v) in enumerate(lp.top, 1) if t != token]
         assert all(v.decoded_token == llm.tokenizer.token_text(t) for t, v in lp.items())
+
+
+def test_vllm_keywords_in_the_constructor_are_taken_at_this_engines_values():
+    """vLLM scripts spell out `best_of=1` or `detokenize=True`: taken, as they ask for
+    what this engine does; other values, and vLLM keywords with no counterpart, are
+    refused in words (a bare TypeError before). from_optional takes a JSON logit_bias as
+    vLLM's does: string keys, values clamped to [-100, 100]."""
+    assert SamplingParams(best_of=1, detokenize=True, spaces_between_special_tokens=True, logits_processors=None,
+                          max_tokens=3) == SamplingParams(max_new_tokens=3)
+    for kw, words in (({"best_of": 2}, "takes vLLM's 'best_of' only as None or 1 .*got 2"),
+                      ({"detokenize": False}, "'detokenize' only as True"),
+                      ({"output_kind": 1}, "no field 'output_kind' \\(vLLM's; not supported\\)"),
+                      ({"temprature": 0.5}, "no field 'temprature'$")):
+        with pytest.raises(UsageError, match=words):
+            SamplingParams(**kw)
+    assert SamplingParams.from_optional(logit_bias={"5": 150.0, 7: -3}).logit_bias == {5: 100.0, 7: -3.0}
+    with pytest.raises(UsageError, match="logit_bias must map token ids to numbers"):
+        SamplingParams.from_optional(logit_bias={"x": 1.0})
 
 
 def test_vllm_fields_set_after_construction_are_not_dropped(llm):

@@ -79,7 +79,16 @@ class SamplingParams:
 
     @classmethod
     def from_optional(cls, **kwargs) -> "SamplingParams":
-        """vLLM's: the keywords given as None left out (their defaults)."""
+        """vLLM's: the keywords given as None left out (their defaults), and as vLLM's,
+        logit_bias keys taken as integers and its values clamped to [-100, 100] (OpenAI's
+        range: the form a request's JSON gives)."""
+        bias = kwargs.get("logit_bias")
+        if isinstance(bias, dict):
+            try:
+                kwargs["logit_bias"] = {int(t): min(100.0, max(-100.0, float(b))) for t, b in bias.items()}
+            except (TypeError, ValueError):
+                raise UsageError(f"invalid sampling parameters: logit_bias must map token ids to numbers, got "
+                                 f"{shown(bias)}") from None
         return cls(**{k: v for k, v in kwargs.items() if v is not None})
 
     def with_seed(self, seed: int) -> "SamplingParams":
@@ -246,6 +255,25 @@ def _one_output(n) -> None:
 # vLLM SamplingParams fields with no counterpart here: named as such when set on an instance
 _VLLM_ONLY = {"best_of", "logits_processors", "detokenize", "output_kind", "guided_decoding", "extra_args",
               "spaces_between_special_tokens", "flat_logprobs", "prompt_logprobs_mode", "seed_offset"}
+# ... and the values of them that the constructor takes, as they mean what this engine does
+_VLLM_DEFAULTS = {"best_of": (None, 1), "detokenize": (True,), "spaces_between_special_tokens": (True,),
+                  "logits_processors": (None, []), "guided_decoding": (None,), "extra_args": (None, {}),
+                  "flat_logprobs": (False,)}
+
+
+def _vllm_keywords(kwargs: dict) -> None:
+    """Take vLLM-only keywords out of a constructor call's `kwargs`: at a value that asks
+    for what this engine does (`best_of=1`, `detokenize=True`) dropped, else refused in
+    words (the dataclass would raise a bare TypeError)."""
+    for name in [k for k in kwargs if k not in SamplingParams.__dataclass_fields__]:
+        value = kwargs.pop(name)
+        if name not in _VLLM_ONLY:
+            raise UsageError(f"SamplingParams has no field {name!r}")
+        taken = _VLLM_DEFAULTS.get(name, ())
+        if not any(type(value) is type(v) and value == v for v in taken):
+            raise UsageError(f"SamplingParams takes vLLM's {name!r} only as " + " or ".join(map(repr, taken)) +
+                             f" (what this engine does), got {shown(value)}" if taken else
+                             f"SamplingParams has no field {name!r} (vLLM's; not supported)")
 
 
 def _as_in_vllm(init):
@@ -257,6 +285,7 @@ def _as_in_vllm(init):
     @functools.wraps(init)
     def __init__(self, *args, max_tokens=..., n=1, **kwargs):
         _one_output(n)
+        _vllm_keywords(kwargs)
         if max_tokens is not ...:
             max_tokens = plain_number(max_tokens)
             if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:

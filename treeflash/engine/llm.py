@@ -5,6 +5,7 @@ import contextlib
 import copy
 import importlib.util
 import inspect
+import itertools
 import numbers
 import os
 import random
@@ -124,6 +125,7 @@ class _Request:
     prompt_logprobs: list[TokenLogprob | None] | None
     logprobs: list[TokenLogprob] | None   # those of `out`, if asked
     text: str | None = None         # the prompt as given, if as text (the output's `prompt`)
+    request_id: str = ""
     out: list[int] = field(default_factory=list)
     rounds: int = 1
     result: GenerationOutput | None = None  # once it has ended
@@ -237,6 +239,7 @@ class LLM:
         if seed is not None:
             seed = check_int("seed", seed, 0)
         self._seeds = random.Random(seed)  # the seeds of sampled requests that give none
+        self._request_ids = itertools.count()  # vLLM's request_id: requests numbered in order, from 0
         self.max_batch = max_batch
         self._generating = threading.RLock()
         self._decoding = False  # inside `generate`: a callback that calls it again is refused
@@ -659,7 +662,8 @@ class LLM:
         first, lp, plp = self._tp.call(self, "_start", (len(ids), max_len, params, ids, drop, reuse))
         state = self._run.st
         reqs = [_Request(prompt, p, limit, committed=len(prompt), cached=None if reuse is None else reuse[1][b],
-                         prompt_logprobs=prompt_lp, logprobs=[] if p.logprobs is not None else None, text=text)
+                         prompt_logprobs=prompt_lp, logprobs=[] if p.logprobs is not None else None, text=text,
+                         request_id=str(next(self._request_ids)))
                 for b, (prompt, p, limit, prompt_lp, text) in enumerate(
                     zip(ids, params, limits, prompt_token_logprobs(ids, params, plp, self.tokenizer.token_text), texts))]
         try:
@@ -739,7 +743,7 @@ class LLM:
                  **({"nodes_per_round": self.decoder.budget} if self.method == "ddtree" else {}),
                  **({"cached_tokens": r.cached or 0} if self.enable_prefix_caching else {})}
         out = self.rules.output(r.out, reason, r.params, r.prompt, r.logprobs, r.prompt_logprobs, stats)
-        out.prompt = r.text  # before on_done sees it
+        out.prompt, out.request_id = r.text, r.request_id  # before on_done sees them
         return out
 
     def _release(self) -> None:

@@ -64,6 +64,7 @@ class GenerationOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first: None), if asked
     prompt_token_ids: list[int] | None = None  # the prompt as the model read it (after any truncation)
     prompt: str | None = None  # the prompt's text, as given (None: given as token ids), as vLLM's
+    request_id: str = ""  # vLLM's: the engine's requests numbered in the order given, from "0"
 
     @property
     def outputs(self) -> list["GenerationOutput"]:
@@ -74,6 +75,12 @@ class GenerationOutput:
     # vLLM's RequestOutput and CompletionOutput fields that a finished output of one completion has
     finished = True
     index = 0
+    metrics = None  # vLLM's per-request timings: `stats` holds this engine's
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """vLLM's: the prompt tokens found in the caches (prefix caching; else 0)."""
+        return self.stats.get("cached_tokens", 0)
 
     @property
     def cumulative_logprob(self) -> float | None:
