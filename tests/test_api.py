@@ -195,7 +195,8 @@ def test_a_seed_of_zero_is_a_seed(llm):
 def test_vllm_engine_argument_names_are_taken(hf_checkpoint, monkeypatch):
     """LLM(tensor_parallel_size=, enforce_eager=, max_num_seqs=) as vLLM's scripts write
     them are tp, not cuda_graphs and max_batch; given beside ours with another value,
-    refused before anything loads."""
+    refused before anything loads. trust_remote_code and the model's own tokenizer are
+    taken; vLLM's other arguments are refused in words (a bare TypeError before)."""
     import treeflash.engine.llm as llm_module
     built = []
     real = llm_module.tp_attach
@@ -206,12 +207,18 @@ def test_vllm_engine_argument_names_are_taken(hf_checkpoint, monkeypatch):
     assert llm.max_batch == 3 and built[-1]["tp"] == 1 and built[-1]["cuda_graphs"] is False
     LLM(path, device="cpu", enforce_eager=False, tp=1, max_batch=3, max_num_seqs=3)
     assert built[-1]["cuda_graphs"] is True
+    LLM(path, device="cpu", trust_remote_code=True, tokenizer=str(path))  # no code is run; its own tokenizer
     for kwargs, what in ((dict(tp=2, tensor_parallel_size=4), "give tp or vLLM's tensor_parallel_size"),
                          (dict(cuda_graphs=False, enforce_eager=False), "give cuda_graphs or vLLM's enforce_eager"),
                          (dict(max_batch=8, max_num_seqs=4), "give max_batch or vLLM's max_num_seqs"),
                          (dict(tensor_parallel_size=0), "tensor_parallel_size"),
                          (dict(enforce_eager="yes"), "enforce_eager must be true or false"),
-                         (dict(max_num_seqs=0), "max_num_seqs")):
+                         (dict(max_num_seqs=0), "max_num_seqs"),
+                         (dict(trust_remote_code="yes"), "trust_remote_code must be true or false"),
+                         (dict(tokenizer=builtin_paths()[0]), "tokenizer must be None or the model's own folder"),
+                         (dict(gpu_memory_utilization=0.9), "no argument 'gpu_memory_utilization' \\(vLLM's; not "
+                                                            "supported: caches are allocated per batch"),
+                         (dict(max_modle_len=64), "LLM has no argument 'max_modle_len'$")):
         n = len(built)
         with pytest.raises(UsageError, match=what):
             LLM(path, device="cpu", **kwargs)

@@ -38,7 +38,7 @@ from treeflash.models.loader import (build_on, check_model_size, check_sizes, lo
 from treeflash.models.transformer import CausalLM
 from treeflash.files import model_folder, tokenizer_settings
 from treeflash.memory import check_weights_fit, peak_rss_bytes, reset_peak_rss, rss_bytes
-from treeflash.sampling_params import SamplingParams, generation_defaults, truncation_error
+from treeflash.sampling_params import MAX_LOGPROBS, SamplingParams, generation_defaults, truncation_error
 from treeflash.tokenizer import Tokenizer
 
 
@@ -174,6 +174,33 @@ def _unwrapped(prompt):
 
 MAX_BATCH = 256  # LLM's default max_batch
 
+# vLLM LLM arguments with no counterpart here, and what this engine does instead
+_VLLM_INSTEAD = {
+    "gpu_memory_utilization": "caches are allocated per batch as it needs them, not as a share of the GPU up "
+                              "front; max_batch and max_model_len bound them",
+    "enable_chunked_prefill": "a batch's prompts are prefilled whole",
+    "max_num_batched_tokens": "a batch's prompts are prefilled whole (max_batch bounds a batch)",
+    "max_logprobs": f"SamplingParams.logprobs takes up to {MAX_LOGPROBS} alternatives",
+    "kv_cache_dtype": "the caches hold the model's dtype",
+    "speculative_config": "method, draft_model and budget choose the speculative decoding",
+}
+
+
+def _vllm_arguments(given: dict, model) -> None:
+    """vLLM's LLM arguments beyond the ones `LLM` renames: trust_remote_code taken (a bool;
+    no code from a checkpoint is ever run), tokenizer where it names the model's folder
+    (the one this engine reads), the others refused in one line (a bare TypeError before)."""
+    for name, value in given.items():
+        if name == "trust_remote_code":
+            check_flag(name, value)
+        elif name == "tokenizer" and value is not None:
+            if not isinstance(value, (str, Path)) or Path(model_folder(value)).resolve() != Path(model).resolve():
+                raise UsageError(f"tokenizer must be None or the model's own folder: treeflash reads the tokenizer "
+                                 f"files of the model's folder, got {shown(value)}")
+        elif name != "tokenizer":
+            raise UsageError(f"LLM has no argument {name!r}" +
+                             (f" (vLLM's; not supported: {_VLLM_INSTEAD[name]})" if name in _VLLM_INSTEAD else ""))
+
 
 def _vllm_name(ours: str, value, default, theirs: str, given):
     """An argument given under vLLM's name (`theirs`, as its value for `ours`): taken,
@@ -212,7 +239,9 @@ class LLM:
     with the values of the model's generation_config.json, as vLLM's; "none" ignores
     them (vLLM's "vllm"): SamplingParams' defaults.
     tensor_parallel_size, enforce_eager, max_num_seqs: vLLM's names for tp, not
-    cuda_graphs and max_batch, so that code written for vLLM runs as it is.
+    cuda_graphs and max_batch, so that code written for vLLM runs as it is; its
+    trust_remote_code is taken (no code from a checkpoint is ever run), its tokenizer
+    where it names the model's own folder; its other arguments are refused in words.
     seed: where the seeds of sampled requests that give none are drawn from, so that a
     script's runs repeat (vLLM's `seed`); None (default): fresh ones every run.
     """
@@ -224,7 +253,7 @@ class LLM:
                  enable_prefix_caching: bool = False, max_batch: int = MAX_BATCH, quantization: str | None = None,
                  generation_config: str = "auto", seed: int | None = None, *,
                  tensor_parallel_size: int | None = None, enforce_eager: bool | None = None,
-                 max_num_seqs: int | None = None, _worker=None):
+                 max_num_seqs: int | None = None, _worker=None, **vllm_arguments):
         # _worker: a tensor-parallel worker's runtime, building its shard of the driver's engine
         if tensor_parallel_size is not None:
             tensor_parallel_size = check_int("tensor_parallel_size", tensor_parallel_size, 1)
@@ -258,6 +287,7 @@ class LLM:
             model, builtin_draft = builtin_paths()
             if draft_model is None and method != "ar" and (builtin_draft / "config.json").exists():
                 draft_model = builtin_draft
+        _vllm_arguments(vllm_arguments, model)
         check_flag("enable_prefix_caching", enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
         tp = check_int("tp", tp, 1)
