@@ -442,7 +442,42 @@ def test_vllm_fields_set_after_construction_are_not_dropped(llm):
     assert SamplingParams.from_optional(temperature=0.7, top_p=0.5, seed=None, stop=None) == \
         SamplingParams(temperature=0.7, top_p=0.5)
     assert llm.get_default_sampling_params() == llm.default_sampling_params()
-    assert llm.get_tokenizer() is llm.tokenizer
+
+
+def test_get_tokenizer_answers_as_a_transformers_tokenizer(tmp_path):
+    """vLLM's get_tokenizer() is a transformers tokenizer, and scripts call
+    apply_chat_template(..., tokenize=False, add_generation_prompt=True), encode, decode
+    and read eos_token_id on it: the same calls, with transformers' defaults, give what
+    transformers gives for the model's folder (they raised AttributeError or TypeError)."""
+    from transformers import AutoTokenizer
+    folder = tmp_path / "chat"
+    shutil.copytree(builtin_paths()[0], folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    template = ("{% for m in messages %}### {{ m.role }}:\n{{ m.content }}{{ eos_token }}\n{% endfor %}"
+                "{% if add_generation_prompt %}### assistant:\n{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    ours = LLM(folder, device="cpu", method="ar").get_tokenizer()
+    hf = AutoTokenizer.from_pretrained(str(folder))
+    talk = [{"role": "user", "content": "def fib(n):"}]
+    for generation in (False, True):
+        assert ours.apply_chat_template(talk, tokenize=False, add_generation_prompt=generation) == \
+            hf.apply_chat_template(talk, tokenize=False, add_generation_prompt=generation)
+    ids = ours.apply_chat_template(talk, add_generation_prompt=True)
+    assert ids == hf(hf.apply_chat_template(talk, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
+    assert ours.decode(ids) == hf.decode(ids) and "<|endoftext|>" in ours.decode(ids)  # kept unless asked
+    assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
+    text = "x = [1, 2]  # é"
+    assert ours.encode(text) == hf.encode(text) and ours(text)["input_ids"] == hf(text)["input_ids"]
+    assert ours([text, "y"])["input_ids"] == hf([text, "y"])["input_ids"]
+    assert ours.batch_decode([ids, ids[:3]]) == hf.batch_decode([ids, ids[:3]])
+    assert ours.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids)
+    assert ours.convert_tokens_to_ids(hf.convert_ids_to_tokens(ids)) == ids
+    assert (ours.eos_token_id, ours.eos_token, ours.bos_token_id) == (hf.eos_token_id, hf.eos_token, hf.bos_token_id)
+    assert (len(ours), ours.vocab_size, ours.get_vocab()) == (len(hf), hf.vocab_size, hf.get_vocab())
+    assert ours.all_special_ids == sorted(hf.all_special_ids)
+    with pytest.raises(UsageError, match="encode takes a text"):
+        ours.encode(5)
 
 
 def test_chat_takes_a_template_of_its_own_as_vllms_does(llm):
@@ -455,7 +490,8 @@ def test_chat_takes_a_template_of_its_own_as_vllms_does(llm):
 
     def prompt(template, content_format="auto"):
         out = llm.chat(talk, params, chat_template=template, chat_template_content_format=content_format)[0]
-        return llm.tokenizer.decode(out.prompt_token_ids, skip_special=False)
+        assert out.prompt == llm.tokenizer.decode(out.prompt_token_ids, skip_special=False)  # vLLM's: the rendered text
+        return out.prompt
     joined = "{% for m in messages %}# {{ m.content }}\n{% endfor %}{{ eos_token }}def "
     looped = "{% for m in messages %}# {% for p in m.content %}{{ p.text }}{% endfor %}\n{% endfor %}def "
     assert prompt(joined) == "# a\nb\n<|endoftext|>def "

@@ -143,7 +143,7 @@ def scripted(tmp_path_factory):
     llm = LLM(folder, device="cpu", dtype="float32")
     prompts = []
 
-    def generate(batch, params, on_tokens=None, on_done=None, *, use_tqdm=False):
+    def generate(batch, params, on_tokens=None, on_done=None, *, use_tqdm=False, _texts=None):
         outs, ids = [], llm.encode(script.get("answer", ANSWER))
         for k, prompt in enumerate(batch):
             prompts.append(llm.tokenizer.decode(prompt))

@@ -94,7 +94,7 @@ class Tokenizer:
         self.eos_token_ids = sorted(self.eos_sources)
         # the BOS that add_bos_token prepends: the tokenizer's bos_token, as transformers'
         # tokenizers take it, else the bos_token_id of generation_config.json or config.json
-        self.bos_token_id = self._named_token(tok_cfg, "bos_token")
+        self.named_bos_id = self.bos_token_id = self._named_token(tok_cfg, "bos_token")  # (the first: transformers')
         bos_source = "tokenizer_config.json"
         if self.bos_token_id is None:
             self.bos_token_id = gen.get("bos_token_id", config.get("bos_token_id"))

@@ -25,6 +25,7 @@ from treeflash.distributed import TPGroup
 from treeflash.engine.options import (attention_backend, builtin_paths, check_flag, check_int, resolve_device,
                                       resolve_dtype, tree_budget)
 from treeflash.engine.pipeline import RoundPipeline
+from treeflash.engine.tokenizer_view import TokenizerView
 from treeflash.engine.requests import (GenerationOutput, RequestRules, TokenLogprob, prompt_token_logprobs,
                                        token_logprobs)
 from treeflash.engine.round import DRAFT_MODES, METHODS, BatchState, SpeculativeDecoder
@@ -478,9 +479,11 @@ class LLM:
 
     get_default_sampling_params = default_sampling_params  # vLLM's name
 
-    def get_tokenizer(self) -> Tokenizer:
-        """vLLM's: the model's tokenizer (encode, decode)."""
-        return self.tokenizer
+    def get_tokenizer(self) -> TokenizerView:
+        """vLLM's: the model's tokenizer under transformers' names and defaults
+        (`apply_chat_template`, `encode`, `decode`, `eos_token_id`, ...), as vLLM returns a
+        transformers tokenizer; `LLM.tokenizer` is treeflash's own."""
+        return TokenizerView(self)
 
     @cached_property
     def chat_template(self) -> "ChatTemplate | None":
@@ -500,7 +503,8 @@ class LLM:
         vLLM's `LLM.chat` takes them: see `ChatFormat`, `ChatTemplate.prompt`, and `tools`,
         OpenAI's, which the template writes into the prompt), then `generate`d, as the
         server's /v1/chat/completions does. Returns one output per conversation (its text
-        as the model wrote it: the server splits tool calls off)."""
+        as the model wrote it: the server splits tool calls off; its `prompt` the rendered
+        conversation, as vLLM's)."""
         one = isinstance(messages, list) and bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if one else messages
         if not isinstance(conversations, (list, tuple)) or not conversations:
@@ -514,10 +518,9 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(conversations)
         truncates = [getattr(params[i], "truncate_prompt_tokens", None) if i < len(params) else None
                      for i in range(len(conversations))]
-        return self.generate([self.encode(self._chat_text(c, fmt, tools, template, chat_template_content_format),
-                                          special=False, truncate=t)
-                              for c, t in zip(conversations, truncates)], sampling_params, on_tokens, on_done,
-                             use_tqdm=use_tqdm)
+        texts = [self._chat_text(c, fmt, tools, template, chat_template_content_format) for c in conversations]
+        return self.generate([self.encode(text, special=False, truncate=t) for text, t in zip(texts, truncates)],
+                             sampling_params, on_tokens, on_done, use_tqdm=use_tqdm, _texts=texts)
 
     def _given_template(self, source: str | None) -> "ChatTemplate | None":
         """The template of `chat`'s `chat_template` (None: the model's own), with the
@@ -593,7 +596,7 @@ class LLM:
         return ids
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 on_tokens=None, on_done=None, *, use_tqdm=False) -> list[GenerationOutput]:
+                 on_tokens=None, on_done=None, *, use_tqdm=False, _texts=None) -> list[GenerationOutput]:
         """Generate for a list of prompts (strings or token-id lists, or vLLM's prompt dicts
         {"prompt": text} and {"prompt_token_ids": ids}), in order, in batches
         of `max_batch` (with prefix caching, as one batch: a batch reuses the caches of
@@ -608,7 +611,8 @@ class LLM:
         finished prompts on stderr; a tqdm-like class is made and advanced instead.
         Rounds are pipelined: the host reads and processes round r-1's tokens while
         round r runs on the device (see `_step`, `RoundPipeline`), with tensor
-        parallelism too (every rank runs ahead alike).
+        parallelism too (every rank runs ahead alike). (`_texts`: the outputs' `prompt`s,
+        where the prompts are token ids whose text is known: `chat` renders them.)
         """
         if not isinstance(prompts, (str, dict, list, tuple)):
             raise UsageError(f"prompts must be a string, a list of token ids, or a list of those, "
@@ -645,7 +649,7 @@ class LLM:
         # in order, at most max_batch at a time; with prefix caching as one batch (a batch
         # reuses the caches of the last batch of its size: chunks would overwrite them)
         step = len(ids) if self.enable_prefix_caching else self.max_batch
-        texts = [p if isinstance(p, str) else None for p in prompts]  # the outputs' `prompt`, as vLLM's
+        texts = _texts or [p if isinstance(p, str) else None for p in prompts]  # the outputs' `prompt`, as vLLM's
         results = []
         with self._generating:  # one call at a time: a batch's state and graphs are the engine's
             if self._decoding:  # the same thread, from a callback (the lock lets it in)

@@ -1,0 +1,88 @@
+"""`LLM.get_tokenizer()`: the model's tokenizer under transformers' names.
+
+vLLM's get_tokenizer() returns a transformers tokenizer, and scripts written for it call
+`apply_chat_template(..., tokenize=False, add_generation_prompt=True)`, `encode`,
+`decode(ids, skip_special_tokens=True)` and read `eos_token_id`. This view gives those
+calls transformers' arguments and defaults (decode keeps special tokens unless told; a
+chat template is rendered without the generation prompt unless asked) over treeflash's
+own `Tokenizer` and chat template, so the ids and text are the engine's.
+"""
+from __future__ import annotations
+
+from treeflash.chat import ChatFormat, checked_tools
+from treeflash.errors import UsageError, is_text, shown
+
+
+class TokenizerView:
+    def __init__(self, llm):
+        self._llm, self._tok = llm, llm.tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not (isinstance(text, str) and is_text(text)):
+            raise UsageError(f"encode takes a text, got {shown(text)}")
+        return self._tok.encode(text, special=add_special_tokens)
+
+    def __call__(self, text, add_special_tokens: bool = True) -> dict:
+        """{"input_ids", "attention_mask"} of a text, or of each of a list of texts."""
+        one = isinstance(text, str)
+        ids = [self.encode(t, add_special_tokens) for t in ([text] if one else text)]
+        out = {"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids]}
+        return {k: v[0] for k, v in out.items()} if one else out
+
+    def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
+        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        return self._tok.decode(self._llm.token_ids(ids), skip_special_tokens)
+
+    def batch_decode(self, sequences, skip_special_tokens: bool = False) -> list[str]:
+        return [self.decode(s, skip_special_tokens) for s in sequences]
+
+    def convert_ids_to_tokens(self, ids):
+        return self._tok.vocab_spellings([ids])[0] if isinstance(ids, int) else self._tok.vocab_spellings(list(ids))
+
+    def convert_tokens_to_ids(self, tokens):
+        if isinstance(tokens, str):
+            return self._tok.tok.token_to_id(tokens)
+        return [self._tok.tok.token_to_id(t) for t in tokens]
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._tok.tok.get_vocab(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self._tok.tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        """transformers': the vocabulary without added tokens."""
+        return self._tok.tok.get_vocab_size(with_added_tokens=False)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._tok.eos_token_id
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if self.eos_token_id is None else self._tok.tok.id_to_token(self.eos_token_id)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """tokenizer_config.json's bos_token (the engine's BOS may come from config.json)."""
+        return self._tok.named_bos_id
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_token_id is None else self._tok.tok.id_to_token(self.bos_token_id)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return sorted(self._tok.special_ids)
+
+    def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = False, continue_final_message: bool = False,
+                            tokenize: bool = True, chat_template: str | None = None, **template_variables):
+        """The conversation as the model's chat template (or `chat_template`, Jinja
+        source) renders it: its text, or with `tokenize` its token ids (no special tokens
+        added: the template writes them), as transformers' returns them."""
+        fmt = ChatFormat(template_variables or None, add_generation_prompt, continue_final_message).checked()
+        llm = self._llm
+        text = llm._chat_text(conversation, fmt, checked_tools(tools), llm._given_template(chat_template))
+        return self._tok.encode(text, special=False) if tokenize else text
