@@ -2249,6 +2249,34 @@ def test_tokenize_calls_have_threads_of_their_own(llm, monkeypatch):
     _run_scenario(app, gate, scenario)
 
 
+def test_long_prompts_are_read_on_threads_of_their_own(llm, monkeypatch):
+    """A prompt that truncate_prompt_tokens cuts is tokenized whole first: megabytes take
+    seconds. However many such requests wait, a short completion is answered meanwhile
+    (they held every thread that reads requests: 19 s for a one-token answer)."""
+    import treeflash.server.app as app_module
+    gate, real = threading.Event(), app_module.parse_completion
+
+    def held(body, *args, **kw):
+        if len(body.get("prompt", "")) > app_module.LONG_BODY_BYTES:
+            gate.wait(30)
+        return real(body, *args, **kw)
+    monkeypatch.setattr(app_module, "parse_completion", held)
+    app = build_app(llm, "tiny", None)
+    readers = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor
+    long = {"prompt": "x = 1\n" * (app_module.LONG_BODY_BYTES // 6 + 1), "max_tokens": 1, "truncate_prompt_tokens": 8}
+
+    async def scenario():
+        reading = [asyncio.ensure_future(_asgi(app, "POST", "/v1/completions", long, leave=lambda sent: False))
+                   for _ in range(readers + 2)]
+        await asyncio.sleep(0.2)
+        status, _ = await asyncio.wait_for(_asgi(app, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2},
+                                                 leave=lambda sent: False), 20)
+        assert status == 200 and not any(t.done() for t in reading)
+        gate.set()
+        assert {(await t)[0] for t in reading} == {200}
+    _run_scenario(app, gate, scenario)
+
+
 def test_min_tokens_holds_stop_strings_back_in_a_stream_too(client, llm):
     """min_tokens: a stop string in the first min_tokens tokens' text does not end the
     answer, streamed or whole: the stream's text is the whole answer's, and the text from

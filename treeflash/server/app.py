@@ -45,6 +45,8 @@ MAX_BODY_BYTES = 32 << 20
 COMPILE_THREADS = 1  # structured outputs compiled at once: mostly Python, so a second thread would mostly
                      # take the interpreter from the others (a plain request 0.7 s -> 2.7 s behind 8 compiles)
 TOKENIZE_THREADS = 2  # /tokenize and /detokenize at once: a few huge ones leave the rest of the API alone
+LONG_BODY_BYTES = 1 << 18  # a request body past this (a long prompt: tens of thousands of tokens) is read
+LONG_BODY_THREADS = 2      # on threads of its own, so that a few of them keep no short request waiting
 log = logging.getLogger("treeflash.server")
 
 
@@ -301,8 +303,12 @@ def _sse(data) -> str:
 
 
 async def _read_json(request: HTTPRequest) -> dict:
-    """The body as a JSON object; one that says (Content-Length) or turns out to be over
-    MAX_BODY_BYTES is refused before more of it is read."""
+    return (await _read_sized_json(request))[0]
+
+
+async def _read_sized_json(request: HTTPRequest) -> tuple[dict, int]:
+    """The body as a JSON object, and its size in bytes; one that says (Content-Length) or
+    turns out to be over MAX_BODY_BYTES is refused before more of it is read."""
     too_large = APIError(f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB", status=413)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
@@ -327,7 +333,7 @@ async def _read_json(request: HTTPRequest) -> dict:
         raise APIError("the request body nests too deeply") from None
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
-    return body
+    return body, size
 
 
 async def _disconnected(request: HTTPRequest) -> None:
@@ -369,7 +375,8 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
     def pool(name: str, threads: int) -> ThreadPoolExecutor:
         """Threads of their own for slow work that must not stall every client's admission,
         as it would in the pool that reads the requests: a constraint's compile
-        ("compile"), tokenizing megabytes for /tokenize ("tokenize")."""
+        ("compile"), tokenizing megabytes for /tokenize ("tokenize") or for a long prompt
+        ("long": one that truncate_prompt_tokens cuts is tokenized whole first)."""
         if name not in state["pools"]:
             state["pools"][name] = ThreadPoolExecutor(threads, thread_name_prefix=f"treeflash-{name}")
         return state["pools"][name]
@@ -437,11 +444,12 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
     async def checked(request: HTTPRequest, parse) -> Request:
         """The request, read and checked. Tokenizing a long prompt, or compiling a
         structured output, takes a while: not on the loop that serves the others."""
-        body = await _read_json(request)
+        body, size = await _read_sized_json(request)
         loop = asyncio.get_running_loop()
-        req = await loop.run_in_executor(None, parse, body)
+        reader = pool("long", LONG_BODY_THREADS) if size > LONG_BODY_BYTES else None  # None: asyncio's own
+        req = await loop.run_in_executor(reader, parse, body)
         if not llm.would_compile(req.params):
-            await loop.run_in_executor(None, check, req, body)
+            await loop.run_in_executor(reader, check, req, body)
             return req
         # a compile waits its turn, dropped if its client leaves first (one under way ends)
         compiled, gone = loop.run_in_executor(pool("compile", COMPILE_THREADS), check, req, body), \
