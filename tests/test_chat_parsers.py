@@ -319,7 +319,7 @@ def test_a_messages_other_keys_reach_the_template():
                             "[{{ m.reasoning_content }}]{% endif %}{{ m.content }}{{ m.tool_call_id }}{% endfor %}")
     messages = [{"role": "user", "content": "hi"},
                 {"role": "assistant", "content": "yo", "reasoning_content": "R"},
-                {"role": "tool", "content": "4", "tool_call_id": 7}]
+                {"role": "tool", "content": "4", "tool_call_id": "7"}]
     assert template.prompt(messages) == "<user>hi<assistant>[R]yo<tool>47"
 
 
@@ -776,6 +776,13 @@ def test_a_forced_tools_bad_schema_is_named_beside_a_text_response_format(script
     ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}],
      r"messages\[0\]\.content\[1\]: a text part must have a string 'text'"),
     ([{"role": "user\udcff", "content": "hi"}], r"messages\[0\] must be valid Unicode text"),
+    # fields a template writes into the prompt: a non-string was written as its Python repr
+    ([{"role": "user", "content": "q", "name": {"first": "Ann"}}], r"messages\[0\]\.name must be a string"),
+    ([{"role": "user", "content": "q", "name": True}], r"messages\[0\]\.name must be a string, got True"),
+    ([{"role": "tool", "content": "4", "tool_call_id": 7}], r"messages\[0\]\.tool_call_id must be a string"),
+    ([{"role": "assistant", "content": "", "reasoning_content": ["x"]}],
+     r"messages\[0\]\.reasoning_content must be a string"),
+    ([{"role": "assistant", "content": "", "tool_calls": {}}], r"messages\[0\]: 'tool_calls' must be a list"),
 ])
 def test_malformed_conversations_are_refused_naming_the_message(messages, message):
     """A conversation the template could not render as given is a one-line UsageError

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from treeflash.errors import TreeflashError, UsageError, is_text
+from treeflash.errors import TreeflashError, UsageError, is_text, shown
 from treeflash.files import SPECIAL_TOKENS, read_text, tokenizer_settings
 
 
@@ -58,11 +58,14 @@ def plain_messages(messages, parts: bool = False) -> list[dict]:
             content = [{"type": "text", "text": content}]
         if not (all(map(is_text, texts)) and is_text(m["role"])):
             raise UsageError(f"messages[{i}] must be valid Unicode text")
+        for key in ("name", "tool_call_id", *REASONING_NAMES):  # a template writes them into the prompt
+            if m.get(key) is not None and not (isinstance(m[key], str) and is_text(m[key])):
+                raise UsageError(f"messages[{i}].{key} must be a string, got {shown(m[key])}")
         calls = m.get("tool_calls")
         # keys set to null are left out (OpenAI's SDK writes "tool_calls": null into every
         # message it returns, and templates test whether a key is defined), as transformers does
         entry = {k: v for k, v in m.items() if v is not None} | {"content": content}
-        if calls:
+        if calls is not None:  # (a falsy non-list, {} or 0, is refused as well)
             entry["tool_calls"] = _tool_calls(calls, f"messages[{i}]")
         # a turn's reasoning under each name templates read it by (gpt-oss's read `thinking`)
         reasoning = next((entry[k] for k in REASONING_NAMES if k in entry), None)
