@@ -980,7 +980,8 @@ def test_max_model_len_may_be_the_models_whole_context(llm, hf_checkpoint):
     those positions); one more is refused."""
     most = llm.config.max_position_embeddings
     assert LLM(hf_checkpoint("qwen3").path, device="cpu", max_model_len=most).max_model_len == most
-    with pytest.raises(UsageError, match=f"max_model_len {most + 1} exceeds the model's max_position_embeddings"):
+    with pytest.raises(UsageError, match=f"max_model_len {most + 1} exceeds the model's context of {most} positions "
+                                         f"\\(max_position_embeddings\\)"):
         LLM(hf_checkpoint("qwen3").path, device="cpu", max_model_len=most + 1)
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from conftest import ENGINE_PROMPTS, HF_VARIANTS, LLAMA3_ROPE
 from safetensors import safe_open
 
-from treeflash import LLM, SamplingParams, TreeflashError
+from treeflash import LLM, SamplingParams, TreeflashError, UsageError
 from treeflash.config import ModelConfig
 from treeflash.layers.attention import AttentionInputs
 
@@ -461,6 +461,24 @@ def test_qwen3_yarn_rope_matches_transformers(hf_checkpoint, clone_checkpoint, r
     want = hf_logits(ref, ids)
     assert rel_err(tf_logits(llm, torch.tensor([ids]))[0], want) < 1e-5
     assert rel_err(hf_logits(ck.model, ids), want) > 1e-3  # the scaling matters
+
+
+def test_yarn_serves_its_original_context_times_its_factor(hf_checkpoint, clone_checkpoint):
+    """Qwen3's YaRN recipe stretches 32768 positions 4 times, past the config's
+    max_position_embeddings of 40960: the model serves original x factor positions (as
+    vLLM derives them), and a prompt past max_position_embeddings decodes as
+    transformers' (it was refused with 'maximum context length is 40960')."""
+    from transformers import AutoModelForCausalLM
+    folder = clone_checkpoint(hf_checkpoint("qwen3").path, max_position_embeddings=48, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0})
+    llm = LLM(folder, device="cpu", dtype="float32", method="ar")
+    assert llm.config.context_length == llm.max_model_len == 128
+    ids = [(5 * i) % 40 + 3 for i in range(90)]
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert llm.generate([ids], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].token_ids == hf_greedy(ref, ids, 12)
+    with pytest.raises(UsageError, match="max_model_len 129 exceeds the model's context of 128 positions \\(YaRN's "
+                                         "original_max_position_embeddings 32 x factor 4\\)"):
+        LLM(folder, device="cpu", max_model_len=129)
 
 
 def test_tapped_features_are_transformers_hidden_states(hf_checkpoint):

@@ -391,6 +391,17 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
 
     @property
+    def context_length(self) -> int:
+        """The positions the model serves: max_position_embeddings, or with YaRN the
+        original context times its factor, the context YaRN stretches the rotation to
+        (Qwen3's recipe: 32768 x 4, past its max_position_embeddings of 40960), as vLLM
+        derives it; llama3 scaling keeps max_position_embeddings (Llama 3.1 gives it)."""
+        s = self.rope_scaling
+        if s is not None and s.get("rope_type") == "yarn":
+            return int(s["original_max_position_embeddings"] * s["factor"])
+        return self.max_position_embeddings
+
+    @property
     def qk_norm(self) -> bool:
         return self.arch in ("qwen3", "qwen3_moe")
 
@@ -449,7 +460,9 @@ class ModelConfig:
                                  f"pairs of features)")
         max_pos = ARCH_DEFAULTS[arch]["max_position_embeddings"] if max_pos is None \
             else _require(data, "max_position_embeddings", where)
-        _check_rotary(head_dim, theta, scaling, max_pos, where)
+        context = int(scaling["original_max_position_embeddings"] * scaling["factor"]) \
+            if scaling is not None and scaling.get("rope_type") == "yarn" else max_pos
+        _check_rotary(head_dim, theta, scaling, context, where)
         vocab = _require(data, "vocab_size", where)
         eos = token_id_list(data.get("eos_token_id"), "eos_token_id", where)
         if any(e >= vocab for e in eos):

@@ -489,10 +489,10 @@ def _shape_plan(args) -> ShapePlan:
         raise UsageError(f"unknown shape '{args.shape}' (choose from {', '.join(SHAPES)})")
     contexts = parse_list(args.contexts, int, "context", minimum=1)
     budgets = parse_budgets(args, minimum=0)
-    room = SHAPES[args.shape].max_position_embeddings - max(max(budgets), BLOCK_SIZE - 1) - 1
+    room = SHAPES[args.shape].context_length - max(max(budgets), BLOCK_SIZE - 1) - 1
     if max(contexts) > room:  # a round's tokens sit past the context: positions the model never serves
         raise UsageError(f"context {max(contexts)} leaves no room for a round's tokens within {args.shape}'s "
-                         f"{SHAPES[args.shape].max_position_embeddings} positions: --contexts at most {room}")
+                         f"{SHAPES[args.shape].context_length} positions: --contexts at most {room}")
     batch_sizes = parse_list(args.batch_sizes or "1", int, "batch size", minimum=1, maximum=MAX_BENCH_BATCH)
     temperatures = parse_list(args.temperatures or "0", float, "temperature", minimum=0.0)
     draft_mode = check_sampled_options(args, temperatures, drafted=True)  # every context times draft steps and rounds

@@ -187,6 +187,13 @@ _VLLM_INSTEAD = {
 }
 
 
+def _context_source(config: ModelConfig) -> str:
+    if config.context_length == config.max_position_embeddings:
+        return "max_position_embeddings"
+    s = config.rope_scaling
+    return f"YaRN's original_max_position_embeddings {s['original_max_position_embeddings']} x factor {s['factor']:g}"
+
+
 def _vllm_arguments(given: dict, model) -> None:
     """vLLM's LLM arguments beyond the ones `LLM` renames: trust_remote_code taken (a bool;
     no code from a checkpoint is ever run), tokenizer where it names the model's folder
@@ -345,10 +352,11 @@ class LLM:
         _check_draft_mode_applies(method, draft_mode)  # before any weight loads, as a budget
         if max_model_len is not None:
             max_model_len = check_int("max_model_len", max_model_len, 2)
-        if max_model_len is not None and max_model_len > self.config.max_position_embeddings:
-            raise UsageError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                             f"({self.config.max_position_embeddings}): positions past it were never trained")
-        self.max_model_len = max_model_len or self.config.max_position_embeddings
+        if max_model_len is not None and max_model_len > self.config.context_length:
+            raise UsageError(f"max_model_len {max_model_len} exceeds the model's context of "
+                             f"{self.config.context_length} positions ({_context_source(self.config)}): positions "
+                             f"past it were never trained")
+        self.max_model_len = max_model_len or self.config.context_length
         # every rank builds the same engine from these arguments (workers get them from rank 0)
         # absolute: a worker resolves a relative path in the folder it started in
         args = dict(model=os.path.abspath(model),
