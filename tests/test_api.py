@@ -615,6 +615,10 @@ def test_generate_without_parameters_takes_the_models_generation_config(llm, hf_
     path.write_text(json.dumps({**config, "top_k": 20, "do_sample": False}))
     assert LLM(folder, device="cpu", dtype="float32").default_sampling_params() == \
         SamplingParams(temperature=0.0, top_k=20)
+    # do_sample false is greedy whatever temperature the file gives, as transformers decodes it
+    path.write_text(json.dumps({**config, "temperature": 0.6, "top_p": 0.9, "do_sample": False}))
+    assert LLM(folder, device="cpu", dtype="float32").default_sampling_params() == \
+        SamplingParams(temperature=0.0, top_p=0.9)
     path.write_text(json.dumps({**config, "top_k": 20, "do_sample": "false"}))  # not a boolean: not read as true
     with pytest.raises(UsageError, match="generation_config.json: 'do_sample' must be true or false, got 'false'"):
         LLM(folder, device="cpu", dtype="float32")

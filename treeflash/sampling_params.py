@@ -309,9 +309,10 @@ def generation_defaults(folder: str | Path) -> dict:
     """The sampling values a model's generation_config.json asks for, as `SamplingParams`
     fields (only those it gives): what vLLM's `LLM` and server use where the caller gives
     none (Qwen3, for one, asks for temperature 0.6, top_p 0.95, top_k 20). Filters without
-    a temperature come with transformers' and vLLM's 1 (0 with do_sample false), not
-    SamplingParams' greedy default, where they would do nothing. A value that
-    `SamplingParams` refuses is refused here, naming the file."""
+    a temperature come with transformers' and vLLM's 1, not SamplingParams' greedy
+    default, where they would do nothing. do_sample false is greedy (temperature 0, the
+    file's own temperature too), as transformers decodes the model (vLLM does not read
+    it). A value that `SamplingParams` refuses is refused here, naming the file."""
     path = Path(folder) / "generation_config.json"
     if not path.is_file():
         return {}
@@ -324,8 +325,10 @@ def generation_defaults(folder: str | Path) -> dict:
             got[k] = int(got[k])
     if got.get("top_k") == -1:  # vLLM's "off"
         got["top_k"] = 0
-    if "temperature" not in got and _samples_in_vllm(got):  # filters for transformers' default temperature
-        got["temperature"] = 0.0 if config.get("do_sample") is False else 1.0  # (and vLLM's); or its greedy
+    if config.get("do_sample") is False and ("temperature" in got or _samples_in_vllm(got)):
+        got["temperature"] = 0.0
+    elif "temperature" not in got and _samples_in_vllm(got):  # filters for transformers' (and vLLM's) default
+        got["temperature"] = 1.0
     try:
         SamplingParams(**got)
     except UsageError as e:
