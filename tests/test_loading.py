@@ -154,6 +154,21 @@ def test_a_shard_gone_from_a_sharded_checkpoint_is_named_as_missing(hf_checkpoin
     refused(lambda: LLM(folder, device="cpu", dtype="float32"), shard, "is missing from")
 
 
+def test_an_index_that_lists_a_weight_its_shard_does_not_hold_is_named(hf_checkpoint, tmp_path):
+    """An index out of step with its shards (a weight listed in a shard that lacks it, a
+    shard rewritten after the index): refused naming the index and the shard, not as
+    "tensors this config.json has no place for", which sent users to the config."""
+    folder = hf_checkpoint("qwen3-tied-sharded").copy_to(tmp_path / "ck")
+    path = folder / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    index["weight_map"]["model.layers.0.mlp.extra.weight"] = shard
+    path.write_text(json.dumps(index))
+    refused(lambda: LLM(folder, device="cpu", dtype="float32"), "model.layers.0.mlp.extra.weight",
+            f"model.safetensors.index.json in {folder} lists weight model.layers.0.mlp.extra.weight in {shard}, "
+            f"which does not hold it")
+
+
 # --------------------------------------------------------------------------- configs we cannot run
 
 

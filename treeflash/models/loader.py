@@ -132,18 +132,21 @@ def _indexed_files(folder: Path, index: Path) -> dict[str, Path]:
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise TreeflashError(f"malformed {index}: weight_map must map tensor names to file names")
     files = {name: folder / f for name, f in weight_map.items()}
-    checked: set[Path] = set()
+    held: dict[Path, set[str]] = {}  # each shard's tensors, from its header
     for name, f in files.items():
-        if f in checked:
-            continue
-        if not f.exists():
-            raise TreeflashError(f"checkpoint shard {f.name} listed in {index.name} (for weight {name}) "
-                                 f"is missing from {folder}")
-        # "" or "." name the folder itself: exists(), but not a file to read
-        if not f.is_file():
-            raise TreeflashError(f"{index.name} in {folder} lists {weight_map[name]!r} as the file of weight "
-                                 f"{name}, which is not a safetensors file")
-        checked.add(f)
+        if f not in held:
+            if not f.exists():
+                raise TreeflashError(f"checkpoint shard {f.name} listed in {index.name} (for weight {name}) "
+                                     f"is missing from {folder}")
+            # "" or "." name the folder itself: exists(), but not a file to read
+            if not f.is_file():
+                raise TreeflashError(f"{index.name} in {folder} lists {weight_map[name]!r} as the file of weight "
+                                     f"{name}, which is not a safetensors file")
+            with _open(f) as st:
+                held[f] = set(st.keys())
+        if name not in held[f]:  # (an index out of step with its shards, not config.json with the weights)
+            raise TreeflashError(f"{index.name} in {folder} lists weight {name} in {f.name}, which does not "
+                                 f"hold it")
     return files
 
 
