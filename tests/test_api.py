@@ -420,8 +420,11 @@ def test_vllm_keywords_in_the_constructor_are_taken_at_this_engines_values():
         with pytest.raises(UsageError, match=words):
             SamplingParams(**kw)
     assert SamplingParams.from_optional(logit_bias={"5": 150.0, 7: -3}).logit_bias == {5: 100.0, 7: -3.0}
-    with pytest.raises(UsageError, match="logit_bias must map token ids to numbers"):
-        SamplingParams.from_optional(logit_bias={"x": 1.0})
+    for bad in ({"x": 1.0}, {"5": True}, {"5": "2"}):
+        with pytest.raises(UsageError, match="logit_bias must map token ids"):
+            SamplingParams.from_optional(logit_bias=bad)
+    with pytest.raises(UsageError, match="logit_bias values must be in"):  # a NaN is not clamped to a ban
+        SamplingParams.from_optional(logit_bias={"5": float("nan")})
 
 
 def test_vllm_fields_set_after_construction_are_not_dropped(llm):
@@ -432,9 +435,12 @@ def test_vllm_fields_set_after_construction_are_not_dropped(llm):
     with pytest.raises(UsageError, match="n must be 1"):
         p.n = 4
     p.n = 1
-    for name in ("logits_processors", "best_of", "detokenize"):
-        with pytest.raises(UsageError, match=f"SamplingParams has no field '{name}' \\(vLLM's; not supported\\)"):
-            setattr(p, name, [])
+    for name, value in (("logits_processors", [print]), ("best_of", 2), ("detokenize", False)):
+        with pytest.raises(UsageError, match=f"SamplingParams takes vLLM's '{name}' only as"):
+            setattr(p, name, value)
+    with pytest.raises(UsageError, match="SamplingParams has no field 'output_kind' \\(vLLM's; not supported\\)"):
+        p.output_kind = 1
+    p.best_of = 1  # what this engine does, as the constructor takes it
     with pytest.raises(UsageError, match="has no field 'temprature'"):
         p.temprature = 1.0
     copy = p.clone()
@@ -478,6 +484,9 @@ def test_get_tokenizer_answers_as_a_transformers_tokenizer(tmp_path):
     assert ours.all_special_ids == sorted(hf.all_special_ids)
     with pytest.raises(UsageError, match="encode takes a text"):
         ours.encode(5)
+    assert ours.decode([]) == hf.decode([]) == "" and ours.decode(torch.tensor(ids)) == hf.decode(torch.tensor(ids))
+    with pytest.raises(UsageError, match="return_tensors not supported"):  # not a template variable
+        ours.apply_chat_template(talk, return_tensors="pt")
 
 
 def test_chat_takes_a_template_of_its_own_as_vllms_does(llm):
@@ -619,6 +628,9 @@ def test_generate_without_parameters_takes_the_models_generation_config(llm, hf_
     path.write_text(json.dumps({**config, "temperature": 0.6, "top_p": 0.9, "do_sample": False}))
     assert LLM(folder, device="cpu", dtype="float32").default_sampling_params() == \
         SamplingParams(temperature=0.0, top_p=0.9)
+    path.write_text(json.dumps({**config, "do_sample": False}))  # alone: greedy too (the server's default is 1)
+    from treeflash.sampling_params import generation_defaults
+    assert generation_defaults(folder)["temperature"] == 0.0
     path.write_text(json.dumps({**config, "top_k": 20, "do_sample": "false"}))  # not a boolean: not read as true
     with pytest.raises(UsageError, match="generation_config.json: 'do_sample' must be true or false, got 'false'"):
         LLM(folder, device="cpu", dtype="float32")

@@ -255,13 +255,15 @@ def sampling_from(args, model_defaults: dict | None = None):
 def model_sampling_defaults(args) -> dict:
     """The model's generation_config.json values for the options left out (with a note
     saying which apply), or none with --generation-config none."""
-    from treeflash.sampling_params import generation_defaults
+    from treeflash.sampling_params import SamplingParams, generation_defaults
     if args.generation_config == "none":
         return {}
     got = generation_defaults(target_folder(args))
     applied = {k: v for k, v in got.items() if getattr(args, k) is None}
     if (args.temperature if args.temperature is not None else got.get("temperature", 0)) == 0:
         applied = {k: v for k, v in applied.items() if k not in ("top_k", "top_p", "min_p")}  # greedy: moot
+    plain = SamplingParams()
+    applied = {k: v for k, v in applied.items() if v != getattr(plain, k)}  # (do_sample false: greedy, as without)
     if applied:
         told = ", ".join(f"{k} {v}" for k, v in applied.items())
         print(f"treeflash: note: {told} from the model's generation_config.json (--generation-config none "

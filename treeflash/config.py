@@ -147,6 +147,18 @@ def _check_rotary(head_dim: int, theta: float, scaling: dict | None, max_pos: in
                              f"{MAX_ATTENTION_FACTOR:g} (it scales every attention score by its square)")
 
 
+def served_context(max_pos: int, scaling: dict | None) -> tuple[int, str]:
+    """The positions a model serves, and where that number comes from: its
+    max_position_embeddings, or with YaRN its original context times its factor, the
+    context YaRN stretches the rotation to (Qwen3's recipe: 32768 x 4, past its
+    max_position_embeddings of 40960), as vLLM derives it; llama3 scaling keeps
+    max_position_embeddings (Llama 3.1 gives it)."""
+    if scaling is not None and scaling.get("rope_type") == "yarn":
+        original, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+        return int(original * factor), f"YaRN's original_max_position_embeddings {original} x factor {factor:g}"
+    return max_pos, "max_position_embeddings"
+
+
 def token_id_list(value, key: str, where: str) -> list[int]:
     """A config's token id or list of them (eos_token_id's two forms) as a list."""
     if value is None:
@@ -392,14 +404,13 @@ class ModelConfig:
 
     @property
     def context_length(self) -> int:
-        """The positions the model serves: max_position_embeddings, or with YaRN the
-        original context times its factor, the context YaRN stretches the rotation to
-        (Qwen3's recipe: 32768 x 4, past its max_position_embeddings of 40960), as vLLM
-        derives it; llama3 scaling keeps max_position_embeddings (Llama 3.1 gives it)."""
-        s = self.rope_scaling
-        if s is not None and s.get("rope_type") == "yarn":
-            return int(s["original_max_position_embeddings"] * s["factor"])
-        return self.max_position_embeddings
+        """The positions the model serves (see `served_context`)."""
+        return served_context(self.max_position_embeddings, self.rope_scaling)[0]
+
+    @property
+    def context_origin(self) -> str:
+        """Where `context_length` comes from, for messages."""
+        return served_context(self.max_position_embeddings, self.rope_scaling)[1]
 
     @property
     def qk_norm(self) -> bool:
@@ -460,9 +471,7 @@ class ModelConfig:
                                  f"pairs of features)")
         max_pos = ARCH_DEFAULTS[arch]["max_position_embeddings"] if max_pos is None \
             else _require(data, "max_position_embeddings", where)
-        context = int(scaling["original_max_position_embeddings"] * scaling["factor"]) \
-            if scaling is not None and scaling.get("rope_type") == "yarn" else max_pos
-        _check_rotary(head_dim, theta, scaling, context, where)
+        _check_rotary(head_dim, theta, scaling, served_context(max_pos, scaling)[0], where)
         vocab = _require(data, "vocab_size", where)
         eos = token_id_list(data.get("eos_token_id"), "eos_token_id", where)
         if any(e >= vocab for e in eos):
@@ -604,9 +613,9 @@ class DraftConfig:
         if bad:
             raise TreeflashError(f"drafter taps target layers {bad}, but the target has "
                                  f"layers 0..{target.num_layers - 1}")
-        if self.block_size > target.max_position_embeddings:
+        if self.block_size > target.context_length:
             raise TreeflashError(f"drafter block_size {self.block_size} exceeds the target's context "
-                                 f"(max_position_embeddings {target.max_position_embeddings})")
+                                 f"({target.context_origin} {target.context_length})")
         if not 0 <= self.mask_token_id < target.vocab_size:
             raise TreeflashError(f"drafter mask_token_id {self.mask_token_id} is outside the "
                                  f"target's vocabulary of {target.vocab_size}")

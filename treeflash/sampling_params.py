@@ -60,8 +60,8 @@ class SamplingParams:
         vLLM field set on an instance (`p.n = 4`, `p.logits_processors = [...]`) would
         otherwise be ignored without a word."""
         if name not in SamplingParams.__dataclass_fields__ and name not in ("max_tokens", "n"):
-            raise UsageError(f"SamplingParams has no field {name!r}" + (" (vLLM's; not supported)" if name in
-                                                                      _VLLM_ONLY else ""))
+            _vllm_keywords({name: value})  # one at what this engine does is taken (and not kept), as in __init__
+            return
         super().__setattr__(name, value)
 
     @property
@@ -82,13 +82,8 @@ class SamplingParams:
         """vLLM's: the keywords given as None left out (their defaults), and as vLLM's,
         logit_bias keys taken as integers and its values clamped to [-100, 100] (OpenAI's
         range: the form a request's JSON gives)."""
-        bias = kwargs.get("logit_bias")
-        if isinstance(bias, dict):
-            try:
-                kwargs["logit_bias"] = {int(t): min(100.0, max(-100.0, float(b))) for t, b in bias.items()}
-            except (TypeError, ValueError):
-                raise UsageError(f"invalid sampling parameters: logit_bias must map token ids to numbers, got "
-                                 f"{shown(bias)}") from None
+        if isinstance(kwargs.get("logit_bias"), dict):
+            kwargs["logit_bias"] = _clamped_bias(kwargs["logit_bias"])
         return cls(**{k: v for k, v in kwargs.items() if v is not None})
 
     def with_seed(self, seed: int) -> "SamplingParams":
@@ -325,7 +320,7 @@ def generation_defaults(folder: str | Path) -> dict:
             got[k] = int(got[k])
     if got.get("top_k") == -1:  # vLLM's "off"
         got["top_k"] = 0
-    if config.get("do_sample") is False and ("temperature" in got or _samples_in_vllm(got)):
+    if config.get("do_sample") is False:  # (the server's own default temperature is OpenAI's 1)
         got["temperature"] = 0.0
     elif "temperature" not in got and _samples_in_vllm(got):  # filters for transformers' (and vLLM's) default
         got["temperature"] = 1.0
@@ -368,6 +363,19 @@ def plain_number(x):
 
 def _is_id(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2 ** 63
+
+
+def _clamped_bias(bias: dict) -> dict:
+    """vLLM's from_optional logit_bias: keys of digits as token ids, numbers clamped to
+    [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS]; anything else left for `validate` to refuse (a NaN
+    clamped would have banned its token)."""
+    def key(t):
+        return int(t) if isinstance(t, str) and t.isascii() and t.isdigit() and len(t) <= 19 else t
+
+    def value(b):
+        real = isinstance(b, (int, float)) and not isinstance(b, bool) and b == b
+        return min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, b)) if real else b
+    return {key(t): value(b) for t, b in bias.items()}
 
 
 def token_bias(mapping) -> dict[int, float]:

@@ -35,7 +35,7 @@ def _byte_level_decoder(decoder) -> bool:
 
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece-style byte tokens (Llama 2, Mistral)
-# A context's last tokens decoded ahead of generated ones (Tokenizer.context_tail): 4, and up to
+# A context's last tokens decoded ahead of generated ones (Tokenizer.continuation_context): 4, and up to
 # 3 more where the 4 begin inside a character; callers pass at least CONTEXT_TOKENS of them.
 CONTEXT_TOKENS = 7
 
@@ -212,9 +212,10 @@ class Tokenizer:
         SentencePiece continuation would lose its first space (the decoder strips a
         text's first one: " Paris" became "Paris"); byte-level BPE gives the same either
         way. `TextStream` decodes the same way, so streamed deltas add up to this."""
-        context, read = self.context_tail(context, skip_special)
-        if not self.finishes(context, ids, skip_special):  # an open character is the continuation's if it ends it
-            context = context[:read]
+        start = self.continuation_context(context, ids, skip_special)
+        if start is None:  # ids only go on with a character the context began
+            return ""
+        context, read = start
         head = self._text_of(context[:read], skip_special)[0]
         whole = self.decode(context + list(ids), skip_special)
         text = whole[len(head):] if whole.startswith(head) else self.decode(ids, skip_special)
@@ -271,25 +272,37 @@ class Tokenizer:
             return 0
         return len(self.decode_continuation(ids[:min_tokens], context, skip_special))
 
-    def context_tail(self, context: list[int], skip_special: bool = True) -> tuple[list[int], int]:
-        """The last tokens of `context` to decode a continuation after, and how many of
-        them the context's text holds whole. Four tokens, or up to CONTEXT_TOKENS where the
-        four begin inside a character (a byte-fallback decoder turns a whole run of byte
-        tokens that starts there into U+FFFD, and a continuation then decoded without its
-        context lost its first space). A character the context ends inside (a prompt of
-        token ids, or a stop-string window that starts in one) is the continuation's, as
-        vLLM streams it: its first tokens stay, after the whole count. Bytes at the end that
-        no token can finish are left out. Skipped special tokens are left out first: they
-        add no text, and a prompt ending in four of them left none to decode after
-        (SentencePiece's continuation then lost its first space)."""
+    def continuation_context(self, context: list[int], ids: list[int],
+                             skip_special: bool = True) -> tuple[list[int], int] | None:
+        """The tokens to decode `ids` after, and how many of them hold text that is the
+        context's; or None while `ids` only go on with a character the context ends
+        inside. The last tokens of `context`: four, or up to CONTEXT_TOKENS where the four
+        begin inside a character (a byte-fallback decoder turns a whole run of byte tokens
+        that starts there into U+FFFD, and a continuation then decoded without its context
+        lost its first space). A character the context ends inside (a prompt of token ids,
+        or a stop-string window that starts in one) is the continuation's where `ids`
+        finish it, as vLLM streams it; where they begin another, its tokens are left out,
+        as are bytes at the end that no token can finish. Skipped special tokens are left
+        out first: they add no text, and a prompt ending in four of them left none to
+        decode after (SentencePiece's continuation then lost its first space)."""
         context = self._last_with_text(context, CONTEXT_TOKENS) if skip_special else list(context[-CONTEXT_TOKENS:])
         start = max(0, len(context) - 4)
         while start > max(0, len(context) - CONTEXT_TOKENS) and self._continues_a_character(context[start]):
             start -= 1
         context = context[start:]
-        if (open_char := self._unfinished(context, skip_special)) is not None:
-            token, after_whole = open_char  # a token that also ends an earlier character counts as whole
-            return context, token + after_whole
+        pending, _ = self._open_bytes(context, skip_special)
+        if pending:
+            special, more = self.special_ids if skip_special else (), b""
+            for i in ids:
+                if len(more) >= 3:  # 3 bytes at most are missing
+                    break
+                more += self.token_bytes(i) if i not in special else b""
+            text = codecs.getincrementaldecoder("utf-8")("replace").decode(pending + more)
+            if not text:
+                return None
+            if not text.startswith("\ufffd"):  # finished: a token that also ends an earlier character is whole
+                token, after_whole = self._unfinished(context, skip_special)
+                return context, token + after_whole
         while context and self.decode(context, skip_special).endswith("\ufffd"):
             context.pop()
         return context, len(context)
@@ -338,21 +351,6 @@ class Tokenizer:
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         decoder.decode(tail)
         return decoder.getstate()[0], sizes
-
-    def finishes(self, context: list[int], ids: list[int], skip_special: bool = True) -> bool | None:
-        """Whether `ids` finish the character that `context` ends inside: True; False if
-        they begin another (those bytes then stay unfinished for good); None if their
-        bytes do not tell yet, or no character is open."""
-        pending = self._open_bytes(context, skip_special)[0]
-        if not pending:
-            return None
-        special, more = self.special_ids if skip_special else (), b""
-        for i in ids:
-            if len(more) >= 3:  # 3 bytes at most are missing
-                break
-            more += self.token_bytes(i) if i not in special else b""
-        text = codecs.getincrementaldecoder("utf-8")("replace").decode(pending + more)
-        return None if not text else not text.startswith("\ufffd")
 
     def _continues_a_character(self, token_id: int) -> bool:
         first = self.token_bytes(token_id)[:1]
@@ -420,11 +418,12 @@ class TextStream:
         self.end_ids = set() if include_stop else set(end_ids)
         self.skip_special, self.include_stop = skip_special, include_stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.ids, self.read = tokenizer.context_tail(context, skip_special)
-        self.prefix = 0  # ids[prefix:read] decode to the end of self.text
-        # the context's tokens; while a character it ends inside is open, whether the
-        # output finishes it (else its tokens leave, as in decode_continuation)
-        self.tail, self.deciding = len(self.ids), tokenizer.unfinished_from(self.ids, skip_special) is not None
+        # the context's last tokens and the output's (None while the output only goes on
+        # with a character the context ends inside: `waiting` holds it)
+        self.ids: list[int] | None = None
+        self.waiting: list[int] = []
+        self._start([])
+        self.prefix = 0              # ids[prefix:read] decode to the end of self.text
         self.text = ""               # the text of ids[:read]
         self.sent = 0                # characters handed out
 
@@ -437,12 +436,11 @@ class TextStream:
         ids = ids[:-1] if ids and ids[-1] in self.end_ids else ids
         if self.skip_special:  # left out of the window: a long run of them made every decode longer
             ids = [i for i in ids if i not in self.tokenizer.special_ids]
-        self.ids += ids
-        if self.deciding and (finished := self.tokenizer.finishes(self.ids[:self.tail], self.ids[self.tail:],
-                                                                  self.skip_special)) is not None:
-            self.deciding = False
-            if not finished:
-                del self.ids[self.read:self.tail]
+        if self.ids is None:
+            if not self._start(ids):
+                return ""
+        else:
+            self.ids += ids
         piece = self.tokenizer.whole_piece(self.ids, self.prefix, self.read, len(self.ids), self.skip_special)
         if piece is not None and "\ufffd" not in piece:
             if piece:  # a whole character more
@@ -462,3 +460,14 @@ class TextStream:
     def finish(self, text: str) -> str:
         """The rest of the final text (the engine's, stop strings cut)."""
         return text[self.sent:]
+
+    def _start(self, ids: list[int]) -> bool:
+        """Take the output's first `ids` after the context, as decode_continuation does;
+        False while they only go on with a character the context ends inside."""
+        self.waiting += ids
+        start = self.tokenizer.continuation_context(self.context, self.waiting, self.skip_special)
+        if start is None:
+            return False
+        context, self.read = start
+        self.ids = context + self.waiting
+        return True

@@ -187,13 +187,6 @@ _VLLM_INSTEAD = {
 }
 
 
-def _context_source(config: ModelConfig) -> str:
-    if config.context_length == config.max_position_embeddings:
-        return "max_position_embeddings"
-    s = config.rope_scaling
-    return f"YaRN's original_max_position_embeddings {s['original_max_position_embeddings']} x factor {s['factor']:g}"
-
-
 def _vllm_arguments(given: dict, model) -> None:
     """vLLM's LLM arguments beyond the ones `LLM` renames: trust_remote_code taken (a bool;
     no code from a checkpoint is ever run), tokenizer where it names the model's folder
@@ -354,7 +347,7 @@ class LLM:
             max_model_len = check_int("max_model_len", max_model_len, 2)
         if max_model_len is not None and max_model_len > self.config.context_length:
             raise UsageError(f"max_model_len {max_model_len} exceeds the model's context of "
-                             f"{self.config.context_length} positions ({_context_source(self.config)}): positions "
+                             f"{self.config.context_length} positions ({self.config.context_origin}): positions "
                              f"past it were never trained")
         self.max_model_len = max_model_len or self.config.context_length
         # every rank builds the same engine from these arguments (workers get them from rank 0)

@@ -45,8 +45,8 @@ class TokenLogprob(Mapping):
 
 @dataclass(frozen=True)
 class Logprob:
-    """vLLM's: one token's log-probability and rank (its text: `LLM.tokenizer.token_text`)."""
-    logprob: float | None
+    """vLLM's: one token's log-probability, rank and text."""
+    logprob: float
     rank: int | None
     decoded_token: str | None = None
 

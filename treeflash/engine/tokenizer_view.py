@@ -13,6 +13,11 @@ from treeflash.chat import ChatFormat, checked_tools
 from treeflash.errors import UsageError, is_text, shown
 
 
+# transformers' apply_chat_template keywords for forms this view does not return, at their defaults
+UNSUPPORTED = {"return_tensors": None, "return_dict": False, "padding": False, "truncation": False,
+               "max_length": None, "return_assistant_tokens_mask": False, "tokenizer_kwargs": None}
+
+
 class TokenizerView:
     def __init__(self, llm):
         self._llm, self._tok = llm, llm.tokenizer
@@ -30,8 +35,12 @@ class TokenizerView:
         return {k: v[0] for k, v in out.items()} if one else out
 
     def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
-        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
-        return self._tok.decode(self._llm.token_ids(ids), skip_special_tokens)
+        """Ids as transformers takes them: one, a list, a tensor or an array of them."""
+        ids = token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids
+        ids = [ids] if isinstance(ids, int) else list(ids)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise UsageError(f"decode takes token ids (integers >= 0), got {shown(token_ids)}")
+        return self._tok.decode(ids, skip_special_tokens)
 
     def batch_decode(self, sequences, skip_special_tokens: bool = False) -> list[str]:
         return [self.decode(s, skip_special_tokens) for s in sequences]
@@ -81,7 +90,12 @@ class TokenizerView:
                             tokenize: bool = True, chat_template: str | None = None, **template_variables):
         """The conversation as the model's chat template (or `chat_template`, Jinja
         source) renders it: its text, or with `tokenize` its token ids (no special tokens
-        added: the template writes them), as transformers' returns them."""
+        added: the template writes them), as transformers' returns them. transformers'
+        own keywords for other forms (tensors, padding, ...) are refused, not passed to
+        the template as variables."""
+        if asked := sorted(k for k, default in UNSUPPORTED.items() if template_variables.pop(k, default) != default):
+            raise UsageError(f"apply_chat_template returns the text or a list of token ids: "
+                             f"{', '.join(asked)} not supported")
         fmt = ChatFormat(template_variables or None, add_generation_prompt, continue_final_message).checked()
         llm = self._llm
         text = llm._chat_text(conversation, fmt, checked_tools(tools), llm._given_template(chat_template))

@@ -96,14 +96,21 @@ SAFETENSORS_FLOATS = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F
 
 def _stored(folder: str | Path):
     """(name, safetensors dtype, shape) of every tensor of the checkpoint in `folder`,
-    from the files' headers (one open per file)."""
+    from the files' headers (one open per file); a sharded checkpoint's index that lists
+    a weight its shard does not hold is refused once they are read (an index out of
+    step with its shards, not config.json with the weights)."""
     files = checkpoint_files(folder)
+    found = set()
     for path in set(files.values()):
         with _open(path) as st:
             for name in st.keys():
                 if files.get(name) == path:
+                    found.add(name)
                     piece = _slice(st, name)
                     yield name, piece.get_dtype(), tuple(piece.get_shape())
+    if lost := sorted(files.keys() - found):
+        raise TreeflashError(f"model.safetensors.index.json in {Path(folder)} lists weight {lost[0]} in "
+                             f"{files[lost[0]].name}, which does not hold it")
 
 
 def weights_dtype(folder: str | Path) -> str | None:
@@ -132,21 +139,18 @@ def _indexed_files(folder: Path, index: Path) -> dict[str, Path]:
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise TreeflashError(f"malformed {index}: weight_map must map tensor names to file names")
     files = {name: folder / f for name, f in weight_map.items()}
-    held: dict[Path, set[str]] = {}  # each shard's tensors, from its header
+    checked: set[Path] = set()
     for name, f in files.items():
-        if f not in held:
-            if not f.exists():
-                raise TreeflashError(f"checkpoint shard {f.name} listed in {index.name} (for weight {name}) "
-                                     f"is missing from {folder}")
-            # "" or "." name the folder itself: exists(), but not a file to read
-            if not f.is_file():
-                raise TreeflashError(f"{index.name} in {folder} lists {weight_map[name]!r} as the file of weight "
-                                     f"{name}, which is not a safetensors file")
-            with _open(f) as st:
-                held[f] = set(st.keys())
-        if name not in held[f]:  # (an index out of step with its shards, not config.json with the weights)
-            raise TreeflashError(f"{index.name} in {folder} lists weight {name} in {f.name}, which does not "
-                                 f"hold it")
+        if f in checked:
+            continue
+        if not f.exists():
+            raise TreeflashError(f"checkpoint shard {f.name} listed in {index.name} (for weight {name}) "
+                                 f"is missing from {folder}")
+        # "" or "." name the folder itself: exists(), but not a file to read
+        if not f.is_file():
+            raise TreeflashError(f"{index.name} in {folder} lists {weight_map[name]!r} as the file of weight "
+                                 f"{name}, which is not a safetensors file")
+        checked.add(f)
     return files
 
 

@@ -15,6 +15,7 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import queue
 import sys
 import threading
@@ -46,7 +47,8 @@ COMPILE_THREADS = 1  # structured outputs compiled at once: mostly Python, so a 
                      # take the interpreter from the others (a plain request 0.7 s -> 2.7 s behind 8 compiles)
 TOKENIZE_THREADS = 2  # /tokenize and /detokenize at once: a few huge ones leave the rest of the API alone
 LONG_BODY_BYTES = 1 << 18  # a request body past this (a long prompt: tens of thousands of tokens) is read
-LONG_BODY_THREADS = 2      # on threads of its own, so that a few of them keep no short request waiting
+LONG_BODY_THREADS = max(2, (os.cpu_count() or 2) // 2)  # on threads of its own (the tokenizer lets go of the
+                                                       # GIL), so that they keep no short request waiting
 log = logging.getLogger("treeflash.server")
 
 
@@ -302,11 +304,7 @@ def _sse(data) -> str:
     return f"data: {json.dumps(data, ensure_ascii=True)}\n\n"
 
 
-async def _read_json(request: HTTPRequest) -> dict:
-    return (await _read_sized_json(request))[0]
-
-
-async def _read_sized_json(request: HTTPRequest) -> tuple[dict, int]:
+async def _read_json(request: HTTPRequest) -> tuple[dict, int]:
     """The body as a JSON object, and its size in bytes; one that says (Content-Length) or
     turns out to be over MAX_BODY_BYTES is refused before more of it is read."""
     too_large = APIError(f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB", status=413)
@@ -444,7 +442,7 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
     async def checked(request: HTTPRequest, parse) -> Request:
         """The request, read and checked. Tokenizing a long prompt, or compiling a
         structured output, takes a while: not on the loop that serves the others."""
-        body, size = await _read_sized_json(request)
+        body, size = await _read_json(request)
         loop = asyncio.get_running_loop()
         reader = pool("long", LONG_BODY_THREADS) if size > LONG_BODY_BYTES else None  # None: asyncio's own
         req = await loop.run_in_executor(reader, parse, body)
@@ -558,7 +556,7 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         """answer(body) in a thread of its own: a long text or id list keeps no other
         client waiting, nor do many of them (/tokenize has no length limit, as vLLM's)."""
         try:
-            body = await _read_json(request)
+            body, _ = await _read_json(request)
             return AsciiJSONResponse(await asyncio.get_running_loop().run_in_executor(
                 pool("tokenize", TOKENIZE_THREADS), answer, body))
         except APIError as e:

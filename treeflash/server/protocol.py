@@ -661,12 +661,12 @@ def usage(req: Request, outputs) -> dict:
     return body
 
 
-def logprobs_body(req: Request, entries, tokenizer, offset: int = 0) -> dict | None:
+def logprobs_body(req: Request, entries, tokenizer, offset: int = 0, first: int | None = None) -> dict | None:
     """The OpenAI `logprobs` of a choice's tokens (`TokenLogprob`s; None if the request
     did not ask). Completions: the legacy lists, each token's text offset counted from
     `offset` (a stream's characters so far) and its alternatives as {text: logprob},
-    the chosen one included (null for an echoed prompt's first token, which nothing
-    predicts: given as its id, see `echoed_logprobs`). Chat: one entry per token with its bytes, which rebuild characters that
+    the chosen one included (null for an echoed prompt's first token, `first`, which
+    nothing predicts: its entry is None, as in `prompt_logprobs`). Chat: one entry per token with its bytes, which rebuild characters that
     a token splits."""
     if req.params.logprobs is None:
         return None
@@ -680,22 +680,16 @@ def logprobs_body(req: Request, entries, tokenizer, offset: int = 0) -> dict | N
                     "bytes": list(tokenizer.token_bytes(token_id))}
         return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]}
                             for e in entries]}
-    tokens = [tokenizer.token_text(e if isinstance(e, int) else e.token_id) for e in entries]
+    tokens = [tokenizer.token_text(first if e is None else e.token_id) for e in entries]
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
     k = req.params.logprobs  # prompt_logprobs may have computed more alternatives for the echoed prompt
-    top = [None if isinstance(e, int) else
+    top = [None if e is None else
            {tokenizer.token_text(i): value(lp) for i, lp in [*e.top[:k], (e.token_id, e.logprob)]} for e in entries]
-    return {"tokens": tokens, "token_logprobs": [None if isinstance(e, int) else value(e.logprob) for e in entries],
+    return {"tokens": tokens, "token_logprobs": [None if e is None else value(e.logprob) for e in entries],
             "top_logprobs": top, "text_offset": offsets}
-
-
-def echoed_logprobs(out) -> list:
-    """An echoed prompt's `logprobs_body` entries: its first token's id (nothing
-    predicts it: null logprobs), then its `TokenLogprob`s."""
-    return [out.prompt_token_ids[0], *out.prompt_logprobs[1:]]
 
 
 def response(req: Request, model: str, outputs, tokenizer=None) -> dict:
@@ -704,8 +698,8 @@ def response(req: Request, model: str, outputs, tokenizer=None) -> dict:
     chat = req.kind == "chat"
     echoed = req.echo is not None and req.params.logprobs is not None
     choices = [{"index": i, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
-                "logprobs": logprobs_body(req, (echoed_logprobs(out) if echoed else []) + (out.logprobs or []),
-                                          tokenizer),
+                "logprobs": logprobs_body(req, (out.prompt_logprobs if echoed else []) + (out.logprobs or []),
+                                          tokenizer, first=out.prompt_token_ids[0]),
                 **({"message": message(req, out)} if chat else
                    {"text": (req.echo[i // req.n] if req.echo else "") + out.text}),
                 **({"prompt_logprobs": prompt_logprobs_body(req, out, tokenizer)} if not chat
