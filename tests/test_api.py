@@ -1391,6 +1391,17 @@ def test_a_continuation_finishes_the_character_its_prompt_ends_inside(tmp_path):
             assert tok.decode_continuation(ids[k:], ids[:k]) == want, (k, want)
             stream = TextStream(tok, context=ids[:k])
             assert "".join(stream.push([t]) for t in ids[k:]) + stream.finish(want) == want
+            # output that only goes on with that character has no text yet (it was U+FFFD)
+            more = next(n for n in range(k + 1, len(ids) + 1) if tok.unfinished_from(ids[:n]) is None)
+            assert all(tok.decode_continuation(ids[k:n], ids[:k]) == "" for n in range(k, more))
+    # a context that ends in a token holding a whole character and a lead byte, then
+    # output that begins another character: the stray byte is left out, not U+FFFD
+    tok = Tokenizer(builtin_paths()[0])
+    mixed = next(i for i in range(tok.vocab_size) if tok.token_bytes(i) == b" \xe2")
+    context, out = tok.encode("x = a", special=False) + [mixed], tok.encode("b = 1", special=False)
+    assert tok.decode_continuation(out, context) == "b = 1"
+    stream = TextStream(tok, context=context)
+    assert "".join(stream.push([t]) for t in out) == "b = 1"
 
 
 def test_a_byte_level_decoder_inside_a_sequence_streams_whole_characters(tmp_path):
