@@ -584,7 +584,26 @@ def test_jsonl_under_other_names(capsys, model, api, tmp_path):
                        "--json", "--max-new-tokens", 3, "--ignore-eos")
     assert rc == 0, err
     check_json_lines(out, [line.strip()], api, 3)
-    assert "is read as plain text" in err and "name it .jsonl" in err
+    assert "is read as plain text" in err and "--prompt-format json reads them as such" in err
+
+
+def test_prompt_format_json_reads_jsonl_from_stdin(capsys, model, api, monkeypatch, tmp_path):
+    """`cat requests.jsonl | treeflash generate --prompt-file -` had no way to say the
+    lines are JSON (stdin has no .jsonl name, and /dev/stdin is no regular file):
+    --prompt-format json reads them, from stdin or from a file of any name; text reads a
+    .jsonl file's lines as prompts; without --prompt-file it is refused."""
+    lines = "".join(json.dumps({"prompt": p}) + "\n" for p in ENGINE_PROMPTS[:2])
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(lines.encode())))
+    rc, out, err = run(capsys, "--prompt-file", "-", "--prompt-format", "json", "--model", model, "--device", "cpu",
+                       "--json", "--max-new-tokens", 3, "--ignore-eos")
+    assert rc == 0, err
+    check_json_lines(out, ENGINE_PROMPTS[:2], api, 3)
+    (tmp_path / "requests.jsonl").write_text(lines)
+    rc, out, err = run(capsys, "--prompt-file", tmp_path / "requests.jsonl", "--prompt-format", "text", "--model",
+                       model, "--device", "cpu", "--json", "--max-new-tokens", 3, "--ignore-eos")
+    assert rc == 0, err
+    check_json_lines(out, [line.replace("\\n", "\n") for line in lines.splitlines()], api, 3)  # (text's \n)
+    assert_error(*run(capsys, "hi", "--prompt-format", "json"), 2, "--prompt-format says how --prompt-file is read")
 
 
 @pytest.mark.parametrize("flag", ["--json-schema", "--grammar", "--prompt-file"])

@@ -15,6 +15,10 @@ from treeflash.files import model_folder, read_text
 # what generate and bench read from --prompt-file (`read_placed_prompts`)
 PROMPT_FILE_HELP = ("one prompt per line (\\n for a newline; empty lines skipped), or a .jsonl / .json file of "
                     "objects with a 'prompt' field, one per line (or a .json array of prompts); - reads standard input")
+PROMPT_FORMAT_HELP = ("how --prompt-file is read: auto (default) by its name (.jsonl, .json, .ndjson: JSON; else, "
+                      "and standard input, text), text (a prompt per line), or json (a JSON array or object, or JSON "
+                      "lines)")
+PROMPT_FORMATS = ("auto", "text", "json")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,6 +73,8 @@ def read_placed_prompts(args) -> list[tuple[str, str | None]]:
     """The prompts, each with its place ("FILE:LINE", "FILE[i]") for errors, None for the argument."""
     if args.prompt is not None and args.prompt_file:
         raise UsageError("give a PROMPT or --prompt-file, not both")
+    if getattr(args, "prompt_format", "auto") != "auto" and not args.prompt_file:
+        raise UsageError("--prompt-format says how --prompt-file is read: give --prompt-file")
     if args.prompt is not None:
         return [(args.prompt, None)]
     if not args.prompt_file:
@@ -76,14 +82,16 @@ def read_placed_prompts(args) -> list[tuple[str, str | None]]:
     # a byte-order mark (some editors write one) is not part of the first prompt
     text = _prompt_file_text(args.prompt_file).removeprefix("\ufeff")
     name = "stdin" if args.prompt_file == "-" else args.prompt_file
-    suffix = str(args.prompt_file).lower()
-    document = _json_document(text) if suffix.endswith(".json") else None
+    suffix, form = str(args.prompt_file).lower(), getattr(args, "prompt_format", "auto")
+    if form not in PROMPT_FORMATS:
+        raise UsageError(f"--prompt-format must be one of {', '.join(PROMPT_FORMATS)}, got {shown(form)}")
+    document = _json_document(text) if form == "json" or form == "auto" and suffix.endswith(".json") else None
     if document is not None:
         prompts, ignored = _json_document_prompts(document, name)
     else:
         # .jsonl, .json, .ndjson, .jsonlines (any case): one object per line; else plain text, where a
         # line starting "{" is a prompt too (a note says so when every line looks like a JSONL line)
-        jsonl = suffix.endswith((".jsonl", ".json", ".ndjson", ".jsonlines"))
+        jsonl = form == "json" or form == "auto" and suffix.endswith((".jsonl", ".json", ".ndjson", ".jsonlines"))
         prompts, ignored = _line_prompts(text, name, jsonl)
     if not prompts:
         raise UsageError(f"prompt file {name} holds no prompt")
@@ -112,8 +120,7 @@ def _line_prompts(text: str, name: str, jsonl: bool) -> tuple[list[tuple[str, st
             prompts.append((line.replace("\\n", "\n"), f"{name}:{i}"))
     if prompts and not jsonl and all(_looks_like_jsonl(line) for line in lines if line.strip()):
         print(f"treeflash: note: {name} is read as plain text, one prompt per line, though its lines "
-              f"look like JSON objects with a 'prompt': {'give them as' if name == 'stdin' else 'name it'} .jsonl "
-              f"to read them as such", file=sys.stderr)
+              f"look like JSON objects with a 'prompt': --prompt-format json reads them as such", file=sys.stderr)
     return prompts, ignored
 
 
@@ -432,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt or a file of prompts")
     g.add_argument("prompt", nargs="?", help="the prompt text")
     g.add_argument("--prompt-file", help=PROMPT_FILE_HELP)
+    g.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="auto", help=PROMPT_FORMAT_HELP)
     g.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     g.add_argument("--max-batch", type=int, default=16, help="a prompt file runs in batches of at most this many "
                                                             "prompts, each printed as it finishes (default 16)")

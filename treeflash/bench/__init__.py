@@ -28,7 +28,7 @@ import argparse
 from treeflash.bench.options import DRAFT_LAYERS, DRAFT_MODE, PAIR_BUDGETS, SHAPE_BUDGETS, STRUCTURED
 from treeflash.bench.pairs import bench_pairs
 from treeflash.bench.shape import SHAPES, bench_shape
-from treeflash.cli import PROMPT_FILE_HELP, add_structured_args
+from treeflash.cli import PROMPT_FILE_HELP, PROMPT_FORMAT_HELP, PROMPT_FORMATS, add_structured_args
 from treeflash.config import FP8_BLOCK
 from treeflash.engine.round import DRAFT_MODES, METHODS
 from treeflash.errors import UsageError
@@ -50,6 +50,7 @@ MODE_ONLY = {
     "model": (PAIR, None),
     "draft_model": (PAIR, None),
     "prompt_file": (PAIR, None),
+    "prompt_format": (PAIR, "auto"),
     "corpus": (PAIR, None),
     "logprobs": (PAIR, None),
     "methods": (PAIR, ",".join(METHODS)),
@@ -73,6 +74,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", help="target checkpoint folder (default: the built-in model)")
     p.add_argument("--draft-model", help="DFlash drafter folder (default with the built-in model: its drafter)")
     p.add_argument("--prompt-file", help=PROMPT_FILE_HELP)
+    p.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="auto", help=PROMPT_FORMAT_HELP)
     p.add_argument("--corpus", help="tokenized corpus folder (treeflash train corpus): prompts from its held-out split")
     p.add_argument("--num-prompts", type=int, help="how many prompts to use (default: all of the file, else 8)")
     p.add_argument("--methods", help=f"comma list of {', '.join(METHODS)} (default: all)")

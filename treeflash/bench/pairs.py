@@ -73,8 +73,11 @@ def load_prompts(args) -> list[tuple[str | list[int], str | None]]:
         raise UsageError(f"--num-prompts must be from 1 to {MAX_BENCH_PROMPTS}, got {k}")
     if args.prompt_file and args.corpus:
         raise UsageError("give --prompt-file or --corpus, not both")
+    if args.prompt_format != "auto" and not args.prompt_file:
+        raise UsageError("--prompt-format says how --prompt-file is read: give --prompt-file")
     if args.prompt_file:
-        prompts = read_placed_prompts(argparse.Namespace(prompt=None, prompt_file=args.prompt_file))
+        prompts = read_placed_prompts(argparse.Namespace(prompt=None, prompt_file=args.prompt_file,
+                                                         prompt_format=args.prompt_format))
         if k and len(prompts) < k:
             raise UsageError(f"--num-prompts {k}, but {args.prompt_file} holds {len(prompts)} prompt(s)")
         return prompts[:k] if k else prompts
