@@ -305,6 +305,10 @@ QUICK_PAIR = ["--methods", "ar", "--num-prompts", "1", "--max-new-tokens", "1", 
     (["--shape", "tiny", "--plot", "p.txt"], "the name must end in .png, .svg or .pdf"),
     (["--methods", "ar", "--plot", "plot", "--device", "cpu"], "the name must end in .png"),
     (["--shape", "tiny", "--plot", "/tmp"], "is a folder"),
+    # rows written to a pipe failed at the first measured row (after the load), or cut the table in two
+    (["--shape", "tiny", "--out", "-"], "--out - is not a file"),
+    (["--shape", "tiny", "--out", "/dev/null"], "--out /dev/null is not a file"),  # (as /dev/stdout on a pipe)
+    (["--methods", "ar", "--out", "/tmp", "--device", "cpu", "--graphs", "off"], "--out /tmp is not a file"),
     (["--shape", "tiny", "--plot", "r.png", "--out", "./r.png"], "--plot and --out are the same file"),
     (["--methods", "ar", "--plot", "r.png", "--out", "r.png", "--device", "cpu"], "--plot and --out are the same file"),
     # budgets that no method would build a tree of were checked, or ignored without a word

@@ -1242,6 +1242,17 @@ def test_treeflash_debug_shows_an_engine_errors_traceback(capsys, monkeypatch, e
     with pytest.raises(type(error)) as raised:
         main(["generate", "x"])
     assert raised.value is error
+    for off in ("0", ""):  # as vLLM's flags read "0": off (it turned tracebacks on)
+        monkeypatch.setenv("TREEFLASH_DEBUG", off)
+        assert main(["generate", "x"]) == 1
+
+
+def test_a_closed_standard_output_is_an_error(capsys, monkeypatch):
+    """Started with standard output closed (`>&-`), generate printed nothing and exited 0:
+    now exit 1 with one line, as for a closed standard input."""
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["generate", "x", "--device", "cpu"]) == 1
+    assert capsys.readouterr().err.strip() == "treeflash: error: cannot write standard output: it is closed"
 
 
 def test_model_flags_reach_the_engine(monkeypatch):

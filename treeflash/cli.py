@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from treeflash import __version__
-from treeflash.errors import TreeflashError, UsageError, shown
+from treeflash.errors import TreeflashError, UsageError, debugging, shown
 from treeflash.files import model_folder, read_text
 
 # what generate and bench read from --prompt-file (`read_placed_prompts`)
@@ -474,12 +474,14 @@ LESS_MEMORY = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    debug = bool(os.environ.get("TREEFLASH_DEBUG"))
+    debug = debugging()
     args = None
     try:
         args = build_parser().parse_args(argv)
         if not getattr(args, "func", None):
             raise UsageError("no command given (try: treeflash generate --help)")
+        if sys.stdout is None:  # started with it closed (`>&-`): every command writes its results there
+            raise TreeflashError("cannot write standard output: it is closed")
         args.model_id = getattr(args, "model", None)  # as given: a hub id is served under its name
         for name in ("model", "draft_model", "target", "tokenizer"):  # a hub id: its Hugging Face cache's copy
             if getattr(args, name, None):

@@ -1,4 +1,5 @@
 """User-facing errors: the CLI prints them as one line, without a traceback."""
+import os
 
 
 class TreeflashError(Exception):
@@ -33,6 +34,11 @@ class EngineDeadError(TreeflashError):
     """The engine can serve no more requests (a tensor-parallel rank failed, so the ranks
     are out of step, or its workers were shut down): only a new `LLM` can. A server
     answers 503 and reports itself unhealthy."""
+
+
+def debugging() -> bool:
+    """TREEFLASH_DEBUG set to anything but "" or "0": errors print their tracebacks."""
+    return os.environ.get("TREEFLASH_DEBUG", "") not in ("", "0")
 
 
 def is_text(s: str) -> bool:

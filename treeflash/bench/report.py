@@ -77,6 +77,9 @@ def open_out(path: str | None, inputs=()) -> RowsFile | None:
     prompt file was lost that way."""
     if not path:
         return None
+    if path == "-" or Path(path).exists() and not Path(path).is_file():  # /dev/stdout, a pipe, a folder
+        raise UsageError(f"--out {path} is not a file: the rows go to a file, emptied when the first comes "
+                         f"(standard output has the table)")
     target = Path(path).resolve()
     for given in inputs:
         source = Path(given).resolve()

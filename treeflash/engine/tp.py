@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from treeflash.distributed import TPGroup
-from treeflash.errors import EngineDeadError, InStepError, TreeflashError, UsageError
+from treeflash.errors import EngineDeadError, InStepError, TreeflashError, UsageError, debugging
 
 WORKER_ENV = "TREEFLASH_TP_WORKER"   # set by the driver for the workers it starts
 FAULT_ENV = "TREEFLASH_TP_FAULT"     # "<rank>:<command number>": that worker fails there (tests)
@@ -851,7 +851,7 @@ class Runtime:
             self.store.set(f"err/{self.rank}", json.dumps({"error": text, "comm": is_comm_error(e)}))
         except Exception:
             pass
-        if os.environ.get("TREEFLASH_DEBUG"):
+        if debugging():
             traceback.print_exc()
         if not self.procs and torchrun_env() is not None:  # torchrun: this rank's own log
             print(f"treeflash: tensor-parallel rank {self.rank}: {text}", file=sys.stderr, flush=True)
