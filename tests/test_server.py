@@ -2227,6 +2227,23 @@ def test_requests_waiting_counts_only_clients_still_there(llm, monkeypatch):
     _run_scenario(app, gate, scenario)
 
 
+def _answered_while_held(app, gate: threading.Event, path: str, body: dict) -> None:
+    """More requests to `path` than asyncio's default pool has threads, each held at
+    `gate`: a short completion is still answered meanwhile; then they all are."""
+    readers = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor
+
+    async def scenario():
+        held = [asyncio.ensure_future(_asgi(app, "POST", path, body, leave=lambda sent: False))
+                for _ in range(readers + 2)]
+        await asyncio.sleep(0.2)
+        status, _ = await asyncio.wait_for(_asgi(app, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2},
+                                                 leave=lambda sent: False), 20)
+        assert status == 200 and not any(t.done() for t in held)
+        gate.set()
+        assert {(await t)[0] for t in held} == {200}
+    _run_scenario(app, gate, scenario)
+
+
 def test_tokenize_calls_have_threads_of_their_own(llm, monkeypatch):
     """/tokenize has no length limit (as vLLM's), and megabytes take the tokenizer a
     minute: however many such calls wait, a completion is answered meanwhile (they held
@@ -2234,19 +2251,7 @@ def test_tokenize_calls_have_threads_of_their_own(llm, monkeypatch):
     import treeflash.server.app as app_module
     gate = threading.Event()
     monkeypatch.setattr(app_module, "parse_tokenize", _held_until(gate, app_module.parse_tokenize))
-    app = build_app(llm, "tiny", None)
-    readers = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor
-
-    async def scenario():
-        tokenizing = [asyncio.ensure_future(_asgi(app, "POST", "/tokenize", {"prompt": "x = 1"},
-                                                  leave=lambda sent: False)) for _ in range(readers + 2)]
-        await asyncio.sleep(0.2)
-        status, _ = await asyncio.wait_for(_asgi(app, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2},
-                                                 leave=lambda sent: False), 20)
-        assert status == 200 and not any(t.done() for t in tokenizing)
-        gate.set()
-        assert {(await t)[0] for t in tokenizing} == {200}
-    _run_scenario(app, gate, scenario)
+    _answered_while_held(build_app(llm, "tiny", None), gate, "/tokenize", {"prompt": "x = 1"})
 
 
 def test_long_prompts_are_read_on_threads_of_their_own(llm, monkeypatch):
@@ -2261,20 +2266,8 @@ def test_long_prompts_are_read_on_threads_of_their_own(llm, monkeypatch):
             gate.wait(30)
         return real(body, *args, **kw)
     monkeypatch.setattr(app_module, "parse_completion", held)
-    app = build_app(llm, "tiny", None)
-    readers = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor
     long = {"prompt": "x = 1\n" * (app_module.LONG_BODY_BYTES // 6 + 1), "max_tokens": 1, "truncate_prompt_tokens": 8}
-
-    async def scenario():
-        reading = [asyncio.ensure_future(_asgi(app, "POST", "/v1/completions", long, leave=lambda sent: False))
-                   for _ in range(readers + 2)]
-        await asyncio.sleep(0.2)
-        status, _ = await asyncio.wait_for(_asgi(app, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2},
-                                                 leave=lambda sent: False), 20)
-        assert status == 200 and not any(t.done() for t in reading)
-        gate.set()
-        assert {(await t)[0] for t in reading} == {200}
-    _run_scenario(app, gate, scenario)
+    _answered_while_held(build_app(llm, "tiny", None), gate, "/v1/completions", long)
 
 
 def test_min_tokens_holds_stop_strings_back_in_a_stream_too(client, llm):
