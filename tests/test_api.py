@@ -485,6 +485,9 @@ def test_get_tokenizer_answers_as_a_transformers_tokenizer(tmp_path):
     with pytest.raises(UsageError, match="encode takes a text"):
         ours.encode(5)
     assert ours.decode([]) == hf.decode([]) == "" and ours.decode(torch.tensor(ids)) == hf.decode(torch.tensor(ids))
+    assert ours.decode(list(np.array(ids))) == hf.decode(ids)  # NumPy integers, as transformers takes them
+    with pytest.raises(UsageError, match="decode takes token ids"):
+        ours.decode([2 ** 70])
     with pytest.raises(UsageError, match="return_tensors not supported"):  # not a template variable
         ours.apply_chat_template(talk, return_tensors="pt")
 

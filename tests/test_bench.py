@@ -259,6 +259,19 @@ QUICK_PAIR = ["--methods", "ar", "--num-prompts", "1", "--max-new-tokens", "1", 
               "--temperatures", "0", "--graphs", "off", "--device", "cpu"]
 
 
+def test_out_may_not_be_where_standard_output_goes(tmp_path, monkeypatch):
+    """`bench --out /dev/stdout > rows.txt`: /dev/stdout is then that regular file, and
+    the first row would empty it, table and all: refused as a pipe is."""
+    from treeflash.bench.report import open_out
+    from treeflash.errors import UsageError
+    target = tmp_path / "rows.txt"
+    with open(target, "w") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        with pytest.raises(UsageError, match="is not a file of its own"):
+            open_out(str(target))
+        open_out(str(tmp_path / "other.jsonl")).close()  # any other file is taken
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--shape", "gpt5"], "unknown shape"),
     (["--shape", "", "--iters", "1"], "unknown shape ''"),
@@ -306,9 +319,9 @@ QUICK_PAIR = ["--methods", "ar", "--num-prompts", "1", "--max-new-tokens", "1", 
     (["--methods", "ar", "--plot", "plot", "--device", "cpu"], "the name must end in .png"),
     (["--shape", "tiny", "--plot", "/tmp"], "is a folder"),
     # rows written to a pipe failed at the first measured row (after the load), or cut the table in two
-    (["--shape", "tiny", "--out", "-"], "--out - is not a file"),
-    (["--shape", "tiny", "--out", "/dev/null"], "--out /dev/null is not a file"),  # (as /dev/stdout on a pipe)
-    (["--methods", "ar", "--out", "/tmp", "--device", "cpu", "--graphs", "off"], "--out /tmp is not a file"),
+    (["--shape", "tiny", "--out", "-"], "--out - is not a file of its own"),
+    (["--shape", "tiny", "--out", "/dev/null"], "--out /dev/null is not a file of its own"),  # (as /dev/stdout on a pipe)
+    (["--methods", "ar", "--out", "/tmp", "--device", "cpu", "--graphs", "off"], "--out /tmp is not a file of its own"),
     (["--shape", "tiny", "--plot", "r.png", "--out", "./r.png"], "--plot and --out are the same file"),
     (["--methods", "ar", "--plot", "r.png", "--out", "r.png", "--device", "cpu"], "--plot and --out are the same file"),
     # budgets that no method would build a tree of were checked, or ignored without a word

@@ -603,6 +603,10 @@ def test_prompt_format_json_reads_jsonl_from_stdin(capsys, model, api, monkeypat
                        model, "--device", "cpu", "--json", "--max-new-tokens", 3, "--ignore-eos")
     assert rc == 0, err
     check_json_lines(out, [line.replace("\\n", "\n") for line in lines.splitlines()], api, 3)  # (text's \n)
+    assert "note" not in err  # text was asked for: no note that the lines look like JSON
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"42")))
+    assert_error(*run(capsys, "--prompt-file", "-", "--prompt-format", "json", "--model", model, "--device", "cpu"),
+                 2, "stdin: a JSON prompt document must hold an array of prompts")
     assert_error(*run(capsys, "hi", "--prompt-format", "json"), 2, "--prompt-format says how --prompt-file is read")
 
 

@@ -15,7 +15,8 @@ from treeflash.files import model_folder, read_text
 # what generate and bench read from --prompt-file (`read_placed_prompts`)
 PROMPT_FILE_HELP = ("one prompt per line (\\n for a newline; empty lines skipped), or a .jsonl / .json file of "
                     "objects with a 'prompt' field, one per line (or a .json array of prompts); - reads standard input")
-PROMPT_FORMAT_HELP = ("how --prompt-file is read: auto (default) by its name (.jsonl, .json, .ndjson: JSON; else, "
+PROMPT_FORMAT_HELP = ("how --prompt-file is read: auto (default) by its name (.jsonl, .json, .ndjson, .jsonlines: "
+                      "JSON; else, "
                       "and standard input, text), text (a prompt per line), or json (a JSON array or object, or JSON "
                       "lines)")
 PROMPT_FORMATS = ("auto", "text", "json")
@@ -69,30 +70,33 @@ def _prompt_file_text(source: str) -> str:
         raise TreeflashError(f"cannot read standard input: {e.strerror or e}") from None
 
 
-def read_placed_prompts(args) -> list[tuple[str, str | None]]:
-    """The prompts, each with its place ("FILE:LINE", "FILE[i]") for errors, None for the argument."""
-    if args.prompt is not None and args.prompt_file:
-        raise UsageError("give a PROMPT or --prompt-file, not both")
-    if getattr(args, "prompt_format", "auto") != "auto" and not args.prompt_file:
+def check_prompt_format(prompt_file: str | None, prompt_format: str) -> None:
+    if prompt_format != "auto" and not prompt_file:
         raise UsageError("--prompt-format says how --prompt-file is read: give --prompt-file")
-    if args.prompt is not None:
-        return [(args.prompt, None)]
-    if not args.prompt_file:
+
+
+def read_placed_prompts(prompt: str | None, prompt_file: str | None,
+                        prompt_format: str = "auto") -> list[tuple[str, str | None]]:
+    """The prompts, each with its place ("FILE:LINE", "FILE[i]") for errors, None for the argument."""
+    if prompt is not None and prompt_file:
+        raise UsageError("give a PROMPT or --prompt-file, not both")
+    check_prompt_format(prompt_file, prompt_format)
+    if prompt is not None:
+        return [(prompt, None)]
+    if not prompt_file:
         raise UsageError("no prompt: give a PROMPT or --prompt-file FILE")
     # a byte-order mark (some editors write one) is not part of the first prompt
-    text = _prompt_file_text(args.prompt_file).removeprefix("\ufeff")
-    name = "stdin" if args.prompt_file == "-" else args.prompt_file
-    suffix, form = str(args.prompt_file).lower(), getattr(args, "prompt_format", "auto")
-    if form not in PROMPT_FORMATS:
-        raise UsageError(f"--prompt-format must be one of {', '.join(PROMPT_FORMATS)}, got {shown(form)}")
-    document = _json_document(text) if form == "json" or form == "auto" and suffix.endswith(".json") else None
+    text = _prompt_file_text(prompt_file).removeprefix("\ufeff")
+    name = "stdin" if prompt_file == "-" else prompt_file
+    suffix, auto = str(prompt_file).lower(), prompt_format == "auto"
+    document = _json_document(text) if prompt_format == "json" or auto and suffix.endswith(".json") else None
     if document is not None:
         prompts, ignored = _json_document_prompts(document, name)
     else:
         # .jsonl, .json, .ndjson, .jsonlines (any case): one object per line; else plain text, where a
         # line starting "{" is a prompt too (a note says so when every line looks like a JSONL line)
-        jsonl = form == "json" or form == "auto" and suffix.endswith((".jsonl", ".json", ".ndjson", ".jsonlines"))
-        prompts, ignored = _line_prompts(text, name, jsonl)
+        jsonl = prompt_format == "json" or auto and suffix.endswith((".jsonl", ".json", ".ndjson", ".jsonlines"))
+        prompts, ignored = _line_prompts(text, name, jsonl, note=auto)
     if not prompts:
         raise UsageError(f"prompt file {name} holds no prompt")
     if ignored:
@@ -103,10 +107,11 @@ def read_placed_prompts(args) -> list[tuple[str, str | None]]:
     return prompts
 
 
-def _line_prompts(text: str, name: str, jsonl: bool) -> tuple[list[tuple[str, str]], list[str]]:
+def _line_prompts(text: str, name: str, jsonl: bool, note: bool = True) -> tuple[list[tuple[str, str]], list[str]]:
     """One prompt a non-blank line (a JSON object's 'prompt' if jsonl), and the other
     fields the objects hold. Lines end at line feeds only (the text's line ends are made
-    line feeds): a form feed in code, or U+2028 in a JSON string, is part of its line."""
+    line feeds): a form feed in code, or U+2028 in a JSON string, is part of its line.
+    `note`: say so where text lines all look like JSON ones (not when text was asked for)."""
     prompts, ignored = [], []
     lines = text.split("\n")
     for i, line in enumerate(lines, 1):
@@ -118,7 +123,7 @@ def _line_prompts(text: str, name: str, jsonl: bool) -> tuple[list[tuple[str, st
             ignored += [k for k in settings if k not in ignored]
         else:
             prompts.append((line.replace("\\n", "\n"), f"{name}:{i}"))
-    if prompts and not jsonl and all(_looks_like_jsonl(line) for line in lines if line.strip()):
+    if note and prompts and not jsonl and all(_looks_like_jsonl(line) for line in lines if line.strip()):
         print(f"treeflash: note: {name} is read as plain text, one prompt per line, though its lines "
               f"look like JSON objects with a 'prompt': --prompt-format json reads them as such", file=sys.stderr)
     return prompts, ignored
@@ -141,7 +146,8 @@ def _json_document_prompts(document, name: str) -> tuple[list[tuple[str, str]], 
         prompt, ignored = _object_prompt(document, name)
         return [(prompt, name)], ignored
     if not isinstance(document, list):
-        raise UsageError(f"{name}: a .json prompt file must hold an array of prompts or objects with a 'prompt'")
+        raise UsageError(f"{name}: a JSON prompt document must hold an array of prompts or objects with a "
+                         f"'prompt'")
     prompts, ignored = [], []
     for i, item in enumerate(document):
         prompt, settings = _object_prompt(item, f"{name}[{i}]") if isinstance(item, dict) else (item, [])
@@ -354,7 +360,7 @@ def _json_number(x: float) -> float | None:
 def cmd_generate(args) -> int:
     from treeflash.chat import NO_TEMPLATE, ChatFormat, ChatTemplate
     from treeflash.tokenizer import TextStream
-    prompts, places = zip(*read_placed_prompts(args))
+    prompts, places = zip(*read_placed_prompts(args.prompt, args.prompt_file, args.prompt_format))
     params = sampling_from(args, model_sampling_defaults(args))
     note_moot_sampling(args, params)
     if params.structured_outputs is not None:  # a pattern's, schema's or grammar's mistake before the model loads
@@ -480,8 +486,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if not getattr(args, "func", None):
             raise UsageError("no command given (try: treeflash generate --help)")
-        if sys.stdout is None:  # started with it closed (`>&-`): every command writes its results there
-            raise TreeflashError("cannot write standard output: it is closed")
+        if sys.stdout is None and args.command in ("generate", "bench"):  # started with it closed (`>&-`):
+            raise TreeflashError("cannot write standard output: it is closed")  # their results go there
         args.model_id = getattr(args, "model", None)  # as given: a hub id is served under its name
         for name in ("model", "draft_model", "target", "tokenizer"):  # a hub id: its Hugging Face cache's copy
             if getattr(args, name, None):

@@ -469,5 +469,5 @@ class TextStream:
         if start is None:
             return False
         context, self.read = start
-        self.ids = context + self.waiting
+        self.ids, self.waiting = context + self.waiting, []
         return True

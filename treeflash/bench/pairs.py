@@ -4,7 +4,6 @@ tokens/s, tau (mean tokens committed per round), time per round and the speedups
 AR and over DFlash's chain on the same engine: the numbers a user sees."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
@@ -15,7 +14,7 @@ import torch
 from treeflash.bench.options import (MAX_BENCH_BATCH, STRUCTURED, check_sampled_options, check_seed, filters,
                                      filters_note, parse_budgets, parse_graphs, parse_list, usable_graphs)
 from treeflash.bench.report import check_plot_path, close_out, emit, format_table, open_out, plot_pairs
-from treeflash.cli import read_placed_prompts, structured_from, target_folder
+from treeflash.cli import check_prompt_format, read_placed_prompts, structured_from, target_folder
 from treeflash.engine.llm import LLM
 from treeflash.engine.options import builtin_paths, resolve_device
 from treeflash.engine.round import METHODS
@@ -73,11 +72,9 @@ def load_prompts(args) -> list[tuple[str | list[int], str | None]]:
         raise UsageError(f"--num-prompts must be from 1 to {MAX_BENCH_PROMPTS}, got {k}")
     if args.prompt_file and args.corpus:
         raise UsageError("give --prompt-file or --corpus, not both")
-    if args.prompt_format != "auto" and not args.prompt_file:
-        raise UsageError("--prompt-format says how --prompt-file is read: give --prompt-file")
+    check_prompt_format(args.prompt_file, args.prompt_format)
     if args.prompt_file:
-        prompts = read_placed_prompts(argparse.Namespace(prompt=None, prompt_file=args.prompt_file,
-                                                         prompt_format=args.prompt_format))
+        prompts = read_placed_prompts(None, args.prompt_file, args.prompt_format)
         if k and len(prompts) < k:
             raise UsageError(f"--num-prompts {k}, but {args.prompt_file} holds {len(prompts)} prompt(s)")
         return prompts[:k] if k else prompts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -77,9 +78,9 @@ def open_out(path: str | None, inputs=()) -> RowsFile | None:
     prompt file was lost that way."""
     if not path:
         return None
-    if path == "-" or Path(path).exists() and not Path(path).is_file():  # /dev/stdout, a pipe, a folder
-        raise UsageError(f"--out {path} is not a file: the rows go to a file, emptied when the first comes "
-                         f"(standard output has the table)")
+    if path == "-" or Path(path).exists() and not Path(path).is_file() or _standard_stream(path):
+        raise UsageError(f"--out {path} is not a file of its own: the rows go to a file, emptied when the first "
+                         f"comes (standard output has the table)")
     target = Path(path).resolve()
     for given in inputs:
         source = Path(given).resolve()
@@ -90,6 +91,23 @@ def open_out(path: str | None, inputs=()) -> RowsFile | None:
         return RowsFile(path)
     except OSError as e:
         raise TreeflashError(f"cannot write {path}: {e.strerror}") from None
+
+
+def _standard_stream(path: str) -> bool:
+    """Whether `path` is where standard output or error goes (/dev/stdout of a command
+    whose output is redirected to a file is that file: the rows would empty it)."""
+    try:
+        node = os.stat(path)
+    except OSError:
+        return False
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            other = os.fstat(stream.fileno())
+        except (AttributeError, OSError, ValueError):  # closed, or not a file (a test's capture)
+            continue
+        if (node.st_dev, node.st_ino) == (other.st_dev, other.st_ino):
+            return True
+    return False
 
 
 def emit(out: RowsFile | None, row: dict) -> None:

@@ -9,6 +9,8 @@ own `Tokenizer` and chat template, so the ids and text are the engine's.
 """
 from __future__ import annotations
 
+import numbers
+
 from treeflash.chat import ChatFormat, checked_tools
 from treeflash.errors import UsageError, is_text, shown
 
@@ -37,10 +39,10 @@ class TokenizerView:
     def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
         """Ids as transformers takes them: one, a list, a tensor or an array of them."""
         ids = token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids
-        ids = [ids] if isinstance(ids, int) else list(ids)
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise UsageError(f"decode takes token ids (integers >= 0), got {shown(token_ids)}")
-        return self._tok.decode(ids, skip_special_tokens)
+        ids = [ids] if isinstance(ids, numbers.Integral) else list(ids)
+        if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < 2 ** 32 for i in ids):
+            raise UsageError(f"decode takes token ids (integers from 0 to 2^32 - 1), got {shown(token_ids)}")
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens)
 
     def batch_decode(self, sequences, skip_special_tokens: bool = False) -> list[str]:
         return [self.decode(s, skip_special_tokens) for s in sequences]

@@ -36,7 +36,8 @@ def check_vocab_size(vocab_size) -> None:
 def _interruptible(fn) -> None:
     """fn() on a thread of its own, waited for here: the BPE trainer runs in Rust, which
     lets go of the GIL but takes no Ctrl-C (it held one off for 27 s on 200 MB); the main
-    thread takes it and leaves (a daemon thread ends with the process)."""
+    thread takes it and leaves. The training itself goes on until the process ends (a
+    daemon thread: the CLI's process ends at once)."""
     failed = []
 
     def run():
