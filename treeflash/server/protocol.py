@@ -699,7 +699,7 @@ def response(req: Request, model: str, outputs, tokenizer=None) -> dict:
     echoed = req.echo is not None and req.params.logprobs is not None
     choices = [{"index": i, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason,
                 "logprobs": logprobs_body(req, (out.prompt_logprobs if echoed else []) + (out.logprobs or []),
-                                          tokenizer, first=out.prompt_token_ids[0]),
+                                          tokenizer, first=out.prompt_token_ids[0] if echoed else None),
                 **({"message": message(req, out)} if chat else
                    {"text": (req.echo[i // req.n] if req.echo else "") + out.text}),
                 **({"prompt_logprobs": prompt_logprobs_body(req, out, tokenizer)} if not chat
