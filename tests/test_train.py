@@ -1379,33 +1379,36 @@ def test_held_out_windows_of_a_short_split():
 def test_ctrl_c_stops_the_tokenizer_trainer_at_once(tmp_path):
     """The BPE trainer runs in Rust, which takes no Ctrl-C: `train tokenizer` on 200 MB
     went on for 27 s after it. The trainer runs on a thread of its own now, and the
-    interrupt ends the process within a fraction of a second (the training alone takes
+    interrupt reaches the caller within a fraction of a second (the training alone takes
     seconds here). In a process of its own: the trainer goes on until the process ends."""
     import signal
     import subprocess
     import sys
     import time
     script = (
-        "import random, sys\n"
+        "import random, time\n"
         "from treeflash.train.tokenizer import train_tokenizer\n"
         "rng = random.Random(0)\n"
         "words = [''.join(rng.choice('abcdefghijklmnopqrstuvwxyz_') for _ in range(rng.randint(2, 12)))"
         " for _ in range(200_000)]\n"
         "texts = [' '.join(rng.choices(words, k=2000)) for _ in range(300)]\n"
         "print('training', flush=True)\n"
-        f"train_tokenizer(texts, {str(tmp_path / 'tok')!r}, vocab_size=20_000)\n"
-        "print('trained', flush=True)\n")
+        "try:\n"
+        f"    train_tokenizer(texts, {str(tmp_path / 'tok')!r}, vocab_size=20_000)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', time.monotonic(), flush=True)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "training"
         time.sleep(0.5)
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
-        assert time.monotonic() - sent < 1.5, "the trainer held Ctrl-C off"
+        out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert "KeyboardInterrupt" in err and "trained" not in out and not (tmp_path / "tok").exists()
+    # (the process's own exit after it, with torch loaded, may take seconds on a busy machine)
+    assert out.startswith("interrupted") and float(out.split()[1]) - sent < 1.0, (out, err)
+    assert not (tmp_path / "tok").exists()
 
 
 def test_a_tokenizer_without_an_eos_token_is_refused(data_dir, tmp_path):
