@@ -1386,7 +1386,8 @@ def test_ctrl_c_stops_the_tokenizer_trainer_at_once(tmp_path):
     import sys
     import time
     script = (
-        "import random, time\n"
+        "import random, signal, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # (a pytest-xdist worker's children ignore it)\n"
         "from treeflash.train.tokenizer import train_tokenizer\n"
         "rng = random.Random(0)\n"
         "words = [''.join(rng.choice('abcdefghijklmnopqrstuvwxyz_') for _ in range(rng.randint(2, 12)))"
