@@ -290,7 +290,7 @@ class Tokenizer:
         while start > max(0, len(context) - CONTEXT_TOKENS) and self._continues_a_character(context[start]):
             start -= 1
         context = context[start:]
-        pending, _ = self._open_bytes(context, skip_special)
+        pending, sizes = self._open_bytes(context, skip_special)
         if pending:
             special, more = self.special_ids if skip_special else (), b""
             for i in ids:
@@ -301,7 +301,7 @@ class Tokenizer:
             if not text:
                 return None
             if not text.startswith("\ufffd"):  # finished: a token that also ends an earlier character is whole
-                token, after_whole = self._unfinished(context, skip_special)
+                token, after_whole = self._open_start(pending, sizes)
                 return context, token + after_whole
         while context and self.decode(context, skip_special).endswith("\ufffd"):
             context.pop()
@@ -330,7 +330,11 @@ class Tokenizer:
     def _unfinished(self, ids: list[int], skip_special: bool) -> tuple[int, bool] | None:
         """`unfinished_from`'s token, and whether bytes of an earlier character come before
         the unfinished one's first byte in it."""
-        pending, sizes = self._open_bytes(ids, skip_special)
+        return self._open_start(*self._open_bytes(ids, skip_special))
+
+    @staticmethod
+    def _open_start(pending: bytes, sizes: list[tuple[int, int]]) -> tuple[int, bool] | None:
+        """`_unfinished` from `_open_bytes`' answer."""
         pending = len(pending)
         for k, size in sizes:  # back from the end to the token of its first byte
             pending -= size

@@ -72,7 +72,7 @@ class TokenizerView:
 
     @property
     def eos_token(self) -> str | None:
-        return None if self.eos_token_id is None else self._tok.tok.id_to_token(self.eos_token_id)
+        return self._spelling(self.eos_token_id)
 
     @property
     def bos_token_id(self) -> int | None:
@@ -81,7 +81,10 @@ class TokenizerView:
 
     @property
     def bos_token(self) -> str | None:
-        return None if self.bos_token_id is None else self._tok.tok.id_to_token(self.bos_token_id)
+        return self._spelling(self.bos_token_id)
+
+    def _spelling(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self._tok.tok.id_to_token(token_id)
 
     @property
     def all_special_ids(self) -> list[int]:
