@@ -205,7 +205,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k"),
     ("/v1/completions", {"prompt": "x", "seed": -2 ** 63 - 1}, 400, "seed"),
-    ("/v1/completions", {"prompt": "x", "seed": -1.0}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "seed": -1.5}, 400, "seed"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "max"}, 400,
      "reasoning_effort"),
     ("/v1/completions", {"prompt": "x", "reasoning_effort": "low"}, 400, "reasoning_effort"),
@@ -328,6 +328,10 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": 0, "max_completion_tokens": 2}, 400,
      "max_tokens"),
     ("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 1}, 400, "min_tokens"),
+    # a whole-number float is taken as its integer, a fraction is not
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 1.5}, 400, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1.0}, 400, "logprobs"),
 ]
 
 
@@ -867,6 +871,7 @@ def test_seed_minus_one_is_no_seed():
     negative seeds stay errors (the error table above)."""
     from treeflash.server.protocol import parse_completion
     assert parse_completion({"prompt": "x", "seed": -1}, "m", two_tokens, 64).params.seed is None
+    assert parse_completion({"prompt": "x", "seed": -1.0}, "m", two_tokens, 64).params.seed is None
     assert parse_completion({"prompt": "x", "seed": 7}, "m", two_tokens, 64).params.seed == 7
 
 
@@ -923,6 +928,23 @@ def test_an_empty_plain_chat_answer_is_empty_text_not_null():
     reasoned = Request("chat", [[5, 6]], SamplingParams(max_new_tokens=2), reasoning="qwen3")
     assert message(reasoned, SimpleNamespace(text="")) == {"role": "assistant", "content": None,
                                                             "reasoning_content": None}
+
+
+def test_whole_number_floats_are_taken_as_integers(client):
+    """vLLM's pydantic models read max_tokens 3.0 as 3: a client that computes its
+    integer fields as floats gets the same answer, not a 400."""
+    ints = {"prompt": PROMPT, "max_tokens": 3, "n": 2, "seed": 7, "temperature": 1.0, "top_k": 5, "logprobs": 2,
+            "min_tokens": 3, "echo": True}
+    floats = {**ints, **{k: float(ints[k]) for k in ("max_tokens", "n", "seed", "top_k", "logprobs", "min_tokens")}}
+    want, got = (client.post("/v1/completions", json=b) for b in (ints, floats))
+    assert got.status_code == 200, got.text
+    strip = lambda r: [(c["text"], c["logprobs"]) for c in r.json()["choices"]]  # noqa: E731
+    assert strip(got) == strip(want) and got.json()["usage"] == want.json()["usage"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2.0, "top_logprobs": 1.0,
+            "logprobs": True}
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 1
 
 
 def test_blank_bad_words_ban_nothing():

@@ -175,7 +175,7 @@ def _number(body: dict, key: str, default, kind, lo=None, hi=None, lo_open=False
 
 def _seed(body: dict) -> int | None:
     """The request's seed: vLLM's int64 range (-1: no seed); a negative one is taken mod 2^63."""
-    if body.get("seed") == -1 and not isinstance(body["seed"], float):  # vLLM's "no seed"
+    if body.get("seed") == -1:  # vLLM's "no seed" (-1.0 came in as -1)
         return None
     seed = _number(body, "seed", None, int, -2 ** 63, 2 ** 63 - 1)
     return None if seed is None else seed % 2 ** 63
@@ -402,6 +402,18 @@ def check_keys(body: dict, kind: str) -> None:
         raise APIError(f"unrecognized request argument {shown(unknown[0])}", param=unknown[0][:80])
 
 
+INTEGER_KEYS = ("max_tokens", "max_completion_tokens", "n", "seed", "top_k", "min_tokens", "best_of", "top_logprobs",
+                "prompt_logprobs", "truncate_prompt_tokens")
+
+
+def _whole_numbers(body: dict, kind: str) -> dict:
+    """The body with its integer fields' whole-number floats as integers: vLLM's pydantic
+    models take max_tokens 100.0 as 100 (100.5 is still refused below)."""
+    keys = INTEGER_KEYS + (("logprobs",) if kind == "completion" else ())  # chat's logprobs is a flag
+    whole = {k: int(v) for k in keys if isinstance(v := body.get(k), float) and v.is_integer()}
+    return {**body, **whole} if whole else body
+
+
 def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_model_len: int,
                      defaults: SamplingDefaults = SamplingDefaults(), vocab_size: int | None = None,
                      decode=None) -> Request:
@@ -410,6 +422,7 @@ def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_mode
     token-id prompt's text, for echo."""
     check_keys(body, "completion")
     check_model(body, served)
+    body = _whole_numbers(body, "completion")
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
@@ -493,6 +506,7 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
     tool_parser, reasoning_parser = chat_parsers(tool_parser, reasoning_parser)
     check_keys(body, "chat")
     check_model(body, served)
+    body = _whole_numbers(body, "chat")
     if body.get("echo") not in (None, False):
         raise APIError("echo is supported for completions only", param="echo")
     try:
