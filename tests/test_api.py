@@ -618,8 +618,16 @@ def test_generate_without_parameters_takes_the_models_generation_config(llm, hf_
     # "none" (vLLM's "vllm") reads none of the file's sampling values: a bad one does not stop the load
     assert LLM(folder, device="cpu", dtype="float32", generation_config="none").default_sampling_params() == \
         SamplingParams()
-    with pytest.raises(UsageError, match="generation_config must be 'auto' or 'none', got 'vllm'"):
-        LLM(folder, device="cpu", dtype="float32", generation_config="vllm")
+    assert LLM(folder, device="cpu", dtype="float32", generation_config="vllm").default_sampling_params() == \
+        SamplingParams()
+    # a folder's generation_config.json (vLLM's third form); a folder without one is refused
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with pytest.raises(UsageError, match="generation_config must be 'auto', 'none' .* or a folder with a generation_config.json"):
+        LLM(folder, device="cpu", dtype="float32", generation_config=str(elsewhere))
+    (elsewhere / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3, "top_k": 5}))
+    assert LLM(folder, device="cpu", dtype="float32", generation_config=str(elsewhere)).default_sampling_params() \
+        == SamplingParams(max_new_tokens=3, top_k=5, temperature=1.0)
     # filters without a temperature are for transformers' (and vLLM's) 1, unless do_sample is false
     path.write_text(json.dumps({**config, "top_k": 20}))
     assert LLM(folder, device="cpu", dtype="float32").default_sampling_params() == \

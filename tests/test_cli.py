@@ -196,6 +196,19 @@ def test_options_left_out_take_the_models_generation_config(capsys, broken, mode
     rc, out, err = run(capsys, prompt, "--model", broken, "--device", "cpu", "--json", "--ignore-eos",
                        "--generation-config", "none")
     assert rc == 0 and len(json.loads(out)["token_ids"]) == 128 and "generation_config" not in err
+    # vLLM's other values: vllm (none's name there) and a folder of its own
+    rc, out, err = run(capsys, prompt, "--model", broken, "--device", "cpu", "--json", "--ignore-eos",
+                       "--generation-config", "vllm", "--max-new-tokens", 4)
+    assert rc == 0 and len(json.loads(out)["token_ids"]) == 4 and "generation_config" not in err
+    other = broken.parent / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"max_new_tokens": 2}))
+    rc, out, err = run(capsys, prompt, "--model", broken, "--device", "cpu", "--json", "--ignore-eos",
+                       "--generation-config", other)
+    assert rc == 0 and len(json.loads(out)["token_ids"]) == 2, err
+    assert f"max_new_tokens 2 from {other}/generation_config.json" in err
+    assert_error(*run(capsys, prompt, "--model", broken, "--device", "cpu", "--generation-config", broken.parent),
+                 2, "--generation-config must be 'auto', 'none'")
     path.write_text(json.dumps({**config, "top_p": 0}))
     assert_error(*run(capsys, prompt, "--model", broken, "--device", "cpu"), 2, "generation_config.json", "top_p")
     # none reads no sampling value of the file, so a bad one does not keep the model from loading
@@ -1275,7 +1288,8 @@ def test_model_flags_reach_the_engine(monkeypatch):
         "--generation-config", "none"]))
     assert got == dict(model="m", draft_model="d", method="dflash", budget=8, max_budget=32, device="cpu",
                        dtype="bfloat16", max_model_len=100, cuda_graphs=False, draft_mode="scaled", tp=2,
-                       quantization="fp8", max_batch=3, enable_prefix_caching=False, generation_config="none")
+                       quantization="fp8", max_batch=3, enable_prefix_caching=False, generation_config="none",
+                       seed=None)
 
 
 def test_a_malformed_file_is_named_with_its_folder(capsys, model, tmp_path):

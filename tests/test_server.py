@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 from dataclasses import replace
@@ -328,6 +329,10 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": 0, "max_completion_tokens": 2}, 400,
      "max_tokens"),
     ("/v1/completions", {"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 1}, 400, "min_tokens"),
+    # vLLM's priority needs its priority scheduling (requests run in arrival order); request_id is a string
+    ("/v1/completions", {"prompt": "x", "priority": 1}, 400, "priority"),
+    ("/v1/completions", {"prompt": "x", "request_id": 5}, 400, "request_id"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "request_id": ""}, 400, "request_id"),
     # a whole-number float is taken as its integer, a fraction is not
     ("/v1/completions", {"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 1.5}, 400, "n"),
@@ -945,6 +950,20 @@ def test_whole_number_floats_are_taken_as_integers(client):
     r = client.post("/v1/chat/completions", json=chat)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 1
+
+
+def test_an_answer_takes_the_id_its_request_gives(client):
+    """vLLM's request_id field (and its X-Request-Id header, which wins) name the answer:
+    "cmpl-ID" / "chatcmpl-ID", whole and streamed; priority 0 (the default) is taken."""
+    body = {"prompt": PROMPT, "max_tokens": 2, "request_id": "job-7", "priority": 0}
+    assert client.post("/v1/completions", json=body).json()["id"] == "cmpl-job-7"
+    assert client.post("/v1/completions", json=body, headers={"X-Request-Id": "hdr"}).json()["id"] == "cmpl-hdr"
+    streamed = events(client.post("/v1/completions", json={**body, "stream": True}))
+    assert {e["id"] for e in streamed if isinstance(e, dict)} == {"cmpl-job-7"}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "request_id": "c1"}
+    assert client.post("/v1/chat/completions", json=chat).json()["id"] == "chatcmpl-c1"
+    ids = {client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}).json()["id"] for _ in range(2)}
+    assert len(ids) == 2  # without one, each answer's own
 
 
 def test_blank_bad_words_ban_nothing():
@@ -2328,17 +2347,27 @@ def served(monkeypatch, llm, *argv) -> dict:
 
     def build_app_(*args, **kwargs):  # its arguments by name
         got["app"] = inspect.signature(build_app).bind(*args, **kwargs).arguments
-        return object()
+        return types.SimpleNamespace(state=types.SimpleNamespace(shutdown=lambda: None))
 
     def config(app, **kwargs):
         got["uvicorn"] = kwargs
         raise Started
 
-    monkeypatch.setattr(treeflash.cli, "make_llm", lambda args: llm)
+    def make_llm(args, **kw):
+        got["llm"] = kw
+        if "port" in got:  # the port is held while the model loads: another process cannot take it
+            with socket.socket() as other, pytest.raises(OSError):
+                other.bind(("127.0.0.1", got["port"]))
+        return llm
+
+    monkeypatch.setattr(treeflash.cli, "make_llm", make_llm)
     monkeypatch.setattr(treeflash.server.cli, "warm_up", lambda *args: None)
     monkeypatch.setattr(treeflash.server.app, "build_app", build_app_)
     monkeypatch.setattr(uvicorn, "Config", config)
-    main(["serve", "--port", str(_free_port()), *argv])
+    if not any(a.startswith("--host") for a in argv):
+        got["port"] = _free_port()
+    main(["serve", "--port", str(got.get("port") or _free_port()), *argv])
+    got.pop("port", None)
     return got
 
 
@@ -2397,8 +2426,82 @@ def test_serve_generation_config_none_leaves_the_models_defaults_out(monkeypatch
         SamplingDefaults()
 
 
+def test_serve_takes_vllms_spellings_of_its_options(monkeypatch, llm, chat_model, capsys):
+    """A `vllm serve` command line runs as it is: the model as its first argument,
+    --max-num-seqs, --tensor-parallel-size, --seed (the seeds of requests that give
+    none), $VLLM_API_KEY, --enable-auto-tool-choice (with a parser, as vLLM asks),
+    --uvicorn-log-level and --root-path."""
+    from treeflash.cli import build_parser
+    args = build_parser().parse_args(["serve", "m", "--max-num-seqs", "3", "--tensor-parallel-size", "2"])
+    assert (args.model_path, args.max_batch, args.tp) == ("m", 3, 2)
+    assert build_parser().parse_args(["serve", "-tp", "4"]).tp == 4
+    got = served(monkeypatch, llm, str(chat_model), "--seed", "5", "--uvicorn-log-level", "info",
+                 "--root-path", "/api", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    assert got["app"]["model_name"] == chat_model.name and got["app"]["tool_parser"] == "hermes"
+    assert got["llm"] == {"seed": 5}
+    assert (got["uvicorn"]["log_level"], got["uvicorn"]["root_path"]) == ("info", "/api")
+    monkeypatch.delenv("TREEFLASH_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "v")
+    assert served(monkeypatch, llm)["app"]["api_key"] == "v"
+    monkeypatch.setenv("TREEFLASH_API_KEY", "t")  # ours first
+    assert served(monkeypatch, llm)["app"]["api_key"] == "t"
+    capsys.readouterr()
+    assert served(monkeypatch, llm, "--enable-auto-tool-choice") == {}
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+    assert served(monkeypatch, llm, str(chat_model), "--model", "other") == {}
+    assert "two models given" in capsys.readouterr().err
+
+
+def test_serve_takes_a_chat_template_as_a_file_or_as_text(monkeypatch, llm, tmp_path, capsys):
+    """--chat-template (vLLM's) gives a model without one, the built-in pair for one, a
+    chat API: a Jinja file or the template itself, with the model's special tokens."""
+    from treeflash.files import tokenizer_settings
+    source = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{{ eos_token }}"
+    (tmp_path / "t.jinja").write_text(source)
+    eos = ChatTemplate.special_tokens_of(tokenizer_settings(builtin_paths()[0])).get("eos_token", "")
+    for given in (str(tmp_path / "t.jinja"), source):
+        template = served(monkeypatch, llm, "--chat-template", given)["app"]["chat_template"]
+        assert template.render([{"role": "user", "content": "hi"}]) == "<user>hi" + eos
+    capsys.readouterr()
+    assert served(monkeypatch, llm, "--chat-template", str(tmp_path / "missing.jinja")) == {}
+    assert "chat template: no file" in capsys.readouterr().err
+    assert served(monkeypatch, llm, "--chat-template", "{% for %}") == {}
+    assert "treeflash: error:" in capsys.readouterr().err
+
+
+def test_serve_reads_sampling_defaults_from_vllms_generation_config_values(monkeypatch, llm, tmp_path, capsys):
+    """--generation-config vllm is vLLM's name for none; a folder gives its own
+    generation_config.json; a folder without one is refused in one line."""
+    from treeflash.server.protocol import SamplingDefaults
+    folder = tmp_path / "m"
+    shutil.copytree(builtin_paths()[0], folder)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.6}))
+    other = tmp_path / "g"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_k": 7}))
+    assert served(monkeypatch, llm, "--model", str(folder), "--generation-config", "vllm")["app"]["defaults"] == \
+        SamplingDefaults()
+    assert served(monkeypatch, llm, "--model", str(folder), "--generation-config", str(other))["app"]["defaults"] \
+        == SamplingDefaults(temperature=0.3, top_k=7)
+    capsys.readouterr()
+    assert served(monkeypatch, llm, "--generation-config", str(tmp_path)) == {}
+    assert "--generation-config must be 'auto', 'none' (vLLM's 'vllm') or a folder" in capsys.readouterr().err
+
+
+def test_serve_says_its_ipv6_address_in_brackets():
+    from treeflash.server.cli import _url
+    assert (_url("::1", 8000), _url("127.0.0.1", 80)) == ("http://[::1]:8000/v1", "http://127.0.0.1:80/v1")
+
+
 def test_serve_access_log_is_on_unless_disabled(monkeypatch, llm):
     assert served(monkeypatch, llm)["uvicorn"]["access_log"] is True
+    import logging
+    from treeflash.server.cli import _not_polling
+    keep = _not_polling("/x")  # health checks stay out of the log behind a proxy's prefix too
+    line = lambda path: logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',  # noqa
+                                          ("h", "GET", path, "1.1", 200), None)
+    assert [keep(line(p)) for p in ("/x/health", "/x/metrics", "/x/v1/models", "/health")] == \
+        [False, False, True, False]
     assert served(monkeypatch, llm, "--disable-uvicorn-access-log")["uvicorn"]["access_log"] is False
 
 
@@ -2611,7 +2714,7 @@ def test_serve_may_listen_again_on_a_port_a_server_just_closed():
     """A restarted server takes its port at once though the last one's connections are
     in TIME_WAIT, as uvicorn binds it (SO_REUSEADDR): the check before loading does not
     refuse it."""
-    from treeflash.server.cli import _check_listen
+    from treeflash.server.cli import _bound_socket
     with socket.socket() as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", 0))
@@ -2621,7 +2724,7 @@ def test_serve_may_listen_again_on_a_port_a_server_just_closed():
             conn, _ = listener.accept()
             conn.close()  # the server's side closes first: its port stays in TIME_WAIT
             client.recv(1)
-    _check_listen("127.0.0.1", port)
+    _bound_socket("127.0.0.1", port).close()
 
 
 def test_serve_passes_max_batch_and_a_hub_ids_served_name_on(monkeypatch, llm, tmp_path):
@@ -2762,6 +2865,26 @@ def test_a_batch_takes_requests_up_to_max_batch_prompts(fake_worker):
     full.cancel()
     assert [o.text for o in behind.future.result(30)] == ["5"]
     assert fake.calls == [[9], [1, 2, 3, 4], [5]]
+
+
+def test_running_requests_leave_the_gauge_as_they_end(fake_worker):
+    """A batch runs until its last request ends; the requests_running gauge counts only
+    those not answered yet, not the whole batch."""
+    fake, worker, job = fake_worker
+    plug = job([9])
+    worker.jobs.put(plug)
+    _wait(lambda: fake.calls)  # inside generate, held by the gate
+    short, long = job([1]), job([2], tokens=100000)
+    worker.jobs.put(short)
+    worker.jobs.put(long)
+    fake.gate.set()
+    _wait(lambda: long.started)
+    assert [o.text for o in short.future.result(30)] == ["1"]
+    assert worker.running == [short, long] and worker.in_flight() == 1
+    assert "treeflash_requests_running 1" in worker.metrics.render(running=worker.in_flight(), waiting=0,
+                                                                  graph_captures=0)
+    long.cancel()
+    _wait(lambda: worker.in_flight() == 0)
 
 
 def test_metrics_report_the_engines_graph_captures(client, llm, monkeypatch):

@@ -232,6 +232,23 @@ class ChatTemplate:
         sources = cls.sources(folder, config)
         return None if sources is None else cls(sources[0], cls.special_tokens_of(config), sources[1])
 
+    @classmethod
+    def given(cls, source: str, folder: str | Path) -> "ChatTemplate":
+        """A template given instead of the model's (vLLM's --chat-template): a Jinja file's
+        path, or the template itself; with the special tokens of the model's folder."""
+        try:
+            text = Path(source).read_text(encoding="utf-8") if Path(source).is_file() else None
+        except (OSError, UnicodeDecodeError) as e:  # (a name too long for a path is a template)
+            if isinstance(e, UnicodeDecodeError):
+                raise UsageError(f"chat template {source}: not UTF-8 text") from None
+            text = None
+        if text is None and not any(c in source for c in "{}\n"):
+            raise UsageError(f"chat template: no file {source} (nor a template: it has no {{ }})")
+        try:
+            return cls(source if text is None else text, cls.special_tokens_of(tokenizer_settings(folder)))
+        except TreeflashError as e:
+            raise UsageError(str(e)) from None
+
     @staticmethod
     def special_tokens_of(config: dict) -> dict:
         """A tokenizer_config.json's special tokens as a template names them: set ones only

@@ -187,7 +187,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (they are on by default on CUDA)")
     p.add_argument("--draft-mode", choices=["scaled", "coupled"],
                    help="trees at T > 0: temperature-scaled draft, or coupled to the target's noise (default coupled)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: N processes, one per GPU "
+    p.add_argument("--tp", "--tensor-parallel-size", "-tp", type=int, default=1, help="tensor-parallel size: N processes, one per GPU "
                                                      "(gloo on CPU); under torchrun, WORLD_SIZE")
     p.add_argument("--quantization", choices=["fp8"],
                    help="fp8: the target's layers in FP8 (128 x 128 blocks), quantized while loading a checkpoint "
@@ -204,9 +204,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, help="nucleus sampling, in (0, 1]" + _FROM_MODEL + "1")
     p.add_argument("--min-p", type=float, help="keep tokens at least this times as likely as the most likely one "
                                                 "(0 = off)" + _FROM_MODEL + "off")
-    p.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+    p.add_argument("--generation-config", default="auto", metavar="auto|none|FOLDER",
                    help="auto (default): options left out take the model's generation_config.json values, as "
-                        "LLM.generate, the server and vLLM do; none: greedy, 128 tokens, no filters or penalty")
+                        "LLM.generate, the server and vLLM do; none (vLLM's vllm): greedy, 128 tokens, no filters "
+                        "or penalty; a folder: its generation_config.json's")
     p.add_argument("--seed", type=int, help="per-request seed (same seed, same tokens; -1: none, as vLLM's)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stop-token-id", type=int, action="append", default=[], dest="stop_token_ids",
@@ -238,7 +239,7 @@ def add_structured_args(p) -> None:
     g.add_argument("--json-object", action="store_true", help="the text is a JSON object (nesting at most 4 deep)")
 
 
-def make_llm(args):
+def make_llm(args, seed: int | None = None):
     from treeflash import LLM
     if args.method == "ar" and args.draft_model is not None:  # it would load, and draft nothing
         raise UsageError("--draft-model drafts for --method dflash and ddtree: leave it out with --method ar")
@@ -246,7 +247,8 @@ def make_llm(args):
                device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, tp=getattr(args, "tp", 1),
                draft_mode=args.draft_mode, cuda_graphs=not args.eager, max_budget=args.max_budget,
                enable_prefix_caching=getattr(args, "enable_prefix_caching", False), max_batch=args.max_batch,
-               quantization=args.quantization, generation_config=getattr(args, "generation_config", "auto"))
+               quantization=args.quantization, generation_config=getattr(args, "generation_config", "auto"),
+               seed=seed)
 
 
 def sampling_from(args, model_defaults: dict | None = None):
@@ -268,10 +270,11 @@ def sampling_from(args, model_defaults: dict | None = None):
 def model_sampling_defaults(args) -> dict:
     """The model's generation_config.json values for the options left out (with a note
     saying which apply), or none with --generation-config none."""
-    from treeflash.sampling_params import SamplingParams, generation_defaults
-    if args.generation_config == "none":
+    from treeflash.sampling_params import SamplingParams, generation_defaults, generation_folder
+    folder = generation_folder(args.generation_config, target_folder(args), "--generation-config")
+    if folder is None:
         return {}
-    got = generation_defaults(target_folder(args))
+    got = generation_defaults(folder)
     applied = {k: v for k, v in got.items() if getattr(args, k) is None}
     if (args.temperature if args.temperature is not None else got.get("temperature", 0)) == 0:
         applied = {k: v for k, v in applied.items() if k not in ("top_k", "top_p", "min_p")}  # greedy: moot
@@ -279,7 +282,8 @@ def model_sampling_defaults(args) -> dict:
     applied = {k: v for k, v in applied.items() if v != getattr(plain, k)}  # (do_sample false: greedy, as without)
     if applied:
         told = ", ".join(f"{k} {v}" for k, v in applied.items())
-        print(f"treeflash: note: {told} from the model's generation_config.json (--generation-config none "
+        whose = "the model's " if args.generation_config == "auto" else f"{folder}/"
+        print(f"treeflash: note: {told} from {whose}generation_config.json (--generation-config none "
               f"leaves them out)", file=sys.stderr)
     return got
 
@@ -488,6 +492,10 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("no command given (try: treeflash generate --help)")
         if sys.stdout is None and args.command in ("generate", "bench"):  # started with it closed (`>&-`):
             raise TreeflashError("cannot write standard output: it is closed")  # their results go there
+        if getattr(args, "model_path", None):  # `treeflash serve MODEL`, as `vllm serve MODEL`
+            if args.model not in (None, args.model_path):
+                raise UsageError(f"two models given: {args.model_path} and --model {args.model} (give one)")
+            args.model = args.model_path
         args.model_id = getattr(args, "model", None)  # as given: a hub id is served under its name
         for name in ("model", "draft_model", "target", "tokenizer"):  # a hub id: its Hugging Face cache's copy
             if getattr(args, name, None):

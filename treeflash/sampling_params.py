@@ -300,6 +300,20 @@ def _as_in_vllm(init):
 SamplingParams.__init__ = _as_in_vllm(SamplingParams.__init__)
 
 
+def generation_folder(source: str | Path, model: str | Path, name: str = "generation_config") -> Path | None:
+    """Where sampling defaults come from, as vLLM's generation_config reads: "auto" the
+    model's folder, "none" (vLLM's "vllm") no file, else a folder holding a
+    generation_config.json (`name`: the option's, for its error)."""
+    if source == "auto":
+        return Path(model)
+    if source in ("none", "vllm"):
+        return None
+    if not isinstance(source, (str, Path)) or not (Path(source) / "generation_config.json").is_file():
+        raise UsageError(f"{name} must be 'auto', 'none' (vLLM's 'vllm') or a folder with a "
+                         f"generation_config.json, got {shown(source)}")
+    return Path(source)
+
+
 def generation_defaults(folder: str | Path) -> dict:
     """The sampling values a model's generation_config.json asks for, as `SamplingParams`
     fields (only those it gives): what vLLM's `LLM` and server use where the caller gives

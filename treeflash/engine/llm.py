@@ -39,7 +39,8 @@ from treeflash.models.loader import (build_on, check_model_size, check_sizes, lo
 from treeflash.models.transformer import CausalLM
 from treeflash.files import model_folder, tokenizer_settings
 from treeflash.memory import check_weights_fit, peak_rss_bytes, reset_peak_rss, rss_bytes
-from treeflash.sampling_params import MAX_LOGPROBS, SamplingParams, generation_defaults, truncation_error
+from treeflash.sampling_params import (MAX_LOGPROBS, SamplingParams, generation_defaults, generation_folder,
+                                       truncation_error)
 from treeflash.tokenizer import Tokenizer
 
 
@@ -237,8 +238,8 @@ class LLM:
     an FP8 checkpoint would hold them (vLLM's `--quantization fp8`, with DeepSeek-V3's
     blocks); an FP8 checkpoint loads as it is either way.
     generation_config: "auto" (default) samples, where `generate` is given no parameters,
-    with the values of the model's generation_config.json, as vLLM's; "none" ignores
-    them (vLLM's "vllm"): SamplingParams' defaults.
+    with the values of the model's generation_config.json, as vLLM's; "none" (or vLLM's
+    "vllm") ignores them: SamplingParams' defaults; a folder: its generation_config.json's.
     tensor_parallel_size, enforce_eager, max_num_seqs: vLLM's names for tp, not
     cuda_graphs and max_batch, so that code written for vLLM runs as it is; its
     trust_remote_code is taken (no code from a checkpoint is ever run), its tokenizer
@@ -321,10 +322,9 @@ class LLM:
                                      f"vocabulary of {self.config.vocab_size} tokens")
         self.rules = RequestRules(self.tokenizer, self.config.vocab_size,  # shared by `with_method`
                                   sorted(set(self.tokenizer.eos_token_ids) | set(self.config.eos_token_ids)))
-        if generation_config not in ("auto", "none"):
-            raise UsageError(f"generation_config must be 'auto' or 'none', got {generation_config!r}")
         # a bad value fails here, not at generate
-        self.generation_defaults = generation_defaults(model) if generation_config == "auto" else {}
+        defaults_from = generation_folder(generation_config, model)
+        self.generation_defaults = generation_defaults(defaults_from) if defaults_from else {}
         dcfg = None
         if draft_model is not None:
             dcfg = DraftConfig.from_pretrained(draft_model)

@@ -183,6 +183,11 @@ class EngineWorker:
         with self.jobs.mutex:
             return sum(job is not None and not job.cancelled for job in self.jobs.queue)
 
+    def in_flight(self) -> int:
+        """Requests of the running batch not answered yet (a batch runs on until its last
+        request ends, keeping those that ended before it)."""
+        return sum(not job.settled for job in self.running)
+
     def drain(self) -> None:
         """Shutting down (any thread): fail the queued jobs and end the running ones at
         their next round, all answered 503."""
@@ -446,6 +451,8 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         loop = asyncio.get_running_loop()
         reader = pool("long", LONG_BODY_THREADS) if size > LONG_BODY_BYTES else None  # None: asyncio's own
         req = await loop.run_in_executor(reader, parse, body)
+        if header_id := request.headers.get("x-request-id", "")[:256]:  # vLLM's: the answer's id
+            req = replace(req, id=header_id)
         if not llm.would_compile(req.params):
             await loop.run_in_executor(reader, check, req, body)
             return req
@@ -564,7 +571,7 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
 
     async def metrics(_):
         w = worker()
-        text = w.metrics.render(running=len(w.running), waiting=w.waiting(), graph_captures=llm.graph_captures)
+        text = w.metrics.render(running=w.in_flight(), waiting=w.waiting(), graph_captures=llm.graph_captures)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def http_error(_, exc: HTTPException):  # unknown paths, wrong methods: OpenAI bodies too

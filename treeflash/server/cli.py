@@ -17,28 +17,35 @@ from treeflash.server.answers import REASONING_PARSERS, TOOL_PARSERS, chat_parse
 def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
     s = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, "
                                             "/v1/chat/completions, /v1/models)")
+    s.add_argument("model_path", nargs="?", metavar="MODEL", help="the target, as in vLLM's `vllm serve MODEL` "
+                                                                   "(the same as --model)")
     add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     s.add_argument("--served-model-name", nargs="+", help="the model names clients may send, the first one in "
                    "responses (default: the model folder's name, treeflash-builtin for the built-in "
                         "pair, and --model as given)")
-    s.add_argument("--max-batch", type=int, default=1,
-                   help="prompts generated together when requests queue up (default 1: lowest latency)")
-    s.add_argument("--api-key", default=os.environ.get("TREEFLASH_API_KEY"),
-                   help="answer /v1 requests only with 'Authorization: Bearer <key>' (default: $TREEFLASH_API_KEY; "
-                        "none: no key)")
+    s.add_argument("--max-batch", "--max-num-seqs", type=int, default=1,
+                   help="prompts generated together when requests queue up (default 1: lowest latency); a batch "
+                        "runs until all its requests end: requests that come meanwhile wait for the next one")
+    s.add_argument("--api-key", default=os.environ.get("TREEFLASH_API_KEY") or os.environ.get("VLLM_API_KEY"),
+                   help="answer /v1 requests only with 'Authorization: Bearer <key>' (default: $TREEFLASH_API_KEY, "
+                        "else vLLM's $VLLM_API_KEY; none: no key)")
+    s.add_argument("--seed", type=int, dest="engine_seed", help="where the seeds of sampled requests that give none come from, so "
+                                            "that a server's answers repeat from start to start (default: fresh)")
+    s.add_argument("--chat-template", metavar="FILE|TEMPLATE",
+                   help="the chat template: a Jinja file, or the template itself (default: the model's own)")
     s.add_argument("--enable-prefix-caching", action="store_true",
                    help="a chat's next turn prefills only its new tokens (the conversation so far stays in the "
                         "caches; see README)")
     s.add_argument("--allowed-origins", nargs="*", default=["*"],
                    help="origins whose browser pages may call the server (CORS; default: any, as vLLM; "
                         "none given: no CORS headers)")
-    s.add_argument("--generation-config", choices=("auto", "none"), default="auto",
+    s.add_argument("--generation-config", default="auto", metavar="auto|none|FOLDER",
                    help="sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) for requests that "
                         "leave them out: "
-                        "auto takes the model's generation_config.json, as vLLM does; none: OpenAI's "
-                        "(temperature 1, top_p 1)")
+                        "auto takes the model's generation_config.json, as vLLM does; none (vLLM's vllm): OpenAI's "
+                        "(temperature 1, top_p 1); a folder: its generation_config.json's")
     s.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    help="chat answers' <think>...</think> as the message's reasoning_content, apart from its "
                         "content (qwen3: when the answer opens the block, as Qwen3's hybrid models; deepseek_r1: "
@@ -52,23 +59,43 @@ def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
                         "to functions.NAME, with --reasoning-parser openai_gptoss, which it implies). A "
                         "tool_choice that forces a call ('required' or a named function) needs no parser: the "
                         "answer is constrained to the calls")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's switch for tool_choice 'auto': here --tool-call-parser alone allows it, and this "
+                        "flag needs one")
     s.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no line per request on stdout (as vLLM's flag; /health and /metrics are never logged)")
+    s.add_argument("--uvicorn-log-level", default="warning",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="uvicorn's own messages (default warning; the access log is --disable-uvicorn-access-log's)")
+    s.add_argument("--root-path", default="", help="the path prefix a proxy in front of the server strips "
+                                                   "(ASGI's root_path, as vLLM's flag)")
     s.set_defaults(func=cmd_serve)
     return s
 
 
-def _check_listen(host: str, port: int) -> None:
-    """Fail before the model loads, not after, when the address cannot be used."""
+def _bound_socket(host: str, port: int) -> socket.socket:
+    """The listening address, bound before the model loads: an address that cannot be
+    used fails now, not after, and no other process takes the port meanwhile (uvicorn
+    serves on this socket)."""
     if not 1 <= port <= 65535:
         raise UsageError(f"--port must be in 1..65535, got {port}")
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
+        sock = socket.socket(family, socket.SOCK_STREAM)
     except OSError as e:
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def _url(host: str, port: int) -> str:
+    """The server's address as a URL (an IPv6 host in brackets)."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
 
 
 def warm_up(llm, defaults=None) -> None:
@@ -101,38 +128,61 @@ def cmd_serve(args) -> int:
         from treeflash.server.app import build_app
         from treeflash.chat import ChatTemplate
         from treeflash.server.protocol import SamplingDefaults
+        from treeflash.sampling_params import generation_folder
     except ImportError as e:
         raise UsageError(f"treeflash serve needs the server packages ({e.name} is missing): "
                          f"pip install 'treeflash[serve]'") from None
     from treeflash.cli import make_llm, target_folder
     if args.max_batch < 1:
         raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise UsageError("--enable-auto-tool-choice needs --tool-call-parser (the format of the answer's calls)")
     args.tool_call_parser, args.reasoning_parser = chat_parsers(args.tool_call_parser, args.reasoning_parser)
-    _check_listen(args.host, args.port)
     if args.served_model_name and not all(n.strip() for n in args.served_model_name):
         raise UsageError("--served-model-name: a model name cannot be empty (clients send it as \"model\")")
     folder = target_folder(args)
-    template = ChatTemplate.from_folder(folder)  # a broken template fails here, before the load
+    # a broken template fails here, before the load
+    template = ChatTemplate.from_folder(folder) if args.chat_template is None else \
+        ChatTemplate.given(args.chat_template, folder)
     for flag, given in (("--tool-call-parser", args.tool_call_parser), ("--reasoning-parser", args.reasoning_parser)):
         if given and template is None:
             raise UsageError(f"{flag} needs a model with a chat template (it acts on chat answers)")
-    defaults = SamplingDefaults.from_folder(folder) if args.generation_config == "auto" else SamplingDefaults()
+    defaults_from = generation_folder(args.generation_config, folder, "--generation-config")
+    defaults = SamplingDefaults.from_folder(defaults_from) if defaults_from else SamplingDefaults()
     if args.model and args.model != args.model_id:  # a hub id, read from its cache: served under the id (vLLM)
         names = args.served_model_name or [args.model_id]
     else:
         names = args.served_model_name or [folder.resolve().name if args.model else "treeflash-builtin",
                                            *([args.model] if args.model else [])]
     name, aliases = names[0], tuple(n for n in dict.fromkeys(names[1:]) if n != names[0])
-    llm = make_llm(args)
-    warm_up(llm, defaults)
-    print(f"treeflash: serving '{name}' ({llm.method}) on http://{args.host}:{args.port}/v1"
-          f"{'' if template else ' (no chat template: /v1/completions only)'}", file=sys.stderr, flush=True)
-    if defaults != SamplingDefaults():
-        print(f"treeflash: requests that leave them out get {defaults.describe()} (generation_config.json; "
-              f"--generation-config none for OpenAI's)", file=sys.stderr, flush=True)
-    app = build_app(llm, name, template, args.max_batch, defaults, args.api_key or None, aliases,
-                    tuple(args.allowed_origins), args.tool_call_parser, args.reasoning_parser)
+    with _bound_socket(args.host, args.port) as sock:  # held while the model loads: the port stays ours
+        llm = make_llm(args, seed=args.engine_seed)
+        warm_up(llm, defaults)
+        print(f"treeflash: serving '{name}' ({llm.method}) on {_url(args.host, args.port)}"
+              f"{'' if template else ' (no chat template: /v1/completions only)'}", file=sys.stderr, flush=True)
+        if defaults != SamplingDefaults():
+            print(f"treeflash: requests that leave them out get {defaults.describe()} (generation_config.json; "
+                  f"--generation-config none for OpenAI's)", file=sys.stderr, flush=True)
+        app = build_app(llm, name, template, args.max_batch, defaults, args.api_key or None, aliases,
+                        tuple(args.allowed_origins), args.tool_call_parser, args.reasoning_parser)
+        try:
+            _run_uvicorn(uvicorn, app, sock, args)
+        finally:
+            app.state.shutdown()
+    return 0
 
+
+def _not_polling(root_path: str):
+    """An access-log filter that leaves out /health and /metrics, which monitors poll (the
+    path as logged begins with the root path)."""
+    def keep(record) -> bool:
+        path = str(record.args[2] if len(record.args) > 2 else "").removeprefix(root_path)
+        return not path.startswith(("/health", "/metrics"))
+    return keep
+
+
+def _run_uvicorn(uvicorn, app, sock: socket.socket, args) -> None:
+    """Serve `app` on `sock` with `uvicorn` (the module) until a signal ends the server."""
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGTERM / Ctrl-C: running and queued requests end now (503)
             if self.should_exit and sig == signal.SIGINT:  # a second Ctrl-C: exit now, as uvicorn does,
@@ -145,15 +195,11 @@ def cmd_serve(args) -> int:
             threading.Thread(target=app.state.drain, name="treeflash-drain", daemon=True).start()
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5,
-                            access_log=not args.disable_uvicorn_access_log)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=5, access_log=not args.disable_uvicorn_access_log,
+                            root_path=args.root_path)
     if config.access_log:  # one line per API request, as vLLM prints; not uvicorn's other info lines
         access = logging.getLogger("uvicorn.access")
         access.setLevel(logging.INFO)
-        access.addFilter(lambda record: not str(record.args[2] if len(record.args) > 2 else "").startswith(
-            ("/health", "/metrics")))
-    try:
-        Server(config).run()
-    finally:
-        app.state.shutdown()
-    return 0
+        access.addFilter(_not_polling(args.root_path))
+    Server(config).run(sockets=[sock])

@@ -50,7 +50,7 @@ SAMPLING_KEYS = {"model", "max_tokens", "max_completion_tokens", "temperature", 
                  "include_stop_str_in_output", "stream", "stream_options", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "truncate_prompt_tokens", "user", "metadata", "store",
                  "service_tier", "safety_identifier", "prompt_cache_key", "parallel_tool_calls", "bad_words",
-                 "prompt_logprobs", *STRUCTURED_KEYS}
+                 "prompt_logprobs", "request_id", "priority", *STRUCTURED_KEYS}
 # OpenAI's keys in SAMPLING_KEYS checked here only for their type (bookkeeping, and
 # parallel_tool_calls, which chat's tool calls read).
 BOOKKEEPING = (("user", str, "a string"), ("metadata", dict, "an object of strings"),
@@ -458,7 +458,7 @@ def parse_completion(body: dict, served: str | tuple[str, ...], encode, max_mode
         params = replace(params, prompt_logprobs=params.logprobs)  # scoring a text, as lm-eval does
     params, k = _with_prompt_logprobs(body, params, stream)
     return Request("completion", ids, params, stream, include_usage, _choices(body, len(ids)), echo=echo,
-                   continuous_usage=continuous, prompt_logprobs=k, echo_only=echo_only)
+                   continuous_usage=continuous, prompt_logprobs=k, echo_only=echo_only, id=request_id(body))
 
 
 def _with_prompt_logprobs(body: dict, params: SamplingParams, stream: bool) -> tuple[SamplingParams, int | None]:
@@ -485,6 +485,21 @@ def _truncation(body: dict, max_model_len: int) -> int | None:
         raise APIError("'truncate_prompt_tokens' must be >= 1, or -1 (as many as fit)",
                        param="truncate_prompt_tokens")
     return k
+
+
+def request_id(body: dict) -> str:
+    """The id an answer has after its "cmpl-" or "chatcmpl-": vLLM's request_id field, else
+    a new one (the server's X-Request-Id header wins over both, as in vLLM). vLLM's
+    priority is checked here too: requests run in arrival order, so only 0 (the default)
+    is taken."""
+    if _number(body, "priority", 0, int) != 0:
+        raise APIError("priority scheduling is not enabled: requests run in arrival order (priority must be 0)",
+                       param="priority")
+    given = body.get("request_id")
+    if given is not None and not (isinstance(given, str) and given and given.isprintable() and len(given) <= 256):
+        raise APIError(f"'request_id' must be a string of 1 to 256 printable characters, got {shown(given)}",
+                       param="request_id")
+    return given or uuid.uuid4().hex
 
 
 def _choices(body: dict, prompts: int) -> int:
@@ -553,7 +568,7 @@ def parse_chat(body: dict, served: str | tuple[str, ...], template, encode, max_
     return Request("chat", ids, params, stream, include_usage, _choices(body, 1), tool_calls=reader,
                    reasoning=reasoning_parser, reasoned=reasoned, opened=opened, continuous_usage=continuous,
                    prompt_logprobs=k, one_call=body.get("parallel_tool_calls") is False,
-                   named_call=isinstance(body.get("tool_choice"), dict))
+                   named_call=isinstance(body.get("tool_choice"), dict), id=request_id(body))
 
 
 def left_in_reasoning(text: str, tags: tuple[str | None, str], final: str | None) -> bool | None:
