@@ -149,8 +149,8 @@ def test_stop_strings_kept_in_the_text_on_request(client, stop):
 
 
 def test_stop_string_ties_and_kept_stop_tokens(client, llm):
-    """Stop strings completed at one place by one token: the first listed ends the text
-    (as vLLM checks them in order). A stop token's text is kept with
+    """Stop strings completed by one token: the first listed ends the text (as vLLM
+    checks them in order). A stop token's text is kept with
     include_stop_str_in_output, as vLLM keeps it."""
     prompt = "def add(a, b):"
     first = llm.generate(prompt, SamplingParams(max_new_tokens=1))[0]
@@ -162,6 +162,16 @@ def test_stop_string_ties_and_kept_stop_tokens(client, llm):
             whole = client.post("/v1/completions", json=body).json()["choices"][0]
             streamed = events(client.post("/v1/completions", json={**body, "stream": True}))[:-1]
             assert whole["stop_reason"] == stop[0] and whole["text"] == (stop[0] if include else "")
+            assert "".join(e["choices"][0]["text"] for e in streamed) == whole["text"]
+    # completed by one token, at different places: still the first listed, as vLLM (which
+    # checks each in turn after every token) ends it, not the one that begins first
+    for stop, text in ((["rn", " return"], " retu"), ([" return", "rn"], "")):
+        for include in (False, True):
+            body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": stop,
+                    "include_stop_str_in_output": include}
+            whole = client.post("/v1/completions", json=body).json()["choices"][0]
+            streamed = events(client.post("/v1/completions", json={**body, "stream": True}))[:-1]
+            assert (whole["stop_reason"], whole["text"]) == (stop[0], text + (stop[0] if include else ""))
             assert "".join(e["choices"][0]["text"] for e in streamed) == whole["text"]
     ids = llm.generate(prompt, SamplingParams(max_new_tokens=8)).pop().token_ids
     body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stop_token_ids": [ids[4]]}

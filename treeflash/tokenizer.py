@@ -43,15 +43,16 @@ CONTEXT_TOKENS = 7
 def stop_cut(text: str, stops: list[str], include: bool, start: int = 0,
              ends_after: int = 0) -> tuple[int, str] | None:
     """Where `text` ends for its stop strings (searched from `start`, and ending past
-    `ends_after`: min_tokens' text does not count): the first one to appear (at one
-    place, the first listed), cut at its start, or at its end with `include`. Returns
-    (end, that stop string), or None if none appears."""
-    hits = sorted((h, i, s) for i, s in enumerate(stops)
-                  if (h := text.find(s, max(start, ends_after - len(s) + 1))) >= 0)
-    if not hits:
-        return None
-    at, _, stop = hits[0]
-    return at + (len(stop) if include else 0), stop
+    `ends_after`: min_tokens' text does not count): the first listed of those that
+    appear, cut at its start, or at its end with `include`. Returns (end, that stop
+    string), or None if none appears. The engine ends a request at the first token whose
+    text holds a stop string, so those that appear were all completed by that token, and
+    vLLM, which checks them in order after each token, takes the first listed ("is"
+    before "n is" in " # n is", though "n is" begins first)."""
+    for stop in stops:
+        if (at := text.find(stop, max(start, ends_after - len(stop) + 1))) >= 0:
+            return at + (len(stop) if include else 0), stop
+    return None
 
 
 class Tokenizer:
