@@ -75,7 +75,11 @@ def test_greedy_takes_the_biased_argmax():
     cases = [({}, None, top), ({top: -100.0}, None, int(LOGITS.topk(2).indices[1])), ({4: 100.0}, None, 4),
              ({}, [2, 9], 2), ({2: -1.5}, [2, 9], 9),
              # a bias does not bring back a token that allowed_token_ids left out
-             ({4: 100.0, 2: 5.0}, [2, 9], 2)]
+             ({4: 100.0, 2: 5.0}, [2, 9], 2),
+             # vLLM's own SamplingParams takes any bias (code bans tokens with -1e9 or -inf)
+             ({top: float("-inf")}, None, int(LOGITS.topk(2).indices[1])), ({top: -1e9}, None,
+                                                                           int(LOGITS.topk(2).indices[1])),
+             ({4: 1e30}, None, 4), ({2: float("-inf")}, [2, 9], 9)]
     for bias, allowed, want in cases:
         params = [SamplingParams(logit_bias=bias or None, allowed_token_ids=allowed)]
         sb = SamplingBatch.from_params(params, "cpu", V, [[0] * 5], [set()])
@@ -153,7 +157,7 @@ def test_biased_streams_equal_ar(kind, spec_target, spec_drafter, ar_reference):
              SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0, top_p=0.9, seed=41)]
     free = [ar_reference(target, p, sp).token_ids for p, sp in zip(PROMPTS, plain)]
     allowed = sorted(set(range(0, 259, 3)) | set(free[1][:4]))
-    bias = {free[0][2]: -100.0, free[0][5]: -3.0, 200: 2.5}
+    bias = {free[0][2]: float("-inf"), free[0][5]: -3.0, 200: 2.5}  # -inf: a ban, as vLLM's code writes it
     params = [SamplingParams(max_new_tokens=24, ignore_eos=True, logit_bias=bias),
               SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=1.0, top_p=0.9, seed=41,
                              allowed_token_ids=allowed, logit_bias={allowed[1]: 1.0})]
@@ -246,8 +250,10 @@ def test_stop_strings_wait_for_min_tokens():
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(logit_bias={5: 101.0}), "logit_bias values must be in"),
-    (dict(logit_bias={5: -101.0}), "logit_bias values must be in"),
+    (dict(logit_bias={5: 1e31}), "logit_bias values must be in"),
+    (dict(logit_bias={5: -1e31}), "logit_bias values must be in"),
+    (dict(logit_bias={5: float("inf")}), "logit_bias values must be in"),
+    (dict(logit_bias={5: float("-inf")}, allowed_token_ids=[5]), "bans \\(-inf\\) every token of allowed_token_ids"),
     (dict(logit_bias={5: float("nan")}), "logit_bias values must be in"),
     (dict(logit_bias={5: 10 ** 400}), "logit_bias values must be in"),
     (dict(logit_bias={-1: 1.0}), "logit_bias must map token ids"),
@@ -299,6 +305,8 @@ def test_ids_outside_the_vocabulary_and_impossible_requests(hf_checkpoint):
     # stop tokens that are the whole vocabulary: min_tokens leaves nothing to sample (it took EOS at once)
     with pytest.raises(UsageError, match="min_tokens holds back every token"):
         llm.generate("x", SamplingParams(stop_token_ids=list(range(vocab)), min_tokens=2))
+    with pytest.raises(UsageError, match="logit_bias bans \\(-inf\\) every token of the vocabulary"):
+        llm.generate("x", SamplingParams(logit_bias={t: float("-inf") for t in range(vocab)}))
     others = [t for t in range(vocab) if t != 5]  # one token left: min_tokens' tokens are it
     assert llm.generate("x", SamplingParams(stop_token_ids=others, min_tokens=2, max_new_tokens=2))[0] \
         .token_ids == [5, 5]

@@ -18,7 +18,9 @@ from treeflash.structured.grammar import StructuredOutputs
 MIN_TEMPERATURE = 1e-6  # a sampled request's temperature is at least this, on every path that samples
                         # (torch and Triton: they must sample alike); 1e-40 overflowed logits / T to inf
 MAX_LOGPROBS = 20  # most likely alternatives a request may ask for per token (vLLM's default limit)
-MAX_LOGIT_BIAS = 100.0  # a logit_bias value's bound, as OpenAI's
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value's bound in the API, as OpenAI's (the server's and from_optional's)
+LOGIT_BIAS_BOUND = 1e30  # SamplingParams' (vLLM's has none: code bans tokens with -1e9 or -inf, which is
+                         # also taken); finite in float32 after the penalties scale it
 MAX_PENALTY = 2.0       # presence / frequency penalties' bound, as OpenAI's
 FLOAT32_MAX = 3.4028234663852886e38  # a temperature past it is inf as float32
 MAX_REPETITION_PENALTY = 1e30  # it and its reciprocal bound it: both finite and normal in float32
@@ -174,14 +176,18 @@ class SamplingParams:
                     _is_id(t) and not isinstance(v, bool) and isinstance(v, (int, float))
                     for t, v in self.logit_bias.items()):
                 bad(f"logit_bias must map token ids (integers in [0, 2^63)) to numbers, got {shown(self.logit_bias)}")
-            if not all(-MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in self.logit_bias.values()):  # NaN too
-                bad(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+            if not all(-LOGIT_BIAS_BOUND <= v <= LOGIT_BIAS_BOUND or v == -math.inf  # NaN too
+                       for v in self.logit_bias.values()):
+                bad(f"logit_bias values must be in [-{LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}], or -inf "
+                    f"(a ban)")
             self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}  # plain, for TP workers
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids \
                     or not all(_is_id(t) for t in self.allowed_token_ids):
                 bad(f"allowed_token_ids must be a non-empty list of token ids, got {shown(self.allowed_token_ids)}")
             self.allowed_token_ids = list(dict.fromkeys(int(t) for t in self.allowed_token_ids))  # a set, in order
+            if all((self.logit_bias or {}).get(t) == -math.inf for t in self.allowed_token_ids):
+                bad("logit_bias bans (-inf) every token of allowed_token_ids: no token could be generated")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_PENALTY <= v <= MAX_PENALTY:
@@ -211,6 +217,8 @@ class SamplingParams:
                               ("allowed_token_ids", self.allowed_token_ids or ())):
                 if any(t >= vocab_size for t in ids):
                     bad(f"{name} token id {max(ids)} is outside the vocabulary of {vocab_size}")
+            if sum(v == -math.inf for v in (self.logit_bias or {}).values()) == vocab_size:
+                bad("logit_bias bans (-inf) every token of the vocabulary: no token could be generated")
         return self
 
     @property
