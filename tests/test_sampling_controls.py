@@ -305,6 +305,9 @@ def test_ids_outside_the_vocabulary_and_impossible_requests(hf_checkpoint):
     # stop tokens that are the whole vocabulary: min_tokens leaves nothing to sample (it took EOS at once)
     with pytest.raises(UsageError, match="min_tokens holds back every token"):
         llm.generate("x", SamplingParams(stop_token_ids=list(range(vocab)), min_tokens=2))
+    with pytest.raises(UsageError, match=r"min_tokens holds back every one of allowed_token_ids \(EOS and stop "
+                                         r"tokens, with logit_bias -inf\)"):
+        llm.generate("x", SamplingParams(allowed_token_ids=[eos, 5], logit_bias={5: float("-inf")}, min_tokens=2))
     with pytest.raises(UsageError, match="logit_bias bans \\(-inf\\) every token of the vocabulary"):
         llm.generate("x", SamplingParams(logit_bias={t: float("-inf") for t in range(vocab)}))
     others = [t for t in range(vocab) if t != 5]  # one token left: min_tokens' tokens are it

@@ -3,6 +3,8 @@ they fit, the ids that end it, its bad words and structured output as tokens, wh
 output stops), and the output a finished request gets."""
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -149,12 +151,15 @@ class RequestRules:
         p.validate(self.vocab_size)
         held = self.held_ids(p)
         allowed = None if p.allowed_token_ids is None else set(p.allowed_token_ids)
+        biased_out = {t for t, v in (p.logit_bias or {}).items() if v == -math.inf}
         # min_tokens must leave a token to sample: of allowed_token_ids, or of the vocabulary (held ids lie in it)
-        if p.min_tokens and (allowed <= held if allowed is not None else len(held) >= self.vocab_size):
+        if p.min_tokens and (allowed <= held | biased_out if allowed is not None
+                             else len(held | biased_out) >= self.vocab_size):
             pool = "one of allowed_token_ids" if allowed is not None else "token of the vocabulary"
-            raise UsageError(f"invalid sampling parameters: min_tokens holds back every {pool} (EOS and stop tokens)")
+            raise UsageError(f"invalid sampling parameters: min_tokens holds back every {pool} (EOS and stop tokens"
+                             f"{', with logit_bias -inf' if biased_out else ''})")
         sequences = self.bad_sequences(p)  # tokenized once for the checks below
-        banned = {seq[0] for seq in sequences if len(seq) == 1}
+        banned = {seq[0] for seq in sequences if len(seq) == 1} | biased_out
         if allowed is not None and allowed <= banned | (held if p.min_tokens else set()):
             raise UsageError("invalid sampling parameters: bad_words ban every one of allowed_token_ids"
                              + (" that min_tokens does not hold back" if p.min_tokens else ""), param="bad_words")
