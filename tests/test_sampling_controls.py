@@ -79,11 +79,25 @@ def test_greedy_takes_the_biased_argmax():
              # vLLM's own SamplingParams takes any bias (code bans tokens with -1e9 or -inf)
              ({top: float("-inf")}, None, int(LOGITS.topk(2).indices[1])), ({top: -1e9}, None,
                                                                            int(LOGITS.topk(2).indices[1])),
-             ({4: 1e30}, None, 4), ({2: float("-inf")}, [2, 9], 9)]
+             ({4: 1e4}, None, 4), ({2: float("-inf")}, [2, 9], 9)]
     for bias, allowed, want in cases:
         params = [SamplingParams(logit_bias=bias or None, allowed_token_ids=allowed)]
         sb = SamplingBatch.from_params(params, "cpu", V, [[0] * 5], [set()])
         assert sample(LOGITS.float()[None, None], torch.tensor([[5]]), sb).item() == want, (bias, allowed)
+
+
+def test_two_tokens_given_the_largest_bias_are_sampled_by_their_own_logits():
+    """The largest positive bias SamplingParams takes still leaves the sampler's noise
+    its say: two tokens given it split the draws as softmax of their logits would."""
+    a, b = LOGITS.topk(V).indices[[3, 4]].tolist()  # close, not the top ones
+    params = [SamplingParams(temperature=1.0, seed=s, logit_bias={a: 1e4, b: 1e4}) for s in range(SEEDS)]
+    sb = SamplingBatch.from_params(params, "cpu", V, [[]] * SEEDS, [set()] * SEEDS)
+    positions = torch.arange(POSITIONS).expand(SEEDS, POSITIONS)
+    tokens = sample(LOGITS.float().expand(SEEDS, POSITIONS, -1).clone(), positions, sb).flatten()
+    assert set(tokens.tolist()) == {a, b}
+    share = (tokens == a).double().mean().item()
+    want = torch.softmax(LOGITS.double()[[a, b]], 0)[0].item()
+    assert abs(share - want) < 0.05, (share, want)
 
 
 @pytest.mark.parametrize("min_tokens", [1, 3])
@@ -250,7 +264,7 @@ def test_stop_strings_wait_for_min_tokens():
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(logit_bias={5: 1e31}), "logit_bias values must be in"),
+    (dict(logit_bias={5: 1e5}), "logit_bias values must be in"),  # past 1e4 the noise would drown
     (dict(logit_bias={5: -1e31}), "logit_bias values must be in"),
     (dict(logit_bias={5: float("inf")}), "logit_bias values must be in"),
     (dict(logit_bias={5: float("-inf")}, allowed_token_ids=[5]), "bans \\(-inf\\) every token of allowed_token_ids"),
@@ -308,6 +322,13 @@ def test_ids_outside_the_vocabulary_and_impossible_requests(hf_checkpoint):
     with pytest.raises(UsageError, match=r"min_tokens holds back every one of allowed_token_ids \(EOS and stop "
                                          r"tokens, with logit_bias -inf\)"):
         llm.generate("x", SamplingParams(allowed_token_ids=[eos, 5], logit_bias={5: float("-inf")}, min_tokens=2))
+    # a -inf bias bans its token as a one-token bad word would, for every check of a way on
+    with pytest.raises(UsageError, match="bad_words and logit_bias -inf ban every one of allowed_token_ids after"):
+        llm.generate("x", SamplingParams(allowed_token_ids=[5, 7], logit_bias={7: float("-inf")},
+                                         bad_words=[llm.tokenizer.decode([5, 5])]))
+    with pytest.raises(UsageError, match="ban every way to finish the structured output"):
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputs(choice=["5"]), logit_bias={
+            t: float("-inf") for t in range(vocab) if llm.tokenizer.decode([t]).lstrip().startswith("5")}))
     with pytest.raises(UsageError, match="logit_bias bans \\(-inf\\) every token of the vocabulary"):
         llm.generate("x", SamplingParams(logit_bias={t: float("-inf") for t in range(vocab)}))
     others = [t for t in range(vocab) if t != 5]  # one token left: min_tokens' tokens are it

@@ -19,8 +19,10 @@ MIN_TEMPERATURE = 1e-6  # a sampled request's temperature is at least this, on e
                         # (torch and Triton: they must sample alike); 1e-40 overflowed logits / T to inf
 MAX_LOGPROBS = 20  # most likely alternatives a request may ask for per token (vLLM's default limit)
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value's bound in the API, as OpenAI's (the server's and from_optional's)
-LOGIT_BIAS_BOUND = 1e30  # SamplingParams' (vLLM's has none: code bans tokens with -1e9 or -inf, which is
-                         # also taken); finite in float32 after the penalties scale it
+# SamplingParams' bounds (vLLM's has none: code bans tokens with -1e9 or -inf, also taken here).
+# Above, a sampled logit / T of 1e7 or more drowns the sampler's noise in float32 rounding, and
+# two tokens given the same large bias would always resolve to one: 1e4 keeps it below 1e-3.
+LOGIT_BIAS_RANGE = (-1e30, 1e4)
 MAX_PENALTY = 2.0       # presence / frequency penalties' bound, as OpenAI's
 FLOAT32_MAX = 3.4028234663852886e38  # a temperature past it is inf as float32
 MAX_REPETITION_PENALTY = 1e30  # it and its reciprocal bound it: both finite and normal in float32
@@ -176,10 +178,9 @@ class SamplingParams:
                     _is_id(t) and not isinstance(v, bool) and isinstance(v, (int, float))
                     for t, v in self.logit_bias.items()):
                 bad(f"logit_bias must map token ids (integers in [0, 2^63)) to numbers, got {shown(self.logit_bias)}")
-            if not all(-LOGIT_BIAS_BOUND <= v <= LOGIT_BIAS_BOUND or v == -math.inf  # NaN too
-                       for v in self.logit_bias.values()):
-                bad(f"logit_bias values must be in [-{LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}], or -inf "
-                    f"(a ban)")
+            lo, hi = LOGIT_BIAS_RANGE
+            if not all(lo <= v <= hi or v == -math.inf for v in self.logit_bias.values()):  # NaN too
+                bad(f"logit_bias values must be in [{lo:g}, {hi:g}], or -inf (a ban)")
             self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}  # plain, for TP workers
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids \

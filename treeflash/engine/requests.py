@@ -158,13 +158,16 @@ class RequestRules:
             pool = "one of allowed_token_ids" if allowed is not None else "token of the vocabulary"
             raise UsageError(f"invalid sampling parameters: min_tokens holds back every {pool} (EOS and stop tokens"
                              f"{', with logit_bias -inf' if biased_out else ''})")
-        sequences = self.bad_sequences(p)  # tokenized once for the checks below
-        banned = {seq[0] for seq in sequences if len(seq) == 1} | biased_out
+        # tokenized once for the checks below; a -inf bias bans its token as a one-token bad word does
+        sequences = self.bad_sequences(p) + [[t] for t in sorted(biased_out)]
+        banned = {seq[0] for seq in sequences if len(seq) == 1}
         if allowed is not None and allowed <= banned | (held if p.min_tokens else set()):
             raise UsageError("invalid sampling parameters: bad_words ban every one of allowed_token_ids"
-                             + (" that min_tokens does not hold back" if p.min_tokens else ""), param="bad_words")
+                             + (" that min_tokens does not hold back" if p.min_tokens else "")
+                             + (" (with logit_bias -inf)" if biased_out else ""), param="bad_words")
         if allowed is not None and (dead := _dead_end(sequences, allowed)) is not None:
-            raise UsageError(f"invalid sampling parameters: bad_words ban every one of allowed_token_ids after "
+            raise UsageError(f"invalid sampling parameters: bad_words{' and logit_bias -inf' if biased_out else ''}"
+                             f" ban every one of allowed_token_ids after "
                              f"{shown(self.tokenizer.decode(dead, skip_special=False))}", param="bad_words")
         if p.structured_outputs is not None and not held:
             raise UsageError("structured outputs need an end token: this model has no EOS, give stop_token_ids")
