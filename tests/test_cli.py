@@ -446,7 +446,7 @@ def test_prompt_longer_than_max_position_embeddings(capsys, broken):
     (["--min-p", "1.5"], ["min_p"]),
     (["--min-tokens", "5", "--max-new-tokens", "4"], ["min_tokens"]),
     (["--logit-bias", '{"x": 1}'], ["logit-bias"]),
-    (["--logit-bias", '{"3": 500}'], ["logit_bias"]),
+    (["--logit-bias", '{"3": 1e5}'], ["logit_bias"]),  # past SamplingParams' 1e4
     (["--logit-bias", '{"%s": 1}' % ("1" * 5000)], ["logit_bias keys must be token ids"]),
     (["--repetition-penalty", "1e39"], ["repetition_penalty"]),
     (["--presence-penalty", "3"], ["presence_penalty"]),

@@ -343,6 +343,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "priority": 1}, 400, "priority"),
     ("/v1/completions", {"prompt": "x", "request_id": 5}, 400, "request_id"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "request_id": ""}, 400, "request_id"),
+    ("/v1/completions", {"prompt": "x", "request_id": "r" * 257}, 400, "request_id"),
     # a whole-number float is taken as its integer, a fraction is not
     ("/v1/completions", {"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 1.5}, 400, "n"),
@@ -965,7 +966,7 @@ def test_whole_number_floats_are_taken_as_integers(client):
 def test_an_answer_takes_the_id_its_request_gives(client):
     """vLLM's request_id field (and its X-Request-Id header, which wins) name the answer:
     "cmpl-ID" / "chatcmpl-ID", whole and streamed; priority 0 (the default) is taken."""
-    body = {"prompt": PROMPT, "max_tokens": 2, "request_id": "job-7", "priority": 0}
+    body = {"prompt": PROMPT, "max_tokens": 2, "request_id": "job-7", "priority": 0.0}
     assert client.post("/v1/completions", json=body).json()["id"] == "cmpl-job-7"
     assert client.post("/v1/completions", json=body, headers={"X-Request-Id": "hdr"}).json()["id"] == "cmpl-hdr"
     streamed = events(client.post("/v1/completions", json={**body, "stream": True}))
@@ -974,6 +975,8 @@ def test_an_answer_takes_the_id_its_request_gives(client):
     assert client.post("/v1/chat/completions", json=chat).json()["id"] == "chatcmpl-c1"
     ids = {client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}).json()["id"] for _ in range(2)}
     assert len(ids) == 2  # without one, each answer's own
+    long = client.post("/v1/completions", json=body, headers={"X-Request-Id": "h" * 257})
+    assert long.status_code == 400 and "X-Request-Id" in long.json()["error"]["message"]
 
 
 def test_blank_bad_words_ban_nothing():
@@ -1504,7 +1507,7 @@ def _serve(*args, interactive: bool = False):
         try:
             urllib.request.urlopen(base + "/health", timeout=1)
             return proc, port, base, env
-        except (urllib.error.URLError, ConnectionError):
+        except (urllib.error.URLError, OSError):  # refused, or (the port held while it loads) no answer yet
             if proc.poll() is not None:
                 pytest.fail(proc.stderr.read())
             time.sleep(0.1)
@@ -2365,9 +2368,11 @@ def served(monkeypatch, llm, *argv) -> dict:
 
     def make_llm(args, **kw):
         got["llm"] = kw
-        if "port" in got:  # the port is held while the model loads: another process cannot take it
+        if "port" in got:  # the port is held while the model loads: another server (SO_REUSEADDR) cannot take it
             with socket.socket() as other, pytest.raises(OSError):
+                other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 other.bind(("127.0.0.1", got["port"]))
+                other.listen()
         return llm
 
     monkeypatch.setattr(treeflash.cli, "make_llm", make_llm)
@@ -2450,6 +2455,7 @@ def test_serve_takes_vllms_spellings_of_its_options(monkeypatch, llm, chat_model
     assert got["app"]["model_name"] == chat_model.name and got["app"]["tool_parser"] == "hermes"
     assert got["llm"] == {"seed": 5}
     assert (got["uvicorn"]["log_level"], got["uvicorn"]["root_path"]) == ("info", "/api")
+    assert served(monkeypatch, llm)["uvicorn"]["log_level"] == "warning"
     monkeypatch.delenv("TREEFLASH_API_KEY", raising=False)
     monkeypatch.setenv("VLLM_API_KEY", "v")
     assert served(monkeypatch, llm)["app"]["api_key"] == "v"

@@ -237,11 +237,17 @@ class ChatTemplate:
         """A template given instead of the model's (vLLM's --chat-template): a Jinja file's
         path, or the template itself; with the special tokens of the model's folder."""
         try:
-            text = Path(source).read_text(encoding="utf-8") if Path(source).is_file() else None
-        except (OSError, UnicodeDecodeError) as e:  # (a name too long for a path is a template)
-            if isinstance(e, UnicodeDecodeError):
+            is_file = Path(source).is_file()
+        except OSError:  # a name too long for a path: a template
+            is_file = False
+        text = None
+        if is_file:
+            try:
+                text = Path(source).read_text(encoding="utf-8")
+            except UnicodeDecodeError:
                 raise UsageError(f"chat template {source}: not UTF-8 text") from None
-            text = None
+            except OSError as e:
+                raise UsageError(f"cannot read chat template {source}: {e.strerror or e}") from None
         if text is None and not any(c in source for c in "{}\n"):
             raise UsageError(f"chat template: no file {source} (nor a template: it has no {{ }})")
         try:

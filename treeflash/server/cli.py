@@ -64,9 +64,9 @@ def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
                         "flag needs one")
     s.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no line per request on stdout (as vLLM's flag; /health and /metrics are never logged)")
-    s.add_argument("--uvicorn-log-level", default="warning",
-                   choices=("critical", "error", "warning", "info", "debug", "trace"),
-                   help="uvicorn's own messages (default warning; the access log is --disable-uvicorn-access-log's)")
+    s.add_argument("--uvicorn-log-level", choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="uvicorn's messages, its access log's included, as vLLM's flag (default: warnings, and "
+                        "the access log unless --disable-uvicorn-access-log)")
     s.add_argument("--root-path", default="", help="the path prefix a proxy in front of the server strips "
                                                    "(ASGI's root_path, as vLLM's flag)")
     s.set_defaults(func=cmd_serve)
@@ -74,9 +74,10 @@ def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
 
 
 def _bound_socket(host: str, port: int) -> socket.socket:
-    """The listening address, bound before the model loads: an address that cannot be
-    used fails now, not after, and no other process takes the port meanwhile (uvicorn
-    serves on this socket)."""
+    """The listening socket, made before the model loads: an address that cannot be used
+    fails now, not after, and no other process takes the port meanwhile (one bound alone
+    is not enough: a second socket with SO_REUSEADDR, as every server sets, binds it too).
+    Clients that connect during the load wait in its backlog. uvicorn serves on it."""
     if not 1 <= port <= 65535:
         raise UsageError(f"--port must be in 1..65535, got {port}")
     try:
@@ -87,6 +88,7 @@ def _bound_socket(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.listen(2048)  # uvicorn's backlog
     except OSError as e:
         sock.close()
         raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
@@ -195,11 +197,12 @@ def _run_uvicorn(uvicorn, app, sock: socket.socket, args) -> None:
             threading.Thread(target=app.state.drain, name="treeflash-drain", daemon=True).start()
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or "warning",
                             timeout_graceful_shutdown=5, access_log=not args.disable_uvicorn_access_log,
                             root_path=args.root_path)
     if config.access_log:  # one line per API request, as vLLM prints; not uvicorn's other info lines
         access = logging.getLogger("uvicorn.access")
-        access.setLevel(logging.INFO)
+        if args.uvicorn_log_level is None:
+            access.setLevel(logging.INFO)
         access.addFilter(_not_polling(args.root_path))
     Server(config).run(sockets=[sock])

@@ -69,6 +69,7 @@ KNOWN_KEYS = {"completion": SAMPLING_KEYS | {"prompt", "logprobs", "echo", "add_
                            *CHAT_FORMAT_KEYS},
               "detokenize": {"model", "tokens"}}
 MAX_STOPS = 64
+MAX_REQUEST_ID = 256  # characters of a request_id (or X-Request-Id): the answer's id repeats it in every chunk
 LOGPROB_FLOOR = -9999.0  # what a log-probability of -inf is reported as (JSON has no infinity), as in vLLM
 MAX_PROMPTS = 1024  # choices per request: prompts x n
 
@@ -403,7 +404,7 @@ def check_keys(body: dict, kind: str) -> None:
 
 
 INTEGER_KEYS = ("max_tokens", "max_completion_tokens", "n", "seed", "top_k", "min_tokens", "best_of", "top_logprobs",
-                "prompt_logprobs", "truncate_prompt_tokens")
+                "prompt_logprobs", "truncate_prompt_tokens", "priority")
 
 
 def _whole_numbers(body: dict, kind: str) -> dict:
@@ -496,8 +497,8 @@ def request_id(body: dict) -> str:
         raise APIError("priority scheduling is not enabled: requests run in arrival order (priority must be 0)",
                        param="priority")
     given = body.get("request_id")
-    if given is not None and not (isinstance(given, str) and given and given.isprintable() and len(given) <= 256):
-        raise APIError(f"'request_id' must be a string of 1 to 256 printable characters, got {shown(given)}",
+    if given is not None and not (isinstance(given, str) and 0 < len(given) <= MAX_REQUEST_ID):
+        raise APIError(f"'request_id' must be a string of 1 to {MAX_REQUEST_ID} characters, got {shown(given)}",
                        param="request_id")
     return given or uuid.uuid4().hex
 
