@@ -2883,24 +2883,32 @@ def test_a_batch_takes_requests_up_to_max_batch_prompts(fake_worker):
     assert fake.calls == [[9], [1, 2, 3, 4], [5]]
 
 
-def test_running_requests_leave_the_gauge_as_they_end(fake_worker):
-    """A batch runs until its last request ends; the requests_running gauge counts only
+def test_running_requests_leave_the_gauge_as_they_end(llm, monkeypatch):
+    """A batch runs until its last request ends; /metrics' requests_running counts only
     those not answered yet, not the whole batch."""
-    fake, worker, job = fake_worker
-    plug = job([9])
-    worker.jobs.put(plug)
-    _wait(lambda: fake.calls)  # inside generate, held by the gate
-    short, long = job([1]), job([2], tokens=100000)
-    worker.jobs.put(short)
-    worker.jobs.put(long)
-    fake.gate.set()
-    _wait(lambda: long.started)
-    assert [o.text for o in short.future.result(30)] == ["1"]
-    assert worker.running == [short, long] and worker.in_flight() == 1
-    assert "treeflash_requests_running 1" in worker.metrics.render(running=worker.in_flight(), waiting=0,
-                                                                  graph_captures=0)
-    long.cancel()
-    _wait(lambda: worker.in_flight() == 0)
+    import treeflash.server.app as app_module
+    from treeflash.server.app import EngineWorker
+    fake, made = FakeLLM(llm.tokenizer), []
+    monkeypatch.setattr(app_module, "EngineWorker", lambda _, max_batch: made.append(EngineWorker(fake, 4)) or made[0])
+    client = TestClient(build_app(llm, "m", max_batch=4))
+    assert scrape(client)["treeflash_requests_running"] == 0  # (the app's worker is made here)
+    worker = made[0]
+    try:
+        plug = _job(llm.tokenizer, [9], metrics=worker.metrics)
+        worker.jobs.put(plug)
+        _wait(lambda: fake.calls)  # inside generate, held by the gate
+        short, long = (_job(llm.tokenizer, [1], metrics=worker.metrics),
+                       _job(llm.tokenizer, [2], tokens=100000, metrics=worker.metrics))
+        worker.jobs.put(short)
+        worker.jobs.put(long)
+        fake.gate.set()
+        _wait(lambda: long.started)
+        assert [o.text for o in short.future.result(30)] == ["1"]
+        assert worker.running == [short, long] and scrape(client)["treeflash_requests_running"] == 1
+        long.cancel()
+        _wait(lambda: scrape(client)["treeflash_requests_running"] == 0)
+    finally:
+        worker.stop()
 
 
 def test_metrics_report_the_engines_graph_captures(client, llm, monkeypatch):
