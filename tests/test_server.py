@@ -2730,7 +2730,7 @@ def test_serve_may_listen_again_on_a_port_a_server_just_closed():
     """A restarted server takes its port at once though the last one's connections are
     in TIME_WAIT, as uvicorn binds it (SO_REUSEADDR): the check before loading does not
     refuse it."""
-    from treeflash.server.cli import _bound_socket
+    from treeflash.server.cli import _listening
     with socket.socket() as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", 0))
@@ -2740,7 +2740,21 @@ def test_serve_may_listen_again_on_a_port_a_server_just_closed():
             conn, _ = listener.accept()
             conn.close()  # the server's side closes first: its port stays in TIME_WAIT
             client.recv(1)
-    _bound_socket("127.0.0.1", port).close()
+    with _listening("127.0.0.1", port) as socks:
+        assert [s.getsockname()[:2] for s in socks] == [("127.0.0.1", port)]
+
+
+def test_serve_listens_on_every_address_of_its_host_name():
+    """--host localhost listens where the name resolves, IPv4 included (one socket of
+    the first address only would leave 127.0.0.1 unanswered where ::1 comes first)."""
+    from treeflash.server.cli import _listening
+    port = _free_port()
+    with _listening("localhost", port) as socks:
+        want = {a[4][0] for a in socket.getaddrinfo("localhost", port, type=socket.SOCK_STREAM)}
+        assert {s.getsockname()[0] for s in socks} == want and "127.0.0.1" in want
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # in the backlog: the port is ours
+    assert all(s.fileno() == -1 for s in socks)  # closed on the way out
 
 
 def test_serve_passes_max_batch_and_a_hub_ids_served_name_on(monkeypatch, llm, tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -73,26 +74,34 @@ def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
     return s
 
 
-def _bound_socket(host: str, port: int) -> socket.socket:
-    """The listening socket, made before the model loads: an address that cannot be used
-    fails now, not after, and no other process takes the port meanwhile (one bound alone
-    is not enough: a second socket with SO_REUSEADDR, as every server sets, binds it too).
-    Clients that connect during the load wait in its backlog. uvicorn serves on it."""
+@contextlib.contextmanager
+def _listening(host: str, port: int):
+    """The listening sockets (one per address `host` names, as uvicorn's own bind made them:
+    localhost's IPv4 and IPv6, IPv6 ones IPv6-only), made before the model loads: an
+    address that cannot be used fails now, not after, and no other process takes the port
+    meanwhile (one bound alone is not enough: a second socket with SO_REUSEADDR, as every
+    server sets, binds it too). Clients that connect during the load wait in the backlog.
+    uvicorn serves on them; they are closed on the way out."""
     if not 1 <= port <= 65535:
         raise UsageError(f"--port must be in 1..65535, got {port}")
+    socks = []
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-    except OSError as e:
-        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)  # uvicorn's backlog
-    except OSError as e:
-        sock.close()
-        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock
+        try:
+            addresses = dict.fromkeys((family, address[:2]) for family, _, _, _, address in socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE))
+            for family, address in addresses:
+                socks.append(sock := socket.socket(family, socket.SOCK_STREAM))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+                sock.listen(2048)  # uvicorn's backlog
+        except OSError as e:
+            raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        yield socks
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def _url(host: str, port: int) -> str:
@@ -157,7 +166,7 @@ def cmd_serve(args) -> int:
         names = args.served_model_name or [folder.resolve().name if args.model else "treeflash-builtin",
                                            *([args.model] if args.model else [])]
     name, aliases = names[0], tuple(n for n in dict.fromkeys(names[1:]) if n != names[0])
-    with _bound_socket(args.host, args.port) as sock:  # held while the model loads: the port stays ours
+    with _listening(args.host, args.port) as socks:  # held while the model loads: the port stays ours
         llm = make_llm(args, seed=args.engine_seed)
         warm_up(llm, defaults)
         print(f"treeflash: serving '{name}' ({llm.method}) on {_url(args.host, args.port)}"
@@ -168,7 +177,7 @@ def cmd_serve(args) -> int:
         app = build_app(llm, name, template, args.max_batch, defaults, args.api_key or None, aliases,
                         tuple(args.allowed_origins), args.tool_call_parser, args.reasoning_parser)
         try:
-            _run_uvicorn(uvicorn, app, sock, args)
+            _run_uvicorn(uvicorn, app, socks, args)
         finally:
             app.state.shutdown()
     return 0
@@ -183,8 +192,8 @@ def _not_polling(root_path: str):
     return keep
 
 
-def _run_uvicorn(uvicorn, app, sock: socket.socket, args) -> None:
-    """Serve `app` on `sock` with `uvicorn` (the module) until a signal ends the server."""
+def _run_uvicorn(uvicorn, app, socks: list[socket.socket], args) -> None:
+    """Serve `app` on `socks` with `uvicorn` (the module) until a signal ends the server."""
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # SIGTERM / Ctrl-C: running and queued requests end now (503)
             if self.should_exit and sig == signal.SIGINT:  # a second Ctrl-C: exit now, as uvicorn does,
@@ -205,4 +214,4 @@ def _run_uvicorn(uvicorn, app, sock: socket.socket, args) -> None:
         if args.uvicorn_log_level is None:
             access.setLevel(logging.INFO)
         access.addFilter(_not_polling(args.root_path))
-    Server(config).run(sockets=[sock])
+    Server(config).run(sockets=socks)
