@@ -187,8 +187,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (they are on by default on CUDA)")
     p.add_argument("--draft-mode", choices=["scaled", "coupled"],
                    help="trees at T > 0: temperature-scaled draft, or coupled to the target's noise (default coupled)")
-    p.add_argument("--tp", "--tensor-parallel-size", "-tp", type=int, default=1, help="tensor-parallel size: N processes, one per GPU "
-                                                     "(gloo on CPU); under torchrun, WORLD_SIZE")
+    p.add_argument("--tp", "--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="tensor-parallel size: N processes, one per GPU (gloo on CPU); under torchrun, WORLD_SIZE")
     p.add_argument("--quantization", choices=["fp8"],
                    help="fp8: the target's layers in FP8 (128 x 128 blocks), quantized while loading a checkpoint "
                         "in higher precision (an FP8 checkpoint loads as it is)")

@@ -187,7 +187,7 @@ class SamplingParams:
                     or not all(_is_id(t) for t in self.allowed_token_ids):
                 bad(f"allowed_token_ids must be a non-empty list of token ids, got {shown(self.allowed_token_ids)}")
             self.allowed_token_ids = list(dict.fromkeys(int(t) for t in self.allowed_token_ids))  # a set, in order
-            if all((self.logit_bias or {}).get(t) == -math.inf for t in self.allowed_token_ids):
+            if set(self.allowed_token_ids) <= self.bias_bans:
                 bad("logit_bias bans (-inf) every token of allowed_token_ids: no token could be generated")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
@@ -218,7 +218,7 @@ class SamplingParams:
                               ("allowed_token_ids", self.allowed_token_ids or ())):
                 if any(t >= vocab_size for t in ids):
                     bad(f"{name} token id {max(ids)} is outside the vocabulary of {vocab_size}")
-            if sum(v == -math.inf for v in (self.logit_bias or {}).values()) == vocab_size:
+            if len(self.bias_bans) == vocab_size:
                 bad("logit_bias bans (-inf) every token of the vocabulary: no token could be generated")
         return self
 
@@ -226,6 +226,11 @@ class SamplingParams:
     def biased(self) -> bool:
         """Whether `bias` (module doc) changes anything for this request."""
         return bool(self.logit_bias) or self.allowed_token_ids is not None or self.min_tokens > 0
+
+    @property
+    def bias_bans(self) -> set[int]:
+        """The token ids logit_bias bans (-inf), which every check of a token left counts."""
+        return {t for t, v in (self.logit_bias or {}).items() if v == -math.inf}
 
     @property
     def banned(self) -> bool:

@@ -3,8 +3,6 @@ they fit, the ids that end it, its bad words and structured output as tokens, wh
 output stops), and the output a finished request gets."""
 from __future__ import annotations
 
-import math
-
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -151,7 +149,7 @@ class RequestRules:
         p.validate(self.vocab_size)
         held = self.held_ids(p)
         allowed = None if p.allowed_token_ids is None else set(p.allowed_token_ids)
-        biased_out = {t for t, v in (p.logit_bias or {}).items() if v == -math.inf}
+        biased_out = p.bias_bans
         # min_tokens must leave a token to sample: of allowed_token_ids, or of the vocabulary (held ids lie in it)
         if p.min_tokens and (allowed <= held | biased_out if allowed is not None
                              else len(held | biased_out) >= self.vocab_size):

@@ -36,7 +36,7 @@ from treeflash import __version__
 from treeflash.errors import EngineDeadError, TreeflashError
 from treeflash.server.metrics import ServerMetrics
 from treeflash.server.answers import chat_parsers, forced_schema_error
-from treeflash.server.protocol import (MAX_REQUEST_ID, STRUCTURED_KEYS, APIError, Request, SamplingDefaults, chunk,
+from treeflash.server.protocol import (STRUCTURED_KEYS, APIError, Request, SamplingDefaults, checked_id, chunk,
                                       logprobs_body, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
                                       response, unknown_model, usage)
 from treeflash.tokenizer import TextStream
@@ -452,10 +452,7 @@ def build_app(llm, model_name: str, chat_template=None, max_batch: int = 1,
         reader = pool("long", LONG_BODY_THREADS) if size > LONG_BODY_BYTES else None  # None: asyncio's own
         req = await loop.run_in_executor(reader, parse, body)
         if header_id := request.headers.get("x-request-id"):  # vLLM's: the answer's id
-            if len(header_id) > MAX_REQUEST_ID:
-                raise APIError(f"the X-Request-Id header must be at most {MAX_REQUEST_ID} characters, got "
-                               f"{len(header_id)}")
-            req = replace(req, id=header_id)
+            req = replace(req, id=checked_id(header_id, "the X-Request-Id header"))
         if not llm.would_compile(req.params):
             await loop.run_in_executor(reader, check, req, body)
             return req

@@ -32,8 +32,9 @@ def add_serve_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("TREEFLASH_API_KEY") or os.environ.get("VLLM_API_KEY"),
                    help="answer /v1 requests only with 'Authorization: Bearer <key>' (default: $TREEFLASH_API_KEY, "
                         "else vLLM's $VLLM_API_KEY; none: no key)")
-    s.add_argument("--seed", type=int, dest="engine_seed", help="where the seeds of sampled requests that give none come from, so "
-                                            "that a server's answers repeat from start to start (default: fresh)")
+    s.add_argument("--seed", type=int, dest="engine_seed",
+                   help="where the seeds of sampled requests that give none come from, so that a server's answers "
+                        "repeat from start to start (default: fresh)")
     s.add_argument("--chat-template", metavar="FILE|TEMPLATE",
                    help="the chat template: a Jinja file, or the template itself (default: the model's own)")
     s.add_argument("--enable-prefix-caching", action="store_true",

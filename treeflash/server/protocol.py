@@ -210,6 +210,9 @@ def _sampling(body: dict, prompt_lens: list[int], max_model_len: int, default_to
             raise APIError(why, param=key)
     if _number(body, "best_of", 1, int, 1) != 1:
         raise APIError("only best_of = 1 is supported (it ranks choices by logprobs)", param="best_of")
+    if _number(body, "priority", 0, int) != 0:
+        raise APIError("priority scheduling is not enabled: requests run in arrival order (priority must be 0)",
+                       param="priority")
     for name, type_, what in BOOKKEEPING:  # not read, but not taken whatever they hold
         if body.get(name) is not None and (not isinstance(body[name], type_) or (
                 type_ is dict and not all(isinstance(v, str) for v in body[name].values()))):
@@ -490,17 +493,18 @@ def _truncation(body: dict, max_model_len: int) -> int | None:
 
 def request_id(body: dict) -> str:
     """The id an answer has after its "cmpl-" or "chatcmpl-": vLLM's request_id field, else
-    a new one (the server's X-Request-Id header wins over both, as in vLLM). vLLM's
-    priority is checked here too: requests run in arrival order, so only 0 (the default)
-    is taken."""
-    if _number(body, "priority", 0, int) != 0:
-        raise APIError("priority scheduling is not enabled: requests run in arrival order (priority must be 0)",
-                       param="priority")
+    a new one (the server's X-Request-Id header wins over both, as in vLLM)."""
     given = body.get("request_id")
-    if given is not None and not (isinstance(given, str) and 0 < len(given) <= MAX_REQUEST_ID):
-        raise APIError(f"'request_id' must be a string of 1 to {MAX_REQUEST_ID} characters, got {shown(given)}",
-                       param="request_id")
-    return given or uuid.uuid4().hex
+    return uuid.uuid4().hex if given is None else checked_id(given, "'request_id'", param="request_id")
+
+
+def checked_id(given, name: str, param: str | None = None) -> str:
+    """A request id a client gave (its request_id, or X-Request-Id): 1 to MAX_REQUEST_ID
+    characters, as the answer repeats it in every chunk."""
+    if not (isinstance(given, str) and 0 < len(given) <= MAX_REQUEST_ID):
+        raise APIError(f"{name} must be a string of 1 to {MAX_REQUEST_ID} characters, got {shown(given)}",
+                       param=param)
+    return given
 
 
 def _choices(body: dict, prompts: int) -> int:
