@@ -1,7 +1,7 @@
 """Model configurations read from Hugging Face `config.json` files.
 
-One dataclass per kind of checkpoint: `ModelConfig` for targets (Qwen3, Llama,
-Qwen3-MoE, whose mixture-of-experts keys it reads too, and gpt-oss) and `DraftConfig` for DFlash
+One dataclass per kind of checkpoint: `ModelConfig` for targets (Qwen3, Qwen2, Llama,
+Mistral, Qwen3-MoE, whose mixture-of-experts keys it reads too, and gpt-oss) and `DraftConfig` for DFlash
 drafters (a Qwen3-style stack plus the DFlash keys).
 Both refuse what they cannot run with a one-line `TreeflashError`.
 """
@@ -16,8 +16,9 @@ import torch
 from treeflash.errors import TreeflashError
 from treeflash.files import is_hub_id, read_json_object
 
-TARGET_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
-                        "Qwen3MoeForCausalLM": "qwen3_moe", "GptOssForCausalLM": "gpt_oss"}
+TARGET_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama",
+                        "MistralForCausalLM": "mistral", "Qwen3MoeForCausalLM": "qwen3_moe",
+                        "GptOssForCausalLM": "gpt_oss"}
 
 DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -225,12 +226,15 @@ def _gpt_oss_fields(data: dict, num_layers: int, where: str) -> dict:
                 swiglu_alpha=_number(data.get("swiglu_alpha", 1.702), "swiglu_alpha", where))
 
 
-# transformers' defaults (its Qwen3Config, Qwen3MoeConfig, LlamaConfig, GptOssConfig) for
-# the keys a config leaves out, where they differ from the fallbacks in `from_dict`
-# (head_dim: hidden / heads; rms_norm_eps 1e-6; rope_theta 10000); published configs hold
-# them all, hand-written ones may not.
+# transformers' defaults (its Qwen3Config, Qwen2Config, LlamaConfig, MistralConfig,
+# Qwen3MoeConfig, GptOssConfig) for the keys a config leaves out, where they differ from
+# the fallbacks in `from_dict` (head_dim: hidden / heads; num_key_value_heads: the heads;
+# rms_norm_eps 1e-6; rope_theta 10000; sliding_window: `_sliding_windows`); published
+# configs hold them all, hand-written ones may not.
 ARCH_DEFAULTS = {
     "qwen3": {"head_dim": 128, "max_position_embeddings": 32768},
+    "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
+    "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 131072},
     "qwen3_moe": {"max_position_embeddings": 32768},
     "llama": {"max_position_embeddings": 2048},
     "gpt_oss": {"rms_norm_eps": 1e-5, "head_dim": 64, "max_position_embeddings": 131072, "rope_theta": 150000.0},
@@ -296,28 +300,33 @@ def _layer_types(data: dict, num_layers: int, where: str, windows: bool = True) 
     return types
 
 
-def _qwen3_windows(data: dict, arch: str, num_layers: int, where: str) -> dict:
-    """Qwen3's sliding windows (the `sliding_window` and `sliding_layers` of ModelConfig),
-    by transformers' rules: the window applies only with `use_sliding_window` (else
-    `sliding_window` is ignored); Qwen3 then slides in the layers `layer_types` names
-    "sliding_attention", or, without it, from layer `max_window_layers` on; Qwen3-MoE
-    slides in every layer. Llama has no sliding window. A window at least as long as
-    the context is full attention."""
-    if arch not in ("qwen3", "qwen3_moe"):
+def _sliding_windows(data: dict, arch: str, num_layers: int, where: str) -> dict:
+    """The sliding window of Qwen2, Qwen3, Qwen3-MoE and Mistral (the `sliding_window` and
+    `sliding_layers` of ModelConfig), by transformers' rules. Qwen2 and Qwen3 apply it
+    only with `use_sliding_window` (else `sliding_window` is ignored), in the layers
+    `layer_types` names "sliding_attention", or, without it, from layer
+    `max_window_layers` on; Qwen3-MoE slides in every layer once `use_sliding_window` is
+    set; Mistral slides in every layer unless `sliding_window` is null (it reads neither
+    `use_sliding_window` nor `layer_types`). An absent `sliding_window` is 4096. Llama
+    has no sliding window (gpt-oss: `_gpt_oss_fields`). A window at least as long as the
+    context is full attention."""
+    if arch not in ("qwen2", "qwen3", "qwen3_moe", "mistral"):
         return {}
-    slides = _flag(data, "use_sliding_window", where)
-    types = _layer_types(data, num_layers, where, windows=slides)
-    if not slides:
-        return {}
+    types = None
+    if arch != "mistral":
+        slides = _flag(data, "use_sliding_window", where)
+        types = _layer_types(data, num_layers, where, windows=slides)
+        if not slides:
+            return {}
     window = data.get("sliding_window", 4096)  # transformers' default
     if window is None:
         return {}
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        raise TreeflashError(f"{where}: 'sliding_window' must be a positive integer, got {window!r}")
+        raise TreeflashError(f"{where}: 'sliding_window' must be a positive integer or null, got {window!r}")
     max_pos = data.get("max_position_embeddings")
     if isinstance(max_pos, int) and window >= max_pos:
         return {}  # a window as long as the context is full attention
-    if arch == "qwen3_moe":
+    if arch in ("qwen3_moe", "mistral"):
         sliding = range(num_layers)
     elif types is not None:
         sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
@@ -327,6 +336,18 @@ def _qwen3_windows(data: dict, arch: str, num_layers: int, where: str) -> dict:
             raise TreeflashError(f"{where}: 'max_window_layers' must be an integer, got {first!r}")
         sliding = range(first, num_layers)
     return {"sliding_window": window, "sliding_layers": tuple(sliding)} if sliding else {}
+
+
+def _biases(data: dict, arch: str, where: str) -> dict:
+    """Which projections have biases (ModelConfig's attention_bias: q/k/v; o_proj_bias;
+    mlp_bias), as transformers builds each architecture: Qwen2 always on q/k/v and never
+    on o_proj or the MLP, Mistral never, whatever the config says (their classes read no
+    such keys); the others by `attention_bias` (q/k/v and o_proj alike; gpt-oss's default
+    is true) and `mlp_bias`."""
+    if arch in ("qwen2", "mistral"):
+        return dict(attention_bias=arch == "qwen2", o_proj_bias=False, mlp_bias=False)
+    attention = _flag(data, "attention_bias", where, default=arch == "gpt_oss")
+    return dict(attention_bias=attention, o_proj_bias=attention, mlp_bias=_flag(data, "mlp_bias", where))
 
 
 FP8_BLOCK = (128, 128)  # the blocks of DeepSeek-V3 and Qwen3-FP8, and of `quantization="fp8"`
@@ -357,9 +378,10 @@ def _fp8_blocks(quant, where: str) -> dict:
 
 @dataclass
 class ModelConfig:
-    """A decoder-only target: Qwen3 (q/k norms), Llama, Qwen3-MoE (Qwen3 whose MLP is a
-    sparse mixture of experts in the layers `sparse_layer` picks), or gpt-oss (experts,
-    attention sinks, sliding-window layers, YaRN)."""
+    """A decoder-only target: Qwen3 (q/k norms), Qwen2 (q/k/v biases), Llama, Mistral,
+    Qwen3-MoE (Qwen3 whose MLP is a sparse mixture of experts in the layers
+    `sparse_layer` picks), or gpt-oss (experts, attention sinks, sliding-window layers,
+    YaRN)."""
 
     arch: str
     vocab_size: int
@@ -374,7 +396,8 @@ class ModelConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False      # biases on the q/k/v projections
+    o_proj_bias: bool = False         # and on the output projection (not Qwen2's)
     mlp_bias: bool = False
     torch_dtype: str | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -392,7 +415,7 @@ class ModelConfig:
     # checkpoint name) are in fp8_skip: those the checkpoint stores in higher precision
     fp8_block: tuple[int, int] | None = None
     fp8_skip: frozenset[str] = frozenset()
-    # a sliding window in some layers (gpt-oss; Qwen3 with use_sliding_window)
+    # a sliding window in some layers (gpt-oss; Qwen2, Qwen3 with use_sliding_window; Mistral)
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     # gpt-oss: attention sinks, a router and experts with biases, the experts' SwiGLU
@@ -464,7 +487,7 @@ class ModelConfig:
         _check_hidden_act(data, where)
         moe = _moe_fields(data, num_layers, where) if arch == "qwen3_moe" else \
             _gpt_oss_fields(data, num_layers, where) if arch == "gpt_oss" else {}
-        windows = _qwen3_windows(data, arch, num_layers, where)
+        windows = _sliding_windows(data, arch, num_layers, where)
         head_dim = _require(data, "head_dim", where) if data.get("head_dim") is not None else hidden // heads
         if head_dim % 2:
             raise TreeflashError(f"{where}: head_dim {head_dim} is odd (rotary embeddings turn "
@@ -490,11 +513,9 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
             tie_word_embeddings=_flag(data, "tie_word_embeddings", where),
-            attention_bias=_flag(data, "attention_bias", where, default=arch == "gpt_oss"),
-            mlp_bias=_flag(data, "mlp_bias", where),
             torch_dtype=data.get("dtype") or data.get("torch_dtype"),  # transformers 5 reads `dtype` first
             eos_token_ids=eos,
-            **moe, **windows, **fp8,
+            **_biases(data, arch, where), **moe, **windows, **fp8,
         )
 
     @classmethod

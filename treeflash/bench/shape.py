@@ -88,7 +88,7 @@ SHAPES = {
     "gpt-oss-20b": ModelConfig("gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
                                num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5,
                                rope_theta=150000.0, rope_scaling=GPT_OSS_ROPE_SCALING, max_position_embeddings=131072,
-                               attention_bias=True, num_experts=32, num_experts_per_tok=4,
+                               attention_bias=True, o_proj_bias=True, num_experts=32, num_experts_per_tok=4,
                                moe_intermediate_size=2880, norm_topk_prob=True, sliding_window=128,
                                sliding_layers=tuple(range(0, 24, 2)), attention_sinks=True, expert_bias=True,
                                swiglu_limit=7.0),
@@ -113,7 +113,8 @@ def draft_config(target, layers: int):
     (full attention, no sinks or biases), block 16, default taps, mask token = last
     vocabulary id."""
     return DraftConfig(layers=dataclasses.replace(target, arch="qwen3", num_layers=layers, sliding_window=None,
-                                                  sliding_layers=(), attention_sinks=False, attention_bias=False),
+                                                  sliding_layers=(), attention_sinks=False, attention_bias=False,
+                                                  o_proj_bias=False),
                        block_size=BLOCK_SIZE, mask_token_id=target.vocab_size - 1,
                        target_layer_ids=default_target_layer_ids(target.num_layers, layers),
                        num_target_layers=target.num_layers)

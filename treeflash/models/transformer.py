@@ -1,6 +1,7 @@
-"""Decoder-only targets: Qwen3, Llama, Qwen3-MoE and gpt-oss are one module (Qwen3 adds
-q/k norms; Qwen3-MoE replaces the MLP of its sparse layers by `models.moe.SparseMoE`;
-gpt-oss has experts in every layer, attention sinks and sliding-window layers).
+"""Decoder-only targets: Qwen3, Qwen2, Llama, Mistral, Qwen3-MoE and gpt-oss are one
+module (Qwen3 adds q/k norms; Qwen2 biases on q/k/v; Qwen3-MoE replaces the MLP of its
+sparse layers by `models.moe.SparseMoE`; gpt-oss has experts in every layer, attention
+sinks and sliding-window layers, as Qwen2, Qwen3 and Mistral may have).
 
 `forward` runs a block of tokens against the KV cache (see `layers.attention`) and
 returns the final hidden states plus the residual stream after the tapped layers,
@@ -46,7 +47,7 @@ class Attention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, [cfg.num_heads * D, cfg.num_kv_heads * D, cfg.num_kv_heads * D],
             bias=cfg.attention_bias, tp=tp, what="attention heads")
-        self.o_proj = RowParallelLinear(cfg.num_heads * D, cfg.hidden_size, bias=cfg.attention_bias, tp=tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * D, cfg.hidden_size, bias=cfg.o_proj_bias, tp=tp)
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps) if cfg.qk_norm else None
         # gpt-oss: a logit per head in every softmax's denominator
@@ -80,7 +81,7 @@ class Attention(nn.Module):
 
     def qk_norms(self):
         """(q_norm weight, k_norm weight, eps) for the fused kernels; (None, None, 0.0)
-        without q/k norms (Llama)."""
+        without q/k norms (Qwen2, Llama, Mistral)."""
         if self.q_norm is None:
             return None, None, 0.0
         return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
@@ -240,7 +241,8 @@ class DecoderStack(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """A Qwen3ForCausalLM / LlamaForCausalLM / Qwen3MoeForCausalLM / GptOssForCausalLM target."""
+    """A Qwen3ForCausalLM / Qwen2ForCausalLM / LlamaForCausalLM / MistralForCausalLM /
+    Qwen3MoeForCausalLM / GptOssForCausalLM target."""
 
     merged_weights = MERGED_WEIGHTS
 
