@@ -306,14 +306,16 @@ def _sliding_windows(data: dict, arch: str, num_layers: int, where: str) -> dict
     only with `use_sliding_window` (else `sliding_window` is ignored), in the layers
     `layer_types` names "sliding_attention", or, without it, from layer
     `max_window_layers` on; Qwen3-MoE slides in every layer once `use_sliding_window` is
-    set; Mistral slides in every layer unless `sliding_window` is null (it reads neither
-    `use_sliding_window` nor `layer_types`). An absent `sliding_window` is 4096. Llama
-    has no sliding window (gpt-oss: `_gpt_oss_fields`). A window at least as long as the
-    context is full attention."""
+    set. Mistral ignores `use_sliding_window` and slides unless `sliding_window` is null:
+    in every layer, or in those its `layer_types` names (transformers' AutoConfig reads a
+    Mistral config with that key as Ministral's, whose layers follow it). An absent
+    `sliding_window` is 4096. Llama has no sliding window (gpt-oss: `_gpt_oss_fields`).
+    A window at least as long as the context is full attention."""
     if arch not in ("qwen2", "qwen3", "qwen3_moe", "mistral"):
         return {}
-    types = None
-    if arch != "mistral":
+    if arch == "mistral":
+        types = _layer_types(data, num_layers, where)
+    else:
         slides = _flag(data, "use_sliding_window", where)
         types = _layer_types(data, num_layers, where, windows=slides)
         if not slides:
@@ -326,7 +328,7 @@ def _sliding_windows(data: dict, arch: str, num_layers: int, where: str) -> dict
     max_pos = data.get("max_position_embeddings")
     if isinstance(max_pos, int) and window >= max_pos:
         return {}  # a window as long as the context is full attention
-    if arch in ("qwen3_moe", "mistral"):
+    if arch == "qwen3_moe" or (arch == "mistral" and types is None):
         sliding = range(num_layers)
     elif types is not None:
         sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
