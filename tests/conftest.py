@@ -50,7 +50,18 @@ HF_VARIANTS = {
     "llama3-rope": ("llama", dict(tie_word_embeddings=False, rope_theta=500000.0,
                                   rope_scaling=dict(LLAMA3_ROPE)), {}),
     "llama-tied-bias": ("llama", dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True), {}),
+    # Qwen2: q/k/v biases (drawn, see _build_hf), a window of 8 tokens (shorter than the
+    # prompts) in layer 1, the layers from max_window_layers on
+    "qwen2-window": ("qwen2", dict(tie_word_embeddings=False, use_sliding_window=True, sliding_window=8,
+                                   max_window_layers=1), {}),
+    # tied, as Qwen2.5-0.5B
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True), {}),
+    # a window of 8 in every layer; head_dim given, not hidden / heads (as Mistral-Nemo's)
+    "mistral-window": ("mistral", dict(tie_word_embeddings=False, sliding_window=8, head_dim=32), {}),
 }
+# The variants above qwen2-window keep the seeds they were first built with (their place
+# in the sorted names then): other tests' expectations were made with those weights.
+FIRST_VARIANTS = sorted(list(HF_VARIANTS)[:4])
 
 
 @dataclass
@@ -66,16 +77,24 @@ class HFCheckpoint:
 
 
 def _build_hf(name: str, folder: Path, dtype: torch.dtype = torch.float32) -> HFCheckpoint:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     from treeflash.checkpoints import write_tiny_tokenizer
 
     arch, overrides, save_kwargs = HF_VARIANTS[name]
     vocab = write_tiny_tokenizer(folder)
-    cfg_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if arch == "qwen3" else (LlamaConfig, LlamaForCausalLM)
+    cfg_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
+                          "qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}[arch]
     cfg = cfg_cls(vocab_size=vocab, **_TINY, **overrides)
-    torch.manual_seed(sorted(HF_VARIANTS).index(name))
+    first = name in FIRST_VARIANTS
+    torch.manual_seed(FIRST_VARIANTS.index(name) if first else list(HF_VARIANTS).index(name))
     model = model_cls(cfg).eval()
+    if not first:  # transformers makes biases zero, where a bias that never arrives changes nothing
+        with torch.no_grad():
+            for param_name, p in model.named_parameters():
+                if param_name.endswith(".bias"):
+                    p.normal_(0.0, 0.3)
     if dtype != torch.float32:
         copy.deepcopy(model).to(dtype).save_pretrained(folder, **save_kwargs)
         # round the weights only: `.to(dtype).float()` on the model would also round

@@ -1,5 +1,5 @@
-"""Issue 2, point 1: treeflash loads tiny Qwen3 / Llama checkpoints written by
-transformers and computes what transformers computes.
+"""Issue 2, point 1: treeflash loads tiny Qwen3 / Llama / Qwen2 / Mistral checkpoints
+written by transformers and computes what transformers computes.
 
 * logits: relative error < 1e-5 in float32, per prompt, over a batch of 3 prompts of
   different lengths (right-padded into one treeflash batch), on the cache-free path,
@@ -320,7 +320,7 @@ def test_rope_layouts_read_differently_are_refused(hf_checkpoint, tmp_path, chan
 # --------------------------------------------------------------------------- other dtypes
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama3-rope"])
+@pytest.mark.parametrize("name", ["qwen3", "llama3-rope", "qwen2-window", "mistral-window"])
 def test_float64_matches_transformers(hf_checkpoint, hf_model64, name):
     ck = hf_checkpoint(name)
     ref_model = hf_model64(name)
@@ -406,7 +406,7 @@ def _retrained_copy(ck, folder, rms_norm_eps: float):
     return model
 
 
-@pytest.mark.parametrize("name", ["qwen3", "llama-tied-bias"])
+@pytest.mark.parametrize("name", ["qwen3", "llama-tied-bias", "qwen2-tied", "mistral-window"])
 def test_trained_norm_weights_biases_and_eps_match_transformers(hf_checkpoint, tmp_path, name):
     """A real checkpoint's norms (q/k norms included) have their own weights, its biases are
     not zero and its rms_norm_eps is its own: each reaches the layer it belongs to."""
@@ -439,6 +439,57 @@ def test_qwen3_sliding_window_through_the_kv_cache_matches_transformers(hf_check
     assert rel_err(cached, hf_logits(ref, ids)) < 1e-5
     out = llm.generate([ids], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
     assert out.token_ids == hf_greedy(ref, ids, 12)
+
+
+def test_qwen2_and_mistral_checkpoints_are_the_layouts_claimed(hf_checkpoint):
+    """The Qwen2 and Mistral variants the tests above run hold what they claim: Qwen2's
+    q/k/v biases (not zero) and no o_proj or MLP bias, no lm_head when tied, windows of 8
+    (shorter than every prompt) in the layers transformers slides, a Mistral head_dim
+    other than hidden / heads."""
+    def tensors(name: str) -> dict:
+        with safe_open(str(hf_checkpoint(name).path / "model.safetensors"), "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+
+    for name in ("qwen2-window", "qwen2-tied"):
+        w = tensors(name)
+        assert all(w[f"model.layers.0.self_attn.{p}_proj.bias"].abs().max() > 0.1 for p in "qkv")
+        assert not any(k.endswith(("o_proj.bias", "mlp.gate_proj.bias", "mlp.down_proj.bias")) for k in w)
+        assert ("lm_head.weight" in w) == (name == "qwen2-window")
+    assert not any(k.endswith(".bias") for k in tensors("mistral-window"))
+    ck = hf_checkpoint("qwen2-window")
+    assert ck.model.config.layer_types == ["full_attention", "sliding_attention"]
+    cfg = ModelConfig.from_pretrained(ck.path)
+    assert (cfg.arch, cfg.sliding_window, cfg.sliding_layers) == ("qwen2", 8, (1,))
+    assert ModelConfig.from_pretrained(hf_checkpoint("qwen2-tied").path).sliding_layers == ()
+    cfg = ModelConfig.from_pretrained(hf_checkpoint("mistral-window").path)
+    assert (cfg.arch, cfg.sliding_window, cfg.sliding_layers, cfg.head_dim) == ("mistral", 8, (0, 1), 32)
+    assert cfg.head_dim != cfg.hidden_size // cfg.num_heads
+    assert min(len(ids) for ids in encode_all(LLM(ck.path, device="cpu", dtype="float32"))) > 8
+
+
+@pytest.mark.parametrize("name,unslid", [("qwen2-window", dict(use_sliding_window=False, layer_types=None)),
+                                         ("mistral-window", dict(sliding_window=None))])
+def test_the_windows_change_the_logits(hf_checkpoint, clone_checkpoint, name, unslid):
+    """Attending fully, the windowed variants' logits are not transformers' (which slides):
+    the comparisons above check the window, not attention it never cuts."""
+    ck = hf_checkpoint(name)
+    llm = LLM(clone_checkpoint(ck.path, **unslid), device="cpu", dtype="float32")
+    assert llm.config.sliding_layers == ()
+    ids = encode_all(llm)[1]
+    assert rel_err(tf_logits(llm, torch.tensor([ids]))[0], hf_logits(ck.model, ids)) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["qwen2-window", "mistral-window"])
+@torch.no_grad()
+def test_the_training_forward_slides_as_transformers(hf_checkpoint, name):
+    """Drafter training reads the target through the mask-free causal path
+    (`train.target.causal_inputs`), not the engine's: its logits are transformers' too."""
+    from treeflash.train.target import causal_inputs
+    ck = hf_checkpoint(name)
+    llm = LLM(ck.path, device="cpu", dtype="float32")
+    ids = encode_all(llm)[1]
+    h, _ = llm.target(torch.tensor([ids]), causal_inputs(torch.tensor([ids])))
+    assert rel_err(llm.target.logits(h)[0], hf_logits(ck.model, ids)) < 1e-5
 
 
 @pytest.mark.parametrize("rope", [
