@@ -244,6 +244,122 @@ def test_default_window_and_qwen3_moe_sliding_window():
             "'sliding_window' must be a positive integer")
 
 
+# --------------------------------------------------------------------------- Qwen2 and Mistral
+
+SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+QWEN2 = dict(SMALL, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+MISTRAL = dict(SMALL, architectures=["MistralForCausalLM"], model_type="mistral")
+
+
+def _transformers_config(data: dict, folder):
+    """transformers' config of config.json `data`, read as AutoConfig reads it from `folder`
+    (a Mistral's with layer_types is a MinistralConfig)."""
+    from transformers import AutoConfig
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(data))
+    return AutoConfig.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("data", [
+    QWEN2,
+    dict(QWEN2, use_sliding_window=False, sliding_window=16, max_window_layers=0),  # Qwen2.5's: the window unused
+    dict(QWEN2, use_sliding_window=True, sliding_window=16, max_window_layers=1),
+    dict(QWEN2, use_sliding_window=True, sliding_window=16, max_window_layers=0),
+    dict(QWEN2, use_sliding_window=True, sliding_window=16),  # max_window_layers 28: no layer reaches it
+    dict(QWEN2, use_sliding_window=True, max_window_layers=0),  # the default window (4096) outlasts the context
+    dict(QWEN2, use_sliding_window=True, sliding_window=None, max_window_layers=0),
+    dict(QWEN2, use_sliding_window=True, sliding_window=16, max_window_layers=0,
+         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),  # layer_types wins
+    MISTRAL,  # the default window (4096)
+    dict(MISTRAL, max_position_embeddings=8192),
+    dict(MISTRAL, sliding_window=16),
+    dict(MISTRAL, sliding_window=None),
+    dict(MISTRAL, sliding_window=16, use_sliding_window=False, max_window_layers=2),  # keys Mistral does not read
+    # with layer_types transformers builds a Ministral, which slides where they say
+    dict(MISTRAL, sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    dict(MISTRAL, sliding_window=16, layer_types=None),
+], ids=lambda d: json.dumps({k: v for k, v in d.items() if k not in SMALL and k != "architectures"}))
+def test_qwen2_and_mistral_windows_are_the_ones_transformers_derives(data, tmp_path):
+    """Each layer's window is the one transformers' attention gets: Mistral's sliding_window
+    in every layer; Qwen2's (and Ministral's) in the layers its config class's layer_types
+    names, which Qwen2 derives from use_sliding_window and max_window_layers. A window as
+    long as the context never cuts anything: full attention."""
+    theirs = _transformers_config(data, tmp_path)
+    n, context = theirs.num_hidden_layers, theirs.max_position_embeddings
+    types = ["sliding_attention"] * n if theirs.model_type == "mistral" else theirs.layer_types
+    windows = [theirs.sliding_window if t == "sliding_attention" else None for t in types]
+    ours = ModelConfig.from_dict(data)
+    assert [ours.attention_window(i) for i in range(n)] == \
+        [w if w is not None and w < context else None for w in windows]
+
+
+@pytest.mark.parametrize("name,changes,sliding", [
+    ("qwen2-window", dict(layer_types=None, max_window_layers=0), (0, 1)),
+    ("qwen2-window", dict(layer_types=None, use_sliding_window=False, sliding_window=4), ()),
+    ("mistral-window", dict(layer_types=["full_attention", "sliding_attention"], sliding_window=12), (1,)),
+])
+def test_qwen2_and_mistral_window_configs_match_transformers_logits(hf_checkpoint, clone_checkpoint, name, changes,
+                                                                    sliding):
+    """Config layouts the checkpoints of test_models do not have (Qwen2 without layer_types:
+    max_window_layers decides; a window without use_sliding_window: unused; a Mistral with
+    layer_types: Ministral's windows) give the logits of the model transformers' Auto
+    classes build from the same folder."""
+    from transformers import AutoModelForCausalLM
+
+    folder = clone_checkpoint(hf_checkpoint(name).path, **changes)
+    cfg = ModelConfig.from_pretrained(folder)
+    assert cfg.sliding_layers == sliding and len(Tokenizer(folder).encode(ENGINE_PROMPTS[1])) > 16
+    assert_logits_match(folder, AutoModelForCausalLM.from_pretrained(folder).eval())
+
+
+def test_keys_a_qwen2_or_mistral_config_leaves_out_take_transformers_defaults(tmp_path):
+    """Qwen2Config's and MistralConfig's defaults, not Llama's: num_key_value_heads 32 and
+    8 (not the heads), max_position_embeddings 32768 and 131072, Mistral's window of 4096
+    in every layer; head_dim hidden / heads (Mistral's null too), rms_norm_eps 1e-6,
+    rope_theta 10000, untied."""
+    bare = dict(vocab_size=300, hidden_size=512, intermediate_size=128, num_hidden_layers=2, num_attention_heads=64)
+    for model_type, kv, context, windows in (("qwen2", 32, 32768, [None] * 2), ("mistral", 8, 131072, [4096] * 2)):
+        data = dict(bare, architectures=[f"{model_type.capitalize()}ForCausalLM"], model_type=model_type)
+        ours, theirs = ModelConfig.from_dict(data), _transformers_config(data, tmp_path / model_type)
+        head_dim = getattr(theirs, "head_dim", theirs.hidden_size // theirs.num_attention_heads)  # Qwen2Attention's
+        assert (ours.num_kv_heads, ours.max_position_embeddings) == (theirs.num_key_value_heads,
+                                                                     theirs.max_position_embeddings) == (kv, context)
+        assert (ours.head_dim, ours.rms_norm_eps, ours.rope_theta, ours.tie_word_embeddings) == \
+            (head_dim, theirs.rms_norm_eps, theirs.rope_parameters["rope_theta"], theirs.tie_word_embeddings) \
+            == (8, 1e-6, 10000.0, False)
+        assert [ours.attention_window(i) for i in range(2)] == windows
+    null = dict(MISTRAL, head_dim=None)
+    assert ModelConfig.from_dict(null).head_dim == _transformers_config(null, tmp_path / "null").head_dim == 16
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_qwen2_and_mistral_biases_are_their_classes_whatever_the_config_says(flag, tmp_path):
+    """Qwen2's q/k/v projections have biases and its o_proj and MLP none; Mistral has none:
+    their transformers classes read neither attention_bias nor mlp_bias."""
+    from transformers import AutoModelForCausalLM
+    for data, biases in ((QWEN2, (True, False, False)), (MISTRAL, (False, False, False))):
+        data = dict(data, num_hidden_layers=1, attention_bias=flag, mlp_bias=flag)
+        ours = ModelConfig.from_dict(data)
+        layer = AutoModelForCausalLM.from_config(_transformers_config(data, tmp_path / data["model_type"])
+                                                 ).model.layers[0]
+        theirs = tuple(m.bias is not None for m in (layer.self_attn.q_proj, layer.self_attn.o_proj,
+                                                     layer.mlp.gate_proj))
+        assert (ours.attention_bias, ours.o_proj_bias, ours.mlp_bias) == theirs == biases
+
+
+@pytest.mark.parametrize("data,key,value", [
+    *[(dict(QWEN2, use_sliding_window=True), "sliding_window", v) for v in (0, -8, 8.0, "8", True)],
+    *[(MISTRAL, "sliding_window", v) for v in (0, -8, 8.0, "8", True)],
+    (QWEN2, "use_sliding_window", "true"),
+    (dict(QWEN2, use_sliding_window=True, sliding_window=16), "max_window_layers", "1"),
+    (dict(QWEN2, use_sliding_window=True), "layer_types", ["sliding_attention"]),
+    (MISTRAL, "layer_types", ["sliding_attention", "chunked_attention", "full_attention"]),
+])
+def test_bad_qwen2_and_mistral_window_keys_are_refused(data, key, value):
+    refused(lambda: ModelConfig.from_dict({**data, key: value}), f"'{key}' must", repr(value))
+
+
 # --------------------------------------------------------------------------- drafter configs
 
 
