@@ -2,7 +2,7 @@
 
 - TP = 2 and 4 give exactly the TP = 1 tokens for ar, dflash and ddtree, greedy and
   seeded sampling (with and without top-k / top-p), Qwen3 and Llama targets (float64),
-  single and batched requests. Worker processes are started once per TP size for the
+  single and batched requests; a biased Llama and a Qwen2 with a sliding window too. Worker processes are started once per TP size for the
   module: all engines of one size share them.
 - Vocabulary-sharded decisions (argmax with ties, Gumbel sampling, filtered sampling,
   draft top-k with the log-softmax normalizer, the tree built from it) equal the
@@ -544,6 +544,40 @@ def test_tp_biased_llama_tokens_equal_tp1(tp_models, tmp_path):
         finally:
             llm.close()
     assert outs[2] == outs[1] != outs[0]
+
+
+def test_tp_qwen2_tokens_equal_tp1(tp_models, tmp_path):
+    """A Qwen2 target (the Llama one with q/k/v biases, a window of 4 tokens in layer 1):
+    each rank reads its heads' slice of the q/k/v biases, and no o_proj bias exists, so
+    TP = 2 and 4 draft, verify and sample TP = 1's tokens through the windowed layer (and
+    the biases and window do change them)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    base, drafter = tp_models["llama"]
+    folder = tmp_path / "qwen2"
+    shutil.copytree(base, folder)
+    w = load_file(str(folder / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    for name in [k for k in w if k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]:
+        w[name.replace(".weight", ".bias")] = 0.3 * torch.randn(w[name].shape[0], generator=gen)
+    save_file(w, str(folder / "model.safetensors"))
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({
+        **cfg, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True,
+        "sliding_window": 4, "max_window_layers": 1}))
+    params = CONFIGS["filtered"]
+    outs = {}
+    for tp, model in ((1, folder), (2, folder), (4, folder), (0, base)):
+        llm = LLM(model, draft_model=drafter, method="ddtree", budget=12, device="cpu", dtype="float64",
+                  tp=max(tp, 1))
+        try:
+            if tp:
+                assert llm.config.sliding_layers == (1,) and llm.target.model.layers[0].self_attn.o_proj.bias is None
+            outs[tp] = [o.token_ids for o in llm.generate(BATCH, params)]
+        finally:
+            llm.close()
+    assert outs[2] == outs[1] and outs[4] == outs[1] and outs[1] != outs[0]
 
 
 def test_tp1_topk_is_the_plain_topk():

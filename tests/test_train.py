@@ -256,11 +256,12 @@ def test_drafter_trains_exports_and_loads(target, data_dir, tmp_path):
     assert more["steps"] == 35
 
 
-@pytest.mark.parametrize("arch", ["llama-tied", "qwen3-moe", "gpt-oss"])
+@pytest.mark.parametrize("arch", ["llama-tied", "qwen3-moe", "gpt-oss", "qwen2", "mistral"])
 def test_drafter_trains_for_every_target_architecture(arch, data_dir, tmp_path):
-    """A drafter for any target treeflash loads: a tied Llama, a Qwen3-MoE and a gpt-oss
-    (experts, sinks, a sliding window) written by transformers with the corpus's tokenizer.
-    Trained a few steps, exported and loaded beside its target, it drafts without
+    """A drafter for any target treeflash loads: a tied Llama, a Qwen3-MoE, a gpt-oss
+    (experts, sinks, a sliding window), a Qwen2 (q/k/v biases, a window in its last
+    layers) and a Mistral (a window in every layer) written by transformers with the
+    corpus's tokenizer. Trained a few steps, exported and loaded beside its target, it drafts without
     changing a token."""
     transformers = pytest.importorskip("transformers")
     common = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
@@ -273,6 +274,9 @@ def test_drafter_trains_for_every_target_architecture(arch, data_dir, tmp_path):
         "gpt-oss": (lambda: transformers.GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
                                                       layer_types=["sliding_attention", "full_attention"] * 2),
                     transformers.GptOssForCausalLM),
+        "qwen2": (lambda: transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=8,
+                                                   max_window_layers=2), transformers.Qwen2ForCausalLM),
+        "mistral": (lambda: transformers.MistralConfig(**common, sliding_window=8), transformers.MistralForCausalLM),
     }[arch]
     torch.manual_seed(0)
     target = tmp_path / "target"
