@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from conftest import ENGINE_PROMPTS
@@ -237,7 +238,7 @@ def test_sampling_options_at_temperature_0_say_they_do_nothing(capsys, model):
 def test_a_hub_id_loads_from_the_hugging_face_cache(capsys, model, tmp_path, monkeypatch):
     """--model org/name (and LLM("org/name")) reads the snapshot that huggingface-cli and
     transformers left in the cache (refs/main's), as vLLM does offline; an id not cached
-    says so, and that nothing is downloaded."""
+    says so, and that nothing is downloaded. Training (CLI and functions) takes ids too."""
     import shutil
 
     import treeflash
@@ -282,6 +283,14 @@ def test_a_hub_id_loads_from_the_hugging_face_cache(capsys, model, tmp_path, mon
              "--prompt-len", "4", "--new-tokens", "4", "--heldout-prompts", "0", "--device", "cpu"]
     assert main(train) == 0, capsys.readouterr().err
     assert (tmp_path / "gen.npz").is_file()
+    # and so do the training functions the CLI calls, as `LLM` does
+    from treeflash.train.corpus import write_corpus
+    from treeflash.train.drafter import generate_continuations
+    write_corpus("org/tiny", tmp_path / "corpus2", [src], heldout_fraction=0)
+    meta = generate_continuations("org/tiny", tmp_path / "corpus2", tmp_path / "gen2", num_prompts=2, prompt_len=4,
+                                  new_tokens=4, heldout_prompts=0, device="cpu")
+    with np.load(meta["path"]) as a, np.load(tmp_path / "gen.npz") as b:
+        assert a["ids"].shape == b["ids"].shape == (2, 8)
 
 
 def test_integer_weights_are_refused(capsys, broken):

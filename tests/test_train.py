@@ -1503,14 +1503,22 @@ def test_an_export_clears_what_a_killed_export_left(tmp_path):
 
 
 def test_generate_defaults_and_its_bad_inputs(target, data_dir, tmp_path):
-    """At least 16 held-out continuations by default; prompts longer than the corpus, a
-    held-out split too short for its prompts, and rows past the target's context are
-    refused before generating."""
+    """At least 16 held-out continuations by default, written whole; an existing output
+    file, prompts longer than the corpus, a held-out split too short for its prompts,
+    and rows past the target's context are refused before generating."""
     base, _ = target
     meta = generate_continuations(base / "model", data_dir, tmp_path / "gen", num_prompts=1, prompt_len=4,
                                   new_tokens=2, device="cpu")
     with np.load(meta["path"]) as f:
         assert f["ids"].shape == (1, 6) and f["heldout_ids"].shape == (16, 6)
+    assert sorted(p.name for p in tmp_path.glob("gen*")) == ["gen.npz"]  # no temporary file left
+    # an existing file (a drafter run may be bound to its bytes) is never written over
+    before = (tmp_path / "gen.npz").read_bytes()
+    for out in ("gen", "gen.npz"):
+        with pytest.raises(UsageError, match="gen.npz exists .*remove it or choose another path"):
+            generate_continuations(base / "model", data_dir, tmp_path / out, num_prompts=1, prompt_len=4,
+                                   new_tokens=2, device="cpu", seed=1)
+    assert (tmp_path / "gen.npz").read_bytes() == before
     (tmp_path / "one").mkdir()
     (tmp_path / "one" / "a.py").write_text("x = 1\n")
     write_corpus(data_dir, tmp_path / "small", [tmp_path / "one"], heldout_fraction=0)

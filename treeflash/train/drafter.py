@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from treeflash.config import DTYPES, DraftConfig, ModelConfig, default_target_layer_ids, read_config_json
 from treeflash.engine.options import resolve_device, resolve_dtype
 from treeflash.errors import TreeflashError, UsageError
+from treeflash.files import model_folder
 from treeflash.memory import available_bytes
 from treeflash.models.dflash import DFlashDraftModel
 from treeflash.models.loader import build_on, check_sizes, load_weights, stored_shapes, weights_dtype
@@ -291,8 +293,8 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
     if out.is_dir():  # not <folder>.npz beside it
         raise UsageError(f"--out {out} is a folder: give a file name")
     out = out if out.suffix == ".npz" else out.with_name(out.name + ".npz")  # as numpy names it
+    target_dir = _target_folder(target_dir)
     _check_generated_out(out, target_dir, data_dir)
-    _require_target(target_dir)
     tcfg = ModelConfig.from_pretrained(target_dir)
     context = tcfg.max_position_embeddings
     if prompt_len + new_tokens > context:  # before the corpus' checks, whose advice would not help
@@ -332,8 +334,11 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
     bar.close()
     seconds = time.perf_counter() - t0
     out.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(out, ids=rows[:num_prompts], heldout_ids=rows[num_prompts:], prompt_len=np.int64(prompt_len),
-             target=np.str_(target_fingerprint(target_dir)))
+    tmp = out.with_name(out.name + ".tmp")  # whole or not at all: a Ctrl-C mid-write leaves no torn file
+    with open(tmp, "wb") as f:
+        np.savez(f, ids=rows[:num_prompts], heldout_ids=rows[num_prompts:], prompt_len=np.int64(prompt_len),
+                 target=np.str_(target_fingerprint(target_dir)))
+    os.replace(tmp, out)
     meta = {"path": str(out), "sequences": num_prompts, "heldout_sequences": heldout_prompts,
             "prompt_len": prompt_len, "new_tokens": new_tokens,
             "generated_tokens": total * new_tokens, "seconds": round(seconds, 2),
@@ -365,8 +370,9 @@ def generated_file(path: str | Path) -> Path:
 
 
 def _check_generated_out(out: Path, target_dir: str | Path, data_dir: str | Path) -> None:
-    """Before generating for minutes: the file must be writable, and not inside the
-    target or the corpus (a train.npz there would take the corpus' place)."""
+    """Before generating for minutes: the file must be new (a drafter run may be bound to
+    an existing one, by its bytes), writable, and not inside the target or the corpus (a
+    train.npz there would take the corpus' place)."""
     where = out.resolve()
     for what, folder in (("target", target_dir), ("corpus", data_dir)):
         if within(where.parent, Path(folder).resolve()):
@@ -374,14 +380,20 @@ def _check_generated_out(out: Path, target_dir: str | Path, data_dir: str | Path
     check_out_dir(where.parent)  # a folder that can be made and written
     if where.is_dir():
         raise UsageError(f"--out {out} is a folder: give a file name")
+    if where.exists():
+        raise UsageError(f"--out {out} exists (a drafter run may train on it): remove it or choose another path")
 
 
-def _require_target(target_dir: str | Path) -> None:
+def _target_folder(target_dir: str | Path) -> str | Path:
+    """The target's folder (a hub id: its Hugging Face cache's copy, as the CLI reads it),
+    checked to hold a target."""
+    target_dir = model_folder(target_dir)
     if not (Path(target_dir) / "config.json").exists():
         raise UsageError(f"target checkpoint not found: {target_dir} (no config.json; train or "
                          f"download the target first)")
     if "DFlashDraftModel" in (read_config_json(target_dir, "target").get("architectures") or []):
         raise UsageError(f"--target {target_dir} is a DFlash drafter: give the target model the drafter is for")
+    return target_dir
 
 
 def _require_same_tokenizer(data, target_dir: str | Path) -> None:
@@ -408,7 +420,7 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
     measures τ through the engine on `tau_prompts` held-out prompts. Unset (None) shape
     fields and options take the defaults (DRAFTER_SHAPE, DRAFTER_OPTIONS), or the resumed
     run's values (see `RunDir`). Returns the summary (also in `<run_dir>/summary.json`)."""
-    _require_target(target_dir)
+    target_dir = _target_folder(target_dir)
     tcfg = ModelConfig.from_pretrained(target_dir)
     run = RunDir(run_dir, resume, "drafter")
     seq_len_given = opts is not None and opts.seq_len is not None
