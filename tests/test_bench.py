@@ -1229,6 +1229,9 @@ PUBLISHED = {
     "qwen3-8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
                      num_kv_heads=8, head_dim=128, rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6,
                      num_experts=0, tie_word_embeddings=False),
+    "qwen2.5-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+                       num_kv_heads=4, head_dim=128, rope_theta=1e6, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                       num_experts=0, attention_bias=True, o_proj_bias=False, tie_word_embeddings=False),
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                       num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=131072,
                       rms_norm_eps=1e-5, num_experts=0, tie_word_embeddings=False),
@@ -1245,7 +1248,7 @@ PUBLISHED = {
                         sliding_window=128, attention_bias=True, attention_sinks=True, swiglu_limit=7.0,
                         tie_word_embeddings=False),
 }
-PUBLISHED_PARAMS = {"qwen3-8b": 8.19e9, "llama3-8b": 8.03e9, "qwen3-32b": 32.8e9, "qwen3-30b-a3b": 30.5e9,
+PUBLISHED_PARAMS = {"qwen3-8b": 8.19e9, "qwen2.5-7b": 7.61e9, "llama3-8b": 8.03e9, "qwen3-32b": 32.8e9, "qwen3-30b-a3b": 30.5e9,
                     "gpt-oss-20b": 20.9e9}  # the model cards' totals
 
 
@@ -1275,16 +1278,16 @@ def test_a_named_shape_is_the_published_models(name):
 
 def test_the_shape_drafter_is_a_dense_qwen3_drafter_of_the_targets_width():
     """The shape mode's drafter, as DFlash publishes them: Qwen3 layers of the target's
-    width with full attention (no window, sinks or biases even for gpt-oss), block 16,
+    width with full attention (no window, sinks or biases even for gpt-oss and Qwen2.5), block 16,
     one tap per drafter layer (DFlash's default taps), the last vocabulary id as mask."""
     from treeflash.bench.shape import BLOCK_SIZE, SHAPES, draft_config
     from treeflash.config import default_target_layer_ids
-    for name in ("gpt-oss-20b", "qwen3-8b"):
+    for name in ("gpt-oss-20b", "qwen3-8b", "qwen2.5-7b"):
         target = SHAPES[name]
         d = draft_config(target, 5)
         assert d.layers.arch == "qwen3" and d.layers.num_layers == 5 and d.layers.hidden_size == target.hidden_size
         assert [d.layers.attention_window(i) for i in range(5)] == [None] * 5
-        assert not d.layers.attention_sinks and not d.layers.attention_bias
+        assert not d.layers.attention_sinks and not d.layers.attention_bias and not d.layers.o_proj_bias
         assert d.block_size == BLOCK_SIZE == 16 and d.mask_token_id == target.vocab_size - 1
         assert d.target_layer_ids == default_target_layer_ids(target.num_layers, 5)
         assert len(d.target_layer_ids) == 5 and d.num_target_layers == target.num_layers

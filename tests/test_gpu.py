@@ -115,6 +115,30 @@ def test_head_sizes_that_are_not_a_power_of_two(tmp_path, arch):
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [o.token_ids for o in cpu]
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_qwen2_biases_and_mistral_windows_on_the_kernel_path(tmp_path, arch):
+    """Qwen2's q/k/v biases (through the fused QKV product and RoPE) and a window of 96
+    shorter than the prompts (Qwen2: layers 1-2 slide; Mistral: every layer): graphed
+    DDTree gives the eager and AR tokens, and AR on the GPU the CPU's."""
+    import json
+    target = write_random_target(tmp_path / "t", arch=arch, hidden_size=256, num_layers=3, num_heads=8,
+                                 num_kv_heads=2, head_dim=64, intermediate_size=512, peaked_tokens=8, std=0.2)
+    config = json.loads((target / "config.json").read_text())
+    config.update(sliding_window=96, **(dict(use_sliding_window=True, max_window_layers=1) if arch == "qwen2" else {}))
+    (target / "config.json").write_text(json.dumps(config))
+    drafter = write_random_drafter(target, tmp_path / "d", num_layers=2, block_size=8)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (300, 150, 40)]
+    llm = assert_graphed_equals_eager_and_ar(target, drafter, "ddtree", 31, prompts, 48)
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    cpu = LLM(target, method="ar", device="cpu", dtype="float32").generate(prompts, params)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in cpu]
+    full = dict(config, sliding_window=None, use_sliding_window=False)  # the window must matter here
+    (target / "config.json").write_text(json.dumps(full))
+    unwindowed = LLM(target, method="ar", device="cpu", dtype="float32").generate(prompts, params)
+    assert [o.token_ids for o in unwindowed] != [o.token_ids for o in cpu]
+
+
 @pytest.fixture(scope="module")
 def warm_pair(pair, tmp_path_factory):
     """`pair` with its 8 peaked LM-head rows cut from 25x to 5x and the head halved:

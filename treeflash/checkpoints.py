@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from treeflash.config import ModelConfig, default_target_layer_ids, read_config_json
+from treeflash.config import TARGET_ARCHITECTURES, ModelConfig, default_target_layer_ids, read_config_json
 from treeflash.ops import fp8_blocks
 
 
@@ -100,11 +100,14 @@ def write_random_target(out_dir: str | Path, arch: str = "qwen3", hidden_size: i
                         std: float = 0.02, rope_scaling: dict | None = None, max_position_embeddings: int = 2048,
                         dtype: torch.dtype = torch.float32, eos_token_id: int | None = 0,
                         peaked_tokens: int = 0) -> Path:
-    """A random Qwen3/Llama checkpoint (with a tiny tokenizer unless vocab_size is given).
+    """A random Qwen3, Qwen2 (with q/k/v biases), Llama or Mistral (no sliding window)
+    checkpoint, with a tiny tokenizer unless vocab_size is given.
 
     `peaked_tokens` > 0 boosts that many LM-head rows (token ids 3, 4, ...), so the model
     mostly picks among them, by context: a random drafter sharing the head then gets
     real acceptances, which exercises the accept/commit paths of speculative rounds."""
+    if arch not in ("qwen3", "qwen2", "llama", "mistral"):
+        raise ValueError(f"write_random_target writes dense targets, not {arch!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if vocab_size is None:
@@ -116,6 +119,9 @@ def write_random_target(out_dir: str | Path, arch: str = "qwen3", hidden_size: i
     for i in range(num_layers):
         w.update(_layer_weights(gen, f"model.layers.{i}.", H, intermediate_size, num_heads, num_kv_heads,
                                 head_dim, arch == "qwen3", std))
+        if arch == "qwen2":  # drawn after the weights: the other architectures' streams stay as they were
+            for name, rows in (("q", num_heads), ("k", num_kv_heads), ("v", num_kv_heads)):
+                w[f"model.layers.{i}.self_attn.{name}_proj.bias"] = _normal(gen, rows * head_dim, std=std * 10)
     if not tie_word_embeddings:
         w["lm_head.weight"] = _normal(gen, vocab_size, H, std=std * 4)
     if peaked_tokens:
@@ -123,7 +129,7 @@ def write_random_target(out_dir: str | Path, arch: str = "qwen3", hidden_size: i
         w[head][3:3 + peaked_tokens] *= 25.0
     save_file({k: v.to(dtype).contiguous() for k, v in w.items()}, str(out / "model.safetensors"))
     config = {
-        "architectures": ["Qwen3ForCausalLM" if arch == "qwen3" else "LlamaForCausalLM"], "model_type": arch,
+        "architectures": [next(name for name, a in TARGET_ARCHITECTURES.items() if a == arch)], "model_type": arch,
         "hidden_size": H, "intermediate_size": intermediate_size, "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads, "head_dim": head_dim,
         "vocab_size": vocab_size, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
@@ -132,6 +138,8 @@ def write_random_target(out_dir: str | Path, arch: str = "qwen3", hidden_size: i
     }
     if rope_scaling:
         config["rope_scaling"] = rope_scaling
+    if arch == "mistral":
+        config["sliding_window"] = None  # transformers' default is a window of 4096
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 

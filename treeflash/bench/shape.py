@@ -66,7 +66,8 @@ KIMI_K2_4L = ModelConfig(
     num_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048, norm_topk_prob=True,
     mlp_only_layers=[0], n_shared_experts=1)
 
-# Published shapes (random weights: only the shapes matter; Qwen3-30B-A3B: 128 experts, 8 per token, in
+# Published shapes (random weights: only the shapes matter; Qwen2.5-7B: q/k/v biases, 7 query heads per KV head;
+# Qwen3-30B-A3B: 128 experts, 8 per token, in
 # every layer; gpt-oss-20b: 32 experts, 4 per token, a 128-token window in every other layer), a Kimi-K2-like
 # MoE cut to 4 layers
 # (one dense, three of 384 experts; GQA in place of MLA: see KIMI_K2_4L), and one for CPU tests.
@@ -74,6 +75,9 @@ SHAPES = {
     "qwen3-8b": ModelConfig("qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                             num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
                             rope_theta=1e6, max_position_embeddings=40960),
+    "qwen2.5-7b": ModelConfig("qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                              num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1e6,
+                              max_position_embeddings=32768, attention_bias=True),
     "llama3-8b": ModelConfig("llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                              num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
                              rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, max_position_embeddings=131072),
