@@ -41,27 +41,24 @@ _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              # larger than HF's 0.02: tied tiny models otherwise just repeat their last token
              initializer_range=0.3)
 
-# name -> (architecture, config overrides, save_pretrained kwargs)
+# name -> (architecture, config overrides, save_pretrained kwargs, seed). The seeds are
+# fixed per variant: a new one never changes the others' weights.
 HF_VARIANTS = {
     # head_dim != hidden / heads, as in real Qwen3 checkpoints
-    "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=False), {}),
-    "qwen3-tied-sharded": ("qwen3", dict(head_dim=16, tie_word_embeddings=True),
-                           {"max_shard_size": "50KB"}),
+    "qwen3": ("qwen3", dict(head_dim=32, tie_word_embeddings=False), {}, 2),
+    "qwen3-tied-sharded": ("qwen3", dict(head_dim=16, tie_word_embeddings=True), {"max_shard_size": "50KB"}, 3),
     "llama3-rope": ("llama", dict(tie_word_embeddings=False, rope_theta=500000.0,
-                                  rope_scaling=dict(LLAMA3_ROPE)), {}),
-    "llama-tied-bias": ("llama", dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True), {}),
-    # Qwen2: q/k/v biases (drawn, see _build_hf), a window of 8 tokens (shorter than the
-    # prompts) in layer 1, the layers from max_window_layers on
+                                  rope_scaling=dict(LLAMA3_ROPE)), {}, 1),
+    "llama-tied-bias": ("llama", dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True), {}, 0),
+    # Qwen2: q/k/v biases, a window of 8 tokens (shorter than the prompts) in layer 1, the
+    # layers from max_window_layers on
     "qwen2-window": ("qwen2", dict(tie_word_embeddings=False, use_sliding_window=True, sliding_window=8,
-                                   max_window_layers=1), {}),
+                                   max_window_layers=1), {}, 4),
     # tied, as Qwen2.5-0.5B
-    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True), {}),
+    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True), {}, 5),
     # a window of 8 in every layer; head_dim given, not hidden / heads (as Mistral-Nemo's)
-    "mistral-window": ("mistral", dict(tie_word_embeddings=False, sliding_window=8, head_dim=32), {}),
+    "mistral-window": ("mistral", dict(tie_word_embeddings=False, sliding_window=8, head_dim=32), {}, 6),
 }
-# The variants above qwen2-window keep the seeds they were first built with (their place
-# in the sorted names then): other tests' expectations were made with those weights.
-FIRST_VARIANTS = sorted(list(HF_VARIANTS)[:4])
 
 
 @dataclass
@@ -82,19 +79,19 @@ def _build_hf(name: str, folder: Path, dtype: torch.dtype = torch.float32) -> HF
 
     from treeflash.checkpoints import write_tiny_tokenizer
 
-    arch, overrides, save_kwargs = HF_VARIANTS[name]
+    arch, overrides, save_kwargs, seed = HF_VARIANTS[name]
     vocab = write_tiny_tokenizer(folder)
     cfg_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM),
-                          "qwen2": (Qwen2Config, Qwen2ForCausalLM), "mistral": (MistralConfig, MistralForCausalLM)}[arch]
+                          "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                          "mistral": (MistralConfig, MistralForCausalLM)}[arch]
     cfg = cfg_cls(vocab_size=vocab, **_TINY, **overrides)
-    first = name in FIRST_VARIANTS
-    torch.manual_seed(FIRST_VARIANTS.index(name) if first else list(HF_VARIANTS).index(name))
+    torch.manual_seed(seed)
     model = model_cls(cfg).eval()
-    if not first:  # transformers makes biases zero, where a bias that never arrives changes nothing
-        with torch.no_grad():
-            for param_name, p in model.named_parameters():
-                if param_name.endswith(".bias"):
-                    p.normal_(0.0, 0.3)
+    biases = torch.Generator().manual_seed(seed)  # apart: the weights stay those of the seed
+    with torch.no_grad():  # transformers makes biases zero, where a bias that never arrives changes nothing
+        for param_name, p in model.named_parameters():
+            if param_name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=biases) * 0.3)
     if dtype != torch.float32:
         copy.deepcopy(model).to(dtype).save_pretrained(folder, **save_kwargs)
         # round the weights only: `.to(dtype).float()` on the model would also round

@@ -1245,10 +1245,11 @@ PUBLISHED = {
     "gpt-oss-20b": dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_layers=24, num_heads=64,
                         num_kv_heads=8, head_dim=64, rope_theta=150000.0, max_position_embeddings=131072,
                         rms_norm_eps=1e-5, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=2880,
-                        sliding_window=128, attention_bias=True, attention_sinks=True, swiglu_limit=7.0,
-                        tie_word_embeddings=False),
+                        sliding_window=128, attention_bias=True, o_proj_bias=True, attention_sinks=True,
+                        swiglu_limit=7.0, tie_word_embeddings=False),
 }
-PUBLISHED_PARAMS = {"qwen3-8b": 8.19e9, "qwen2.5-7b": 7.61e9, "llama3-8b": 8.03e9, "qwen3-32b": 32.8e9, "qwen3-30b-a3b": 30.5e9,
+PUBLISHED_PARAMS = {"qwen3-8b": 8.19e9, "qwen2.5-7b": 7.61e9, "llama3-8b": 8.03e9, "qwen3-32b": 32.8e9,
+                    "qwen3-30b-a3b": 30.5e9,
                     "gpt-oss-20b": 20.9e9}  # the model cards' totals
 
 

@@ -191,6 +191,7 @@ V4 = dict(layer_types=None)
 SLIDING = [
     dict(V4, use_sliding_window=True, sliding_window=16, max_window_layers=0),
     dict(V4, use_sliding_window=True, sliding_window=16, max_window_layers=1),   # layer 1 of 2 slides
+    dict(V4, use_sliding_window=True, sliding_window=16, max_window_layers=-1),  # every layer, as 0
     dict(layer_types=["full_attention", "sliding_attention"], use_sliding_window=True, sliding_window=16),
 ]
 FULL = [
@@ -204,7 +205,7 @@ FULL = [
 ]
 
 
-@pytest.mark.parametrize("changes,sliding", list(zip(SLIDING, [(0, 1), (1,), (1,)])))
+@pytest.mark.parametrize("changes,sliding", list(zip(SLIDING, [(0, 1), (1,), (0, 1), (1,)])))
 def test_qwen3_sliding_window_configs_match_transformers(hf_checkpoint, clone_checkpoint, changes, sliding):
     """A sliding-window Qwen3 slides in the layers transformers' rules pick (a window of
     16 is shorter than the test prompts), with its logits."""
@@ -279,17 +280,21 @@ def _transformers_config(data: dict, folder):
     # with layer_types transformers builds a Ministral, which slides where they say
     dict(MISTRAL, sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     dict(MISTRAL, sliding_window=16, layer_types=None),
+    # YaRN serves 4 x 256 positions: a window of max_position_embeddings still cuts past them
+    dict(MISTRAL, sliding_window=256, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 256}),
 ], ids=lambda d: json.dumps({k: v for k, v in d.items() if k not in SMALL and k != "architectures"}))
 def test_qwen2_and_mistral_windows_are_the_ones_transformers_derives(data, tmp_path):
     """Each layer's window is the one transformers' attention gets: Mistral's sliding_window
     in every layer; Qwen2's (and Ministral's) in the layers its config class's layer_types
     names, which Qwen2 derives from use_sliding_window and max_window_layers. A window as
-    long as the context never cuts anything: full attention."""
+    long as the context served (with YaRN: past max_position_embeddings) never cuts
+    anything: full attention."""
     theirs = _transformers_config(data, tmp_path)
-    n, context = theirs.num_hidden_layers, theirs.max_position_embeddings
-    types = ["sliding_attention"] * n if theirs.model_type == "mistral" else theirs.layer_types
+    types = ["sliding_attention"] * theirs.num_hidden_layers if theirs.model_type == "mistral" else theirs.layer_types
     windows = [theirs.sliding_window if t == "sliding_attention" else None for t in types]
     ours = ModelConfig.from_dict(data)
+    n, context = theirs.num_hidden_layers, ours.context_length
     assert [ours.attention_window(i) for i in range(n)] == \
         [w if w is not None and w < context else None for w in windows]
 

@@ -2,8 +2,9 @@
 
 - TP = 2 and 4 give exactly the TP = 1 tokens for ar, dflash and ddtree, greedy and
   seeded sampling (with and without top-k / top-p), Qwen3 and Llama targets (float64),
-  single and batched requests; a biased Llama and a Qwen2 with a sliding window too. Worker processes are started once per TP size for the
-  module: all engines of one size share them.
+  single and batched requests; a biased Llama and a Qwen2 with a sliding window too.
+  Worker processes are started once per TP size for the module: all engines of one
+  size share them.
 - Vocabulary-sharded decisions (argmax with ties, Gumbel sampling, filtered sampling,
   draft top-k with the log-softmax normalizer, the tree built from it) equal the
   whole-vocabulary ones, on ranks simulated by threads.
@@ -519,22 +520,29 @@ def test_tp_fp8_tokens_equal_tp1(tp_models, tmp_path):
         LLM(wide, device="cpu", dtype="float64", tp=4)  # o_proj's 64 input features over 4 ranks
 
 
+def _biased_copy(model: Path, folder: Path, weights, **config) -> Path:
+    """A copy of checkpoint `model` in `folder` with random biases beside the layers' weights
+    whose names end with `weights`, and `config` over its config.json."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(model, folder)
+    w = load_file(str(folder / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    for name in [k for k in w if k.endswith(weights) and ".layers." in k]:
+        w[name.replace(".weight", ".bias")] = 0.3 * torch.randn(w[name].shape[0], generator=gen)
+    save_file(w, str(folder / "model.safetensors"))
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **config}))
+    return folder
+
+
 def test_tp_biased_llama_tokens_equal_tp1(tp_models, tmp_path):
     """A Llama with attention_bias and mlp_bias: column-parallel layers slice their bias,
     row-parallel ones (o_proj, down_proj) add theirs once after the all-reduce, not once
     per rank, so TP = 2 decodes TP = 1's tokens (and the biases do change them)."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-    folder = tmp_path / "biased"
-    shutil.copytree(tp_models["llama"][0], folder)
-    w = load_file(str(folder / "model.safetensors"))
-    gen = torch.Generator().manual_seed(0)
-    for name in [k for k in w if k.endswith("_proj.weight") and ".layers." in k]:
-        w[name.replace(".weight", ".bias")] = 0.3 * torch.randn(w[name].shape[0], generator=gen)
-    save_file(w, str(folder / "model.safetensors"))
-    cfg = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**cfg, "attention_bias": True, "mlp_bias": True}))
+    folder = _biased_copy(tp_models["llama"][0], tmp_path / "biased", "_proj.weight",
+                          attention_bias=True, mlp_bias=True)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     outs = {}
     for tp, model in ((1, folder), (2, folder), (0, tp_models["llama"][0])):
@@ -551,21 +559,10 @@ def test_tp_qwen2_tokens_equal_tp1(tp_models, tmp_path):
     each rank reads its heads' slice of the q/k/v biases, and no o_proj bias exists, so
     TP = 2 and 4 draft, verify and sample TP = 1's tokens through the windowed layer (and
     the biases and window do change them)."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
     base, drafter = tp_models["llama"]
-    folder = tmp_path / "qwen2"
-    shutil.copytree(base, folder)
-    w = load_file(str(folder / "model.safetensors"))
-    gen = torch.Generator().manual_seed(0)
-    for name in [k for k in w if k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]:
-        w[name.replace(".weight", ".bias")] = 0.3 * torch.randn(w[name].shape[0], generator=gen)
-    save_file(w, str(folder / "model.safetensors"))
-    cfg = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({
-        **cfg, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True,
-        "sliding_window": 4, "max_window_layers": 1}))
+    folder = _biased_copy(base, tmp_path / "qwen2", ("q_proj.weight", "k_proj.weight", "v_proj.weight"),
+                          architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True,
+                          sliding_window=4, max_window_layers=1)
     params = CONFIGS["filtered"]
     outs = {}
     for tp, model in ((1, folder), (2, folder), (4, folder), (0, base)):

@@ -1502,7 +1502,7 @@ def test_an_export_clears_what_a_killed_export_left(tmp_path):
     assert (tmp_path / "model" / "config.json").exists() and not dead.exists() and alive.exists()
 
 
-def test_generate_defaults_and_its_bad_inputs(target, data_dir, tmp_path):
+def test_generate_defaults_and_its_bad_inputs(target, data_dir, tmp_path, monkeypatch):
     """At least 16 held-out continuations by default, written whole; an existing output
     file, prompts longer than the corpus, a held-out split too short for its prompts,
     and rows past the target's context are refused before generating."""
@@ -1519,6 +1519,19 @@ def test_generate_defaults_and_its_bad_inputs(target, data_dir, tmp_path):
             generate_continuations(base / "model", data_dir, tmp_path / out, num_prompts=1, prompt_len=4,
                                    new_tokens=2, device="cpu", seed=1)
     assert (tmp_path / "gen.npz").read_bytes() == before
+    # nor one that appears while it generates (the temporary file goes too)
+    import treeflash
+    generate = treeflash.LLM.generate
+
+    def racing(self, *args, **kw):
+        (tmp_path / "late.npz").write_bytes(b"theirs")
+        return generate(self, *args, **kw)
+    with monkeypatch.context() as m, pytest.raises(UsageError, match="late.npz appeared while generating"):
+        m.setattr(treeflash.LLM, "generate", racing)
+        generate_continuations(base / "model", data_dir, tmp_path / "late", num_prompts=1, prompt_len=4,
+                               new_tokens=2, heldout_prompts=0, device="cpu")
+    assert (tmp_path / "late.npz").read_bytes() == b"theirs"
+    assert sorted(p.name for p in tmp_path.iterdir() if "late" in p.name) == ["late.npz"]
     (tmp_path / "one").mkdir()
     (tmp_path / "one" / "a.py").write_text("x = 1\n")
     write_corpus(data_dir, tmp_path / "small", [tmp_path / "one"], heldout_fraction=0)

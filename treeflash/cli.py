@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(f"two models given: {args.model_path} and --model {args.model} (give one)")
             args.model = args.model_path
         args.model_id = getattr(args, "model", None)  # as given: a hub id is served under its name
-        for name in ("model", "draft_model", "target", "tokenizer"):  # a hub id: its Hugging Face cache's copy
+        for name in ("model", "draft_model"):  # a hub id: its Hugging Face cache's copy (`train` resolves its own)
             if getattr(args, name, None):
                 setattr(args, name, str(model_folder(getattr(args, name))))
         return args.func(args)

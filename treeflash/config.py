@@ -300,7 +300,7 @@ def _layer_types(data: dict, num_layers: int, where: str, windows: bool = True) 
     return types
 
 
-def _sliding_windows(data: dict, arch: str, num_layers: int, where: str) -> dict:
+def _sliding_windows(data: dict, arch: str, num_layers: int, context: int, where: str) -> dict:
     """The sliding window of Qwen2, Qwen3, Qwen3-MoE and Mistral (the `sliding_window` and
     `sliding_layers` of ModelConfig), by transformers' rules. Qwen2 and Qwen3 apply it
     only with `use_sliding_window` (else `sliding_window` is ignored), in the layers
@@ -310,7 +310,7 @@ def _sliding_windows(data: dict, arch: str, num_layers: int, where: str) -> dict
     in every layer, or in those its `layer_types` names (transformers' AutoConfig reads a
     Mistral config with that key as Ministral's, whose layers follow it). An absent
     `sliding_window` is 4096. Llama has no sliding window (gpt-oss: `_gpt_oss_fields`).
-    A window at least as long as the context is full attention."""
+    A window at least as long as the served `context` is full attention."""
     if arch not in ("qwen2", "qwen3", "qwen3_moe", "mistral"):
         return {}
     if arch == "mistral":
@@ -325,8 +325,7 @@ def _sliding_windows(data: dict, arch: str, num_layers: int, where: str) -> dict
         return {}
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise TreeflashError(f"{where}: 'sliding_window' must be a positive integer or null, got {window!r}")
-    max_pos = data.get("max_position_embeddings")
-    if isinstance(max_pos, int) and window >= max_pos:
+    if window >= context:
         return {}  # a window as long as the context is full attention
     if arch == "qwen3_moe" or (arch == "mistral" and types is None):
         sliding = range(num_layers)
@@ -336,7 +335,7 @@ def _sliding_windows(data: dict, arch: str, num_layers: int, where: str) -> dict
         first = data.get("max_window_layers", 28)
         if isinstance(first, bool) or not isinstance(first, int):
             raise TreeflashError(f"{where}: 'max_window_layers' must be an integer, got {first!r}")
-        sliding = range(first, num_layers)
+        sliding = range(max(first, 0), num_layers)
     return {"sliding_window": window, "sliding_layers": tuple(sliding)} if sliding else {}
 
 
@@ -489,14 +488,15 @@ class ModelConfig:
         _check_hidden_act(data, where)
         moe = _moe_fields(data, num_layers, where) if arch == "qwen3_moe" else \
             _gpt_oss_fields(data, num_layers, where) if arch == "gpt_oss" else {}
-        windows = _sliding_windows(data, arch, num_layers, where)
         head_dim = _require(data, "head_dim", where) if data.get("head_dim") is not None else hidden // heads
         if head_dim % 2:
             raise TreeflashError(f"{where}: head_dim {head_dim} is odd (rotary embeddings turn "
                                  f"pairs of features)")
         max_pos = ARCH_DEFAULTS[arch]["max_position_embeddings"] if max_pos is None \
             else _require(data, "max_position_embeddings", where)
-        _check_rotary(head_dim, theta, scaling, served_context(max_pos, scaling)[0], where)
+        context = served_context(max_pos, scaling)[0]
+        _check_rotary(head_dim, theta, scaling, context, where)
+        windows = _sliding_windows(data, arch, num_layers, context, where)
         vocab = _require(data, "vocab_size", where)
         eos = token_id_list(data.get("eos_token_id"), "eos_token_id", where)
         if any(e >= vocab for e in eos):

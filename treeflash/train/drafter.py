@@ -16,10 +16,12 @@ drafter must predict when verifying greedy decoding: the target's own tokens.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -334,11 +336,19 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
     bar.close()
     seconds = time.perf_counter() - t0
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")  # whole or not at all: a Ctrl-C mid-write leaves no torn file
-    with open(tmp, "wb") as f:
-        np.savez(f, ids=rows[:num_prompts], heldout_ids=rows[num_prompts:], prompt_len=np.int64(prompt_len),
-                 target=np.str_(target_fingerprint(target_dir)))
-    os.replace(tmp, out)
+    # Whole or not at all (a file of its own, renamed once written), and not over a file
+    # that appeared while generating.
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, ids=rows[:num_prompts], heldout_ids=rows[num_prompts:], prompt_len=np.int64(prompt_len),
+                     target=np.str_(target_fingerprint(target_dir)))
+        if out.exists():
+            raise UsageError(f"--out {out} appeared while generating: remove it or choose another path")
+        os.replace(tmp, out)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
     meta = {"path": str(out), "sequences": num_prompts, "heldout_sequences": heldout_prompts,
             "prompt_len": prompt_len, "new_tokens": new_tokens,
             "generated_tokens": total * new_tokens, "seconds": round(seconds, 2),
