@@ -272,6 +272,8 @@ def _transformers_config(data: dict, folder):
     dict(QWEN2, use_sliding_window=True, sliding_window=None, max_window_layers=0),
     dict(QWEN2, use_sliding_window=True, sliding_window=16, max_window_layers=0,
          layer_types=["sliding_attention", "full_attention", "sliding_attention"]),  # layer_types wins
+    dict(QWEN2, use_sliding_window=False, sliding_window=16,  # no window without use_sliding_window
+         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     MISTRAL,  # the default window (4096)
     dict(MISTRAL, max_position_embeddings=8192),
     dict(MISTRAL, sliding_window=16),
