@@ -235,7 +235,7 @@ def write_corpus(tokenizer_dir: str | Path, out_dir: str | Path, roots: list[str
     check_out_dir(out_dir)
     refuse_model_folder(out_dir, "a corpus (its ids and tokenizer files)")
     check_out_outside_roots(out_dir, roots, suffixes)
-    tokenizer_dir = model_folder(tokenizer_dir)  # a hub id: its cached copy, as the CLI reads it
+    tokenizer_dir = model_folder(tokenizer_dir)  # a hub id: its Hugging Face cache's copy, as LLM reads one
     tok = Tokenizer(tokenizer_dir)
     if not tok.eos_token_ids:
         raise TreeflashError(f"the tokenizer in {tokenizer_dir} defines no EOS token")

@@ -395,7 +395,7 @@ def _check_generated_out(out: Path, target_dir: str | Path, data_dir: str | Path
 
 
 def _target_folder(target_dir: str | Path) -> str | Path:
-    """The target's folder (a hub id: its Hugging Face cache's copy, as the CLI reads it),
+    """The target's folder (a hub id: its Hugging Face cache's copy, as LLM reads one),
     checked to hold a target."""
     target_dir = model_folder(target_dir)
     if not (Path(target_dir) / "config.json").exists():
