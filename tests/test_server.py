@@ -1142,6 +1142,8 @@ def test_llm_chat_is_what_the_chat_endpoint_gives(llm, client, monkeypatch):
         with pytest.raises(UsageError, match=message):
             llm.chat(bad, params)
     for source, message in [("{{ raise_exception('roles must alternate') }}", "refused the messages: roles must"),
+                            # one line, as every error (a template's message may span several)
+                            ("{{ raise_exception('roles must\\n  alternate') }}", "messages: roles must alternate$"),
                             ("{{ messages[0]['content'] + 1 }}", "refused the messages: TypeError")]:
         monkeypatch.setitem(llm.__dict__, "chat_template", ChatTemplate(source))  # a template's own refusal
         with pytest.raises(UsageError, match=message):
@@ -1263,6 +1265,14 @@ def test_a_final_message_can_be_continued(llm, monkeypatch):
     ("{% for m in messages %}{{ m.content }}|{% endfor %}",
      [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}], False,
      "Hello\nworld|"),
+    # a special token the tokenizer does not set is not defined (ChatTemplate(source) sets none)
+    ("{% if bos_token is defined %}D{% else %}U{% endif %}{{ messages[0].content }}",
+     [{"role": "user", "content": "q"}], False, "Uq"),
+    # a loop over a name set from content that does not read parts (Mistral's parallel-tool
+    # template, for a role of its own) leaves the template the text
+    ("{% for m in messages %}{% if m.role == 'tool_calls' %}{% set calls = m.content %}{% for c in calls %}"
+     "{{ c.name }}{% endfor %}{% else %}{{ '[INST] ' + m.content }}{% endif %}{% endfor %}",
+     [{"role": "user", "content": "Hello"}], False, "[INST] Hello"),
     # an answer cut short in its reasoning comes back with content null
     ("{% for m in messages %}[{{ m.reasoning_content }}]{{ m.content }}{% endfor %}",
      [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "reasoning_content": "hmm"},

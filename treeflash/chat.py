@@ -18,7 +18,7 @@ def _token_text(value) -> str:
 
 
 def _refuse(message: str):
-    raise TreeflashError(message)
+    raise TreeflashError(" ".join(str(message).split()))  # one line, whatever the template wrote
 
 
 CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's chat_template_content_format
@@ -143,14 +143,24 @@ def _generation_tag():
 def _loops_over_content(env, *sources: str | None) -> bool:
     """Whether a template loops over a message's content (Gemma 3's, Llama 4's), which
     then takes OpenAI's list of parts; the others take its text, the parts joined (vLLM
-    tells its "openai" content format from its "string" one so)."""
+    tells its "openai" content format from its "string" one so). A loop over a name set
+    from content counts where it reads its items as parts: Mistral's parallel-tool
+    template sets `tool_calls = message.content` for a role of its own, and takes text."""
     from jinja2 import nodes
+
+    def key(node, names: tuple[str, ...]) -> bool:
+        return isinstance(node, nodes.Getattr) and node.attr in names or \
+            isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value in names
 
     def of_content(node) -> bool:
         while isinstance(node, nodes.Filter):  # message['content'] | selectattr(...)
             node = node.node
-        return isinstance(node, nodes.Getattr) and node.attr == "content" or \
-            isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+        return key(node, ("content",))
+
+    def reads_parts(loop) -> bool:  # item['type'], item.text, ...
+        return isinstance(loop.target, nodes.Name) and any(
+            key(n, ("type", "text")) and isinstance(n.node, nodes.Name) and n.node.name == loop.target.name
+            for n in loop.find_all((nodes.Getattr, nodes.Getitem)))
 
     for source in filter(None, sources):
         tree = env.parse(source)
@@ -160,7 +170,7 @@ def _loops_over_content(env, *sources: str | None) -> bool:
             it = loop.iter
             while isinstance(it, nodes.Filter):
                 it = it.node
-            if of_content(it) or isinstance(it, nodes.Name) and it.name in named:
+            if of_content(it) or isinstance(it, nodes.Name) and it.name in named and reads_parts(loop):
                 return True
     return False
 
@@ -218,8 +228,9 @@ class ChatTemplate:
             self.takes_parts = _loops_over_content(env, source, tool_source)
         except jinja2.TemplateError as e:
             raise TreeflashError(f"malformed chat template: {e}") from None
-        # what a template may name: bos_token, eos_token, ... (unset ones render empty)
-        self.special_tokens = {"bos_token": "", "eos_token": "", **(special_tokens or {})}
+        # what a template may name: bos_token, eos_token, ... (unset ones are not defined, as
+        # in transformers: `bos_token + x` refuses, `bos_token is defined` is false)
+        self.special_tokens = dict(special_tokens or {})
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ChatTemplate | None":
