@@ -1268,11 +1268,17 @@ def test_a_final_message_can_be_continued(llm, monkeypatch):
     # a special token the tokenizer does not set is not defined (ChatTemplate(source) sets none)
     ("{% if bos_token is defined %}D{% else %}U{% endif %}{{ messages[0].content }}",
      [{"role": "user", "content": "q"}], False, "Uq"),
-    # a loop over a name set from content that does not read parts (Mistral's parallel-tool
-    # template, for a role of its own) leaves the template the text
+    # a loop over a name set from content that reads its items as tool calls (Mistral's
+    # parallel-tool template, for a role of its own) leaves the template the text ...
     ("{% for m in messages %}{% if m.role == 'tool_calls' %}{% set calls = m.content %}{% for c in calls %}"
-     "{{ c.name }}{% endfor %}{% else %}{{ '[INST] ' + m.content }}{% endif %}{% endfor %}",
-     [{"role": "user", "content": "Hello"}], False, "[INST] Hello"),
+     "{% if c.type == 'function' %}{{ c.name }}{% endif %}{% endfor %}{% else %}{{ '[INST] ' + m.content }}"
+     "{% endif %}{% endfor %}", [{"role": "user", "content": "Hello"}], False, "[INST] Hello"),
+    # ... any other loop over it gets parts, however it reads them (a macro, a map)
+    ("{% macro part(p) %}{% if p.type == 'text' %}{{ p.text }}{% endif %}{% endmacro %}{% for m in messages %}"
+     "{% set c = m.content %}{% for item in c %}{{ part(item) }}{% endfor %}|{% endfor %}",
+     [{"role": "user", "content": "Hello"}], False, "Hello|"),
+    ("{% for m in messages %}{% set c = m.content %}{% for t in c | selectattr('type', 'equalto', 'text') | "
+     "map(attribute='text') %}{{ t }}{% endfor %}|{% endfor %}", [{"role": "user", "content": "Hi"}], False, "Hi|"),
     # an answer cut short in its reasoning comes back with content null
     ("{% for m in messages %}[{{ m.reasoning_content }}]{{ m.content }}{% endfor %}",
      [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "reasoning_content": "hmm"},

@@ -144,23 +144,26 @@ def _loops_over_content(env, *sources: str | None) -> bool:
     """Whether a template loops over a message's content (Gemma 3's, Llama 4's), which
     then takes OpenAI's list of parts; the others take its text, the parts joined (vLLM
     tells its "openai" content format from its "string" one so). A loop over a name set
-    from content counts where it reads its items as parts: Mistral's parallel-tool
-    template sets `tool_calls = message.content` for a role of its own, and takes text."""
+    from content counts too, unless it reads its items as tool calls: Mistral's
+    parallel-tool template sets `tool_calls = message.content` for a role of its own,
+    and takes text. (Text given to a template that wanted parts would vanish without a
+    word; parts given to one that wanted text are refused, so doubt goes to parts.)"""
     from jinja2 import nodes
 
-    def key(node, names: tuple[str, ...]) -> bool:
-        return isinstance(node, nodes.Getattr) and node.attr in names or \
-            isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value in names
+    def is_key(node, names: tuple[str, ...]) -> bool:  # x.name or x['name'], name in names
+        if isinstance(node, nodes.Getattr):
+            return node.attr in names
+        return isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value in names
 
     def of_content(node) -> bool:
         while isinstance(node, nodes.Filter):  # message['content'] | selectattr(...)
             node = node.node
-        return key(node, ("content",))
+        return is_key(node, ("content",))
 
-    def reads_parts(loop) -> bool:  # item['type'], item.text, ...
+    def reads_tool_calls(loop) -> bool:  # call.function, call['arguments'], ...
         return isinstance(loop.target, nodes.Name) and any(
-            key(n, ("type", "text")) and isinstance(n.node, nodes.Name) and n.node.name == loop.target.name
-            for n in loop.find_all((nodes.Getattr, nodes.Getitem)))
+            is_key(n, ("function", "name", "arguments", "id")) and isinstance(n.node, nodes.Name)
+            and n.node.name == loop.target.name for n in loop.find_all((nodes.Getattr, nodes.Getitem)))
 
     for source in filter(None, sources):
         tree = env.parse(source)
@@ -170,7 +173,7 @@ def _loops_over_content(env, *sources: str | None) -> bool:
             it = loop.iter
             while isinstance(it, nodes.Filter):
                 it = it.node
-            if of_content(it) or isinstance(it, nodes.Name) and it.name in named and reads_parts(loop):
+            if of_content(it) or isinstance(it, nodes.Name) and it.name in named and not reads_tool_calls(loop):
                 return True
     return False
 
