@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -338,9 +337,9 @@ def generate_continuations(target_dir: str | Path, data_dir: str | Path, out_pat
     out.parent.mkdir(parents=True, exist_ok=True)
     # Whole or not at all (a file of its own, renamed once written), and not over a file
     # that appeared while generating.
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # (mkstemp's would leave the file 0600)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "wb") as f:
             np.savez(f, ids=rows[:num_prompts], heldout_ids=rows[num_prompts:], prompt_len=np.int64(prompt_len),
                      target=np.str_(target_fingerprint(target_dir)))
         if out.exists():
