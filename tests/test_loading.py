@@ -205,16 +205,26 @@ FULL = [
 ]
 
 
-@pytest.mark.parametrize("changes,sliding", list(zip(SLIDING, [(0, 1), (1,), (0, 1), (1,)])))
-def test_qwen3_sliding_window_configs_match_transformers(hf_checkpoint, clone_checkpoint, changes, sliding):
-    """A sliding-window Qwen3 slides in the layers transformers' rules pick (a window of
-    16 is shorter than the test prompts), with its logits."""
+@pytest.mark.parametrize("name,changes,window,sliding", [
+    *(("qwen3", changes, 16, sliding) for changes, sliding in zip(SLIDING, [(0, 1), (1,), (0, 1), (1,)])),
+    # layouts the checkpoints of test_models do not have: Qwen2 without layer_types
+    # (max_window_layers decides), a window without use_sliding_window (unused), a Mistral
+    # with layer_types (Ministral's windows)
+    ("qwen2-window", dict(layer_types=None, max_window_layers=0), 8, (0, 1)),
+    ("qwen2-window", dict(layer_types=None, use_sliding_window=False, sliding_window=4), None, ()),
+    ("mistral-window", dict(layer_types=["full_attention", "sliding_attention"], sliding_window=12), 12, (1,)),
+])
+def test_sliding_window_configs_match_transformers(hf_checkpoint, clone_checkpoint, name, changes, window,
+                                                    sliding):
+    """A sliding-window Qwen3, Qwen2 or Mistral slides in the layers transformers' rules
+    pick (its window shorter than the test prompts), with the logits of the model
+    transformers' Auto classes build from the same folder."""
     from transformers import AutoModelForCausalLM
 
-    folder = clone_checkpoint(hf_checkpoint("qwen3").path, **changes)
+    folder = clone_checkpoint(hf_checkpoint(name).path, **changes)
     cfg = ModelConfig.from_pretrained(folder)
-    assert (cfg.sliding_window, cfg.sliding_layers) == (16, sliding)
-    assert len(Tokenizer(folder).encode(ENGINE_PROMPTS[1])) > 2 * 16
+    assert (cfg.sliding_window, cfg.sliding_layers) == (window, sliding)
+    assert len(Tokenizer(folder).encode(ENGINE_PROMPTS[1])) > 2 * (window or 8)
     assert_logits_match(folder, AutoModelForCausalLM.from_pretrained(folder).eval())
 
 
@@ -299,25 +309,6 @@ def test_qwen2_and_mistral_windows_are_the_ones_transformers_derives(data, tmp_p
     n, context = theirs.num_hidden_layers, ours.context_length
     assert [ours.attention_window(i) for i in range(n)] == \
         [w if w is not None and w < context else None for w in windows]
-
-
-@pytest.mark.parametrize("name,changes,sliding", [
-    ("qwen2-window", dict(layer_types=None, max_window_layers=0), (0, 1)),
-    ("qwen2-window", dict(layer_types=None, use_sliding_window=False, sliding_window=4), ()),
-    ("mistral-window", dict(layer_types=["full_attention", "sliding_attention"], sliding_window=12), (1,)),
-])
-def test_qwen2_and_mistral_window_configs_match_transformers_logits(hf_checkpoint, clone_checkpoint, name, changes,
-                                                                    sliding):
-    """Config layouts the checkpoints of test_models do not have (Qwen2 without layer_types:
-    max_window_layers decides; a window without use_sliding_window: unused; a Mistral with
-    layer_types: Ministral's windows) give the logits of the model transformers' Auto
-    classes build from the same folder."""
-    from transformers import AutoModelForCausalLM
-
-    folder = clone_checkpoint(hf_checkpoint(name).path, **changes)
-    cfg = ModelConfig.from_pretrained(folder)
-    assert cfg.sliding_layers == sliding and len(Tokenizer(folder).encode(ENGINE_PROMPTS[1])) > 16
-    assert_logits_match(folder, AutoModelForCausalLM.from_pretrained(folder).eval())
 
 
 def test_keys_a_qwen2_or_mistral_config_leaves_out_take_transformers_defaults(tmp_path):
