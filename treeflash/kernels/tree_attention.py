@@ -167,7 +167,7 @@ def _partial_attention(
     HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_N_TREE: tl.constexpr, FP32_DOT: tl.constexpr, WINDOW: tl.constexpr, PREFIX_EVICTION: tl.constexpr,
-    OWN_KEY: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, PDL: tl.constexpr = False,
+    OWN_KEY: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, DIRECT: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (b * HKV + kv head, split, row program): the T*G rows of that KV head
     (row tiles row_program, row_program + row programs, ...) against one key range,
@@ -182,8 +182,13 @@ def _partial_attention(
     WINDOW: the prefix chunks cover only the slots some row can see (module doc).
     BLOCK_CHUNKS: splits num_splits, num_splits + 1, ... attend one BLOCK_N_TREE-key chunk
     of the block each, no prefix (block_split = -1).
+    DIRECT (one part, no sinks): o is the output [B, T, H, D] itself and there is no
+    merge, so this kernel, like the merge, lets the next one launch only when it is done.
     """
-    start_after_previous(PDL)
+    if DIRECT:
+        wait_for_previous(PDL)
+    else:
+        start_after_previous(PDL)
     ROWS: tl.constexpr = T * G
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -224,8 +229,8 @@ def _partial_attention(
     for row0 in range(row_program * BLOCK_M, ROWS, row_programs * BLOCK_M):
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < ROWS
+        tok = rows // G
         if ran:
-            tok = rows // G
             q = tl.load(q_base + tok[:, None] * sq_t + (rows % G)[:, None] * sq_h + offs_d[None, :],
                         mask=row_ok[:, None], other=0.0)
             row_pos = 0
@@ -242,11 +247,18 @@ def _partial_attention(
             if OWN_KEY:
                 s_own = tl.sum(q.to(tl.float32) * k_own.to(tl.float32)[None, :], 1) * qk_scale
                 o, lse = _combine(o, lse, v_own.to(tl.float32)[None, :], tl.where(own_ok, s_own, float("-inf")))
-            tl.store(o_ptr + (part * ROWS + rows)[:, None] * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
-                     mask=row_ok[:, None])
         else:  # an empty split: lse = -inf tells the merge to skip its (unwritten) o
+            o = tl.zeros([BLOCK_M, D], tl.float32)
             lse = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        tl.store(lse_ptr + part * ROWS + rows, lse, mask=row_ok)
+        if DIRECT:
+            out_rows = (b * T + tok).to(tl.int64) * (HKV * G) + kvh * G + rows % G
+            tl.store(o_ptr + out_rows[:, None] * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+                     mask=row_ok[:, None])
+        else:
+            if ran:
+                tl.store(o_ptr + (part * ROWS + rows)[:, None] * D + offs_d[None, :],
+                         o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(lse_ptr + part * ROWS + rows, lse, mask=row_ok)
 
 
 @triton.jit
@@ -413,9 +425,11 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
     # Partial outputs in the input dtype: normalised, so bf16 costs no more accuracy than
     # the bf16 output itself, and halves their traffic (T=16: 12% -> 6% of the prefix).
-    o_part = torch.empty(B * HKV, parts, rows, D, dtype=q.dtype, device=q.device)
-    lse_part = torch.empty(B * HKV, parts, rows, dtype=torch.float32, device=q.device)
+    # With one part and no sinks there is nothing to merge: the partial is the output.
+    direct = parts == 1 and sinks is None
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
+    o_part = out if direct else torch.empty(B * HKV, parts, rows, D, dtype=q.dtype, device=q.device)
+    lse_part = torch.empty(1 if direct else B * HKV * parts * rows, dtype=torch.float32, device=q.device)
     LOG2E = 1.4426950408889634
     _partial_attention[(B * HKV, parts, row_programs)](
         q, k_cache, v_cache, mask.view(torch.uint8), o_part, lse_part, inputs.prefix_lens, positions,
@@ -425,8 +439,10 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         BLOCK_N_TREE=block_n_tree, FP32_DOT=fp32, WINDOW=window is not None, BLOCK_CHUNKS=block_chunks > 0,
         # With one row tile each prefix tile is read once: its L2 lines go first, before
         # the partials' (H200, 16K, T = 1: 22.6 -> 22.1 us). Several row tiles re-read it.
-        PREFIX_EVICTION="evict_first" if rows <= block_m else "", OWN_KEY=own_key,
+        PREFIX_EVICTION="evict_first" if rows <= block_m else "", OWN_KEY=own_key, DIRECT=direct,
         num_warps=8 if block_m >= 128 else 4, num_stages=stages, **chained(q.device))
+    if direct:
+        return out
     # One or two warps per merge program and few rows each: the merge is a latency
     # chain of small loads, and 4 warps reducing one row's splits cost 12.6 us per layer
     # at T = 64 (2048 programs) against 2.6 us with one (H200, NOTES.md). One row per
