@@ -31,7 +31,8 @@ Why it is split in three (the verify reads the shared context once for all tree 
     the last split adds from loads issued before its prefix loop (4 requests at 4K: the
     wave streams the prefix with 4 splits instead of 3 and 32 one-key programs; the 8B
     step of 4 requests 1.3% faster at 4K, 4.9% at 16K).
-(c) A second kernel merges the partial results of all splits by log-sum-exp. A split
+(c) A second kernel merges the partial results of all splits by log-sum-exp (none where
+    one part holds all keys, as for 16 requests decoding: it writes the output). A split
     with no keys writes lse = -inf (and no o), so the merge needs no prefix length:
     its loads issue as soon as it starts, not after a dependent load of prefix_lens.
 
