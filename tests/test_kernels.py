@@ -144,12 +144,13 @@ def test_empty_splits_are_never_read(row_programs, monkeypatch):
 
 
 @kernel_test
-@pytest.mark.parametrize("T, row_programs, num_splits", [(1, None, 1), (37, 3, 1)])
+@pytest.mark.parametrize("T, row_programs, num_splits", [(1, None, 1), (37, 3, 1), (37, 2, 1)])
 @pytest.mark.parametrize("mask_kind", ["tree", "none"])
 def test_one_part_is_the_output(T, row_programs, num_splits, mask_kind, monkeypatch):
     """Where one program's part holds all of a row's keys (a single token with one split
-    and its own key; row tiles of one split on a GPU with no room for block programs),
-    it writes the output itself and no merge runs, also for rows that see no key."""
+    and its own key; row tiles of one split, one or two to a program, on a GPU with no
+    room for block programs), it writes the output itself and no merge runs, also for
+    rows that see no key."""
     import sys
     module = sys.modules["treeflash.kernels.tree_attention"]
     monkeypatch.setattr(module, "_sm_count", lambda device: 4)
@@ -263,5 +264,5 @@ def test_kernel_in_the_triton_interpreter():
     fp32: its bf16 is raw integers)."""
     run_interpreted(__file__, "split_counts or row_programs or dtypes_and_head_dims or empty_splits or many_requests"
                     " or single_token or long_splits or block_keys_in_chunks or far_negative_scores"
-                    " or laid_out_as_the_engine or rescales_between_chunks or partial_last_block or one_part_is", 40,
+                    " or laid_out_as_the_engine or rescales_between_chunks or partial_last_block or one_part_is", 42,
                     timeout=600)

@@ -22,7 +22,7 @@ running one-wave kernel:
 - The attention merge only waits (`wait_for_previous`). It is itself launched while the
   prefix pass runs; if it let the o-projection launch too, that GEMV's programs would
   sit beside the running pass (the 8B AR step was 1.6% slower than with no dependent
-  launch at all).
+  launch at all). A pass that writes the output itself (one part, no merge) only waits too.
 - RoPE-into-cache lets the attention launch once its own wait returns
   (`wait_then_start_next`). Launched at once, the attention's programs were placed on
   the SMs the QKV product left free, two to an SM, and 16 requests' decode step was 8%
