@@ -13,7 +13,8 @@ from treeflash.errors import TreeflashError, UsageError, debugging, shown
 from treeflash.files import model_folder, read_text
 
 # what generate and bench read from --prompt-file (`read_placed_prompts`)
-PROMPT_FILE_HELP = ("one prompt per line (\\n for a newline; empty lines skipped), or a .jsonl / .json file of "
+PROMPT_FILE_HELP = ("one prompt per line (every \\n is a newline: a prompt that holds a backslash-n goes in a JSON "
+                    "file; empty lines skipped), or a .jsonl / .json file of "
                     "objects with a 'prompt' field, one per line (or a .json array of prompts); - reads standard input")
 PROMPT_FORMAT_HELP = ("how --prompt-file is read: auto (default) by its name (.jsonl, .json, .ndjson, .jsonlines: "
                       "JSON; else, "
