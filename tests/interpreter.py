@@ -14,7 +14,15 @@ REPO = Path(__file__).resolve().parent.parent
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-kernel = pytest.mark.skipif(not (CUDA or INTERPRET), reason="the kernel runs on CUDA or in the Triton interpreter")
+_kernel_runs = pytest.mark.skipif(not (CUDA or INTERPRET), reason="the kernel runs on CUDA or in the Triton interpreter")
+
+
+def kernel(test):
+    """A kernel test: on a GPU one of the device suite's (`-m gpu`), on the CPU only in
+    the interpreter (`run_interpreted`)."""
+    return pytest.mark.gpu(_kernel_runs(test))
+
+
 spawns_interpreter = pytest.mark.skipif(CUDA or INTERPRET, reason="runs the kernel tests itself")
 
 
