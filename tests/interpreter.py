@@ -18,8 +18,8 @@ _kernel_runs = pytest.mark.skipif(not (CUDA or INTERPRET), reason="the kernel ru
 
 
 def kernel(test):
-    """A kernel test: on a GPU one of the device suite's (`-m gpu`), on the CPU only in
-    the interpreter (`run_interpreted`)."""
+    """A kernel test: on a GPU one of the device suite's (`-m gpu`); on the CPU it runs
+    only in the interpreter, where a file's `run_interpreted` picks it."""
     return pytest.mark.gpu(_kernel_runs(test))
 
 
