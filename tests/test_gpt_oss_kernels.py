@@ -303,6 +303,7 @@ def test_gpu_experts_at_model_sizes(dtype, tol, T, with_bias, with_clamp):
 
 @spawns_interpreter
 def test_kernels_in_the_triton_interpreter():
+    # by name: every kernel test carries the gpu mark (interpreter.kernel); the CUDA-only ones are test_gpu_*
     run_interpreted(__file__, "not test_gpu_ and not interpreter",
                     len(ATTENTION_CASES) + 2 + 2 + 8 + 1 + 2 + len(EXPERT_CASES) * len(VARIANTS) + 2 + len(FP8_CASES),
                     timeout=900)
