@@ -161,6 +161,15 @@ def _combine(o, lse, o2, lse2):
 
 
 @triton.jit
+def _store_output(out_ptr, o, b, kvh, rows, row_ok, offs_d, HKV: tl.constexpr, G: tl.constexpr, T: tl.constexpr,
+                  D: tl.constexpr):
+    """o [rows, D] of KV head kvh of request b into the output [B, T, H, D]: row r is
+    token r // G, query head kvh * G + r % G."""
+    out_rows = (b * T + rows // G).to(tl.int64) * (HKV * G) + kvh * G + rows % G
+    tl.store(out_ptr + out_rows[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
 def _partial_attention(
     q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr, prefix_ptr, pos_ptr,
     sq_b, sq_t, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_i, sp_b, sp_t,
@@ -252,9 +261,7 @@ def _partial_attention(
             o = tl.zeros([BLOCK_M, D], tl.float32)
             lse = tl.full([BLOCK_M], float("-inf"), tl.float32)
         if DIRECT:
-            out_rows = (b * T + tok).to(tl.int64) * (HKV * G) + kvh * G + rows % G
-            tl.store(o_ptr + out_rows[:, None] * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
-                     mask=row_ok[:, None])
+            _store_output(o_ptr, o, b, kvh, rows, row_ok, offs_d, HKV, G, T, D)
         else:
             if ran:
                 tl.store(o_ptr + (part * ROWS + rows)[:, None] * D + offs_d[None, :],
@@ -306,10 +313,8 @@ def _merge(o_ptr, lse_ptr, out_ptr, sinks_ptr, parts,
         den = den * alpha + tl.sum(w, 0)
         acc = acc * alpha[:, None] + tl.sum(tl.where(w[:, :, None] > 0, o * w[:, :, None], 0.0), 0)
         m = m_new
-    out_rows = (b * T + rows // G).to(tl.int64) * (HKV * G) + head
     den = tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + out_rows[:, None] * D + offs_d[None, :], (acc / den[:, None]).to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
+    _store_output(out_ptr, acc / den[:, None], b, kvh, rows, row_ok, offs_d, HKV, G, T, D)
 
 
 @functools.cache
