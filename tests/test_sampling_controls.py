@@ -326,9 +326,20 @@ def test_ids_outside_the_vocabulary_and_impossible_requests(hf_checkpoint):
     with pytest.raises(UsageError, match="bad_words and logit_bias -inf ban every one of allowed_token_ids after"):
         llm.generate("x", SamplingParams(allowed_token_ids=[5, 7], logit_bias={7: float("-inf")},
                                          bad_words=[llm.tokenizer.decode([5, 5])]))
-    with pytest.raises(UsageError, match="ban every way to finish the structured output"):
+    with pytest.raises(UsageError, match="logit_bias -inf bans every way to finish the structured output") as e:
         llm.generate("x", SamplingParams(structured_outputs=StructuredOutputs(choice=["5"]), logit_bias={
             t: float("-inf") for t in range(vocab) if llm.tokenizer.decode([t]).lstrip().startswith("5")}))
+    assert e.value.param == "logit_bias"  # the request has no bad_words
+    # bans of the whole vocabulary between logit_bias and a bad word: the sampler had no token
+    # left and took token 0 (banned) without a word
+    word = llm.tokenizer.decode([5])
+    last = {s[0] for s in llm.rules.bad_sequences(SamplingParams(bad_words=[word])) if len(s) == 1}
+    for extra in ({}, {"min_tokens": 2}, {"ignore_eos": True}):
+        with pytest.raises(UsageError, match="bad_words and logit_bias -inf ban every token of the vocabulary"):
+            llm.generate("x", SamplingParams(bad_words=[word], **extra, logit_bias={
+                t: float("-inf") for t in range(vocab) if t not in last}))
+    assert len(llm.generate("x", SamplingParams(bad_words=[word], max_new_tokens=3, ignore_eos=True, logit_bias={
+        t: float("-inf") for t in range(vocab) if t not in last | {7}}))[0].token_ids) == 3
     with pytest.raises(UsageError, match="logit_bias bans \\(-inf\\) every token of the vocabulary"):
         llm.generate("x", SamplingParams(logit_bias={t: float("-inf") for t in range(vocab)}))
     others = [t for t in range(vocab) if t != 5]  # one token left: min_tokens' tokens are it

@@ -159,18 +159,22 @@ class RequestRules:
         # tokenized once for the checks below; a -inf bias bans its token as a one-token bad word does
         sequences = self.bad_sequences(p) + [[t] for t in sorted(biased_out)]
         banned = {seq[0] for seq in sequences if len(seq) == 1}
-        if allowed is not None and allowed <= banned | (held if p.min_tokens else set()):
-            raise UsageError("invalid sampling parameters: bad_words ban every one of allowed_token_ids"
-                             + (" that min_tokens does not hold back" if p.min_tokens else "")
-                             + (" (with logit_bias -inf)" if biased_out else ""), param="bad_words")
-        if allowed is not None and (dead := _dead_end(sequences, allowed)) is not None:
-            raise UsageError(f"invalid sampling parameters: bad_words{' and logit_bias -inf' if biased_out else ''}"
-                             f" ban every one of allowed_token_ids after "
-                             f"{shown(self.tokenizer.decode(dead, skip_special=False))}", param="bad_words")
+        bans = "bad_words and logit_bias -inf ban" if p.bad_words and biased_out else \
+            "bad_words ban" if p.bad_words else "logit_bias -inf bans"  # (the errors' subject)
+        param = "bad_words" if p.bad_words else "logit_bias"
+        pool, every = allowed, "every one of allowed_token_ids"
+        if pool is None and len(sequences) + len(held) >= self.vocab_size:  # only then can they ban every token
+            pool, every = set(range(self.vocab_size)), "every token of the vocabulary"
+        if pool is not None and pool <= banned | (held if p.min_tokens else set()):
+            raise UsageError(f"invalid sampling parameters: {bans} {every}"
+                             + (" that min_tokens does not hold back" if p.min_tokens else ""), param=param)
+        if pool is not None and (dead := _dead_end(sequences, pool)) is not None:
+            raise UsageError(f"invalid sampling parameters: {bans} {every} after "
+                             f"{shown(self.tokenizer.decode(dead, skip_special=False))}", param=param)
         if p.structured_outputs is not None and not held:
             raise UsageError("structured outputs need an end token: this model has no EOS, give stop_token_ids")
         if (automaton := self.automaton(p)) is not None:
-            automaton.check(held, sequences)
+            automaton.check(held, sequences, bans)
 
     def automaton(self, p: SamplingParams) -> TokenAutomaton | None:
         """p's structured output as a token automaton (None without one), compiled once
