@@ -109,7 +109,8 @@ def _rope(data: dict, where: str = "config.json") -> tuple[float, dict | None]:
     for key in ("factor", "low_freq_factor", "high_freq_factor"):  # as transformers and vLLM: no defaults
         if key not in scaling:
             raise TreeflashError(f"{where}: llama3 rope scaling lacks '{key}'")
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+    _require(scaling, "original_max_position_embeddings", f"{where}: llama3 rope scaling")
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):
         _number(scaling[key], f"rope scaling {key}", where)
     # the band between them is a ramp over 1 / their difference
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -124,9 +125,17 @@ def _yarn(scaling: dict, where: str) -> dict:
     for key in ("factor", "original_max_position_embeddings"):
         if scaling.get(key) is None:
             raise TreeflashError(f"{where}: yarn rope scaling lacks '{key}'")
-    for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor"):
+    _require(scaling, "original_max_position_embeddings", f"{where}: yarn rope scaling")
+    for key in ("factor", "beta_fast", "beta_slow", "attention_factor"):
         if scaling.get(key) is not None:
             _number(scaling[key], f"rope scaling {key}", where)
+    if scaling["factor"] < 1:  # (transformers warns; a factor below 1 would shrink the context)
+        raise TreeflashError(f"{where}: yarn rope scaling factor must be >= 1 (it stretches the context), "
+                             f"got {scaling['factor']!r}")
+    if scaling["original_max_position_embeddings"] * scaling["factor"] >= 2 ** 31:
+        raise TreeflashError(f"{where}: yarn rope scaling's original_max_position_embeddings x factor is the "
+                             f"context served, and must be below 2^31 positions, got "
+                             f"{scaling['original_max_position_embeddings']} x {scaling['factor']:g}")
     if scaling.get("mscale") or scaling.get("mscale_all_dim"):
         raise TreeflashError(f"{where}: yarn rope scaling with mscale (DeepSeek's) is not supported")
     return {**scaling, "rope_type": "yarn"}
