@@ -880,8 +880,11 @@ def test_a_sampled_round_counts_the_samplers_copies(speculative_pair, monkeypatc
     from treeflash.engine import round as round_module
     _, ddtree = speculative_pair
     dec, cpu = ddtree.decoder, torch.device("cpu")
-    greedy = max(dec.round_bytes(1, n, cpu, False) for n in (1024, 2048))
-    assert dec.round_bytes(1, 1024, cpu, True) > greedy
+    lengths, counted = [], dec.round_bytes  # the cache length the engine gives this request
+    monkeypatch.setattr(dec, "round_bytes", lambda b, n, *rest: lengths.append(n) or counted(b, n, *rest))
+    ddtree.generate(["a"], SamplingParams(max_new_tokens=2))
+    greedy = counted(1, lengths[-1], cpu, False)
+    assert counted(1, lengths[-1], cpu, True) > greedy
     monkeypatch.setattr(round_module, "available_bytes", lambda device: greedy)
     assert ddtree.generate(["a"], SamplingParams(max_new_tokens=2))[0].token_ids
     with pytest.raises(TreeflashError, match=r"not enough cpu memory for a round of 17 tokens"):

@@ -128,7 +128,8 @@ class SpeculativeDecoder:
         by the OS mid-round (a budget of 100000 asked for a 10 GB ancestor matrix per
         request). Counted per request for T = budget + 1 tokens: the T x T ancestor
         matrix and the copy it is built from (bool), the reference attention's T x
-        max_len mask (bool), and this rank's T rows of logits; where a sampled batch
+        max_len mask (bool, and the float32 one SDPA makes of it: 5 bytes an entry), and
+        this rank's T rows of logits; where a sampled batch
         samples on the torch path (not CUDA's fused kernels), SAMPLER_COPIES more of them
         in float32 (the noisy copy, its noise, the pick between it and the greedy rows;
         top-p's sort of the vocabulary adds about 2.5 more, uncounted). It bites only far
@@ -147,7 +148,7 @@ class SpeculativeDecoder:
         T = self.budget + 1
         head = self.target.lm_head.weight
         row = head.shape[0] * (head.element_size() + (4 * SAMPLER_COPIES if sampled and device.type != "cuda" else 0))
-        return batch * T * (2 * T + (max_len if self.backend == "sdpa" else 0) + row)
+        return batch * T * (2 * T + (5 * max_len if self.backend == "sdpa" else 0) + row)
 
     def prefill_inputs(self, st: BatchState, prompts: list[list[int]],
                        starts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
