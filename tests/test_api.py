@@ -488,6 +488,19 @@ def test_get_tokenizer_answers_as_a_transformers_tokenizer(tmp_path):
     assert ours.decode(list(np.array(ids))) == hf.decode(ids)  # NumPy integers, as transformers takes them
     with pytest.raises(UsageError, match="decode takes token ids"):
         ours.decode([2 ** 70])
+    # ids as decode takes them, one id as one spelling; bad ones a clear error (None and -1 raised
+    # TypeError and OverflowError from the tokenizers library)
+    assert ours.convert_ids_to_tokens(np.int64(ids[0])) == hf.convert_ids_to_tokens(ids[0])
+    assert ours.convert_ids_to_tokens(torch.tensor(ids)) == hf.convert_ids_to_tokens(ids)
+    assert ours.convert_tokens_to_ids(tuple(hf.convert_ids_to_tokens(ids[:2]))) == ids[:2]
+    for bad in (None, -1, [None], "5"):
+        with pytest.raises(UsageError, match="takes token ids"):
+            ours.convert_ids_to_tokens(bad)
+    with pytest.raises(UsageError, match="decode takes token ids"):
+        ours.decode(None)
+    for bad in (5, [None], None):
+        with pytest.raises(UsageError, match="takes a token's spelling"):
+            ours.convert_tokens_to_ids(bad)
     with pytest.raises(UsageError, match="return_tensors not supported"):  # not a template variable
         ours.apply_chat_template(talk, return_tensors="pt")
 
@@ -1117,6 +1130,9 @@ def test_callbacks_whose_signature_cannot_be_read_are_called_as_documented(llm):
 def test_sampling_parameters_of_the_wrong_type(llm, params):
     with pytest.raises(UsageError, match="must be SamplingParams"):
         llm.generate(["a"], params)
+    for check in (llm.check_sampling, llm.would_compile):  # (an AttributeError, before)
+        with pytest.raises(UsageError, match="must be SamplingParams"):
+            check(params)
 
 
 def test_a_cache_larger_than_free_memory_is_refused(llm, monkeypatch):

@@ -1008,6 +1008,12 @@ def test_chat_prompts_go_through_the_chat_template(capsys, broken, monkeypatch):
                     SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
     assert json.loads(out)["token_ids"] == want.token_ids
     assert llm.chat_prompt([{"role": "user", "content": "x"}]) == llm.encode("<user>x<assistant>", special=False)
+    # tools and the format are checked as chat() checks them (a string of tools was rendered into the prompt)
+    for tools in ("notalist", [{"x": 1}]):
+        with pytest.raises(UsageError, match="'tools' must be a list of"):
+            llm.chat_prompt([{"role": "user", "content": "x"}], tools=tools)
+    with pytest.raises(UsageError, match="fmt must be a ChatFormat"):
+        llm.chat_prompt([{"role": "user", "content": "x"}], fmt="x")
     # the template's own variables (vLLM's chat_template_kwargs), only with --chat
     (broken / "chat_template.jinja").write_text("{{ greeting }}{{ messages[0].content }}")
     rc, out, err = run(capsys, ENGINE_PROMPTS[1], "--model", broken, "--device", "cpu", "--chat", "--json",

@@ -73,6 +73,12 @@ def _token_callback(on_tokens):
     return lambda i, ids, _: on_tokens(i, ids)
 
 
+def _sampling_params(p) -> SamplingParams:
+    if not isinstance(p, SamplingParams):
+        raise UsageError(f"sampling parameters must be SamplingParams, got {type(p).__name__}")
+    return p
+
+
 def _shifted(callback, offset: int):
     """A per-request callback of a batch that starts at request `offset` of the call."""
     return callback if callback is None or offset == 0 else (lambda i, *rest: callback(i + offset, *rest))
@@ -465,11 +471,12 @@ class LLM:
 
     def check_sampling(self, p: SamplingParams) -> None:
         """Raise UsageError (one line) if p does not fit this model (see `RequestRules`)."""
-        self.rules.check(p)
+        self.rules.check(_sampling_params(p))
 
     def would_compile(self, p: SamplingParams) -> bool:
         """Whether checking p compiles its structured output (seconds at times): one not
         compiled, nor refused, yet."""
+        _sampling_params(p)
         return p.structured_outputs is not None and not self.rules.automata.known(p.structured_outputs)
 
     def default_sampling_params(self) -> SamplingParams:
@@ -541,7 +548,9 @@ class LLM:
         renders it, by default up to where the assistant's answer starts (see
         `ChatFormat`); `generate` checks that they fit (after
         SamplingParams.truncate_prompt_tokens)."""
-        return self.token_ids(self._chat_text(messages, fmt, tools), special=False)
+        if not isinstance(fmt, ChatFormat):
+            raise UsageError(f"chat_prompt's fmt must be a ChatFormat, got {type(fmt).__name__}")
+        return self.token_ids(self._chat_text(messages, fmt, checked_tools(tools)), special=False)
 
     def _chat_text(self, messages: list[dict], fmt: ChatFormat, tools: list[dict] | None,
                    template: "ChatTemplate | None" = None, content_format: str = "auto") -> str:
@@ -627,9 +636,7 @@ class LLM:
         if not prompts:
             return []
         last = None  # the parameters checked last: the n choices of a request differ only in their seeds
-        for p in params:
-            if not isinstance(p, SamplingParams):
-                raise UsageError(f"sampling parameters must be SamplingParams, got {type(p).__name__}")
+        for p in map(_sampling_params, params):
             if last is None or not _same_but_seed(p, last):
                 self.check_sampling(p)
                 last = p

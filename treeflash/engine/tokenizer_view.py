@@ -20,6 +20,21 @@ UNSUPPORTED = {"return_tensors": None, "return_dict": False, "padding": False, "
                "max_length": None, "return_assistant_tokens_mask": False, "tokenizer_kwargs": None}
 
 
+def _token_ids(token_ids, what: str) -> tuple[list[int], bool]:
+    """Ids as transformers takes them (one, a list, a tensor or an array of them), checked,
+    and whether one was given."""
+    ids = token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids
+    one = isinstance(ids, numbers.Integral)
+    try:
+        ids = [ids] if one else list(ids)
+    except TypeError:
+        ids = None
+    if ids is None or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < 2 ** 32
+                              for i in ids):
+        raise UsageError(f"{what} takes token ids (integers from 0 to 2^32 - 1), got {shown(token_ids)}")
+    return [int(i) for i in ids], one
+
+
 class TokenizerView:
     def __init__(self, llm):
         self._llm, self._tok = llm, llm.tokenizer
@@ -37,23 +52,28 @@ class TokenizerView:
         return {k: v[0] for k, v in out.items()} if one else out
 
     def decode(self, token_ids, skip_special_tokens: bool = False) -> str:
-        """Ids as transformers takes them: one, a list, a tensor or an array of them."""
-        ids = token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids
-        ids = [ids] if isinstance(ids, numbers.Integral) else list(ids)
-        if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < 2 ** 32 for i in ids):
-            raise UsageError(f"decode takes token ids (integers from 0 to 2^32 - 1), got {shown(token_ids)}")
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens)
+        return self._tok.decode(_token_ids(token_ids, "decode")[0], skip_special_tokens)
 
     def batch_decode(self, sequences, skip_special_tokens: bool = False) -> list[str]:
         return [self.decode(s, skip_special_tokens) for s in sequences]
 
     def convert_ids_to_tokens(self, ids):
-        return self._tok.vocab_spellings([ids])[0] if isinstance(ids, int) else self._tok.vocab_spellings(list(ids))
+        """A token's spelling (None past the vocabulary, as transformers), or a list of them."""
+        ids, one = _token_ids(ids, "convert_ids_to_tokens")
+        spellings = self._tok.vocab_spellings(ids)
+        return spellings[0] if one else spellings
 
     def convert_tokens_to_ids(self, tokens):
-        if isinstance(tokens, str):
-            return self._tok.tok.token_to_id(tokens)
-        return [self._tok.tok.token_to_id(t) for t in tokens]
+        """A spelling's id (None if the vocabulary has no such token), or a list of them."""
+        one = isinstance(tokens, str)
+        try:
+            spellings = [tokens] if one else list(tokens)
+        except TypeError:
+            spellings = None
+        if spellings is None or not all(isinstance(t, str) for t in spellings):
+            raise UsageError(f"convert_tokens_to_ids takes a token's spelling or a list of them, got {shown(tokens)}")
+        ids = [self._tok.tok.token_to_id(t) for t in spellings]
+        return ids[0] if one else ids
 
     def get_vocab(self) -> dict[str, int]:
         return self._tok.tok.get_vocab(with_added_tokens=True)
