@@ -765,6 +765,11 @@ def test_a_top_level_mask_token_id_is_read():
     from treeflash.config import DraftConfig
     data = {**TINY_DRAFT, "mask_token_id": 5, "dflash_config": {"target_layer_ids": [1, 2]}}
     assert DraftConfig.from_dict(data).mask_token_id == 5
+    with pytest.raises(TreeflashError, match="lacks dflash_config.mask_token_id"):
+        DraftConfig.from_dict({**TINY_DRAFT, "dflash_config": {"target_layer_ids": [1, 2]}})
+    for wrong in (5.0, "5", True):  # present, of the wrong type: not "lacks" it
+        with pytest.raises(TreeflashError, match=r"mask_token_id must be a token id \(an integer\), got"):
+            DraftConfig.from_dict({**TINY_DRAFT, "dflash_config": {"mask_token_id": wrong, "target_layer_ids": [1, 2]}})
 
 
 def test_default_taps_are_dflashs():
