@@ -544,9 +544,14 @@ def test_bad_inputs(target, data_dir, tmp_path, capsys):
         with pytest.raises(TreeflashError, match=what) as e:
             train_target(data_dir, damaged, shape=TINY, opts=opts, resume=True)
         assert "\n" not in str(e.value)
-    for field, value in (("step", "five"), ("history", None)):  # values of the wrong type
+    # values of the wrong type; an elapsed time of NaN never reached a --max-minutes budget (it trained on)
+    for field, value in (("step", "five"), ("history", None), ("elapsed", float("nan")), ("elapsed", -5.0)):
         torch.save({**state, field: value}, damaged / "state.pt")
         with pytest.raises(TreeflashError, match="is damaged: its step, elapsed time or loss history"):
+            train_target(data_dir, damaged, shape=TINY, opts=opts, resume=True)
+    for metrics in ({}, None, {"eval_loss": "low"}):  # a KeyError at the end of the run, before
+        torch.save({**state, "best_model": {"w": torch.zeros(1)}, "best_metrics": metrics}, damaged / "state.pt")
+        with pytest.raises(TreeflashError, match="is damaged: its best model's metrics"):
             train_target(data_dir, damaged, shape=TINY, opts=opts, resume=True)
     for field, value in (("loss_sum", "1.5"), ("loss_steps", -1)):
         torch.save({**state, field: value}, damaged / "state.pt")
@@ -1072,6 +1077,14 @@ def test_a_drafter_gamma_of_zero_is_refused(target, data_dir, tmp_path):
         train_drafter(base / "model", data_dir, tmp_path / "run", None, DrafterShape(block_size=4),
                       TrainOptions(max_steps=1, **OPTS), gamma=0.0, tau_prompts=0)
     assert not (tmp_path / "run" / "run.json").exists()
+    # values of the wrong type (a hand-edited run.json's among them): named, not an internal TypeError
+    for key, value, what in (("gamma", "x", "--gamma must be a number"),
+                             ("blocks_per_seq", 2.5, "--blocks-per-seq must be an integer"),
+                             ("tau_prompts", "3", "--tau-prompts must be an integer"),
+                             ("tau_new_tokens", True, "--tau-new-tokens must be an integer")):
+        with pytest.raises(UsageError, match=what):
+            train_drafter(base / "model", data_dir, tmp_path / "run", None, DrafterShape(block_size=4),
+                          TrainOptions(max_steps=1, **OPTS), **{"tau_prompts": 0, key: value})
 
 
 # ----------------------------------------------------------------------------- the training loop (cases a mutation review found untested)

@@ -514,7 +514,8 @@ class Trainer:
                                  f"({str(e).splitlines()[0]})") from None
         step, elapsed, history = state["step"], state["elapsed"], state["history"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 0 or \
-                not isinstance(elapsed, (int, float)) or not isinstance(history, list) or \
+                isinstance(elapsed, bool) or not isinstance(elapsed, (int, float)) or \
+                not 0 <= elapsed < math.inf or not isinstance(history, list) or \
                 not all(isinstance(r, dict) and isinstance(r.get("step"), int) for r in history):
             raise TreeflashError(f"training state {self.run.state_path} is damaged: its step, elapsed time or "
                                  f"loss history is not what `_save` writes")
@@ -528,6 +529,10 @@ class Trainer:
                                      f"what `_save` writes")
             self.loss_sum, self.loss_steps = loss_sum.reshape(()), loss_steps
         self.best = (state["best_metrics"], state["best_model"]) if state.get("best_model") else None
+        if self.best is not None and not (isinstance(self.best[0], dict) and isinstance(
+                self.best[0].get("eval_loss"), (int, float)) and isinstance(self.best[1], dict)):
+            raise TreeflashError(f"training state {self.run.state_path} is damaged: its best model's metrics are "
+                                 f"not what `_save` writes")
 
     def _save(self) -> None:
         self.run.save_state({

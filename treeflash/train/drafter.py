@@ -449,6 +449,11 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
     check_shard_mb(o["max_shard_mb"])
     generated, gamma, blocks_per_seq = o["generated"], o["gamma"], o["blocks_per_seq"]
     tau_prompts, tau_new_tokens = o["tau_prompts"], o["tau_new_tokens"]
+    for key, value in (("gamma", gamma), ("blocks_per_seq", blocks_per_seq), ("tau_prompts", tau_prompts),
+                       ("tau_new_tokens", tau_new_tokens)):  # types first: a hand-edited run.json holds anything
+        kind = (int, float) if key == "gamma" else int
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise UsageError(f"{flag(key)} must be {'a number' if key == 'gamma' else 'an integer'}, got {value!r}")
     if not 0 <= tau_prompts <= MAX_TAU_PROMPTS:
         raise UsageError(f"--tau-prompts must be from 0 to {MAX_TAU_PROMPTS} (0: skip the measure), got {tau_prompts}")
     if tau_new_tokens < 1:
