@@ -581,7 +581,8 @@ def test_time_wall_runs_rounds_back_to_back_one_behind(monkeypatch):
 def test_out_may_not_overwrite_an_input(tmp_path, capsys):
     """--out is opened (emptied) before the run: a path that is the prompt file or lies
     in the model's folder is refused, and the file is left as it was (a model's
-    config.json was emptied so)."""
+    config.json was emptied so); --plot alike (a prompt file named .png was replaced by
+    the plot)."""
     import shutil
     from treeflash.engine.options import builtin_paths
     model = tmp_path / "target"
@@ -592,11 +593,25 @@ def test_out_may_not_overwrite_an_input(tmp_path, capsys):
     common = ["bench", "--methods", "ar", "--batch-sizes", "1", "--graphs", "off", "--max-new-tokens", "2",
               "--temperatures", "0", "--device", "cpu"]
     for argv, where in ((["--model", str(model), "--num-prompts", "1", "--out", str(model / "config.json")],
-                         "inside"), (["--prompt-file", str(prompts), "--out", str(prompts)], "an input")):
+                         "inside"), (["--prompt-file", str(prompts), "--out", str(prompts)], "an input"),
+                        (["--model", str(model), "--num-prompts", "1", "--plot", str(model / "p.png")], "inside"),
+                        (["--prompt-file", str(prompts.with_suffix(".png")), "--plot", str(prompts.with_suffix(".png"))],
+                         "an input")):
+        prompts.with_suffix(".png").write_text("def f(x):\n")
         assert main([*common, *argv]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and where in err and "choose another path" in err, err
     assert (model / "config.json").read_text() == config and prompts.read_text() == "def f(x):\n"
+    assert prompts.with_suffix(".png").read_text() == "def f(x):\n" and not (model / "p.png").exists()
+
+
+@pytest.mark.parametrize("option", ["--prompt-file", "--corpus", "--budgets", "--batch-sizes", "--graphs",
+                                    "--temperatures", "--out", "--plot"])
+def test_an_empty_option_is_refused(option, capsys):
+    """An empty value was taken as the option left out: its default, or no file read or written."""
+    assert main(["bench", "--methods", "ar", "--device", "cpu", option, ""]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"treeflash: error: {option} is empty: give a value, or leave the option out", err
 
 
 # ----------------------------------------------------------------------------- rows and tables (cases a mutation review found untested)
@@ -817,6 +832,7 @@ def test_a_pair_rows_run_fields():
                 "--max-new-tokens", "9", "--eos", "--seed", "7", "--regex", "a+")
     assert [given[f] for f in fields] == ["cpu", "bfloat16", "fp8", "/m/target", "/m/drafter", "scaled", 9, True, 7,
                                           "regex"]
+    assert row("ar", None, "--eos", "--regex", "")["constraint"] == "regex"  # the empty text: a constraint too
 
 
 def test_rows_are_on_disk_as_soon_as_they_are_measured(tmp_path):

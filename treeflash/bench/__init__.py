@@ -127,7 +127,14 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+NONEMPTY = ("prompt_file", "corpus", "budgets", "batch_sizes", "graphs", "temperatures", "out", "plot")
+
+
 def cmd_bench(args) -> int:
+    for dest in NONEMPTY:  # an empty value was taken as the option left out: its default, or no file
+        value = getattr(args, dest, None)
+        if isinstance(value, str) and not value.strip():
+            raise UsageError(f"--{dest.replace('_', '-')} is empty: give a value, or leave the option out")
     settle_mode_options(args)
     return bench_shape(args) if args.shape is not None else bench_pairs(args)
 

@@ -168,7 +168,7 @@ def pair_row(llm, budget: int | None, key: tuple, m: dict, ar: tuple | None, arg
             "draft_model": args.draft_model or ("built-in" if llm.drafter is not None else None),
             "draft_mode": llm.decoder.draft_mode if llm.method != "ar" else None,
             "max_new_tokens": args.max_new_tokens, "eos": args.eos, "seed": args.seed,
-            "constraint": next((name for name in STRUCTURED if getattr(args, name)), None)}
+            "constraint": next((name for name in STRUCTURED if getattr(args, name) not in (None, False)), None)}
 
 
 PAIR_COLUMNS = [("method", "label", "{}"), ("graphs", "graphs", "onoff"), ("bs", "batch_size", "{}"),
@@ -227,16 +227,20 @@ def _pair_plan(args) -> PairPlan:
             not Tokenizer(args.corpus).same_vocabulary(Tokenizer(model_dir)):  # before the model loads
         raise UsageError(f"the corpus in {args.corpus} was tokenized with another tokenizer than the model's: "
                          f"its prompts would be other text to it")
-    check_plot_path(args.plot, args.out)
+    check_plot_path(args.plot, args.out, run_inputs(args, model_dir))
     graphs = usable_graphs(graphs, resolve_device(args.device))
     return PairPlan(methods, budgets, batch_sizes, temperatures, graphs, prompts, model_dir, draft_mode)
+
+
+def run_inputs(args, model_dir) -> list:
+    """The files and folders a model-pair run reads, which --out and --plot must not replace."""
+    return [i for i in (args.prompt_file, args.corpus, model_dir, args.draft_model or builtin_paths()[1]) if i]
 
 
 def bench_pairs(args) -> int:
     plan = _pair_plan(args)
     prompts, methods = [p for p, _ in plan.prompts], plan.methods
-    inputs = [args.prompt_file, args.corpus, plan.model_dir, args.draft_model or builtin_paths()[1]]
-    out = open_out(args.out, inputs=[i for i in inputs if i])
+    out = open_out(args.out, inputs=run_inputs(args, plan.model_dir))
 
     # A speculative method, if any is asked for, so that the built-in model brings its drafter.
     base = LLM(args.model, draft_model=args.draft_model, method=next((m for m in methods if m != "ar"), "ar"),

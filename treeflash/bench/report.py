@@ -81,16 +81,21 @@ def open_out(path: str | None, inputs=()) -> RowsFile | None:
     if path == "-" or Path(path).exists() and not Path(path).is_file() or _standard_stream(path):
         raise UsageError(f"--out {path} is not a file of its own: the rows go to a file, emptied when the first "
                          f"comes (standard output has the table)")
-    target = Path(path).resolve()
-    for given in inputs:
-        source = Path(given).resolve()
-        if target == source or source in target.parents:
-            raise UsageError(f"--out {path} is {'an input' if target == source else f'inside {given}'}, "
-                             f"which this run reads: choose another path")
+    check_not_an_input("--out", path, inputs)
     try:
         return RowsFile(path)
     except OSError as e:
         raise TreeflashError(f"cannot write {path}: {e.strerror}") from None
+
+
+def check_not_an_input(option: str, path: str, inputs) -> None:
+    """Refuse an output path that is one of the run's `inputs` (files, or folders it lies in)."""
+    target = Path(path).resolve()
+    for given in inputs:
+        source = Path(given).resolve()
+        if target == source or source in target.parents:
+            raise UsageError(f"{option} {path} is {'an input' if target == source else f'inside {given}'}, "
+                             f"which this run reads: choose another path")
 
 
 def _standard_stream(path: str) -> bool:
@@ -124,14 +129,16 @@ def close_out(out, path: str | None) -> None:
 PLOT_FORMATS = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp")  # matplotlib's
 
 
-def check_plot_path(path: str | None, out: str | None) -> None:
+def check_plot_path(path: str | None, out: str | None, inputs=()) -> None:
     """Refuse a --plot that cannot be written before the run, not after it: a folder, a
     name matplotlib would add .png to or cannot write, an unwritable folder, no matplotlib,
-    or --out's file (the plot would replace the rows)."""
+    --out's file (the plot would replace the rows) or one of the run's `inputs` (a prompt
+    file was replaced by the plot)."""
     if not path:
         return
     if out and Path(path).resolve() == Path(out).resolve():
         raise UsageError(f"--plot and --out are the same file {path}: the plot would replace the rows")
+    check_not_an_input("--plot", path, inputs)
     if Path(path).is_dir():
         raise UsageError(f"--plot {path} is a folder: give a file name ending in .png, .svg or .pdf")
     if Path(path).suffix.lower() not in PLOT_FORMATS:
