@@ -1783,6 +1783,18 @@ def test_a_jsonl_text_holding_a_nul_is_skipped(tmp_path):
     assert c.train == ["plain text"] and c.stats["skipped"] == 1
 
 
+def test_text_that_utf8_cannot_write_is_skipped(tmp_path):
+    """A .jsonl text holding a lone surrogate (JSON's "\\ud800", common in scraped data) is
+    not text: skipped, as a file that is not UTF-8 is; a file name of undecodable bytes
+    is read like any other. Both stopped the whole corpus, telling to set PYTHONIOENCODING."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "d.jsonl").write_text(json.dumps({"text": "plain text"}) + "\n" + '{"text": "cut \\ud800 in two"}\n')
+    (src / os.fsdecode(b"m\xfe.jsonl")).write_text(json.dumps({"text": "odd name"}) + "\n")
+    c = collect([src], heldout_fraction=0, suffixes=(".jsonl",))
+    assert sorted(c.train) == ["odd name", "plain text"] and c.stats["skipped"] == 1
+
+
 def test_a_cap_stops_at_the_first_file_past_it(tmp_path):
     """Reading stops at the first file that would pass max_bytes: a smaller file after it,
     which would still fit, is not taken (the corpus is a prefix of the read order)."""

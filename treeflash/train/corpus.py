@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from treeflash.errors import TreeflashError, UsageError
+from treeflash.errors import TreeflashError, UsageError, is_text
 from treeflash.files import model_folder
 from treeflash.train.common import Progress, check_out_dir, refuse_model_folder, to_device, within
 
@@ -96,7 +96,7 @@ def _list_files(roots: list[Path], suffixes: tuple[str, ...] = (".py",)) -> list
                 if not name.endswith(suffixes) or not path.is_file():  # a FIFO or device would block the read
                     continue
                 rel = path.relative_to(root).as_posix()
-                h = hashlib.sha1(rel.encode()).digest()
+                h = hashlib.sha1(rel.encode("utf-8", "surrogateescape")).digest()  # (a name of undecodable bytes)
                 entries.append((i, h[8:16], rel, path, int.from_bytes(h[:8], "big") / 2 ** 64))
     entries.sort(key=lambda e: e[:3])
     return entries
@@ -135,8 +135,9 @@ def _documents(path: Path, rel: str, split_key: float):
                     text = None
                 if not isinstance(text, str):
                     raise UsageError(f"{path}:{i}: a .jsonl corpus line must be an object with a string 'text'")
-                h = hashlib.sha1(f"{rel}:{i}".encode()).digest()
-                yield (text if text.strip() and "\x00" not in text else None), int.from_bytes(h[:8], "big") / 2 ** 64
+                h = hashlib.sha1(f"{rel}:{i}".encode("utf-8", "surrogateescape")).digest()
+                usable = text.strip() and "\x00" not in text and is_text(text)  # (JSON may hold a lone surrogate)
+                yield (text if usable else None), int.from_bytes(h[:8], "big") / 2 ** 64
     except UnicodeDecodeError:
         raise UsageError(f"{path} is not UTF-8 text") from None
     except OSError as e:
