@@ -567,6 +567,13 @@ def test_bad_inputs(target, data_dir, tmp_path, capsys):
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(UsageError, match="not a folder"):
         train_target(data_dir, tmp_path / "run-file", tmp_path / "a-file", TINY, opts)
+    # an empty --out was the current folder (a tokenizer written there, an export renamed over it)
+    for argv in (["tokenizer", "--out", "", "--roots", str(data_dir.parent / "src")],
+                 ["corpus", "--tokenizer", str(data_dir), "--out", "", "--roots", str(data_dir.parent / "src")]):
+        assert cli_main(argv) == 2
+        assert capsys.readouterr().err.strip() == "treeflash: error: --out is empty: give a path"
+    with pytest.raises(UsageError, match="--out is empty"):
+        train_target(data_dir, tmp_path / "run-empty-out", "", TINY, opts)
     assert cli_main(["drafter", "--target", str(tmp_path / "no-target"), "--data", str(data_dir),
                      "--run", str(tmp_path / "r"), "--max-steps", "1"]) == 2
     err = capsys.readouterr().err.strip()

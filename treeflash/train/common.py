@@ -208,8 +208,11 @@ def make_optimizer(model: nn.Module, opts: TrainOptions, device: torch.device) -
                              fused=device.type == "cuda")
 
 
-def abs_path(path: str | Path | None) -> str | None:
-    """A path as run.json keeps it: absolute, so a resume from another folder finds it."""
+def abs_path(path: str | Path | None, option: str) -> str | None:
+    """A path as run.json keeps it: absolute, so a resume from another folder finds it
+    (`option` names it if it is empty: Path("") is the current folder, never what was meant)."""
+    if path is not None and not str(path).strip():
+        raise UsageError(f"{option} is empty: give a path")
     return None if path is None else str(Path(path).resolve())
 
 
@@ -226,6 +229,8 @@ def check_out_dir(path: str | Path | None, keep: dict[str, str | Path] | None = 
     run folder (`run`; a folder inside it, such as the default RUN/model, is fine)."""
     if path is None:
         return
+    if not str(path).strip():  # Path("") is the current folder: never what was meant
+        raise UsageError("--out is empty: give a path")
     out = Path(path).resolve()
     for what, folder in (keep or {}).items():
         folder = Path(folder).resolve()

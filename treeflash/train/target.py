@@ -147,7 +147,7 @@ def train_target(data_dir: str | Path, run_dir: str | Path, out_dir: str | Path 
     or the resumed run's values (see `RunDir`). Returns the summary (also in
     `<run_dir>/summary.json`)."""
     run = RunDir(run_dir, resume, "target")
-    o = run.settle_options({**asdict(opts or TrainOptions()), "dtype": dtype, "out": abs_path(out_dir),
+    o = run.settle_options({**asdict(opts or TrainOptions()), "dtype": dtype, "out": abs_path(out_dir, "--out"),
                             "max_shard_mb": max_shard_mb}, {**DEFAULT_OPTIONS, "dtype": "bfloat16"})
     opts, dtype, max_shard_mb = TrainOptions.of(o).validate(), o["dtype"], o["max_shard_mb"]
     check_shard_mb(max_shard_mb)
