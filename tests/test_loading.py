@@ -431,12 +431,12 @@ def test_drafter_logit_and_embedding_scales_are_read_or_refused(drafter_dict):
     # DeepSeek's YaRN attention scale, which the engine does not apply: refused, not ignored
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0.7}),
      "mscale"),
-    # YaRN's context (original x factor): past int positions it overflowed (OverflowError, before); a factor
-    # below 1 or a fractional original context loaded and served a shrunk or truncated context
+    # YaRN's context (original x factor): past int positions it overflowed (OverflowError, before); one of no
+    # position loaded and refused every prompt; a fractional original context was truncated
     (dict(rope_scaling={"rope_type": "yarn", "factor": 1e308, "original_max_position_embeddings": 64}),
-     "below 2^31 positions"),
+     "from 2 to 2^31 - 1 positions"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 1e-5, "original_max_position_embeddings": 64}),
-     "factor must be >= 1"),
+     "from 2 to 2^31 - 1 positions"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 100.7}),
      "'original_max_position_embeddings' must be a positive integer"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1, "high_freq_factor": 4,

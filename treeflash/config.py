@@ -129,12 +129,9 @@ def _yarn(scaling: dict, where: str) -> dict:
     for key in ("factor", "beta_fast", "beta_slow", "attention_factor"):
         if scaling.get(key) is not None:
             _number(scaling[key], f"rope scaling {key}", where)
-    if scaling["factor"] < 1:  # (transformers warns; a factor below 1 would shrink the context)
-        raise TreeflashError(f"{where}: yarn rope scaling factor must be >= 1 (it stretches the context), "
-                             f"got {scaling['factor']!r}")
-    if scaling["original_max_position_embeddings"] * scaling["factor"] >= 2 ** 31:
+    if not 2 <= scaling["original_max_position_embeddings"] * scaling["factor"] < 2 ** 31:
         raise TreeflashError(f"{where}: yarn rope scaling's original_max_position_embeddings x factor is the "
-                             f"context served, and must be below 2^31 positions, got "
+                             f"context served, and must be from 2 to 2^31 - 1 positions, got "
                              f"{scaling['original_max_position_embeddings']} x {scaling['factor']:g}")
     if scaling.get("mscale") or scaling.get("mscale_all_dim"):
         raise TreeflashError(f"{where}: yarn rope scaling with mscale (DeepSeek's) is not supported")
