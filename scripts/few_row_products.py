@@ -100,7 +100,8 @@ def cell(x, w, gated: bool, tiling, launches: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", choices=["builtin", *SHAPES], default="builtin")
+    dense = [name for name, cfg in SHAPES.items() if not cfg.num_experts]  # (an MoE's MLP is its experts)
+    ap.add_argument("--shape", choices=["builtin", *dense], default="builtin")
     ap.add_argument("--rows", default="16,32,64", help="rows of the products (at most 64)")
     ap.add_argument("--launches", type=int, default=40, help="launches per graph")
     args = ap.parse_args()

@@ -440,7 +440,7 @@ def test_drafter_logit_and_embedding_scales_are_read_or_refused(drafter_dict):
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 100.7}),
      "'original_max_position_embeddings' must be a positive integer"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1, "high_freq_factor": 4,
-                        "original_max_position_embeddings": 0}),
+                        "original_max_position_embeddings": 8192.5}),
      "'original_max_position_embeddings' must be a positive integer"),
 ])
 def test_bad_target_config_values(hf_checkpoint, clone_checkpoint, changes, field):

@@ -549,7 +549,7 @@ def test_bad_inputs(target, data_dir, tmp_path, capsys):
         torch.save({**state, field: value}, damaged / "state.pt")
         with pytest.raises(TreeflashError, match="is damaged: its step, elapsed time or loss history"):
             train_target(data_dir, damaged, shape=TINY, opts=opts, resume=True)
-    for metrics in ({}, None, {"eval_loss": "low"}):  # a KeyError at the end of the run, before
+    for metrics in ({}, None, {"eval_loss": "low"}, {"eval_loss": 1.0}):  # a KeyError at the end of the run, before
         torch.save({**state, "best_model": {"w": torch.zeros(1)}, "best_metrics": metrics}, damaged / "state.pt")
         with pytest.raises(TreeflashError, match="is damaged: its best model's metrics"):
             train_target(data_dir, damaged, shape=TINY, opts=opts, resume=True)
@@ -574,6 +574,8 @@ def test_bad_inputs(target, data_dir, tmp_path, capsys):
         assert capsys.readouterr().err.strip() == "treeflash: error: --out is empty: give a path"
     with pytest.raises(UsageError, match="--out is empty"):
         train_target(data_dir, tmp_path / "run-empty-out", "", TINY, opts)
+    with pytest.raises(UsageError, match="--generated is empty"):  # (it was the current folder)
+        train_drafter(base / "model", data_dir, tmp_path / "run-empty-gen", opts=opts, generated="")
     assert cli_main(["drafter", "--target", str(tmp_path / "no-target"), "--data", str(data_dir),
                      "--run", str(tmp_path / "r"), "--max-steps", "1"]) == 2
     err = capsys.readouterr().err.strip()

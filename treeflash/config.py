@@ -588,7 +588,7 @@ class DraftConfig:
         if mask is None:
             raise TreeflashError(f"{where} lacks dflash_config.mask_token_id")
         if not isinstance(mask, int) or isinstance(mask, bool):
-            raise TreeflashError(f"{where}: dflash_config.mask_token_id must be a token id (an integer), got {mask!r}")
+            raise TreeflashError(f"{where}: mask_token_id must be a token id (an integer), got {mask!r}")
         num_target = data.get("num_target_layers")
         if num_target is not None:
             num_target = _require(data, "num_target_layers", where)

@@ -73,7 +73,8 @@ def _token_callback(on_tokens):
     return lambda i, ids, _: on_tokens(i, ids)
 
 
-def _sampling_params(p) -> SamplingParams:
+def _checked_sampling_params(p) -> SamplingParams:
+    """p, if it is SamplingParams (a dict or a string is a one-line error, not an AttributeError)."""
     if not isinstance(p, SamplingParams):
         raise UsageError(f"sampling parameters must be SamplingParams, got {type(p).__name__}")
     return p
@@ -471,12 +472,12 @@ class LLM:
 
     def check_sampling(self, p: SamplingParams) -> None:
         """Raise UsageError (one line) if p does not fit this model (see `RequestRules`)."""
-        self.rules.check(_sampling_params(p))
+        self.rules.check(_checked_sampling_params(p))
 
     def would_compile(self, p: SamplingParams) -> bool:
         """Whether checking p compiles its structured output (seconds at times): one not
         compiled, nor refused, yet."""
-        _sampling_params(p)
+        _checked_sampling_params(p)
         return p.structured_outputs is not None and not self.rules.automata.known(p.structured_outputs)
 
     def default_sampling_params(self) -> SamplingParams:
@@ -636,7 +637,7 @@ class LLM:
         if not prompts:
             return []
         last = None  # the parameters checked last: the n choices of a request differ only in their seeds
-        for p in map(_sampling_params, params):
+        for p in map(_checked_sampling_params, params):
             if last is None or not _same_but_seed(p, last):
                 self.check_sampling(p)
                 last = p

@@ -174,7 +174,7 @@ class RequestRules:
         if p.structured_outputs is not None and not held:
             raise UsageError("structured outputs need an end token: this model has no EOS, give stop_token_ids")
         if (automaton := self.automaton(p)) is not None:
-            automaton.check(held, sequences, bans)
+            automaton.check(held, sequences, bans, param)
 
     def automaton(self, p: SamplingParams) -> TokenAutomaton | None:
         """p's structured output as a token automaton (None without one), compiled once

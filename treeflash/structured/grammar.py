@@ -175,15 +175,16 @@ class TokenAutomaton:
         """Its host table and the device table kept with it."""
         return self.next.nbytes + sum(t.numel() * t.element_size() for t in list(self._tables.values()))
 
-    def check(self, end_ids, sequences, bans: str = "bad_words ban") -> None:
+    def check(self, end_ids, sequences, bans: str = "bad_words ban", param: str = "bad_words") -> None:
         """Raise UsageError (one line) if a request's end tokens and bad words leave the
         text no way to be finished from its start, or from some point it can reach
-        (`bans`: the error's subject, which names where the bans came from)."""
+        (`bans`: the error's subject, which names where the bans came from, and `param` the
+        request field)."""
         V = self.next.shape[1]
         ends = [e for e in end_ids if e < V and (self.next[:, e] >= 0).any()]  # also text: no longer
-        self.check_bans(sequences, with_ends(self, ends, V) if ends else self.next, bans)
+        self.check_bans(sequences, with_ends(self, ends, V) if ends else self.next, bans, param)
 
-    def check_bans(self, sequences, table: np.ndarray, bans: str = "bad_words ban") -> None:
+    def check_bans(self, sequences, table: np.ndarray, bans: str = "bad_words ban", param: str = "bad_words") -> None:
         """Raise UsageError if bad words (token sequences: the last token is banned where
         the output ends with the others) let the text reach a point from which it can no
         longer be finished: there no token would be allowed, and the output would break
@@ -240,8 +241,7 @@ class TokenAutomaton:
         ends[:hub] = np.tile(self.accepting.astype(bool), M)
         live = searched(ends, to, frm, hub + S)
         if any(not live[n] for n in seen if n < hub):
-            raise UsageError(f"{bans} every way to finish the structured output from some point of it",
-                             param="bad_words" if bans.startswith("bad_words") else "logit_bias")
+            raise UsageError(f"{bans} every way to finish the structured output from some point of it", param=param)
 
     def table(self, end_ids, vocab_size: int, device) -> torch.Tensor:
         """`with_ends` on the device, kept (for the last end tokens asked): a request of a

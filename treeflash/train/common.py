@@ -535,7 +535,8 @@ class Trainer:
             self.loss_sum, self.loss_steps = loss_sum.reshape(()), loss_steps
         self.best = (state["best_metrics"], state["best_model"]) if state.get("best_model") else None
         if self.best is not None and not (isinstance(self.best[0], dict) and isinstance(
-                self.best[0].get("eval_loss"), (int, float)) and isinstance(self.best[1], dict)):
+                self.best[0].get("eval_loss"), (int, float)) and isinstance(self.best[0].get("best_step"), int)
+                                              and isinstance(self.best[1], dict)):
             raise TreeflashError(f"training state {self.run.state_path} is damaged: its best model's metrics are "
                                  f"not what `_save` writes")
 
