@@ -534,9 +534,10 @@ class Trainer:
                                      f"what `_save` writes")
             self.loss_sum, self.loss_steps = loss_sum.reshape(()), loss_steps
         self.best = (state["best_metrics"], state["best_model"]) if state.get("best_model") else None
-        if self.best is not None and not (isinstance(self.best[0], dict) and isinstance(
-                self.best[0].get("eval_loss"), (int, float)) and isinstance(self.best[0].get("best_step"), int)
-                                              and isinstance(self.best[1], dict)):
+        metrics, weights = self.best or ({}, {})
+        if self.best is not None and not (isinstance(metrics, dict) and isinstance(weights, dict)
+                                          and isinstance(metrics.get("eval_loss"), (int, float))
+                                          and isinstance(metrics.get("best_step"), int)):
             raise TreeflashError(f"training state {self.run.state_path} is damaged: its best model's metrics are "
                                  f"not what `_save` writes")
 
