@@ -386,14 +386,17 @@ def test_bad_inputs_exit_2_with_one_line(argv, message, capsys):
 
 
 def test_a_run_that_fails_before_its_first_row_keeps_the_earlier_results(tmp_path, capsys):
-    """--out is checked before the run but emptied only by the run's first row: results
-    of an earlier run survive a run that fails at the start (a prompt past the context)."""
+    """--out is checked before the run but emptied (or made) only by the run's first row:
+    results of an earlier run survive a run that fails at the start (a prompt past the
+    context), and a new path is left without a file (an empty one was left behind)."""
     out, prompts = tmp_path / "results.jsonl", tmp_path / "long.txt"
     out.write_text('{"earlier": 1}\n')
     prompts.write_text("x " * 5000 + "\n")
-    assert main(["bench", "--methods", "ar", "--prompt-file", str(prompts), "--num-prompts", "1", "--device", "cpu",
-                 "--out", str(out)]) == 2
-    assert "does not fit" in capsys.readouterr().err and out.read_text() == '{"earlier": 1}\n'
+    for path in (out, tmp_path / "new.jsonl"):
+        assert main(["bench", "--methods", "ar", "--prompt-file", str(prompts), "--num-prompts", "1",
+                     "--device", "cpu", "--out", str(path)]) == 2
+        assert "does not fit" in capsys.readouterr().err
+    assert out.read_text() == '{"earlier": 1}\n' and not (tmp_path / "new.jsonl").exists()
     assert main(["bench", "--shape", "tiny", "--contexts", "16", "--budgets", "0", "--iters", "1", "--device", "cpu",
                  "--copy-mib", "8", "--temperatures", "-0", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]

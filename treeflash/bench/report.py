@@ -53,23 +53,27 @@ def print_ratios(rows: list[dict]) -> None:
 
 
 class RowsFile:
-    """--out, opened before the (long) run, so a bad path fails at once, but emptied only
-    when the first row comes: a run that fails before measuring anything leaves the
-    results of an earlier run as they were. Rows are written as they are measured, so
-    an interrupted GPU run keeps what it measured."""
+    """--out, checked before the (long) run, so a bad path fails at once, but emptied (or
+    made) only when the first row comes: a run that fails before measuring anything
+    leaves the results of an earlier run as they were, and no new empty file. Rows are
+    written as they are measured, so an interrupted GPU run keeps what it measured."""
 
     def __init__(self, path: str):
-        self.file, self.rows = open(path, "a", encoding="utf-8"), 0
+        self.path, self.file = path, None
+        if Path(path).exists():
+            open(path, "a", encoding="utf-8").close()  # writable, and left as it is
+        else:
+            probe_write(Path(path).resolve().parent)
 
     def write(self, row: dict) -> None:
-        if not self.rows:
-            self.file.truncate(0)
+        if self.file is None:
+            self.file = open(self.path, "w", encoding="utf-8")
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        self.rows += 1
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
 
 
 def open_out(path: str | None, inputs=()) -> RowsFile | None:
@@ -123,7 +127,8 @@ def emit(out: RowsFile | None, row: dict) -> None:
 def close_out(out, path: str | None) -> None:
     if out is not None:
         out.close()
-        print(f"wrote {path}", file=sys.stderr)
+        if out.file is not None:
+            print(f"wrote {path}", file=sys.stderr)
 
 
 PLOT_FORMATS = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff", ".webp")  # matplotlib's
