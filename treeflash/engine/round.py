@@ -129,8 +129,7 @@ class SpeculativeDecoder:
         request). Counted per request for T = budget + 1 tokens: the T x T ancestor
         matrix and the copy it is built from (bool), the reference attention's T x
         max_len mask (bool, and the one SDPA makes of it in the query's dtype, counted at 4
-        bytes: 5 an entry), and
-        this rank's T rows of logits; where a sampled batch
+        bytes: 5 an entry), and this rank's T rows of logits; where a sampled batch
         samples on the torch path (not CUDA's fused kernels), SAMPLER_COPIES more of them
         in float32 (the noisy copy, its noise, the pick between it and the greedy rows;
         top-p's sort of the vocabulary adds about 2.5 more, uncounted). It bites only far

@@ -20,19 +20,26 @@ UNSUPPORTED = {"return_tensors": None, "return_dict": False, "padding": False, "
                "max_length": None, "return_assistant_tokens_mask": False, "tokenizer_kwargs": None}
 
 
+def _one_or_many(values, is_one, fits) -> tuple[list, bool] | None:
+    """(values as a list, whether one was given), as transformers takes them: one item or
+    any iterable of items; None if that is not what they are or an item does not `fits`."""
+    one = is_one(values)
+    try:
+        items = [values] if one else list(values)
+    except TypeError:
+        return None
+    return (items, one) if all(map(fits, items)) else None
+
+
 def _token_ids(token_ids, what: str) -> tuple[list[int], bool]:
     """Ids as transformers takes them (one, a list, a tensor or an array of them), checked,
     and whether one was given."""
-    ids = token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids
-    one = isinstance(ids, numbers.Integral)
-    try:
-        ids = [ids] if one else list(ids)
-    except TypeError:
-        ids = None
-    if ids is None or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < 2 ** 32
-                              for i in ids):
+    got = _one_or_many(token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids,
+                       lambda v: isinstance(v, numbers.Integral),
+                       lambda i: isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < 2 ** 32)
+    if got is None:
         raise UsageError(f"{what} takes token ids (integers from 0 to 2^32 - 1), got {shown(token_ids)}")
-    return [int(i) for i in ids], one
+    return [int(i) for i in got[0]], got[1]
 
 
 class TokenizerView:
@@ -65,15 +72,11 @@ class TokenizerView:
 
     def convert_tokens_to_ids(self, tokens):
         """A spelling's id (None if the vocabulary has no such token), or a list of them."""
-        one = isinstance(tokens, str)
-        try:
-            spellings = [tokens] if one else list(tokens)
-        except TypeError:
-            spellings = None
-        if spellings is None or not all(isinstance(t, str) for t in spellings):
+        got = _one_or_many(tokens, lambda v: isinstance(v, str), lambda t: isinstance(t, str))
+        if got is None:
             raise UsageError(f"convert_tokens_to_ids takes a token's spelling or a list of them, got {shown(tokens)}")
-        ids = [self._tok.tok.token_to_id(t) for t in spellings]
-        return ids[0] if one else ids
+        ids = [self._tok.tok.token_to_id(t) for t in got[0]]
+        return ids[0] if got[1] else ids
 
     def get_vocab(self) -> dict[str, int]:
         return self._tok.tok.get_vocab(with_added_tokens=True)

@@ -229,9 +229,7 @@ def check_out_dir(path: str | Path | None, keep: dict[str, str | Path] | None = 
     run folder (`run`; a folder inside it, such as the default RUN/model, is fine)."""
     if path is None:
         return
-    if not str(path).strip():  # Path("") is the current folder: never what was meant
-        raise UsageError("--out is empty: give a path")
-    out = Path(path).resolve()
+    out = Path(abs_path(path, "--out"))
     for what, folder in (keep or {}).items():
         folder = Path(folder).resolve()
         if out == folder:

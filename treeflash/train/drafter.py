@@ -436,9 +436,9 @@ def train_drafter(target_dir: str | Path, data_dir: str | Path, run_dir: str | P
     blocks_given = blocks_per_seq is not None  # (the default is cut to fit without a word)
     if generated is not None and "generated" in run.saved_options and run.saved_options["generated"] is None:
         raise UsageError("--resume: this run trains on the corpus; --generated would change its training text")
-    generated = None if generated is None else generated_file(abs_path(generated, "--generated"))
-    o = run.settle_options({**asdict(opts or TrainOptions()), "generated": abs_path(generated, "--generated"),
-                            "gamma": gamma, "blocks_per_seq": blocks_per_seq, "dtype": dtype, "tau_prompts": tau_prompts,
+    generated = None if generated is None else str(generated_file(abs_path(generated, "--generated")))
+    o = run.settle_options({**asdict(opts or TrainOptions()), "generated": generated, "gamma": gamma,
+                            "blocks_per_seq": blocks_per_seq, "dtype": dtype, "tau_prompts": tau_prompts,
                             "tau_new_tokens": tau_new_tokens, "out": abs_path(out_dir, "--out"),
                             "max_shard_mb": max_shard_mb},
                            {**DEFAULT_OPTIONS, **DRAFTER_OPTIONS,  # default sequences fit the target's context
